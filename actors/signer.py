@@ -1,0 +1,33 @@
+"""SignerActor: holds the signing key and certificate chain, signs and archives batches.
+
+The key is parsed once, when the actor starts (a bad path or password fails there, with
+the cause). Ray restarts a crashed actor and re-runs its in-flight batch; signing and
+archiving are idempotent (same key in storage), so a retried batch ends signed once.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from pipeline.settings import Settings
+from pipeline.sign import load_signer
+from pipeline.stages import Batch, sign_stage
+from pipeline.state import RunState
+from pipeline.storage import open_store
+
+
+@ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1})
+class SignerActor:
+    def __init__(self, settings: Settings, run_id: str):
+        self.settings = settings
+        self.signer = load_signer(settings.signer_key, settings.signer_cert,
+                                  settings.signer_key_password, settings.signer_chain)
+        self.store = open_store(settings.store_url)
+        self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+
+    def sign(self, batch: Batch) -> Batch:
+        return sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
+                          self.store, self.state)
+
+    def ready(self) -> bool:
+        return True

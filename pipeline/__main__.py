@@ -1,0 +1,133 @@
+"""python -m pipeline: the commands. Run `python -m pipeline --help`.
+
+Every command reads the same settings (pipeline/settings.py, from environment variables);
+command-line flags override them. Commands that run the job print one JSON object as the
+last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.settings import DEFAULT_KEY_DIR, Settings
+
+log = logging.getLogger("pipeline")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=(
+        "Contract notes on Ray: trade dumps in, signed and e-mailed contract notes out. "
+        "Settings come from environment variables (CN_STORE, REDIS_URL, SMTP_URL, CN_SHARD_SIZE, "
+        "CN_WINDOW, CN_SIGNERS, CN_MAILERS, CN_SIGNER_KEY, CN_SIGNER_CERT, CN_OWNER_PASSWORD, ...; "
+        "see pipeline/settings.py); flags override them."))
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    s = sub.add_parser("synth", help="write synthetic clients.csv and trades.csv for a trade date")
+    s.add_argument("--date", required=True, type=_date)
+    s.add_argument("--accounts", required=True, type=int)
+    s.add_argument("--out", required=True, type=Path)
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)")
+    s.set_defaults(func=cmd_synth)
+
+    r = sub.add_parser("run", help="the real job: one trade date's dumps to delivered contract notes")
+    r.add_argument("--date", required=True, type=_date)
+    r.add_argument("--input", required=True, help="folder or s3://bucket/prefix holding clients.csv and trades.csv")
+    r.add_argument("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)")
+    r.add_argument("--redis", help="redis://host:port/db (default: REDIS_URL)")
+    r.add_argument("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)")
+    r.add_argument("--run-id", default="", help="a run id to resume: delivered accounts are skipped")
+    r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    r.set_defaults(func=cmd_run)
+
+    d = sub.add_parser("demo", help="the embedded default: synthesize a day and run it with local services")
+    d.add_argument("--accounts", type=int, default=500)
+    d.add_argument("--workdir", type=Path, default=Path("demo"))
+    d.add_argument("--date", type=_date, default=dt.date(2026, 11, 20))
+    d.add_argument("--seed", type=int, default=1)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def _date(text: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def cmd_synth(args) -> int:
+    from pipeline.synth import SynthOptions, write_dumps
+
+    clients, trades = write_dumps(args.out, SynthOptions(args.date, args.accounts, args.seed, args.volatile))
+    print(json.dumps({"clients": str(clients), "trades": str(trades), "accounts": args.accounts}))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from pipeline.driver import RunRequest, init_ray, run_day
+
+    settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
+                                                           smtp_url=args.smtp), DEFAULT_KEY_DIR)
+    init_ray(settings, args.address)
+    summary = run_day(settings, RunRequest(args.date.isoformat(), args.input, args.run_id))
+    print(json.dumps(summary))
+    return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_demo(args) -> int:
+    import ray
+
+    from pipeline.driver import RunRequest, init_ray, run_day
+    from pipeline.embedded import start_redis, start_smtp_sink
+    from pipeline.synth import SynthOptions, write_dumps
+
+    work = args.workdir.resolve()
+    write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
+    services = []
+    try:
+        services.append(start_redis(work / "redis"))
+        services.append(start_smtp_sink(work / "outbox", work / "smtp.log"))
+        settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
+                                     smtp_url=services[1].url,
+                                     signer_key=str(work / "keys" / "signer.key.pem"),
+                                     signer_cert=str(work / "keys" / "signer.cert.pem"),
+                                     signer_chain=str(work / "keys" / "root.cert.pem"))
+        _with_test_key_if_default(settings, work / "keys", force=True)
+        init_ray(settings)
+        summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))
+        summary["outbox"] = str(work / "outbox")
+        print(json.dumps(summary))
+        return 0 if summary["delivered"] == summary["accounts"] else 1
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for service in reversed(services):
+            service.stop()
+
+
+def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
+    """With no signing key configured, make a clearly labelled local test certificate once."""
+    from pipeline.sign import make_test_certificate
+
+    if (force or settings.uses_default_key()) and not Path(settings.signer_key).exists():
+        log.warning("no signing key configured: generating a LOCAL TEST certificate in %s "
+                    "(not valid for real contract notes; set CN_SIGNER_KEY/CN_SIGNER_CERT)", key_dir)
+        make_test_certificate(key_dir)
+    return settings
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The Ray fan-out: split, then per shard render -> sign+archive -> mail, through object refs.
+
+The driver holds shard ids and a bounded window of refs, never the day's data: a batch of
+PDFs goes from the render task to a signer actor to a mailer actor without coming here.
+What comes back is each shard's small tally. A shard whose chain fails for good has its
+unfinished accounts recorded as failed with the cause, so nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+from tqdm import tqdm
+
+from actors.mailer import MailerActor
+from actors.signer import SignerActor
+from pipeline import keys, report
+from pipeline.settings import Settings
+from pipeline.sign import load_signer
+from pipeline.split import SplitResult, split_day
+from pipeline.stages import Batch, broker, load_shard, render_stage
+from pipeline.state import Outcome, RunState
+from pipeline.storage import open_store
+
+log = logging.getLogger("pipeline.driver")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    trade_date: str
+    input_url: str
+    run_id: str = ""
+    only: frozenset[str] | None = None  # a targeted rerun: just these accounts
+    force: bool = False  # mail again even if the account was delivered
+
+
+def new_run_id(trade_date: str) -> str:
+    return f"{trade_date}-{uuid.uuid4().hex[:8]}"
+
+
+def init_ray(settings: Settings, address: str | None = None) -> None:
+    """Join a running cluster if one is named (RAY_ADDRESS), else start Ray on this machine,
+    declaring the same role resources a cluster's node types advertise."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": {"PYTHONPATH": ROOT}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        return
+    cores = os.cpu_count() or 1
+    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers, "smtp": settings.mailers},
+             include_dashboard=False, runtime_env=env, log_to_driver=False,
+             object_store_memory=512 * 1024 * 1024)
+
+
+@ray.remote(num_cpus=1, resources={"render": 1})
+def split_task(settings: Settings, run_id: str, trade_date: str, input_url: str) -> SplitResult:
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    return split_day(open_store(input_url), open_store(settings.store_url), state, run_id, trade_date,
+                     settings.shard_size, broker()["note_prefix"])
+
+
+@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
+                only: frozenset[str] | None) -> Batch:
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    accounts = load_shard(open_store(settings.store_url), run_id, shard)
+    return render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None)
+
+
+def run_day(settings: Settings, req: RunRequest) -> dict:
+    run_id = req.run_id or new_run_id(req.trade_date)
+    started = time.time()
+    store = open_store(settings.store_url)
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password, settings.signer_chain)
+    state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
+                 "finished": ""})
+    split = _split_once(settings, store, run_id, req)
+    tally = _fan_out(settings, run_id, req, split.shards)
+    elapsed = time.time() - started
+    state.update_meta(finished=time.time())
+    counts = state.counts()
+    summary = {
+        "run_id": run_id,
+        "trade_date": req.trade_date,
+        "accounts": split.accounts + split.rejected,
+        "delivered": counts["delivered"],
+        "delivered_now": tally["statuses"].get("ok", 0),
+        "failed": counts["failed"],
+        "rejected": split.rejected,
+        "physical": tally["statuses"].get("physical", 0),
+        "elapsed_s": round(elapsed, 3),
+        "notes_per_s": round(tally["notes"] / elapsed, 2) if elapsed > 0 else 0.0,
+        "cpu_ms_per_note": {k: round(v * 1000 / max(1, tally["notes"]), 2) for k, v in tally["cpu_s"].items()},
+    }
+    doc, rows = report.build(state, summary, split.input_errors)
+    summary["report"] = report.write(store, run_id, doc, rows)[0]
+    return summary
+
+
+def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> SplitResult:
+    """A run splits its input once; a rerun of the same run id reuses the shards (and so
+    the contract note numbers they carry)."""
+    manifest = keys.manifest_key(run_id)
+    if store.exists(manifest):
+        return SplitResult(**json.loads(store.get(manifest)))
+    split = ray.get(split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date, req.input_url))
+    store.put(manifest, json.dumps(split.__dict__).encode())
+    return split
+
+
+def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]) -> dict:
+    signers = [SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id)
+               for i in range(settings.signers)]
+    mailers = [MailerActor.options(name=f"mailer-{i}-{run_id}").remote(settings, run_id, req.force)
+               for i in range(settings.mailers)]
+    totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
+    pending: dict[ray.ObjectRef, int] = {}
+    queue = list(reversed(shards))
+    progress = tqdm(total=len(shards), unit="shard", desc=f"run {run_id}", file=sys.stderr,
+                    disable=None, smoothing=0.1)
+    try:
+        while queue or pending:
+            while queue and len(pending) < settings.window:
+                shard = queue.pop()
+                batch = render_task.options(name=f"render shard {shard}").remote(
+                    settings, run_id, req.trade_date, shard, req.only)
+                signed = signers[shard % len(signers)].sign.remote(batch)
+                pending[mailers[shard % len(mailers)].send.remote(signed)] = shard
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                shard = pending.pop(ref)
+                _add(totals, _result(ref, settings, run_id, shard))
+                progress.update(1)
+                progress.set_postfix(notes=totals["notes"])
+    finally:
+        progress.close()
+        for actor in signers + mailers:
+            ray.kill(actor)
+    return totals
+
+
+def _result(ref, settings: Settings, run_id: str, shard: int) -> dict:
+    try:
+        return ray.get(ref)
+    except Exception as e:  # the chain failed after Ray's retries: say so for each account
+        log.error("shard %s failed: %s", shard, e)
+        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str) -> dict:
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
+    records = state.accounts(uccs)
+    unfinished = [u for u in uccs if records.get(u, {}).get("stage") != "delivered"]
+    state.record(Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}") for u in unfinished)
+    return {"tally": {"failed": len(unfinished)}, "cpu_s": {}, "notes": len(unfinished)}
+
+
+def _add(totals: dict, result: dict) -> None:
+    totals["notes"] += result["notes"]
+    for k, v in result["tally"].items():
+        totals["statuses"][k] = totals["statuses"].get(k, 0) + v
+    for k, v in result["cpu_s"].items():
+        totals["cpu_s"][k] = totals["cpu_s"].get(k, 0.0) + v

@@ -1,0 +1,176 @@
+"""Parse and validate the exchange dumps, one row at a time.
+
+A bad row raises RowError naming the file, the row number (1 = first data row after the
+header) and the field, so the account can be rejected and reported while the run goes on.
+Order and trade numbers stay strings: they are identifiers, and leading zeros matter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+
+CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
+TRADE_FIELDS = [
+    "trade_date", "exchange", "segment", "settlement_no", "ucc", "order_no", "order_time",
+    "trade_no", "trade_time", "symbol", "isin", "instrument", "expiry", "strike",
+    "option_type", "side", "quantity", "price", "product", "status",
+]
+
+PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]$")
+UCC = re.compile(r"^[A-Za-z0-9]{1,10}$")
+EMAIL = re.compile(r"^[^@\s<>,;\"\r\n]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+NUMBER16 = re.compile(r"^[0-9]{16}$")
+TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]$")
+INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}}
+PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}}
+STATUSES = {"11", "12", "13"}
+
+
+class RowError(ValueError):
+    def __init__(self, file: str, row: int, field: str, problem: str, ucc: str = ""):
+        super().__init__(f"{file} row {row} field {field!r}: {problem}")
+        self.file, self.row, self.field, self.problem, self.ucc = file, row, field, problem, ucc
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "row": self.row, "field": self.field, "error": self.problem, "ucc": self.ucc}
+
+
+@dataclass(frozen=True)
+class Client:
+    ucc: str
+    name: str
+    pan: str
+    email: str
+    address: str
+    state: str
+    gst_state_code: str
+    ecn_opt_in: bool
+
+
+@dataclass(frozen=True)
+class Trade:
+    trade_date: str
+    exchange: str
+    segment: str
+    settlement_no: str
+    ucc: str
+    order_no: str
+    order_time: str
+    trade_no: str
+    trade_time: str
+    symbol: str
+    isin: str
+    instrument: str
+    expiry: str
+    strike: str
+    option_type: str
+    side: str
+    quantity: int
+    price: Decimal
+    product: str
+    status: str
+
+    @property
+    def turnover(self) -> Decimal:
+        return self.price * self.quantity
+
+    def as_row(self) -> list[str]:
+        d = asdict(self)
+        return [str(d[f]) for f in TRADE_FIELDS]
+
+    @classmethod
+    def from_row(cls, row: list[str]) -> "Trade":
+        """Rebuild a trade that was already validated (from a shard file)."""
+        d = dict(zip(TRADE_FIELDS, row))
+        return cls(**{**d, "quantity": int(d["quantity"]), "price": Decimal(d["price"])})
+
+
+def check_header(file: str, header: list[str], expected: list[str]) -> None:
+    missing = [f for f in expected if f not in header]
+    if missing:
+        raise RowError(file, 0, missing[0], f"header lacks column(s) {', '.join(missing)}")
+
+
+def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
+    ucc = (raw.get("ucc") or "").strip()
+    fail = _failer(file, row, ucc)
+    if not UCC.match(ucc):
+        fail("ucc", "must be 1-10 letters or digits")
+    name = (raw.get("name") or "").strip()
+    if not name:
+        fail("name", "is empty")
+    pan = (raw.get("pan") or "").strip().upper()
+    if not PAN.match(pan):
+        fail("pan", "is not a valid PAN (AAAAA9999A)")
+    opt_in = (raw.get("ecn_opt_in") or "").strip().upper()
+    if opt_in not in ("Y", "N"):
+        fail("ecn_opt_in", "must be Y or N")
+    code = (raw.get("gst_state_code") or "").strip()
+    if not (code.isdigit() and len(code) == 2):
+        fail("gst_state_code", "must be two digits")
+    values = {f: (raw.get(f) or "").strip() for f in CLIENT_FIELDS}
+    return Client(**{**values, "ucc": ucc, "pan": pan, "ecn_opt_in": opt_in == "Y"})
+
+
+def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str) -> Trade:
+    v = {f: (raw.get(f) or "").strip() for f in TRADE_FIELDS}
+    fail = _failer(file, row, v["ucc"])
+    if not UCC.match(v["ucc"]):
+        fail("ucc", "must be 1-10 letters or digits")
+    if v["trade_date"] != trade_date:
+        fail("trade_date", f"is {v['trade_date']!r}, the run is for {trade_date}")
+    if v["exchange"] not in ("NSE", "BSE"):
+        fail("exchange", "must be NSE or BSE")
+    if v["segment"] not in INSTRUMENTS:
+        fail("segment", "must be CM or FO")
+    if v["instrument"] not in INSTRUMENTS[v["segment"]]:
+        fail("instrument", f"{v['instrument']!r} is not traded in segment {v['segment']}")
+    if v["product"] not in PRODUCTS[v["segment"]]:
+        fail("product", f"{v['product']!r} is not valid in segment {v['segment']}")
+    for f in ("order_no", "trade_no"):
+        if not NUMBER16.match(v[f]):
+            fail(f, "must be a 16-digit number")
+    for f in ("order_time", "trade_time"):
+        if not TIME.match(v[f]):
+            fail(f, "must be HH:MM:SS")
+    if not v["symbol"]:
+        fail("symbol", "is empty")
+    if v["side"] not in ("B", "S"):
+        fail("side", "must be B or S")
+    if v["status"] not in STATUSES:
+        fail("status", "must be 11, 12 or 13")
+    if v["instrument"].startswith("OPT") and v["option_type"] not in ("CE", "PE"):
+        fail("option_type", "must be CE or PE for an option")
+    quantity = _positive(v["quantity"], int, lambda p: fail("quantity", p))
+    price = _positive(v["price"], Decimal, lambda p: fail("price", p))
+    return Trade(**{**v, "quantity": quantity, "price": price})
+
+
+def effective_trades(trades: list[Trade]) -> list[Trade]:
+    """What goes on the note: the latest version of each trade, cancelled ones removed."""
+    latest: dict[str, Trade] = {}
+    for t in trades:
+        if t.status in ("12", "13") or t.trade_no not in latest:
+            latest[t.trade_no] = t
+    return sorted((t for t in latest.values() if t.status != "13"),
+                  key=lambda t: (t.exchange, t.segment, t.settlement_no, t.trade_time, t.trade_no))
+
+
+def _positive(text: str, kind, fail):
+    try:
+        value = kind(text)
+    except (ValueError, InvalidOperation):
+        fail(f"{text!r} is not a number")
+    if isinstance(value, Decimal) and not value.is_finite():
+        fail(f"{text!r} is not a finite number")
+    if value <= 0:
+        fail("must be positive")
+    return value
+
+
+def _failer(file: str, row: int, ucc: str):
+    def fail(field: str, problem: str):
+        raise RowError(file, row, field, problem, ucc)
+    return fail

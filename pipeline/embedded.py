@@ -1,0 +1,78 @@
+"""Start and stop the local services of the embedded default: redis-server and an SMTP sink.
+
+Each runs as a child process on a free loopback port and is stopped by its own PID, never
+by name: other Redis or SMTP servers on the machine are not ours to touch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EmbeddedError(RuntimeError):
+    pass
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise EmbeddedError(f"{name} exited with code {process.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    process.kill()
+    raise EmbeddedError(f"{name} did not listen on port {port} within {timeout_s} s")
+
+
+def start_redis(workdir: Path) -> Service:
+    binary = shutil.which("redis-server")
+    if not binary:
+        raise EmbeddedError("redis-server is not on PATH (apt-get install redis-server)")
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, process, "redis-server")
+    return Service("redis", process, f"redis://127.0.0.1:{port}/0")
+
+
+def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = ()) -> Service:
+    port = free_port()
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.smtp_sink", "--port", str(port), "--outbox", str(outbox), *extra_args],
+            stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    wait_for_port(port, process, "smtp sink")
+    return Service("smtp", process, f"smtp://127.0.0.1:{port}")

@@ -1,0 +1,78 @@
+"""Every Redis key and storage key the job uses, so the whole state model reads at once.
+
+Redis (live state, with a TTL; the report in storage is the permanent record):
+  cn:runs                    zset   run_id -> started (epoch s)
+  cn:run:{run}:meta          hash   date, input, started, finished, config summary
+  cn:run:{run}:counts        hash   per-stage counters (O(1) to read)
+  cn:run:{run}:accounts      hash   ucc -> JSON account record (stage, status, reason, ...)
+  cn:run:{run}:failed        zset   ucc -> time of failure (the rerun registry)
+  cn:run:{run}:mailguard     hash   ucc -> claim; HSETNX before an e-mail leaves
+  cn:noteseq:{fy}            int    contract note numbers issued in a financial year
+
+Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
+  {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
+  {p}-signed-pdf/{date}/{ucc}.pdf                 the signed archive of record
+  reports/{run}.json, reports/{run}.csv           the run report
+  reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PARTITIONS = 10
+RUNS = "cn:runs"
+
+
+def run_meta(run_id: str) -> str:
+    return f"cn:run:{run_id}:meta"
+
+
+def run_counts(run_id: str) -> str:
+    return f"cn:run:{run_id}:counts"
+
+
+def run_accounts(run_id: str) -> str:
+    return f"cn:run:{run_id}:accounts"
+
+
+def run_failed(run_id: str) -> str:
+    return f"cn:run:{run_id}:failed"
+
+
+def run_mailguard(run_id: str) -> str:
+    return f"cn:run:{run_id}:mailguard"
+
+
+def note_sequence(fy: str) -> str:
+    return f"cn:noteseq:{fy}"
+
+
+def stable_hash(ucc: str) -> int:
+    """Same number on every machine and Python process (unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(ucc.encode(), digest_size=8).digest(), "big")
+
+
+def partition(ucc: str) -> int:
+    return stable_hash(ucc) % PARTITIONS
+
+
+def shard_of(ucc: str, shards: int) -> int:
+    """Shard counts are multiples of PARTITIONS, so a shard's accounts share its partition."""
+    return stable_hash(ucc) % shards
+
+
+def shard_key(run_id: str, shard: int) -> str:
+    return f"{shard % PARTITIONS}-contract-notes-data/{run_id}/shard-{shard:05d}.jsonl"
+
+
+def signed_pdf_key(trade_date: str, ucc: str) -> str:
+    return f"{partition(ucc)}-signed-pdf/{trade_date}/{ucc}.pdf"
+
+
+def manifest_key(run_id: str) -> str:
+    return f"reports/{run_id}.manifest.json"
+
+
+def report_keys(run_id: str) -> tuple[str, str]:
+    return f"reports/{run_id}.json", f"reports/{run_id}.csv"

@@ -1,0 +1,159 @@
+"""Client + trades + charges -> the note's data, every value a finished string.
+
+The template only lays out what it is given. Pagination happens here, with a fixed number
+of one-line rows per page, so the page count is known before Typst runs: a huge note can
+be rendered as page ranges in parallel and still say "Page X of Y" continuously.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+from itertools import groupby
+
+from pipeline.charges import Charges, segment_of
+from pipeline.dumps import Client, Trade
+
+ROWS_FIRST_PAGE = 34
+ROWS_PER_PAGE = 54
+ROWS_FOR_LEVIES = 26  # the levies table and the signature block, in row heights
+LEVY_LINES = [
+    ("Pay-in/Pay-out obligation", lambda l: l.obligation),
+    ("Brokerage", lambda l: -l.brokerage),
+    ("Exchange transaction charges", lambda l: -l.txn),
+    ("SEBI turnover fees", lambda l: -l.sebi),
+    ("Taxable value of supply", lambda l: l.taxable_value),
+    ("CGST @ 9%", lambda l: -l.cgst),
+    ("SGST @ 9%", lambda l: -l.sgst),
+    ("IGST @ 18%", lambda l: -l.igst),
+    ("Securities transaction tax", lambda l: -l.stt),
+    ("Stamp duty", lambda l: -l.stamp),
+    ("IPFT charges", lambda l: -l.ipft),
+    ("Net amount receivable/(payable) by client", lambda l: l.net),
+]
+
+
+def money(amount: Decimal, places: int = 2) -> str:
+    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets."""
+    q = abs(amount).quantize(Decimal(1).scaleb(-places))
+    whole, _, frac = f"{q:f}".partition(".")
+    head, tail = whole[:-3], whole[-3:]
+    groups = []
+    while len(head) > 2:
+        groups.insert(0, head[-2:])
+        head = head[:-2]
+    if head:
+        groups.insert(0, head)
+    text = ",".join(groups + [tail]) + (f".{frac}" if frac else "")
+    return f"({text})" if amount < 0 else text
+
+
+def note_number(prefix: str, trade_date: str, sequence: int) -> str:
+    """FY sequence: a note of 2026-11-20 is in FY 2026-27, e.g. CNT-26/27-0001234."""
+    d = dt.date.fromisoformat(trade_date)
+    start = d.year if d.month >= 4 else d.year - 1
+    return f"{prefix}-{start % 100:02d}/{(start + 1) % 100:02d}-{sequence:07d}"
+
+
+def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
+               trade_date: str, number: str) -> dict:
+    lines = _trade_lines(trades, charges)
+    pages = paginate(lines)
+    return {
+        "broker": broker_block(broker),
+        "note": {
+            "number": number,
+            "trade_date": _dmy(trade_date),
+            "settlements": _settlements(trades, trade_date),
+        },
+        "client": {
+            "name": client.name, "address": client.address, "state": client.state,
+            "gst_state_code": client.gst_state_code, "pan": client.pan, "ucc": client.ucc,
+            "place_of_supply": f"{client.state} ({client.gst_state_code})",
+        },
+        "levies": levies_table(charges),
+        "pages": pages,
+        "total_pages": len(pages),
+        "page_offset": 0,
+    }
+
+
+def broker_block(broker: dict) -> dict:
+    return {k: v for k, v in broker.items() if k != "tariff"}
+
+
+def page_range(note: dict, start: int, stop: int) -> dict:
+    """The same note cut to pages [start, stop): header on the first, levies on the last."""
+    return {**note, "pages": note["pages"][start:stop], "page_offset": start}
+
+
+def levies_table(charges: Charges) -> dict:
+    columns = list(charges.segments.items()) + [("Total (Net)", charges.total)]
+    return {
+        "headers": ["Particulars"] + [name for name, _ in columns],
+        "columns": [[label for label, _ in LEVY_LINES]]
+        + [[money(value(levies)) for _, value in LEVY_LINES] for _, levies in columns],
+    }
+
+
+def paginate(lines: list[dict]) -> list[dict]:
+    """Fixed rows per page; the levies block goes on the last page if it fits, else a new one."""
+    pages, start, capacity = [], 0, ROWS_FIRST_PAGE
+    while start < len(lines) or not pages:
+        pages.append({"groups": _groups(lines[start:start + capacity]), "rows": min(capacity, len(lines) - start)})
+        start += capacity
+        capacity = ROWS_PER_PAGE
+    used = pages[-1]["rows"] + len(pages[-1]["groups"])
+    room = (ROWS_FIRST_PAGE if len(pages) == 1 else ROWS_PER_PAGE) - used
+    if room < ROWS_FOR_LEVIES:
+        pages.append({"groups": [], "rows": 0})
+    return pages
+
+
+def _trade_lines(trades: list[Trade], charges: Charges) -> list[dict]:
+    lines = []
+    key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
+    for (segment, settlement), group in groupby(trades, key=key):
+        label = f"{segment.replace('-', ' / ')}  ·  Settlement {settlement}"
+        for t in group:
+            lines.append({"label": label, "cells": _cells(t, charges.brokerage_per_unit[t.trade_no])})
+    return lines
+
+
+def _groups(lines: list[dict]) -> list[dict]:
+    """Consecutive rows of one label become one block of columns (one text run per column)."""
+    out = []
+    for label, rows in groupby(lines, key=lambda l: l["label"]):
+        cells = [r["cells"] for r in rows]
+        out.append({"label": label, "columns": [list(c) for c in zip(*cells)]})
+    return out
+
+
+def _cells(t: Trade, brokerage_unit: Decimal) -> list[str]:
+    net_rate = t.price + brokerage_unit if t.side == "B" else t.price - brokerage_unit
+    net_total = net_rate * t.quantity
+    remarks = t.product + (" (modified)" if t.status == "12" else "")
+    return [
+        t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side,
+        str(t.quantity), money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4),
+        "", money(-net_total if t.side == "B" else net_total), remarks,
+    ]
+
+
+def _describe(t: Trade) -> str:
+    if t.instrument == "EQ":
+        return f"{t.symbol} EQ {t.isin}".strip()[:40]
+    parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type]
+    return " ".join(p for p in parts if p)[:40]
+
+
+def _settlements(trades: list[Trade], trade_date: str) -> list[dict]:
+    """CM settles T+1; F&O settles daily (T+1 pay-in/pay-out)."""
+    day = dt.date.fromisoformat(trade_date)
+    settle = day + dt.timedelta(days=3 if day.weekday() == 4 else 1)
+    seen = sorted({(segment_of(t), t.settlement_no) for t in trades})
+    return [{"segment": s, "number": n, "date": settle.strftime("%d-%m-%Y")} for s, n in seen]
+
+
+def _dmy(iso: str) -> str:
+    return dt.date.fromisoformat(iso).strftime("%d-%m-%Y")

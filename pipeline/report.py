@@ -1,0 +1,49 @@
+"""The run report: totals and timings as JSON, one CSV row per account; the permanent record."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from pipeline import keys
+from pipeline.state import RunState
+from pipeline.storage import Store
+
+CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "physical_dispatch"]
+
+
+def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dict, str]:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    statuses: dict[str, int] = {}
+    physical = []
+    for rec in sorted(state.all_accounts(), key=lambda r: r["ucc"]):
+        status = _final_status(rec)
+        statuses[status] = statuses.get(status, 0) + 1
+        needs_paper = status == "physical" or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
+        if needs_paper:
+            physical.append(rec["ucc"])
+        writer.writerow({**rec, "status": status, "physical_dispatch": "Y" if needs_paper else ""})
+    report = {
+        **summary,
+        "statuses": statuses,
+        "stage_counts": state.counts(),
+        "physical_dispatch": physical,
+        "input_errors": input_errors,
+    }
+    return report, buf.getvalue()
+
+
+def write(store: Store, run_id: str, report: dict, rows_csv: str) -> tuple[str, str]:
+    json_key, csv_key = keys.report_keys(run_id)
+    store.put(json_key, json.dumps(report, indent=2, default=str).encode())
+    store.put(csv_key, rows_csv.encode())
+    return json_key, csv_key
+
+
+def _final_status(rec: dict) -> str:
+    if rec.get("stage") == "delivered":
+        return "delivered"
+    return rec.get("status", "unknown") if rec.get("status") != "skipped" else "delivered"

@@ -1,0 +1,136 @@
+"""Every setting the job reads, from environment variables, in one place.
+
+Defaults run on one machine with nothing configured; a cluster run overrides them
+with environment variables (12-factor), so every entry point (driver, actors, API,
+notebook) sees the same configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+DEFAULT_KEY_DIR = Path(".keys")
+
+
+@dataclass(frozen=True)
+class SmtpTarget:
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    implicit_tls: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    store_url: str = "store"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    smtp_url: str = "smtp://127.0.0.1:1025"
+    shard_size: int = 100
+    window: int = 6
+    signers: int = 1
+    mailers: int = 1
+    smtp_connections: int = 4
+    signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
+    signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
+    signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
+    signer_key_password: str | None = field(default=None, repr=False)
+    owner_password: str = field(default="change-me-broker-owner-secret", repr=False)
+    encryption: str = "aes256"
+    mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
+    state_ttl_s: int = 14 * 24 * 3600
+    render_cpus: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
+        env = os.environ if env is None else env
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_NAMES[f.name])
+            if raw is not None and raw != "":
+                values[f.name] = _coerce(f.type, raw, ENV_NAMES[f.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def smtp(self) -> SmtpTarget:
+        return parse_smtp_url(self.smtp_url)
+
+    def uses_default_key(self) -> bool:
+        return self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
+
+    def summary(self) -> dict[str, str]:
+        """What a run records about its configuration: no secrets, no credentials."""
+        smtp = self.smtp()
+        return {
+            "store_url": self.store_url,
+            "redis_url": _without_password(self.redis_url),
+            "smtp": f"{smtp.host}:{smtp.port}",
+            "shard_size": str(self.shard_size),
+            "window": str(self.window),
+            "signers": str(self.signers),
+            "mailers": str(self.mailers),
+            "encryption": self.encryption,
+        }
+
+
+ENV_NAMES = {
+    "store_url": "CN_STORE",
+    "redis_url": "REDIS_URL",
+    "smtp_url": "SMTP_URL",
+    "shard_size": "CN_SHARD_SIZE",
+    "window": "CN_WINDOW",
+    "signers": "CN_SIGNERS",
+    "mailers": "CN_MAILERS",
+    "smtp_connections": "CN_SMTP_CONNECTIONS",
+    "signer_key": "CN_SIGNER_KEY",
+    "signer_cert": "CN_SIGNER_CERT",
+    "signer_chain": "CN_SIGNER_CHAIN",
+    "signer_key_password": "CN_SIGNER_KEY_PASSWORD",
+    "owner_password": "CN_OWNER_PASSWORD",
+    "encryption": "CN_ENCRYPTION",
+    "mail_from": "CN_MAIL_FROM",
+    "state_ttl_s": "CN_STATE_TTL_S",
+    "render_cpus": "CN_RENDER_CPUS",
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(kind: str, raw: str, name: str):
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
+    return raw
+
+
+def parse_smtp_url(url: str) -> SmtpTarget:
+    parts = urlsplit(url)
+    if parts.scheme not in ("smtp", "smtps"):
+        raise ConfigError(f"SMTP URL must start with smtp:// or smtps://, got {parts.scheme!r}")
+    if not parts.hostname:
+        raise ConfigError("SMTP URL has no host")
+    implicit_tls = parts.scheme == "smtps"
+    return SmtpTarget(
+        host=parts.hostname,
+        port=parts.port or (465 if implicit_tls else 25),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+        implicit_tls=implicit_tls,
+    )
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return parts._replace(netloc=f"{parts.username or ''}:***@{parts.hostname}:{parts.port}").geturl()

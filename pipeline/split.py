@@ -1,0 +1,164 @@
+"""Stage 1: stream the dumps, validate each row, and write one shard file per group of accounts.
+
+Rows are spooled per shard to local disk in buffered appends, so memory stays flat however
+large the day; each shard is then assembled (trades grouped by account, cancellations and
+modifications applied, note numbers reserved) and written to storage. A bad row rejects
+its account with the file, row and field named; the rest of the run goes on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import keys
+from pipeline.dumps import (CLIENT_FIELDS, TRADE_FIELDS, RowError, Trade, check_header,
+                            effective_trades, parse_client, parse_trade)
+from pipeline.notes import note_number
+from pipeline.state import Outcome, RunState
+from pipeline.storage import Store
+
+FLUSH_ROWS = 50_000
+MAX_LISTED_ERRORS = 1000
+
+
+@dataclass
+class SplitResult:
+    shards: list[int]
+    accounts: int = 0
+    rejected: int = 0
+    input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
+
+
+def shard_count(clients: int, shard_size: int) -> int:
+    """A multiple of the partition count, so every shard sits in one fixed S3 prefix."""
+    shards = max(1, math.ceil(clients / max(1, shard_size)))
+    return math.ceil(shards / keys.PARTITIONS) * keys.PARTITIONS
+
+
+def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_date: str,
+              shard_size: int, note_prefix: str) -> SplitResult:
+    clients = sum(1 for _ in inputs.lines("clients.csv")) - 1
+    shards = shard_count(clients, shard_size)
+    result = SplitResult(shards=[])
+    with tempfile.TemporaryDirectory(prefix=f"split-{run_id}-") as tmp:
+        spool = _Spool(Path(tmp))
+        _spool_rows(inputs, "clients.csv", CLIENT_FIELDS, shards, spool, result,
+                    lambda n, row: parse_client("clients.csv", n, row))
+        _spool_rows(inputs, "trades.csv", TRADE_FIELDS, shards, spool, result,
+                    lambda n, row: parse_trade("trades.csv", n, row, trade_date))
+        spool.flush()
+        for shard in range(shards):
+            accounts, rejects = _assemble(spool, shard)
+            result.rejected += len(rejects)
+            state.record(rejects)
+            if not accounts:
+                continue
+            first = state.next_note_numbers(_fy(trade_date), len(accounts))
+            for i, account in enumerate(accounts):
+                account["note_no"] = note_number(note_prefix, trade_date, first + i)
+            body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
+            store.put(keys.shard_key(run_id, shard), body.encode())
+            state.record(Outcome(a["ucc"], "validated") for a in accounts)
+            result.shards.append(shard)
+            result.accounts += len(accounts)
+    return result
+
+
+def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool: "_Spool",
+                result: SplitResult, parse) -> None:
+    reader = csv.DictReader(inputs.lines(name))
+    try:
+        check_header(name, reader.fieldnames or [], fields)
+    except RowError as e:
+        result.input_errors.append(e.as_dict())
+        return
+    kind = name[0]
+    for n, row in enumerate(reader, start=1):
+        try:
+            record = parse(n, row)
+            spool.add(keys.shard_of(record.ucc, shards), [kind, record.ucc, _as_list(record)])
+        except RowError as e:
+            if e.ucc:
+                spool.add(keys.shard_of(e.ucc, shards), ["e", e.ucc, e.as_dict()])
+            elif len(result.input_errors) < MAX_LISTED_ERRORS:
+                result.input_errors.append(e.as_dict())
+
+
+def _as_list(record) -> list:
+    if isinstance(record, Trade):
+        return record.as_row()
+    return [getattr(record, f) for f in CLIENT_FIELDS]
+
+
+def _assemble(spool: "_Spool", shard: int) -> tuple[list[dict], list[Outcome]]:
+    clients: dict[str, list] = {}
+    trades: dict[str, list[Trade]] = defaultdict(list)
+    errors: dict[str, list[dict]] = defaultdict(list)
+    for kind, ucc, payload in spool.read(shard):
+        if kind == "c":
+            if ucc in clients:
+                errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc", "error": "duplicate client"})
+            clients[ucc] = payload
+        elif kind == "t":
+            trades[ucc].append(Trade.from_row(payload))
+        else:
+            errors[ucc].append(payload)
+    accounts, rejects = [], []
+    for ucc in sorted(set(trades) | set(errors)):
+        if ucc not in clients and ucc in trades:
+            errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc",
+                                "error": "trades for an account with no valid client record"})
+        if errors[ucc]:
+            rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
+            continue
+        kept = effective_trades(trades[ucc])
+        if kept:
+            client = dict(zip(CLIENT_FIELDS, clients[ucc]))
+            accounts.append({"ucc": ucc, "client": client, "trades": [t.as_row() for t in kept]})
+    return accounts, rejects
+
+
+def _describe(errors: list[dict]) -> str:
+    first = errors[0]
+    where = f"{first['file']} row {first['row']}" if first["row"] != "" else first["file"]
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where} field '{first['field']}': {first['error']}{more}"
+
+
+def _fy(trade_date: str) -> str:
+    year, month = int(trade_date[:4]), int(trade_date[5:7])
+    start = year if month >= 4 else year - 1
+    return f"{start}-{(start + 1) % 100:02d}"
+
+
+class _Spool:
+    """Per-shard JSON-lines files on local disk, appended in large buffered batches."""
+
+    def __init__(self, root: Path):
+        self.root, self.buffers, self.pending = root, defaultdict(list), 0
+
+    def add(self, shard: int, item: list) -> None:
+        self.buffers[shard].append(json.dumps(item, separators=(",", ":")))
+        self.pending += 1
+        if self.pending >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        for shard, lines in self.buffers.items():
+            with (self.root / f"{shard}.jsonl").open("a") as f:
+                f.write("\n".join(lines) + "\n")
+        self.buffers.clear()
+        self.pending = 0
+
+    def read(self, shard: int):
+        path = self.root / f"{shard}.jsonl"
+        if path.exists():
+            with path.open() as f:
+                for line in f:
+                    yield json.loads(line)

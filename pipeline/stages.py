@@ -1,0 +1,174 @@
+"""The per-shard work of stages 2-4, as plain functions over a batch.
+
+A batch is what travels between stages through Ray's object store: the accounts of one
+shard, with their PDF bytes once rendered, plus the CPU time each stage spent on it. The
+same functions run inside Ray tasks and actors and in the benchmark's sequential loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from pipeline import keys
+from pipeline.charges import compute
+from pipeline.dumps import EMAIL, Client, Trade
+from pipeline.mail import (PermanentMailError, RetryPolicy, SmtpPool, TransientMailError,
+                           build_message, message_id, send_with_retry)
+from pipeline.notes import build_note
+from pipeline.render import TEMPLATES, RenderError, render
+from pipeline.sign import SignatureInfo, SignError, protect
+from pipeline.state import STAGES, Outcome, RunState
+from pipeline.storage import Store
+
+
+@dataclass
+class Batch:
+    run_id: str
+    trade_date: str
+    shard: int
+    items: list[dict] = field(default_factory=list)  # ucc, name, email, pan, ecn, pdf
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, stage: str, started: float) -> None:
+        self.cpu_s[stage] = self.cpu_s.get(stage, 0.0) + time.process_time() - started
+
+
+@lru_cache(maxsize=1)
+def broker() -> dict:
+    return json.loads((TEMPLATES / "broker.json").read_text())
+
+
+def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
+    return [json.loads(line) for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines()]
+
+
+def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None) -> Batch:
+    """Render every account of the shard that still needs it; an account already archived is
+    passed on to be mailed from the archive, one already delivered is left alone."""
+    started = time.process_time()
+    records = state.accounts([a["ucc"] for a in accounts])
+    outcomes = []
+    for account in accounts:
+        ucc = account["ucc"]
+        reached = records.get(ucc, {}).get("rank", 0)
+        if (only is not None and ucc not in only) or reached >= STAGES.index("delivered") + 1:
+            continue
+        client = Client(**account["client"])
+        item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
+                "ecn": client.ecn_opt_in, "pdf": None}
+        if reached >= STAGES.index("archived") + 1:
+            batch.items.append(item)
+            continue
+        try:
+            item["pdf"] = render(_note(account, client, batch.trade_date))
+        except (RenderError, KeyError, ValueError) as e:
+            outcomes.append(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
+            continue
+        batch.items.append(item)
+        outcomes.append(Outcome(ucc, "rendered"))
+    state.record(outcomes)
+    batch.timed("render", started)
+    return batch
+
+
+def _note(account: dict, client: Client, trade_date: str) -> dict:
+    trades = [Trade.from_row(r) for r in account["trades"]]
+    b = broker()
+    charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
+    return build_note(client, trades, charges, b, trade_date, account["note_no"])
+
+
+def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,
+               state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
+    """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves."""
+    started = time.process_time()
+    kept, outcomes = [], []
+    for item in batch.items:
+        if item["pdf"] is None:
+            kept.append(item)
+            continue
+        try:
+            item["pdf"] = protect(item["pdf"], item["pan"], owner_password, signer, info, encryption)
+        except SignError as e:
+            outcomes.append(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {e}"))
+            continue
+        outcomes.append(Outcome(item["ucc"], "signed"))
+        try:
+            store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
+        except Exception as e:  # storage errors come in many types (OSError, botocore)
+            outcomes.append(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
+            continue
+        outcomes.append(Outcome(item["ucc"], "archived"))
+        kept.append(item)
+    batch.items = kept
+    state.record(outcomes)
+    batch.timed("sign", started)
+    return batch
+
+
+@dataclass
+class MailContext:
+    pool: SmtpPool
+    state: RunState
+    store: Store
+    sender: str
+    policy: RetryPolicy = RetryPolicy()
+    force: bool = False
+
+
+async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
+    """Mail every item; returns the batch's tally (small: this is what the driver fetches)."""
+    started = time.process_time()
+    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items))
+    tally: dict[str, int] = {}
+    for o in outcomes:
+        tally[o.status] = tally.get(o.status, 0) + 1
+    batch.timed("mail", started)
+    return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": len(outcomes)}
+
+
+async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
+    outcome = _not_mailable(item)
+    if outcome is None:
+        outcome = await _send(batch, item, ctx)
+    if outcome.status != "skipped":
+        ctx.state.record([outcome])
+    return outcome
+
+
+def _not_mailable(item: dict) -> Outcome | None:
+    if not item["ecn"]:
+        return Outcome(item["ucc"], "archived", "physical", reason="no ECN consent: physical dispatch")
+    if not EMAIL.match(item["email"] or ""):
+        return Outcome(item["ucc"], "archived", "physical", reason="missing or malformed e-mail: physical dispatch")
+    return None
+
+
+async def _send(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
+    ucc = item["ucc"]
+    mid = message_id(batch.run_id, ucc)
+    if ctx.force:
+        ctx.state.release_mail(ucc)
+    if not ctx.state.claim_mail(ucc, mid):
+        record = ctx.state.accounts([ucc]).get(ucc, {})
+        if record.get("stage") == "delivered":
+            return Outcome(ucc, "delivered", "skipped", reason="already delivered")
+        return Outcome(ucc, "delivered", "failed", reason=(
+            "mail claimed by an earlier attempt that recorded no outcome; not resent "
+            "(check the relay log, then rerun with --force)"))
+    pdf = item["pdf"] if item["pdf"] is not None else ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
+    try:
+        message = build_message(ctx.sender, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
+        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, ctx.sender, item["email"], message)
+    except PermanentMailError as e:
+        ctx.state.release_mail(ucc)
+        return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid)
+    except TransientMailError as e:
+        ctx.state.release_mail(ucc)
+        return Outcome(ucc, "delivered", "failed", reason=f"smtp gave up after {ctx.policy.attempts} attempts: {e}",
+                       message_id=mid)
+    return Outcome(ucc, "delivered", message_id=mid, reply=reply, extra={"attempts": attempts})

@@ -1,0 +1,127 @@
+"""Live job state in Redis: account records, stage counters, the failed registry, the mail guard.
+
+An account's record holds the furthest stage it reached and its status. Stage counters move
+only when an account reaches a stage for the first time, inside one Lua call with the
+record write, so reruns and Ray's retries never double count and counters stay O(1) to read.
+Writes are batched: one pipeline round trip per shard.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator
+
+import redis
+
+from pipeline import keys
+
+STAGES = ("validated", "rendered", "signed", "archived", "delivered")
+
+# The record keeps the furthest stage ever reached; a failure says where (failed_at).
+# KEYS: accounts, counts, failed. ARGV: ucc, record json, stage rank, stage, failed?, now, ttl
+_RECORD = """
+local prev = redis.call('HGET', KEYS[1], ARGV[1])
+local prev_rank, prev_stage = 0, ''
+if prev then
+  local p = cjson.decode(prev)
+  prev_rank, prev_stage = tonumber(p['rank']) or 0, p['stage'] or ''
+end
+local rec = cjson.decode(ARGV[2])
+if prev_rank >= rec['rank'] then rec['rank'] = prev_rank; rec['stage'] = prev_stage end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
+if tonumber(ARGV[3]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
+if ARGV[5] == '1' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
+else redis.call('ZREM', KEYS[3], ARGV[1]) end
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+"""
+
+
+@dataclass
+class Outcome:
+    """What happened to one account at one stage."""
+
+    ucc: str
+    stage: str
+    status: str = "ok"  # ok | failed | rejected | physical | skipped
+    reason: str = ""
+    message_id: str = ""
+    reply: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("failed", "rejected")
+
+
+class RunState:
+    def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
+        self.run_id, self.ttl_s = run_id, ttl_s
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self._record = self.r.register_script(_RECORD)
+
+    def start(self, meta: dict) -> None:
+        now = time.time()
+        meta = {"run_id": self.run_id, "started": now, **meta}
+        with self.r.pipeline() as p:
+            p.zadd(keys.RUNS, {self.run_id: now}, nx=True)
+            p.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in meta.items()})
+            p.expire(keys.run_meta(self.run_id), self.ttl_s)
+            p.execute()
+
+    def update_meta(self, **values) -> None:
+        self.r.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in values.items()})
+
+    def meta(self) -> dict:
+        return self.r.hgetall(keys.run_meta(self.run_id))
+
+    def record(self, outcomes: Iterable[Outcome]) -> None:
+        now = time.time()
+        ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id)]
+        with self.r.pipeline(transaction=False) as p:
+            for o in outcomes:
+                rank = 0 if o.failed else STAGES.index(o.stage) + 1
+                rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else ""}
+                if o.failed:
+                    rec["stage"] = ""
+                if not rec["extra"]:
+                    del rec["extra"]
+                counter = o.stage if rank else ""
+                self._record(keys=ks, args=[o.ucc, json.dumps(rec), rank, counter, int(o.failed), now, self.ttl_s],
+                             client=p)
+            p.execute()
+
+    def counts(self) -> dict[str, int]:
+        counts = {s: 0 for s in STAGES}
+        counts.update({k: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()})
+        counts["failed"] = self.r.zcard(keys.run_failed(self.run_id))
+        return counts
+
+    def accounts(self, uccs: list[str]) -> dict[str, dict]:
+        if not uccs:
+            return {}
+        raw = self.r.hmget(keys.run_accounts(self.run_id), uccs)
+        return {u: json.loads(v) for u, v in zip(uccs, raw) if v}
+
+    def all_accounts(self) -> Iterator[dict]:
+        for _, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
+            yield json.loads(v)
+
+    def failed(self) -> list[str]:
+        return self.r.zrange(keys.run_failed(self.run_id), 0, -1)
+
+    def claim_mail(self, ucc: str, message_id: str) -> bool:
+        """Atomic: True for exactly one caller per run and account, whatever retries Ray makes."""
+        guard = keys.run_mailguard(self.run_id)
+        claimed = self.r.hsetnx(guard, ucc, json.dumps({"message_id": message_id, "at": time.time()}))
+        self.r.expire(guard, self.ttl_s)
+        return bool(claimed)
+
+    def release_mail(self, ucc: str) -> None:
+        """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
+        self.r.hdel(keys.run_mailguard(self.run_id), ucc)
+
+    def next_note_numbers(self, fy: str, count: int) -> int:
+        """Reserve `count` contract note numbers of a financial year; returns the first."""
+        return self.r.incrby(keys.note_sequence(fy), count) - count + 1

@@ -1,0 +1,113 @@
+"""One storage interface, two backends: a local folder and S3 (or anything speaking S3).
+
+`open_store("s3://bucket/prefix")` or `open_store("/some/folder")`. The S3 endpoint comes
+from boto3's standard AWS_ENDPOINT_URL; throttling (503 SlowDown) is retried by botocore's
+adaptive retry mode, which also slows the client down instead of hammering the bucket.
+Keys start with a partition digit (see pipeline.keys), so leave the prefix empty in
+production: S3 partitions by the leading characters of the key.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+
+class StorageError(RuntimeError):
+    pass
+
+
+class Store(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def lines(self, key: str) -> Iterator[str]: ...
+
+
+def open_store(url: str) -> Store:
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[5:].partition("/")
+        return S3Store(url, bucket, prefix.strip("/"))
+    if "://" in url and not url.startswith("file://"):
+        raise StorageError(f"unsupported storage URL {url!r}: use s3://bucket[/prefix] or a folder")
+    return FolderStore(url.removeprefix("file://"))
+
+
+class FolderStore:
+    def __init__(self, root: str):
+        self.url = root
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write to a temporary file and rename: a reader never sees half a PDF."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}: no object {key!r}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def lines(self, key: str) -> Iterator[str]:
+        try:
+            with self._path(key).open(newline="", encoding="utf-8") as f:
+                yield from f
+        except FileNotFoundError:
+            raise StorageError(f"{self.url}: no object {key!r}") from None
+
+
+class S3Store:
+    def __init__(self, url: str, bucket: str, prefix: str = ""):
+        self.url, self.bucket, self.prefix = url, bucket, prefix
+        config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=32,
+                        s3={"addressing_style": "path"})
+        self.client = boto3.client("s3", config=config)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except ClientError as e:
+            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as e:
+            if e.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def lines(self, key: str) -> Iterator[str]:
+        """Streams the object: a day's trade file is never held in memory whole."""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except ClientError as e:
+            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+        yield from io.TextIOWrapper(body, encoding="utf-8", newline="")

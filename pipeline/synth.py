@@ -1,0 +1,138 @@
+"""Synthetic end-of-day dumps shaped like exchange trade files.
+
+Trades per client are heavy-tailed (Pareto: median ~4, 99th percentile in the hundreds),
+as on a real day; e-mail addresses are only on reserved domains, so nothing can reach a
+real person. Some names carry Typst syntax and non-Latin scripts on purpose.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import random
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+from pipeline.dumps import CLIENT_FIELDS, TRADE_FIELDS
+
+
+STATES = [
+    ("Karnataka", "29"), ("Maharashtra", "27"), ("Tamil Nadu", "33"), ("Delhi", "07"),
+    ("Gujarat", "24"), ("West Bengal", "19"), ("Uttar Pradesh", "09"),
+]
+FIRST = ["Aarav", "Priya", "Rohan", "Ananya", "Vikram", "Meera", "Arjun", "Kavya", "Ishaan", "Diya"]
+LAST = ["Sharma", "Iyer", "Patel", "Reddy", "Nair", "Gupta", "Mehta", "Rao", "Singh", "Das"]
+ODD_NAMES = ["राहुल वर्मा", "கார்த்திக் சுப்ரமணியன்", "A*B [Traders] #1 $\\\"Q\"", "O'Neil & Sons_ <Ltd>"]
+EQUITIES = [
+    ("RELIANCE", "INE002A01018", 2900), ("TCS", "INE467B01029", 4100), ("INFY", "INE009A01021", 1800),
+    ("HDFCBANK", "INE040A01034", 1700), ("ITC", "INE154A01025", 460), ("SBIN", "INE062A01020", 820),
+    ("TATAMOTORS", "INE155A01022", 980), ("WIPRO", "INE075A01022", 560),
+]
+INDICES = [("NIFTY", 24500, 75), ("BANKNIFTY", 52000, 30)]
+
+
+@dataclass
+class SynthOptions:
+    trade_date: dt.date
+    accounts: int
+    seed: int = 1
+    volatile: bool = False
+
+
+def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(opts.seed)
+    clients_path, trades_path = out / "clients.csv", out / "trades.csv"
+    with clients_path.open("w", newline="") as cf, trades_path.open("w", newline="") as tf:
+        clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_FIELDS)
+        clients.writerow(CLIENT_FIELDS)
+        trades.writeheader()
+        counter = _Numbers(rng)
+        for i in range(opts.accounts):
+            ucc = f"C{i + 1:07d}"
+            clients.writerow(_client(rng, ucc, i))
+            n = 60_000 if (opts.volatile and i == 0) else _trade_count(rng)
+            trades.writerows(_trades(rng, opts.trade_date, ucc, n, counter))
+    return clients_path, trades_path
+
+
+def _trade_count(rng: random.Random) -> int:
+    return min(2000, int(2 * rng.paretovariate(0.9)))
+
+
+def _client(rng: random.Random, ucc: str, i: int) -> list[str]:
+    name = ODD_NAMES[i // 97 % len(ODD_NAMES)] if i % 97 == 13 else f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+    state, code = rng.choice(STATES)
+    pan = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(3)) + "P"
+    pan += rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") + f"{rng.randrange(10000):04d}" + rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    domain = "example.com" if i % 2 else "clients.test"
+    address = f"{rng.randrange(1, 400)}, {rng.choice(['MG Road', 'Link Road', 'Anna Salai', 'Park Street'])}, {state}"
+    return [ucc, name, pan, f"{ucc.lower()}@{domain}", address, state, code, "Y"]
+
+
+class _Numbers:
+    """16-digit order and trade numbers, some with leading zeros (they are strings)."""
+
+    def __init__(self, rng: random.Random):
+        self.next = rng.randrange(10**14)
+
+    def take(self) -> str:
+        self.next += 7
+        return f"{self.next:016d}"
+
+
+def _trades(rng, date, ucc, n, numbers):
+    base = dt.datetime.combine(date, dt.time(9, 15))
+    for _ in range(n):
+        row = _one_trade(rng, date, ucc, numbers, base + dt.timedelta(seconds=rng.randrange(22_500)))
+        yield row
+        roll = rng.random()
+        if roll < 0.02:
+            yield {**row, "status": "13"}
+        elif roll < 0.04:
+            yield {**row, "status": "12", "quantity": str(max(1, int(row["quantity"]) - 1))}
+
+
+def _one_trade(rng, date, ucc, numbers, when):
+    exchange = "NSE" if rng.random() < 0.8 else "BSE"
+    kind = rng.random()
+    row = dict.fromkeys(TRADE_FIELDS, "")
+    row.update(trade_date=date.isoformat(), exchange=exchange, ucc=ucc, side=rng.choice("BS"),
+               order_no=numbers.take(), trade_no=numbers.take(), status="11",
+               order_time=(when - dt.timedelta(seconds=rng.randrange(1, 30))).strftime("%H:%M:%S"),
+               trade_time=when.strftime("%H:%M:%S"))
+    if kind < 0.65 or exchange == "BSE":
+        symbol, isin, px = rng.choice(EQUITIES)
+        row.update(segment="CM", instrument="EQ", symbol=symbol, isin=isin,
+                   product=rng.choice(["CNC", "MIS"]), quantity=str(rng.randrange(1, 200)),
+                   price=_price(rng, px))
+    else:
+        row.update(_derivative(rng, date, kind))
+    row["settlement_no"] = f"{row['segment']}{date:%Y}{date.timetuple().tm_yday:03d}"
+    return row
+
+
+def _derivative(rng, date, kind):
+    expiry = (date + dt.timedelta(days=(3 - date.weekday()) % 7 or 7)).isoformat()
+    if rng.random() < 0.5:
+        symbol, spot, lot = rng.choice(INDICES)
+        isin, prefix = "", "IDX"
+    else:
+        symbol, isin, spot = rng.choice(EQUITIES)
+        lot, prefix = 250, "STK"
+    row = dict(segment="FO", symbol=symbol, isin=isin, expiry=expiry, product="NRML",
+               quantity=str(lot * rng.randrange(1, 5)))
+    if kind < 0.8:
+        row.update(instrument="FUT" + prefix, price=_price(rng, spot))
+    else:
+        step = 100 if spot > 10_000 else 20
+        strike = round(spot / step) * step + step * rng.randrange(-5, 6)
+        row.update(instrument="OPT" + prefix, strike=str(strike), option_type=rng.choice(["CE", "PE"]),
+                   price=_price(rng, max(5, spot * 0.01)))
+    return row
+
+
+def _price(rng: random.Random, around: float) -> str:
+    ticks = int(around * rng.uniform(0.97, 1.03) * 20)
+    return str(Decimal(max(ticks, 1)) / 20)

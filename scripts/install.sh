@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything this project needs on a fresh Debian machine (as root), idempotently:
+# system packages, the Python environment in .venv, and an S3-compatible server for the
+# tests (versitygw, built once with Go and cached outside the repo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core chromium)
+VERSITYGW_VERSION=v1.8.0
+TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing system packages: ${missing[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+stamp=".venv/.requirements.sha256"
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [[ ! -x .venv/bin/python || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+  echo "installing the Python environment in .venv" >&2
+  python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+
+if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
+  echo "building versitygw $VERSITYGW_VERSION (S3-compatible server for the tests; once per machine)" >&2
+  mkdir -p "$TOOLS/bin"
+  GOBIN="$TOOLS/bin" go install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION"
+  mv "$TOOLS/bin/versitygw" "$TOOLS/bin/versitygw-$VERSITYGW_VERSION"
+fi
+ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw

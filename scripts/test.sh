@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+exec .venv/bin/python -m pytest "$@"
