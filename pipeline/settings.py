@@ -28,8 +28,8 @@ class SmtpTarget:
 @dataclass(frozen=True)
 class Settings:
     store_url: str = "store"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    smtp_url: str = "smtp://127.0.0.1:1025"
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # URLs may hold passwords
+    smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
     shard_size: int = 100
     window: int = 6
     signers: int = 1
@@ -43,7 +43,6 @@ class Settings:
     encryption: str = "aes256"
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
     state_ttl_s: int = 14 * 24 * 3600
-    render_cpus: float = 1.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -94,7 +93,6 @@ ENV_NAMES = {
     "encryption": "CN_ENCRYPTION",
     "mail_from": "CN_MAIL_FROM",
     "state_ttl_s": "CN_STATE_TTL_S",
-    "render_cpus": "CN_RENDER_CPUS",
 }
 
 

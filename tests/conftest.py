@@ -1,0 +1,101 @@
+"""Session fixtures: one real redis-server, one S3 server, one Ray instance for the whole run;
+an SMTP sink per test (cheap, and each test counts its own messages)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+
+from pipeline.embedded import start_redis, start_smtp_sink
+from pipeline.settings import Settings
+from pipeline.sign import make_test_certificate
+from pipeline.synth import SynthOptions, write_dumps
+from tests import servers
+
+TRADE_DATE = "2026-11-20"
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="session")
+def redis_url(session_dir):
+    service = start_redis(session_dir / "redis")
+    yield service.url
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(session_dir):
+    service = servers.start_versitygw(session_dir / "s3")
+    env = {"AWS_ENDPOINT_URL": service.url, "AWS_ACCESS_KEY_ID": servers.S3_ACCESS_KEY,
+           "AWS_SECRET_ACCESS_KEY": servers.S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield service.url
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    service.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    name = f"notes-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def smtp_sink(tmp_path):
+    outbox = tmp_path / "outbox"
+    service = start_smtp_sink(outbox, tmp_path / "smtp.log")
+    service.outbox = outbox
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def keys_dir(session_dir) -> Path:
+    make_test_certificate(session_dir / "keys")
+    return session_dir / "keys"
+
+
+@pytest.fixture
+def settings(tmp_path, redis_url, smtp_sink, keys_dir) -> Settings:
+    return Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, smtp_url=smtp_sink.url,
+                    shard_size=8, window=4, signers=2, mailers=1,
+                    signer_key=str(keys_dir / "signer.key.pem"), signer_cert=str(keys_dir / "signer.cert.pem"),
+                    signer_chain=str(keys_dir / "root.cert.pem"), owner_password="test-owner-secret")
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_endpoint):
+    """One local Ray for the whole session, with the role resources a cluster advertises.
+    Started after the S3 server, so its workers inherit the S3 endpoint settings."""
+    import ray
+
+    from pipeline.driver import ROOT
+
+    context = ray.init(num_cpus=2, resources={"render": 2, "signer": 2, "smtp": 2}, include_dashboard=False,
+                       object_store_memory=300 * 1024 * 1024, log_to_driver=False,
+                       runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield context
+    ray.shutdown()
+
+
+@pytest.fixture
+def day(tmp_path) -> Path:
+    """A small synthetic day: 30 accounts, heavy-tailed trades."""
+    out = tmp_path / "input"
+    write_dumps(out, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 30, seed=7))
+    return out

@@ -1,0 +1,32 @@
+"""Checks the tests share: independent verification of PDFs and of what the SMTP server got."""
+
+from __future__ import annotations
+
+import csv
+import email
+import subprocess
+from email import policy
+from pathlib import Path
+
+
+def client_rows(day: Path) -> dict[str, dict]:
+    with (day / "clients.csv").open(newline="") as f:
+        return {r["ucc"]: r for r in csv.DictReader(f)}
+
+
+def assert_signed_and_encrypted(pdf: Path, pan: str) -> None:
+    """pdfsig (poppler) and qpdf, not our own code, say the file is signed whole and locked."""
+    out = subprocess.run(["pdfsig", "-upw", pan, str(pdf)], capture_output=True, text=True)
+    assert "Signature Validation: Signature is Valid." in out.stdout, out.stdout + out.stderr
+    assert "Total document signed" in out.stdout, out.stdout
+    assert subprocess.run(["qpdf", "--requires-password", str(pdf)]).returncode == 0, f"{pdf} is not encrypted"
+
+
+def outbox_messages(outbox: Path) -> list[email.message.EmailMessage]:
+    return [email.message_from_bytes(p.read_bytes(), policy=policy.default) for p in sorted(outbox.glob("*.eml"))]
+
+
+def attachment(msg) -> tuple[str, bytes]:
+    parts = [p for p in msg.iter_attachments() if p.get_content_type() == "application/pdf"]
+    assert len(parts) == 1, f"{msg['Message-ID']} has {len(parts)} PDF attachments"
+    return parts[0].get_filename(), parts[0].get_content()

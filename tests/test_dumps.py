@@ -1,0 +1,62 @@
+from decimal import Decimal
+
+import pytest
+
+from pipeline.dumps import RowError, effective_trades, parse_client, parse_trade
+from pipeline.split import shard_count
+from pipeline import keys
+
+GOOD = {
+    "trade_date": "2026-11-20", "exchange": "NSE", "segment": "CM", "settlement_no": "CM2026324",
+    "ucc": "C1", "order_no": "0000000000000042", "order_time": "09:15:00", "trade_no": "0000000000000043",
+    "trade_time": "09:15:01", "symbol": "INFY", "isin": "INE009A01021", "instrument": "EQ", "expiry": "",
+    "strike": "", "option_type": "", "side": "B", "quantity": "10", "price": "1800.05", "product": "CNC",
+    "status": "11",
+}
+
+
+def test_a_good_trade_keeps_identifiers_as_strings_and_money_as_decimal():
+    t = parse_trade("trades.csv", 1, GOOD, "2026-11-20")
+    assert t.order_no == "0000000000000042"
+    assert t.price == Decimal("1800.05") and t.turnover == Decimal("18000.50")
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("price", "abc", "not a number"),
+    ("price", "-1", "positive"),
+    ("price", "NaN", "finite"),
+    ("quantity", "1.5", "not a number"),
+    ("trade_no", "123", "16-digit"),
+    ("side", "X", "B or S"),
+    ("trade_date", "2026-11-19", "run is for"),
+    ("instrument", "FUTSTK", "not traded in segment CM"),
+])
+def test_a_bad_trade_row_names_file_row_and_field(field, value, problem):
+    with pytest.raises(RowError) as e:
+        parse_trade("trades.csv", 7, {**GOOD, field: value}, "2026-11-20")
+    assert (e.value.file, e.value.row, e.value.field, e.value.ucc) == ("trades.csv", 7, field, "C1")
+    assert problem in str(e.value) and "trades.csv row 7" in str(e.value)
+
+
+def test_a_bad_client_row_names_the_field():
+    row = {"ucc": "C1", "name": "A", "pan": "ABCDE1234", "email": "a@example.com", "address": "x",
+           "state": "Karnataka", "gst_state_code": "29", "ecn_opt_in": "Y"}
+    with pytest.raises(RowError, match="clients.csv row 3 field 'pan'"):
+        parse_client("clients.csv", 3, row)
+    assert parse_client("clients.csv", 3, {**row, "pan": "abcde1234f"}).pan == "ABCDE1234F"
+
+
+def test_cancelled_trades_vanish_and_modified_trades_replace_the_original():
+    t = lambda **kw: parse_trade("t", 1, {**GOOD, **kw}, "2026-11-20")  # noqa: E731
+    trades = [t(), t(status="12", quantity="9"), t(trade_no="0000000000000044"),
+              t(trade_no="0000000000000044", status="13")]
+    kept = effective_trades(trades)
+    assert [(x.trade_no, x.quantity, x.status) for x in kept] == [("0000000000000043", 9, "12")]
+
+
+def test_shards_are_a_multiple_of_partitions_so_each_shard_has_one_prefix():
+    assert shard_count(1, 100) == 10 and shard_count(2001, 100) == 30
+    for ucc in ("C1", "C0000042", "ZZ9"):
+        k = keys.shard_of(ucc, 30)
+        assert keys.shard_key("r", k).startswith(f"{keys.partition(ucc)}-contract-notes-data/")
+        assert keys.signed_pdf_key("2026-11-20", ucc).startswith(f"{keys.partition(ucc)}-signed-pdf/")

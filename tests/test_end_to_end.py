@@ -1,0 +1,131 @@
+"""A whole day through the real pipeline: real Ray, redis-server, SMTP server, storage."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from pipeline import keys
+from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.storage import open_store
+from tests.conftest import TRADE_DATE
+from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def traded_accounts(day: Path) -> set[str]:
+    with (day / "trades.csv").open(newline="") as f:
+        return {r["ucc"] for r in csv.DictReader(f)}
+
+
+def test_every_account_is_signed_archived_and_mailed_exactly_once(settings, day, smtp_sink, tmp_path):
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    accounts = traded_accounts(day)
+    clients = client_rows(day)
+    assert summary["accounts"] == len(accounts)
+    assert summary["delivered"] == len(accounts) and summary["failed"] == 0
+
+    messages = outbox_messages(smtp_sink.outbox)
+    assert len(messages) == len(accounts)
+    assert len({m["Message-ID"] for m in messages}) == len(messages)
+    store = Path(settings.store_url)
+    for msg in messages:
+        ucc = msg["Subject"].split("(")[-1].rstrip(")")
+        assert msg["To"].addresses[0].addr_spec == clients[ucc]["email"]
+        name, pdf = attachment(msg)
+        assert name == f"ContractNote_{ucc}_{TRADE_DATE.replace('-', '')}.pdf"
+        archived = store / keys.signed_pdf_key(TRADE_DATE, ucc)
+        assert archived.read_bytes() == pdf, f"{ucc}: mailed PDF differs from the archive"
+        assert_signed_and_encrypted(archived, clients[ucc]["pan"])
+
+    report = json.loads((store / keys.report_keys(summary["run_id"])[0]).read_text())
+    assert report["statuses"] == {"delivered": len(accounts)}
+    with (store / keys.report_keys(summary["run_id"])[1]).open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["ucc"] for r in rows} == accounts
+    assert all(r["message_id"] for r in rows)
+
+
+def test_rerunning_a_run_id_delivers_nothing_new(settings, day, smtp_sink):
+    first = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+    mailed = len(outbox_messages(smtp_sink.outbox))
+
+    again = run_day(settings, RunRequest(TRADE_DATE, str(day), run_id=first["run_id"]))
+
+    assert len(outbox_messages(smtp_sink.outbox)) == mailed == first["delivered"]
+    assert again["delivered_now"] == 0
+    assert again["delivered"] == first["delivered"]
+
+
+def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, smtp_sink):
+    trades = (day / "trades.csv").read_text().splitlines()
+    header = trades[0].split(",")
+    row = trades[5].split(",")
+    victim = row[header.index("ucc")]
+    row[header.index("price")] = "12.3x"
+    trades[5] = ",".join(row)
+    orphan = trades[1].split(",")
+    orphan[header.index("ucc")] = "NOCLIENT1"
+    trades.append(",".join(orphan))
+    (day / "trades.csv").write_text("\n".join(trades) + "\n")
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    assert summary["rejected"] == 2
+    assert summary["delivered"] == summary["accounts"] - 2
+    rows = {r["ucc"]: r for r in csv.DictReader(
+        (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).open())}
+    assert rows[victim]["status"] == "rejected"
+    assert "trades.csv row 5 field 'price'" in rows[victim]["reason"]
+    assert rows["NOCLIENT1"]["status"] == "rejected"
+    assert "no valid client record" in rows["NOCLIENT1"]["reason"]
+    mailed_to = {m["To"].addresses[0].addr_spec for m in outbox_messages(smtp_sink.outbox)}
+    assert client_rows(day)[victim]["email"] not in mailed_to
+
+
+def test_a_day_on_s3_uses_fixed_partition_prefixes(settings, day, smtp_sink, s3_bucket, tmp_path):
+    s3 = boto3.client("s3")
+    for name in ("clients.csv", "trades.csv"):
+        s3.upload_file(str(day / name), s3_bucket, f"input/{name}")
+    on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}"})
+
+    summary = run_day(on_s3, RunRequest(TRADE_DATE, f"s3://{s3_bucket}/input"))
+
+    assert summary["delivered"] == summary["accounts"] > 0
+    listed = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=s3_bucket)
+              for o in page.get("Contents", [])]
+    pdfs = [k for k in listed if k.endswith(".pdf")]
+    assert len(pdfs) == summary["accounts"]
+    assert all(k.split("/")[0] in {f"{p}-signed-pdf" for p in range(10)} for k in pdfs)
+    shard_files = [k for k in listed if "-contract-notes-data/" in k]
+    assert shard_files and all(k.split("/")[0] in {f"{p}-contract-notes-data" for p in range(10)}
+                               for k in shard_files)
+    ucc = pdfs[0].rsplit("/", 1)[1][:-4]
+    local = tmp_path / "one.pdf"
+    local.write_bytes(open_store(f"s3://{s3_bucket}").get(pdfs[0]))
+    assert_signed_and_encrypted(local, client_rows(day)[ucc]["pan"])
+
+
+def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, settings, day, smtp_sink):
+    env = {**os.environ, "RAY_ADDRESS": ray_session.address_info["address"], "REDIS_URL": settings.redis_url,
+           "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_SHARD_SIZE": "10", "PYTHONPATH": ROOT}
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(day),
+         "--store", settings.store_url, "--smtp", settings.smtp_url],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"run_id", "accounts", "delivered", "failed", "elapsed_s", "notes_per_s"} <= summary.keys()
+    assert summary["delivered"] == summary["accounts"] == len(traded_accounts(day))
+    assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]

@@ -1,0 +1,48 @@
+import email
+from email import policy
+
+import pytest
+
+from pipeline.mail import PermanentMailError, RetryPolicy, build_message, message_id
+
+
+def parse(raw: bytes):
+    return email.message_from_bytes(raw, policy=policy.default)
+
+
+def test_message_has_crlf_only_and_parses_back_with_the_pdf():
+    pdf = b"%PDF-1.7\n" + bytes(range(256)) * 50
+    raw = build_message("Notes <n@broker.example.com>", "Aarav Iyer", "c1@example.com", "2026-11-20", "C1",
+                        message_id("run1", "C1"), pdf)
+    assert b"\n" not in raw.replace(b"\r\n", b"")
+    msg = parse(raw)
+    assert msg["To"].addresses[0].addr_spec == "c1@example.com"
+    assert msg["Message-ID"] == message_id("run1", "C1")
+    [part] = list(msg.iter_attachments())
+    assert part.get_filename() == "ContractNote_C1_20261120.pdf"
+    assert part.get_content() == pdf
+
+
+def test_message_ids_are_derived_from_run_and_account():
+    assert message_id("r", "C1") == message_id("r", "C1")
+    assert len({message_id("r", "C1"), message_id("r", "C2"), message_id("s", "C1")}) == 3
+
+
+def test_client_data_cannot_inject_headers():
+    raw = build_message("n@b.example.com", "Eve\r\nBcc: victim@example.com", "c1@example.com", "2026-11-20",
+                        "C1\r\nX-Evil: 1", "<id@x>", b"%PDF")
+    msg = parse(raw)
+    assert msg["Bcc"] is None and msg["X-Evil"] is None
+    with pytest.raises(PermanentMailError):
+        build_message("n@b.example.com", "Eve", "c1@example.com\r\nBcc: v@example.com", "2026-11-20", "C1",
+                      "<id@x>", b"%PDF")
+
+
+def test_non_ascii_names_are_encoded_not_mangled():
+    msg = parse(build_message("n@b.example.com", "राहुल वर्मा", "r@example.com", "2026-11-20", "C9", "<i@x>", b"%PDF"))
+    assert msg["To"].addresses[0].display_name == "राहुल वर्मा"
+
+
+def test_backoff_grows_and_is_capped():
+    p = RetryPolicy(attempts=6, base_s=0.1, cap_s=0.5)
+    assert all(0 <= p.delay(a) <= min(0.5, 0.1 * 2 ** a) for a in range(6) for _ in range(20))

@@ -1,0 +1,42 @@
+import pytest
+
+from pipeline.settings import ConfigError, Settings, parse_smtp_url
+from pipeline.storage import FolderStore, S3Store, StorageError, open_store
+
+
+def test_defaults_run_locally_with_nothing_configured():
+    s = Settings.from_env({})
+    assert s.redis_url.startswith("redis://127.0.0.1")
+    assert isinstance(open_store(s.store_url), FolderStore)
+
+
+def test_environment_overrides_defaults_and_flags_override_environment():
+    s = Settings.from_env({"CN_SHARD_SIZE": "250", "REDIS_URL": "redis://r:1/2"}, redis_url="redis://flag:3/0")
+    assert s.shard_size == 250
+    assert s.redis_url == "redis://flag:3/0"
+
+
+def test_a_non_numeric_setting_names_the_variable():
+    with pytest.raises(ConfigError, match="CN_WINDOW"):
+        Settings.from_env({"CN_WINDOW": "lots"})
+
+
+def test_smtp_urls_carry_credentials_and_implicit_tls():
+    t = parse_smtp_url("smtps://user%40x:p%2Fw@relay.example.com")
+    assert (t.host, t.port, t.username, t.password, t.implicit_tls) == ("relay.example.com", 465, "user@x", "p/w", True)
+    assert parse_smtp_url("smtp://127.0.0.1:2525").port == 2525
+    with pytest.raises(ConfigError):
+        parse_smtp_url("http://relay")
+
+
+def test_the_config_summary_never_shows_secrets():
+    s = Settings.from_env({"REDIS_URL": "redis://:hunter2@r:6379/0", "CN_OWNER_PASSWORD": "topsecret"})
+    text = repr(s) + str(s.summary())
+    assert "hunter2" not in text and "topsecret" not in text
+
+
+def test_storage_urls_choose_the_backend():
+    assert isinstance(open_store("s3://bucket/pre/fix"), S3Store)
+    assert open_store("s3://bucket/pre/fix").prefix == "pre/fix"
+    with pytest.raises(StorageError):
+        open_store("gs://bucket")

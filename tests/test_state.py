@@ -1,0 +1,44 @@
+"""The Redis state model against a real redis-server."""
+
+import uuid
+
+import pytest
+
+from pipeline.state import Outcome, RunState
+
+
+@pytest.fixture
+def state(redis_url):
+    return RunState(redis_url, f"test-{uuid.uuid4().hex[:8]}", ttl_s=600)
+
+
+def test_counters_move_once_per_account_and_stage_however_often_recorded(state):
+    for _ in range(3):
+        state.record([Outcome("A", "validated"), Outcome("A", "rendered"), Outcome("B", "validated")])
+    c = state.counts()
+    assert (c["validated"], c["rendered"], c["signed"]) == (2, 1, 0)
+
+
+def test_a_failure_keeps_the_furthest_stage_and_enters_the_failed_registry(state):
+    state.record([Outcome("A", "validated"), Outcome("A", "rendered"), Outcome("A", "signed"),
+                  Outcome("A", "archived")])
+    state.record([Outcome("A", "delivered", "failed", reason="smtp permanent: 550 no such user")])
+    rec = state.accounts(["A"])["A"]
+    assert (rec["stage"], rec["status"], rec["failed_at"]) == ("archived", "failed", "delivered")
+    assert state.failed() == ["A"] and state.counts()["failed"] == 1
+
+    state.record([Outcome("A", "delivered", message_id="<m>")])
+    assert state.failed() == [] and state.counts()["delivered"] == 1
+
+
+def test_the_mail_guard_admits_exactly_one_claim(state):
+    assert state.claim_mail("A", "<m1>") is True
+    assert state.claim_mail("A", "<m1>") is False
+    state.release_mail("A")
+    assert state.claim_mail("A", "<m1>") is True
+
+
+def test_note_numbers_are_reserved_in_disjoint_blocks(state):
+    fy = f"test-{uuid.uuid4().hex[:6]}"
+    a, b = state.next_note_numbers(fy, 5), state.next_note_numbers(fy, 3)
+    assert (a, b) == (1, 6)
