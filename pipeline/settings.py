@@ -32,7 +32,7 @@ class Settings:
     smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
     shard_size: int = 100
     window: int = 6
-    signers: int = 1
+    signers: int = field(default_factory=lambda: os.cpu_count() or 1)
     mailers: int = 1
     smtp_connections: int = 4
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
