@@ -1,31 +1,44 @@
-"""Encrypt, then sign: pure functions over PDF bytes; the signer actor keeps the key warm.
+"""Sign and encrypt a PDF: pure functions over bytes; the signer actor keeps the key warm.
 
-Order matters. Encryption rewrites every object, so it must come first (qpdf, in C);
-the signature is then an incremental update over the encrypted file and covers all of
-it. The user password is the client's PAN (upper case), the owner password a broker
-secret, and the permissions allow printing only.
+One pass of qpdf (via pikepdf) adds the signature field with a fixed-size placeholder and
+writes the file (encrypted by us for AES-256, see pdfcrypt.py; by qpdf for AES-128). The
+signature is then patched into the placeholder: SHA-256 over the file outside /Contents,
+one RSA signature over a CMS signed-attributes block, both written into a CMS SignedData
+template that was DER-encoded once, when the key was loaded. Every length is fixed, so the
+template stays valid DER. The result is PAdES baseline B (ETSI.CAdES.detached, SHA-256,
+ESS signing-certificate-v2, the signing time in /M) covering the whole file.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
 import pikepdf
+from asn1crypto import algos, cms, tsp
+from asn1crypto import x509 as ax509
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import NameOID
-from pyhanko.pdf_utils.incremental_writer import IncrementalPdfFileWriter
-from pyhanko.sign import fields, signers
+from pikepdf import Array, Dictionary, Name, String
+
+from pipeline.pdfcrypt import PRINT_ONLY_P, attach_encryption, encrypt_objects, mark_encrypted, r6_keys
 
 TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
+FIELD_NAME = "BrokerSignature"
+BYTE_RANGE_PLACEHOLDER = b"0 1111111111 2222222222 3333333333"
+DIGEST_MARK = b"\xd1\x5e" * 16
 PRINT_ONLY = pikepdf.Permissions(
     accessibility=True, extract=False, modify_annotation=False, modify_assembly=False,
     modify_form=False, modify_other=False, print_lowres=True, print_highres=True,
 )
+SAVE_OPTIONS = dict(object_stream_mode=pikepdf.ObjectStreamMode.disable, fix_metadata_version=False)
+ENCRYPTIONS = ("aes256", "aes128", "none")
 
 
 class SignerSetupError(RuntimeError):
@@ -43,57 +56,153 @@ class SignatureInfo:
     contact: str = "compliance@broker.example.com"
 
 
-def load_signer(key_path: str, cert_path: str, password: str | None,
-                chain_path: str = "") -> signers.SimpleSigner:
+class Signer:
+    """A private key and a CMS SignedData template with fixed-size holes for the digest
+    and the signature: per note, two slices are replaced and nothing is re-encoded."""
+
+    def __init__(self, key: rsa.RSAPrivateKey, cert: x509.Certificate, chain: list[x509.Certificate]):
+        self.key, self.cert = key, cert
+        self._sig_mark = b"\x5a\xa5" * (key.key_size // 16)
+        attrs = _signed_attributes(cert)
+        self._attrs = attrs.dump()
+        der = _signed_data(cert, chain, attrs, self._sig_mark).dump()
+        for mark in (DIGEST_MARK, self._sig_mark):
+            if der.count(mark) != 1 or (mark is DIGEST_MARK and self._attrs.count(mark) != 1):
+                raise SignerSetupError("could not build the CMS template (marker not unique)")
+        self._template = der
+        self._digest_at = der.index(DIGEST_MARK)
+        self._sig_at = der.index(self._sig_mark)
+        self._attr_digest_at = self._attrs.index(DIGEST_MARK)
+        self.size = len(der)
+
+    def cms(self, digest: bytes) -> bytes:
+        a = self._attr_digest_at
+        signature = self.key.sign(self._attrs[:a] + digest + self._attrs[a + 32:], padding.PKCS1v15(), hashes.SHA256())
+        d, s, t = self._digest_at, self._sig_at, self._template
+        return t[:d] + digest + t[d + 32:s] + signature + t[s + len(signature):]
+
+
+def load_signer(key_path: str, cert_path: str, password: str | None, chain_path: str = "") -> Signer:
     """PEM key + certificate (+ chain), or a PKCS#12 bundle (.p12/.pfx) given as the key path."""
     for p in {key_path, cert_path} | ({chain_path} if chain_path else set()):
         if not Path(p).is_file():
             raise SignerSetupError(f"signing key/certificate file not found: {p}")
     pw = password.encode() if password else None
-    if key_path.endswith((".p12", ".pfx")):
-        signer = signers.SimpleSigner.load_pkcs12(key_path, passphrase=pw)
-    else:
-        signer = signers.SimpleSigner.load(key_path, cert_path, key_passphrase=pw,
-                                           ca_chain_files=(chain_path,) if chain_path else None)
-    if signer is None:  # pyhanko logs the cause and returns None on a bad file or password
-        raise SignerSetupError(f"cannot load the signing key {key_path}: wrong password or not a key")
-    return signer
-
-
-def encrypt(pdf: bytes, user_password: str, owner_password: str, algorithm: str = "aes256") -> bytes:
-    if user_password == owner_password:
-        raise SignError("owner password must differ from the user password")
-    revision = {"aes256": 6, "aes128": 4}[algorithm]
     try:
-        with pikepdf.Pdf.open(BytesIO(pdf)) as doc:
-            out = BytesIO()
-            doc.save(out, encryption=pikepdf.Encryption(
-                owner=owner_password, user=user_password, R=revision, aes=True, allow=PRINT_ONLY))
-            return out.getvalue()
+        if key_path.endswith((".p12", ".pfx")):
+            key, cert, extra = pkcs12.load_key_and_certificates(Path(key_path).read_bytes(), pw)
+            chain = list(extra or [])
+        else:
+            key = serialization.load_pem_private_key(Path(key_path).read_bytes(), pw)
+            cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+            chain = x509.load_pem_x509_certificates(Path(chain_path).read_bytes()) if chain_path else []
+    except (ValueError, TypeError) as e:
+        raise SignerSetupError(f"cannot load the signing key {key_path}: wrong password or not a key/certificate "
+                               f"({type(e).__name__})") from None
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise SignerSetupError(f"{key_path}: only RSA signing keys are supported")
+    if key.public_key().public_numbers() != cert.public_key().public_numbers():
+        raise SignerSetupError(f"{cert_path} does not belong to the key in {key_path}")
+    return Signer(key, cert, chain)
+
+
+def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
+            algorithm: str = "aes256") -> bytes:
+    """The whole treatment of one note: encrypt with the client's PAN (upper case), then sign."""
+    if algorithm not in ENCRYPTIONS:
+        raise SignError(f"unknown encryption {algorithm!r} (one of {', '.join(ENCRYPTIONS)})")
+    user = pan.upper()
+    if algorithm != "none" and user == owner_password:
+        raise SignError("owner password must differ from the user password")
+    try:
+        doc = pikepdf.Pdf.open(BytesIO(pdf))
     except pikepdf.PdfError as e:
         raise SignError(f"not a readable PDF: {e}") from None
+    with doc:
+        sig = _add_signature_field(doc, info, signer.size)
+        out = BytesIO()
+        if algorithm == "aes256":
+            keys = r6_keys(user, owner_password, PRINT_ONLY_P)
+            encrypt_objects(doc, keys.file_key, skip=sig)
+            attach_encryption(doc, keys)
+            doc.save(out, stream_decode_level=pikepdf.StreamDecodeLevel.none, compress_streams=False, **SAVE_OPTIONS)
+            data = mark_encrypted(out.getvalue())
+        else:
+            encryption = pikepdf.Encryption(owner=owner_password, user=user, R=4, aes=True, allow=PRINT_ONLY)
+            doc.save(out, encryption=encryption if algorithm == "aes128" else False, **SAVE_OPTIONS)
+            data = out.getvalue()
+    return _fill_signature(data, signer)
 
 
-def sign(pdf: bytes, signer: signers.Signer, info: SignatureInfo, owner_password: str | None = None) -> bytes:
-    try:
-        writer = IncrementalPdfFileWriter(BytesIO(pdf), strict=False)
-        if owner_password is not None:
-            writer.encrypt(owner_password)
-        meta = signers.PdfSignatureMetadata(
-            field_name="BrokerSignature", md_algorithm="sha256",
-            subfilter=fields.SigSeedSubFilter.PADES,
-            reason=info.reason, location=info.location, contact_info=info.contact,
-        )
-        return signers.sign_pdf(writer, meta, signer=signer).getvalue()
-    except Exception as e:  # pyhanko raises many types for a malformed file
-        raise SignError(f"cannot sign: {type(e).__name__}: {e}") from None
+def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> pikepdf.Object:
+    now = dt.datetime.now(dt.timezone.utc).strftime("D:%Y%m%d%H%M%SZ")
+    sig = doc.make_indirect(Dictionary(
+        Type=Name.Sig, Filter=Name("/Adobe.PPKLite"), SubFilter=Name("/ETSI.CAdES.detached"),
+        ByteRange=Array([0, 1111111111, 2222222222, 3333333333]), Contents=String(b"\0" * size),
+        M=String(now), Reason=String(info.reason), Location=String(info.location),
+        ContactInfo=String(info.contact)))
+    page = doc.pages[-1]
+    widget = doc.make_indirect(Dictionary(
+        Type=Name.Annot, Subtype=Name.Widget, FT=Name.Sig, T=String(FIELD_NAME), V=sig,
+        Rect=Array([0, 0, 0, 0]), F=132, P=page.obj))
+    if Name.Annots not in page.obj:
+        page.obj.Annots = Array()
+    page.obj.Annots.append(widget)
+    if Name.AcroForm in doc.Root:
+        doc.Root.AcroForm.Fields.append(widget)
+        doc.Root.AcroForm.SigFlags = 3
+    else:
+        doc.Root.AcroForm = Dictionary(Fields=Array([widget]), SigFlags=3)
+    return sig
 
 
-def protect(pdf: bytes, pan: str, owner_password: str, signer: signers.Signer,
-            info: SignatureInfo, algorithm: str = "aes256") -> bytes:
-    """The whole treatment of one note: encrypt with the client's PAN, then sign."""
-    encrypted = encrypt(pdf, pan.upper(), owner_password, algorithm)
-    return sign(encrypted, signer, info, owner_password)
+def _fill_signature(data: bytes, signer: Signer) -> bytes:
+    """ByteRange first (it is signed), then the digest of everything but /Contents."""
+    br = data.find(BYTE_RANGE_PLACEHOLDER)
+    start = data.find(b"/Contents <", br) + len(b"/Contents ")
+    end = data.find(b">", start) + 1
+    if br < 0 or start < br or end <= start or end - start - 2 < signer.size * 2:
+        raise SignError("signature placeholder not found in the written file")
+    ranges = f"0 {start} {end} {len(data) - end}".encode().ljust(len(BYTE_RANGE_PLACEHOLDER))
+    data = data[:br] + ranges + data[br + len(ranges):]
+    digest = hashlib.sha256()
+    digest.update(memoryview(data)[:start])
+    digest.update(memoryview(data)[end:])
+    contents = signer.cms(digest.digest()).hex().encode().ljust(end - start - 2, b"0")
+    return data[:start + 1] + contents + data[end - 1:]
+
+
+def _signed_attributes(cert: x509.Certificate) -> cms.CMSAttributes:
+    acert = ax509.Certificate.load(cert.public_bytes(serialization.Encoding.DER))
+    ess = tsp.SigningCertificateV2({"certs": [tsp.ESSCertIDv2({
+        "hash_algorithm": algos.DigestAlgorithm({"algorithm": "sha256"}),
+        "cert_hash": hashlib.sha256(acert.dump()).digest(),
+        "issuer_serial": {"issuer": [ax509.GeneralName({"directory_name": acert.issuer})],
+                          "serial_number": acert.serial_number},
+    })]})
+    return cms.CMSAttributes([
+        cms.CMSAttribute({"type": "content_type", "values": ["data"]}),
+        cms.CMSAttribute({"type": "message_digest", "values": [DIGEST_MARK]}),
+        cms.CMSAttribute({"type": "signing_certificate_v2", "values": [ess]}),
+    ])
+
+
+def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes) -> cms.ContentInfo:
+    certs = [ax509.Certificate.load(c.public_bytes(serialization.Encoding.DER)) for c in [cert, *chain]]
+    sha256 = algos.DigestAlgorithm({"algorithm": "sha256"})
+    signer_info = cms.SignerInfo({
+        "version": "v1",
+        "sid": cms.SignerIdentifier({"issuer_and_serial_number": cms.IssuerAndSerialNumber({
+            "issuer": certs[0].issuer, "serial_number": certs[0].serial_number})}),
+        "digest_algorithm": sha256,
+        "signed_attrs": attrs,
+        "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": "rsassa_pkcs1v15"}),
+        "signature": sig_mark,
+    })
+    return cms.ContentInfo({"content_type": "signed_data", "content": cms.SignedData({
+        "version": "v1", "digest_algorithms": [sha256], "encap_content_info": {"content_type": "data"},
+        "certificates": certs, "signer_infos": [signer_info],
+    })})
 
 
 def make_test_certificate(directory: Path) -> tuple[Path, Path, Path]:
