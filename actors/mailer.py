@@ -27,6 +27,3 @@ class MailerActor:
         if self.pool is None:  # created on the actor's event loop
             self.pool = SmtpPool(self.settings.smtp(), self.settings.smtp_connections)
         return await mail_stage(batch, MailContext(pool=self.pool, **self.ctx_args))
-
-    async def ready(self) -> bool:
-        return True

@@ -7,10 +7,12 @@ archiving are idempotent (same key in storage), so a retried batch ends signed o
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from pipeline.settings import Settings
-from pipeline.sign import load_signer
+from pipeline.sign import SignatureInfo, load_signer
 from pipeline.stages import Batch, sign_stage
 from pipeline.state import RunState
 from pipeline.storage import open_store
@@ -22,12 +24,13 @@ class SignerActor:
         self.settings = settings
         self.signer = load_signer(settings.signer_key, settings.signer_cert,
                                   settings.signer_key_password, settings.signer_chain)
+        self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
         self.store = open_store(settings.store_url)
         self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
 
     def sign(self, batch: Batch) -> Batch:
         return sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
-                          self.store, self.state)
+                          self.store, self.state, self.info)
 
-    def ready(self) -> bool:
-        return True
+    def pid(self) -> int:
+        return os.getpid()

@@ -41,6 +41,9 @@ class Settings:
     signer_key_password: str | None = field(default=None, repr=False)
     owner_password: str = field(default="change-me-broker-owner-secret", repr=False)
     encryption: str = "aes256"
+    sign_reason: str = "Contract note issued under SEBI regulations"
+    sign_location: str = "Bengaluru, India"
+    sign_contact: str = "compliance@broker.example.com"
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
     state_ttl_s: int = 14 * 24 * 3600
 
@@ -91,6 +94,9 @@ ENV_NAMES = {
     "signer_key_password": "CN_SIGNER_KEY_PASSWORD",
     "owner_password": "CN_OWNER_PASSWORD",
     "encryption": "CN_ENCRYPTION",
+    "sign_reason": "CN_SIGN_REASON",
+    "sign_location": "CN_SIGN_LOCATION",
+    "sign_contact": "CN_SIGN_CONTACT",
     "mail_from": "CN_MAIL_FROM",
     "state_ttl_s": "CN_STATE_TTL_S",
 }

@@ -118,20 +118,26 @@ def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: Sig
         doc = pikepdf.Pdf.open(BytesIO(pdf))
     except pikepdf.PdfError as e:
         raise SignError(f"not a readable PDF: {e}") from None
-    with doc:
-        sig = _add_signature_field(doc, info, signer.size)
-        out = BytesIO()
-        if algorithm == "aes256":
-            keys = r6_keys(user, owner_password, PRINT_ONLY_P)
-            encrypt_objects(doc, keys.file_key, skip=sig)
-            attach_encryption(doc, keys)
-            doc.save(out, stream_decode_level=pikepdf.StreamDecodeLevel.none, compress_streams=False, **SAVE_OPTIONS)
-            data = mark_encrypted(out.getvalue())
-        else:
-            encryption = pikepdf.Encryption(owner=owner_password, user=user, R=4, aes=True, allow=PRINT_ONLY)
-            doc.save(out, encryption=encryption if algorithm == "aes128" else False, **SAVE_OPTIONS)
-            data = out.getvalue()
+    try:
+        with doc:
+            data = _write(doc, user, owner_password, algorithm, info, signer.size)
+    except pikepdf.PdfError as e:
+        raise SignError(f"cannot rewrite the PDF: {e}") from None
     return _fill_signature(data, signer)
+
+
+def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int) -> bytes:
+    sig = _add_signature_field(doc, info, size)
+    out = BytesIO()
+    if algorithm == "aes256":
+        keys = r6_keys(user, owner, PRINT_ONLY_P)
+        encrypt_objects(doc, keys.file_key, skip=sig)
+        attach_encryption(doc, keys)
+        doc.save(out, stream_decode_level=pikepdf.StreamDecodeLevel.none, compress_streams=False, **SAVE_OPTIONS)
+        return mark_encrypted(out.getvalue())
+    encryption = pikepdf.Encryption(owner=owner, user=user, R=4, aes=True, allow=PRINT_ONLY)
+    doc.save(out, encryption=encryption if algorithm == "aes128" else False, **SAVE_OPTIONS)
+    return out.getvalue()
 
 
 def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> pikepdf.Object:

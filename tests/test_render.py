@@ -1,0 +1,96 @@
+"""Rendering: what the template prints, read back from the PDF with poppler's pdftotext."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline import synth
+from pipeline.charges import compute
+from pipeline.dumps import Client, effective_trades, parse_trade
+from pipeline.notes import build_note, money
+from pipeline.render import merge, render
+from pipeline.stages import broker
+
+TRADE_DATE = "2026-11-20"
+
+
+def sample_trades(n: int, ucc: str = "C0000042", seed: int = 5):
+    rng = random.Random(seed)
+    rows = synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), ucc, n, synth._Numbers(rng))
+    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE) for i, r in enumerate(rows, 1)])
+
+
+def sample_client(name: str = "Aarav Iyer", state: str = "Maharashtra", code: str = "27") -> Client:
+    return Client("C0000042", name, "ABCPD1234E", "c42@example.com", "12, MG Road, Mumbai", state, code, True)
+
+
+def sample_note(trades: int = 12, client: Client | None = None, symbol: str | None = None) -> dict:
+    client = client or sample_client()
+    ts = sample_trades(trades)
+    if symbol:
+        ts = [t.__class__(**{**t.__dict__, "symbol": symbol}) for t in ts]
+    b = broker()
+    charges = compute(ts, TRADE_DATE, client.gst_state_code == b["gst_state_code"], b["tariff"])
+    return build_note(client, ts, charges, b, TRADE_DATE, "CNT-26/27-0000042")
+
+
+def pdf_text(pdf: bytes, tmp_path: Path) -> str:
+    path = tmp_path / "note.pdf"
+    path.write_bytes(pdf)
+    return subprocess.run(["pdftotext", "-layout", str(path), "-"], capture_output=True, text=True, check=True).stdout
+
+
+def page_count(pdf: bytes, tmp_path: Path) -> int:
+    path = tmp_path / "count.pdf"
+    path.write_bytes(pdf)
+    info = subprocess.run(["pdfinfo", str(path)], capture_output=True, text=True, check=True).stdout
+    return int(next(line.split()[-1] for line in info.splitlines() if line.startswith("Pages:")))
+
+
+@pytest.mark.parametrize("name", [
+    'A*B [Traders] #1 $x$ \\"Q" _under_ <tag> @ref',
+    "#set text(red)",
+    "राहुल वर्मा",
+    "கார்த்திக் சுப்ரமணியன்",
+])
+def test_names_and_symbols_with_typst_syntax_or_other_scripts_render_literally(tmp_path, name):
+    note = sample_note(5, sample_client(name=name), symbol="A#B*[C]")
+    text = pdf_text(render(note), tmp_path)
+    assert name in text
+    assert "A#B*[C]" in text
+
+
+@pytest.mark.parametrize("trades", [1, 20, 60, 400])
+def test_the_page_count_is_what_pagination_promised(tmp_path, trades):
+    note = sample_note(trades)
+    pdf = render(note)
+    assert page_count(pdf, tmp_path) == note["total_pages"]
+    assert f"Page {note['total_pages']} of {note['total_pages']}" in pdf_text(pdf, tmp_path)
+
+
+def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
+    from pipeline.notes import page_range
+
+    note = sample_note(400)
+    total = note["total_pages"]
+    parts = [render(page_range(note, a, min(a + 3, total))) for a in range(0, total, 3)]
+    merged = merge(parts)
+    assert page_count(merged, tmp_path) == total
+    text = pdf_text(merged, tmp_path)
+    assert all(f"Page {p} of {total}" in text for p in range(1, total + 1))
+    assert text.count("CONTRACT NOTE CUM TAX INVOICE") == 1
+    assert text.count("Levies and charges") == 1
+
+
+def test_money_uses_indian_grouping_and_brackets_what_the_client_pays():
+    from decimal import Decimal
+
+    assert money(Decimal("1234567.891")) == "12,34,567.89"
+    assert money(Decimal("-999.5")) == "(999.50)"
+    assert money(Decimal("0")) == "0.00"
+    assert money(Decimal("12.5"), 4) == "12.5000"

@@ -1,0 +1,167 @@
+"""Signing and encryption, checked by independent verifiers: poppler's pdfsig, qpdf, and
+pyhanko's validator with the test root as the only trust anchor."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.serialization import pkcs12
+from pyhanko.keys import load_cert_from_pemder
+from pyhanko.pdf_utils.reader import PdfFileReader
+from pyhanko.sign.validation import validate_pdf_signature
+from pyhanko_certvalidator import ValidationContext
+
+from pipeline import keys
+from pipeline.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect
+from pipeline.stages import Batch, sign_stage
+from pipeline.state import RunState
+from pipeline.storage import open_store
+from tests.helpers import assert_signed_and_encrypted
+
+PAN = "ABCPD1234E"
+OWNER = "broker-owner-secret"
+
+
+@pytest.fixture(scope="module")
+def note_pdf() -> bytes:
+    from pipeline.render import render
+    from tests.test_render import sample_note
+
+    return render(sample_note(trades=12))
+
+
+@pytest.fixture(scope="module")
+def signer(keys_dir):
+    return load_signer(str(keys_dir / "signer.key.pem"), str(keys_dir / "signer.cert.pem"), None,
+                       str(keys_dir / "root.cert.pem"))
+
+
+def show_encryption(path: Path, password: str) -> str:
+    return subprocess.run(["qpdf", "--show-encryption", f"--password={password}", str(path)],
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("algorithm,revision", [("aes256", "R = 6"), ("aes128", "R = 4")])
+def test_signed_notes_verify_independently_with_the_intended_encryption(
+        tmp_path, note_pdf, signer, keys_dir, algorithm, revision):
+    path = tmp_path / "note.pdf"
+    path.write_bytes(protect(note_pdf, PAN.lower(), OWNER, signer, SignatureInfo(), algorithm))
+
+    assert_signed_and_encrypted(path, PAN)
+    as_user, as_owner = show_encryption(path, PAN), show_encryption(path, OWNER)
+    assert revision in as_user and "Supplied password is user password" in as_user
+    assert "Supplied password is owner password" in as_owner
+    assert "modify anything: not allowed" in as_user and "extract for any purpose: not allowed" in as_user
+    assert "print high resolution: allowed" in as_user
+    assert subprocess.run(["qpdf", "--check", f"--password={PAN}", str(path)],
+                          capture_output=True).returncode == 0
+
+    reader = PdfFileReader(BytesIO(path.read_bytes()))
+    assert reader.decrypt(PAN).status.name == "USER"
+    trust = ValidationContext(trust_roots=[load_cert_from_pemder(str(keys_dir / "root.cert.pem"))])
+    status = validate_pdf_signature(reader.embedded_signatures[0], trust)
+    assert status.bottom_line and status.intact and status.trusted
+    assert status.coverage.name == "ENTIRE_FILE" and status.md_algorithm == "sha256"
+
+
+def test_the_signature_names_the_pades_subfilter_and_config_reason(tmp_path, note_pdf, signer):
+    path = tmp_path / "note.pdf"
+    info = SignatureInfo(reason="Contract note for 20-11-2026", location="Mumbai", contact="desk@example.com")
+    path.write_bytes(protect(note_pdf, PAN, OWNER, signer, info, "none"))
+    out = subprocess.run(["pdfsig", str(path)], capture_output=True, text=True).stdout
+    assert "ETSI.CAdES.detached" in out and "SHA-256" in out
+    sig = PdfFileReader(BytesIO(path.read_bytes())).embedded_signatures[0].sig_object
+    assert (sig["/Reason"], sig["/Location"], sig["/ContactInfo"]) == ("Contract note for 20-11-2026", "Mumbai",
+                                                                       "desk@example.com")
+
+
+def test_a_corrupt_pdf_fails_that_note_only(note_pdf, signer):
+    with pytest.raises(SignError):
+        protect(b"%PDF-1.7 this is not a pdf", PAN, OWNER, signer, SignatureInfo())
+    assert protect(note_pdf, PAN, OWNER, signer, SignatureInfo())[:5] == b"%PDF-"
+
+
+def test_owner_password_may_not_equal_the_user_password(note_pdf, signer):
+    with pytest.raises(SignError, match="owner password"):
+        protect(note_pdf, PAN, PAN, signer, SignatureInfo())
+
+
+def test_bad_key_material_fails_at_load_with_the_cause(tmp_path, keys_dir):
+    cert = str(keys_dir / "signer.cert.pem")
+    with pytest.raises(SignerSetupError, match="not found"):
+        load_signer(str(tmp_path / "missing.pem"), cert, None)
+    key = serialization.load_pem_private_key((keys_dir / "signer.key.pem").read_bytes(), None)
+    locked = tmp_path / "locked.pem"
+    locked.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.BestAvailableEncryption(b"right")))
+    with pytest.raises(SignerSetupError, match="wrong password") as e:
+        load_signer(str(locked), cert, "wrong")
+    assert "right" not in str(e.value)
+    assert load_signer(str(locked), cert, "right").size > 0
+    with pytest.raises(SignerSetupError, match="does not belong"):
+        load_signer(str(keys_dir / "signer.key.pem"), str(keys_dir / "root.cert.pem"), None)
+
+
+def test_a_pkcs12_bundle_signs_too(tmp_path, keys_dir, note_pdf):
+    from cryptography import x509
+
+    key = serialization.load_pem_private_key((keys_dir / "signer.key.pem").read_bytes(), None)
+    cert = x509.load_pem_x509_certificate((keys_dir / "signer.cert.pem").read_bytes())
+    root = x509.load_pem_x509_certificate((keys_dir / "root.cert.pem").read_bytes())
+    bundle = tmp_path / "signer.p12"
+    bundle.write_bytes(pkcs12.serialize_key_and_certificates(
+        b"signer", key, cert, [root], serialization.BestAvailableEncryption(b"p12pw")))
+    signer = load_signer(str(bundle), str(bundle), "p12pw")
+    path = tmp_path / "note.pdf"
+    path.write_bytes(protect(note_pdf, PAN, OWNER, signer, SignatureInfo()))
+    assert_signed_and_encrypted(path, PAN)
+
+
+def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, redis_url, signer, note_pdf):
+    state = RunState(redis_url, f"sign-{uuid.uuid4().hex[:8]}", 600)
+    store = open_store(str(tmp_path / "store"))
+    items = [{"ucc": u, "pan": PAN, "pdf": pdf} for u, pdf in (("C1", note_pdf), ("C2", b"garbage"), ("C3", note_pdf))]
+    batch = sign_stage(Batch(state.run_id, "2026-11-20", 0, items), signer, OWNER, "aes256", store, state)
+    assert [i["ucc"] for i in batch.items] == ["C1", "C3"]
+    records = state.accounts(["C1", "C2", "C3"])
+    assert records["C2"]["status"] == "failed" and records["C2"]["failed_at"] == "signed"
+    assert records["C1"]["stage"] == "archived"
+    assert store.exists(keys.signed_pdf_key("2026-11-20", "C3"))
+
+
+def test_a_signer_killed_mid_batch_is_restarted_and_the_batch_ends_signed_once(
+        ray_session, settings, note_pdf, tmp_path):
+    import ray
+
+    from actors.signer import SignerActor
+
+    run_id = f"kill-{uuid.uuid4().hex[:8]}"
+    actor = SignerActor.options(name=f"signer-{run_id}").remote(settings, run_id)
+    first_pid = ray.get(actor.pid.remote())
+    uccs = [f"K{i:04d}" for i in range(150)]
+    batch = Batch(run_id, "2026-11-20", 0, [{"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs])
+    ref = actor.sign.remote(batch)
+    archive = Path(settings.store_url)
+    deadline = time.monotonic() + 60
+    while not list(archive.rglob("*.pdf")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    partial = len(list(archive.rglob("*.pdf")))
+    ray.kill(actor, no_restart=False)
+
+    signed = ray.get(ref, timeout=120)
+
+    assert 0 < partial < len(uccs), "the kill did not land mid-batch"
+    assert ray.get(actor.pid.remote()) != first_pid
+    assert [i["ucc"] for i in signed.items] == uccs
+    state = RunState(settings.redis_url, run_id)
+    assert state.counts()["signed"] == len(uccs) == state.counts()["archived"]
+    pdfs = sorted(archive.rglob("*.pdf"))
+    assert len(pdfs) == len(uccs)
+    for pdf in pdfs[::50]:
+        assert_signed_and_encrypted(pdf, PAN)
