@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 import ray
 from tqdm import tqdm
@@ -22,6 +24,8 @@ from tqdm import tqdm
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import keys, report
+from pipeline.notes import page_range
+from pipeline.render import merge, render
 from pipeline.settings import Settings
 from pipeline.sign import load_signer
 from pipeline.split import SplitResult, split_day
@@ -31,6 +35,8 @@ from pipeline.storage import open_store
 
 log = logging.getLogger("pipeline.driver")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARALLEL_FROM_PAGES = 100
+RANGE_PAGES = 25  # Typst keeps ~10 compiles' memo cache: 25 dense pages each caps a worker near 0.7 GB
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,26 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None) -> Batch:
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     accounts = load_shard(open_store(settings.store_url), run_id, shard)
-    return render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None)
+    return render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None,
+                        partial(render_any_size, tagged=settings.pdf_tags))
+
+
+@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
+    """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB."""
+    return render(part, tagged), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def render_any_size(note: dict, tagged: bool = False) -> bytes:
+    """A note of a few pages renders here; a huge one (a volatile day's 2000 pages) is cut
+    into page ranges rendered in parallel, then merged with continuous page numbers. While
+    this task waits on them, Ray lends its CPU to the range tasks."""
+    total = note["total_pages"]
+    if total <= PARALLEL_FROM_PAGES:
+        return render(note, tagged)
+    refs = [render_pages_task.options(name=f"render pages {a + 1}-{min(a + RANGE_PAGES, total)}").remote(
+        page_range(note, a, min(a + RANGE_PAGES, total)), tagged) for a in range(0, total, RANGE_PAGES)]
+    return merge([pdf for pdf, _ in ray.get(refs)])
 
 
 def run_day(settings: Settings, req: RunRequest) -> dict:
@@ -85,8 +110,16 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
     load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password, settings.signer_chain)
     state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                  "finished": ""})
+    signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = _split_once(settings, store, run_id, req)
-    tally = _fan_out(settings, run_id, req, split.shards)
+    log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
+             split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
+    try:
+        tally = _fan_out(settings, run_id, req, split.shards, signers, mailers)
+    finally:
+        for actor in signers + mailers:
+            ray.kill(actor)
+    log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
     elapsed = time.time() - started
     state.update_meta(finished=time.time())
     counts = state.counts()
@@ -119,11 +152,16 @@ def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> Spli
     return split
 
 
-def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]) -> dict:
+def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[list, list]:
     signers = [SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id)
                for i in range(settings.signers)]
     mailers = [MailerActor.options(name=f"mailer-{i}-{run_id}").remote(settings, run_id, req.force)
                for i in range(settings.mailers)]
+    return signers, mailers
+
+
+def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], signers: list,
+             mailers: list) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, int] = {}
     queue = list(reversed(shards))
@@ -145,8 +183,6 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
                 progress.set_postfix(notes=totals["notes"])
     finally:
         progress.close()
-        for actor in signers + mailers:
-            ray.kill(actor)
     return totals
 
 

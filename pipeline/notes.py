@@ -1,8 +1,10 @@
 """Client + trades + charges -> the note's data, every value a finished string.
 
-The template only lays out what it is given. Pagination happens here, with a fixed number
-of one-line rows per page, so the page count is known before Typst runs: a huge note can
-be rendered as page ranges in parallel and still say "Page X of Y" continuously.
+The template only lays out what it is given. Tables are monospaced lines padded here: one
+text run per block instead of one per cell makes Typst ~3x cheaper per row, and it is the
+look of a printed contract note. Pagination happens here too, with a fixed number of rows
+per page, so the page count is known before Typst runs: a huge note can be rendered as
+page ranges in parallel and still say "Page X of Y" continuously.
 """
 
 from __future__ import annotations
@@ -14,9 +16,19 @@ from itertools import groupby
 from pipeline.charges import Charges, segment_of
 from pipeline.dumps import Client, Trade
 
-ROWS_FIRST_PAGE = 34
-ROWS_PER_PAGE = 54
-ROWS_FOR_LEVIES = 26  # the levies table and the signature block, in row heights
+ROWS_FIRST_PAGE = 46
+ROWS_PER_PAGE = 64
+ROWS_FOR_LEVIES = 28
+# (heading line 1, heading line 2, width in characters, right-aligned)
+TRADE_COLUMNS = [
+    ("Order No", "", 16, False), ("Order", "Time", 8, False), ("Trade No", "", 16, False),
+    ("Trade", "Time", 8, False), ("Security / Contract", "Description", 38, False), ("B/S", "", 3, False),
+    ("Qty", "", 7, True), ("Gross Rate", "/ Unit", 12, True), ("Brokerage", "/ Unit", 9, True),
+    ("Net Rate", "/ Unit", 12, True), ("Closing", "Rate", 9, True), ("Net Total", "before levies", 15, True),
+    ("Remarks", "", 14, False),
+]
+LEVY_LABEL_WIDTH = 42
+LEVY_VALUE_WIDTH = 17  # the levies table and the signature block, in row heights
 LEVY_LINES = [
     ("Pay-in/Pay-out obligation", lambda l: l.obligation),
     ("Brokerage", lambda l: -l.brokerage),
@@ -72,6 +84,7 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
             "place_of_supply": f"{client.state} ({client.gst_state_code})",
         },
         "levies": levies_table(charges),
+        "heads": table_heads(),
         "pages": pages,
         "total_pages": len(pages),
         "page_offset": 0,
@@ -89,11 +102,19 @@ def page_range(note: dict, start: int, stop: int) -> dict:
 
 def levies_table(charges: Charges) -> dict:
     columns = list(charges.segments.items()) + [("Total (Net)", charges.total)]
-    return {
-        "headers": ["Particulars"] + [name for name, _ in columns],
-        "columns": [[label for label, _ in LEVY_LINES]]
-        + [[money(value(levies)) for _, value in LEVY_LINES] for _, levies in columns],
-    }
+    head = "Particulars".ljust(LEVY_LABEL_WIDTH) + "".join(n.rjust(LEVY_VALUE_WIDTH) for n, _ in columns)
+    rows = [label.ljust(LEVY_LABEL_WIDTH) + "".join(money(value(l)).rjust(LEVY_VALUE_WIDTH) for _, l in columns)
+            for label, value in LEVY_LINES]
+    return {"head": head, "lines": rows[:-1], "net": rows[-1]}
+
+
+def table_heads() -> list[str]:
+    return [_line([c[i] for c in TRADE_COLUMNS]) for i in (0, 1)]
+
+
+def _line(cells: list[str]) -> str:
+    return " ".join((c.rjust(w) if right else c.ljust(w))[:w]
+                    for c, (_, _, w, right) in zip(cells, TRADE_COLUMNS)).rstrip()
 
 
 def paginate(lines: list[dict]) -> list[dict]:
@@ -116,17 +137,14 @@ def _trade_lines(trades: list[Trade], charges: Charges) -> list[dict]:
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{segment.replace('-', ' / ')}  ·  Settlement {settlement}"
         for t in group:
-            lines.append({"label": label, "cells": _cells(t, charges.brokerage_per_unit[t.trade_no])})
+            lines.append({"label": label, "text": _line(_cells(t, charges.brokerage_per_unit[t.trade_no]))})
     return lines
 
 
 def _groups(lines: list[dict]) -> list[dict]:
-    """Consecutive rows of one label become one block of columns (one text run per column)."""
-    out = []
-    for label, rows in groupby(lines, key=lambda l: l["label"]):
-        cells = [r["cells"] for r in rows]
-        out.append({"label": label, "columns": [list(c) for c in zip(*cells)]})
-    return out
+    """Consecutive rows of one label become one block of text."""
+    return [{"label": label, "lines": [r["text"] for r in rows]}
+            for label, rows in groupby(lines, key=lambda l: l["label"])]
 
 
 def _cells(t: Trade, brokerage_unit: Decimal) -> list[str]:
@@ -142,9 +160,9 @@ def _cells(t: Trade, brokerage_unit: Decimal) -> list[str]:
 
 def _describe(t: Trade) -> str:
     if t.instrument == "EQ":
-        return f"{t.symbol} EQ {t.isin}".strip()[:40]
+        return f"{t.symbol} EQ {t.isin}".strip()
     parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type]
-    return " ".join(p for p in parts if p)[:40]
+    return " ".join(p for p in parts if p)
 
 
 def _settlements(trades: list[Trade], trade_date: str) -> list[dict]:

@@ -32,7 +32,7 @@ class Settings:
     smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
     shard_size: int = 100
     window: int = 6
-    signers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    signers: int = 1
     mailers: int = 1
     smtp_connections: int = 4
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
@@ -41,6 +41,7 @@ class Settings:
     signer_key_password: str | None = field(default=None, repr=False)
     owner_password: str = field(default="change-me-broker-owner-secret", repr=False)
     encryption: str = "aes256"
+    pdf_tags: bool = False  # tagged PDF doubles render time and grows files ~8x
     sign_reason: str = "Contract note issued under SEBI regulations"
     sign_location: str = "Bengaluru, India"
     sign_contact: str = "compliance@broker.example.com"
@@ -94,6 +95,7 @@ ENV_NAMES = {
     "signer_key_password": "CN_SIGNER_KEY_PASSWORD",
     "owner_password": "CN_OWNER_PASSWORD",
     "encryption": "CN_ENCRYPTION",
+    "pdf_tags": "CN_PDF_TAGS",
     "sign_reason": "CN_SIGN_REASON",
     "sign_location": "CN_SIGN_LOCATION",
     "sign_contact": "CN_SIGN_CONTACT",
@@ -112,6 +114,10 @@ def _coerce(kind: str, raw: str, name: str):
             return int(raw)
         if kind == "float":
             return float(raw)
+        if kind == "bool":
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[raw.lower()]
+    except KeyError:
+        raise ConfigError(f"{name}={raw!r} is not a boolean (true/false)") from None
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
     return raw

@@ -35,9 +35,13 @@ class SplitResult:
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
 
 
+MIN_SHARDS = 2 * keys.PARTITIONS
+
+
 def shard_count(clients: int, shard_size: int) -> int:
-    """A multiple of the partition count, so every shard sits in one fixed S3 prefix."""
-    shards = max(1, math.ceil(clients / max(1, shard_size)))
+    """A multiple of the partition count, so every shard sits in one fixed S3 prefix, and at
+    least two per partition, so even a small day keeps more shards in flight than cores."""
+    shards = max(MIN_SHARDS, math.ceil(clients / max(1, shard_size)))
     return math.ceil(shards / keys.PARTITIONS) * keys.PARTITIONS
 
 

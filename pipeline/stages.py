@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from pipeline import keys
 from pipeline.charges import compute
@@ -46,9 +47,11 @@ def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
     return [json.loads(line) for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines()]
 
 
-def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None) -> Batch:
+def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
+                 render_note: Callable[[dict], bytes] = render) -> Batch:
     """Render every account of the shard that still needs it; an account already archived is
-    passed on to be mailed from the archive, one already delivered is left alone."""
+    passed on to be mailed from the archive, one already delivered is left alone.
+    `render_note` lets the Ray task render a huge note as page ranges in parallel."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
     outcomes = []
@@ -64,7 +67,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
             batch.items.append(item)
             continue
         try:
-            item["pdf"] = render(_note(account, client, batch.trade_date))
+            item["pdf"] = render_note(_note(account, client, batch.trade_date))
         except (RenderError, KeyError, ValueError) as e:
             outcomes.append(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
             continue

@@ -55,7 +55,7 @@ def test_cancelled_trades_vanish_and_modified_trades_replace_the_original():
 
 
 def test_shards_are_a_multiple_of_partitions_so_each_shard_has_one_prefix():
-    assert shard_count(1, 100) == 10 and shard_count(2001, 100) == 30
+    assert shard_count(1, 100) == 20 and shard_count(3001, 100) == 40
     for ucc in ("C1", "C0000042", "ZZ9"):
         k = keys.shard_of(ucc, 30)
         assert keys.shard_key("r", k).startswith(f"{keys.partition(ucc)}-contract-notes-data/")

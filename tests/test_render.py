@@ -73,6 +73,12 @@ def test_the_page_count_is_what_pagination_promised(tmp_path, trades):
     assert f"Page {note['total_pages']} of {note['total_pages']}" in pdf_text(pdf, tmp_path)
 
 
+def test_no_trade_count_overflows_a_page_or_pushes_the_levies_off(tmp_path):
+    for trades in range(1, 170, 4):
+        note = sample_note(trades)
+        assert page_count(render(note), tmp_path) == note["total_pages"], f"{trades} trades"
+
+
 def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
     from pipeline.notes import page_range
 

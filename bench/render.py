@@ -1,0 +1,173 @@
+"""Rendering speed and size, ours against a naive per-cell table() template, one run.
+
+  typical_note_ms         CPU ms per note of 3-20 trades (different notes, warm compiler)
+  dense_page_ms           CPU ms per full page of trades
+  pages_2000_wall_s       wall seconds from a shard's trade rows to one merged PDF of about
+                          2000 pages: parsing, charges, note data, page ranges rendered in
+                          parallel on local Ray, merge
+  pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work
+  typical_pdf_kb          mean size of a typical note
+  baseline_typical_note_ms, baseline_dense_page_ms
+                          the same notes through bench/baseline_table.typ
+Prints one JSON object as its last line.
+
+    python bench/render.py [--pages 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import typst  # noqa: E402
+
+from pipeline import synth  # noqa: E402
+from pipeline.charges import compute  # noqa: E402
+from pipeline.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
+from pipeline.notes import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
+from pipeline.render import render  # noqa: E402
+from pipeline.stages import broker  # noqa: E402
+
+TRADE_DATE = "2026-11-20"
+CLIENT = Client("C0000042", "Aarav Iyer", "ABCPD1234E", "c42@example.com", "12, MG Road, Mumbai",
+                "Maharashtra", "27", True)
+
+
+def trades(n: int, seed: int):
+    rng = random.Random(seed)
+    rows = synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), CLIENT.ucc, n, synth._Numbers(rng))
+    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE) for i, r in enumerate(rows, 1)])
+
+
+def note_for(ts, number: int) -> dict:
+    b = broker()
+    return build_note(CLIENT, ts, compute(ts, TRADE_DATE, False, b["tariff"]), b, TRADE_DATE,
+                      f"CNT-26/27-{number:07d}")
+
+
+def baseline_data(note: dict, ts) -> dict:
+    """The same content as cells, for the per-cell template."""
+    charges = compute(ts, TRADE_DATE, False, broker()["tariff"])
+    levies = note["levies"]
+    return {
+        "broker": note["broker"], "number": note["note"]["number"], "trade_date": note["note"]["trade_date"],
+        "client": list(note["client"].items()),
+        "heads": ["Order No", "Order Time", "Trade No", "Trade Time", "Security", "B/S", "Qty", "Gross Rate",
+                  "Brokerage", "Net Rate", "Closing Rate", "Net Total", "Remarks"],
+        "rows": [_cells(t, charges.brokerage_per_unit[t.trade_no]) for t in ts],
+        "levies": [line.split("  ") for line in [levies["head"], *levies["lines"], levies["net"]]],
+    }
+
+
+def cpu_ms_per(fn, items, warm, repeats: int = 3) -> float:
+    """Median of repeats (this VM is noisy). Each repeat warms up on notes it does not time:
+    Typst memoises, and a note seen in the last few compiles renders almost for free."""
+    runs = []
+    for _ in range(repeats):
+        for item in warm:
+            fn(item)
+        started = time.process_time()
+        for item in items:
+            fn(item)
+        runs.append((time.process_time() - started) * 1000 / len(items))
+    return statistics.median(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pages", type=int, default=2000)
+    args = parser.parse_args()
+
+    typical_trades = [trades(3 + i % 18, seed=i) for i in range(170)]
+    typical = [note_for(ts, i) for i, ts in enumerate(typical_trades)]
+    dense_trades = [trades(ROWS_PER_PAGE * 8, seed=1000 + i) for i in range(5)]
+    dense = [note_for(ts, i) for i, ts in enumerate(dense_trades)]
+    dense_pages = sum(n["total_pages"] for n in dense[2:])
+
+    baseline = typst.Compiler(str(ROOT / "bench" / "baseline_table.typ"), root=str(ROOT))
+    run_baseline = lambda data: baseline.compile(format="pdf", sys_inputs={"note": json.dumps(data)},  # noqa: E731
+                                                 pdf_tags=False)
+    base_typical = [baseline_data(n, ts) for n, ts in zip(typical, typical_trades)]
+    base_dense = [baseline_data(n, ts) for n, ts in zip(dense, dense_trades)]
+    base_pages = sum(_pages(run_baseline(d)) for d in base_dense[2:])
+    result = {
+        "typical_note_ms": round(cpu_ms_per(render, typical[20:], typical[:20]), 2),
+        "dense_page_ms": round(cpu_ms_per(render, dense[2:], dense[:2]) * 3 / dense_pages, 2),
+        "typical_pdf_kb": round(sum(len(render(n)) for n in typical) / len(typical) / 1024, 1),
+        "baseline_typical_note_ms": round(cpu_ms_per(run_baseline, base_typical[20:], base_typical[:20]), 2),
+        "baseline_dense_page_ms": round(cpu_ms_per(run_baseline, base_dense[2:], base_dense[:2]) * 3 / base_pages, 2),
+    }
+    result.update(huge(args.pages))
+    result["typical_speedup"] = round(result["baseline_typical_note_ms"] / result["typical_note_ms"], 1)
+    result["dense_speedup"] = round(result["baseline_dense_page_ms"] / result["dense_page_ms"], 1)
+    print(json.dumps(result))
+
+
+def huge(pages: int) -> dict:
+    """Trades to a merged PDF through the product's own render_any_size, on a local Ray;
+    a sampler thread records the peak RSS of every process under this one."""
+    import psutil
+    import ray
+
+    from pipeline.driver import ROOT as PROJECT, render_any_size
+
+    cores = os.cpu_count() or 1
+    ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
+    warm = ray.remote(num_cpus=1, resources={"render": 1})(lambda: render(note_for(trades(3, 1), 1)) and None)
+    ray.get([warm.remote() for _ in range(cores)])
+    peak, stop = {"kb": 0}, threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    peak["kb"] = max(peak["kb"], proc.memory_info().rss // 1024)
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    rows = [t.as_row() for t in trades(pages * ROWS_PER_PAGE, seed=7)]  # as a shard file holds them
+    started = time.perf_counter()
+    note = note_for([Trade.from_row(r) for r in rows], 1)
+    built = time.perf_counter()
+    pdf = render_any_size(note)
+    finished = time.perf_counter()
+    stop.set()
+    sampler.join()
+    ray.shutdown()
+    return {
+        "pages_2000_pages": _pages(pdf),
+        "pages_2000_wall_s": round(finished - started, 2),
+        "pages_2000_build_s": round(built - started, 2),
+        "pages_2000_render_merge_s": round(finished - built, 2),
+        "pages_2000_pdf_mb": round(len(pdf) / 2**20, 1),
+        "pages_2000_peak_rss_mb": round(peak["kb"] / 1024),
+    }
+
+
+def _pages(pdf: bytes) -> int:
+    import io
+
+    import pikepdf
+
+    with pikepdf.open(io.BytesIO(pdf)) as p:
+        return len(p.pages)
+
+
+if __name__ == "__main__":
+    main()
