@@ -129,3 +129,39 @@ def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, set
     assert {"run_id", "accounts", "delivered", "failed", "elapsed_s", "notes_per_s"} <= summary.keys()
     assert summary["delivered"] == summary["accounts"] == len(traded_accounts(day))
     assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]
+
+
+def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings, tmp_path, smtp_sink):
+    import datetime as dt
+
+    from pipeline.driver import PARALLEL_FROM_PAGES
+    from pipeline.notes import ROWS_PER_PAGE
+    from pipeline.synth import SynthOptions, write_dumps
+
+    day = tmp_path / "volatile"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 3, seed=11))
+    trades = (day / "trades.csv").read_text().splitlines()
+    whale = [t for t in trades[1:] if ",C0000002," in t]
+    wanted = (PARALLEL_FROM_PAGES + 20) * ROWS_PER_PAGE
+    extra = []
+    for i in range(wanted // max(1, len(whale)) + 1):
+        for t in whale:
+            cols = t.split(",")
+            cols[7] = f"{9 * 10**15 + i * 10**6 + len(extra):016d}"  # a distinct trade number
+            extra.append(",".join(cols))
+    (day / "trades.csv").write_text("\n".join(trades + extra) + "\n")
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    assert summary["delivered"] == summary["accounts"] == 3
+    pdf = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, "C0000002")
+    pan = client_rows(day)["C0000002"]["pan"]
+    assert_signed_and_encrypted(pdf, pan)
+    info = subprocess.run(["pdfinfo", "-upw", pan, str(pdf)], capture_output=True, text=True).stdout
+    pages = int(next(line.split()[-1] for line in info.splitlines() if line.startswith("Pages:")))
+    assert pages > PARALLEL_FROM_PAGES
+    text = subprocess.run(["pdftotext", "-upw", pan, "-f", str(pages), "-l", str(pages), str(pdf), "-"],
+                          capture_output=True, text=True).stdout
+    assert f"Page {pages} of {pages}" in text and "Levies and charges" in text
+    [msg] = [m for m in outbox_messages(smtp_sink.outbox) if "C0000002" in m["Subject"]]
+    assert attachment(msg)[1] == pdf.read_bytes()

@@ -1,0 +1,131 @@
+"""The charges engine against hand-worked examples, and invariants over random days."""
+
+from __future__ import annotations
+
+from decimal import Decimal as D
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.charges import LEVY_FIELDS, compute, rates_for
+from pipeline.dumps import Trade
+from pipeline.stages import broker
+
+TARIFF = broker()["tariff"]
+NEW, OLD = "2026-11-20", "2025-06-02"  # under the 2026-04-01 and the 2024-10-01 schedules
+_numbers = iter(range(10**15, 10**16))
+
+
+def trade(side, qty, price, segment="CM", product="CNC", instrument="EQ", exchange="NSE", order=None, date=NEW):
+    n = f"{next(_numbers):016d}"
+    return Trade(date, exchange, segment, f"{segment}2026324", "C1", order or n, "10:00:00", n, "10:00:01",
+                 "NIFTY", "", instrument, "", "", "CE" if instrument.startswith("OPT") else "", side, qty,
+                 D(price), product, "11")
+
+
+def levies(trades, date=NEW, intra=True):
+    return compute(trades, date, intra, TARIFF).total
+
+
+def test_delivery_buy_intra_state():
+    # 100 x 1000.00 = 1,00,000. STT 0.1% = 100 (rupee); stamp 0.015% = 15.00; NSE txn 0.00297% = 2.97;
+    # SEBI 0.10; IPFT 0.10; brokerage 0 (delivery is free); GST base 3.07 -> CGST = SGST = 0.28.
+    t = levies([trade("B", 100, "1000.00")])
+    assert (t.stt, t.stamp, t.txn, t.sebi, t.ipft, t.brokerage) == (D(100), D("15.00"), D("2.97"), D("0.10"),
+                                                                     D("0.10"), D("0.00"))
+    assert (t.cgst, t.sgst, t.igst) == (D("0.28"), D("0.28"), D(0))
+    assert t.net == D("-100118.73")
+
+
+def test_delivery_buy_inter_state_pays_igst_rounded_once():
+    t = levies([trade("B", 100, "1000.00")], intra=False)
+    assert (t.cgst, t.sgst, t.igst) == (D(0), D(0), D("0.55"))
+    assert t.net == D("-100118.72")
+
+
+def test_bse_delivery_uses_the_bse_transaction_rate():
+    assert levies([trade("B", 100, "1000.00", exchange="BSE")]).txn == D("3.75")  # 0.00375%
+
+
+def test_intraday_round_trip():
+    # buy 100 x 500 = 50,000; sell 100 x 510 = 51,000. STT 0.025% of sells = 12.75 -> 13;
+    # stamp 0.003% of buys = 1.50; txn 0.00297% of 1,01,000 = 3.00; SEBI 0.10; IPFT 0.10;
+    # brokerage per order min(0.03%, 20): 15.00 + 15.30 = 30.30; IGST 18% of 33.40 = 6.01.
+    t = levies([trade("B", 100, "500", product="MIS"), trade("S", 100, "510", product="MIS")], intra=False)
+    assert (t.stt, t.stamp, t.txn, t.brokerage, t.igst) == (D(13), D("1.50"), D("3.00"), D("30.30"), D("6.01"))
+    assert t.net == D("945.99")
+
+
+def test_brokerage_is_per_order_and_capped():
+    # one order filled in two trades: 0.03% of 2,00,000 = 60, capped at 20 for the order.
+    t = levies([trade("S", 100, "1000", product="MIS", order="1" * 16),
+                trade("S", 100, "1000", product="MIS", order="1" * 16)])
+    assert t.brokerage == D("20.00")
+    per_unit = compute([trade("S", 100, "1000", product="MIS", order="2" * 16)], NEW, True, TARIFF)
+    assert set(per_unit.brokerage_per_unit.values()) == {D("0.2000")}  # 20 / 100 units
+
+
+def test_futures_sell_under_new_and_old_rates():
+    # 75 x 24,000 = 18,00,000. STT 0.05% = 900 (0.02% = 360 before 2026-04-01); txn 0.00173% = 31.14;
+    # SEBI 1.80; IPFT 1.80; brokerage capped at 20; GST base 52.94 -> CGST = SGST = 4.76.
+    fut = dict(segment="FO", product="NRML", instrument="FUTIDX")
+    new = levies([trade("S", 75, "24000", **fut)])
+    assert (new.stt, new.txn, new.sebi, new.ipft, new.stamp, new.cgst) == (D(900), D("31.14"), D("1.80"),
+                                                                          D("1.80"), D("0.00"), D("4.76"))
+    assert new.net == D("1799035.74")
+    old = levies([trade("S", 75, "24000", date=OLD, **fut)], date=OLD)
+    assert old.stt == D(360) and old.net == D("1799575.74")
+
+
+def test_options_buy_and_sell_on_premium():
+    # buy 75 x 100 premium = 7,500: stamp 0.003% = 0.225 -> 0.23; txn 0.03503% = 2.63; SEBI 0.01;
+    # IPFT 0.0005% = 0.04; brokerage flat 20; IGST 18% of 22.64 = 4.08; no STT on a buy.
+    opt = dict(segment="FO", product="NRML", instrument="OPTIDX")
+    buy = levies([trade("B", 75, "100", **opt)], intra=False)
+    assert (buy.stt, buy.stamp, buy.txn, buy.ipft, buy.brokerage, buy.igst) == (
+        D(0), D("0.23"), D("2.63"), D("0.04"), D("20.00"), D("4.08"))
+    assert buy.net == D("-7526.99")
+    sell = levies([trade("S", 75, "100", **opt)], intra=False)
+    assert (sell.stt, sell.stamp) == (D(11), D("0.00"))  # 0.15% of 7,500 = 11.25 -> 11
+    assert levies([trade("S", 75, "100", date=OLD, **opt)], date=OLD).stt == D(8)  # 0.1% = 7.50 -> 8
+
+
+def test_rates_follow_the_trade_date():
+    assert rates_for("2026-03-31")["effective_from"] == "2024-10-01"
+    assert rates_for("2026-04-01")["effective_from"] == "2026-04-01"
+
+
+CATEGORIES = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "OPTIDX")]
+trades_strategy = st.lists(
+    st.tuples(st.sampled_from(CATEGORIES), st.sampled_from(["NSE", "BSE"]), st.sampled_from("BS"),
+              st.integers(1, 5000), st.decimals(D("0.05"), D("90000"), places=2), st.integers(0, 5)),
+    min_size=1, max_size=40)
+
+
+def as_trades(specs):
+    out = []
+    for (segment, product, instrument), exchange, side, qty, price, order in specs:
+        exchange = "NSE" if segment == "FO" else exchange
+        out.append(trade(side, qty, price, segment, product, instrument, exchange, order=f"{order:016d}"
+                         if order else None))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(trades_strategy, st.booleans())
+def test_invariants_hold_for_any_day(specs, intra):
+    trades = as_trades(specs)
+    charges = compute(trades, NEW, intra, TARIFF)
+    total = charges.total
+    assert total.net == total.sells - total.buys - sum(getattr(total, f) for f in LEVY_FIELDS)
+    for f in ("buys", "sells", *LEVY_FIELDS):
+        assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
+    for seg in charges.segments.values():
+        assert all(getattr(seg, f) >= 0 for f in LEVY_FIELDS)
+        assert seg.stt == seg.stt.to_integral_value()
+        assert all(-getattr(seg, f).as_tuple().exponent <= 2 for f in LEVY_FIELDS)
+        assert (seg.igst == 0) if intra else (seg.cgst == seg.sgst == 0)
+        assert seg.cgst == seg.sgst
+    assert total.buys == sum(t.turnover for t in trades if t.side == "B")
+    if not any(t.side == "B" for t in trades):
+        assert total.stamp == 0

@@ -1,0 +1,35 @@
+"""The synthetic day looks like a real one: what the rest of the pipeline is tested against."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import statistics
+from collections import Counter
+
+from pipeline.synth import SynthOptions, write_dumps
+
+
+def test_a_synthetic_day_is_heavy_tailed_mixed_and_safe_to_mail(tmp_path):
+    write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 2000, seed=3))
+    trades = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
+    clients = list(csv.DictReader((tmp_path / "clients.csv").open(newline="")))
+
+    per_client = sorted(Counter(t["ucc"] for t in trades if t["status"] == "11").values())
+    assert 3 <= statistics.median(per_client) <= 5
+    assert per_client[int(len(per_client) * 0.99)] >= 150
+    assert {t["status"] for t in trades} == {"11", "12", "13"}
+    assert {(t["exchange"], t["segment"]) for t in trades} >= {("NSE", "CM"), ("NSE", "FO"), ("BSE", "CM")}
+    assert {t["instrument"] for t in trades} >= {"EQ", "FUTIDX", "FUTSTK", "OPTIDX", "OPTSTK"}
+    assert {t["product"] for t in trades} >= {"CNC", "MIS", "NRML"}
+    assert all(len(t["order_no"]) == len(t["trade_no"]) == 16 for t in trades)
+    assert any(t["trade_no"].startswith("0") for t in trades)
+    assert len({c["gst_state_code"] for c in clients}) >= 5 and "29" in {c["gst_state_code"] for c in clients}
+    assert all(c["email"].endswith(("@example.com", ".test")) for c in clients)
+
+
+def test_a_volatile_day_has_a_client_with_sixty_thousand_trades(tmp_path):
+    write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 3, seed=3, volatile=True))
+    counts = Counter(t["ucc"] for t in csv.DictReader((tmp_path / "trades.csv").open(newline=""))
+                     if t["status"] == "11")
+    assert max(counts.values()) >= 60_000
