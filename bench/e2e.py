@@ -6,7 +6,7 @@ In one run, on the same synthetic accounts, with the same local redis-server and
 efficiency = pipeline rate / (cores x sequential rate): 1.0 would be perfect scaling.
 Prints one JSON object as its last line.
 
-    python bench/e2e.py --accounts 500
+    python bench/e2e.py --accounts 1500
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accounts", type=int, default=500)
+    parser.add_argument("--accounts", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args()
     cores = os.cpu_count() or 1

@@ -114,8 +114,10 @@ class RunState:
     def claim_mail(self, ucc: str, message_id: str) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray makes."""
         guard = keys.run_mailguard(self.run_id)
-        claimed = self.r.hsetnx(guard, ucc, json.dumps({"message_id": message_id, "at": time.time()}))
-        self.r.expire(guard, self.ttl_s)
+        with self.r.pipeline(transaction=False) as p:
+            p.hsetnx(guard, ucc, json.dumps({"message_id": message_id, "at": time.time()}))
+            p.expire(guard, self.ttl_s)
+            claimed, _ = p.execute()
         return bool(claimed)
 
     def release_mail(self, ucc: str) -> None:

@@ -15,9 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Protocol
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import ClientError
 
 
 class StorageError(RuntimeError):
@@ -78,6 +75,9 @@ class FolderStore:
 
 class S3Store:
     def __init__(self, url: str, bucket: str, prefix: str = ""):
+        import boto3  # only S3 runs pay for importing boto3
+        from botocore.config import Config
+
         self.url, self.bucket, self.prefix = url, bucket, prefix
         config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=32,
                         s3={"addressing_style": "path"})
@@ -92,14 +92,14 @@ class S3Store:
     def get(self, key: str) -> bytes:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except ClientError as e:
+        except self.client.exceptions.ClientError as e:
             raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
 
     def exists(self, key: str) -> bool:
         try:
             self.client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
-        except ClientError as e:
+        except self.client.exceptions.ClientError as e:
             if e.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
@@ -108,6 +108,6 @@ class S3Store:
         """Streams the object: a day's trade file is never held in memory whole."""
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-        except ClientError as e:
+        except self.client.exceptions.ClientError as e:
             raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
         yield from io.TextIOWrapper(body, encoding="utf-8", newline="")
