@@ -115,7 +115,7 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
     log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
              split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
     try:
-        tally = _fan_out(settings, run_id, req, split.shards, signers, mailers)
+        tally = _fan_out(settings, run_id, req, split.shards, split.accounts, signers, mailers)
     finally:
         for actor in signers + mailers:
             ray.kill(actor)
@@ -123,6 +123,7 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
     elapsed = time.time() - started
     state.update_meta(finished=time.time())
     counts = state.counts()
+    worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
     summary = {
         "run_id": run_id,
         "trade_date": req.trade_date,
@@ -133,8 +134,8 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
         "rejected": split.rejected,
         "physical": tally["statuses"].get("physical", 0),
         "elapsed_s": round(elapsed, 3),
-        "notes_per_s": round(tally["notes"] / elapsed, 2) if elapsed > 0 else 0.0,
-        "cpu_ms_per_note": {k: round(v * 1000 / max(1, tally["notes"]), 2) for k, v in tally["cpu_s"].items()},
+        "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
+        "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
     }
     doc, rows = report.build(state, summary, split.input_errors)
     summary["report"] = report.write(store, run_id, doc, rows)[0]
@@ -160,13 +161,12 @@ def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[lis
     return signers, mailers
 
 
-def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], signers: list,
-             mailers: list) -> dict:
+def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
+             signers: list, mailers: list) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, int] = {}
     queue = list(reversed(shards))
-    progress = tqdm(total=len(shards), unit="shard", desc=f"run {run_id}", file=sys.stderr,
-                    disable=None, smoothing=0.1)
+    progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     try:
         while queue or pending:
             while queue and len(pending) < settings.window:
@@ -178,9 +178,9 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 shard = pending.pop(ref)
-                _add(totals, _result(ref, settings, run_id, shard))
-                progress.update(1)
-                progress.set_postfix(notes=totals["notes"])
+                result = _result(ref, settings, run_id, shard)
+                _add(totals, result)
+                progress.update(result["notes"])
     finally:
         progress.close()
     return totals

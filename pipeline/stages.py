@@ -33,6 +33,10 @@ class Batch:
     shard: int
     items: list[dict] = field(default_factory=list)  # ucc, name, email, pan, ecn, pdf
     cpu_s: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
+
+    def drop(self, status: str) -> None:
+        self.dropped[status] = self.dropped.get(status, 0) + 1
 
     def timed(self, stage: str, started: float) -> None:
         self.cpu_s[stage] = self.cpu_s.get(stage, 0.0) + time.process_time() - started
@@ -58,7 +62,10 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
     for account in accounts:
         ucc = account["ucc"]
         reached = records.get(ucc, {}).get("rank", 0)
-        if (only is not None and ucc not in only) or reached >= STAGES.index("delivered") + 1:
+        if only is not None and ucc not in only:
+            continue
+        if reached >= STAGES.index("delivered") + 1:
+            batch.drop("skipped")
             continue
         client = Client(**account["client"])
         item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
@@ -70,6 +77,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
             item["pdf"] = render_note(_note(account, client, batch.trade_date))
         except (RenderError, KeyError, ValueError) as e:
             outcomes.append(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
+            batch.drop("failed")
             continue
         batch.items.append(item)
         outcomes.append(Outcome(ucc, "rendered"))
@@ -98,12 +106,14 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
             item["pdf"] = protect(item["pdf"], item["pan"], owner_password, signer, info, encryption)
         except SignError as e:
             outcomes.append(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {e}"))
+            batch.drop("failed")
             continue
         outcomes.append(Outcome(item["ucc"], "signed"))
         try:
             store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
         except Exception as e:  # storage errors come in many types (OSError, botocore)
             outcomes.append(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
+            batch.drop("failed")
             continue
         outcomes.append(Outcome(item["ucc"], "archived"))
         kept.append(item)
@@ -127,11 +137,11 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     """Mail every item; returns the batch's tally (small: this is what the driver fetches)."""
     started = time.process_time()
     outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items))
-    tally: dict[str, int] = {}
+    tally = dict(batch.dropped)
     for o in outcomes:
         tally[o.status] = tally.get(o.status, 0) + 1
     batch.timed("mail", started)
-    return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": len(outcomes)}
+    return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": sum(tally.values())}
 
 
 async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
