@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import ray
 
-from pipeline.mail import SmtpPool
 from pipeline.settings import Settings
-from pipeline.stages import Batch, MailContext, mail_stage
+from pipeline.stages import Batch, mail_context, mail_stage
 from pipeline.state import RunState
 from pipeline.storage import open_store
 
@@ -18,12 +17,11 @@ from pipeline.storage import open_store
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"smtp": 1})
 class MailerActor:
     def __init__(self, settings: Settings, run_id: str, force: bool = False):
-        self.settings = settings
-        self.ctx_args = dict(state=RunState(settings.redis_url, run_id, settings.state_ttl_s),
-                             store=open_store(settings.store_url), sender=settings.mail_from, force=force)
-        self.pool = None
+        self.settings, self.run_id, self.force = settings, run_id, force
+        self.ctx = None
 
     async def send(self, batch: Batch) -> dict:
-        if self.pool is None:  # created on the actor's event loop
-            self.pool = SmtpPool(self.settings.smtp(), self.settings.smtp_connections)
-        return await mail_stage(batch, MailContext(pool=self.pool, **self.ctx_args))
+        if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
+            state = RunState(self.settings.redis_url, self.run_id, self.settings.state_ttl_s)
+            self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force)
+        return await mail_stage(batch, self.ctx)

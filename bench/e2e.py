@@ -25,16 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.driver import RunRequest, init_ray, run_day  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
-from pipeline.mail import SmtpPool  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.sign import load_signer, make_test_certificate  # noqa: E402
 from pipeline.split import split_day  # noqa: E402
-from pipeline.stages import Batch, MailContext, broker, load_shard, mail_stage, render_stage, sign_stage  # noqa: E402
+from pipeline.stages import Batch, broker, load_shard, mail_context, mail_stage, render_stage, sign_stage  # noqa: E402
 from pipeline.state import RunState  # noqa: E402
 from pipeline.storage import open_store  # noqa: E402
 from pipeline.synth import SynthOptions, write_dumps  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
+
+
+async def _context(settings, state, store):
+    return mail_context(settings, state, store)
 
 
 def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
@@ -47,8 +50,7 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
     cpu: dict[str, float] = {}
 
     loop = asyncio.new_event_loop()  # mailing only: signing must not run inside a loop
-    ctx = MailContext(pool=SmtpPool(settings.smtp(), settings.smtp_connections), state=state, store=store,
-                      sender=settings.mail_from)
+    ctx = loop.run_until_complete(_context(settings, state, store))
     delivered = 0
     for shard in split.shards:
         batch = render_stage(Batch(run_id, TRADE_DATE, shard), load_shard(store, run_id, shard), state)

@@ -34,7 +34,13 @@ class Settings:
     window: int = 6
     signers: int = 1
     mailers: int = 1
-    smtp_connections: int = 4
+    smtp_connections: int = 4  # per relay, per mailer
+    smtp_idle_s: float = 30.0
+    smtp_wait_s: float = 30.0
+    smtp_max_per_conn: int = 1000
+    smtp_helo: str = ""
+    smtp_starttls: str = "auto"
+    smtp_attempts: int = 4
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
     signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
     signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
@@ -46,6 +52,7 @@ class Settings:
     sign_location: str = "Bengaluru, India"
     sign_contact: str = "compliance@broker.example.com"
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
+    mail_reply_to: str = "Client Support <support@broker.example.com>"
     state_ttl_s: int = 14 * 24 * 3600
 
     @classmethod
@@ -59,19 +66,19 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def smtp(self) -> SmtpTarget:
-        return parse_smtp_url(self.smtp_url)
+    def smtp(self) -> list[SmtpTarget]:
+        """SMTP_URL may list several relays, comma-separated; mail is spread across them."""
+        return [parse_smtp_url(u.strip()) for u in self.smtp_url.split(",") if u.strip()]
 
     def uses_default_key(self) -> bool:
         return self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
 
     def summary(self) -> dict[str, str]:
         """What a run records about its configuration: no secrets, no credentials."""
-        smtp = self.smtp()
         return {
             "store_url": self.store_url,
             "redis_url": _without_password(self.redis_url),
-            "smtp": f"{smtp.host}:{smtp.port}",
+            "smtp": ",".join(f"{t.host}:{t.port}" for t in self.smtp()),
             "shard_size": str(self.shard_size),
             "window": str(self.window),
             "signers": str(self.signers),
@@ -89,6 +96,12 @@ ENV_NAMES = {
     "signers": "CN_SIGNERS",
     "mailers": "CN_MAILERS",
     "smtp_connections": "CN_SMTP_CONNECTIONS",
+    "smtp_idle_s": "CN_SMTP_IDLE_S",
+    "smtp_wait_s": "CN_SMTP_WAIT_S",
+    "smtp_max_per_conn": "CN_SMTP_MAX_PER_CONN",
+    "smtp_helo": "CN_SMTP_HELO",
+    "smtp_starttls": "CN_SMTP_STARTTLS",
+    "smtp_attempts": "CN_SMTP_ATTEMPTS",
     "signer_key": "CN_SIGNER_KEY",
     "signer_cert": "CN_SIGNER_CERT",
     "signer_chain": "CN_SIGNER_CHAIN",
@@ -100,6 +113,7 @@ ENV_NAMES = {
     "sign_location": "CN_SIGN_LOCATION",
     "sign_contact": "CN_SIGN_CONTACT",
     "mail_from": "CN_MAIL_FROM",
+    "mail_reply_to": "CN_MAIL_REPLY_TO",
     "state_ttl_s": "CN_STATE_TTL_S",
 }
 

@@ -1,8 +1,17 @@
 """A local SMTP server that keeps what it receives: one .eml file per message in a folder.
 
-The embedded default's relay, and the tests' real SMTP peer. Files are named by
-Message-ID, written atomically; a duplicate Message-ID is kept as a second file, so a
-double delivery is visible rather than hidden.
+The embedded default's relay, and the tests' and benchmarks' real SMTP peer. Files are
+named by Message-ID; a second message with the same Message-ID is kept as a second file,
+so a double delivery is visible, never hidden. A message counts as received only when the
+server has answered 250 to it.
+
+It can misbehave on purpose (--faults FILE, JSON), the way relays do:
+  delay_ms            wait before every reply (a relay on the LAN, not loopback)
+  refuse_connections  answer this many connections with 421 and hang up
+  reject              recipients answered 550 at RCPT (permanent)
+  tempfail_once       recipients whose first message gets 451 after DATA
+  drop_once           recipients whose first message is never answered: the
+                      connection drops after the data, before the 250
 """
 
 from __future__ import annotations
@@ -10,37 +19,96 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import signal
+from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
 from pathlib import Path
 
 from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import SMTP
+
+
+@dataclass
+class Faults:
+    delay_ms: float = 0
+    refuse_connections: int = 0
+    reject: set[str] = field(default_factory=set)
+    tempfail_once: set[str] = field(default_factory=set)
+    drop_once: set[str] = field(default_factory=set)
+
+    @classmethod
+    def load(cls, path: Path | None) -> "Faults":
+        if path is None:
+            return cls()
+        raw = json.loads(path.read_text())
+        return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
+                   *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once")))
 
 
 class OutboxHandler:
-    def __init__(self, outbox: Path):
-        self.outbox = outbox
+    def __init__(self, outbox: Path, faults: Faults):
+        self.outbox, self.faults = outbox, faults
         outbox.mkdir(parents=True, exist_ok=True)
 
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
+        if address in self.faults.reject:
+            return "550 5.1.1 mailbox unavailable"
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
     async def handle_DATA(self, server, session, envelope) -> str:
-        data = envelope.original_content or envelope.content
-        mid = BytesHeaderParser().parsebytes(data).get("Message-ID", "") or repr(envelope.rcpt_tos)
+        rcpt = envelope.rcpt_tos[0] if envelope.rcpt_tos else ""
+        if rcpt in self.faults.tempfail_once:
+            self.faults.tempfail_once.discard(rcpt)
+            return "451 4.3.0 temporary failure, try again"
+        if rcpt in self.faults.drop_once:
+            self.faults.drop_once.discard(rcpt)
+            server.transport.close()
+            return "421 closing"  # never reaches the client: the transport is gone
+        return "250 OK queued as " + self._keep(envelope.original_content or envelope.content)
+
+    def _keep(self, data: bytes) -> str:
+        mid = BytesHeaderParser().parsebytes(data).get("Message-ID", "") or str(len(os.listdir(self.outbox)))
         name = hashlib.sha256(mid.encode()).hexdigest()[:32]
-        path = self.outbox / f"{name}.eml"
-        n = 1
+        path, n = self.outbox / f"{name}.eml", 1
         while path.exists():
             n += 1
             path = self.outbox / f"{name}.{n}.eml"
         tmp = self.outbox / f".{path.name}.tmp"
         tmp.write_bytes(data)
         os.replace(tmp, path)
-        return "250 OK queued as " + path.stem
+        return path.stem
 
 
-def serve(host: str, port: int, outbox: Path) -> None:
-    controller = Controller(OutboxHandler(outbox), hostname=host, port=port,
-                            server_kwargs={"data_size_limit": 64 * 1024 * 1024}, decode_data=False)
+class FaultySMTP(SMTP):
+    faults: Faults
+
+    async def push(self, status: str) -> None:
+        if self.faults.delay_ms:
+            await asyncio.sleep(self.faults.delay_ms / 1000)
+        await super().push(status)
+
+    async def _handle_client(self) -> None:
+        if self.faults.refuse_connections > 0:
+            self.faults.refuse_connections -= 1
+            await super().push("421 4.3.2 service not available, try later")
+            self.transport.close()
+            return
+        await super()._handle_client()
+
+
+class SinkController(Controller):
+    def factory(self):
+        smtp = FaultySMTP(self.handler, **self.SMTP_kwargs)
+        smtp.faults = self.handler.faults
+        return smtp
+
+
+def serve(host: str, port: int, outbox: Path, faults: Faults) -> None:
+    controller = SinkController(OutboxHandler(outbox, faults), hostname=host, port=port,
+                                server_kwargs={"data_size_limit": 64 * 1024 * 1024}, decode_data=False)
     controller.start()
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
@@ -52,9 +120,10 @@ def serve(host: str, port: int, outbox: Path) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--outbox", type=Path, required=True)
+    parser.add_argument("--faults", type=Path, help="JSON file of faults to inject")
     args = parser.parse_args()
-    serve(args.host, args.port, args.outbox)
+    serve(args.host, args.port, args.outbox, Faults.load(args.faults))

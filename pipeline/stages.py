@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from email.utils import parseaddr
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
@@ -17,7 +18,7 @@ from typing import Callable
 from pipeline import keys
 from pipeline.charges import compute
 from pipeline.dumps import EMAIL, Client, Trade
-from pipeline.mail import (PermanentMailError, RetryPolicy, SmtpPool, TransientMailError,
+from pipeline.mail import (Letter, PermanentMailError, PoolOptions, RetryPolicy, SmtpPool, TransientMailError,
                            build_message, message_id, send_with_retry)
 from pipeline.notes import build_note
 from pipeline.render import TEMPLATES, RenderError, render
@@ -128,15 +129,32 @@ class MailContext:
     pool: SmtpPool
     state: RunState
     store: Store
-    sender: str
+    letter: Letter
     policy: RetryPolicy = RetryPolicy()
     force: bool = False
 
 
+def mail_context(settings, state: RunState, store: Store, force: bool = False) -> MailContext:
+    """Everything a mailer holds; call it on the event loop that will send."""
+    options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
+                          max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
+                          starttls=settings.smtp_starttls)
+    b = broker()
+    letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], b["compliance_officer"]["email"])
+    return MailContext(SmtpPool(settings.smtp(), options), state, store, letter,
+                       RetryPolicy(attempts=settings.smtp_attempts), force)
+
+
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
-    """Mail every item; returns the batch's tally (small: this is what the driver fetches)."""
+    """Mail every item; returns the batch's tally (small: this is what the driver fetches).
+    The guard for the whole batch is claimed in one round trip before any mail leaves."""
     started = time.process_time()
-    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items))
+    mailable = [i for i in batch.items if _not_mailable(i) is None]
+    if ctx.force:
+        for item in mailable:
+            ctx.state.release_mail(item["ucc"])
+    claimed = ctx.state.claim_mails({i["ucc"]: message_id(batch.run_id, i["ucc"]) for i in mailable})
+    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx, item["ucc"] in claimed) for item in batch.items))
     tally = dict(batch.dropped)
     for o in outcomes:
         tally[o.status] = tally.get(o.status, 0) + 1
@@ -144,13 +162,18 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": sum(tally.values())}
 
 
-async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
+async def _mail_one(batch: Batch, item: dict, ctx: MailContext, claimed: bool) -> Outcome:
     outcome = _not_mailable(item)
     if outcome is None:
-        outcome = await _send(batch, item, ctx)
+        outcome = await _send(batch, item, ctx) if claimed else _already_claimed(item["ucc"], ctx)
     if outcome.status != "skipped":
-        ctx.state.record([outcome])
+        ctx.state.record([outcome])  # right after the relay's answer: the delivery log
     return outcome
+
+
+@lru_cache(maxsize=8)
+def _envelope_sender(header: str) -> str:
+    return parseaddr(header)[1]
 
 
 def _not_mailable(item: dict) -> Outcome | None:
@@ -161,22 +184,24 @@ def _not_mailable(item: dict) -> Outcome | None:
     return None
 
 
+def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
+    """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash."""
+    record = ctx.state.accounts([ucc]).get(ucc, {})
+    if record.get("stage") == "delivered":
+        return Outcome(ucc, "delivered", "skipped", reason="already delivered")
+    return Outcome(ucc, "delivered", "failed", reason=(
+        "mail claimed by an earlier attempt that recorded no outcome; not resent "
+        "(check the relay log, then rerun with --force)"))
+
+
 async def _send(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
     ucc = item["ucc"]
     mid = message_id(batch.run_id, ucc)
-    if ctx.force:
-        ctx.state.release_mail(ucc)
-    if not ctx.state.claim_mail(ucc, mid):
-        record = ctx.state.accounts([ucc]).get(ucc, {})
-        if record.get("stage") == "delivered":
-            return Outcome(ucc, "delivered", "skipped", reason="already delivered")
-        return Outcome(ucc, "delivered", "failed", reason=(
-            "mail claimed by an earlier attempt that recorded no outcome; not resent "
-            "(check the relay log, then rerun with --force)"))
     pdf = item["pdf"] if item["pdf"] is not None else ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
     try:
-        message = build_message(ctx.sender, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
-        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, ctx.sender, item["email"], message)
+        message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
+        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, _envelope_sender(ctx.letter.sender),
+                                                item["email"], message)
     except PermanentMailError as e:
         ctx.state.release_mail(ucc)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid)

@@ -59,7 +59,7 @@ class RunState:
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
         self.run_id, self.ttl_s = run_id, ttl_s
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
-        self._record = self.r.register_script(_RECORD)
+        self._record_sha = self.r.script_load(_RECORD)
 
     def start(self, meta: dict) -> None:
         now = time.time()
@@ -77,20 +77,35 @@ class RunState:
         return self.r.hgetall(keys.run_meta(self.run_id))
 
     def record(self, outcomes: Iterable[Outcome]) -> None:
+        """One round trip for the lot (EVALSHA in a pipeline; the script is loaded again
+        only if the server lost it, e.g. after a restart)."""
+        calls = list(self._record_calls(outcomes))
+        if not calls:
+            return
+        try:
+            self._eval_all(calls)
+        except redis.exceptions.NoScriptError:
+            self._record_sha = self.r.script_load(_RECORD)
+            self._eval_all(calls)
+
+    def _eval_all(self, calls: list[list]) -> None:
+        with self.r.pipeline(transaction=False) as p:
+            for args in calls:
+                p.evalsha(self._record_sha, 3, *args)
+            p.execute()
+
+    def _record_calls(self, outcomes: Iterable[Outcome]) -> Iterator[list]:
         now = time.time()
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id)]
-        with self.r.pipeline(transaction=False) as p:
-            for o in outcomes:
-                rank = 0 if o.failed else STAGES.index(o.stage) + 1
-                rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else ""}
-                if o.failed:
-                    rec["stage"] = ""
-                if not rec["extra"]:
-                    del rec["extra"]
-                counter = o.stage if rank else ""
-                self._record(keys=ks, args=[o.ucc, json.dumps(rec), rank, counter, int(o.failed), now, self.ttl_s],
-                             client=p)
-            p.execute()
+        for o in outcomes:
+            rank = 0 if o.failed else STAGES.index(o.stage) + 1
+            rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else ""}
+            if o.failed:
+                rec["stage"] = ""
+            if not rec["extra"]:
+                del rec["extra"]
+            counter = o.stage if rank else ""
+            yield [*ks, o.ucc, json.dumps(rec), rank, counter, int(o.failed), now, self.ttl_s]
 
     def counts(self) -> dict[str, int]:
         counts = {s: 0 for s in STAGES}
@@ -119,6 +134,17 @@ class RunState:
             p.expire(guard, self.ttl_s)
             claimed, _ = p.execute()
         return bool(claimed)
+
+    def claim_mails(self, claims: dict[str, str]) -> set[str]:
+        """claim_mail for a whole batch in one round trip; returns the accounts claimed now."""
+        guard = keys.run_mailguard(self.run_id)
+        now = time.time()
+        with self.r.pipeline(transaction=False) as p:
+            for ucc, mid in claims.items():
+                p.hsetnx(guard, ucc, json.dumps({"message_id": mid, "at": now}))
+            p.expire(guard, self.ttl_s)
+            results = p.execute()
+        return {ucc for ucc, won in zip(claims, results) if won}
 
     def release_mail(self, ucc: str) -> None:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""

@@ -3,7 +3,9 @@ from email import policy
 
 import pytest
 
-from pipeline.mail import PermanentMailError, RetryPolicy, build_message, message_id
+from pipeline.mail import Letter, PermanentMailError, RetryPolicy, build_message, message_id
+
+LETTER = Letter("Notes <n@broker.example.com>", "Desk <desk@broker.example.com>")
 
 
 def parse(raw: bytes):
@@ -12,7 +14,7 @@ def parse(raw: bytes):
 
 def test_message_has_crlf_only_and_parses_back_with_the_pdf():
     pdf = b"%PDF-1.7\n" + bytes(range(256)) * 50
-    raw = build_message("Notes <n@broker.example.com>", "Aarav Iyer", "c1@example.com", "2026-11-20", "C1",
+    raw = build_message(LETTER, "Aarav Iyer", "c1@example.com", "2026-11-20", "C1",
                         message_id("run1", "C1"), pdf)
     assert b"\n" not in raw.replace(b"\r\n", b"")
     msg = parse(raw)
@@ -29,17 +31,17 @@ def test_message_ids_are_derived_from_run_and_account():
 
 
 def test_client_data_cannot_inject_headers():
-    raw = build_message("n@b.example.com", "Eve\r\nBcc: victim@example.com", "c1@example.com", "2026-11-20",
+    raw = build_message(LETTER, "Eve\r\nBcc: victim@example.com", "c1@example.com", "2026-11-20",
                         "C1\r\nX-Evil: 1", "<id@x>", b"%PDF")
     msg = parse(raw)
     assert msg["Bcc"] is None and msg["X-Evil"] is None
     with pytest.raises(PermanentMailError):
-        build_message("n@b.example.com", "Eve", "c1@example.com\r\nBcc: v@example.com", "2026-11-20", "C1",
+        build_message(LETTER, "Eve", "c1@example.com\r\nBcc: v@example.com", "2026-11-20", "C1",
                       "<id@x>", b"%PDF")
 
 
 def test_non_ascii_names_are_encoded_not_mangled():
-    msg = parse(build_message("n@b.example.com", "राहुल वर्मा", "r@example.com", "2026-11-20", "C9", "<i@x>", b"%PDF"))
+    msg = parse(build_message(LETTER, "राहुल वर्मा", "r@example.com", "2026-11-20", "C9", "<i@x>", b"%PDF"))
     assert msg["To"].addresses[0].display_name == "राहुल वर्मा"
 
 
