@@ -6,6 +6,8 @@ guard in Redis (RunState.claim_mail) makes the e-mail itself at most once.
 
 from __future__ import annotations
 
+import time
+
 import ray
 
 from pipeline.settings import Settings
@@ -25,3 +27,7 @@ class MailerActor:
             state = RunState(self.settings.redis_url, self.run_id, self.settings.state_ttl_s)
             self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force)
         return await mail_stage(batch, self.ctx)
+
+    async def cpu_seconds(self) -> float:
+        """This process's CPU time so far: what mailing costs, measured where it is spent."""
+        return time.process_time()

@@ -69,10 +69,18 @@ def start_redis(workdir: Path) -> Service:
 
 
 def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = ()) -> Service:
+    """Waits for the sink's "listening" line rather than probing the port: a probe would be
+    a connection, and the sink may be told to refuse its first ones."""
     port = free_port()
     with log.open("ab") as out:
+        start = out.tell()
         process = subprocess.Popen(
             [sys.executable, "-m", "pipeline.smtp_sink", "--port", str(port), "--outbox", str(outbox), *extra_args],
             stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
-    wait_for_port(port, process, "smtp sink")
+    deadline = time.monotonic() + 20
+    while b"listening on" not in log.read_bytes()[start:]:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise EmbeddedError(f"smtp sink did not start on port {port}: see {log}")
+        time.sleep(0.02)
     return Service("smtp", process, f"smtp://127.0.0.1:{port}")

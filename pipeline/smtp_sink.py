@@ -109,7 +109,9 @@ class SinkController(Controller):
 def serve(host: str, port: int, outbox: Path, faults: Faults) -> None:
     controller = SinkController(OutboxHandler(outbox, faults), hostname=host, port=port,
                                 server_kwargs={"data_size_limit": 64 * 1024 * 1024}, decode_data=False)
-    controller.start()
+    refuse, faults.refuse_connections = faults.refuse_connections, 0
+    controller.start()  # connects to itself once to check the server: not a client to refuse
+    faults.refuse_connections = refuse
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

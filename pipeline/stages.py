@@ -132,6 +132,11 @@ class MailContext:
     letter: Letter
     policy: RetryPolicy = RetryPolicy()
     force: bool = False
+    sending: asyncio.Semaphore | None = None  # one per connection: claim only what can leave now
+
+    def __post_init__(self) -> None:
+        if self.sending is None:
+            self.sending = asyncio.Semaphore(sum(r.options.size for r in self.pool.relays))
 
 
 def mail_context(settings, state: RunState, store: Store, force: bool = False) -> MailContext:
@@ -146,15 +151,9 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False) -
 
 
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
-    """Mail every item; returns the batch's tally (small: this is what the driver fetches).
-    The guard for the whole batch is claimed in one round trip before any mail leaves."""
+    """Mail every item; returns the batch's tally (small: this is what the driver fetches)."""
     started = time.process_time()
-    mailable = [i for i in batch.items if _not_mailable(i) is None]
-    if ctx.force:
-        for item in mailable:
-            ctx.state.release_mail(item["ucc"])
-    claimed = ctx.state.claim_mails({i["ucc"]: message_id(batch.run_id, i["ucc"]) for i in mailable})
-    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx, item["ucc"] in claimed) for item in batch.items))
+    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items))
     tally = dict(batch.dropped)
     for o in outcomes:
         tally[o.status] = tally.get(o.status, 0) + 1
@@ -162,12 +161,21 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": sum(tally.values())}
 
 
-async def _mail_one(batch: Batch, item: dict, ctx: MailContext, claimed: bool) -> Outcome:
+async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
+    """Claim, send, record: the claim is taken just before this account's mail leaves, so a
+    crash leaves only the mails then in flight unresolved (reported, never resent)."""
     outcome = _not_mailable(item)
-    if outcome is None:
-        outcome = await _send(batch, item, ctx) if claimed else _already_claimed(item["ucc"], ctx)
-    if outcome.status != "skipped":
-        ctx.state.record([outcome])  # right after the relay's answer: the delivery log
+    if outcome is not None:
+        ctx.state.record([outcome])
+        return outcome
+    async with ctx.sending:
+        ucc = item["ucc"]
+        if ctx.force:
+            ctx.state.release_mail(ucc)
+        claimed = ctx.state.claim_mail(ucc, message_id(batch.run_id, ucc))
+        outcome = await _send(batch, item, ctx) if claimed else _already_claimed(ucc, ctx)
+        if outcome.status != "skipped":
+            ctx.state.record([outcome])  # right after the relay's answer: the delivery log
     return outcome
 
 

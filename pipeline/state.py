@@ -135,17 +135,6 @@ class RunState:
             claimed, _ = p.execute()
         return bool(claimed)
 
-    def claim_mails(self, claims: dict[str, str]) -> set[str]:
-        """claim_mail for a whole batch in one round trip; returns the accounts claimed now."""
-        guard = keys.run_mailguard(self.run_id)
-        now = time.time()
-        with self.r.pipeline(transaction=False) as p:
-            for ucc, mid in claims.items():
-                p.hsetnx(guard, ucc, json.dumps({"message_id": mid, "at": now}))
-            p.expire(guard, self.ttl_s)
-            results = p.execute()
-        return {ucc for ucc, won in zip(claims, results) if won}
-
     def release_mail(self, ucc: str) -> None:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
         self.r.hdel(keys.run_mailguard(self.run_id), ucc)

@@ -4,6 +4,7 @@ an SMTP sink per test (cheap, and each test counts its own messages)."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import uuid
 from pathlib import Path
@@ -56,12 +57,30 @@ def s3_bucket(s3_endpoint) -> str:
 
 
 @pytest.fixture
-def smtp_sink(tmp_path):
-    outbox = tmp_path / "outbox"
-    service = start_smtp_sink(outbox, tmp_path / "smtp.log")
-    service.outbox = outbox
-    yield service
-    service.stop()
+def smtp_server(tmp_path):
+    """Starts SMTP servers that keep what they receive, misbehaving as told (see smtp_sink)."""
+    started = []
+
+    def start(name: str = "outbox", **faults):
+        outbox = tmp_path / name
+        args = []
+        if faults:
+            path = tmp_path / f"{name}-faults.json"
+            path.write_text(json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in faults.items()}))
+            args = ["--faults", str(path)]
+        service = start_smtp_sink(outbox, tmp_path / f"{name}.log", args)
+        service.outbox = outbox
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        service.stop()
+
+
+@pytest.fixture
+def smtp_sink(smtp_server):
+    return smtp_server()
 
 
 @pytest.fixture(scope="session")

@@ -48,3 +48,14 @@ def test_non_ascii_names_are_encoded_not_mangled():
 def test_backoff_grows_and_is_capped():
     p = RetryPolicy(attempts=6, base_s=0.1, cap_s=0.5)
     assert all(0 <= p.delay(a) <= min(0.5, 0.1 * 2 ** a) for a in range(6) for _ in range(20))
+
+
+def test_the_message_carries_text_and_html_from_templates_and_reply_to():
+    msg = parse(build_message(LETTER, "<b>Eve</b> & Co", "e@example.com", "2026-11-20", "C7", "<i@x>", b"%PDF"))
+    assert msg["Reply-To"] == "Desk <desk@broker.example.com>"
+    assert msg["Subject"] == "Contract note for 2026-11-20 (C7)"
+    text = msg.get_body(("plain",)).get_content()
+    page = msg.get_body(("html",)).get_content()
+    assert "Dear <b>Eve</b> & Co," in text and "PAN in capital letters" in text
+    assert "Dear &lt;b&gt;Eve&lt;/b&gt; &amp; Co," in page and "<b>Eve</b>" not in page
+    assert [p.get_filename() for p in msg.iter_attachments()] == ["ContractNote_C7_20261120.pdf"]

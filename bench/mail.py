@@ -1,0 +1,124 @@
+"""Mailing speed and client CPU, ours against the obvious smtplib loop, in one run.
+
+Both mail the same N signed contract notes to the same local SMTP server, which waits 1 ms
+before every reply (a relay on the LAN; on bare loopback, round trips cost nothing and
+pooling would look useless):
+  (a) baseline: smtplib, a new connection per message, built with email.message.EmailMessage;
+  (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
+      template, the Redis exactly-once guard and delivery log), message building included.
+Client CPU is the sending process's CPU time per mail. Prints one JSON object last.
+
+    python bench/mail.py [--mails 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import smtplib
+import sys
+import tempfile
+import time
+from email.message import EmailMessage
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from pipeline.render import render  # noqa: E402
+from pipeline.settings import Settings  # noqa: E402
+from pipeline.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
+from pipeline.stages import Batch  # noqa: E402
+from tests.test_render import sample_note  # noqa: E402
+
+TRADE_DATE = "2026-11-20"
+
+
+def notes(n: int, keys: Path) -> list[bytes]:
+    key, cert, root = make_test_certificate(keys)
+    signer = load_signer(str(key), str(cert), None, str(root))
+    distinct = [protect(render(sample_note(5 + i)), "ABCPD1234E", "owner-secret", signer, SignatureInfo())
+                for i in range(20)]
+    return [distinct[i % len(distinct)] for i in range(n)]
+
+
+def baseline(host: str, port: int, pdfs: list[bytes]) -> tuple[float, float]:
+    started, cpu = time.perf_counter(), time.process_time()
+    for i, pdf in enumerate(pdfs):
+        msg = EmailMessage()
+        msg["From"], msg["To"] = "Contract Notes <notes@broker.example.com>", f"Client <b{i}@example.com>"
+        msg["Subject"], msg["Message-ID"] = f"Contract note for {TRADE_DATE}", f"<base-{i}@bench.invalid>"
+        msg.set_content("Please find attached your contract note.")
+        msg.add_attachment(pdf, maintype="application", subtype="pdf", filename=f"ContractNote_B{i}.pdf")
+        with smtplib.SMTP(host, port) as smtp:
+            smtp.send_message(msg)
+    return time.perf_counter() - started, time.process_time() - cpu
+
+
+def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[float, float]:
+    import ray
+
+    from actors.mailer import MailerActor
+    from pipeline.driver import ROOT as PROJECT
+
+    ray.init(num_cpus=1, resources={"smtp": 1}, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
+    try:
+        mailer = MailerActor.remote(settings, "bench-ours")
+        warm = [{"ucc": "W0", "name": "Warm", "email": "w0@example.com", "pan": "ABCPD1234E", "ecn": True,
+                 "pdf": pdfs[0]}]
+        ray.get(mailer.send.remote(Batch("bench-ours", TRADE_DATE, 0, warm)))
+        items = [{"ucc": f"O{i:06d}", "name": "Client", "email": f"o{i}@example.com", "pan": "ABCPD1234E",
+                  "ecn": True, "pdf": pdf} for i, pdf in enumerate(pdfs)]
+        batches = [ray.put(Batch("bench-ours", TRADE_DATE, k, items[k:k + batch_size]))
+                   for k in range(0, len(items), batch_size)]
+        cpu0 = ray.get(mailer.cpu_seconds.remote())
+        started = time.perf_counter()
+        results = ray.get([mailer.send.remote(b) for b in batches])
+        elapsed = time.perf_counter() - started
+        cpu = ray.get(mailer.cpu_seconds.remote()) - cpu0
+        assert sum(r["tally"].get("ok", 0) for r in results) == len(pdfs), results
+        return elapsed, cpu
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mails", type=int, default=600)
+    parser.add_argument("--connections", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-mail-") as tmp:
+        work = Path(tmp)
+        pdfs = notes(args.mails, work / "keys")
+        (work / "faults.json").write_text(json.dumps({"delay_ms": 1}))
+        redis = start_redis(work / "redis")
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(work / "faults.json")])
+        try:
+            host, port = smtp.url.removeprefix("smtp://").split(":")
+            base_s, base_cpu = baseline(host, int(port), pdfs)
+            settings = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, store_url=str(work / "store"),
+                                         smtp_connections=args.connections)
+            ours_s, ours_cpu = ours(settings, pdfs)
+            received = len(os.listdir(work / "outbox"))
+        finally:
+            smtp.stop()
+            redis.stop()
+    n = args.mails
+    result = {
+        "mails": n,
+        "received_at_server": received,
+        "baseline_mails_per_s": round(n / base_s, 1),
+        "ours_mails_per_s": round(n / ours_s, 1),
+        "speedup": round(base_s / ours_s, 2),
+        "baseline_client_cpu_ms_per_mail": round(base_cpu * 1000 / n, 2),
+        "ours_client_cpu_ms_per_mail": round(ours_cpu * 1000 / n, 2),
+        "attachment_kb": round(sum(map(len, pdfs)) / n / 1024, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

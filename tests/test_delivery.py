@@ -1,0 +1,178 @@
+"""Delivery against a real SMTP server that misbehaves on purpose: every account ends either
+delivered exactly once (counted at the server by Message-ID) or failed with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pipeline import keys
+from pipeline.driver import RunRequest, run_day
+from pipeline.mail import PoolOptions, SmtpPool, TransientMailError, build_message, Letter
+from pipeline.settings import parse_smtp_url
+from pipeline.stages import Batch
+from pipeline.state import RunState
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+LETTER = Letter("Notes <notes@broker.example.com>", "Desk <desk@broker.example.com>")
+
+
+def received(outbox: Path) -> Counter:
+    return Counter(m["Message-ID"] for m in outbox_messages(outbox))
+
+
+def report_rows(settings, run_id: str) -> dict[str, dict]:
+    path = Path(settings.store_url) / keys.report_keys(run_id)[1]
+    return {r["ucc"]: r for r in csv.DictReader(path.open())}
+
+
+def test_faults_end_in_delivered_once_or_failed_with_the_reason(ray_session, settings, day, smtp_server):
+    clients = client_rows(day)
+    emails = {c["email"]: u for u, c in clients.items()}
+    by_ucc = sorted(clients)
+    rejected, tempfail, dropped = by_ucc[1], by_ucc[2], by_ucc[3]
+    server = smtp_server(refuse_connections=2, reject={clients[rejected]["email"]},
+                         tempfail_once={clients[tempfail]["email"]}, drop_once={clients[dropped]["email"]})
+    faulty = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
+
+    summary = run_day(faulty, RunRequest(TRADE_DATE, str(day)))
+
+    counts = received(server.outbox)
+    assert all(n == 1 for n in counts.values()), f"duplicates: {[m for m, n in counts.items() if n > 1]}"
+    delivered_to = {emails[m["To"].addresses[0].addr_spec] for m in outbox_messages(server.outbox)}
+    rows = report_rows(settings, summary["run_id"])
+    for ucc, row in rows.items():
+        if row["status"] == "delivered":
+            assert ucc in delivered_to and row["message_id"]
+        else:
+            assert row["status"] == "failed" and row["reason"], row
+    assert rows[rejected]["status"] == "failed" and "550" in rows[rejected]["reason"]
+    assert rows[rejected]["physical_dispatch"] == "Y"
+    assert {tempfail, dropped} <= delivered_to, "a 451 and a dropped connection are retried"
+    assert summary["delivered"] == summary["accounts"] - 1
+    report = json.loads((Path(settings.store_url) / keys.report_keys(summary["run_id"])[0]).read_text())
+    assert rejected in report["physical_dispatch"]
+
+
+def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings, smtp_server, tmp_path):
+    import ray
+
+    from actors.mailer import MailerActor
+
+    server = smtp_server(delay_ms=3)
+    slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "smtp_connections": 2})
+    run_id = f"kill-mail-{uuid.uuid4().hex[:6]}"
+    pdf = b"%PDF-1.7\n" + b"0" * 20_000
+    uccs = [f"M{i:05d}" for i in range(150)]
+    items = [{"ucc": u, "name": "Client", "email": f"{u.lower()}@example.com", "pan": "ABCPD1234E", "ecn": True,
+              "pdf": pdf} for u in uccs]
+    actor = MailerActor.options(name=f"mailer-{run_id}").remote(slow, run_id)
+    ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items))
+    deadline = time.monotonic() + 60
+    while len(list(server.outbox.glob("*.eml"))) < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ray.kill(actor, no_restart=False)
+
+    result = ray.get(ref, timeout=120)
+
+    counts = received(server.outbox)
+    assert 10 <= sum(counts.values()) < len(uccs) + 1
+    assert all(n == 1 for n in counts.values()), "an account was mailed twice"
+    state = RunState(settings.redis_url, run_id)
+    records = state.accounts(uccs)
+    mailed = {m.split(".")[1].split("@")[0] for m in counts}
+    unresolved = []
+    for ucc in uccs:
+        rec = records[ucc]
+        if rec["stage"] == "delivered":
+            assert ucc in mailed
+        else:
+            assert rec["status"] == "failed" and "not resent" in rec["reason"], rec
+            unresolved.append(ucc)
+    assert len(unresolved) <= slow.smtp_connections, "only mails in flight at the kill may be unresolved"
+    assert result["notes"] == len(uccs)
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def message(i: int) -> bytes:
+    return build_message(LETTER, "Client", f"c{i}@example.com", TRADE_DATE, f"C{i}", f"<m{i}@x>", b"%PDF-1.7")
+
+
+def test_a_refused_recipient_leaves_a_connection_that_is_reset_before_reuse(smtp_server):
+    server = smtp_server(reject={"c1@example.com"})
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(server.url)], PoolOptions(size=1))
+        with pytest.raises(Exception, match="550"):
+            await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        reply = await pool.send("notes@broker.example.com", "c2@example.com", message(2))  # no 503 nested MAIL
+        relay = pool.relays[0]
+        await pool.close()
+        return reply, relay
+
+    reply, relay = run(go())
+    assert reply.startswith("OK")
+    assert [m["Message-ID"] for m in outbox_messages(server.outbox)] == ["<m2@x>"]
+
+
+def test_a_421_connection_is_never_reused_and_a_new_one_is_made(smtp_server):
+    server = smtp_server(refuse_connections=1)
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(server.url)], PoolOptions(size=1))
+        with pytest.raises(TransientMailError, match="421"):
+            await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        await pool.close()
+
+    run(go())
+    assert len(outbox_messages(server.outbox)) == 1
+
+
+def test_connections_are_reused_capped_swept_and_bounded(smtp_server):
+    server = smtp_server(delay_ms=20)
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(server.url)], PoolOptions(size=1, max_messages=2, idle_s=0.2, wait_s=0.05))
+        relay = pool.relays[0]
+        await pool.send("n@broker.example.com", "c1@example.com", message(1))
+        first = relay._idle[0]
+        await pool.send("n@broker.example.com", "c2@example.com", message(2))
+        reused_then_retired = not relay._idle and first.sent == 2  # cap reached: closed
+        await pool.send("n@broker.example.com", "c3@example.com", message(3))
+        replaced = relay._idle[0] is not first
+        await asyncio.sleep(0.5)
+        swept = relay._idle == []
+        slow = asyncio.ensure_future(pool.send("n@broker.example.com", "c4@example.com", message(4)))
+        await asyncio.sleep(0.001)
+        with pytest.raises(TransientMailError, match="no free connection"):
+            await pool.send("n@broker.example.com", "c5@example.com", message(5))
+        await slow
+        await pool.close()
+        return reused_then_retired, replaced, swept
+
+    assert run(go()) == (True, True, True)
+    assert len(outbox_messages(server.outbox)) == 4
+
+
+def test_mail_is_spread_across_relays(smtp_server):
+    a, b = smtp_server("relay-a"), smtp_server("relay-b")
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(a.url), parse_smtp_url(b.url)], PoolOptions(size=2))
+        await asyncio.gather(*(pool.send("n@broker.example.com", f"c{i}@example.com", message(i)) for i in range(10)))
+        await pool.close()
+
+    run(go())
+    assert len(outbox_messages(a.outbox)) == len(outbox_messages(b.outbox)) == 5
