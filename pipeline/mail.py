@@ -149,6 +149,7 @@ class PoolOptions:
     max_messages: int = 1000  # messages per connection before it is replaced
     helo: str | None = None  # HELO/EHLO name; None: the machine's FQDN
     starttls: str = "auto"  # auto (if offered) | always | never; smtps:// is implicit TLS
+    ca_file: str | None = None  # CA bundle to verify the relay's certificate (None: the system's)
     timeout_s: float = 30.0
 
 
@@ -231,7 +232,7 @@ class RelayPool:
         t, o = self.target, self.options
         starttls = {"auto": None, "always": True, "never": False}[o.starttls] if not t.implicit_tls else False
         smtp = aiosmtplib.SMTP(hostname=t.host, port=t.port, use_tls=t.implicit_tls, start_tls=starttls,
-                               local_hostname=o.helo, timeout=o.timeout_s)
+                               local_hostname=o.helo, timeout=o.timeout_s, cert_bundle=o.ca_file)
         try:
             await smtp.connect()
             if t.username:

@@ -40,6 +40,7 @@ class Settings:
     smtp_max_per_conn: int = 1000
     smtp_helo: str = ""
     smtp_starttls: str = "auto"
+    smtp_ca_file: str = ""
     smtp_attempts: int = 4
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
     signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
@@ -101,6 +102,7 @@ ENV_NAMES = {
     "smtp_max_per_conn": "CN_SMTP_MAX_PER_CONN",
     "smtp_helo": "CN_SMTP_HELO",
     "smtp_starttls": "CN_SMTP_STARTTLS",
+    "smtp_ca_file": "CN_SMTP_CA_FILE",
     "smtp_attempts": "CN_SMTP_ATTEMPTS",
     "signer_key": "CN_SIGNER_KEY",
     "signer_cert": "CN_SIGNER_CERT",

@@ -12,6 +12,7 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
   tempfail_once       recipients whose first message gets 451 after DATA
   drop_once           recipients whose first message is never answered: the
                       connection drops after the data, before the 250
+--tls CERT KEY requires STARTTLS; --login USER:PASSWORD requires AUTH.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import hashlib
 import json
 import os
 import signal
+import ssl
 from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
 from pathlib import Path
 
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP
+from aiosmtpd.smtp import SMTP, AuthResult
 
 
 @dataclass
@@ -106,9 +108,20 @@ class SinkController(Controller):
         return smtp
 
 
-def serve(host: str, port: int, outbox: Path, faults: Faults) -> None:
+def serve(host: str, port: int, outbox: Path, faults: Faults, tls: tuple[str, str] | None = None,
+          login: str | None = None) -> None:
+    kwargs = {"data_size_limit": 64 * 1024 * 1024}
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls)
+        kwargs.update(tls_context=context, require_starttls=True)
+    if login:
+        user, _, password = login.partition(":")
+        kwargs.update(authenticator=lambda server, session, envelope, mechanism, data: AuthResult(
+            success=(data.login.decode(), data.password.decode()) == (user, password), handled=False),
+            auth_require_tls=bool(tls), auth_required=True)
     controller = SinkController(OutboxHandler(outbox, faults), hostname=host, port=port,
-                                server_kwargs={"data_size_limit": 64 * 1024 * 1024}, decode_data=False)
+                                server_kwargs=kwargs, decode_data=False)
     refuse, faults.refuse_connections = faults.refuse_connections, 0
     controller.start()  # connects to itself once to check the server: not a client to refuse
     faults.refuse_connections = refuse
@@ -127,5 +140,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--outbox", type=Path, required=True)
     parser.add_argument("--faults", type=Path, help="JSON file of faults to inject")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="offer and require STARTTLS")
+    parser.add_argument("--login", metavar="USER:PASSWORD", help="require AUTH with these credentials")
     args = parser.parse_args()
-    serve(args.host, args.port, args.outbox, Faults.load(args.faults))
+    serve(args.host, args.port, args.outbox, Faults.load(args.faults), args.tls, args.login)

@@ -143,7 +143,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False) -
     """Everything a mailer holds; call it on the event loop that will send."""
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
-                          starttls=settings.smtp_starttls)
+                          starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None)
     b = broker()
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], b["compliance_officer"]["email"])
     return MailContext(SmtpPool(settings.smtp(), options), state, store, letter,

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import keys
 from pipeline.driver import RunRequest, run_day
-from pipeline.mail import PoolOptions, SmtpPool, TransientMailError, build_message, Letter
+from pipeline.mail import Letter, PermanentMailError, PoolOptions, SmtpPool, TransientMailError, build_message
 from pipeline.settings import parse_smtp_url
 from pipeline.stages import Batch
 from pipeline.state import RunState
@@ -176,3 +176,31 @@ def test_mail_is_spread_across_relays(smtp_server):
 
     run(go())
     assert len(outbox_messages(a.outbox)) == len(outbox_messages(b.outbox)) == 5
+
+
+def test_starttls_and_auth_are_spoken_when_the_relay_requires_them(tmp_path):
+    from pipeline.embedded import start_smtp_sink
+    from tests.servers import make_tls_certificate
+
+    cert, key = make_tls_certificate(tmp_path / "tls")
+    server = start_smtp_sink(tmp_path / "tls-outbox", tmp_path / "tls.log",
+                             ["--tls", str(cert), str(key), "--login", "relayuser:s3cret"])
+    host_port = server.url.removeprefix("smtp://")
+    options = PoolOptions(size=1, starttls="always", ca_file=str(cert), helo="notes.broker.example.com")
+
+    async def send(url: str):
+        pool = SmtpPool([parse_smtp_url(url)], options)
+        try:
+            return await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        finally:
+            await pool.close()
+
+    try:
+        assert run(send(f"smtp://relayuser:s3cret@{host_port}")).startswith("OK")
+        with pytest.raises(PermanentMailError, match="535"):
+            run(send(f"smtp://relayuser:wrong@{host_port}"))
+        with pytest.raises(PermanentMailError, match="530"):  # no AUTH: the relay refuses to relay
+            run(send(f"smtp://{host_port}"))
+    finally:
+        server.stop()
+    assert len(outbox_messages(tmp_path / "tls-outbox")) == 1
