@@ -204,3 +204,28 @@ def test_starttls_and_auth_are_spoken_when_the_relay_requires_them(tmp_path):
     finally:
         server.stop()
     assert len(outbox_messages(tmp_path / "tls-outbox")) == 1
+
+
+def test_clients_without_consent_or_a_usable_address_are_listed_for_paper(ray_session, settings, day, smtp_sink):
+    with (day / "clients.csv").open(newline="") as f:
+        clients = list(csv.DictReader(f))
+    traded = {r["ucc"] for r in csv.DictReader((day / "trades.csv").open(newline=""))}
+    chosen = [c for c in clients if c["ucc"] in traded][:3]
+    no_consent, no_email, bad_email = (c["ucc"] for c in chosen)
+    chosen[0]["ecn_opt_in"], chosen[1]["email"], chosen[2]["email"] = "N", "", "not-an-address"
+    with (day / "clients.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, clients[0].keys())
+        writer.writeheader()
+        writer.writerows(clients)
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    rows = report_rows(settings, summary["run_id"])
+    report = json.loads((Path(settings.store_url) / keys.report_keys(summary["run_id"])[0]).read_text())
+    for ucc in (no_consent, no_email, bad_email):
+        assert rows[ucc]["status"] == "physical" and rows[ucc]["physical_dispatch"] == "Y"
+        assert ucc in report["physical_dispatch"]
+        assert (Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, ucc)).exists(), "archived for paper"
+    subjects = " ".join(m["Subject"] for m in outbox_messages(smtp_sink.outbox))
+    assert not any(u in subjects for u in (no_consent, no_email, bad_email))
+    assert summary["delivered"] == summary["accounts"] - 3
