@@ -52,6 +52,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     r.set_defaults(func=cmd_run)
 
+    rr = sub.add_parser("rerun", help="rerun the failed or the named accounts of a run, from where each stopped")
+    rr.add_argument("run_id")
+    which = rr.add_mutually_exclusive_group(required=True)
+    which.add_argument("--failed", action="store_true", help="every account in the run's failed registry")
+    which.add_argument("--accounts", type=_accounts, help="comma-separated client codes (UCC)")
+    rr.add_argument("--force", action="store_true", help="mail again accounts already delivered")
+    rr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    rr.set_defaults(func=cmd_rerun)
+
+    st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
+    st.add_argument("run_id")
+    st.set_defaults(func=cmd_status)
+
     d = sub.add_parser("demo", help="the embedded default: synthesize a day and run it with local services")
     d.add_argument("--accounts", type=int, default=500)
     d.add_argument("--workdir", type=Path, default=Path("demo"))
@@ -66,6 +79,38 @@ def _date(text: str) -> dt.date:
         return dt.date.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def _accounts(text: str) -> list[str]:
+    accounts = [a.strip() for a in text.split(",") if a.strip()]
+    if not accounts:
+        raise argparse.ArgumentTypeError("give at least one account")
+    return accounts
+
+
+def cmd_rerun(args) -> int:
+    from pipeline.driver import RunNotFound, init_ray, rerun
+
+    settings = Settings.from_env()
+    try:
+        init_ray(settings, args.address)
+        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force)
+    except RunNotFound as e:
+        print(json.dumps({"error": str(e)}))
+        return 2
+    print(json.dumps(summary))
+    return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_status(args) -> int:
+    from pipeline.state import RunState
+
+    state = RunState(Settings.from_env().redis_url, args.run_id)
+    if not state.exists():
+        print(json.dumps({"error": f"no run {args.run_id!r}"}))
+        return 2
+    print(json.dumps({"run_id": args.run_id, "meta": state.meta(), "counts": state.counts()}))
+    return 0
 
 
 def cmd_synth(args) -> int:

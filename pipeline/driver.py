@@ -77,11 +77,11 @@ def split_task(settings: Settings, run_id: str, trade_date: str, input_url: str)
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
-                only: frozenset[str] | None) -> Batch:
+                only: frozenset[str] | None, force: bool = False) -> Batch:
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     accounts = load_shard(open_store(settings.store_url), run_id, shard)
     return render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None,
-                        partial(render_any_size, tagged=settings.pdf_tags))
+                        partial(render_any_size, tagged=settings.pdf_tags), force)
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
@@ -112,10 +112,15 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
                  "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = _split_once(settings, store, run_id, req)
+    state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
     log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
              split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
+    shards, expected = split.shards, split.accounts
+    if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
+        wanted = {keys.shard_of(u, split.shard_count) for u in req.only}
+        shards, expected = [s for s in split.shards if s in wanted], len(req.only)
     try:
-        tally = _fan_out(settings, run_id, req, split.shards, split.accounts, signers, mailers)
+        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers)
     finally:
         for actor in signers + mailers:
             ray.kill(actor)
@@ -139,6 +144,35 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
     }
     doc, rows = report.build(state, summary, split.input_errors)
     summary["report"] = report.write(store, run_id, doc, rows)[0]
+    return summary
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
+          force: bool = False) -> dict:
+    """Targeted rerun of an existing run: the failed accounts, or the ones named. Each resumes
+    from where it stopped (an archived note is mailed, not re-rendered); a delivered account
+    is mailed again only with force. Accounts rejected at validation cannot be rerun: their
+    input must be corrected and run again."""
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    meta = state.meta()
+    if not meta:
+        raise RunNotFound(f"no run {run_id!r} in {settings.summary()['redis_url']}")
+    chosen = set(state.failed()) if failed else set(accounts or [])
+    records = state.accounts(sorted(chosen))
+    rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
+    unknown = sorted(chosen - set(records))
+    only = frozenset(chosen - set(rejected) - set(unknown))
+    if not only:
+        summary = {"run_id": run_id, "accounts": 0, "delivered": state.counts()["delivered"], "delivered_now": 0,
+                   "failed": state.counts()["failed"], "elapsed_s": 0.0, "notes_per_s": 0.0}
+    else:
+        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force))
+    summary.update(rerun_accounts=sorted(only), not_rerunnable={"rejected_at_validation": rejected,
+                                                                "not_in_run": unknown})
     return summary
 
 
@@ -167,12 +201,13 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
     pending: dict[ray.ObjectRef, int] = {}
     queue = list(reversed(shards))
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
+    state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
     try:
         while queue or pending:
             while queue and len(pending) < settings.window:
                 shard = queue.pop()
                 batch = render_task.options(name=f"render shard {shard}").remote(
-                    settings, run_id, req.trade_date, shard, req.only)
+                    settings, run_id, req.trade_date, shard, req.only, req.force)
                 signed = signers[shard % len(signers)].sign.remote(batch)
                 pending[mailers[shard % len(mailers)].send.remote(signed)] = shard
             done, _ = ray.wait(list(pending), num_returns=1)
@@ -181,6 +216,9 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
                 result = _result(ref, settings, run_id, shard)
                 _add(totals, result)
                 progress.update(result["notes"])
+            if time.monotonic() - snapshot_at >= 1.0 or not (queue or pending):
+                state.snapshot()
+                snapshot_at = time.monotonic()
     finally:
         progress.close()
     return totals

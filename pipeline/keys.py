@@ -7,6 +7,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:accounts      hash   ucc -> JSON account record (stage, status, reason, ...)
   cn:run:{run}:failed        zset   ucc -> time of failure (the rerun registry)
   cn:run:{run}:mailguard     hash   ucc -> claim; HSETNX before an e-mail leaves
+  cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
 
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
@@ -42,6 +43,10 @@ def run_failed(run_id: str) -> str:
 
 def run_mailguard(run_id: str) -> str:
     return f"cn:run:{run_id}:mailguard"
+
+
+def run_timeline(run_id: str) -> str:
+    return f"cn:run:{run_id}:timeline"
 
 
 def note_sequence(fy: str) -> str:

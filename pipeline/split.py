@@ -29,7 +29,8 @@ MAX_LISTED_ERRORS = 1000
 
 @dataclass
 class SplitResult:
-    shards: list[int]
+    shards: list[int]  # the shards that hold accounts
+    shard_count: int = 0  # what stable_hash is taken modulo
     accounts: int = 0
     rejected: int = 0
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
@@ -49,7 +50,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
               shard_size: int, note_prefix: str) -> SplitResult:
     clients = sum(1 for _ in inputs.lines("clients.csv")) - 1
     shards = shard_count(clients, shard_size)
-    result = SplitResult(shards=[])
+    result = SplitResult(shards=[], shard_count=shards)
     with tempfile.TemporaryDirectory(prefix=f"split-{run_id}-") as tmp:
         spool = _Spool(Path(tmp))
         _spool_rows(inputs, "clients.csv", CLIENT_FIELDS, shards, spool, result,

@@ -53,9 +53,10 @@ def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
-                 render_note: Callable[[dict], bytes] = render) -> Batch:
+                 render_note: Callable[[dict], bytes] = render, force: bool = False) -> Batch:
     """Render every account of the shard that still needs it; an account already archived is
-    passed on to be mailed from the archive, one already delivered is left alone.
+    passed on to be mailed from the archive, one already delivered is left alone (unless
+    `force`: then it is mailed again, from the archive). `only` limits a targeted rerun.
     `render_note` lets the Ray task render a huge note as page ranges in parallel."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
@@ -65,7 +66,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
         reached = records.get(ucc, {}).get("rank", 0)
         if only is not None and ucc not in only:
             continue
-        if reached >= STAGES.index("delivered") + 1:
+        if reached >= STAGES.index("delivered") + 1 and not force:
             batch.drop("skipped")
             continue
         client = Client(**account["client"])

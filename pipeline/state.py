@@ -1,6 +1,7 @@
 """Live job state in Redis: account records, stage counters, the failed registry, the mail guard.
 
-An account's record holds the furthest stage it reached and its status. Stage counters move
+An account's record holds the furthest stage it reached, its status, its history (one
+event per stage outcome: the delivery log) and its delivery attempts. Stage counters move
 only when an account reaches a stage for the first time, inside one Lua call with the
 record write, so reruns and Ray's retries never double count and counters stay O(1) to read.
 Writes are batched: one pipeline round trip per shard.
@@ -29,6 +30,16 @@ if prev then
   prev_rank, prev_stage = tonumber(p['rank']) or 0, p['stage'] or ''
 end
 local rec = cjson.decode(ARGV[2])
+local history, attempts = {}, 0
+if prev then
+  local p = cjson.decode(prev)
+  history, attempts = p['history'] or {}, tonumber(p['attempts']) or 0
+end
+table.insert(history, {stage = rec['failed_at'] ~= '' and rec['failed_at'] or rec['stage'], status = rec['status'],
+                       reason = rec['reason'], at = rec['updated'], reply = rec['reply']})
+rec['history'] = history
+rec['attempts'] = attempts + (tonumber(rec['tries']) or 0)
+rec['tries'] = nil
 if prev_rank >= rec['rank'] then rec['rank'] = prev_rank; rec['stage'] = prev_stage end
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
 if tonumber(ARGV[3]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
@@ -62,10 +73,12 @@ class RunState:
         self._record_sha = self.r.script_load(_RECORD)
 
     def start(self, meta: dict) -> None:
+        """A rerun of the run keeps its first start time (rates and ETA are about the run)."""
         now = time.time()
-        meta = {"run_id": self.run_id, "started": now, **meta}
+        meta = {"run_id": self.run_id, "last_started": now, **meta}
         with self.r.pipeline() as p:
             p.zadd(keys.RUNS, {self.run_id: now}, nx=True)
+            p.hsetnx(keys.run_meta(self.run_id), "started", str(now))
             p.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in meta.items()})
             p.expire(keys.run_meta(self.run_id), self.ttl_s)
             p.execute()
@@ -99,13 +112,29 @@ class RunState:
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id)]
         for o in outcomes:
             rank = 0 if o.failed else STAGES.index(o.stage) + 1
-            rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else ""}
+            rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else "",
+                   "tries": o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)}
             if o.failed:
                 rec["stage"] = ""
             if not rec["extra"]:
                 del rec["extra"]
             counter = o.stage if rank else ""
             yield [*ks, o.ucc, json.dumps(rec), rank, counter, int(o.failed), now, self.ttl_s]
+
+    def snapshot(self) -> None:
+        """Appends the counters, with the time, to the run's timeline (for charts of
+        throughput over time); the driver calls it about once a second."""
+        point = json.dumps({"at": time.time(), **self.counts()})
+        with self.r.pipeline(transaction=False) as p:
+            p.rpush(keys.run_timeline(self.run_id), point)
+            p.expire(keys.run_timeline(self.run_id), self.ttl_s)
+            p.execute()
+
+    def timeline(self) -> list[dict]:
+        return [json.loads(p) for p in self.r.lrange(keys.run_timeline(self.run_id), 0, -1)]
+
+    def exists(self) -> bool:
+        return bool(self.r.exists(keys.run_meta(self.run_id)))
 
     def counts(self) -> dict[str, int]:
         counts = {s: 0 for s in STAGES}

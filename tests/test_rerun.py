@@ -1,0 +1,79 @@
+"""Targeted reruns: failed accounts are delivered once, from where they stopped; delivered ones
+are not touched (counted at the SMTP servers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from pipeline import keys
+from pipeline.driver import ROOT, RunRequest, rerun, run_day
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+
+def mids(outbox: Path) -> Counter:
+    return Counter(m["Message-ID"] for m in outbox_messages(outbox))
+
+
+def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_session, settings, day, smtp_server):
+    clients = client_rows(day)
+    traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
+    sign_victim, mail_victim = traded[0], traded[1]
+    first_relay = smtp_server("first", reject={clients[mail_victim]["email"]})
+    broken = settings.__class__(**{**settings.__dict__, "smtp_url": first_relay.url,
+                                   "owner_password": clients[sign_victim]["pan"]})
+
+    first = run_day(broken, RunRequest(TRADE_DATE, str(day)))
+
+    assert first["failed"] == 2
+    from pipeline.state import RunState
+
+    state = RunState(settings.redis_url, first["run_id"])
+    records = state.accounts([sign_victim, mail_victim])
+    assert (records[sign_victim]["failed_at"], records[mail_victim]["failed_at"]) == ("signed", "delivered")
+    archived = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, mail_victim)
+    archived_bytes = archived.read_bytes()
+
+    second_relay = smtp_server("second")
+    fixed = settings.__class__(**{**settings.__dict__, "smtp_url": second_relay.url})
+    again = rerun(fixed, first["run_id"], failed=True)
+
+    assert again["rerun_accounts"] == sorted([sign_victim, mail_victim])
+    assert again["delivered"] == again["accounts"] and again["failed"] == 0
+    assert len(mids(first_relay.outbox)) == first["delivered"] == len(traded) - 2
+    second = mids(second_relay.outbox)
+    assert sorted(second.values()) == [1, 1]
+    assert not set(second) & set(mids(first_relay.outbox))
+    assert archived.read_bytes() == archived_bytes, "an archived note is mailed, not re-rendered"
+    history = [e["stage"] for e in state.accounts([mail_victim])[mail_victim]["history"]]
+    assert history.count("rendered") == 1
+
+    assert rerun(fixed, first["run_id"], failed=True)["rerun_accounts"] == []
+    forced = rerun(fixed, first["run_id"], accounts=[traded[2]], force=True)
+    assert forced["delivered_now"] == 1 and len(outbox_messages(second_relay.outbox)) == 3
+
+
+def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_sink):
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+    env = {**os.environ, "REDIS_URL": settings.redis_url, "PYTHONPATH": ROOT,
+           "RAY_ADDRESS": ray_session.address_info["address"], "CN_STORE": settings.store_url,
+           "SMTP_URL": settings.smtp_url, "CN_SIGNER_KEY": settings.signer_key,
+           "CN_SIGNER_CERT": settings.signer_cert, "CN_SIGNER_CHAIN": settings.signer_chain}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", *a], capture_output=True, text=True,  # noqa: E731
+                                    env=env, cwd=ROOT, timeout=300)
+
+    status = run("status", summary["run_id"])
+    assert status.returncode == 0
+    shown = json.loads(status.stdout.splitlines()[-1])
+    assert shown["counts"]["delivered"] == summary["delivered"] and shown["meta"]["date"] == TRADE_DATE
+    assert run("status", "no-such-run").returncode == 2
+    missing = run("rerun", "no-such-run", "--failed")
+    assert missing.returncode == 2 and "no run" in missing.stdout
+    nothing = run("rerun", summary["run_id"], "--failed")
+    assert nothing.returncode == 0, nothing.stderr[-2000:]
+    assert json.loads(nothing.stdout.splitlines()[-1])["rerun_accounts"] == []
