@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("run_id")
     st.set_defaults(func=cmd_status)
 
+    sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.set_defaults(func=cmd_serve)
+
     d = sub.add_parser("demo", help="the embedded default: synthesize a day and run it with local services")
     d.add_argument("--accounts", type=int, default=500)
     d.add_argument("--workdir", type=Path, default=Path("demo"))
@@ -110,6 +115,15 @@ def cmd_status(args) -> int:
         print(json.dumps({"error": f"no run {args.run_id!r}"}))
         return 2
     print(json.dumps({"run_id": args.run_id, "meta": state.meta(), "counts": state.counts()}))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from pipeline.api import create_app
+
+    uvicorn.run(create_app(Settings.from_env()), host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -28,7 +28,7 @@ from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import Settings
 from pipeline.sign import load_signer
-from pipeline.split import SplitResult, split_day
+from pipeline.split import SplitResult, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage
 from pipeline.state import Outcome, RunState
 from pipeline.storage import open_store
@@ -179,11 +179,11 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
 def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> SplitResult:
     """A run splits its input once; a rerun of the same run id reuses the shards (and so
     the contract note numbers they carry)."""
-    manifest = keys.manifest_key(run_id)
-    if store.exists(manifest):
-        return SplitResult(**json.loads(store.get(manifest)))
-    split = ray.get(split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date, req.input_url))
-    store.put(manifest, json.dumps(split.__dict__).encode())
+    split = load_manifest(store, run_id)
+    if split is None:
+        split = ray.get(split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date,
+                                                                         req.input_url))
+        save_manifest(store, run_id, split)
     return split
 
 

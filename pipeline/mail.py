@@ -123,7 +123,7 @@ def _safe(value: str) -> str:
 
 def _safe_addr(addr: str) -> str:
     if CONTROL.search(addr) or any(c in addr for c in "<>,;\" "):
-        raise PermanentMailError(0, f"malformed recipient address {addr!r}")
+        raise PermanentMailError(0, "malformed recipient address")  # the address itself is PII: not logged
     return addr
 
 

@@ -7,10 +7,10 @@ import io
 import json
 
 from pipeline import keys
-from pipeline.state import RunState
+from pipeline.state import RunState, final_status
 from pipeline.storage import Store
 
-CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "physical_dispatch"]
+CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch"]
 
 
 def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dict, str]:
@@ -20,7 +20,7 @@ def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dic
     statuses: dict[str, int] = {}
     physical = []
     for rec in sorted(state.all_accounts(), key=lambda r: r["ucc"]):
-        status = _final_status(rec)
+        status = final_status(rec)
         statuses[status] = statuses.get(status, 0) + 1
         needs_paper = status == "physical" or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
         if needs_paper:
@@ -41,9 +41,3 @@ def write(store: Store, run_id: str, report: dict, rows_csv: str) -> tuple[str, 
     store.put(json_key, json.dumps(report, indent=2, default=str).encode())
     store.put(csv_key, rows_csv.encode())
     return json_key, csv_key
-
-
-def _final_status(rec: dict) -> str:
-    if rec.get("stage") == "delivered":
-        return "delivered"
-    return rec.get("status", "unknown") if rec.get("status") != "skipped" else "delivered"

@@ -55,6 +55,7 @@ class Settings:
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
     mail_reply_to: str = "Client Support <support@broker.example.com>"
     state_ttl_s: int = 14 * 24 * 3600
+    api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -117,6 +118,7 @@ ENV_NAMES = {
     "mail_from": "CN_MAIL_FROM",
     "mail_reply_to": "CN_MAIL_REPLY_TO",
     "state_ttl_s": "CN_STATE_TTL_S",
+    "api_token": "CN_API_TOKEN",
 }
 
 

@@ -39,6 +39,31 @@ class SplitResult:
 MIN_SHARDS = 2 * keys.PARTITIONS
 
 
+def load_manifest(store: Store, run_id: str) -> SplitResult | None:
+    """What a run's split produced; a rerun reuses it (and the note numbers in its shards)."""
+    key = keys.manifest_key(run_id)
+    return SplitResult(**json.loads(store.get(key))) if store.exists(key) else None
+
+
+def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:
+    store.put(keys.manifest_key(run_id), json.dumps(split.__dict__).encode())
+
+
+def find_account(store: Store, run_id: str, ucc: str) -> dict | None:
+    """One account's shard entry (client block and trades), or None."""
+    split = load_manifest(store, run_id)
+    if split is None or not split.shard_count:
+        return None
+    shard = keys.shard_of(ucc, split.shard_count)
+    if shard not in split.shards:
+        return None
+    for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines():
+        account = json.loads(line)
+        if account["ucc"] == ucc:
+            return account
+    return None
+
+
 def shard_count(clients: int, shard_size: int) -> int:
     """A multiple of the partition count, so every shard sits in one fixed S3 prefix, and at
     least two per partition, so even a small day keeps more shards in flight than cores."""

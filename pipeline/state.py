@@ -19,6 +19,16 @@ import redis
 from pipeline import keys
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
+FINAL_STATUSES = ("delivered", "failed", "rejected", "physical", "pending")
+
+
+def final_status(rec: dict) -> str:
+    """Where an account stands: delivered, failed, rejected (bad input), physical (no e-mail
+    consent or address: paper), or pending (on its way, or left by a crash)."""
+    if rec.get("stage") == "delivered":
+        return "delivered"
+    status = rec.get("status")
+    return status if status in ("failed", "rejected", "physical") else "pending"
 
 # The record keeps the furthest stage ever reached; a failure says where (failed_at).
 # KEYS: accounts, counts, failed. ARGV: ucc, record json, stage rank, stage, failed?, now, ttl
@@ -151,6 +161,15 @@ class RunState:
     def all_accounts(self) -> Iterator[dict]:
         for _, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
             yield json.loads(v)
+
+    def page(self, cursor: int, limit: int, status: str | None = None) -> tuple[list[dict], int]:
+        """A page of account records (HSCAN: stable under writes, O(page)); cursor 0 = done."""
+        found: list[dict] = []
+        while True:
+            cursor, chunk = self.r.hscan(keys.run_accounts(self.run_id), cursor, count=limit)
+            found += [r for r in map(json.loads, chunk.values()) if status is None or final_status(r) == status]
+            if cursor == 0 or len(found) >= limit:
+                return found, cursor
 
     def failed(self) -> list[str]:
         return self.r.zrange(keys.run_failed(self.run_id), 0, -1)

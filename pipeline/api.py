@@ -1,0 +1,177 @@
+"""The status service: a run's live state from Redis, its report, targeted reruns, a live page.
+
+Reads the same state and storage the driver writes. Anything that changes state, or shows
+a PAN or an e-mail address, needs the bearer token from config (CN_API_TOKEN); without
+it, PII is masked and reruns are refused. Unknown runs and accounts are 404, bad bodies
+422; a Redis or storage outage is 503, never a 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Literal
+
+import redis
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, model_validator
+
+from pipeline import keys, report
+from pipeline.settings import Settings
+from pipeline.split import find_account
+from pipeline.state import FINAL_STATUSES, RunState, final_status
+from pipeline.storage import StorageError, open_store
+
+RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+PAGE = Path(__file__).parent / "static" / "status.html"
+ROOT = Path(__file__).resolve().parent.parent
+Launcher = Callable[[str, list[str] | None, bool, bool], int]
+Status = Literal[FINAL_STATUSES]
+
+
+class RerunRequest(BaseModel):
+    failed: bool = False
+    accounts: list[str] | None = None
+    force: bool = False
+
+    @model_validator(mode="after")
+    def one_choice(self) -> "RerunRequest":
+        if self.failed == bool(self.accounts):
+            raise ValueError("give either failed: true or a non-empty list of accounts")
+        if self.accounts and not all(re.fullmatch(r"[A-Za-z0-9]{1,10}", a) for a in self.accounts):
+            raise ValueError("accounts are client codes: 1-10 letters or digits")
+        return self
+
+
+def launch_rerun(run_id: str, accounts: list[str] | None, failed: bool, force: bool) -> int:
+    """Starts `python -m pipeline rerun` in the background, with this service's settings."""
+    args = [sys.executable, "-m", "pipeline", "rerun", run_id]
+    args += ["--failed"] if failed else ["--accounts", ",".join(accounts or [])]
+    args += ["--force"] if force else []
+    log = open(os.environ.get("CN_RERUN_LOG", os.devnull), "ab")
+    return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, start_new_session=True).pid
+
+
+def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun) -> FastAPI:
+    settings = settings or Settings.from_env()
+    app = FastAPI(title="Contract notes: run status", version="1")
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorised(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> bool:
+        token = settings.api_token
+        return bool(token and creds and hmac.compare_digest(creds.credentials.encode(), token.encode()))
+
+    def run_state(run_id: str) -> RunState:
+        state = RunState(settings.redis_url, run_id, settings.state_ttl_s) if RUN_ID.match(run_id) else None
+        if state is None or not state.exists():
+            raise HTTPException(404, f"no run {run_id!r}")
+        return state
+
+    @app.exception_handler(redis.exceptions.RedisError)
+    async def redis_down(request: Request, exc: Exception):
+        return JSONResponse({"detail": "state store unavailable"}, status_code=503)
+
+    @app.exception_handler(StorageError)
+    async def storage_down(request: Request, exc: Exception):
+        return JSONResponse({"detail": "storage unavailable"}, status_code=503)
+
+    @app.get("/healthz")
+    def healthz():
+        redis.Redis.from_url(settings.redis_url).ping()
+        return {"ok": True}
+
+    @app.get("/", response_class=HTMLResponse)
+    def page():
+        return PAGE.read_text()
+
+    @app.get("/runs")
+    def runs(limit: int = Query(20, ge=1, le=500)):
+        r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        ids = r.zrevrange(keys.RUNS, 0, limit - 1)
+        states = [RunState(settings.redis_url, i, settings.state_ttl_s) for i in ids]
+        return {"runs": [summary(s) for s in states if s.exists()]}
+
+    @app.get("/runs/{run_id}")
+    def run(run_id: str):
+        state = run_state(run_id)
+        return {**summary(state), "timeline": state.timeline()}
+
+    @app.get("/runs/{run_id}/accounts")
+    def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0),
+                 limit: int = Query(50, ge=1, le=500)):
+        state = run_state(run_id)
+        items, cursor = state.page(cursor, limit, status)
+        return {"items": [public_record(rec) for rec in items], "next_cursor": cursor or None}
+
+    @app.get("/runs/{run_id}/accounts/{ucc}")
+    def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
+        state = run_state(run_id)
+        record = state.accounts([ucc]).get(ucc) if re.fullmatch(r"[A-Za-z0-9]{1,10}", ucc) else None
+        if record is None:
+            raise HTTPException(404, f"no account {ucc!r} in run {run_id!r}")
+        entry = find_account(open_store(settings.store_url), run_id, ucc)
+        client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
+        if client and not full:
+            client.update(email=mask_email(client["email"]), pan=mask_pan(client["pan"]))
+        return {**public_record(record), "history": record.get("history", []), "client": client,
+                "pii": "shown" if full else "masked"}
+
+    @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)
+    def report_csv(run_id: str):
+        if not RUN_ID.match(run_id):
+            raise HTTPException(404, f"no run {run_id!r}")
+        state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+        if state.exists():  # live, also while the run goes on
+            return PlainTextResponse(report.build(state, {}, [])[1], media_type="text/csv")
+        store = open_store(settings.store_url)
+        key = keys.report_keys(run_id)[1]
+        if not store.exists(key):  # Redis forgot the run (TTL): the stored report is the record
+            raise HTTPException(404, f"no run {run_id!r}")
+        return PlainTextResponse(store.get(key).decode(), media_type="text/csv")
+
+    @app.post("/runs/{run_id}/rerun", status_code=202)
+    def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
+        if not full:
+            raise HTTPException(401, "a bearer token is required to rerun", headers={"WWW-Authenticate": "Bearer"})
+        state = run_state(run_id)
+        chosen = state.failed() if body.failed else body.accounts
+        pid = launch(run_id, body.accounts, body.failed, body.force)
+        return {"run_id": run_id, "accounts": chosen, "force": body.force, "pid": pid}
+
+    return app
+
+
+def summary(state: RunState) -> dict:
+    """Counters by stage, rate and ETA: O(1) reads, whatever the size of the run."""
+    meta, counts = state.meta(), state.counts()
+    accounts = int(meta.get("accounts") or 0)
+    started, finished = float(meta.get("started") or 0), meta.get("finished") or ""
+    done = counts["delivered"] + counts["failed"]
+    elapsed = (float(finished) if finished else time.time()) - started if started else 0.0
+    rate = counts["delivered"] / elapsed if elapsed > 0 else 0.0
+    eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
+    return {"run_id": state.run_id, "date": meta.get("date"), "accounts": accounts, "counts": counts,
+            "started": started, "finished": float(finished) if finished else None,
+            "notes_per_s": round(rate, 2), "eta_s": round(eta, 1) if eta is not None else None}
+
+
+def public_record(rec: dict) -> dict:
+    return {k: rec.get(k) for k in ("ucc", "stage", "status", "failed_at", "reason", "message_id", "attempts",
+                                    "updated")} | {"status": final_status(rec)}
+
+
+def mask_email(email: str) -> str:
+    local, _, domain = email.partition("@")
+    return f"{local[:1]}***@{domain}" if domain else "***"
+
+
+def mask_pan(pan: str) -> str:
+    return "******" + pan[-4:] if len(pan) == 10 else "***"
+

@@ -1,0 +1,135 @@
+"""The status service over the state of a real small run (one account made to fail)."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipeline.api import create_app
+from pipeline.driver import RunRequest, run_day
+from pipeline.embedded import start_smtp_sink
+from pipeline.settings import Settings
+from pipeline.synth import SynthOptions, write_dumps
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows
+
+TOKEN = "test-api-token-0123"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def api_run(ray_session, redis_url, keys_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("api")
+    write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), 24, seed=21))
+    clients = client_rows(work / "input")
+    victim = sorted(clients)[0]
+    faults = work / "faults.json"
+    faults.write_text('{"reject": ["%s"]}' % clients[victim]["email"])
+    smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(faults)])
+    settings = Settings(store_url=str(work / "store"), redis_url=redis_url, smtp_url=smtp.url, shard_size=5,
+                        signers=1, mailers=1, signer_key=str(keys_dir / "signer.key.pem"),
+                        signer_cert=str(keys_dir / "signer.cert.pem"), signer_chain=str(keys_dir / "root.cert.pem"),
+                        owner_password="api-owner-secret", api_token=TOKEN)
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(work / "input")))
+    smtp.stop()
+    yield settings, summary, victim, clients
+
+
+@pytest.fixture
+def client(api_run):
+    settings = api_run[0]
+    launched = []
+    app = create_app(settings, launch=lambda *args: launched.append(args) or 4242)
+    with TestClient(app) as c:
+        c.launched = launched
+        yield c
+
+
+def test_health_runs_and_a_run_with_counters_rate_and_timeline(client, api_run):
+    _, summary, _, _ = api_run
+    assert client.get("/healthz").json() == {"ok": True}
+    runs = client.get("/runs").json()["runs"]
+    assert summary["run_id"] in [r["run_id"] for r in runs]
+    run = client.get(f"/runs/{summary['run_id']}").json()
+    assert run["accounts"] == summary["accounts"]
+    assert run["counts"]["delivered"] == summary["delivered"] and run["counts"]["failed"] == 1
+    assert run["notes_per_s"] > 0 and run["finished"] and run["eta_s"] is None
+    assert run["timeline"] and run["timeline"][-1]["delivered"] == summary["delivered"]
+
+
+def test_accounts_page_through_every_account_and_filter_by_status(client, api_run):
+    _, summary, victim, _ = api_run
+    seen, cursor = [], 0
+    while True:
+        page = client.get(f"/runs/{summary['run_id']}/accounts", params={"cursor": cursor, "limit": 5}).json()
+        seen += [a["ucc"] for a in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert len(seen) == len(set(seen)) == summary["accounts"]
+    failed = client.get(f"/runs/{summary['run_id']}/accounts", params={"status": "failed"}).json()["items"]
+    assert [a["ucc"] for a in failed] == [victim] and "550" in failed[0]["reason"]
+
+
+def test_an_account_shows_its_history_and_masks_pii_without_the_token(client, api_run):
+    _, summary, victim, clients = api_run
+    url = f"/runs/{summary['run_id']}/accounts/{victim}"
+    masked = client.get(url).json()
+    assert masked["pii"] == "masked"
+    assert clients[victim]["pan"] not in str(masked) and clients[victim]["email"] not in str(masked)
+    assert masked["client"]["pan"].endswith(clients[victim]["pan"][-4:])
+    assert [e["stage"] for e in masked["history"]][:4] == ["validated", "rendered", "signed", "archived"]
+    assert masked["history"][-1]["status"] == "failed"
+    full = client.get(url, headers=AUTH).json()
+    assert full["pii"] == "shown" and full["client"]["pan"] == clients[victim]["pan"]
+    assert full["client"]["email"] == clients[victim]["email"]
+    assert client.get(url, headers={"Authorization": "Bearer wrong"}).json()["pii"] == "masked"
+
+
+def test_the_report_csv_has_a_row_per_account(client, api_run):
+    _, summary, victim, _ = api_run
+    response = client.get(f"/runs/{summary['run_id']}/report.csv")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/csv")
+    rows = {r["ucc"]: r for r in csv.DictReader(io.StringIO(response.text))}
+    assert len(rows) == summary["accounts"] and rows[victim]["physical_dispatch"] == "Y"
+
+
+def test_rerun_needs_the_token_and_a_valid_body(client, api_run):
+    _, summary, victim, _ = api_run
+    url = f"/runs/{summary['run_id']}/rerun"
+    assert client.post(url, json={"failed": True}).status_code == 401
+    assert client.post(url, json={"failed": True}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.launched == []
+    for bad in ({}, {"failed": True, "accounts": ["C1"]}, {"accounts": []}, {"accounts": ["bad id!"]},
+                {"failed": "maybe"}):
+        assert client.post(url, json=bad, headers=AUTH).status_code == 422, bad
+    accepted = client.post(url, json={"failed": True}, headers=AUTH)
+    assert accepted.status_code == 202 and accepted.json()["accounts"] == [victim]
+    assert client.post(url, json={"accounts": [victim], "force": True}, headers=AUTH).status_code == 202
+    assert client.launched == [(summary["run_id"], None, True, False), (summary["run_id"], [victim], False, True)]
+
+
+def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
+    _, summary, _, _ = api_run
+    run = summary["run_id"]
+    for url in ("/runs/no-such-run", "/runs/no-such-run/accounts", "/runs/no-such-run/accounts/C1",
+                "/runs/..%2F..%2Fetc/accounts", f"/runs/{run}/accounts/ZZZ9", f"/runs/{run}/accounts/not-a-ucc!",
+                "/runs/no-such-run/report.csv", "/runs/%00/report.csv"):
+        assert client.get(url).status_code == 404, url
+    assert client.post("/runs/no-such-run/rerun", json={"failed": True}, headers=AUTH).status_code == 404
+    for params in ({"cursor": "x"}, {"cursor": -1}, {"limit": 0}, {"status": "exploded"}):
+        assert client.get(f"/runs/{run}/accounts", params=params).status_code == 422, params
+    assert client.get("/openapi.json").json()["info"]["title"].startswith("Contract notes")
+    assert "<title>" in client.get("/").text
+
+
+def test_a_redis_outage_is_503_not_500(api_run):
+    settings = api_run[0]
+    down = Settings(**{**settings.__dict__, "redis_url": "redis://127.0.0.1:1/0"})
+    with TestClient(create_app(down), raise_server_exceptions=False) as c:
+        assert c.get("/runs").status_code == 503
+        assert c.get("/runs/x/accounts").status_code == 503
