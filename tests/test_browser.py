@@ -1,0 +1,94 @@
+"""The live page in headless Chromium during a real run: counters advance, a failure is
+listed, the rerun button delivers it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import threading
+import time
+import uuid
+
+import pytest
+import uvicorn
+
+from pipeline.api import create_app
+from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.embedded import free_port, start_smtp_sink
+from pipeline.settings import Settings
+from pipeline.synth import SynthOptions, write_dumps
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+TOKEN = "browser-test-token"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def serve(app, port: int) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return server
+
+
+def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
+        ray_session, redis_url, keys_dir, tmp_path, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    write_dumps(tmp_path / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), 70, seed=31))
+    clients = client_rows(tmp_path / "input")
+    traded = sorted({line.split(",")[4] for line in (tmp_path / "input" / "trades.csv").read_text().splitlines()[1:]})
+    victim = traded[len(traded) // 2]
+    faults = tmp_path / "faults.json"
+    faults.write_text('{"delay_ms": 30}')
+    smtp = start_smtp_sink(tmp_path / "outbox", tmp_path / "smtp.log", ["--faults", str(faults)])
+    good = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, smtp_url=smtp.url, shard_size=4,
+                    window=3, signers=1, mailers=1, smtp_connections=2, signer_key=str(keys_dir / "signer.key.pem"),
+                    signer_cert=str(keys_dir / "signer.cert.pem"), signer_chain=str(keys_dir / "root.cert.pem"),
+                    owner_password="browser-owner-secret", api_token=TOKEN)
+    broken = Settings(**{**good.__dict__, "owner_password": clients[victim]["pan"]})  # the victim's note fails to sign
+    env = {"REDIS_URL": redis_url, "CN_STORE": good.store_url, "SMTP_URL": smtp.url, "CN_SIGNER_KEY": good.signer_key,
+           "CN_SIGNER_CERT": good.signer_cert, "CN_SIGNER_CHAIN": good.signer_chain, "CN_SHARD_SIZE": "4",
+           "CN_OWNER_PASSWORD": good.owner_password, "RAY_ADDRESS": ray_session.address_info["address"],
+           "PYTHONPATH": ROOT, "CN_RERUN_LOG": str(tmp_path / "rerun.log")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    port = free_port()
+    server = serve(create_app(good), port)
+    run_id = f"browser-{uuid.uuid4().hex[:6]}"
+    run = threading.Thread(target=run_day, args=(broken, RunRequest(TRADE_DATE, str(tmp_path / "input"), run_id)))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page()
+            run.start()
+            page.goto(f"http://127.0.0.1:{port}/?run={run_id}")
+            seen = set()
+            deadline = time.monotonic() + 120
+            while run.is_alive() and time.monotonic() < deadline:
+                seen.add(int(page.locator("#delivered-count").inner_text() or 0))
+                time.sleep(0.3)
+            run.join(timeout=120)
+            assert len([n for n in seen if 0 < n < len(traded)]) >= 2, f"counters did not advance: {sorted(seen)}"
+            failures = page.locator("#failures tbody tr")
+            expect(failures).to_have_count(1, timeout=10_000)
+            expect(failures.first).to_contain_text(victim)
+            expect(failures.first).to_contain_text("owner password")
+            expect(page.locator("#delivered-count")).to_have_text(str(len(traded) - 1))
+
+            page.fill("#token", TOKEN)
+            page.click("#rerun-button")
+            expect(page.locator("#rerun-status")).to_have_text("rerun started", timeout=10_000)
+            expect(page.locator("#delivered-count")).to_have_text(str(len(traded)), timeout=120_000)
+            expect(failures).to_have_count(0, timeout=10_000)
+            page.screenshot(path=str(tmp_path / "status.png"), full_page=True)
+            browser.close()
+    finally:
+        server.should_exit = True
+        smtp.stop()
+    mailed = [m for m in outbox_messages(tmp_path / "outbox") if victim in m["Subject"]]
+    assert len(mailed) == 1
