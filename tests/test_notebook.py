@@ -1,0 +1,53 @@
+"""CI executes notebooks/rerun.ipynb against a small local run with injected failures."""
+
+from __future__ import annotations
+
+import ast
+import datetime as dt
+
+import nbformat
+from nbclient import NotebookClient
+
+from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.settings import Settings
+from pipeline.synth import SynthOptions, write_dumps
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+
+def inject(nb, **params) -> None:
+    """What papermill does: a cell after the `parameters` cell overrides them."""
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in params.items())))
+
+
+def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
+        ray_session, redis_url, keys_dir, smtp_server, tmp_path, monkeypatch):
+    write_dumps(tmp_path / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), 12, seed=41))
+    clients = client_rows(tmp_path / "input")
+    traded = sorted({line.split(",")[4] for line in (tmp_path / "input" / "trades.csv").read_text().splitlines()[1:]})
+    victims = traded[:2]
+    failing_relay, healthy_relay = smtp_server("first", reject={clients[victims[1]]["email"]}), smtp_server("second")
+    good = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, smtp_url=healthy_relay.url, shard_size=4,
+                    signers=1, mailers=1, signer_key=str(keys_dir / "signer.key.pem"),
+                    signer_cert=str(keys_dir / "signer.cert.pem"), signer_chain=str(keys_dir / "root.cert.pem"),
+                    owner_password="notebook-owner-secret")
+    broken = Settings(**{**good.__dict__, "owner_password": clients[victims[0]]["pan"], "smtp_url": failing_relay.url})
+    first = run_day(broken, RunRequest(TRADE_DATE, str(tmp_path / "input")))  # fails one at sign, one at mail
+    assert first["failed"] == 2
+    for k, v in {"CN_SIGNER_KEY": good.signer_key, "CN_SIGNER_CERT": good.signer_cert,
+                 "CN_SIGNER_CHAIN": good.signer_chain, "CN_OWNER_PASSWORD": good.owner_password,
+                 "SMTP_URL": healthy_relay.url, "CN_SHARD_SIZE": "4", "PYTHONPATH": ROOT,
+                 "RAY_ADDRESS": ray_session.address_info["address"]}.items():
+        monkeypatch.setenv(k, v)
+    nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
+    inject(nb, REDIS_URL=redis_url, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed")
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+
+    [last] = [o for o in nb.cells[-1].outputs if o["output_type"] == "execute_result"]
+    result = ast.literal_eval(last["data"]["text/plain"])
+    assert sorted(result["before"]) == sorted(victims) and result["after"] == []
+    outputs = "".join(str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", []))
+    assert "image/png" in outputs and victims[0] in outputs
+    assert len(outbox_messages(failing_relay.outbox)) == first["delivered"]
+    assert sorted(m["Subject"].split("(")[-1].rstrip(")") for m in outbox_messages(healthy_relay.outbox)) == victims
