@@ -23,7 +23,7 @@ from pipeline.mail import (Letter, PermanentMailError, PoolOptions, RetryPolicy,
 from pipeline.notes import build_note
 from pipeline.render import TEMPLATES, RenderError, render
 from pipeline.sign import SignatureInfo, SignError, protect
-from pipeline.state import STAGES, Outcome, RunState
+from pipeline.state import STAGES, Outcome, RunState, StateWriter
 from pipeline.storage import Store
 
 
@@ -60,30 +60,29 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
     `render_note` lets the Ray task render a huge note as page ranges in parallel."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
-    outcomes = []
-    for account in accounts:
-        ucc = account["ucc"]
-        reached = records.get(ucc, {}).get("rank", 0)
-        if only is not None and ucc not in only:
-            continue
-        if reached >= STAGES.index("delivered") + 1 and not force:
-            batch.drop("skipped")
-            continue
-        client = Client(**account["client"])
-        item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
-                "ecn": client.ecn_opt_in, "pdf": None}
-        if reached >= STAGES.index("archived") + 1:
+    with StateWriter(state) as writer:
+        for account in accounts:
+            ucc = account["ucc"]
+            reached = records.get(ucc, {}).get("rank", 0)
+            if only is not None and ucc not in only:
+                continue
+            if reached >= STAGES.index("delivered") + 1 and not force:
+                batch.drop("skipped")
+                continue
+            client = Client(**account["client"])
+            item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
+                    "ecn": client.ecn_opt_in, "pdf": None}
+            if reached >= STAGES.index("archived") + 1:
+                batch.items.append(item)
+                continue
+            try:
+                item["pdf"] = render_note(_note(account, client, batch.trade_date))
+            except (RenderError, KeyError, ValueError) as e:
+                writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
+                batch.drop("failed")
+                continue
             batch.items.append(item)
-            continue
-        try:
-            item["pdf"] = render_note(_note(account, client, batch.trade_date))
-        except (RenderError, KeyError, ValueError) as e:
-            outcomes.append(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
-            batch.drop("failed")
-            continue
-        batch.items.append(item)
-        outcomes.append(Outcome(ucc, "rendered"))
-    state.record(outcomes)
+            writer.add(Outcome(ucc, "rendered"))
     batch.timed("render", started)
     return batch
 
@@ -99,28 +98,28 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
                state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
     """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves."""
     started = time.process_time()
-    kept, outcomes = [], []
-    for item in batch.items:
-        if item["pdf"] is None:
+    kept = []
+    with StateWriter(state) as writer:
+        for item in batch.items:
+            if item["pdf"] is None:
+                kept.append(item)
+                continue
+            try:
+                item["pdf"] = protect(item["pdf"], item["pan"], owner_password, signer, info, encryption)
+            except SignError as e:
+                writer.add(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {e}"))
+                batch.drop("failed")
+                continue
+            writer.add(Outcome(item["ucc"], "signed"))
+            try:
+                store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
+            except Exception as e:  # storage errors come in many types (OSError, botocore)
+                writer.add(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
+                batch.drop("failed")
+                continue
+            writer.add(Outcome(item["ucc"], "archived"))
             kept.append(item)
-            continue
-        try:
-            item["pdf"] = protect(item["pdf"], item["pan"], owner_password, signer, info, encryption)
-        except SignError as e:
-            outcomes.append(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {e}"))
-            batch.drop("failed")
-            continue
-        outcomes.append(Outcome(item["ucc"], "signed"))
-        try:
-            store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
-        except Exception as e:  # storage errors come in many types (OSError, botocore)
-            outcomes.append(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
-            batch.drop("failed")
-            continue
-        outcomes.append(Outcome(item["ucc"], "archived"))
-        kept.append(item)
     batch.items = kept
-    state.record(outcomes)
     batch.timed("sign", started)
     return batch
 

@@ -10,6 +10,7 @@ Writes are batched: one pipeline round trip per shard.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
@@ -190,3 +191,43 @@ class RunState:
     def next_note_numbers(self, fy: str, count: int) -> int:
         """Reserve `count` contract note numbers of a financial year; returns the first."""
         return self.r.incrby(keys.note_sequence(fy), count) - count + 1
+
+
+class StateWriter:
+    """Batches outcome writes: flushed at `size` outcomes, or `max_age_s` after the first one
+    still waiting, so a slow trickle (a shard with a 2000-page note) is never stuck in a
+    buffer. A delivered mark does not come through here: it is written at once."""
+
+    def __init__(self, state: RunState, size: int = 200, max_age_s: float = 0.5):
+        self.state, self.size, self.max_age_s = state, size, max_age_s
+        self._pending: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def add(self, outcome: Outcome) -> None:
+        with self._lock:
+            self._pending.append(outcome)
+            if len(self._pending) >= self.size:
+                self._flush_locked()
+            elif self._timer is None:
+                self._timer = threading.Timer(self.max_age_s, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self.state.record(pending)
+
+    def __enter__(self) -> "StateWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.flush()

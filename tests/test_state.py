@@ -42,3 +42,19 @@ def test_note_numbers_are_reserved_in_disjoint_blocks(state):
     fy = f"test-{uuid.uuid4().hex[:6]}"
     a, b = state.next_note_numbers(fy, 5), state.next_note_numbers(fy, 3)
     assert (a, b) == (1, 6)
+
+
+def test_batched_writes_flush_by_size_and_a_trickle_by_time(state):
+    import time
+
+    from pipeline.state import StateWriter
+
+    writer = StateWriter(state, size=3, max_age_s=0.2)
+    for ucc in ("A", "B"):
+        writer.add(Outcome(ucc, "validated"))
+    assert state.counts()["validated"] == 0  # buffered
+    writer.add(Outcome("C", "validated"))
+    assert state.counts()["validated"] == 3  # size reached
+    writer.add(Outcome("D", "validated"))
+    time.sleep(0.4)
+    assert state.counts()["validated"] == 4  # a trickle is flushed by the timer
