@@ -10,6 +10,7 @@ import time
 
 import ray
 
+from pipeline import metrics
 from pipeline.settings import Settings
 from pipeline.stages import Batch, mail_context, mail_stage
 from pipeline.state import RunState
@@ -26,7 +27,10 @@ class MailerActor:
         if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
             state = RunState(self.settings.redis_url, self.run_id, self.settings.state_ttl_s)
             self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force)
-        return await mail_stage(batch, self.ctx)
+        started = time.perf_counter()
+        result = await mail_stage(batch, self.ctx)
+        metrics.observe("mail", result["tally"], time.perf_counter() - started)
+        return result
 
     async def cpu_seconds(self) -> float:
         """This process's CPU time so far: what mailing costs, measured where it is spent."""

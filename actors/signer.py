@@ -8,9 +8,11 @@ archiving are idempotent (same key in storage), so a retried batch ends signed o
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 
+from pipeline import metrics
 from pipeline.settings import Settings
 from pipeline.sign import SignatureInfo, load_signer
 from pipeline.stages import Batch, sign_stage
@@ -29,8 +31,12 @@ class SignerActor:
         self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
 
     def sign(self, batch: Batch) -> Batch:
-        return sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
-                          self.store, self.state, self.info)
+        started, before = time.perf_counter(), len(batch.items)
+        batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
+                           self.store, self.state, self.info)
+        metrics.observe("sign", {"ok": len(batch.items), "failed": before - len(batch.items)},
+                        time.perf_counter() - started)
+        return batch
 
     def pid(self) -> int:
         return os.getpid()

@@ -50,7 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)")
     r.add_argument("--run-id", default="", help="a run id to resume: delivered accounts are skipped")
     r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    r.add_argument("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs")
+    r.add_argument("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end")
     r.set_defaults(func=cmd_run)
+
+    pl = sub.add_parser("plan", help="node counts and expected duration for a day (the driver's own sizing)")
+    pl.add_argument("--accounts", type=int, required=True)
+    pl.add_argument("--deadline-min", type=float, required=True)
+    pl.set_defaults(func=cmd_plan)
 
     rr = sub.add_parser("rerun", help="rerun the failed or the named accounts of a run, from where each stopped")
     rr.add_argument("run_id")
@@ -136,14 +143,27 @@ def cmd_synth(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from pipeline import cluster
     from pipeline.driver import RunRequest, init_ray, run_day
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
-    init_ray(settings, args.address)
-    summary = run_day(settings, RunRequest(args.date.isoformat(), args.input, args.run_id))
+    with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
+        init_ray(settings, args.address)
+        summary = run_day(settings, RunRequest(args.date.isoformat(), args.input, args.run_id), current.size_for)
     print(json.dumps(summary))
     return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_plan(args) -> int:
+    from pipeline.cluster import plan
+
+    p = plan(args.accounts, args.deadline_min).as_dict()
+    print(f"{p['render_nodes']} x {p['render_instance']} (render) + {p['signer_smtp_nodes']} x "
+          f"{p['signer_smtp_instance']} (signer/SMTP): about {p['expected_min']} min, "
+          f"~${p['est_cost_usd_on_demand']} on demand", file=sys.stderr)
+    print(json.dumps(p))
+    return 0 if p["fits_deadline"] else 1
 
 
 def cmd_demo(args) -> int:

@@ -17,13 +17,14 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import ray
 from tqdm import tqdm
 
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import keys, report
+from pipeline import keys, metrics, report
 from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import Settings
@@ -78,10 +79,13 @@ def split_task(settings: Settings, run_id: str, trade_date: str, input_url: str)
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None, force: bool = False) -> Batch:
+    started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     accounts = load_shard(open_store(settings.store_url), run_id, shard)
-    return render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None,
-                        partial(render_any_size, tagged=settings.pdf_tags), force)
+    batch = render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None,
+                         partial(render_any_size, tagged=settings.pdf_tags), force)
+    metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
+    return batch
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
@@ -102,7 +106,9 @@ def render_any_size(note: dict, tagged: bool = False) -> bytes:
     return merge([pdf for pdf, _ in ray.get(refs)])
 
 
-def run_day(settings: Settings, req: RunRequest) -> dict:
+def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None) -> dict:
+    """One run, end to end. `on_accounts` hears the day's account count once the split has
+    counted it (on a cluster: to ask the autoscaler for the capacity the day needs)."""
     run_id = req.run_id or new_run_id(req.trade_date)
     started = time.time()
     store = open_store(settings.store_url)
@@ -113,6 +119,8 @@ def run_day(settings: Settings, req: RunRequest) -> dict:
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = _split_once(settings, store, run_id, req)
     state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
+    if on_accounts is not None:
+        on_accounts(split.accounts)
     log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
              split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
     shards, expected = split.shards, split.accounts

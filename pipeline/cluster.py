@@ -1,0 +1,156 @@
+"""Capacity up front, and teardown when the refs resolve: the cluster's life around a run.
+
+The plan turns the day's accounts, the deadline and the measured per-stage rates into node
+counts of the cluster.yaml types; the driver asks the autoscaler for exactly that
+(request_resources) so nodes start together instead of trickling in behind the queue.
+When the run ends, however it ends, the session releases the request, terminates the
+workers and shuts the head down (its InstanceInitiatedShutdownBehavior is terminate).
+`ray submit --stop` is not used: it leaks workers (see ../shared/RAY_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+log = logging.getLogger("pipeline.cluster")
+BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()  # written on the head by `ray up`
+
+
+@dataclass(frozen=True)
+class NodeType:
+    name: str
+    instance: str
+    vcpus: int
+    usd_per_hour: float  # on-demand, ap-south-1 (2026); spot is typically 60-70% less
+
+
+RENDER = NodeType("render_spot", "c6a.8xlarge", 32, 1.152)
+SIGNER_SMTP = NodeType("signer_smtp", "c6a.2xlarge", 8, 0.288)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-note costs measured by bench/ on a 2-core c6a-class machine (see README)."""
+
+    render_cpu_ms: float = 11.0  # bench/e2e.py pipeline render stage (charges + Typst)
+    sign_cpu_ms: float = 8.0  # bench/e2e.py sign stage (AES-256 + PAdES + archive)
+    mails_per_s_per_node: float = 1000.0  # bench/mail.py: ~270/s per mailer on 1 core, 4 mailers
+    efficiency: float = 0.8  # pipeline rate over cores x sequential rate (bench/e2e.py, 0.76-0.91)
+    startup_s: float = 240.0  # nodes booting and installing before the first note
+    margin: float = 0.25  # share of the deadline held back for retries, reruns and slow relays
+
+
+@dataclass(frozen=True)
+class Plan:
+    accounts: int
+    deadline_s: float
+    render_nodes: int
+    signer_smtp_nodes: int
+    expected_s: float
+    usd: float
+    bundles: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"accounts": self.accounts, "deadline_min": round(self.deadline_s / 60, 1),
+                "render_nodes": self.render_nodes, "render_instance": RENDER.instance,
+                "signer_smtp_nodes": self.signer_smtp_nodes, "signer_smtp_instance": SIGNER_SMTP.instance,
+                "expected_min": round(self.expected_s / 60, 1), "fits_deadline": self.expected_s <= self.deadline_s,
+                "est_cost_usd_on_demand": round(self.usd, 2)}
+
+
+def plan(accounts: int, deadline_min: float, rates: Rates = Rates()) -> Plan:
+    """The fewest nodes that finish inside the deadline less its margin, given the rates;
+    stages overlap (a pipeline), so the run lasts as long as its slowest stage, after
+    start-up."""
+    budget = max(60.0, deadline_min * 60 * (1 - rates.margin) - rates.startup_s)
+    render_core_s = accounts * rates.render_cpu_ms / 1000 / rates.efficiency
+    sign_core_s = accounts * rates.sign_cpu_ms / 1000 / rates.efficiency
+    render_nodes = max(1, math.ceil(render_core_s / (budget * RENDER.vcpus)))
+    signer_nodes = max(1, math.ceil(sign_core_s / (budget * SIGNER_SMTP.vcpus)),
+                       math.ceil(accounts / (budget * rates.mails_per_s_per_node)))
+    stage_s = max(render_core_s / (render_nodes * RENDER.vcpus), sign_core_s / (signer_nodes * SIGNER_SMTP.vcpus),
+                  accounts / (signer_nodes * rates.mails_per_s_per_node))
+    expected = rates.startup_s + stage_s
+    hours = expected / 3600
+    usd = hours * (render_nodes * RENDER.usd_per_hour + signer_nodes * SIGNER_SMTP.usd_per_hour)
+    bundles = ([{"CPU": RENDER.vcpus, "render": RENDER.vcpus}] * render_nodes
+               + [{"CPU": SIGNER_SMTP.vcpus, "signer": 8, "smtp": 4}] * signer_nodes)
+    return Plan(accounts, deadline_min * 60, render_nodes, signer_nodes, expected, usd, bundles)
+
+
+def request_capacity(bundles: list[dict]) -> None:
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+
+
+def release_capacity() -> None:
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[])
+
+
+def teardown_workers(config: str | dict) -> None:
+    from ray.autoscaler.sdk import teardown_cluster
+
+    teardown_cluster(config, workers_only=True, keep_min_workers=False)
+
+
+def shut_down_head() -> None:
+    subprocess.run(["sudo", "shutdown", "-h", "+1"], check=False)  # a minute for the logs to flush
+
+
+@dataclass
+class ClusterSession:
+    deadline_min: float | None
+    requested: list[dict] = field(default_factory=list)
+    request: Callable[[list[dict]], None] = request_capacity
+
+    def size_for(self, accounts: int) -> None:
+        """Called by the driver once the split has counted the day's accounts."""
+        if self.deadline_min is None:
+            return
+        p = plan(accounts, self.deadline_min)
+        log.info("capacity for %d accounts in %s min: %s", accounts, self.deadline_min, p.as_dict())
+        self.requested = p.bundles
+        self.request(p.bundles)
+
+
+@contextmanager
+def session(on_cluster: bool, deadline_min: float | None = None, keep: bool = False,
+            config: str | dict = str(BOOTSTRAP_CONFIG), release: Callable[[], None] = release_capacity,
+            teardown: Callable[[str | dict], None] = teardown_workers,
+            shutdown: Callable[[], None] = shut_down_head,
+            request: Callable[[list[dict]], None] = request_capacity) -> Iterator[ClusterSession]:
+    """Around a run on a cluster: whatever happens inside (a crash included), release the
+    request, terminate the workers and shut the head down, unless `keep`."""
+    current = ClusterSession(deadline_min if on_cluster else None, request=request)
+    try:
+        yield current
+    finally:
+        if on_cluster:
+            _end(current, keep, config, release, teardown, shutdown)
+
+
+def _end(current: ClusterSession, keep: bool, config, release, teardown, shutdown) -> None:
+    steps = [("release the resource request", release)]
+    if not keep:
+        steps += [("terminate the workers", lambda: teardown(config)), ("shut the head down", shutdown)]
+    for what, step in steps:
+        try:
+            log.info("cluster: %s", what)
+            step()
+        except Exception:  # keep going: a failed release must not keep the workers alive
+            log.exception("cluster: could not %s", what)
+
+
+def on_cluster() -> bool:
+    """The driver runs on a head that `ray up` made (its bootstrap config is there)."""
+    return BOOTSTRAP_CONFIG.exists() and os.environ.get("CN_NOT_ON_CLUSTER") != "1"
