@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core chromium)
+APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium)
 VERSITYGW_VERSION=v1.8.0
 TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
 
