@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+.venv/bin/ruff check pipeline actors bench tests scripts
 exec .venv/bin/python -m pytest "$@"

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 
-import pytest
 import uvicorn
 
 from pipeline.api import create_app
