@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from io import BytesIO
 from pathlib import Path
 
 import pikepdf
@@ -36,8 +37,6 @@ def render(note: dict, tagged: bool = False) -> bytes:
 
 def merge(parts: list[bytes]) -> bytes:
     """Join page ranges rendered separately into one PDF, pages in order."""
-    from io import BytesIO
-
     with pikepdf.Pdf.new() as out:
         sources = [pikepdf.Pdf.open(BytesIO(p)) for p in parts]
         for src in sources:
