@@ -8,7 +8,7 @@ Order and trade numbers stay strings: they are identifiers, and leading zeros ma
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
@@ -77,8 +77,7 @@ class Trade:
         return self.price * self.quantity
 
     def as_row(self) -> list[str]:
-        d = asdict(self)
-        return [str(d[f]) for f in TRADE_FIELDS]
+        return [str(getattr(self, f)) for f in TRADE_FIELDS]  # not asdict(): it deep-copies, 10x slower
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
