@@ -26,7 +26,7 @@ from pydantic import BaseModel, model_validator
 from pipeline import keys, report
 from pipeline.settings import Settings
 from pipeline.split import find_account
-from pipeline.state import FINAL_STATUSES, RunState, final_status
+from pipeline.state import FINAL_STATUSES, RunState, final_status, redis_client
 from pipeline.storage import StorageError, open_store
 
 RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/healthz")
     def healthz():
-        redis.Redis.from_url(settings.redis_url).ping()
+        redis_client(settings.redis_url).ping()
         return {"ok": True}
 
     @app.get("/", response_class=HTMLResponse)
@@ -93,8 +93,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/runs")
     def runs(limit: int = Query(20, ge=1, le=500)):
-        r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-        ids = r.zrevrange(keys.RUNS, 0, limit - 1)
+        ids = redis_client(settings.redis_url).zrevrange(keys.RUNS, 0, limit - 1)
         states = [RunState(settings.redis_url, i, settings.state_ttl_s) for i in ids]
         return {"runs": [summary(s) for s in states if s.exists()]}
 

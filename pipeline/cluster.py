@@ -110,7 +110,6 @@ def shut_down_head() -> None:
 @dataclass
 class ClusterSession:
     deadline_min: float | None
-    requested: list[dict] = field(default_factory=list)
     request: Callable[[list[dict]], None] = request_capacity
 
     def size_for(self, accounts: int) -> None:
@@ -119,7 +118,6 @@ class ClusterSession:
             return
         p = plan(accounts, self.deadline_min)
         log.info("capacity for %d accounts in %s min: %s", accounts, self.deadline_min, p.as_dict())
-        self.requested = p.bundles
         self.request(p.bundles)
 
 

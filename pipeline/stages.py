@@ -23,7 +23,7 @@ from pipeline.mail import (Letter, PermanentMailError, PoolOptions, RetryPolicy,
 from pipeline.notes import build_note
 from pipeline.render import TEMPLATES, RenderError, render
 from pipeline.sign import SignatureInfo, SignError, protect
-from pipeline.state import STAGES, Outcome, RunState, StateWriter
+from pipeline.state import Outcome, RunState, StateWriter, rank
 from pipeline.storage import Store
 
 
@@ -66,13 +66,13 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
             reached = records.get(ucc, {}).get("rank", 0)
             if only is not None and ucc not in only:
                 continue
-            if reached >= STAGES.index("delivered") + 1 and not force:
+            if reached >= rank("delivered") and not force:
                 batch.drop("skipped")
                 continue
             client = Client(**account["client"])
             item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
                     "ecn": client.ecn_opt_in, "pdf": None}
-            if reached >= STAGES.index("archived") + 1:
+            if reached >= rank("archived"):
                 batch.items.append(item)
                 continue
             try:

@@ -9,10 +9,12 @@ Writes are batched: one pipeline round trip per shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Iterable, Iterator
 
 import redis
@@ -21,6 +23,11 @@ from pipeline import keys
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
 FINAL_STATUSES = ("delivered", "failed", "rejected", "physical", "pending")
+
+
+def rank(stage: str) -> int:
+    """How far along a stage is: 1 for validated ... 5 for delivered (0: nowhere yet)."""
+    return STAGES.index(stage) + 1
 
 
 def final_status(rec: dict) -> str:
@@ -77,11 +84,19 @@ class Outcome:
         return self.status in ("failed", "rejected")
 
 
+_RECORD_SHA = hashlib.sha1(_RECORD.encode()).hexdigest()
+
+
+@lru_cache(maxsize=16)
+def redis_client(url: str) -> redis.Redis:
+    """One client (one connection pool) per URL and process, shared by every RunState."""
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
 class RunState:
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
         self.run_id, self.ttl_s = run_id, ttl_s
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
-        self._record_sha = self.r.script_load(_RECORD)
+        self.r = redis_client(redis_url)
 
     def start(self, meta: dict) -> None:
         """A rerun of the run keeps its first start time (rates and ETA are about the run)."""
@@ -109,28 +124,28 @@ class RunState:
         try:
             self._eval_all(calls)
         except redis.exceptions.NoScriptError:
-            self._record_sha = self.r.script_load(_RECORD)
+            self.r.script_load(_RECORD)
             self._eval_all(calls)
 
     def _eval_all(self, calls: list[list]) -> None:
         with self.r.pipeline(transaction=False) as p:
             for args in calls:
-                p.evalsha(self._record_sha, 3, *args)
+                p.evalsha(_RECORD_SHA, 3, *args)
             p.execute()
 
     def _record_calls(self, outcomes: Iterable[Outcome]) -> Iterator[list]:
         now = time.time()
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id)]
         for o in outcomes:
-            rank = 0 if o.failed else STAGES.index(o.stage) + 1
-            rec = {**asdict(o), "rank": rank, "updated": now, "failed_at": o.stage if o.failed else "",
+            reached = 0 if o.failed else rank(o.stage)
+            rec = {**asdict(o), "rank": reached, "updated": now, "failed_at": o.stage if o.failed else "",
                    "tries": o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)}
             if o.failed:
                 rec["stage"] = ""
             if not rec["extra"]:
                 del rec["extra"]
-            counter = o.stage if rank else ""
-            yield [*ks, o.ucc, json.dumps(rec), rank, counter, int(o.failed), now, self.ttl_s]
+            counter = o.stage if reached else ""
+            yield [*ks, o.ucc, json.dumps(rec), reached, counter, int(o.failed), now, self.ttl_s]
 
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of
