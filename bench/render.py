@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import typst  # noqa: E402
 
 from pipeline import synth  # noqa: E402
-from pipeline.charges import compute  # noqa: E402
+from pipeline.charges import compute, net_totals  # noqa: E402
 from pipeline.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
 from pipeline.notes import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
 from pipeline.render import render  # noqa: E402
@@ -46,8 +46,9 @@ CLIENT = Client("C0000042", "Aarav Iyer", "ABCPD1234E", "c42@example.com", "12, 
 
 def trades(n: int, seed: int):
     rng = random.Random(seed)
-    rows = synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), CLIENT.ucc, n, synth._Numbers(rng))
-    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE) for i, r in enumerate(rows, 1)])
+    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), CLIENT.ucc, n, synth._Numbers(rng)))
+    closes = synth.closing_prices(dt.date.fromisoformat(TRADE_DATE), rows)
+    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE, closes) for i, r in enumerate(rows, 1)])
 
 
 def note_for(ts, number: int) -> dict:
@@ -59,13 +60,14 @@ def note_for(ts, number: int) -> dict:
 def baseline_data(note: dict, ts) -> dict:
     """The same content as cells, for the per-cell template."""
     charges = compute(ts, TRADE_DATE, False, broker()["tariff"])
+    totals, _ = net_totals(ts, charges)
     levies = note["levies"]
     return {
         "broker": note["broker"], "number": note["note"]["number"], "trade_date": note["note"]["trade_date"],
         "client": list(note["client"].items()),
         "heads": ["Order No", "Order Time", "Trade No", "Trade Time", "Security", "B/S", "Qty", "Gross Rate",
                   "Brokerage", "Net Rate", "Closing Rate", "Net Total", "Remarks"],
-        "rows": [_cells(t, charges.brokerage_per_unit[t.trade_no]) for t in ts],
+        "rows": [_cells(t, charges.brokerage_per_unit(t), totals[t.key]) for t in ts],
         "levies": [line.split("  ") for line in [levies["head"], *levies["lines"], levies["net"]]],
     }
 

@@ -138,7 +138,8 @@ def cmd_synth(args) -> int:
     from pipeline.synth import SynthOptions, write_dumps
 
     clients, trades = write_dumps(args.out, SynthOptions(args.date, args.accounts, args.seed, args.volatile))
-    print(json.dumps({"clients": str(clients), "trades": str(trades), "accounts": args.accounts}))
+    print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
+                      "accounts": args.accounts}))
     return 0
 
 

@@ -1,11 +1,23 @@
 """Brokerage and statutory levies for one client's day: pure functions over Decimal.
 
-Rounding rules, all here and nowhere else:
-  - STT is rounded to the nearest rupee, per segment (exchange + segment), half up;
-  - every other levy and the brokerage is rounded to the paisa, half up;
+Rounding rules, all here and nowhere else (one rule: half up):
+  - STT is rounded to the nearest rupee, per segment (exchange + segment);
+  - every other levy, the brokerage and every printed amount is rounded to the paisa;
   - levies are computed on a segment's turnover per product category, then rounded once,
     so a total never depends on the order trades arrive in;
-  - brokerage is per executed order (an order's trades share it, pro rata by quantity).
+  - brokerage is per executed order, an order being (exchange, segment, order_no); its trades
+    share it pro rata by quantity, in whole paise (largest remainder), so the shares add up
+    to the order's brokerage exactly;
+  - a row's Net Total is its gross value less its share; the segment's residue from rounding
+    to the paisa is spread over its rows, so the column sums to obligation - brokerage exactly.
+
+Futures are marked to market: the day's open position in each contract is carried forward
+(C/F) at the exchange's daily settlement price, as brokers' notes show it (a C/F line per
+contract; see e.g. Upstox's "What is a contract note": "C/F - Carry forward ... used to
+calculate the marked-to-market value of the future ... based on that day's closing price",
+https://upstox.freshdesk.com/support/solutions/articles/248951-what-is-a-contract-note-).
+So a futures segment's obligation is the day's MTM, not the notional value. Levies stay on
+the traded turnover; the C/F line is not a trade. Options stay at premium.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,8 +47,10 @@ def paise(x: Decimal) -> Decimal:
 
 @dataclass(frozen=True)
 class Levies:
-    buys: Decimal = Decimal(0)
+    buys: Decimal = Decimal(0)  # traded turnover, exact
     sells: Decimal = Decimal(0)
+    carry: Decimal = Decimal(0)  # C/F value of the futures positions at the settlement price
+    obligation: Decimal = Decimal(0)  # pay-in (negative) or pay-out (positive) before charges, to the paisa
     brokerage: Decimal = Decimal(0)
     stt: Decimal = Decimal(0)
     txn: Decimal = Decimal(0)
@@ -46,11 +60,6 @@ class Levies:
     cgst: Decimal = Decimal(0)
     sgst: Decimal = Decimal(0)
     igst: Decimal = Decimal(0)
-
-    @property
-    def obligation(self) -> Decimal:
-        """Pay-in (negative) or pay-out (positive) before any charge."""
-        return self.sells - self.buys
 
     @property
     def taxable_value(self) -> Decimal:
@@ -66,13 +75,31 @@ class Levies:
 
 
 @dataclass(frozen=True)
+class CarryForward:
+    """A futures position carried forward: a notional trade closing it at the settlement price."""
+    trade: Trade  # one of the contract's trades: segment, description
+    side: str  # S closes a long position, B a short one
+    quantity: int
+    price: Decimal
+
+    @property
+    def value(self) -> Decimal:
+        return self.price * self.quantity * (1 if self.side == "S" else -1)
+
+
+@dataclass(frozen=True)
 class Charges:
     segments: dict[str, Levies]
-    brokerage_per_unit: dict[str, Decimal] = field(default_factory=dict)  # by trade_no
+    brokerage_share: dict[tuple, Decimal] = field(default_factory=dict)  # by Trade.key, whole paise
+    carried: list[CarryForward] = field(default_factory=list)
 
     @property
     def total(self) -> Levies:
         return sum(self.segments.values(), Levies())
+
+    def brokerage_per_unit(self, t: Trade) -> Decimal:
+        """For display: the trade's share of its order's brokerage, per unit, to 4 places."""
+        return (self.brokerage_share[t.key] / t.quantity).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
 
 
 def category(trade: Trade) -> str:
@@ -101,20 +128,67 @@ def rates_for(trade_date: str) -> dict:
 
 def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dict) -> Charges:
     rates = rates_for(trade_date)
-    per_unit = _brokerage_per_unit(trades, tariff)
     by_segment: dict[str, list[Trade]] = defaultdict(list)
     for t in trades:
         by_segment[segment_of(t)].append(t)
+    carried = carry_forward(trades)
     segments = {
-        seg: _segment_levies(ts, rates, intra_state, tariff)
+        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], rates, intra_state, tariff)
         for seg, ts in sorted(by_segment.items())
     }
-    return Charges(segments=segments, brokerage_per_unit=per_unit)
+    return Charges(segments=segments, brokerage_share=_brokerage_shares(trades, tariff), carried=carried)
 
 
-def _segment_levies(trades: list[Trade], rates: dict, intra_state: bool, tariff: dict) -> Levies:
+def carry_forward(trades: list[Trade]) -> list[CarryForward]:
+    """Each futures contract's open position at the end of the day, closed at its settlement price."""
+    net: dict[tuple, int] = defaultdict(int)
+    first: dict[tuple, Trade] = {}
+    for t in trades:
+        if t.segment == "FO" and t.instrument.startswith("FUT"):
+            contract = (t.exchange, t.segment, t.instrument, t.symbol, t.expiry)
+            net[contract] += t.quantity if t.side == "B" else -t.quantity
+            first.setdefault(contract, t)
+    out = []
+    for contract, qty in net.items():
+        if qty:
+            t = first[contract]
+            if t.close is None:
+                raise ValueError(f"no settlement price for {t.instrument} {t.symbol} {t.expiry}")
+            out.append(CarryForward(t, "S" if qty > 0 else "B", abs(qty), t.close))
+    return out
+
+
+def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decimal], dict[int, Decimal]]:
+    """Each row's Net Total before levies, to the paisa: trades by Trade.key, C/F lines by their
+    index in charges.carried. A row is its signed gross value less its share of the order's
+    brokerage; a segment's rounding residue goes, a paisa at a time, to the rows that rounding
+    moved furthest, so every segment's column sums to obligation - brokerage exactly."""
+    exact: dict[tuple, Decimal] = {}
+    segment: dict[tuple, str] = {}
+    for t in trades:
+        gross = t.turnover if t.side == "S" else -t.turnover
+        exact[t.key] = gross - charges.brokerage_share[t.key]
+        segment[t.key] = segment_of(t)
+    for i, c in enumerate(charges.carried):
+        exact[("C/F", i)] = c.value
+        segment[("C/F", i)] = segment_of(c.trade)
+    rounded = {k: paise(v) for k, v in exact.items()}
+    for seg, levies in charges.segments.items():
+        rows = [k for k in exact if segment[k] == seg]
+        residue = levies.obligation - levies.brokerage - sum((rounded[k] for k in rows), Decimal(0))
+        step = PAISA if residue > 0 else -PAISA
+        rows.sort(key=lambda k: (exact[k] - rounded[k]) * step, reverse=True)
+        for k in rows[:int(abs(residue) / PAISA)]:
+            rounded[k] += step
+    trades_out = {k: v for k, v in rounded.items() if k[0] != "C/F"}
+    return trades_out, {k[1]: v for k, v in rounded.items() if k[0] == "C/F"}
+
+
+def _segment_levies(trades: list[Trade], carried: list[CarryForward], rates: dict, intra_state: bool,
+                    tariff: dict) -> Levies:
     buys = sum((t.turnover for t in trades if t.side == "B"), Decimal(0))
     sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
+    carry = sum((c.value for c in carried), Decimal(0))
     stt = txn = sebi = stamp = ipft = Decimal(0)
     for t in trades:
         cat, value = category(t), t.turnover
@@ -136,14 +210,14 @@ def _segment_levies(trades: list[Trade], rates: dict, intra_state: bool, tariff:
     else:
         cgst = sgst = Decimal(0)
         igst = paise(gst_base * gst_rate)
-    return Levies(buys=buys, sells=sells, brokerage=brokerage, stt=rupees(stt), txn=txn, sebi=sebi,
+    return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage, stt=rupees(stt), txn=txn, sebi=sebi,
                   stamp=paise(stamp), ipft=paise(ipft), cgst=cgst, sgst=sgst, igst=igst)
 
 
-def _orders(trades: list[Trade]) -> dict[str, list[Trade]]:
-    orders: dict[str, list[Trade]] = defaultdict(list)
+def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:
+    orders: dict[tuple, list[Trade]] = defaultdict(list)
     for t in trades:
-        orders[t.order_no].append(t)
+        orders[t.order_key].append(t)
     return orders
 
 
@@ -157,11 +231,19 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     return paise(min(fee, cap) if cap > 0 else fee)
 
 
-def _brokerage_per_unit(trades: list[Trade], tariff: dict) -> dict[str, Decimal]:
+def _brokerage_shares(trades: list[Trade], tariff: dict) -> dict[tuple, Decimal]:
     out = {}
     for order in _orders(trades).values():
-        qty = sum(t.quantity for t in order)
-        unit = (_order_brokerage(order, tariff) / qty).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
-        for t in order:
-            out[t.trade_no] = unit
+        out.update(split_pro_rata(_order_brokerage(order, tariff), order))
     return out
+
+
+def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:
+    """Whole paise by quantity, the paise left over to the largest remainders (then first rows)."""
+    qty = sum(t.quantity for t in order)
+    exact = [amount * t.quantity / qty for t in order]
+    shares = [x.quantize(PAISA, rounding=ROUND_DOWN) for x in exact]
+    left = int((amount - sum(shares, Decimal(0))) / PAISA)
+    for i in sorted(range(len(order)), key=lambda i: shares[i] - exact[i])[:left]:
+        shares[i] += PAISA
+    return {t.key: s for t, s in zip(order, shares)}

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import keys, metrics, report
+from pipeline import keys, metrics, report, trading_calendar
 from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import Settings
@@ -82,7 +82,8 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     accounts = load_shard(open_store(settings.store_url), run_id, shard)
-    batch = render_stage(Batch(run_id, trade_date, shard), accounts, state, set(only) if only else None,
+    settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
+    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state, set(only) if only else None,
                          partial(render_any_size, tagged=settings.pdf_tags), force)
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
@@ -114,6 +115,10 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     store = open_store(settings.store_url)
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password, settings.signer_chain)
+    trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)  # a calendar error stops the run here
+    warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
+    for warning in warnings:
+        log.warning("run %s: %s", run_id, warning)
     state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                  "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
@@ -150,6 +155,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
     }
+    if warnings:
+        summary["warnings"] = warnings
     doc, rows = report.build(state, summary, split.input_errors)
     summary["report"] = report.write(store, run_id, doc, rows)[0]
     return summary

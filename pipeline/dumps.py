@@ -2,14 +2,18 @@
 
 A bad row raises RowError naming the file, the row number (1 = first data row after the
 header) and the field, so the account can be rejected and reported while the run goes on.
-Order and trade numbers stay strings: they are identifiers, and leading zeros matter.
+Order and trade numbers stay strings: they are identifiers, and leading zeros matter. They
+are unique only within an exchange segment, so a trade is (exchange, segment, trade_no) and
+an order (exchange, segment, order_no), everywhere.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import Mapping
 
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
 TRADE_FIELDS = [
@@ -71,19 +75,31 @@ class Trade:
     price: Decimal
     product: str
     status: str
+    close: Decimal | None = None  # derivatives: the day's closing (futures: settlement) price
 
     @property
     def turnover(self) -> Decimal:
         return self.price * self.quantity
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.exchange, self.segment, self.trade_no)
+
+    @property
+    def order_key(self) -> tuple[str, str, str]:
+        return (self.exchange, self.segment, self.order_no)
+
     def as_row(self) -> list[str]:
-        return [str(getattr(self, f)) for f in TRADE_FIELDS]  # not asdict(): it deep-copies, 10x slower
+        # not asdict(): it deep-copies, 10x slower
+        return [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
         """Rebuild a trade that was already validated (from a shard file)."""
         d = dict(zip(TRADE_FIELDS, row))
-        return cls(**{**d, "quantity": int(d["quantity"]), "price": Decimal(d["price"])})
+        close = row[len(TRADE_FIELDS)] if len(row) > len(TRADE_FIELDS) else ""
+        return cls(**{**d, "quantity": int(d["quantity"]), "price": Decimal(d["price"]),
+                      "close": Decimal(close) if close else None})
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
@@ -113,7 +129,10 @@ def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
     return Client(**{**values, "ucc": ucc, "pan": pan, "ecn_opt_in": opt_in == "Y"})
 
 
-def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str) -> Trade:
+def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
+                closes: Mapping[tuple, Decimal] | None = None) -> Trade:
+    """`closes` (from the bhavcopy) gives each derivatives contract its closing price; a
+    contract missing from it is this row's error, since the note could not show its rate."""
     v = {f: (raw.get(f) or "").strip() for f in TRADE_FIELDS}
     fail = _failer(file, row, v["ucc"])
     if not UCC.match(v["ucc"]):
@@ -142,19 +161,49 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str) -> Tr
         fail("status", "must be 11, 12 or 13")
     if v["instrument"].startswith("OPT") and v["option_type"] not in ("CE", "PE"):
         fail("option_type", "must be CE or PE for an option")
+    if v["segment"] == "FO":
+        expiry = _iso_date(v["expiry"], lambda p: fail("expiry", p))
+        if expiry < trade_date:
+            fail("expiry", f"{v['expiry']} is before the trade date")
+    if v["instrument"].startswith("OPT"):
+        _positive(v["strike"], Decimal, lambda p: fail("strike", p))
     quantity = _positive(v["quantity"], int, lambda p: fail("quantity", p))
     price = _positive(v["price"], Decimal, lambda p: fail("price", p))
-    return Trade(**{**v, "quantity": quantity, "price": price})
+    trade = Trade(**{**v, "quantity": quantity, "price": price})
+    if closes is None or trade.segment != "FO":
+        return trade
+    close = closes.get(contract_id(trade))
+    if close is None:
+        fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
+    return Trade(**{**trade.__dict__, "close": close})
+
+
+def contract_id(t: Trade) -> tuple[str, str, str, str, str, Decimal | None, str]:
+    """How the bhavcopy names a contract: exchange, segment, instrument, symbol, expiry, strike, type."""
+    strike = Decimal(t.strike) if t.instrument.startswith("OPT") else None
+    return (t.exchange, t.segment, t.instrument, t.symbol, t.expiry, strike,
+            t.option_type if t.instrument.startswith("OPT") else "")
+
+
+def describe_contract(t: Trade) -> str:
+    return " ".join(p for p in (t.exchange, t.instrument, t.symbol, t.expiry, t.strike, t.option_type) if p)
 
 
 def effective_trades(trades: list[Trade]) -> list[Trade]:
     """What goes on the note: the latest version of each trade, cancelled ones removed."""
-    latest: dict[str, Trade] = {}
+    latest: dict[tuple[str, str, str], Trade] = {}
     for t in trades:
-        if t.status in ("12", "13") or t.trade_no not in latest:
-            latest[t.trade_no] = t
+        if t.status in ("12", "13") or t.key not in latest:
+            latest[t.key] = t
     return sorted((t for t in latest.values() if t.status != "13"),
                   key=lambda t: (t.exchange, t.segment, t.settlement_no, t.trade_time, t.trade_no))
+
+
+def _iso_date(text: str, fail) -> str:
+    try:
+        return dt.date.fromisoformat(text).isoformat() if len(text) == 10 else fail(f"{text!r} is not a date")
+    except ValueError:
+        fail(f"{text!r} is not a date (YYYY-MM-DD)")
 
 
 def _positive(text: str, kind, fail):

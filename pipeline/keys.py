@@ -15,6 +15,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   {p}-signed-pdf/{date}/{ucc}.pdf                 the signed archive of record
   reports/{run}.json, reports/{run}.csv           the run report
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
+  reports/noteseq-{fy}.json                       highest contract note number issued in a FY
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def signed_pdf_key(trade_date: str, ucc: str) -> str:
 
 def manifest_key(run_id: str) -> str:
     return f"reports/{run_id}.manifest.json"
+
+
+def note_sequence_key(fy: str) -> str:
+    return f"reports/noteseq-{fy}.json"
 
 
 def report_keys(run_id: str) -> tuple[str, str]:

@@ -5,21 +5,25 @@ text run per block instead of one per cell makes Typst ~3x cheaper per row, and 
 look of a printed contract note. Pagination happens here too, with a fixed number of rows
 per page, so the page count is known before Typst runs: a huge note can be rendered as
 page ranges in parallel and still say "Page X of Y" continuously.
+
+No value is ever cut: each column is as wide as the note's widest value (never narrower
+than the standard layout), and the table's font shrinks if a note's lines grow past the page.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from itertools import groupby
 
-from pipeline.charges import Charges, segment_of
+from pipeline import trading_calendar
+from pipeline.charges import Charges, CarryForward, net_totals, segment_of
 from pipeline.dumps import Client, Trade
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
 ROWS_FOR_LEVIES = 28
-# (heading line 1, heading line 2, width in characters, right-aligned)
+# (heading line 1, heading line 2, least width in characters, right-aligned)
 TRADE_COLUMNS = [
     ("Order No", "", 16, False), ("Order", "Time", 8, False), ("Trade No", "", 16, False),
     ("Trade", "Time", 8, False), ("Security / Contract", "Description", 38, False), ("B/S", "", 3, False),
@@ -28,7 +32,10 @@ TRADE_COLUMNS = [
     ("Remarks", "", 14, False),
 ]
 LEVY_LABEL_WIDTH = 42
-LEVY_VALUE_WIDTH = 17  # the levies table and the signature block, in row heights
+LEVY_VALUE_WIDTH = 17
+MONO_SIZE_PT = 6.8
+MONO_ADVANCE = 0.6  # a monospaced glyph is 0.6 em wide
+TEXT_WIDTH_PT = 770  # A4 landscape less the margins and the levies box's inset
 LEVY_LINES = [
     ("Pay-in/Pay-out obligation", lambda l: l.obligation),
     ("Brokerage", lambda l: -l.brokerage),
@@ -47,7 +54,7 @@ LEVY_LINES = [
 
 def money(amount: Decimal, places: int = 2) -> str:
     """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets."""
-    q = abs(amount).quantize(Decimal(1).scaleb(-places))
+    q = abs(amount).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
     whole, _, frac = f"{q:f}".partition(".")
     head, tail = whole[:-3], whole[-3:]
     groups = []
@@ -68,23 +75,29 @@ def note_number(prefix: str, trade_date: str, sequence: int) -> str:
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
-               trade_date: str, number: str) -> dict:
-    lines = _trade_lines(trades, charges)
+               trade_date: str, number: str, settles: dict[str, str] | None = None) -> dict:
+    """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""
+    rows = _trade_rows(trades, charges)
+    widths = column_widths([cells for _, cells in rows])
+    lines = [{"label": label, "text": _line(cells, widths)} for label, cells in rows]
     pages = paginate(lines)
+    levies = levies_table(charges)
     return {
         "broker": broker_block(broker),
         "note": {
             "number": number,
             "trade_date": _dmy(trade_date),
-            "settlements": _settlements(trades, trade_date),
+            "settlements": _settlements(trades, settles or trading_calendar.settlement_dates(trade_date)),
         },
         "client": {
             "name": client.name, "address": client.address, "state": client.state,
             "gst_state_code": client.gst_state_code, "pan": client.pan, "ucc": client.ucc,
             "place_of_supply": f"{client.state} ({client.gst_state_code})",
         },
-        "levies": levies_table(charges),
-        "heads": table_heads(),
+        "levies": levies,
+        "heads": table_heads(widths),
+        "mono_size": fitting_size(sum(widths) + len(widths) - 1),
+        "levies_size": fitting_size(len(levies["head"])),
         "pages": pages,
         "total_pages": len(pages),
         "page_offset": 0,
@@ -100,21 +113,37 @@ def page_range(note: dict, start: int, stop: int) -> dict:
     return {**note, "pages": note["pages"][start:stop], "page_offset": start}
 
 
+def fitting_size(*chars: int) -> float:
+    """The monospaced font size at which the longest line fits the page."""
+    widest = max(chars + (1,))
+    return round(min(MONO_SIZE_PT, TEXT_WIDTH_PT / (MONO_ADVANCE * widest)), 2)
+
+
 def levies_table(charges: Charges) -> dict:
     columns = list(charges.segments.items()) + [("Total (Net)", charges.total)]
-    head = "Particulars".ljust(LEVY_LABEL_WIDTH) + "".join(n.rjust(LEVY_VALUE_WIDTH) for n, _ in columns)
-    rows = [label.ljust(LEVY_LABEL_WIDTH) + "".join(money(value(l)).rjust(LEVY_VALUE_WIDTH) for _, l in columns)
-            for label, value in LEVY_LINES]
+    cells = [[money(value(l)) for _, l in columns] for _, value in LEVY_LINES]
+    width = max([LEVY_VALUE_WIDTH] + [len(c) + 2 for row in cells for c in row] + [len(n) + 2 for n, _ in columns])
+    head = "Particulars".ljust(LEVY_LABEL_WIDTH) + "".join(n.rjust(width) for n, _ in columns)
+    rows = [label.ljust(LEVY_LABEL_WIDTH) + "".join(c.rjust(width) for c in row)
+            for (label, _), row in zip(LEVY_LINES, cells)]
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
 
 
-def table_heads() -> list[str]:
-    return [_line([c[i] for c in TRADE_COLUMNS]) for i in (0, 1)]
+def column_widths(rows: list[list[str]]) -> list[int]:
+    widths = [max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS]
+    for cells in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, cells)]
+    return widths
 
 
-def _line(cells: list[str]) -> str:
-    return " ".join((c.rjust(w) if right else c.ljust(w))[:w]
-                    for c, (_, _, w, right) in zip(cells, TRADE_COLUMNS)).rstrip()
+def table_heads(widths: list[int] | None = None) -> list[str]:
+    return [_line([c[i] for c in TRADE_COLUMNS], widths) for i in (0, 1)]
+
+
+def _line(cells: list[str], widths: list[int] | None = None) -> str:
+    widths = widths or column_widths([])
+    return " ".join(c.rjust(w) if right else c.ljust(w)
+                    for c, w, (_, _, _, right) in zip(cells, widths, TRADE_COLUMNS)).rstrip()
 
 
 def paginate(lines: list[dict]) -> list[dict]:
@@ -131,14 +160,19 @@ def paginate(lines: list[dict]) -> list[dict]:
     return pages
 
 
-def _trade_lines(trades: list[Trade], charges: Charges) -> list[dict]:
-    lines = []
+def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[str]]]:
+    """(group label, cells) per row: trades by segment and settlement, each futures segment's
+    C/F lines after its trades."""
+    totals, carried_totals = net_totals(trades, charges)
+    rows = []
     key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{segment.replace('-', ' / ')}  ·  Settlement {settlement}"
-        for t in group:
-            lines.append({"label": label, "text": _line(_cells(t, charges.brokerage_per_unit[t.trade_no]))})
-    return lines
+        group = list(group)
+        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
+        rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
+                 if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
+    return rows
 
 
 def _groups(lines: list[dict]) -> list[dict]:
@@ -147,15 +181,21 @@ def _groups(lines: list[dict]) -> list[dict]:
             for label, rows in groupby(lines, key=lambda l: l["label"])]
 
 
-def _cells(t: Trade, brokerage_unit: Decimal) -> list[str]:
+def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> list[str]:
     net_rate = t.price + brokerage_unit if t.side == "B" else t.price - brokerage_unit
-    net_total = net_rate * t.quantity
     remarks = t.product + (" (modified)" if t.status == "12" else "")
+    closing = money(t.close, 4) if t.close is not None else ""
     return [
         t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side,
         str(t.quantity), money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4),
-        "", money(-net_total if t.side == "B" else net_total), remarks,
+        closing, money(net_total), remarks,
     ]
+
+
+def _carried_cells(c: CarryForward, net_total: Decimal) -> list[str]:
+    rate = money(c.price, 4)
+    return ["", "", "", "", _describe(c.trade), c.side, str(c.quantity), rate, money(Decimal(0), 4), rate,
+            rate, money(net_total), "C/F"]
 
 
 def _describe(t: Trade) -> str:
@@ -165,12 +205,10 @@ def _describe(t: Trade) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _settlements(trades: list[Trade], trade_date: str) -> list[dict]:
-    """CM settles T+1; F&O settles daily (T+1 pay-in/pay-out)."""
-    day = dt.date.fromisoformat(trade_date)
-    settle = day + dt.timedelta(days=3 if day.weekday() == 4 else 1)
-    seen = sorted({(segment_of(t), t.settlement_no) for t in trades})
-    return [{"segment": s, "number": n, "date": settle.strftime("%d-%m-%Y")} for s, n in seen]
+def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
+    """CM settles T+1; F&O settles daily (T+1 pay-in/pay-out): the next trading day of the exchange."""
+    seen = sorted({(t.exchange, segment_of(t), t.settlement_no) for t in trades})
+    return [{"segment": s, "number": n, "date": _dmy(settles[ex])} for ex, s, n in seen]
 
 
 def _dmy(iso: str) -> str:

@@ -54,6 +54,7 @@ class Settings:
     sign_contact: str = "compliance@broker.example.com"
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
     mail_reply_to: str = "Client Support <support@broker.example.com>"
+    holidays_file: str = ""  # the broker's trading-holiday list, laid over pipeline/data/holidays.json
     state_ttl_s: int = 14 * 24 * 3600
     api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
 
@@ -117,6 +118,7 @@ ENV_NAMES = {
     "sign_contact": "CN_SIGN_CONTACT",
     "mail_from": "CN_MAIL_FROM",
     "mail_reply_to": "CN_MAIL_REPLY_TO",
+    "holidays_file": "CN_HOLIDAYS_FILE",
     "state_ttl_s": "CN_STATE_TTL_S",
     "api_token": "CN_API_TOKEN",
 }

@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import keys
+from pipeline import bhavcopy, keys, note_numbers
 from pipeline.dumps import (CLIENT_FIELDS, TRADE_FIELDS, RowError, Trade, check_header,
                             effective_trades, parse_client, parse_trade)
 from pipeline.notes import note_number
@@ -76,12 +76,13 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
     clients = sum(1 for _ in inputs.lines("clients.csv")) - 1
     shards = shard_count(clients, shard_size)
     result = SplitResult(shards=[], shard_count=shards)
+    closes = _closing_prices(inputs, trade_date, result)
     with tempfile.TemporaryDirectory(prefix=f"split-{run_id}-") as tmp:
         spool = _Spool(Path(tmp))
         _spool_rows(inputs, "clients.csv", CLIENT_FIELDS, shards, spool, result,
                     lambda n, row: parse_client("clients.csv", n, row))
         _spool_rows(inputs, "trades.csv", TRADE_FIELDS, shards, spool, result,
-                    lambda n, row: parse_trade("trades.csv", n, row, trade_date))
+                    lambda n, row: parse_trade("trades.csv", n, row, trade_date, closes))
         spool.flush()
         for shard in range(shards):
             accounts, rejects = _assemble(spool, shard)
@@ -89,7 +90,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
             state.record(rejects)
             if not accounts:
                 continue
-            first = state.next_note_numbers(_fy(trade_date), len(accounts))
+            first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
             for i, account in enumerate(accounts):
                 account["note_no"] = note_number(note_prefix, trade_date, first + i)
             body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
@@ -98,6 +99,19 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
             result.shards.append(shard)
             result.accounts += len(accounts)
     return result
+
+
+def _closing_prices(inputs: Store, trade_date: str, result: SplitResult) -> dict:
+    """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
+    if not inputs.exists(bhavcopy.FILE):
+        result.input_errors.append({"file": bhavcopy.FILE, "row": 0, "field": "", "ucc": "",
+                                    "error": "file not found: derivatives trades have no closing price"})
+        return {}
+    try:
+        return bhavcopy.read(inputs.lines(bhavcopy.FILE), trade_date, result.input_errors, MAX_LISTED_ERRORS)
+    except RowError as e:
+        result.input_errors.append(e.as_dict())
+        return {}
 
 
 def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool: "_Spool",
@@ -159,12 +173,6 @@ def _describe(errors: list[dict]) -> str:
     where = f"{first['file']} row {first['row']}" if first["row"] != "" else first["file"]
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where} field '{first['field']}': {first['error']}{more}"
-
-
-def _fy(trade_date: str) -> str:
-    year, month = int(trade_date[:4]), int(trade_date[5:7])
-    start = year if month >= 4 else year - 1
-    return f"{start}-{(start + 1) % 100:02d}"
 
 
 class _Spool:

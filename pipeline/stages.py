@@ -35,6 +35,7 @@ class Batch:
     items: list[dict] = field(default_factory=list)  # ucc, name, email, pan, ecn, pdf
     cpu_s: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
+    settles: dict[str, str] = field(default_factory=dict)  # exchange -> settlement date (ISO)
 
     def drop(self, status: str) -> None:
         self.dropped[status] = self.dropped.get(status, 0) + 1
@@ -76,7 +77,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 batch.items.append(item)
                 continue
             try:
-                item["pdf"] = render_note(_note(account, client, batch.trade_date))
+                item["pdf"] = render_note(_note(account, client, batch.trade_date, batch.settles))
             except (RenderError, KeyError, ValueError) as e:
                 writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
                 batch.drop("failed")
@@ -87,11 +88,11 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
     return batch
 
 
-def _note(account: dict, client: Client, trade_date: str) -> dict:
+def _note(account: dict, client: Client, trade_date: str, settles: dict[str, str]) -> dict:
     trades = [Trade.from_row(r) for r in account["trades"]]
     b = broker()
     charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
-    return build_note(client, trades, charges, b, trade_date, account["note_no"])
+    return build_note(client, trades, charges, b, trade_date, account["note_no"], settles or None)
 
 
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,

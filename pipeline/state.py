@@ -203,9 +203,18 @@ class RunState:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
         self.r.hdel(keys.run_mailguard(self.run_id), ucc)
 
-    def next_note_numbers(self, fy: str, count: int) -> int:
-        """Reserve `count` contract note numbers of a financial year; returns the first."""
-        return self.r.incrby(keys.note_sequence(fy), count) - count + 1
+    def next_note_numbers(self, fy: str, count: int, floor: int = 0) -> int:
+        """Reserve `count` contract note numbers of a financial year; returns the first. The
+        counter is first raised to `floor` (the highest number ever issued, from storage), so
+        a Redis that lost it never hands out a number twice."""
+        last = self.r.eval(_RESERVE, 1, keys.note_sequence(fy), count, floor)
+        return int(last) - count + 1
+
+
+_RESERVE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[2]) then redis.call('SET', KEYS[1], ARGV[2]) end
+return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
 
 
 class StateWriter:

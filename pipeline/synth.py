@@ -8,12 +8,14 @@ real person. Some names carry Typst syntax and non-Latin scripts on purpose.
 from __future__ import annotations
 
 import csv
+import io
 import datetime as dt
 import random
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from pipeline import bhavcopy, keys
 from pipeline.dumps import CLIENT_FIELDS, TRADE_FIELDS
 
 
@@ -41,9 +43,11 @@ class SynthOptions:
 
 
 def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
+    """clients.csv and trades.csv, and bhavcopy.csv with a closing price for every contract traded."""
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(opts.seed)
     clients_path, trades_path = out / "clients.csv", out / "trades.csv"
+    contracts: dict[tuple, str] = {}
     with clients_path.open("w", newline="") as cf, trades_path.open("w", newline="") as tf:
         clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_FIELDS)
         clients.writerow(CLIENT_FIELDS)
@@ -53,8 +57,53 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             ucc = f"C{i + 1:07d}"
             clients.writerow(_client(rng, ucc, i))
             n = 60_000 if (opts.volatile and i == 0) else _trade_count(rng)
-            trades.writerows(_trades(rng, opts.trade_date, ucc, n, counter))
+            rows = list(_trades(rng, opts.trade_date, ucc, n, counter))
+            for row in rows:
+                contracts.setdefault(_contract(row), row["price"])
+            trades.writerows(rows)
+    write_bhavcopy(out / bhavcopy.FILE, opts.trade_date, contracts)
     return clients_path, trades_path
+
+
+def closing_prices(trade_date: dt.date, trade_rows: list[dict]) -> dict:
+    """What bhavcopy.read would give for the contracts in `trade_rows` (trades built in memory)."""
+    contracts: dict[tuple, str] = {}
+    for row in trade_rows:
+        contracts.setdefault(_contract(row), row["price"])
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, BHAV_FIELDS)
+    writer.writeheader()
+    writer.writerows(_bhav_row(trade_date, c, p) for c, p in contracts.items())
+    return bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
+
+
+def write_bhavcopy(path: Path, trade_date: dt.date, contracts: dict[tuple, str]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, BHAV_FIELDS)
+        writer.writeheader()
+        writer.writerows(_bhav_row(trade_date, c, p) for c, p in sorted(contracts.items()))
+
+
+# The UDiFF columns a real bhavcopy has; the reader needs only bhavcopy.FIELDS.
+BHAV_FIELDS = ["TradDt", "BizDt", "Sgmt", "Src", "FinInstrmTp", "FinInstrmId", "ISIN", "TckrSymb", "SctySrs",
+               "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric", "TtlTradgVol"]
+
+
+def _contract(row: dict) -> tuple:
+    return (row["exchange"], row["segment"], row["instrument"], row["symbol"], row["isin"], row["expiry"],
+            row["strike"], row["option_type"])
+
+
+def _bhav_row(trade_date: dt.date, contract: tuple, traded_price: str) -> dict:
+    """A closing price within 1% of a price traded that day, on the 0.05 tick, the same on every run."""
+    exchange, segment, instrument, symbol, isin, expiry, strike, option_type = contract
+    move = Decimal(10_000 + keys.stable_hash(repr(contract)) % 201 - 100) / 10_000
+    close = str((max(Decimal(1), (Decimal(traded_price) * move * 20).to_integral_value()) / 20).quantize(Decimal("0.01")))
+    kind = bhavcopy.UDIFF_TYPES.get(instrument, "STK")
+    return {"TradDt": trade_date.isoformat(), "BizDt": trade_date.isoformat(), "Sgmt": segment, "Src": exchange,
+            "FinInstrmTp": kind, "FinInstrmId": "", "ISIN": isin, "TckrSymb": symbol,
+            "SctySrs": "EQ" if segment == "CM" else "", "XpryDt": expiry, "StrkPric": strike,
+            "OptnTp": option_type, "ClsPric": close, "SttlmPric": close, "TtlTradgVol": ""}
 
 
 def _trade_count(rng: random.Random) -> int:

@@ -16,11 +16,13 @@ NEW, OLD = "2026-11-20", "2025-06-02"  # under the 2026-04-01 and the 2024-10-01
 _numbers = iter(range(10**15, 10**16))
 
 
-def trade(side, qty, price, segment="CM", product="CNC", instrument="EQ", exchange="NSE", order=None, date=NEW):
-    n = f"{next(_numbers):016d}"
+def trade(side, qty, price, segment="CM", product="CNC", instrument="EQ", exchange="NSE", order=None, date=NEW,
+          close=None, number=None):
+    n = number or f"{next(_numbers):016d}"
     return Trade(date, exchange, segment, f"{segment}2026324", "C1", order or n, "10:00:00", n, "10:00:01",
-                 "NIFTY", "", instrument, "", "", "CE" if instrument.startswith("OPT") else "", side, qty,
-                 D(price), product, "11")
+                 "NIFTY", "", instrument, "2026-11-26" if segment == "FO" else "", "", "CE" if instrument.startswith(
+                     "OPT") else "", side, qty, D(price), product, "11",
+                 D(close or price) if segment == "FO" else None)
 
 
 def levies(trades, date=NEW, intra=True):
@@ -56,25 +58,54 @@ def test_intraday_round_trip():
     assert t.net == D("945.99")
 
 
+def test_orders_with_one_number_on_two_exchanges_are_charged_each_on_its_own():
+    # NSE buy 100 @ 820: 0.03% of 82,000 = 24.60, capped at 20 -> 0.2000 a unit;
+    # BSE sell 10 @ 821: 0.03% of 8,210 = 2.463 -> 2.46 -> 0.2460 a unit.
+    nse = trade("B", 100, "820", product="MIS", order="7" * 16, number="5" * 16)
+    bse = trade("S", 10, "821", product="MIS", exchange="BSE", order="7" * 16, number="5" * 16)
+    charges = compute([nse, bse], NEW, True, TARIFF)
+    assert (charges.brokerage_per_unit(nse), charges.brokerage_per_unit(bse)) == (D("0.2000"), D("0.2460"))
+    assert charges.total.brokerage == D("22.46")
+
+
 def test_brokerage_is_per_order_and_capped():
     # one order filled in two trades: 0.03% of 2,00,000 = 60, capped at 20 for the order.
     t = levies([trade("S", 100, "1000", product="MIS", order="1" * 16),
                 trade("S", 100, "1000", product="MIS", order="1" * 16)])
     assert t.brokerage == D("20.00")
-    per_unit = compute([trade("S", 100, "1000", product="MIS", order="2" * 16)], NEW, True, TARIFF)
-    assert set(per_unit.brokerage_per_unit.values()) == {D("0.2000")}  # 20 / 100 units
+    per_unit_trades = [trade("S", 100, "1000", product="MIS", order="2" * 16)]
+    per_unit = compute(per_unit_trades, NEW, True, TARIFF)
+    assert [per_unit.brokerage_per_unit(t) for t in per_unit_trades] == [D("0.2000")]  # 20 / 100 units
 
 
 def test_futures_sell_under_new_and_old_rates():
     # 75 x 24,000 = 18,00,000. STT 0.05% = 900 (0.02% = 360 before 2026-04-01); txn 0.00173% = 31.14;
     # SEBI 1.80; IPFT 1.80; brokerage capped at 20; GST base 52.94 -> CGST = SGST = 4.76.
-    fut = dict(segment="FO", product="NRML", instrument="FUTIDX")
+    # The short position is carried forward at the settlement price 23,900: the obligation is the
+    # day's MTM, 75 x (24,000 - 23,900) = 7,500, not the notional 18,00,000.
+    fut = dict(segment="FO", product="NRML", instrument="FUTIDX", close="23900")
     new = levies([trade("S", 75, "24000", **fut)])
     assert (new.stt, new.txn, new.sebi, new.ipft, new.stamp, new.cgst) == (D(900), D("31.14"), D("1.80"),
                                                                           D("1.80"), D("0.00"), D("4.76"))
-    assert new.net == D("1799035.74")
+    assert (new.sells, new.carry, new.obligation) == (D(1800000), D(-1792500), D("7500.00"))
+    assert new.net == D("6535.74")
     old = levies([trade("S", 75, "24000", date=OLD, **fut)], date=OLD)
-    assert old.stt == D(360) and old.net == D("1799575.74")
+    assert old.stt == D(360) and old.net == D("7075.74")
+
+
+def test_a_squared_off_future_carries_nothing_forward_and_its_obligation_is_the_realised_profit():
+    fut = dict(segment="FO", product="NRML", instrument="FUTIDX", close="23900")
+    charges = compute([trade("B", 75, "24000", **fut), trade("S", 75, "24010", **fut)], NEW, True, TARIFF)
+    assert charges.carried == [] and charges.total.obligation == D("750.00")
+
+
+def test_one_futures_buy_is_marked_to_market_not_shown_at_notional():
+    # The case: one BANKNIFTY futures buy used to show a net payable of its notional value.
+    t = trade("B", 30, "52000", segment="FO", product="NRML", instrument="FUTIDX", close="52105.5")
+    charges = compute([t], NEW, True, TARIFF)
+    (cf,) = charges.carried
+    assert (cf.side, cf.quantity, cf.price) == ("S", 30, D("52105.5"))
+    assert charges.total.obligation == D("3165.00")  # 30 x 105.50
 
 
 def test_options_buy_and_sell_on_premium():
@@ -117,8 +148,9 @@ def test_invariants_hold_for_any_day(specs, intra):
     trades = as_trades(specs)
     charges = compute(trades, NEW, intra, TARIFF)
     total = charges.total
-    assert total.net == total.sells - total.buys - sum(getattr(total, f) for f in LEVY_FIELDS)
-    for f in ("buys", "sells", *LEVY_FIELDS):
+    assert total.net == total.obligation - sum(getattr(total, f) for f in LEVY_FIELDS)
+    assert total.obligation == total.sells - total.buys + total.carry
+    for f in ("buys", "sells", "carry", "obligation", *LEVY_FIELDS):
         assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
     for seg in charges.segments.values():
         assert all(getattr(seg, f) >= 0 for f in LEVY_FIELDS)

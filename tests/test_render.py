@@ -21,8 +21,9 @@ TRADE_DATE = "2026-11-20"
 
 def sample_trades(n: int, ucc: str = "C0000042", seed: int = 5):
     rng = random.Random(seed)
-    rows = synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), ucc, n, synth._Numbers(rng))
-    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE) for i, r in enumerate(rows, 1)])
+    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), ucc, n, synth._Numbers(rng)))
+    closes = synth.closing_prices(dt.date.fromisoformat(TRADE_DATE), rows)
+    return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE, closes) for i, r in enumerate(rows, 1)])
 
 
 def sample_client(name: str = "Aarav Iyer", state: str = "Maharashtra", code: str = "27") -> Client:
@@ -91,6 +92,18 @@ def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
     assert all(f"Page {p} of {total}" in text for p in range(1, total + 1))
     assert text.count("CONTRACT NOTE CUM TAX INVOICE") == 1
     assert text.count("Levies and charges") == 1
+    info = pdf_info(merged, tmp_path)
+    assert info["Title"] == "Contract Note CNT-26/27-0000042"
+    assert info["Author"] == broker()["name"]
+    assert info["Subject"] == "Contract note cum tax invoice for trade date 20-11-2026, client C0000042"
+    assert "SAC 997152" in info["Keywords"] and "CNT-26/27-0000042" in info["Keywords"]
+
+
+def pdf_info(pdf: bytes, tmp_path: Path) -> dict[str, str]:
+    path = tmp_path / "info.pdf"
+    path.write_bytes(pdf)
+    out = subprocess.run(["pdfinfo", str(path)], capture_output=True, text=True, check=True).stdout
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
 
 
 def test_money_uses_indian_grouping_and_brackets_what_the_client_pays():

@@ -1,0 +1,68 @@
+"""The exchanges' daily bhavcopy, in their common UDiFF layout: each derivatives contract's
+closing and settlement prices, so a note can show the Closing Rate and mark futures to market.
+
+Only the columns we need are required (extra ones are ignored); rows of other days and of
+the cash segment are skipped. A bad row names no account, so it is an input error of the run;
+an account whose contract is then missing is rejected with its own trade row named.
+"""
+
+from __future__ import annotations
+
+import csv
+from decimal import Decimal, InvalidOperation
+from typing import Iterable
+
+from pipeline.dumps import RowError, check_header
+
+FILE = "bhavcopy.csv"
+FIELDS = ["TradDt", "Src", "Sgmt", "FinInstrmTp", "TckrSymb", "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric"]
+# UDiFF instrument types -> the trade file's instrument codes
+INSTRUMENTS = {"IDF": "FUTIDX", "STF": "FUTSTK", "IDO": "OPTIDX", "STO": "OPTSTK"}
+UDIFF_TYPES = {v: k for k, v in INSTRUMENTS.items()}
+
+
+def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: int = 1000) -> dict[tuple, Decimal]:
+    """Contract id (as dumps.contract_id makes it) -> the price a note shows in its Closing Rate
+    column: the daily settlement price for futures (what MTM uses), the closing price for options."""
+    reader = csv.DictReader(_without_bom(lines))
+    check_header(FILE, reader.fieldnames or [], FIELDS)
+    prices: dict[tuple, Decimal] = {}
+    for n, row in enumerate(reader, start=1):
+        if row.get("TradDt") != trade_date or row.get("Sgmt") != "FO":
+            continue
+        try:
+            key, price = _contract_price(n, row)
+        except RowError as e:
+            if len(errors) < max_errors:
+                errors.append(e.as_dict())
+            continue
+        prices[key] = price
+    return prices
+
+
+def _contract_price(n: int, row: dict[str, str]) -> tuple[tuple, Decimal]:
+    instrument = INSTRUMENTS.get(row["FinInstrmTp"] or "")
+    if instrument is None:
+        raise RowError(FILE, n, "FinInstrmTp", f"{row['FinInstrmTp']!r} is not IDF, STF, IDO or STO")
+    option = instrument.startswith("OPT")
+    strike = _price(n, "StrkPric", row["StrkPric"]) if option else None
+    price = _price(n, "ClsPric" if option else "SttlmPric", row["ClsPric"] if option else row["SttlmPric"])
+    key = (row["Src"], "FO", instrument, row["TckrSymb"], row["XpryDt"], strike, row["OptnTp"] if option else "")
+    return key, price
+
+
+def _price(n: int, field: str, text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise RowError(FILE, n, field, f"{text!r} is not a number") from None
+    if not value.is_finite() or value <= 0:
+        raise RowError(FILE, n, field, f"{text!r} is not a positive price")
+    return value
+
+
+def _without_bom(lines: Iterable[str]) -> Iterable[str]:
+    first = True
+    for line in lines:
+        yield line.lstrip("\ufeff") if first else line
+        first = False

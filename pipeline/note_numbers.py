@@ -1,0 +1,38 @@
+"""Contract note numbers: one sequence per financial year, never issued twice.
+
+Redis hands them out (atomic across a run's shards and concurrent runs); storage keeps the
+highest number reserved so far, next to the run manifests, written before any of them is
+used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
+without its data, or flushed, carries on above every number already printed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pipeline import keys
+from pipeline.state import RunState
+from pipeline.storage import Store
+
+
+def financial_year(trade_date: str) -> str:
+    """2026-11-20 -> '2026-27' (April to March)."""
+    year, month = int(trade_date[:4]), int(trade_date[5:7])
+    start = year if month >= 4 else year - 1
+    return f"{start}-{(start + 1) % 100:02d}"
+
+
+def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
+    """The first of `count` fresh numbers; the storage mark covers all of them on return."""
+    key = keys.note_sequence_key(fy)
+    high = high_water_mark(store, fy)
+    first = state.next_note_numbers(fy, count, floor=high)
+    last = first + count - 1
+    if last > high_water_mark(store, fy):  # read again: another run may have moved it meanwhile
+        store.put(key, json.dumps({"fy": fy, "high": last}).encode())
+    return first
+
+
+def high_water_mark(store: Store, fy: str) -> int:
+    key = keys.note_sequence_key(fy)
+    return int(json.loads(store.get(key))["high"]) if store.exists(key) else 0

@@ -1,0 +1,296 @@
+"""Every figure on a note, read back from the PDF with pdftotext, against the trade file.
+
+The hand-made day holds what real days break on: trade and order numbers that collide across
+exchanges, 100-crore amounts, 1-lakh prices, a price modification, a cancellation that arrives
+before its original, a futures position carried forward, STT of exactly 0.50, and a trade date
+whose next day is an exchange holiday.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+from decimal import Decimal as D
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline import stages
+from pipeline.dumps import CLIENT_FIELDS, TRADE_FIELDS, Client
+from pipeline.render import render
+from pipeline.split import find_account, save_manifest, split_day
+from pipeline.state import RunState
+from pipeline.storage import open_store
+
+DATE = "2026-11-23"  # a Monday; 24-11-2026 is an NSE/BSE holiday (Guru Nanak Jayanti)
+N = lambda i: f"{i:016d}"  # noqa: E731
+MONEY = re.compile(r"^\(?[0-9][0-9,]*\.[0-9]{2}\)?$")
+
+
+def row(**kw) -> dict:
+    base = dict(trade_date=DATE, exchange="NSE", segment="CM", settlement_no="CM2026327", ucc="H1",
+                order_time="10:00:00", trade_time="10:00:05", symbol="SBIN", isin="INE062A01020",
+                instrument="EQ", expiry="", strike="", option_type="", side="B", product="CNC", status="11")
+    return {**base, **kw}
+
+
+HAND_MADE = [
+    # the same trade and order number on NSE-CM and BSE-CM: two trades, two orders
+    row(order_no=N(1), trade_no=N(2), quantity="10", price="820.00", product="MIS"),
+    row(exchange="BSE", settlement_no="CM2026999", order_no=N(1), trade_no=N(2), side="S", quantity="10",
+        price="821.00", product="MIS"),
+    # 100 crore at a price of 1 lakh
+    row(order_no=N(3), trade_no=N(4), quantity="10000", price="100000.00", symbol="MRF", isin="INE883A01011"),
+    # a price modification: the 12 replaces the 11
+    row(order_no=N(5), trade_no=N(6), quantity="7", price="1000.00", side="S", product="MIS"),
+    row(order_no=N(5), trade_no=N(6), quantity="7", price="1001.50", side="S", product="MIS", status="12"),
+    # a cancellation that arrives before its original: the trade is not on the note
+    row(order_no=N(7), trade_no=N(8), quantity="3", price="500.00", status="13"),
+    row(order_no=N(7), trade_no=N(8), quantity="3", price="500.00"),
+    # futures: 2 x 500 = 1,000 sold -> STT 0.05% = 0.50 -> 1 (half up); the short is carried forward
+    row(segment="FO", settlement_no="FO2026327", order_no=N(9), trade_no=N(10), symbol="ITC", isin="",
+        instrument="FUTSTK", expiry="2026-11-26", side="S", quantity="2", price="500.00", product="NRML"),
+    # one order in three fills: 20 of brokerage shared pro rata in whole paise (6.67, 6.67, 6.66)
+    *[row(order_no=N(11), trade_no=N(12 + i), quantity="1", price="70000.00", product="MIS", symbol="INFY",
+          isin="INE009A01021") for i in range(3)],
+]
+BHAVCOPY = [{"TradDt": DATE, "Src": "NSE", "Sgmt": "FO", "FinInstrmTp": "STF", "TckrSymb": "ITC",
+             "XpryDt": "2026-11-26", "StrkPric": "", "OptnTp": "", "ClsPric": "498.00", "SttlmPric": "497.35",
+             "Extra": "ignored"}]
+CLIENT = {"ucc": "H1", "name": "Hand Made", "pan": "ABCDE1234F", "email": "h1@example.com",
+          "address": "1 MG Road, Bengaluru", "state": "Karnataka", "gst_state_code": "29", "ecn_opt_in": "Y"}
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_day(folder: Path, trades=HAND_MADE, bhav=BHAVCOPY, clients=(CLIENT,)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_csv(folder / "clients.csv", CLIENT_FIELDS, list(clients))
+    write_csv(folder / "trades.csv", TRADE_FIELDS, list(trades))
+    write_csv(folder / "bhavcopy.csv", list(bhav[0]), list(bhav))
+    return folder
+
+
+def pdftotext(pdf: bytes, tmp_path: Path) -> str:
+    path = tmp_path / "note.pdf"
+    path.write_bytes(pdf)
+    return subprocess.run(["pdftotext", "-layout", str(path), "-"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def split_and_render(tmp_path: Path, redis_url: str, run_id: str) -> tuple[str, dict]:
+    inputs, store = open_store(str(write_day(tmp_path / "in"))), open_store(str(tmp_path / "store"))
+    split = split_day(inputs, store, RunState(redis_url, run_id), run_id, DATE, 100, "CNT")
+    assert split.accounts == 1 and split.rejected == 0, split
+    save_manifest(store, run_id, split)
+    account = find_account(store, run_id, "H1")
+    note = stages._note(account, Client(**account["client"]), DATE, {})
+    return pdftotext(render(note), tmp_path), note
+
+
+def parse_rows(text: str) -> dict[str, list[tuple[str, D]]]:
+    """Segment -> (line, Net Total) for every trade and C/F line, as the PDF prints them."""
+    rows: dict[str, list] = {}
+    segment = None
+    for line in text.splitlines():
+        label = re.match(r"\s*(NSE|BSE) / (CM|FO)\s+·\s+Settlement", line)
+        if label:
+            segment = f"{label[1]}-{label[2]}"
+            continue
+        tokens = line.split()
+        totals = [t for t in tokens if MONEY.match(t)]
+        if segment and (re.match(r"\s*\d{16}\s", line) or line.rstrip().endswith("C/F")):
+            assert len(totals) == 1, line  # rates have 4 places: the Net Total is the one 2-place amount
+            rows.setdefault(segment, []).append((line, amount(totals[0])))
+    return rows
+
+
+def amount(text: str) -> D:
+    value = D(text.strip("()").replace(",", ""))
+    return -value if text.startswith("(") else value
+
+
+def levies_line(text: str, label: str) -> list[D]:
+    line = next(line for line in text.splitlines() if line.strip().startswith(label))
+    return [amount(t) for t in line[len(label) + line.index(label):].split()]
+
+
+def test_the_hand_made_day_shows_every_trade_once_every_value_whole_and_reconciles(tmp_path, redis_url):
+    text, note = split_and_render(tmp_path, redis_url, "hand-made")
+    rows = parse_rows(text)
+    # every effective trade once: both colliding trades, the modified price, not the cancelled one
+    assert sorted(rows) == ["BSE-CM", "NSE-CM", "NSE-FO"]
+    assert len(rows["NSE-CM"]) == 6 and len(rows["BSE-CM"]) == 1 and len(rows["NSE-FO"]) == 2
+    assert sum(N(2) in line for seg in rows.values() for line, _ in seg) == 2
+    assert N(8) not in text and "1,001.5000" in text and "1,000.0000" not in text
+    # every value whole: the 100-crore buy, the 1-lakh price, the remarks, the carried position
+    assert "(1,00,00,00,000.00)" in text and "1,00,000.0000" in text
+    for remark in ("CNC", "MIS (modified)", "NRML", "C/F"):
+        assert remark in text
+    assert re.search(r"FUTSTK ITC 26-11-2026\s+B\s+2\s+497\.3500\s+0\.0000\s+497\.3500\s+497\.3500\s+\(994\.70\)\s+C/F",
+                     text)
+    # the colliding orders were charged each on its own: 0.03% of 8,200 = 2.46 for the NSE buy,
+    # 0.03% of 8,210 = 2.463 -> 2.46 for the BSE sell: 0.2460 a unit each
+    assert re.search(rf"{N(1)}.*{N(2)}.*\s820\.0000\s+0\.2460\s+820\.2460", text)
+    assert re.search(rf"{N(1)}.*{N(2)}.*\s821\.0000\s+0\.2460\s+820\.7540", text)
+    # columns reconcile with the levies table to the paisa, segment by segment, and the Total
+    heads = next(line for line in text.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == ["BSE-CM", "NSE-CM", "NSE-FO", "Total", "(Net)"]
+    obligation, brokerage = levies_line(text, "Pay-in/Pay-out obligation"), levies_line(text, "Brokerage")
+    for i, segment in enumerate(heads[:3]):
+        assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment  # brokerage printed negative
+    nse_cm = 7 * D("1001.50") - D("8200.00") - D("1000000000.00") - 3 * D("70000.00")
+    assert obligation == [D("8210.00"), nse_cm, D("5.30"), D("8210.00") + nse_cm + D("5.30")]  # FO: 2 x 2.65 MTM
+    stt = levies_line(text, "Securities transaction tax")
+    assert stt[2] == D(-1) and stt[3] == sum(stt[:3])  # the futures sell's 0.50 rounds half up to 1
+    # settlement on the next trading day: 24-11-2026 is a holiday
+    assert "25-11-2026" in text and "24-11-2026" not in text
+    # the pro-rata brokerage of one order in three fills adds up to the order's brokerage
+    fills = [v for line, v in rows["NSE-CM"] if "INFY" in line]
+    assert sum(fills) == -3 * D("70000.00") - D("20.00")
+
+
+def test_a_derivatives_trade_whose_contract_is_not_in_the_bhavcopy_rejects_its_account_by_row(tmp_path, redis_url):
+    other = dict(CLIENT, ucc="H2", pan="ABCDE1235F")
+    trades = HAND_MADE + [row(ucc="H2", segment="FO", settlement_no="FO2026327", order_no=N(90), trade_no=N(91),
+                              symbol="NIFTY", isin="", instrument="FUTIDX", expiry="2026-11-26", quantity="75",
+                              price="24000.00", product="NRML")]
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, clients=(CLIENT, other))))
+    state = RunState(redis_url, "no-close")
+    split = split_day(inputs, open_store(str(tmp_path / "store")), state, "no-close", DATE, 100, "CNT")
+    assert (split.accounts, split.rejected) == (1, 1)
+    reason = state.accounts(["H2"])["H2"]["reason"]
+    assert reason.startswith(f"trades.csv row {len(trades)} field 'symbol'") and "not in bhavcopy.csv" in reason
+
+
+def test_note_numbers_are_never_issued_twice_when_redis_loses_them(tmp_path):
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis")
+    try:
+        inputs = open_store(str(write_day(tmp_path / "in")))
+        store = open_store(str(tmp_path / "store"))
+        numbers = []
+        for run in ("first", "second", "third"):
+            state = RunState(redis.url, run)
+            save_manifest(store, run, split_day(inputs, store, state, run, DATE, 100, "CNT"))
+            numbers.append(find_account(store, run, "H1")["note_no"])
+            state.r.flushall()  # Redis restarted without persistence
+        assert numbers == ["CNT-26/27-0000001", "CNT-26/27-0000002", "CNT-26/27-0000003"]
+    finally:
+        redis.stop()
+
+
+@pytest.mark.parametrize("trade_date,settles", [
+    ("2026-11-23", "2026-11-25"),  # Guru Nanak Jayanti on the 24th
+    ("2026-03-30", "2026-04-01"),  # Mahavir Jayanti on the 31st
+    ("2026-11-20", "2026-11-23"),  # Friday -> Monday
+    ("2026-11-21", "2026-11-23"),  # a Saturday trade date still settles on a trading day
+    ("2026-11-08", "2026-11-09"),  # Muhurat trading on a Sunday holiday
+    ("2026-11-09", "2026-11-11"),  # Diwali Balipratipada on the 10th
+])
+def test_settlement_is_the_next_trading_day_of_the_exchange(trade_date, settles):
+    from pipeline import trading_calendar
+
+    assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles}
+
+
+def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session_is_named():
+    from pipeline import trading_calendar
+
+    assert trading_calendar.trade_date_warnings("2026-11-20") == []
+    saturday = trading_calendar.trade_date_warnings("2026-11-21")
+    assert len(saturday) == 2 and "not a NSE trading day (weekend)" in saturday[0]
+    assert "special session (Muhurat trading" in trading_calendar.trade_date_warnings("2026-11-08")[0]
+    assert "(Christmas)" in trading_calendar.trade_date_warnings("2026-12-25")[0]
+
+
+def test_a_broker_supplied_holiday_file_overrides_and_a_year_without_a_list_is_an_error(tmp_path):
+    from pipeline import trading_calendar
+
+    extra = tmp_path / "holidays.json"
+    extra.write_text('{"NSE": {"2026": {"holidays": {"2026-11-25": "declared"}}},'
+                     ' "BSE": {"2027": {"holidays": {}}}}')
+    # the broker's NSE 2026 replaces ours whole (a holiday moved is a holiday removed)
+    assert trading_calendar.settlement_dates("2026-11-23", str(extra))["NSE"] == "2026-11-24"
+    assert trading_calendar.settlement_dates("2026-11-24", str(extra))["NSE"] == "2026-11-26"
+    assert trading_calendar.settlement_dates("2026-11-23", str(extra))["BSE"] == "2026-11-25"
+    with pytest.raises(trading_calendar.CalendarError, match="no NSE trading-holiday list for 2027"):
+        trading_calendar.settlement_dates("2027-01-04", str(extra))
+
+
+def test_the_tax_invoice_names_the_sac_code_and_the_reverse_charge(tmp_path, redis_url):
+    text, _ = split_and_render(tmp_path, redis_url, "sac")
+    flat = re.sub(r"\s+", " ", text)
+    assert "SAC 997152 (stockbroking services)" in flat and "Tax payable on reverse charge: No" in flat
+
+
+def test_cells_are_never_cut_in_the_stored_lines(tmp_path, redis_url):
+    _, note = split_and_render(tmp_path, redis_url, "widths")
+    lines = [line for page in note["pages"] for g in page["groups"] for line in g["lines"]]
+    assert any("(1,00,00,00,000.00)" in line for line in lines)
+    head = note["levies"]["head"]
+    assert max(len(line) for line in note["levies"]["lines"]) <= len(head)
+    assert note["mono_size"] <= 6.8 and note["levies_size"] <= 6.8
+
+
+
+KINDS = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "FUTIDX"),
+         ("FO", "NRML", "OPTIDX")]
+day_strategy = st.lists(
+    st.tuples(st.sampled_from(KINDS), st.sampled_from(["NSE", "BSE"]), st.sampled_from("BS"),
+              st.integers(1, 200_000), st.decimals(D("0.05"), D("150000"), places=2),
+              st.decimals(D("0.05"), D("150000"), places=2), st.integers(0, 6), st.integers(0, 3)),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(day_strategy, st.booleans())
+def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(specs, intra):
+    from pipeline.charges import compute, net_totals
+    from pipeline.dumps import Trade
+    from pipeline.notes import build_note, money
+    from pipeline.stages import broker
+
+    trades = []
+    for i, ((segment, product, instrument), exchange, side, qty, price, close, order, contract) in enumerate(specs):
+        exchange = "NSE" if segment == "FO" else exchange
+        trades.append(Trade(DATE, exchange, segment, f"{segment}1", "H1", N(order or 100 + i), "10:00:00", N(i % 5),
+                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if segment == "FO" else "",
+                            "100" if instrument.startswith("OPT") else "", "CE" if instrument.startswith("OPT") else "",
+                            side, qty, price, product, "11", close if segment == "FO" else None))
+    trades = sorted({t.key: t for t in trades}.values(), key=lambda t: (t.exchange, t.segment, t.trade_no))
+    b = broker()
+    charges = compute(trades, DATE, intra, b["tariff"])
+    rows, carried = net_totals(trades, charges)
+    # row by row: the gross value less the exact pro-rata brokerage, within the paisa the residue moves
+    for t in trades:
+        order = [o for o in trades if o.order_key == t.order_key]
+        order_brokerage = sum(charges.brokerage_share[o.key] for o in order)
+        exact = (t.turnover if t.side == "S" else -t.turnover) - order_brokerage * t.quantity / sum(
+            o.quantity for o in order)
+        assert abs(rows[t.key] - exact) <= D("0.015")
+    # segment by segment: the column sums to obligation - brokerage, exactly
+    for segment, levies in charges.segments.items():
+        column = [v for t, v in ((t, rows[t.key]) for t in trades) if f"{t.exchange}-{t.segment}" == segment]
+        column += [carried[i] for i, c in enumerate(charges.carried) if f"{c.trade.exchange}-FO" == segment]
+        assert sum(column) == levies.obligation - levies.brokerage
+    # Total = sum of segments, for every line of the levies table
+    total = charges.total
+    for f in ("obligation", "brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst"):
+        assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
+    assert total.net == sum(s.net for s in charges.segments.values())
+    # and the printed lines carry exactly those amounts, never cut
+    note = build_note(Client(**CLIENT), trades, charges, b, DATE, "CNT-26/27-0000001", {"NSE": DATE, "BSE": DATE})
+    printed = [line for page in note["pages"] for g in page["groups"] for line in g["lines"]]
+    assert len(printed) == len(trades) + len(charges.carried)
+    expected = sorted([money(v) for v in rows.values()] + [money(v) for v in carried.values()])
+    assert sorted(next(tok for tok in line.split() if MONEY.match(tok)) for line in printed) == expected
