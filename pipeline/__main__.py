@@ -23,7 +23,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e  # a Ray task's error carries the original as its cause
+        if not isinstance(cause, _run_level_errors()):
+            raise
+        log.debug("the run could not start", exc_info=True)
+        print(f"error: {cause}", file=sys.stderr)
+        return 2
+
+
+def _run_level_errors() -> tuple[type, ...]:
+    """What stops a run before it starts (exit status 2, one line): input, storage, Redis,
+    settings, calendar. Imported late: `--help` stays fast."""
+    import redis
+
+    from pipeline.dumps import InputError
+    from pipeline.settings import ConfigError
+    from pipeline.storage import StorageError
+    from pipeline.trading_calendar import CalendarError
+
+    return (InputError, ConfigError, StorageError, CalendarError, redis.ConnectionError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -145,13 +166,15 @@ def cmd_synth(args) -> int:
 
 def cmd_run(args) -> int:
     from pipeline import cluster
-    from pipeline.driver import RunRequest, init_ray, run_day
+    from pipeline.driver import RunRequest, init_ray, preflight, run_day
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
+    request = RunRequest(args.date.isoformat(), args.input, args.run_id)
+    preflight(settings, request, args.run_id)
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
-        summary = run_day(settings, RunRequest(args.date.isoformat(), args.input, args.run_id), current.size_for)
+        summary = run_day(settings, request, current.size_for)
     print(json.dumps(summary))
     return 0 if summary["failed"] == 0 else 1
 

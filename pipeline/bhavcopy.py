@@ -24,7 +24,7 @@ UDIFF_TYPES = {v: k for k, v in INSTRUMENTS.items()}
 def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: int = 1000) -> dict[tuple, Decimal]:
     """Contract id (as dumps.contract_id makes it) -> the price a note shows in its Closing Rate
     column: the daily settlement price for futures (what MTM uses), the closing price for options."""
-    reader = csv.DictReader(_without_bom(lines))
+    reader = csv.DictReader(lines)
     check_header(FILE, reader.fieldnames or [], FIELDS)
     prices: dict[tuple, Decimal] = {}
     for n, row in enumerate(reader, start=1):
@@ -60,9 +60,3 @@ def _price(n: int, field: str, text: str) -> Decimal:
         raise RowError(FILE, n, field, f"{text!r} is not a positive price")
     return value
 
-
-def _without_bom(lines: Iterable[str]) -> Iterable[str]:
-    first = True
-    for line in lines:
-        yield line.lstrip("\ufeff") if first else line
-        first = False

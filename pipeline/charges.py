@@ -132,11 +132,16 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
     for t in trades:
         by_segment[segment_of(t)].append(t)
     carried = carry_forward(trades)
+    orders = _orders(trades)
+    fees = {key: _order_brokerage(order, tariff) for key, order in orders.items()}
     segments = {
-        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], rates, intra_state, tariff)
+        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], fees, rates, intra_state)
         for seg, ts in sorted(by_segment.items())
     }
-    return Charges(segments=segments, brokerage_share=_brokerage_shares(trades, tariff), carried=carried)
+    shares: dict[tuple, Decimal] = {}
+    for key, order in orders.items():
+        shares.update(split_pro_rata(fees[key], order))
+    return Charges(segments=segments, brokerage_share=shares, carried=carried)
 
 
 def carry_forward(trades: list[Trade]) -> list[CarryForward]:
@@ -176,6 +181,8 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     for seg, levies in charges.segments.items():
         rows = [k for k in exact if segment[k] == seg]
         residue = levies.obligation - levies.brokerage - sum((rounded[k] for k in rows), Decimal(0))
+        if not residue:
+            continue
         step = PAISA if residue > 0 else -PAISA
         rows.sort(key=lambda k: (exact[k] - rounded[k]) * step, reverse=True)
         for k in rows[:int(abs(residue) / PAISA)]:
@@ -184,8 +191,8 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     return trades_out, {k[1]: v for k, v in rounded.items() if k[0] == "C/F"}
 
 
-def _segment_levies(trades: list[Trade], carried: list[CarryForward], rates: dict, intra_state: bool,
-                    tariff: dict) -> Levies:
+def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,
+                    intra_state: bool) -> Levies:
     buys = sum((t.turnover for t in trades if t.side == "B"), Decimal(0))
     sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
     carry = sum((c.value for c in carried), Decimal(0))
@@ -200,7 +207,7 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], rates: dic
         txn += value * Decimal(rates["txn"][t.exchange][cat])
         sebi += value * Decimal(rates["sebi"])
         ipft += value * Decimal(rates["ipft"][cat])
-    brokerage = sum((_order_brokerage(o, tariff) for o in _orders(trades).values()), Decimal(0))
+    brokerage = sum((fees[key] for key in {t.order_key for t in trades}), Decimal(0))
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
     gst_rate = Decimal(rates["gst"])
@@ -231,15 +238,10 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     return paise(min(fee, cap) if cap > 0 else fee)
 
 
-def _brokerage_shares(trades: list[Trade], tariff: dict) -> dict[tuple, Decimal]:
-    out = {}
-    for order in _orders(trades).values():
-        out.update(split_pro_rata(_order_brokerage(order, tariff), order))
-    return out
-
-
 def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:
     """Whole paise by quantity, the paise left over to the largest remainders (then first rows)."""
+    if len(order) == 1:
+        return {order[0].key: amount}
     qty = sum(t.quantity for t in order)
     exact = [amount * t.quantity / qty for t in order]
     shares = [x.quantize(PAISA, rounding=ROUND_DOWN) for x in exact]

@@ -29,7 +29,7 @@ from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import Settings
 from pipeline.sign import load_signer
-from pipeline.split import SplitResult, load_manifest, save_manifest, split_day
+from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage
 from pipeline.state import Outcome, RunState
 from pipeline.storage import open_store
@@ -114,8 +114,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     started = time.time()
     store = open_store(settings.store_url)
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    preflight(settings, req, run_id)
     load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password, settings.signer_chain)
-    trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)  # a calendar error stops the run here
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
@@ -160,6 +160,15 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     doc, rows = report.build(state, summary, split.input_errors)
     summary["report"] = report.write(store, run_id, doc, rows)[0]
     return summary
+
+
+def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
+    """What would stop the run, found before anything starts: Redis unreachable, an input file
+    missing or lacking a column (unless the run was already split), no calendar for the date."""
+    RunState(settings.redis_url, run_id or "preflight", settings.state_ttl_s).r.ping()
+    if not run_id or load_manifest(open_store(settings.store_url), run_id) is None:
+        check_inputs(open_store(req.input_url))
+    trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
 
 
 class RunNotFound(LookupError):

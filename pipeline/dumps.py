@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Mapping
 
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
@@ -24,12 +24,29 @@ TRADE_FIELDS = [
 
 PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]$")
 UCC = re.compile(r"^[A-Za-z0-9]{1,10}$")
-EMAIL = re.compile(r"^[^@\s<>,;\"\r\n]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+# ASCII only: an address the relay cannot take without SMTPUTF8 goes to physical dispatch
+EMAIL = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]{1,64}@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
+ISIN = re.compile(r"^IN[A-Z0-9]{9}[0-9]$")
+SYMBOL = re.compile(r"^[A-Z0-9][A-Z0-9&._-]{0,29}$")  # NSE symbols: M&M, BAJAJ-AUTO, NIFTY
+QUANTITY = re.compile(r"^[0-9]{1,10}$")  # ASCII digits: int() would take "1_000" and Arabic-Indic digits
+PRICE = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,4})?$")  # no exponent, no sign, at most 4 places
+# Guards against corrupt input, not exchange rules: the dearest NSE share (MRF) trades near
+# Rs 1.5 lakh and the tick is 1 paisa, so a unit price of Rs 1 crore is ~60x headroom; no
+# listed company's trade reaches 100 crore units. A value outside is a broken file.
+MIN_PRICE, MAX_PRICE = Decimal("0.01"), Decimal("10000000")
+MAX_QUANTITY = 10**9
+MAX_FIELD = 256  # characters; names and addresses included
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+UNDECODED = re.compile(r"[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogateescape)
 NUMBER16 = re.compile(r"^[0-9]{16}$")
 TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]$")
 INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}}
 PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}}
 STATUSES = {"11", "12", "13"}
+
+
+class InputError(ValueError):
+    """A whole input file is unusable (missing, unreadable, a column missing): the run cannot start."""
 
 
 class RowError(ValueError):
@@ -105,27 +122,25 @@ class Trade:
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
     missing = [f for f in expected if f not in header]
     if missing:
-        raise RowError(file, 0, missing[0], f"header lacks column(s) {', '.join(missing)}")
+        raise InputError(f"{file}: the header lacks column(s) {', '.join(missing)}")
 
 
 def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
     ucc = (raw.get("ucc") or "").strip()
-    fail = _failer(file, row, ucc)
+    fail = _failer(file, row, ucc if UCC.match(ucc) else "")
+    values = _clean(raw, CLIENT_FIELDS, fail)
     if not UCC.match(ucc):
         fail("ucc", "must be 1-10 letters or digits")
-    name = (raw.get("name") or "").strip()
-    if not name:
+    if not values["name"]:
         fail("name", "is empty")
-    pan = (raw.get("pan") or "").strip().upper()
+    pan = values["pan"].upper()
     if not PAN.match(pan):
         fail("pan", "is not a valid PAN (AAAAA9999A)")
-    opt_in = (raw.get("ecn_opt_in") or "").strip().upper()
+    opt_in = values["ecn_opt_in"].upper()
     if opt_in not in ("Y", "N"):
         fail("ecn_opt_in", "must be Y or N")
-    code = (raw.get("gst_state_code") or "").strip()
-    if not (code.isdigit() and len(code) == 2):
+    if not re.match(r"^[0-9]{2}$", values["gst_state_code"]):
         fail("gst_state_code", "must be two digits")
-    values = {f: (raw.get(f) or "").strip() for f in CLIENT_FIELDS}
     return Client(**{**values, "ucc": ucc, "pan": pan, "ecn_opt_in": opt_in == "Y"})
 
 
@@ -133,8 +148,9 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
                 closes: Mapping[tuple, Decimal] | None = None) -> Trade:
     """`closes` (from the bhavcopy) gives each derivatives contract its closing price; a
     contract missing from it is this row's error, since the note could not show its rate."""
-    v = {f: (raw.get(f) or "").strip() for f in TRADE_FIELDS}
-    fail = _failer(file, row, v["ucc"])
+    ucc = (raw.get("ucc") or "").strip()
+    fail = _failer(file, row, ucc if UCC.match(ucc) else "")
+    v = _clean(raw, TRADE_FIELDS, fail)
     if not UCC.match(v["ucc"]):
         fail("ucc", "must be 1-10 letters or digits")
     if v["trade_date"] != trade_date:
@@ -153,8 +169,12 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     for f in ("order_time", "trade_time"):
         if not TIME.match(v[f]):
             fail(f, "must be HH:MM:SS")
-    if not v["symbol"]:
-        fail("symbol", "is empty")
+    if not SYMBOL.match(v["symbol"]):
+        fail("symbol", "must be 1-30 capitals, digits or & . _ -")
+    if v["isin"] and not ISIN.match(v["isin"]):
+        fail("isin", "is not an Indian ISIN (IN + 9 letters or digits + a check digit)")
+    if v["instrument"] == "EQ" and not v["isin"]:
+        fail("isin", "is empty for an equity trade")
     if v["side"] not in ("B", "S"):
         fail("side", "must be B or S")
     if v["status"] not in STATUSES:
@@ -166,9 +186,11 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
         if expiry < trade_date:
             fail("expiry", f"{v['expiry']} is before the trade date")
     if v["instrument"].startswith("OPT"):
-        _positive(v["strike"], Decimal, lambda p: fail("strike", p))
-    quantity = _positive(v["quantity"], int, lambda p: fail("quantity", p))
-    price = _positive(v["price"], Decimal, lambda p: fail("price", p))
+        _price(v["strike"], lambda p: fail("strike", p))
+    if not QUANTITY.match(v["quantity"]) or not 0 < int(v["quantity"]) <= MAX_QUANTITY:
+        fail("quantity", f"{v['quantity']!r} is not a whole number of units from 1 to {MAX_QUANTITY:,}")
+    quantity = int(v["quantity"])
+    price = _price(v["price"], lambda p: fail("price", p))
     trade = Trade(**{**v, "quantity": quantity, "price": price})
     if closes is None or trade.segment != "FO":
         return trade
@@ -206,16 +228,30 @@ def _iso_date(text: str, fail) -> str:
         fail(f"{text!r} is not a date (YYYY-MM-DD)")
 
 
-def _positive(text: str, kind, fail):
-    try:
-        value = kind(text)
-    except (ValueError, InvalidOperation):
-        fail(f"{text!r} is not a number")
-    if isinstance(value, Decimal) and not value.is_finite():
-        fail(f"{text!r} is not a finite number")
-    if value <= 0:
-        fail("must be positive")
+def _price(text: str, fail) -> Decimal:
+    if not PRICE.match(text):
+        fail(f"{text[:40]!r} is not a number (digits, at most 4 decimal places)")
+    value = Decimal(text)
+    if not MIN_PRICE <= value <= MAX_PRICE:
+        fail(f"{text} is outside {MIN_PRICE} to {MAX_PRICE:,}")
     return value
+
+
+def _clean(raw: dict, fields: list[str], fail) -> dict[str, str]:
+    """Every field stripped; none too long, none with a control character or a non-UTF-8 byte
+    (a newline in a symbol would forge a row on the printed note)."""
+    values = {}
+    for f in fields:
+        value = raw.get(f)
+        value = value.strip() if isinstance(value, str) else ""
+        if len(value) > MAX_FIELD:
+            fail(f, f"is {len(value):,} characters long (at most {MAX_FIELD})")
+        if UNDECODED.search(value):
+            fail(f, "is not UTF-8 (save the file as UTF-8)")
+        if CONTROL.search(value):
+            fail(f, "contains a control character (a line break or tab)")
+        values[f] = value
+    return values
 
 
 def _failer(file: str, row: int, ucc: str):

@@ -54,17 +54,16 @@ LEVY_LINES = [
 
 def money(amount: Decimal, places: int = 2) -> str:
     """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets."""
-    q = abs(amount).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
-    whole, _, frac = f"{q:f}".partition(".")
-    head, tail = whole[:-3], whole[-3:]
-    groups = []
-    while len(head) > 2:
-        groups.insert(0, head[-2:])
-        head = head[:-2]
-    if head:
-        groups.insert(0, head)
-    text = ",".join(groups + [tail]) + (f".{frac}" if frac else "")
+    text = f"{abs(amount).quantize(_STEPS[places], rounding=ROUND_HALF_UP):f}"
+    whole, dot, frac = text.partition(".")
+    if len(whole) > 3:
+        head, odd = whole[:-3], (len(whole) - 3) % 2
+        groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
+        text = ",".join(groups) + "," + whole[-3:] + dot + frac
     return f"({text})" if amount < 0 else text
+
+
+_STEPS = {places: Decimal(1).scaleb(-places) for places in range(5)}
 
 
 def note_number(prefix: str, trade_date: str, sequence: int) -> str:
@@ -79,7 +78,8 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""
     rows = _trade_rows(trades, charges)
     widths = column_widths([cells for _, cells in rows])
-    lines = [{"label": label, "text": _line(cells, widths)} for label, cells in rows]
+    layout = _layout(widths)
+    lines = [{"label": label, "text": layout.format(*cells).rstrip()} for label, cells in rows]
     pages = paginate(lines)
     levies = levies_table(charges)
     return {
@@ -131,19 +131,19 @@ def levies_table(charges: Charges) -> dict:
 
 def column_widths(rows: list[list[str]]) -> list[int]:
     widths = [max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS]
-    for cells in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, cells)]
-    return widths
+    if not rows:
+        return widths
+    return [max(w, max(map(len, column))) for w, column in zip(widths, zip(*rows))]
 
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
-    return [_line([c[i] for c in TRADE_COLUMNS], widths) for i in (0, 1)]
+    layout = _layout(widths or column_widths([]))
+    return [layout.format(*[c[i] for c in TRADE_COLUMNS]).rstrip() for i in (0, 1)]
 
 
-def _line(cells: list[str], widths: list[int] | None = None) -> str:
-    widths = widths or column_widths([])
-    return " ".join(c.rjust(w) if right else c.ljust(w)
-                    for c, w, (_, _, _, right) in zip(cells, widths, TRADE_COLUMNS)).rstrip()
+def _layout(widths: list[int]) -> str:
+    """One format string per note: padding a row is then a single C-level call."""
+    return " ".join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
 def paginate(lines: list[dict]) -> list[dict]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import bhavcopy, keys, note_numbers
-from pipeline.dumps import (CLIENT_FIELDS, TRADE_FIELDS, RowError, Trade, check_header,
+from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, TRADE_FIELDS, InputError, RowError, Trade, check_header,
                             effective_trades, parse_client, parse_trade)
+from pipeline.storage import StorageError
 from pipeline.notes import note_number
 from pipeline.state import Outcome, RunState
 from pipeline.storage import Store
@@ -73,6 +74,8 @@ def shard_count(clients: int, shard_size: int) -> int:
 
 def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_date: str,
               shard_size: int, note_prefix: str) -> SplitResult:
+    """Raises InputError when a file is missing or unusable; a bad row only rejects its account."""
+    check_inputs(inputs)
     clients = sum(1 for _ in inputs.lines("clients.csv")) - 1
     shards = shard_count(clients, shard_size)
     result = SplitResult(shards=[], shard_count=shards)
@@ -101,30 +104,32 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
     return result
 
 
+def check_inputs(inputs: Store) -> None:
+    """Before anything starts: both dumps are there and have every column (InputError if not)."""
+    for name, fields in (("clients.csv", CLIENT_FIELDS), ("trades.csv", TRADE_FIELDS)):
+        if not inputs.exists(name):
+            raise InputError(f"{name}: not found in the input {getattr(inputs, 'url', '')}")
+        check_header(name, next(csv.reader(_csv_lines(inputs, name)), []), fields)
+
+
 def _closing_prices(inputs: Store, trade_date: str, result: SplitResult) -> dict:
     """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
     if not inputs.exists(bhavcopy.FILE):
         result.input_errors.append({"file": bhavcopy.FILE, "row": 0, "field": "", "ucc": "",
                                     "error": "file not found: derivatives trades have no closing price"})
         return {}
-    try:
-        return bhavcopy.read(inputs.lines(bhavcopy.FILE), trade_date, result.input_errors, MAX_LISTED_ERRORS)
-    except RowError as e:
-        result.input_errors.append(e.as_dict())
-        return {}
+    return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, result.input_errors, MAX_LISTED_ERRORS)
 
 
 def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool: "_Spool",
                 result: SplitResult, parse) -> None:
-    reader = csv.DictReader(inputs.lines(name))
-    try:
-        check_header(name, reader.fieldnames or [], fields)
-    except RowError as e:
-        result.input_errors.append(e.as_dict())
-        return
+    reader = csv.DictReader(_csv_lines(inputs, name))
+    check_header(name, reader.fieldnames or [], fields)
     kind = name[0]
-    for n, row in enumerate(reader, start=1):
+    for n, row in _rows(reader, name):
         try:
+            if row is None:
+                raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
             record = parse(n, row)
             spool.add(keys.shard_of(record.ucc, shards), [kind, record.ucc, _as_list(record)])
         except RowError as e:
@@ -132,6 +137,30 @@ def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool:
                 spool.add(keys.shard_of(e.ucc, shards), ["e", e.ucc, e.as_dict()])
             elif len(result.input_errors) < MAX_LISTED_ERRORS:
                 result.input_errors.append(e.as_dict())
+
+
+def _csv_lines(inputs: Store, name: str):
+    try:
+        yield from inputs.lines(name)
+    except (StorageError, OSError) as e:
+        raise InputError(f"{name}: cannot be read: {e}") from None
+
+
+def _rows(reader: csv.DictReader, name: str):
+    """(row number, row) for each data row; a row the csv module cannot parse is (n, None), and
+    the file goes on. A field over the csv module's limit reaches the length check instead."""
+    n = 0
+    while True:
+        n += 1
+        try:
+            yield n, next(reader)
+        except StopIteration:
+            return
+        except csv.Error:
+            yield n, None
+
+
+csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
 
 
 def _as_list(record) -> list:

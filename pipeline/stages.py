@@ -78,8 +78,9 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 continue
             try:
                 item["pdf"] = render_note(_note(account, client, batch.trade_date, batch.settles))
-            except (RenderError, KeyError, ValueError) as e:
-                writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {e}"))
+            except Exception as e:  # one account's bad data fails that account, never its shard-mates
+                why = str(e) if isinstance(e, RenderError) else f"{type(e).__name__}: {e}"
+                writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {why}"[:300]))
                 batch.drop("failed")
                 continue
             batch.items.append(item)

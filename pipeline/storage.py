@@ -66,8 +66,10 @@ class FolderStore:
         return self._path(key).exists()
 
     def lines(self, key: str) -> Iterator[str]:
+        """Bytes that are not UTF-8 come through as surrogates, for the row check to name;
+        a byte-order mark (what Excel writes) is dropped."""
         try:
-            with self._path(key).open(newline="", encoding="utf-8") as f:
+            with self._path(key).open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
                 yield from f
         except FileNotFoundError:
             raise StorageError(f"{self.url}: no object {key!r}") from None
@@ -110,4 +112,4 @@ class S3Store:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except self.client.exceptions.ClientError as e:
             raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
-        yield from io.TextIOWrapper(body, encoding="utf-8", newline="")
+        yield from io.TextIOWrapper(body, encoding="utf-8-sig", errors="surrogateescape", newline="")

@@ -23,9 +23,11 @@ def test_a_good_trade_keeps_identifiers_as_strings_and_money_as_decimal():
 
 @pytest.mark.parametrize("field,value,problem", [
     ("price", "abc", "not a number"),
-    ("price", "-1", "positive"),
-    ("price", "NaN", "finite"),
-    ("quantity", "1.5", "not a number"),
+    ("price", "-1", "not a number"),
+    ("price", "NaN", "not a number"),
+    ("price", "0", "outside 0.01"),
+    ("quantity", "1.5", "not a whole number"),
+    ("quantity", "0", "not a whole number"),
     ("trade_no", "123", "16-digit"),
     ("side", "X", "B or S"),
     ("trade_date", "2026-11-19", "run is for"),
@@ -52,6 +54,25 @@ def test_cancelled_trades_vanish_and_modified_trades_replace_the_original():
               t(trade_no="0000000000000044", status="13")]
     kept = effective_trades(trades)
     assert [(x.trade_no, x.quantity, x.status) for x in kept] == [("0000000000000043", 9, "12")]
+
+
+def test_trade_numbers_that_collide_across_exchanges_are_two_trades_and_a_modification_stays_in_its_own():
+    t = lambda **kw: parse_trade("t", 1, {**GOOD, **kw}, "2026-11-20")  # noqa: E731
+    nse, bse = t(), t(exchange="BSE", side="S")
+    kept = effective_trades([nse, bse, t(exchange="BSE", side="S", status="12", price="1800.10")])
+    assert [(x.exchange, x.price) for x in kept] == [("BSE", Decimal("1800.10")), ("NSE", Decimal("1800.05"))]
+    assert nse.key != bse.key and nse.order_key != bse.order_key
+
+
+def test_a_derivatives_row_needs_a_real_expiry_and_an_option_a_numeric_strike():
+    fut = {**GOOD, "segment": "FO", "instrument": "FUTIDX", "product": "NRML", "symbol": "NIFTY", "isin": ""}
+    for field, value, problem in [("expiry", "garbage", "not a date"), ("expiry", "2026-11-19", "before the trade date")]:
+        with pytest.raises(RowError, match=problem) as e:
+            parse_trade("trades.csv", 4, {**fut, field: value}, "2026-11-20")
+        assert e.value.field == field
+    opt = {**fut, "instrument": "OPTIDX", "expiry": "2026-11-26", "option_type": "CE"}
+    with pytest.raises(RowError, match="strike"):
+        parse_trade("trades.csv", 5, {**opt, "strike": "abc"}, "2026-11-20")
 
 
 def test_shards_are_a_multiple_of_partitions_so_each_shard_has_one_prefix():

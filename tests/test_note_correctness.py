@@ -53,13 +53,23 @@ HAND_MADE = [
     # futures: 2 x 500 = 1,000 sold -> STT 0.05% = 0.50 -> 1 (half up); the short is carried forward
     row(segment="FO", settlement_no="FO2026327", order_no=N(9), trade_no=N(10), symbol="ITC", isin="",
         instrument="FUTSTK", expiry="2026-11-26", side="S", quantity="2", price="500.00", product="NRML"),
+    # an option whose price was modified: NRML (modified), at premium, with its closing rate
+    row(segment="FO", settlement_no="FO2026327", order_no=N(20), trade_no=N(21), symbol="NIFTY", isin="",
+        instrument="OPTIDX", expiry="2026-11-26", strike="24000", option_type="CE", quantity="75",
+        price="120.00", product="NRML"),
+    row(segment="FO", settlement_no="FO2026327", order_no=N(20), trade_no=N(21), symbol="NIFTY", isin="",
+        instrument="OPTIDX", expiry="2026-11-26", strike="24000", option_type="CE", quantity="75",
+        price="121.00", product="NRML", status="12"),
     # one order in three fills: 20 of brokerage shared pro rata in whole paise (6.67, 6.67, 6.66)
     *[row(order_no=N(11), trade_no=N(12 + i), quantity="1", price="70000.00", product="MIS", symbol="INFY",
           isin="INE009A01021") for i in range(3)],
 ]
 BHAVCOPY = [{"TradDt": DATE, "Src": "NSE", "Sgmt": "FO", "FinInstrmTp": "STF", "TckrSymb": "ITC",
              "XpryDt": "2026-11-26", "StrkPric": "", "OptnTp": "", "ClsPric": "498.00", "SttlmPric": "497.35",
-             "Extra": "ignored"}]
+             "Extra": "ignored"},
+            {"TradDt": DATE, "Src": "NSE", "Sgmt": "FO", "FinInstrmTp": "IDO", "TckrSymb": "NIFTY",
+             "XpryDt": "2026-11-26", "StrkPric": "24000.00", "OptnTp": "CE", "ClsPric": "118.40", "SttlmPric": "118.45",
+             "Extra": ""}]
 CLIENT = {"ucc": "H1", "name": "Hand Made", "pan": "ABCDE1234F", "email": "h1@example.com",
           "address": "1 MG Road, Bengaluru", "state": "Karnataka", "gst_state_code": "29", "ecn_opt_in": "Y"}
 
@@ -128,13 +138,16 @@ def test_the_hand_made_day_shows_every_trade_once_every_value_whole_and_reconcil
     rows = parse_rows(text)
     # every effective trade once: both colliding trades, the modified price, not the cancelled one
     assert sorted(rows) == ["BSE-CM", "NSE-CM", "NSE-FO"]
-    assert len(rows["NSE-CM"]) == 6 and len(rows["BSE-CM"]) == 1 and len(rows["NSE-FO"]) == 2
+    assert len(rows["NSE-CM"]) == 6 and len(rows["BSE-CM"]) == 1 and len(rows["NSE-FO"]) == 3
     assert sum(N(2) in line for seg in rows.values() for line, _ in seg) == 2
     assert N(8) not in text and "1,001.5000" in text and "1,000.0000" not in text
     # every value whole: the 100-crore buy, the 1-lakh price, the remarks, the carried position
     assert "(1,00,00,00,000.00)" in text and "1,00,000.0000" in text
-    for remark in ("CNC", "MIS (modified)", "NRML", "C/F"):
+    for remark in ("CNC", "MIS (modified)", "NRML (modified)", "C/F"):
         assert remark in text
+    # the option: at premium (75 x 121 bought), its closing rate from the bhavcopy, nothing carried
+    assert re.search(r"OPTIDX NIFTY 26-11-2026 24000 CE\s+B\s+75\s+121\.0000\s+0\.2667\s+121\.2667\s+118\.4000"
+                     r"\s+\(9,095\.00\)\s+NRML \(modified\)", text)
     assert re.search(r"FUTSTK ITC 26-11-2026\s+B\s+2\s+497\.3500\s+0\.0000\s+497\.3500\s+497\.3500\s+\(994\.70\)\s+C/F",
                      text)
     # the colliding orders were charged each on its own: 0.03% of 8,200 = 2.46 for the NSE buy,
@@ -148,7 +161,8 @@ def test_the_hand_made_day_shows_every_trade_once_every_value_whole_and_reconcil
     for i, segment in enumerate(heads[:3]):
         assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment  # brokerage printed negative
     nse_cm = 7 * D("1001.50") - D("8200.00") - D("1000000000.00") - 3 * D("70000.00")
-    assert obligation == [D("8210.00"), nse_cm, D("5.30"), D("8210.00") + nse_cm + D("5.30")]  # FO: 2 x 2.65 MTM
+    nse_fo = D("5.30") - 75 * D("121.00")  # the future's MTM (2 x 2.65) and the option's premium
+    assert obligation == [D("8210.00"), nse_cm, nse_fo, D("8210.00") + nse_cm + nse_fo]
     stt = levies_line(text, "Securities transaction tax")
     assert stt[2] == D(-1) and stt[3] == sum(stt[:3])  # the futures sell's 0.50 rounds half up to 1
     # settlement on the next trading day: 24-11-2026 is a holiday

@@ -6,6 +6,7 @@ import csv
 import datetime as dt
 import statistics
 from collections import Counter
+from decimal import Decimal
 
 from pipeline.synth import SynthOptions, write_dumps
 
@@ -26,6 +27,23 @@ def test_a_synthetic_day_is_heavy_tailed_mixed_and_safe_to_mail(tmp_path):
     assert any(t["trade_no"].startswith("0") for t in trades)
     assert len({c["gst_state_code"] for c in clients}) >= 5 and "29" in {c["gst_state_code"] for c in clients}
     assert all(c["email"].endswith(("@example.com", ".test")) for c in clients)
+
+
+def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_path):
+    from pipeline import bhavcopy
+    from pipeline.dumps import contract_id, parse_trade
+
+    write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 300, seed=4))
+    errors: list[dict] = []
+    with (tmp_path / "bhavcopy.csv").open() as f:
+        closes = bhavcopy.read(f, "2026-11-20", errors)
+    assert errors == []
+    rows = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
+    derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", closes) for n, r in enumerate(rows, 1)
+                   if r["segment"] == "FO"]
+    assert derivatives and all(t.close is not None for t in derivatives)
+    assert {contract_id(t) for t in derivatives} == set(closes)
+    assert all(abs(t.close - t.price) / t.price < Decimal("0.1") for t in derivatives)  # trades vary ±3%
 
 
 def test_a_volatile_day_has_a_client_with_sixty_thousand_trades(tmp_path):

@@ -1,0 +1,138 @@
+"""Hostile and broken input at the edge: one bad byte, field or row rejects its own account,
+named by file, row and field; its shard-mates go on; a file that cannot be used at all stops
+the run with one line and exit status 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.dumps import InputError, parse_trade
+from pipeline.split import split_day
+from pipeline.state import RunState
+from pipeline.storage import open_store
+from tests.test_note_correctness import CLIENT, DATE, HAND_MADE, N, write_day
+
+INNOCENTS = [dict(CLIENT, ucc=f"OK{i}", pan=f"ABCDE{1000 + i}F", email=f"ok{i}@example.com") for i in range(6)]
+POISONED = dict(CLIENT, ucc="BAD1", pan="ABCDE9999F", email="bad1@example.com")
+
+
+def trades_for(clients) -> list[dict]:
+    out = []
+    for i, c in enumerate(clients):
+        out += [dict(t, ucc=c["ucc"], order_no=N(1000 * i + int(t["order_no"])), trade_no=N(1000 * i + int(t["trade_no"])))
+                for t in HAND_MADE[:2]]
+    return out
+
+
+def split_with(tmp_path, redis_url, poison: dict | None = None, raw: bytes | None = None, client=POISONED):
+    """A day of six innocent accounts and one poisoned one; `poison` replaces fields of the
+    poisoned account's first trade, `raw` replaces that trade's row bytes in trades.csv."""
+    clients = INNOCENTS + [client]
+    trades = trades_for(clients)
+    if poison:
+        trades[-2] = {**trades[-2], **poison}
+    folder = write_day(tmp_path / "in", trades=trades, clients=clients)
+    if raw is not None:
+        lines = (folder / "trades.csv").read_bytes().split(b"\r\n")
+        lines[-3] = raw  # the poisoned account's first trade (the file ends with CRLF)
+        (folder / "trades.csv").write_bytes(b"\r\n".join(lines))
+    run_id = f"hostile-{os.urandom(3).hex()}"
+    state = RunState(redis_url, run_id)
+    split = split_day(open_store(str(folder)), open_store(str(tmp_path / "store")), state, run_id, DATE, 4, "CNT")
+    return split, state.accounts([c["ucc"] for c in clients])
+
+
+def assert_only_the_poisoned_account_is_rejected(split, records, field: str, problem: str, row: int = 13):
+    assert split.accounts == 6 and split.rejected == 1, split
+    assert all(records[c["ucc"]]["stage"] == "validated" for c in INNOCENTS)
+    reason = records["BAD1"]["reason"]
+    assert reason.startswith(f"trades.csv row {row} field '{field}'") and problem in reason, reason
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("price", "1e30", "is not a number"),
+    ("price", "1e-30", "is not a number"),
+    ("price", "20000000", "outside 0.01 to 10,000,000"),
+    ("price", "0.001", "outside 0.01 to 10,000,000"),
+    ("quantity", str(10**30), "is not a whole number"),
+    ("quantity", "1_000", "is not a whole number"),
+    ("quantity", "١٠", "is not a whole number"),
+    ("symbol", "SBIN\nEQ FORGED ROW", "contains a control character"),
+    ("symbol", "SBIN EQ", "must be 1-30 capitals"),
+    ("isin", "INE062A0102", "is not an Indian ISIN"),
+    ("symbol", "S" * 200_000, "200,000 characters long"),
+])
+def test_one_bad_field_rejects_its_account_by_file_row_and_field_and_spares_its_shard_mates(
+        tmp_path, redis_url, field, value, problem):
+    split, records = split_with(tmp_path, redis_url, {field: value})
+    assert_only_the_poisoned_account_is_rejected(split, records, field, problem)
+
+
+def test_a_field_in_cp1252_is_a_row_error_not_a_crash(tmp_path, redis_url):
+    row = ",".join([DATE, "NSE", "CM", "CM2026327", "BAD1", N(1), "10:00:00", N(2), "10:00:05", "SBIN",
+                    "INE062A01020", "EQ", "", "", "", "B", "10", "820.00", "MIS", "11"]).encode()
+    split, records = split_with(tmp_path, redis_url, raw=row.replace(b"SBIN,", b"SB\xe9N,"))  # é in cp1252
+    assert_only_the_poisoned_account_is_rejected(split, records, "symbol", "is not UTF-8")
+
+
+def test_a_row_the_csv_module_cannot_parse_is_a_row_error(tmp_path, redis_url):
+    split, _ = split_with(tmp_path, redis_url, raw=b'x,"unterminated\x00')
+    assert split.accounts == 6 and any(e["row"] == 13 for e in split.input_errors), split.input_errors
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_accepted(tmp_path, redis_url):
+    folder = write_day(tmp_path / "in", trades=trades_for(INNOCENTS), clients=INNOCENTS)
+    for name in ("clients.csv", "trades.csv", "bhavcopy.csv"):
+        (folder / name).write_bytes(b"\xef\xbb\xbf" + (folder / name).read_bytes())
+    assert b"\r\n" in (folder / "trades.csv").read_bytes()
+    state = RunState(redis_url, "bom")
+    split = split_day(open_store(str(folder)), open_store(str(tmp_path / "store")), state, "bom", DATE, 4, "CNT")
+    assert (split.accounts, split.rejected, split.input_errors) == (6, 0, [])
+
+
+def test_a_client_with_a_control_character_or_a_non_ascii_address_is_caught(tmp_path, redis_url):
+    from pipeline.dumps import EMAIL
+
+    split, records = split_with(tmp_path, redis_url, client=dict(POISONED, name="Evil\rName"))
+    assert split.rejected == 1 and "field 'name': contains a control character" in records["BAD1"]["reason"]
+    assert not EMAIL.match("üé@example.com")  # goes to physical dispatch instead of crashing the mailer
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("expiry", "garbage", "not a date"),
+    ("strike", "abc", "not a number"),
+])
+def test_derivatives_fields_are_checked_at_validation_not_at_rendering(field, value, problem):
+    from pipeline.dumps import RowError
+
+    opt = dict(HAND_MADE[-5], **{field: value})
+    with pytest.raises(RowError, match=problem):
+        parse_trade("trades.csv", 9, opt, DATE)
+
+
+def test_a_missing_column_or_a_missing_file_is_an_input_error_of_the_run(tmp_path, redis_url):
+    folder = write_day(tmp_path / "in")
+    (folder / "trades.csv").write_text((folder / "trades.csv").read_text().replace("quantity", "qty", 1))
+    with pytest.raises(InputError, match="trades.csv: the header lacks column"):
+        split_day(open_store(str(folder)), open_store(str(tmp_path / "s")), RunState(redis_url, "x"), "x", DATE, 4,
+                  "CNT")
+    (folder / "clients.csv").unlink()
+    with pytest.raises(InputError, match="clients.csv: not found"):
+        split_day(open_store(str(folder)), open_store(str(tmp_path / "s")), RunState(redis_url, "x"), "x", DATE, 4,
+                  "CNT")
+
+
+def test_run_with_a_missing_column_exits_2_with_one_line_and_no_traceback(tmp_path, redis_url):
+    folder = write_day(tmp_path / "in")
+    (folder / "clients.csv").write_text((folder / "clients.csv").read_text().replace("pan,", "", 1))
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: clients.csv: the header lacks column(s) pan"]
+    assert "Traceback" not in done.stderr
