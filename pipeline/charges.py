@@ -217,8 +217,9 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
     else:
         cgst = sgst = Decimal(0)
         igst = paise(gst_base * gst_rate)
-    return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage, stt=rupees(stt), txn=txn, sebi=sebi,
-                  stamp=paise(stamp), ipft=paise(ipft), cgst=cgst, sgst=sgst, igst=igst)
+    return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
+                  stt=rupees(stt), txn=txn, sebi=sebi, stamp=paise(stamp), ipft=paise(ipft),
+                  cgst=cgst, sgst=sgst, igst=igst)
 
 
 def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:

@@ -83,8 +83,8 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     accounts = load_shard(open_store(settings.store_url), run_id, shard)
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
-    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state, set(only) if only else None,
-                         partial(render_any_size, tagged=settings.pdf_tags), force)
+    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state,
+                         set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force)
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
 

@@ -22,6 +22,12 @@ def financial_year(trade_date: str) -> str:
     return f"{start}-{(start + 1) % 100:02d}"
 
 
+def note_number(prefix: str, trade_date: str, sequence: int) -> str:
+    """A note of 2026-11-20 is in FY 2026-27: CNT-26/27-0001234."""
+    start = int(financial_year(trade_date)[:4])
+    return f"{prefix}-{start % 100:02d}/{(start + 1) % 100:02d}-{sequence:07d}"
+
+
 def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
     """The first of `count` fresh numbers; the storage mark covers all of them on return."""
     key = keys.note_sequence_key(fy)

@@ -66,13 +66,6 @@ def money(amount: Decimal, places: int = 2) -> str:
 _STEPS = {places: Decimal(1).scaleb(-places) for places in range(5)}
 
 
-def note_number(prefix: str, trade_date: str, sequence: int) -> str:
-    """FY sequence: a note of 2026-11-20 is in FY 2026-27, e.g. CNT-26/27-0001234."""
-    d = dt.date.fromisoformat(trade_date)
-    start = d.year if d.month >= 4 else d.year - 1
-    return f"{prefix}-{start % 100:02d}/{(start + 1) % 100:02d}-{sequence:07d}"
-
-
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
                trade_date: str, number: str, settles: dict[str, str] | None = None) -> dict:
     """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""

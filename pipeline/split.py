@@ -19,13 +19,13 @@ from pathlib import Path
 from pipeline import bhavcopy, keys, note_numbers
 from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, TRADE_FIELDS, InputError, RowError, Trade, check_header,
                             effective_trades, parse_client, parse_trade)
-from pipeline.storage import StorageError
-from pipeline.notes import note_number
 from pipeline.state import Outcome, RunState
-from pipeline.storage import Store
+from pipeline.storage import StorageError, Store
 
 FLUSH_ROWS = 50_000
 MAX_LISTED_ERRORS = 1000
+# A field longer than MAX_FIELD is a row error, not a csv.Error that ends the file
+csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
 
 
 @dataclass
@@ -95,7 +95,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
                 continue
             first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
             for i, account in enumerate(accounts):
-                account["note_no"] = note_number(note_prefix, trade_date, first + i)
+                account["note_no"] = note_numbers.note_number(note_prefix, trade_date, first + i)
             body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
             store.put(keys.shard_key(run_id, shard), body.encode())
             state.record(Outcome(a["ucc"], "validated") for a in accounts)
@@ -126,7 +126,7 @@ def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool:
     reader = csv.DictReader(_csv_lines(inputs, name))
     check_header(name, reader.fieldnames or [], fields)
     kind = name[0]
-    for n, row in _rows(reader, name):
+    for n, row in _rows(reader):
         try:
             if row is None:
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
@@ -146,7 +146,7 @@ def _csv_lines(inputs: Store, name: str):
         raise InputError(f"{name}: cannot be read: {e}") from None
 
 
-def _rows(reader: csv.DictReader, name: str):
+def _rows(reader: csv.DictReader):
     """(row number, row) for each data row; a row the csv module cannot parse is (n, None), and
     the file goes on. A field over the csv module's limit reaches the length check instead."""
     n = 0
@@ -158,9 +158,6 @@ def _rows(reader: csv.DictReader, name: str):
             return
         except csv.Error:
             yield n, None
-
-
-csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
 
 
 def _as_list(record) -> list:
