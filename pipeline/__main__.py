@@ -47,12 +47,24 @@ def _run_level_errors() -> tuple[type, ...]:
     return (InputError, ConfigError, StorageError, CalendarError, redis.ConnectionError)
 
 
+def _run_id(text: str) -> str:
+    from pipeline.keys import check_run_id
+
+    try:
+        return check_run_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=(
         "Contract notes on Ray: trade dumps in, signed and e-mailed contract notes out. "
         "Settings come from environment variables (CN_STORE, REDIS_URL, SMTP_URL, CN_SHARD_SIZE, "
         "CN_WINDOW, CN_SIGNERS, CN_MAILERS, CN_SIGNER_KEY, CN_SIGNER_CERT, CN_OWNER_PASSWORD, ...; "
-        "see pipeline/settings.py); flags override them."))
+        "see pipeline/settings.py); flags override them."),
+        epilog="Exit status of run, rerun and demo: 0 every account delivered (or sent to physical dispatch), "
+               "1 some accounts failed or were rejected (the report names each), 2 the run could not start "
+               "(input, storage, Redis, settings or calendar): one line on stderr, 'error: ...'.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     s = sub.add_parser("synth", help="write synthetic clients.csv and trades.csv for a trade date")
@@ -69,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)")
     r.add_argument("--redis", help="redis://host:port/db (default: REDIS_URL)")
     r.add_argument("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)")
-    r.add_argument("--run-id", default="", help="a run id to resume: delivered accounts are skipped")
+    r.add_argument("--run-id", type=_run_id,
+                   help="a run id to resume: delivered accounts are skipped ([A-Za-z0-9._-]{1,64})")
     r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     r.add_argument("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs")
     r.add_argument("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end")
@@ -81,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     rr = sub.add_parser("rerun", help="rerun the failed or the named accounts of a run, from where each stopped")
-    rr.add_argument("run_id")
+    rr.add_argument("run_id", type=_run_id)
     which = rr.add_mutually_exclusive_group(required=True)
     which.add_argument("--failed", action="store_true", help="every account in the run's failed registry")
     which.add_argument("--accounts", type=_accounts, help="comma-separated client codes (UCC)")
@@ -90,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     rr.set_defaults(func=cmd_rerun)
 
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
-    st.add_argument("run_id")
+    st.add_argument("run_id", type=_run_id)
     st.set_defaults(func=cmd_status)
 
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
@@ -132,7 +145,7 @@ def cmd_rerun(args) -> int:
         print(json.dumps({"error": str(e)}))
         return 2
     print(json.dumps(summary))
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 and not summary.get("rejected") else 1
 
 
 def cmd_status(args) -> int:
@@ -170,13 +183,13 @@ def cmd_run(args) -> int:
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
-    request = RunRequest(args.date.isoformat(), args.input, args.run_id)
-    preflight(settings, request, args.run_id)
+    request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")
+    preflight(settings, request, request.run_id)
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
         summary = run_day(settings, request, current.size_for)
     print(json.dumps(summary))
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 and not summary.get("rejected") else 1
 
 
 def cmd_plan(args) -> int:

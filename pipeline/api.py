@@ -29,7 +29,6 @@ from pipeline.split import find_account
 from pipeline.state import FINAL_STATUSES, RunState, final_status, redis_client
 from pipeline.storage import StorageError, open_store
 
-RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 PAGE = Path(__file__).parent / "static" / "status.html"
 ROOT = Path(__file__).resolve().parent.parent
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
@@ -69,7 +68,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return bool(token and creds and hmac.compare_digest(creds.credentials.encode(), token.encode()))
 
     def run_state(run_id: str) -> RunState:
-        state = RunState(settings.redis_url, run_id, settings.state_ttl_s) if RUN_ID.match(run_id) else None
+        state = RunState(settings.redis_url, run_id, settings.state_ttl_s) if keys.RUN_ID.match(run_id) else None
         if state is None or not state.exists():
             raise HTTPException(404, f"no run {run_id!r}")
         return state
@@ -124,7 +123,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)
     def report_csv(run_id: str):
-        if not RUN_ID.match(run_id):
+        if not keys.RUN_ID.match(run_id):
             raise HTTPException(404, f"no run {run_id!r}")
         state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
         if state.exists():  # live, also while the run goes on

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Callable
 
 import ray
+import redis
 from tqdm import tqdm
 
 from actors.mailer import MailerActor
@@ -27,7 +28,7 @@ from actors.signer import SignerActor
 from pipeline import keys, metrics, report, trading_calendar
 from pipeline.notes import page_range
 from pipeline.render import merge, render
-from pipeline.settings import Settings
+from pipeline.settings import ConfigError, Settings
 from pipeline.sign import load_signer
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage
@@ -110,7 +111,7 @@ def render_any_size(note: dict, tagged: bool = False) -> bytes:
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None) -> dict:
     """One run, end to end. `on_accounts` hears the day's account count once the split has
     counted it (on a cluster: to ask the autoscaler for the capacity the day needs)."""
-    run_id = req.run_id or new_run_id(req.trade_date)
+    run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     started = time.time()
     store = open_store(settings.store_url)
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
@@ -148,7 +149,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "accounts": split.accounts + split.rejected,
         "delivered": counts["delivered"],
         "delivered_now": tally["statuses"].get("ok", 0),
-        "failed": counts["failed"],
+        "failed": counts["failed"] - split.rejected,  # the failed registry holds the rejected accounts too
         "rejected": split.rejected,
         "physical": tally["statuses"].get("physical", 0),
         "elapsed_s": round(elapsed, 3),
@@ -165,7 +166,10 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
 def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
     """What would stop the run, found before anything starts: Redis unreachable, an input file
     missing or lacking a column (unless the run was already split), no calendar for the date."""
-    RunState(settings.redis_url, run_id or "preflight", settings.state_ttl_s).r.ping()
+    try:
+        RunState(settings.redis_url, run_id or "preflight", settings.state_ttl_s).r.ping()
+    except redis.RedisError as e:
+        raise ConfigError(f"Redis at {settings.summary()['redis_url']} cannot be reached: {e}") from None
     if not run_id or load_manifest(open_store(settings.store_url), run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
@@ -181,7 +185,7 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     from where it stopped (an archived note is mailed, not re-rendered); a delivered account
     is mailed again only with force. Accounts rejected at validation cannot be rerun: their
     input must be corrected and run again."""
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
     meta = state.meta()
     if not meta:
         raise RunNotFound(f"no run {run_id!r} in {settings.summary()['redis_url']}")

@@ -21,9 +21,18 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
 from __future__ import annotations
 
 import hashlib
+import re
 
 PARTITIONS = 10
 RUNS = "cn:runs"
+# A run id goes into Redis keys, storage keys and the status page: nothing else gets through
+RUN_ID = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,64}$")
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise ValueError(f"run id {run_id[:80]!r} is not 1-64 letters, digits, '.', '_' or '-' (nor . or ..)")
+    return run_id
 
 
 def run_meta(run_id: str) -> str:

@@ -25,7 +25,8 @@ def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dic
         needs_paper = status == "physical" or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
         if needs_paper:
             physical.append(rec["ucc"])
-        writer.writerow({**rec, "status": status, "physical_dispatch": "Y" if needs_paper else ""})
+        row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else ""}
+        writer.writerow({k: _inert(v) for k, v in row.items()})
     report = {
         **summary,
         "statuses": statuses,
@@ -34,6 +35,13 @@ def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dic
         "input_errors": input_errors,
     }
     return report, buf.getvalue()
+
+
+def _inert(value):
+    """A cell a spreadsheet would run as a formula (= + - @, tab, CR first) gets a leading quote."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def write(store: Store, run_id: str, report: dict, rows_csv: str) -> tuple[str, str]:

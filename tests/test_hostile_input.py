@@ -136,3 +136,65 @@ def test_run_with_a_missing_column_exits_2_with_one_line_and_no_traceback(tmp_pa
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: clients.csv: the header lacks column(s) pan"]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("run_id", ["<img src=x onerror=alert(document.domain)>", "../../escape", "..", ".",
+                                    "a" * 65, "run id", ""])
+def test_a_run_id_outside_the_pattern_is_refused_before_it_reaches_redis_or_storage(run_id, tmp_path):
+    from pipeline.keys import check_run_id
+
+    with pytest.raises(ValueError, match="is not 1-64 letters"):
+        check_run_id(run_id)
+    if run_id:
+        done = subprocess.run([sys.executable, "-m", "pipeline", "status", run_id], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"})
+        assert done.returncode == 2 and "is not 1-64 letters" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_run_id_inside_the_pattern_is_kept_as_it_is():
+    from pipeline.keys import check_run_id
+
+    assert check_run_id("2026-11-20-ab12cd34") == "2026-11-20-ab12cd34" and check_run_id("a.b_c-9") == "a.b_c-9"
+
+
+def test_report_cells_that_a_spreadsheet_would_run_are_neutralised(redis_url):
+    from pipeline import report
+    from pipeline.state import Outcome
+
+    state = RunState(redis_url, f"csv-{os.urandom(3).hex()}")
+    state.record([Outcome("R1", "delivered", "failed", reason="=HYPERLINK(\"http://x\",\"y\")"),
+                  Outcome("R2", "delivered", "failed", reason="@SUM(1)"), Outcome("R3", "rendered")])
+    _, rows = report.build(state, {}, [])
+    assert "'=HYPERLINK" in rows and "'@SUM(1)" in rows
+    assert not any(cell.startswith(("=", "@", "+", "-")) for line in rows.splitlines() for cell in line.split(","))
+
+
+def test_run_with_redis_down_exits_2_naming_redis(tmp_path):
+    folder = write_day(tmp_path / "in")
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0", "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error: Redis at redis://127.0.0.1:1/0 cannot be reached" in done.stderr
+
+
+def test_a_poisoned_account_is_rejected_and_reported_while_its_shard_mates_are_delivered(
+        ray_session, settings, smtp_sink, tmp_path):
+    import json
+    from pathlib import Path
+
+    from pipeline import keys
+    from pipeline.driver import RunRequest, run_day
+
+    clients = INNOCENTS + [POISONED]
+    trades = trades_for(clients)
+    trades[-2] = {**trades[-2], "price": "1e30"}
+    folder = write_day(tmp_path / "in", trades=trades, clients=clients)
+    summary = run_day(settings, RunRequest(DATE, str(folder)))
+    assert (summary["delivered"], summary["failed"], summary["rejected"]) == (6, 0, 1)
+    assert len(list(smtp_sink.outbox.glob("*.eml"))) == 6  # counted at the relay
+    report = json.loads((Path(settings.store_url) / keys.report_keys(summary["run_id"])[0]).read_text())
+    assert report["statuses"] == {"delivered": 6, "rejected": 1}
+    rows = (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).read_text()
+    bad = next(line for line in rows.splitlines() if line.startswith("BAD1,"))
+    assert "rejected" in bad and "trades.csv row 13 field 'price'" in bad
