@@ -11,10 +11,12 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
+import secrets
 import sys
 from pathlib import Path
 
-from pipeline.settings import DEFAULT_KEY_DIR, Settings
+from pipeline.settings import DEFAULT_KEY_DIR, PLACEHOLDER_OWNER_PASSWORD, ConfigError, Settings
 
 log = logging.getLogger("pipeline")
 
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     r.add_argument("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs")
     r.add_argument("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end")
+    r.add_argument("--test-keys", action="store_true",
+                   help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset")
     r.set_defaults(func=cmd_run)
 
     pl = sub.add_parser("plan", help="node counts and expected duration for a day (the driver's own sizing)")
@@ -183,6 +187,9 @@ def cmd_run(args) -> int:
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
+    if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
+        raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
+                          "could lift the notes' permissions; set it, or pass --test-keys for a test run")
     request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")
     preflight(settings, request, request.run_id)
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
@@ -220,7 +227,10 @@ def cmd_demo(args) -> int:
                                      smtp_url=services[1].url,
                                      signer_key=str(work / "keys" / "signer.key.pem"),
                                      signer_cert=str(work / "keys" / "signer.cert.pem"),
-                                     signer_chain=str(work / "keys" / "root.cert.pem"))
+                                     signer_chain=str(work / "keys" / "root.cert.pem"),
+                                     # unless one is set, a fresh owner password: the placeholder is public
+                                     owner_password=None if os.environ.get("CN_OWNER_PASSWORD") else
+                                     secrets.token_urlsafe(24))
         _with_test_key_if_default(settings, work / "keys", force=True)
         init_ray(settings)
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))

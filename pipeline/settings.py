@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 DEFAULT_KEY_DIR = Path(".keys")
+PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this repository
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Settings:
     signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
     signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
     signer_key_password: str | None = field(default=None, repr=False)
-    owner_password: str = field(default="change-me-broker-owner-secret", repr=False)
+    owner_password: str = field(default=PLACEHOLDER_OWNER_PASSWORD, repr=False)
     encryption: str = "aes256"
     pdf_tags: bool = False  # tagged PDF doubles render time and grows files ~8x
     sign_reason: str = "Contract note issued under SEBI regulations"

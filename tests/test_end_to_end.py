@@ -118,7 +118,8 @@ def test_a_day_on_s3_uses_fixed_partition_prefixes(settings, day, smtp_sink, s3_
 def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, settings, day, smtp_sink):
     env = {**os.environ, "RAY_ADDRESS": ray_session.address_info["address"], "REDIS_URL": settings.redis_url,
            "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
-           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_SHARD_SIZE": "10", "PYTHONPATH": ROOT}
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_SHARD_SIZE": "10", "PYTHONPATH": ROOT,
+           "CN_OWNER_PASSWORD": settings.owner_password}
     out = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(day),
          "--store", settings.store_url, "--smtp", settings.smtp_url],

@@ -129,7 +129,8 @@ def test_a_missing_column_or_a_missing_file_is_an_input_error_of_the_run(tmp_pat
 def test_run_with_a_missing_column_exits_2_with_one_line_and_no_traceback(tmp_path, redis_url):
     folder = write_day(tmp_path / "in")
     (folder / "clients.csv").write_text((folder / "clients.csv").read_text().replace("pan,", "", 1))
-    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": ""}
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": "",
+           "CN_OWNER_PASSWORD": "an-owner-secret"}
     done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -171,7 +172,8 @@ def test_report_cells_that_a_spreadsheet_would_run_are_neutralised(redis_url):
 
 def test_run_with_redis_down_exits_2_naming_redis(tmp_path):
     folder = write_day(tmp_path / "in")
-    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0", "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": ""}
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0", "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": "",
+           "CN_OWNER_PASSWORD": "an-owner-secret"}
     done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -198,3 +200,14 @@ def test_a_poisoned_account_is_rejected_and_reported_while_its_shard_mates_are_d
     rows = (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).read_text()
     bad = next(line for line in rows.splitlines() if line.startswith("BAD1,"))
     assert "rejected" in bad and "trades.csv row 13 field 'price'" in bad
+
+
+def test_run_refuses_the_public_placeholder_owner_password_unless_told_it_is_a_test(tmp_path):
+    folder = write_day(tmp_path / "in")
+    env = {k: v for k, v in os.environ.items() if k != "CN_OWNER_PASSWORD"}
+    env.update(REDIS_URL="redis://127.0.0.1:1/0", CN_STORE=str(tmp_path / "store"), RAY_ADDRESS="")
+    command = [sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "error: CN_OWNER_PASSWORD is not set" in done.stderr
+    tested = subprocess.run(command + ["--test-keys"], capture_output=True, text=True, env=env, timeout=120)
+    assert tested.returncode == 2 and "CN_OWNER_PASSWORD" not in tested.stderr  # it got past: Redis is down
