@@ -113,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--read-only", action="store_true",
+                    help="serve without CN_API_TOKEN: e-mail addresses and PANs always masked, no reruns")
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the embedded default: synthesize a day and run it with local services")
@@ -168,7 +170,11 @@ def cmd_serve(args) -> int:
 
     from pipeline.api import create_app
 
-    uvicorn.run(create_app(Settings.from_env()), host=args.host, port=args.port, log_level="info")
+    settings = Settings.from_env()
+    if not settings.api_token and not args.read_only:
+        raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
+                          "else; set it, or pass --read-only (no PII, no reruns)")
+    uvicorn.run(create_app(settings, read_only=args.read_only), host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -2,12 +2,15 @@
 
 Reads the same state and storage the driver writes. Anything that changes state, or shows
 a PAN or an e-mail address, needs the bearer token from config (CN_API_TOKEN); without
-it, PII is masked and reruns are refused. Unknown runs and accounts are 404, bad bodies
-422; a Redis or storage outage is 503, never a 500.
+it, PII is masked wherever it appears (relay replies quote addresses) and reruns are
+refused. A read-only service never shows PII nor reruns, token or not. Unknown runs and
+accounts are 404, bad queries 422; a Redis or storage outage is 503, never a 500.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import os
 import re
@@ -58,13 +61,13 @@ def launch_rerun(run_id: str, accounts: list[str] | None, failed: bool, force: b
     return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, start_new_session=True).pid
 
 
-def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun) -> FastAPI:
+def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun, read_only: bool = False) -> FastAPI:
     settings = settings or Settings.from_env()
     app = FastAPI(title="Contract notes: run status", version="1")
     bearer = HTTPBearer(auto_error=False)
 
     def authorised(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> bool:
-        token = settings.api_token
+        token = "" if read_only else settings.api_token
         return bool(token and creds and hmac.compare_digest(creds.credentials.encode(), token.encode()))
 
     def run_state(run_id: str) -> RunState:
@@ -88,7 +91,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/", response_class=HTMLResponse)
     def page():
-        return PAGE.read_text()
+        html = PAGE.read_text()
+        return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html),
+                                           "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
     @app.get("/runs")
     def runs(limit: int = Query(20, ge=1, le=500)):
@@ -102,11 +107,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return {**summary(state), "timeline": state.timeline()}
 
     @app.get("/runs/{run_id}/accounts")
-    def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0),
-                 limit: int = Query(50, ge=1, le=500)):
+    def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0, lt=2**64),
+                 limit: int = Query(50, ge=1, le=500), full: bool = Depends(authorised)):
         state = run_state(run_id)
         items, cursor = state.page(cursor, limit, status)
-        return {"items": [public_record(rec) for rec in items], "next_cursor": cursor or None}
+        return {"items": [public_record(rec, full) for rec in items], "next_cursor": cursor or None}
 
     @app.get("/runs/{run_id}/accounts/{ucc}")
     def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
@@ -118,24 +123,30 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
         if client and not full:
             client.update(email=mask_email(client["email"]), pan=mask_pan(client["pan"]))
-        return {**public_record(record), "history": record.get("history", []), "client": client,
+        history = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
+                   for event in record.get("history", [])]
+        return {**public_record(record, full), "history": history, "client": client,
                 "pii": "shown" if full else "masked"}
 
     @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)
-    def report_csv(run_id: str):
+    def report_csv(run_id: str, full: bool = Depends(authorised)):
         if not keys.RUN_ID.match(run_id):
             raise HTTPException(404, f"no run {run_id!r}")
         state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
         if state.exists():  # live, also while the run goes on
-            return PlainTextResponse(report.build(state, {}, [])[1], media_type="text/csv")
-        store = open_store(settings.store_url)
-        key = keys.report_keys(run_id)[1]
-        if not store.exists(key):  # Redis forgot the run (TTL): the stored report is the record
-            raise HTTPException(404, f"no run {run_id!r}")
-        return PlainTextResponse(store.get(key).decode(), media_type="text/csv")
+            body = report.build(state, {}, [])[1]
+        else:
+            store = open_store(settings.store_url)
+            key = keys.report_keys(run_id)[1]
+            if not store.exists(key):  # Redis forgot the run (TTL): the stored report is the record
+                raise HTTPException(404, f"no run {run_id!r}")
+            body = store.get(key).decode()
+        return PlainTextResponse(body if full else mask_text(body), media_type="text/csv")
 
     @app.post("/runs/{run_id}/rerun", status_code=202)
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
+        if read_only:
+            raise HTTPException(403, "this status service is read-only")
         if not full:
             raise HTTPException(401, "a bearer token is required to rerun", headers={"WWW-Authenticate": "Bearer"})
         state = run_state(run_id)
@@ -144,6 +155,15 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return {"run_id": run_id, "accounts": chosen, "force": body.force, "pid": pid}
 
     return app
+
+
+def content_security_policy(html: str) -> str:
+    """Only this page's own inline script and style run (by hash); it talks only to this origin."""
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 def summary(state: RunState) -> dict:
@@ -160,9 +180,22 @@ def summary(state: RunState) -> dict:
             "notes_per_s": round(rate, 2), "eta_s": round(eta, 1) if eta is not None else None}
 
 
-def public_record(rec: dict) -> dict:
-    return {k: rec.get(k) for k in ("ucc", "stage", "status", "failed_at", "reason", "message_id", "attempts",
-                                    "updated")} | {"status": final_status(rec)}
+def public_record(rec: dict, full: bool = False) -> dict:
+    out = {k: rec.get(k) for k in ("ucc", "stage", "status", "failed_at", "reason", "message_id", "attempts",
+                                   "updated")} | {"status": final_status(rec)}
+    if not full and out["reason"]:
+        out["reason"] = mask_text(out["reason"])
+    return out
+
+
+EMAIL_IN_TEXT = re.compile(r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
+PAN_IN_TEXT = re.compile(r"\b[A-Z]{5}[0-9]{4}[A-Z]\b")
+
+
+def mask_text(text: str) -> str:
+    """Addresses and PANs inside free text (a relay's "550 5.1.1 <client@...>"), masked."""
+    text = EMAIL_IN_TEXT.sub(lambda m: mask_email(m.group(0)), text)
+    return PAN_IN_TEXT.sub(lambda m: mask_pan(m.group(0)), text)
 
 
 def mask_email(email: str) -> str:

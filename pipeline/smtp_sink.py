@@ -56,7 +56,7 @@ class OutboxHandler:
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
         if address in self.faults.reject:
-            return "550 5.1.1 mailbox unavailable"
+            return f"550 5.1.1 <{address}>: Recipient address rejected: User unknown"  # as Postfix says it
         envelope.rcpt_tos.append(address)
         return "250 OK"
 

@@ -121,7 +121,7 @@ def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client,
                 "/runs/no-such-run/report.csv", "/runs/%00/report.csv"):
         assert client.get(url).status_code == 404, url
     assert client.post("/runs/no-such-run/rerun", json={"failed": True}, headers=AUTH).status_code == 404
-    for params in ({"cursor": "x"}, {"cursor": -1}, {"limit": 0}, {"status": "exploded"}):
+    for params in ({"cursor": "x"}, {"cursor": -1}, {"cursor": 10**30}, {"limit": 0}, {"status": "exploded"}):
         assert client.get(f"/runs/{run}/accounts", params=params).status_code == 422, params
     assert client.get("/openapi.json").json()["info"]["title"].startswith("Contract notes")
     assert "<title>" in client.get("/").text
@@ -133,3 +133,39 @@ def test_a_redis_outage_is_503_not_500(api_run):
     with TestClient(create_app(down), raise_server_exceptions=False) as c:
         assert c.get("/runs").status_code == 503
         assert c.get("/runs/x/accounts").status_code == 503
+
+
+def test_without_the_token_no_address_or_pan_appears_anywhere_relay_replies_included(client, api_run):
+    _, summary, victim, clients = api_run
+    run = summary["run_id"]
+    email, pan = clients[victim]["email"], clients[victim]["pan"]
+    full = client.get(f"/runs/{run}/accounts", params={"status": "failed"}, headers=AUTH).json()
+    assert email in str(full)  # the relay's 550 quotes the address: the token shows it
+    for url in (f"/runs/{run}/accounts?status=failed", f"/runs/{run}/accounts?limit=500",
+                f"/runs/{run}/accounts/{victim}", f"/runs/{run}/report.csv"):
+        body = client.get(url).text
+        assert email not in body and pan not in body, url
+        assert not any(c["email"] in body or c["pan"] in body for c in clients.values()), url
+    assert email in client.get(f"/runs/{run}/report.csv", headers=AUTH).text
+
+
+def test_a_read_only_service_shows_no_pii_and_reruns_nothing_even_with_the_token(api_run):
+    settings, summary, victim, clients = api_run
+    launched = []
+    app = create_app(settings, launch=lambda *a: launched.append(a) or 1, read_only=True)
+    with TestClient(app) as c:
+        record = c.get(f"/runs/{summary['run_id']}/accounts/{victim}", headers=AUTH).json()
+        assert record["pii"] == "masked" and clients[victim]["email"] not in str(record)
+        assert c.post(f"/runs/{summary['run_id']}/rerun", json={"failed": True}, headers=AUTH).status_code == 403
+    assert launched == []
+
+
+def test_serve_without_a_token_refuses_to_start_unless_read_only():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CN_API_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "serve", "--port", "1"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 2 and "error: CN_API_TOKEN is not set" in done.stderr

@@ -91,3 +91,41 @@ def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
         smtp.stop()
     mailed = [m for m in outbox_messages(tmp_path / "outbox") if victim in m["Subject"]]
     assert len(mailed) == 1
+
+
+def test_script_like_text_in_every_field_the_page_shows_runs_nothing_and_the_token_stays_in_the_tab(
+        redis_url, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    from pipeline.state import Outcome, RunState
+
+    evil = '<img src=x onerror="window.__pwned=1">'
+    run_id = f"xss-{uuid.uuid4().hex[:6]}"
+    state = RunState(redis_url, run_id)
+    state.start({"date": "<script>window.__pwned=2</script>", "input": evil, "config": "{}", "finished": ""})
+    state.update_meta(accounts=2)
+    state.record([Outcome("<svg onload=window.__pwned=3>", "delivered", "failed", reason=evil),
+                  Outcome("C1", "delivered", "failed", reason="<script>window.__pwned=4</script>")])
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, api_token=TOKEN)
+    port = free_port()
+    server = serve(create_app(settings), port)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page()
+            response = page.goto(f"http://127.0.0.1:{port}/?run={run_id}")
+            csp = response.headers["content-security-policy"]
+            assert "script-src 'sha256-" in csp and "default-src 'none'" in csp and "unsafe-inline" not in csp
+            failures = page.locator("#failures tbody tr")
+            expect(failures).to_have_count(2, timeout=10_000)  # the page's own script runs under the policy
+            expect(page.locator("#failures")).to_contain_text(evil)  # shown as text, whole
+            expect(page.locator("#failures")).to_contain_text("<svg onload=window.__pwned=3>")
+            expect(page.locator("#date")).to_have_text("<script>window.__pwned=2</script>")
+            page.fill("#token", TOKEN)
+            page.locator("#token").dispatch_event("change")
+            assert page.evaluate("window.__pwned") is None
+            assert page.evaluate("JSON.stringify(localStorage)") == "{}"
+            assert page.evaluate("sessionStorage.getItem('cn-token')") == TOKEN
+            browser.close()
+    finally:
+        server.should_exit = True
