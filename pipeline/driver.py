@@ -33,7 +33,7 @@ from pipeline.sign import load_signer
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage
 from pipeline.state import Outcome, RunState
-from pipeline.storage import open_store
+from pipeline.storage import StorageError, open_store
 
 log = logging.getLogger("pipeline.driver")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,13 +164,19 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
 
 
 def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
-    """What would stop the run, found before anything starts: Redis unreachable, an input file
-    missing or lacking a column (unless the run was already split), no calendar for the date."""
+    """What would stop the run, found before anything starts: Redis unreachable, storage not
+    writable, an input file missing or lacking a column (unless the run was already split), no
+    calendar for the date."""
     try:
         RunState(settings.redis_url, run_id or "preflight", settings.state_ttl_s).r.ping()
     except redis.RedisError as e:
         raise ConfigError(f"Redis at {settings.summary()['redis_url']} cannot be reached: {e}") from None
-    if not run_id or load_manifest(open_store(settings.store_url), run_id) is None:
+    store = open_store(settings.store_url)
+    try:
+        store.put(keys.WRITE_CHECK, b"ok")  # one small PUT a run, overwritten each time
+    except Exception as e:  # OSError, botocore: whatever the backend says, the run cannot keep its record
+        raise StorageError(f"storage {settings.store_url} cannot be written: {e}") from None
+    if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
 

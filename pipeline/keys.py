@@ -16,6 +16,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.json, reports/{run}.csv           the run report
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
+  reports/.write-check                            written before a run starts: the store is writable
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def manifest_key(run_id: str) -> str:
 
 def note_sequence_key(fy: str) -> str:
     return f"reports/noteseq-{fy}.json"
+
+
+WRITE_CHECK = "reports/.write-check"  # a run proves the store writable before it starts
 
 
 def report_keys(run_id: str) -> tuple[str, str]:

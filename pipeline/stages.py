@@ -164,18 +164,28 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
 
 
 async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
-    """Claim, send, record: the claim is taken just before this account's mail leaves, so a
-    crash leaves only the mails then in flight unresolved (reported, never resent)."""
+    """Build, claim, send, record. The claim is taken only once the message is ready to leave
+    (PDF read, message built), just before it does: a failure before that leaves no claim, and
+    a crash leaves only the mails then in flight unresolved (reported, never resent)."""
     outcome = _not_mailable(item)
     if outcome is not None:
         ctx.state.record([outcome])
         return outcome
     async with ctx.sending:
-        ucc = item["ucc"]
+        ucc, mid = item["ucc"], message_id(batch.run_id, item["ucc"])
+        try:
+            pdf = item["pdf"]
+            if pdf is None:  # archived on an earlier attempt: mailed from the archive
+                pdf = ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
+            message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
+        except Exception as e:  # storage, or a message that cannot be built: nothing has left
+            outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
+            ctx.state.record([outcome])
+            return outcome
         if ctx.force:
             ctx.state.release_mail(ucc)
-        claimed = ctx.state.claim_mail(ucc, message_id(batch.run_id, ucc))
-        outcome = await _send(batch, item, ctx) if claimed else _already_claimed(ucc, ctx)
+        claimed = ctx.state.claim_mail(ucc, mid)
+        outcome = await _send(item, ctx, mid, message) if claimed else _already_claimed(ucc, ctx)
         if outcome.status != "skipped":
             ctx.state.record([outcome])  # right after the relay's answer: the delivery log
     return outcome
@@ -204,12 +214,9 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
         "(check the relay log, then rerun with --force)"))
 
 
-async def _send(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
+async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outcome:
     ucc = item["ucc"]
-    mid = message_id(batch.run_id, ucc)
-    pdf = item["pdf"] if item["pdf"] is not None else ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
     try:
-        message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, _envelope_sender(ctx.letter.sender),
                                                 item["email"], message)
     except PermanentMailError as e:

@@ -211,3 +211,66 @@ def test_run_refuses_the_public_placeholder_owner_password_unless_told_it_is_a_t
     assert done.returncode == 2 and "error: CN_OWNER_PASSWORD is not set" in done.stderr
     tested = subprocess.run(command + ["--test-keys"], capture_output=True, text=True, env=env, timeout=120)
     assert tested.returncode == 2 and "CN_OWNER_PASSWORD" not in tested.stderr  # it got past: Redis is down
+
+
+def test_a_mail_that_cannot_be_built_takes_no_claim_so_the_next_attempt_sends_it(settings, smtp_sink, tmp_path):
+    import asyncio
+
+    from pipeline import keys
+    from pipeline.stages import Batch, mail_context, mail_stage
+
+    run_id = f"unbuilt-{os.urandom(3).hex()}"
+    state, store = RunState(settings.redis_url, run_id), open_store(settings.store_url)
+    item = {"ucc": "A1", "name": "Client", "email": "a1@example.com", "pan": "ABCDE1234F", "ecn": True, "pdf": None}
+
+    async def mail() -> dict:
+        return await mail_stage(Batch(run_id, DATE, 0, [dict(item)]), mail_context(settings, state, store))
+
+    first = asyncio.run(mail())  # the archived PDF cannot be read (not there yet)
+    assert first["tally"] == {"failed": 1} and "mail not built, nothing sent" in state.accounts(["A1"])["A1"]["reason"]
+    store.put(keys.signed_pdf_key(DATE, "A1"), b"%PDF-1.7 archived")
+    second = asyncio.run(mail())  # the archive is back: no claim was left behind
+    assert second["tally"] == {"ok": 1} and len(list(smtp_sink.outbox.glob("*.eml"))) == 1
+
+
+def test_a_client_name_of_100_kb_rejects_its_account_instead_of_breaking_the_page_count(tmp_path, redis_url):
+    split, records = split_with(tmp_path, redis_url, client=dict(POISONED, name="N" * 100_000))
+    assert split.accounts == 6 and split.rejected == 1
+    assert "field 'name': is 100,000 characters long (at most 256)" in records["BAD1"]["reason"]
+
+
+def test_run_with_an_unwritable_store_exits_2_naming_the_store(tmp_path, redis_url):
+    folder = write_day(tmp_path / "in")
+    (tmp_path / "a-file").write_text("not a folder")
+    store = tmp_path / "a-file" / "store"
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(store), "RAY_ADDRESS": "",
+           "CN_OWNER_PASSWORD": "an-owner-secret"}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"error: storage {store} cannot be written" in done.stderr
+
+
+def test_an_account_whose_rendering_raises_fails_alone_and_its_shard_mates_render(tmp_path, redis_url):
+    from decimal import InvalidOperation
+
+    from pipeline.split import load_manifest, save_manifest
+    from pipeline.stages import Batch, load_shard, render_stage
+
+    folder = write_day(tmp_path / "in", trades=trades_for(INNOCENTS + [POISONED]), clients=INNOCENTS + [POISONED])
+    store, run_id = open_store(str(tmp_path / "store")), "contain"
+    state = RunState(redis_url, run_id)
+    save_manifest(store, run_id, split_day(open_store(str(folder)), store, state, run_id, DATE, 100, "CNT"))
+
+    def render_note(note: dict) -> bytes:
+        if note["client"]["ucc"] == "BAD1":
+            raise InvalidOperation("[<class 'decimal.InvalidOperation'>]")
+        return b"%PDF-1.7"
+
+    shard = next(s for s in load_manifest(store, run_id).shards
+                 if "BAD1" in {a["ucc"] for a in load_shard(store, run_id, s)})
+    accounts = load_shard(store, run_id, shard)
+    batch = render_stage(Batch(run_id, DATE, shard), accounts, state, render_note=render_note)
+    assert [i["ucc"] for i in batch.items] == [a["ucc"] for a in accounts if a["ucc"] != "BAD1"]
+    assert len(accounts) > 1 and batch.dropped == {"failed": 1}
+    assert state.accounts(["BAD1"])["BAD1"]["reason"].startswith("render: InvalidOperation")
