@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                "(input, storage, Redis, settings or calendar): one line on stderr, 'error: ...'.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    s = sub.add_parser("synth", help="write synthetic clients.csv and trades.csv for a trade date")
+    s = sub.add_parser("synth", help="write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date")
     s.add_argument("--date", required=True, type=_date)
     s.add_argument("--accounts", required=True, type=int)
     s.add_argument("--out", required=True, type=Path)
@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="the real job: one trade date's dumps to delivered contract notes")
     r.add_argument("--date", required=True, type=_date)
-    r.add_argument("--input", required=True, help="folder or s3://bucket/prefix holding clients.csv and trades.csv")
+    r.add_argument("--input", required=True,
+                   help="folder or s3://bucket/prefix holding clients.csv, trades.csv and bhavcopy.csv")
     r.add_argument("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)")
     r.add_argument("--redis", help="redis://host:port/db (default: REDIS_URL)")
     r.add_argument("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)")
