@@ -29,7 +29,7 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.dumps import Trade
+from pipeline.dumps import Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")
@@ -150,9 +150,8 @@ def carry_forward(trades: list[Trade]) -> list[CarryForward]:
     first: dict[tuple, Trade] = {}
     for t in trades:
         if t.segment == "FO" and t.instrument.startswith("FUT"):
-            contract = (t.exchange, t.segment, t.instrument, t.symbol, t.expiry)
-            net[contract] += t.quantity if t.side == "B" else -t.quantity
-            first.setdefault(contract, t)
+            net[contract_id(t)] += t.quantity if t.side == "B" else -t.quantity
+            first.setdefault(contract_id(t), t)
     out = []
     for contract, qty in net.items():
         if qty:
@@ -168,27 +167,25 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     index in charges.carried. A row is its signed gross value less its share of the order's
     brokerage; a segment's rounding residue goes, a paisa at a time, to the rows that rounding
     moved furthest, so every segment's column sums to obligation - brokerage exactly."""
-    exact: dict[tuple, Decimal] = {}
-    segment: dict[tuple, str] = {}
+    by_segment: dict[str, list[tuple[tuple, Decimal]]] = defaultdict(list)  # segment -> (row key, exact)
     for t in trades:
         gross = t.turnover if t.side == "S" else -t.turnover
-        exact[t.key] = gross - charges.brokerage_share[t.key]
-        segment[t.key] = segment_of(t)
+        by_segment[segment_of(t)].append((t.key, gross - charges.brokerage_share[t.key]))
     for i, c in enumerate(charges.carried):
-        exact[("C/F", i)] = c.value
-        segment[("C/F", i)] = segment_of(c.trade)
-    rounded = {k: paise(v) for k, v in exact.items()}
-    for seg, levies in charges.segments.items():
-        rows = [k for k in exact if segment[k] == seg]
-        residue = levies.obligation - levies.brokerage - sum((rounded[k] for k in rows), Decimal(0))
-        if not residue:
-            continue
-        step = PAISA if residue > 0 else -PAISA
-        rows.sort(key=lambda k: (exact[k] - rounded[k]) * step, reverse=True)
-        for k in rows[:int(abs(residue) / PAISA)]:
-            rounded[k] += step
-    trades_out = {k: v for k, v in rounded.items() if k[0] != "C/F"}
-    return trades_out, {k[1]: v for k, v in rounded.items() if k[0] == "C/F"}
+        by_segment[segment_of(c.trade)].append((("C/F", i), c.value))
+    rounded: dict[tuple, Decimal] = {}
+    for segment, rows in by_segment.items():
+        values = {k: paise(exact) for k, exact in rows}
+        levies = charges.segments[segment]
+        residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
+        if residue:
+            step = PAISA if residue > 0 else -PAISA
+            rows.sort(key=lambda r: (r[1] - values[r[0]]) * step, reverse=True)
+            for k, _ in rows[:int(abs(residue) / PAISA)]:
+                values[k] += step
+        rounded.update(values)
+    return ({k: v for k, v in rounded.items() if k[0] != "C/F"},
+            {k[1]: v for k, v in rounded.items() if k[0] == "C/F"})
 
 
 def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,

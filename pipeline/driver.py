@@ -32,7 +32,7 @@ from pipeline.settings import ConfigError, Settings
 from pipeline.sign import load_signer
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage
-from pipeline.state import Outcome, RunState
+from pipeline.state import Outcome, RunState, redis_client
 from pipeline.storage import StorageError, open_store
 
 log = logging.getLogger("pipeline.driver")
@@ -168,7 +168,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
     writable, an input file missing or lacking a column (unless the run was already split), no
     calendar for the date."""
     try:
-        RunState(settings.redis_url, run_id or "preflight", settings.state_ttl_s).r.ping()
+        redis_client(settings.redis_url).ping()
     except redis.RedisError as e:
         raise ConfigError(f"Redis at {settings.summary()['redis_url']} cannot be reached: {e}") from None
     store = open_store(settings.store_url)

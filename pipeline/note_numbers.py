@@ -9,6 +9,7 @@ without its data, or flushed, carries on above every number already printed.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 from pipeline import keys
 from pipeline.state import RunState
@@ -28,15 +29,20 @@ def note_number(prefix: str, trade_date: str, sequence: int) -> str:
     return f"{prefix}-{start % 100:02d}/{(start + 1) % 100:02d}-{sequence:07d}"
 
 
-def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
-    """The first of `count` fresh numbers; the storage mark covers all of them on return."""
-    key = keys.note_sequence_key(fy)
+def reserver(store: Store, state: RunState, fy: str) -> Callable[[int], int]:
+    """For one split: reserve(count) returns the first of `count` fresh numbers, and the storage
+    mark covers all of them on return. The mark is read once; each block is one Redis call
+    and one write."""
     high = high_water_mark(store, fy)
-    first = state.next_note_numbers(fy, count, floor=high)
-    last = first + count - 1
-    if last > high_water_mark(store, fy):  # read again: another run may have moved it meanwhile
-        store.put(key, json.dumps({"fy": fy, "high": last}).encode())
-    return first
+
+    def reserve(count: int) -> int:
+        nonlocal high
+        first = state.next_note_numbers(fy, count, floor=high)
+        high = max(high, first + count - 1)
+        store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
+        return first
+
+    return reserve
 
 
 def high_water_mark(store: Store, fy: str) -> int:

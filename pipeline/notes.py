@@ -106,10 +106,9 @@ def page_range(note: dict, start: int, stop: int) -> dict:
     return {**note, "pages": note["pages"][start:stop], "page_offset": start}
 
 
-def fitting_size(*chars: int) -> float:
-    """The monospaced font size at which the longest line fits the page."""
-    widest = max(chars + (1,))
-    return round(min(MONO_SIZE_PT, TEXT_WIDTH_PT / (MONO_ADVANCE * widest)), 2)
+def fitting_size(chars: int) -> float:
+    """The monospaced font size at which a line of `chars` characters fits the page."""
+    return round(min(MONO_SIZE_PT, TEXT_WIDTH_PT / (MONO_ADVANCE * max(1, chars))), 2)
 
 
 def levies_table(charges: Charges) -> dict:
@@ -161,7 +160,6 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[s
     key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{segment.replace('-', ' / ')}  ·  Settlement {settlement}"
-        group = list(group)
         rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]

@@ -80,6 +80,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
     shards = shard_count(clients, shard_size)
     result = SplitResult(shards=[], shard_count=shards)
     closes = _closing_prices(inputs, trade_date, result)
+    reserve = note_numbers.reserver(store, state, note_numbers.financial_year(trade_date))
     with tempfile.TemporaryDirectory(prefix=f"split-{run_id}-") as tmp:
         spool = _Spool(Path(tmp))
         _spool_rows(inputs, "clients.csv", CLIENT_FIELDS, shards, spool, result,
@@ -93,7 +94,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
             state.record(rejects)
             if not accounts:
                 continue
-            first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
+            first = reserve(len(accounts))
             for i, account in enumerate(accounts):
                 account["note_no"] = note_numbers.note_number(note_prefix, trade_date, first + i)
             body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
@@ -115,8 +116,8 @@ def check_inputs(inputs: Store) -> None:
 def _closing_prices(inputs: Store, trade_date: str, result: SplitResult) -> dict:
     """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
     if not inputs.exists(bhavcopy.FILE):
-        result.input_errors.append({"file": bhavcopy.FILE, "row": 0, "field": "", "ucc": "",
-                                    "error": "file not found: derivatives trades have no closing price"})
+        result.input_errors.append(
+            RowError(bhavcopy.FILE, 0, "", "file not found: derivatives trades have no closing price").as_dict())
         return {}
     return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, result.input_errors, MAX_LISTED_ERRORS)
 

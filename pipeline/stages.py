@@ -93,7 +93,7 @@ def _note(account: dict, client: Client, trade_date: str, settles: dict[str, str
     trades = [Trade.from_row(r) for r in account["trades"]]
     b = broker()
     charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
-    return build_note(client, trades, charges, b, trade_date, account["note_no"], settles or None)
+    return build_note(client, trades, charges, b, trade_date, account["note_no"], settles)
 
 
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,

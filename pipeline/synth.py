@@ -58,30 +58,31 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             clients.writerow(_client(rng, ucc, i))
             n = 60_000 if (opts.volatile and i == 0) else _trade_count(rng)
             rows = list(_trades(rng, opts.trade_date, ucc, n, counter))
-            for row in rows:
-                contracts.setdefault(_contract(row), row["price"])
+            _note_contracts(rows, contracts)
             trades.writerows(rows)
-    write_bhavcopy(out / bhavcopy.FILE, opts.trade_date, contracts)
+    with (out / bhavcopy.FILE).open("w", newline="") as f:
+        _write_bhavcopy(f, opts.trade_date, contracts)
     return clients_path, trades_path
 
 
 def closing_prices(trade_date: dt.date, trade_rows: list[dict]) -> dict:
     """What bhavcopy.read would give for the contracts in `trade_rows` (trades built in memory)."""
-    contracts: dict[tuple, str] = {}
-    for row in trade_rows:
-        contracts.setdefault(_contract(row), row["price"])
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, BHAV_FIELDS)
-    writer.writeheader()
-    writer.writerows(_bhav_row(trade_date, c, p) for c, p in contracts.items())
+    _write_bhavcopy(buf, trade_date, _note_contracts(trade_rows, {}))
     return bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
 
 
-def write_bhavcopy(path: Path, trade_date: dt.date, contracts: dict[tuple, str]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, BHAV_FIELDS)
-        writer.writeheader()
-        writer.writerows(_bhav_row(trade_date, c, p) for c, p in sorted(contracts.items()))
+def _note_contracts(trade_rows: list[dict], contracts: dict[tuple, str]) -> dict[tuple, str]:
+    """Each contract traded, with the first price it traded at."""
+    for row in trade_rows:
+        contracts.setdefault(_contract(row), row["price"])
+    return contracts
+
+
+def _write_bhavcopy(f, trade_date: dt.date, contracts: dict[tuple, str]) -> None:
+    writer = csv.DictWriter(f, BHAV_FIELDS)
+    writer.writeheader()
+    writer.writerows(_bhav_row(trade_date, c, p) for c, p in sorted(contracts.items()))
 
 
 # The UDiFF columns a real bhavcopy has; the reader needs only bhavcopy.FIELDS.
@@ -98,7 +99,8 @@ def _bhav_row(trade_date: dt.date, contract: tuple, traded_price: str) -> dict:
     """A closing price within 1% of a price traded that day, on the 0.05 tick, the same on every run."""
     exchange, segment, instrument, symbol, isin, expiry, strike, option_type = contract
     move = Decimal(10_000 + keys.stable_hash(repr(contract)) % 201 - 100) / 10_000
-    close = str((max(Decimal(1), (Decimal(traded_price) * move * 20).to_integral_value()) / 20).quantize(Decimal("0.01")))
+    ticks = max(Decimal(1), (Decimal(traded_price) * move * 20).to_integral_value())
+    close = str((ticks / 20).quantize(Decimal("0.01")))
     kind = bhavcopy.UDIFF_TYPES.get(instrument, "STK")
     return {"TradDt": trade_date.isoformat(), "BizDt": trade_date.isoformat(), "Sgmt": segment, "Src": exchange,
             "FinInstrmTp": kind, "FinInstrmId": "", "ISIN": isin, "TckrSymb": symbol,
