@@ -1,7 +1,8 @@
 """MailerActor: an async actor holding a pool of SMTP connections, mailing batches.
 
 Ray re-runs in-flight calls after a crash (at least once, out of order); the per-account
-guard in Redis (RunState.claim_mail) makes the e-mail itself at most once.
+guard in Redis (RunState.claim_mail) makes the e-mail itself at most once, and a mail the
+dead attempt had claimed without an answer becomes `unconfirmed`, never resent blindly.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from pipeline.storage import open_store
 
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"smtp": 1})
 class MailerActor:
-    def __init__(self, settings: Settings, run_id: str, force: bool = False):
-        self.settings, self.run_id, self.force = settings, run_id, force
+    def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False):
+        self.settings, self.run_id, self.force, self.resend = settings, run_id, force, resend_unconfirmed
         self.ctx = None
 
     async def send(self, batch: Batch) -> dict:
         if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
             state = RunState(self.settings.redis_url, self.run_id, self.settings.state_ttl_s)
-            self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force)
+            self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
+                                    self.resend)
         started = time.perf_counter()
         result = await mail_stage(batch, self.ctx)
         metrics.observe("mail", result["tally"], time.perf_counter() - started)

@@ -49,6 +49,7 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
     signer = load_signer(settings.signer_key, settings.signer_cert, None, settings.signer_chain)
     cpu: dict[str, float] = {}
 
+    state.start({})
     loop = asyncio.new_event_loop()  # mailing only: signing must not run inside a loop
     ctx = loop.run_until_complete(_context(settings, state, store))
     delivered = 0

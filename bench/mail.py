@@ -31,6 +31,7 @@ from pipeline.render import render  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
 from pipeline.stages import Batch  # noqa: E402
+from pipeline.state import RunState  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
@@ -66,6 +67,7 @@ def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[f
     ray.init(num_cpus=1, resources={"smtp": 1}, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
     try:
+        RunState(settings.redis_url, "bench-ours").start({})
         mailer = MailerActor.remote(settings, "bench-ours")
         warm = [{"ucc": "W0", "name": "Warm", "email": "w0@example.com", "pan": "ABCPD1234E", "ecn": True,
                  "pdf": pdfs[0]}]

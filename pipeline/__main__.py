@@ -46,7 +46,9 @@ def _run_level_errors() -> tuple[type, ...]:
     from pipeline.storage import StorageError
     from pipeline.trading_calendar import CalendarError
 
-    return (InputError, ConfigError, StorageError, CalendarError, redis.ConnectionError)
+    from pipeline.state import StateLostError
+
+    return (InputError, ConfigError, StorageError, CalendarError, StateLostError, redis.ConnectionError)
 
 
 def _run_id(text: str) -> str:
@@ -65,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         "CN_WINDOW, CN_SIGNERS, CN_MAILERS, CN_SIGNER_KEY, CN_SIGNER_CERT, CN_OWNER_PASSWORD, ...; "
         "see pipeline/settings.py); flags override them."),
         epilog="Exit status of run, rerun and demo: 0 every account delivered (or sent to physical dispatch), "
-               "1 some accounts failed or were rejected (the report names each), 2 the run could not start "
-               "(input, storage, Redis, settings or calendar): one line on stderr, 'error: ...'.")
+               "1 some accounts failed, were rejected or are unconfirmed (the report names each), 2 the run could "
+               "not start (input, storage, Redis, settings or calendar) or had to stop (Redis lost the run's "
+               "state): one line on stderr, 'error: ...'.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     s = sub.add_parser("synth", help="write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date")
@@ -91,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end")
     r.add_argument("--test-keys", action="store_true",
                    help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset")
+    r.add_argument("--accept-volatile-redis", action="store_true",
+                   help="run although Redis keeps nothing on disk (no AOF, no snapshots): a Redis restart then "
+                        "stops the run, and the same run id must be run again")
     r.set_defaults(func=cmd_run)
 
     pl = sub.add_parser("plan", help="node counts and expected duration for a day (the driver's own sizing)")
@@ -102,10 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     rr.add_argument("run_id", type=_run_id)
     which = rr.add_mutually_exclusive_group(required=True)
     which.add_argument("--failed", action="store_true", help="every account in the run's failed registry")
+    which.add_argument("--unconfirmed", action="store_true",
+                       help="every unconfirmed account, mailed again with the same Message-ID (reconcile first)")
     which.add_argument("--accounts", type=_accounts, help="comma-separated client codes (UCC)")
     rr.add_argument("--force", action="store_true", help="mail again accounts already delivered")
     rr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     rr.set_defaults(func=cmd_rerun)
+
+    rc = sub.add_parser("reconcile", help="mark unconfirmed accounts delivered where the relay's log shows their "
+                                           "Message-ID accepted (Postfix, Haraka, or a plain list of Message-IDs)")
+    rc.add_argument("run_id", type=_run_id)
+    rc.add_argument("--relay-log", type=Path, nargs="+", required=True, metavar="FILE")
+    rc.set_defaults(func=cmd_reconcile)
 
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
     st.add_argument("run_id", type=_run_id)
@@ -142,17 +156,38 @@ def _accounts(text: str) -> list[str]:
 
 
 def cmd_rerun(args) -> int:
-    from pipeline.driver import RunNotFound, init_ray, rerun
+    from pipeline.driver import init_ray, rerun
+    from pipeline.state import RunNotFound
 
     settings = Settings.from_env()
     try:
         init_ray(settings, args.address)
-        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force)
+        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed)
     except RunNotFound as e:
         print(json.dumps({"error": str(e)}))
         return 2
     print(json.dumps(summary))
-    return 0 if summary["failed"] == 0 and not summary.get("rejected") else 1
+    return _exit_status(summary)
+
+
+def _exit_status(summary: dict) -> int:
+    return 0 if not (summary["failed"] or summary.get("rejected") or summary.get("unconfirmed")) else 1
+
+
+def cmd_reconcile(args) -> int:
+    from pipeline.reconcile import reconcile
+    from pipeline.state import RunNotFound
+
+    missing = [str(p) for p in args.relay_log if not p.is_file()]
+    if missing:
+        raise ConfigError(f"relay log not found: {', '.join(missing)}")
+    try:
+        summary = reconcile(Settings.from_env(), args.run_id, args.relay_log)
+    except RunNotFound as e:
+        print(json.dumps({"error": str(e)}))
+        return 2
+    print(json.dumps(summary))
+    return 0 if summary["still_unconfirmed"] == 0 else 1
 
 
 def cmd_status(args) -> int:
@@ -198,12 +233,12 @@ def cmd_run(args) -> int:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                           "could lift the notes' permissions; set it, or pass --test-keys for a test run")
     request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")
-    preflight(settings, request, request.run_id)
+    preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
         summary = run_day(settings, request, current.size_for)
     print(json.dumps(summary))
-    return 0 if summary["failed"] == 0 and not summary.get("rejected") else 1
+    return _exit_status(summary)
 
 
 def cmd_plan(args) -> int:

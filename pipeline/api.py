@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/healthz")
     def healthz():
-        redis_client(settings.redis_url).ping()
+        redis_client(settings.redis_url, patience_retries=0).ping()
         return {"ok": True}
 
     @app.get("/", response_class=HTMLResponse)

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import resource
+import subprocess
 import sys
 import time
 import uuid
@@ -31,8 +32,9 @@ from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
 from pipeline.sign import load_signer
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
-from pipeline.stages import Batch, broker, load_shard, render_stage
-from pipeline.state import Outcome, RunState, redis_client
+from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
+from pipeline.mail import message_id
+from pipeline.state import Outcome, RunNotFound, RunState, StateLostError, final_status, redis_client
 from pipeline.storage import StorageError, open_store
 
 log = logging.getLogger("pipeline.driver")
@@ -48,6 +50,7 @@ class RunRequest:
     run_id: str = ""
     only: frozenset[str] | None = None  # a targeted rerun: just these accounts
     force: bool = False  # mail again even if the account was delivered
+    resend_unconfirmed: bool = False  # mail unconfirmed accounts again, with the same Message-ID
 
 
 def new_run_id(trade_date: str) -> str:
@@ -68,6 +71,19 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers, "smtp": settings.mailers},
              include_dashboard=False, runtime_env=env, log_to_driver=False,
              object_store_memory=512 * 1024 * 1024)
+    _start_reaper()
+
+
+_reaper: subprocess.Popen | None = None
+
+
+def _start_reaper() -> None:
+    """A watcher that ends this local Ray's processes if the driver is killed (see reaper.py);
+    it holds the read end of a pipe only this process writes to, so it sees the death."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen([sys.executable, "-m", "pipeline.reaper", str(os.getpid())], cwd=ROOT,
+                                   stdin=subprocess.PIPE, start_new_session=True)
 
 
 @ray.remote(num_cpus=1, resources={"render": 1})
@@ -79,10 +95,13 @@ def split_task(settings: Settings, run_id: str, trade_date: str, input_url: str)
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
-                only: frozenset[str] | None, force: bool = False) -> Batch:
+                only: frozenset[str] | None, force: bool = False, resume: bool = False) -> Batch:
     started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    accounts = load_shard(open_store(settings.store_url), run_id, shard)
+    store = open_store(settings.store_url)
+    if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
+        restore_from_log(store, state, run_id, shard)
+    accounts = load_shard(store, run_id, shard)
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state,
                          set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force)
@@ -120,8 +139,11 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
-    state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                 "finished": ""})
+    resume = load_manifest(store, run_id) is not None
+    if resume and not state.exists():
+        log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
+    epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
+                         "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = _split_once(settings, store, run_id, req)
     state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
@@ -134,7 +156,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         wanted = {keys.shard_of(u, split.shard_count) for u in req.only}
         shards, expected = [s for s in split.shards if s in wanted], len(req.only)
     try:
-        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers)
+        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch)
     finally:
         for actor in signers + mailers:
             ray.kill(actor)
@@ -150,6 +172,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "delivered": counts["delivered"],
         "delivered_now": tally["statuses"].get("ok", 0),
         "failed": counts["failed"] - split.rejected,  # the failed registry holds the rejected accounts too
+        "unconfirmed": counts["unconfirmed"],
         "rejected": split.rejected,
         "physical": tally["statuses"].get("physical", 0),
         "elapsed_s": round(elapsed, 3),
@@ -163,14 +186,20 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     return summary
 
 
-def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
-    """What would stop the run, found before anything starts: Redis unreachable, storage not
-    writable, an input file missing or lacking a column (unless the run was already split), no
-    calendar for the date."""
+def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> None:
+    """What would stop the run, found before anything starts: Redis unreachable (or keeping
+    nothing on disk, when persistence is required), storage not writable, an input file
+    missing or lacking a column (unless the run was already split), no calendar for the date."""
+    where = settings.summary()["redis_url"]
     try:
-        redis_client(settings.redis_url).ping()
+        r = redis_client(settings.redis_url, patience_retries=0)  # down at the start: say so at once
+        r.ping()
+        if require_persistence and not _persists(r):
+            raise ConfigError(f"Redis at {where} keeps nothing on disk (appendonly no, no save points): a restart "
+                              "would forget which clients were mailed; turn on AOF (appendonly yes), or pass "
+                              "--accept-volatile-redis")
     except redis.RedisError as e:
-        raise ConfigError(f"Redis at {settings.summary()['redis_url']} cannot be reached: {e}") from None
+        raise ConfigError(f"Redis at {where} cannot be reached: {e}") from None
     store = open_store(settings.store_url)
     try:
         store.put(keys.WRITE_CHECK, b"ok")  # one small PUT a run, overwritten each time
@@ -181,33 +210,42 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "") -> None:
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
 
 
-class RunNotFound(LookupError):
-    pass
-
-
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
-          force: bool = False) -> dict:
-    """Targeted rerun of an existing run: the failed accounts, or the ones named. Each resumes
-    from where it stopped (an archived note is mailed, not re-rendered); a delivered account
-    is mailed again only with force. Accounts rejected at validation cannot be rerun: their
-    input must be corrected and run again."""
+          force: bool = False, unconfirmed: bool = False) -> dict:
+    """Targeted rerun of an existing run: the failed accounts, the unconfirmed ones (mailed
+    again with the same Message-ID, marked "possible duplicate"), or the ones named. Each
+    resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
+    account is mailed again only with force. Accounts rejected at validation cannot be rerun:
+    their input must be corrected and run again."""
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
     meta = state.meta()
     if not meta:
         raise RunNotFound(f"no run {run_id!r} in {settings.summary()['redis_url']}")
-    chosen = set(state.failed()) if failed else set(accounts or [])
+    chosen = set(state.failed() if failed else state.unconfirmed() if unconfirmed else accounts or [])
     records = state.accounts(sorted(chosen))
     rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
     unknown = sorted(chosen - set(records))
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
-        summary = {"run_id": run_id, "accounts": 0, "delivered": state.counts()["delivered"], "delivered_now": 0,
-                   "failed": state.counts()["failed"], "elapsed_s": 0.0, "notes_per_s": 0.0}
+        counts = state.counts()
+        summary = {"run_id": run_id, "accounts": 0, "delivered": counts["delivered"], "delivered_now": 0,
+                   "failed": counts["failed"], "unconfirmed": counts["unconfirmed"], "elapsed_s": 0.0,
+                   "notes_per_s": 0.0}
     else:
-        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force))
+        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed))
     summary.update(rerun_accounts=sorted(only), not_rerunnable={"rejected_at_validation": rejected,
                                                                 "not_in_run": unknown})
     return summary
+
+
+def _persists(r: redis.Redis) -> bool:
+    """AOF on, or RDB save points set. A managed Redis that hides CONFIG counts on AOF alone."""
+    if r.info("persistence").get("aof_enabled"):
+        return True
+    try:
+        return bool(r.config_get("save").get("save"))
+    except redis.ResponseError:  # CONFIG disabled (managed Redis): not provably persistent
+        return False
 
 
 def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> SplitResult:
@@ -224,13 +262,14 @@ def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> Spli
 def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[list, list]:
     signers = [SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id)
                for i in range(settings.signers)]
-    mailers = [MailerActor.options(name=f"mailer-{i}-{run_id}").remote(settings, run_id, req.force)
+    mailers = [MailerActor.options(name=f"mailer-{i}-{run_id}").remote(settings, run_id, req.force,
+                                                                        req.resend_unconfirmed)
                for i in range(settings.mailers)]
     return signers, mailers
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
-             signers: list, mailers: list) -> dict:
+             signers: list, mailers: list, resume: bool, epoch: str) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, int] = {}
     queue = list(reversed(shards))
@@ -241,16 +280,20 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
             while queue and len(pending) < settings.window:
                 shard = queue.pop()
                 batch = render_task.options(name=f"render shard {shard}").remote(
-                    settings, run_id, req.trade_date, shard, req.only, req.force)
+                    settings, run_id, req.trade_date, shard, req.only, req.force, resume)
                 signed = signers[shard % len(signers)].sign.remote(batch)
                 pending[mailers[shard % len(mailers)].send.remote(signed)] = shard
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 shard = pending.pop(ref)
-                result = _result(ref, settings, run_id, shard)
+                result = _result(ref, settings, run_id, shard, pending)
                 _add(totals, result)
                 progress.update(result["notes"])
             if time.monotonic() - snapshot_at >= 1.0 or not (queue or pending):
+                if state.epoch() != epoch:
+                    _stop_mailing(pending, StateLostError(
+                        f"Redis lost run {run_id} mid-run (flushed, or restarted without persistence): mailing "
+                        "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
     finally:
@@ -258,21 +301,38 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
     return totals
 
 
-def _result(ref, settings: Settings, run_id: str, shard: int) -> dict:
+def _stop_mailing(pending: dict, error: StateLostError) -> None:
+    """Mailers refuse claims once Redis lost the run; the chains in flight are given time to
+    log what they sent before the run stops, then the error ends it (exit status 2)."""
+    log.error("%s", error)
+    ray.wait(list(pending), num_returns=len(pending), timeout=120)
+    raise error
+
+
+def _result(ref, settings: Settings, run_id: str, shard: int, pending: dict) -> dict:
     try:
         return ray.get(ref)
     except Exception as e:  # the chain failed after Ray's retries: say so for each account
+        lost = getattr(e, "cause", None) or e
+        if isinstance(lost, StateLostError):
+            _stop_mailing(pending, StateLostError(str(lost)))
         log.error("shard %s failed: %s", shard, e)
         return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str) -> dict:
+    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
     records = state.accounts(uccs)
-    unfinished = [u for u in uccs if records.get(u, {}).get("stage") != "delivered"]
-    state.record(Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}") for u in unfinished)
-    return {"tally": {"failed": len(unfinished)}, "cpu_s": {}, "notes": len(unfinished)}
+    unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed")]
+    claimed = state.claimed(unfinished)
+    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u),
+                         reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
+                 if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
+                 for u in unfinished)
+    tally = {"unconfirmed": len(claimed), "failed": len(unfinished) - len(claimed)}
+    return {"tally": tally, "cpu_s": {}, "notes": len(unfinished)}
 
 
 def _add(totals: dict, result: dict) -> None:

@@ -54,14 +54,15 @@ def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: fl
     raise EmbeddedError(f"{name} did not listen on port {port} within {timeout_s} s")
 
 
-def start_redis(workdir: Path) -> Service:
+def start_redis(workdir: Path, aof: bool = True, port: int | None = None) -> Service:
+    """AOF on (fsync every second): a restart keeps the run's state, at no cost worth measuring."""
     binary = shutil.which("redis-server")
     if not binary:
         raise EmbeddedError("redis-server is not on PATH (apt-get install redis-server)")
-    port = free_port()
+    port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, process, "redis-server")

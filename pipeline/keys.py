@@ -6,6 +6,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:counts        hash   per-stage counters (O(1) to read)
   cn:run:{run}:accounts      hash   ucc -> JSON account record (stage, status, reason, ...)
   cn:run:{run}:failed        zset   ucc -> time of failure (the rerun registry)
+  cn:run:{run}:unconfirmed   zset   ucc -> time: the mail may have reached the relay (reconcile)
   cn:run:{run}:mailguard     hash   ucc -> claim; HSETNX before an e-mail leaves
   cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
@@ -13,6 +14,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
   {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
   {p}-signed-pdf/{date}/{ucc}.pdf                 the signed archive of record
+  {p}-delivery-log/{run}/shard-{k}/{stamp}.jsonl  mail outcomes of one mailing of shard k (k % 10 == p)
   reports/{run}.json, reports/{run}.csv           the run report
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
@@ -52,6 +54,10 @@ def run_failed(run_id: str) -> str:
     return f"cn:run:{run_id}:failed"
 
 
+def run_unconfirmed(run_id: str) -> str:
+    return f"cn:run:{run_id}:unconfirmed"
+
+
 def run_mailguard(run_id: str) -> str:
     return f"cn:run:{run_id}:mailguard"
 
@@ -84,6 +90,10 @@ def shard_key(run_id: str, shard: int) -> str:
 
 def signed_pdf_key(trade_date: str, ucc: str) -> str:
     return f"{partition(ucc)}-signed-pdf/{trade_date}/{ucc}.pdf"
+
+
+def delivery_log_prefix(run_id: str, shard: int) -> str:
+    return f"{shard % PARTITIONS}-delivery-log/{run_id}/shard-{shard:05d}/"
 
 
 def manifest_key(run_id: str) -> str:

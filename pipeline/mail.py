@@ -8,7 +8,9 @@ cannot add headers; HTML gets the name escaped.
 
 The pool follows smtppool's features and avoids its two known bugs: a reused connection
 starts with RSET (no "503 nested MAIL command", smtppool #8), and a connection that saw an
-error or a 421 is closed, never handed out again (smtppool #18).
+error or a 421 is closed, never handed out again (smtppool #18). A relay that cannot be
+reached trips its circuit breaker: sends wait for it (or another relay) instead of burning
+their attempts, and fail only once the outage has outlasted the patience.
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ class PermanentMailError(RuntimeError):
 
 class TransientMailError(RuntimeError):
     pass
+
+
+class ConnectError(TransientMailError):
+    """No session with the relay: nothing of the message left, so it is not an attempt."""
+
+
+class RelayDownError(TransientMailError):
+    """Every relay has been unreachable for longer than the patience."""
+
+
+class UnconfirmedMailError(RuntimeError):
+    """The connection was lost after the message's final dot: the relay may have taken it.
+    Never retried blindly; the account becomes `unconfirmed` with its Message-ID."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,33 @@ class PoolOptions:
     starttls: str = "auto"  # auto (if offered) | always | never; smtps:// is implicit TLS
     ca_file: str | None = None  # CA bundle to verify the relay's certificate (None: the system's)
     timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0  # a relay that accepts TCP but never greets trips the breaker
+    patience_s: float = 600.0  # how long sends wait out a relay outage before failing
+
+
+class Breaker:
+    """One per relay, shared by every send of the pool: after a failed connection the relay
+    is left alone, then probed by one send at a time with growing pauses (0.5 s to 15 s)."""
+
+    def __init__(self, base_s: float = 0.5, cap_s: float = 15.0):
+        self.base_s, self.cap_s = base_s, cap_s
+        self.down_since: float | None = None
+        self.retry_at, self.pause, self.probing = 0.0, base_s, False
+
+    def closed(self) -> bool:
+        return self.down_since is None
+
+    def probe_due(self) -> bool:
+        return not self.probing and time.monotonic() >= self.retry_at
+
+    def trip(self) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since, self.pause = now, self.base_s
+        self.retry_at, self.pause, self.probing = now + self.pause, min(self.cap_s, self.pause * 2), False
+
+    def reset(self) -> None:
+        self.down_since, self.pause, self.probing = None, self.base_s, False
 
 
 class _Conn:
@@ -164,6 +206,7 @@ class RelayPool:
 
     def __init__(self, target: SmtpTarget, options: PoolOptions):
         self.target, self.options = target, options
+        self.breaker = Breaker()
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(options.size)
 
@@ -176,6 +219,9 @@ class RelayPool:
             conn = await self._take()
             try:
                 reply = await _transaction(conn, sender, recipient, message)
+            except UnconfirmedMailError:
+                _close(conn)
+                raise
             except (PermanentMailError, TransientMailError):
                 if conn.dirty is None or not conn.smtp.is_connected:
                     _close(conn)
@@ -234,31 +280,72 @@ class RelayPool:
         smtp = aiosmtplib.SMTP(hostname=t.host, port=t.port, use_tls=t.implicit_tls, start_tls=starttls,
                                local_hostname=o.helo, timeout=o.timeout_s, cert_bundle=o.ca_file)
         try:
-            await smtp.connect()
+            await smtp.connect(timeout=o.connect_timeout_s)
             if t.username:
                 await smtp.login(t.username, t.password or "")
             elif smtp.last_ehlo_response is None:
                 await smtp.ehlo()
         except aiosmtplib.SMTPResponseException as e:
             smtp.close()
+            if 400 <= e.code < 500:  # 421 "try later": the relay is there but not taking mail
+                raise ConnectError(f"{t.host}:{t.port} said {e.code} {e.message}") from None
             raise _classify(e.code, e.message) from None
         except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as e:
             smtp.close()
-            raise TransientMailError(f"cannot connect to {t.host}:{t.port}: {type(e).__name__}: {e}") from None
+            raise ConnectError(f"cannot connect to {t.host}:{t.port}: {type(e).__name__}: {e}") from None
         return _Conn(smtp)
 
 
 class SmtpPool:
-    """One RelayPool per relay; messages go round-robin, so load spreads and a retry after a
-    relay's failure goes to the next one. A sweeper task closes idle connections."""
+    """One RelayPool per relay; messages go round-robin over the relays whose breaker is
+    closed, so load spreads and a relay that fails is skipped. When every relay is down,
+    sends wait (one probes when its relay's pause is over) until one answers or the
+    patience runs out. A sweeper task closes idle connections."""
 
     def __init__(self, targets: list[SmtpTarget], options: PoolOptions = PoolOptions()):
         self.relays = [RelayPool(t, options) for t in targets]
+        self.patience_s = options.patience_s
         self._next = itertools.cycle(self.relays)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(options.idle_s))
 
     async def send(self, sender: str, recipient: str, message: bytes) -> str:
-        return await next(self._next).send(sender, recipient, message)
+        while True:
+            relay = await self._relay()
+            try:
+                reply = await relay.send(sender, recipient, message)
+            except ConnectError:
+                relay.breaker.trip()
+                continue
+            except BaseException:
+                relay.breaker.probing = False  # the relay answered, or the send was cancelled
+                raise
+            relay.breaker.reset()
+            return reply
+
+    async def ready(self) -> None:
+        """Waits while every relay is down and none is due a probe: a mail is claimed only
+        when it can leave. Returns at once when the patience is spent (the send then fails)."""
+        while not any(r.breaker.closed() or r.breaker.probe_due() for r in self.relays) and not self._impatient():
+            await asyncio.sleep(0.1)
+
+    async def _relay(self) -> RelayPool:
+        while True:
+            for _ in self.relays:
+                relay = next(self._next)
+                if relay.breaker.closed():
+                    return relay
+            due = [r for r in self.relays if r.breaker.probe_due()]
+            if due:
+                due[0].breaker.probing = True
+                return due[0]
+            if self._impatient():
+                down = ", ".join(f"{r.target.host}:{r.target.port}" for r in self.relays)
+                raise RelayDownError(f"no relay reachable for over {self.patience_s:.0f} s ({down})")
+            await asyncio.sleep(0.1)
+
+    def _impatient(self) -> bool:
+        down = [r.breaker.down_since for r in self.relays]
+        return None not in down and time.monotonic() - min(down) > self.patience_s
 
     async def _sweep_forever(self, every_s: float) -> None:
         while True:
@@ -284,8 +371,16 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
                               ((b"RCPT", b"TO:<" + recipient.encode() + b">"), (250, 251)),
                               ((b"DATA",), (354,)), (None, (250,))):
         if command is None:
-            smtp.protocol.write(message + b".\r\n")
-            response = await smtp.protocol.read_response(timeout=smtp.timeout)
+            protocol = smtp.protocol
+            if protocol is None or not smtp.is_connected:
+                conn.dirty = None
+                raise TransientMailError("connection lost before the message was sent")
+            try:
+                protocol.write(message + b".\r\n")
+                response = await protocol.read_response(timeout=smtp.timeout)
+            except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as e:
+                conn.dirty = None
+                raise UnconfirmedMailError(f"connection lost after the message was sent: {type(e).__name__}") from None
         else:
             response = await smtp.execute_command(*command)
         if response.code not in expected:
@@ -296,11 +391,14 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
 
 async def send_with_retry(pool: SmtpPool, policy: RetryPolicy, sender: str, recipient: str,
                           message: bytes) -> tuple[str, int]:
-    """Returns the relay's reply and the attempts used; raises PermanentMailError, or the last
-    TransientMailError once the attempts are spent."""
+    """Returns the relay's reply and the attempts used; raises PermanentMailError,
+    UnconfirmedMailError (never retried: the relay may have the message), RelayDownError, or
+    the last TransientMailError once the attempts are spent."""
     for attempt in range(policy.attempts):
         try:
             return await pool.send(sender, recipient, message), attempt + 1
+        except RelayDownError:
+            raise
         except TransientMailError:
             if attempt + 1 == policy.attempts:
                 raise

@@ -10,7 +10,8 @@ from pipeline import keys
 from pipeline.state import RunState, final_status
 from pipeline.storage import Store
 
-CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch"]
+CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch",
+              "possible_duplicate"]
 
 
 def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dict, str]:
@@ -25,7 +26,8 @@ def build(state: RunState, summary: dict, input_errors: list[dict]) -> tuple[dic
         needs_paper = status == "physical" or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
         if needs_paper:
             physical.append(rec["ucc"])
-        row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else ""}
+        duplicate = "Y" if rec.get("extra", {}).get("possible_duplicate") else ""  # resent with the same Message-ID
+        row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else "", "possible_duplicate": duplicate}
         writer.writerow({k: _inert(v) for k, v in row.items()})
     report = {
         **summary,

@@ -43,6 +43,7 @@ class Settings:
     smtp_starttls: str = "auto"
     smtp_ca_file: str = ""
     smtp_attempts: int = 4
+    smtp_patience_s: float = 600.0  # how long a relay outage is waited out before its mails fail
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
     signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
     signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
@@ -107,6 +108,7 @@ ENV_NAMES = {
     "smtp_starttls": "CN_SMTP_STARTTLS",
     "smtp_ca_file": "CN_SMTP_CA_FILE",
     "smtp_attempts": "CN_SMTP_ATTEMPTS",
+    "smtp_patience_s": "CN_SMTP_PATIENCE_S",
     "signer_key": "CN_SIGNER_KEY",
     "signer_cert": "CN_SIGNER_CERT",
     "signer_chain": "CN_SIGNER_CHAIN",

@@ -12,6 +12,10 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
   tempfail_once       recipients whose first message gets 451 after DATA
   drop_once           recipients whose first message is never answered: the
                       connection drops after the data, before the 250
+  accept_then_drop    recipients whose first message is kept, but the connection
+                      drops before the 250 reaches the client (an ambiguous send)
+  outage              {"after": N, "seconds": S}: after the Nth message kept, the
+                      server stops listening and drops every connection for S s
 --tls CERT KEY requires STARTTLS; --login USER:PASSWORD requires AUTH.
 """
 
@@ -39,6 +43,8 @@ class Faults:
     reject: set[str] = field(default_factory=set)
     tempfail_once: set[str] = field(default_factory=set)
     drop_once: set[str] = field(default_factory=set)
+    accept_then_drop: set[str] = field(default_factory=set)
+    outage: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -46,12 +52,14 @@ class Faults:
             return cls()
         raw = json.loads(path.read_text())
         return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
-                   *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once")))
+                   *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
+                   raw.get("outage", {}))
 
 
 class OutboxHandler:
     def __init__(self, outbox: Path, faults: Faults):
         self.outbox, self.faults = outbox, faults
+        self.kept, self.sessions, self.controller = 0, set(), None
         outbox.mkdir(parents=True, exist_ok=True)
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
@@ -69,7 +77,26 @@ class OutboxHandler:
             self.faults.drop_once.discard(rcpt)
             server.transport.close()
             return "421 closing"  # never reaches the client: the transport is gone
-        return "250 OK queued as " + self._keep(envelope.original_content or envelope.content)
+        kept = self._keep(envelope.original_content or envelope.content)
+        self.kept += 1
+        if rcpt in self.faults.accept_then_drop:
+            self.faults.accept_then_drop.discard(rcpt)
+            server.transport.close()
+        if self.faults.outage and self.kept == self.faults.outage["after"]:
+            asyncio.get_running_loop().call_later(0.01, self._outage, self.faults.outage["seconds"])
+        return "250 OK queued as " + kept
+
+    def _outage(self, seconds: float) -> None:
+        """Down as a crashed relay is: nothing listens, every connection is cut."""
+        self.controller.server.close()
+        for session in list(self.sessions):
+            session.transport.close()
+        print(f"outage for {seconds} s after {self.kept} messages", flush=True)
+        asyncio.get_running_loop().call_later(seconds, lambda: asyncio.ensure_future(self._back()))
+
+    async def _back(self) -> None:
+        self.controller.server = await self.controller._create_server()
+        print("back after the outage", flush=True)
 
     def _keep(self, data: bytes) -> str:
         mid = BytesHeaderParser().parsebytes(data).get("Message-ID", "") or str(len(os.listdir(self.outbox)))
@@ -86,6 +113,14 @@ class OutboxHandler:
 
 class FaultySMTP(SMTP):
     faults: Faults
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.event_handler.sessions.add(self)
+
+    def connection_lost(self, error) -> None:
+        self.event_handler.sessions.discard(self)
+        super().connection_lost(error)
 
     async def push(self, status: str) -> None:
         if self.faults.delay_ms:
@@ -120,8 +155,9 @@ def serve(host: str, port: int, outbox: Path, faults: Faults, tls: tuple[str, st
         kwargs.update(authenticator=lambda server, session, envelope, mechanism, data: AuthResult(
             success=(data.login.decode(), data.password.decode()) == (user, password), handled=False),
             auth_require_tls=bool(tls), auth_required=True)
-    controller = SinkController(OutboxHandler(outbox, faults), hostname=host, port=port,
-                                server_kwargs=kwargs, decode_data=False)
+    handler = OutboxHandler(outbox, faults)
+    controller = handler.controller = SinkController(handler, hostname=host, port=port,
+                                                     server_kwargs=kwargs, decode_data=False)
     refuse, faults.refuse_connections = faults.refuse_connections, 0
     controller.start()  # connects to itself once to check the server: not a client to refuse
     faults.refuse_connections = refuse

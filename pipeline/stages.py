@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from email.utils import parseaddr
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from pipeline import keys
+from pipeline import delivery_log, keys
 from pipeline.charges import compute
 from pipeline.dumps import EMAIL, Client, Trade
 from pipeline.mail import (Letter, PermanentMailError, PoolOptions, RetryPolicy, SmtpPool, TransientMailError,
-                           build_message, message_id, send_with_retry)
+                           UnconfirmedMailError, build_message, message_id, send_with_retry)
 from pipeline.notes import build_note
 from pipeline.render import TEMPLATES, RenderError, render
 from pipeline.sign import SignatureInfo, SignError, protect
-from pipeline.state import Outcome, RunState, StateWriter, rank
+from pipeline.state import Outcome, RunState, StateLostError, StateWriter, final_status, rank
 from pipeline.storage import Store
+
+log = logging.getLogger("pipeline.stages")
 
 
 @dataclass
@@ -51,6 +54,41 @@ def broker() -> dict:
 
 def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
     return [json.loads(line) for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines()]
+
+
+def restore_from_log(store: Store, state: RunState, run_id: str, shard: int) -> int:
+    """Before a resumed run mails a shard, Redis and the shard's delivery log are brought
+    level, whichever knows more recently: a log entry newer than the Redis record (Redis lost
+    the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
+    a delivery Redis saw that the log missed (its mailing died before logging) goes into the
+    log. Idempotent; returns how many accounts Redis got back."""
+    found = delivery_log.latest(delivery_log.entries(store, run_id, shard))
+    records = state.accounts(sorted(found))
+    guard, outcomes, catch_up = {}, [], []
+    for ucc, e in found.items():
+        rec = records.get(ucc)
+        if rec is not None and rec.get("updated", 0) >= e["at"]:
+            if final_status(rec) == "delivered" and e["status"] != "delivered":
+                catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
+                                 "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
+            continue
+        status = "unconfirmed" if e["status"] == "sending" else e["status"]
+        if status in ("delivered", "unconfirmed"):
+            guard[ucc] = e["message_id"]
+        if status == "delivered":
+            outcomes.append(Outcome(ucc, "delivered", message_id=e["message_id"], reply=e.get("reply", ""),
+                                    extra={"attempts": e.get("attempts", 1)}))
+        elif status == "unconfirmed":
+            reason = e.get("reason") or "a mailing ended between claim and reply (from the delivery log)"
+            outcomes += [Outcome(ucc, "archived"), Outcome(ucc, "delivered", "unconfirmed", reason=reason,
+                                                           message_id=e["message_id"])]
+        else:  # failed: the next mailing tries again
+            outcomes.append(Outcome(ucc, "delivered", "failed", reason=e.get("reason", "")))
+    if catch_up:
+        delivery_log.write(store, delivery_log.new_key(run_id, shard), catch_up)
+    state.restore_claims(guard)
+    state.record(outcomes)
+    return len({o.ucc for o in outcomes})
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
@@ -134,6 +172,8 @@ class MailContext:
     letter: Letter
     policy: RetryPolicy = RetryPolicy()
     force: bool = False
+    resend_unconfirmed: bool = False  # rerun --unconfirmed: the same Message-ID again
+    epoch: str = ""  # the run's epoch in Redis: claims are refused if Redis lost the run
     sending: asyncio.Semaphore | None = None  # one per connection: claim only what can leave now
 
     def __post_init__(self) -> None:
@@ -141,21 +181,40 @@ class MailContext:
             self.sending = asyncio.Semaphore(sum(r.options.size for r in self.pool.relays))
 
 
-def mail_context(settings, state: RunState, store: Store, force: bool = False) -> MailContext:
+def mail_context(settings, state: RunState, store: Store, force: bool = False,
+                 resend_unconfirmed: bool = False) -> MailContext:
     """Everything a mailer holds; call it on the event loop that will send."""
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
-                          starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None)
+                          starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
+                          patience_s=settings.smtp_patience_s)
     b = broker()
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], b["compliance_officer"]["email"])
+    epoch = state.epoch()
+    if not epoch:
+        raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
     return MailContext(SmtpPool(settings.smtp(), options), state, store, letter,
-                       RetryPolicy(attempts=settings.smtp_attempts), force)
+                       RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch)
 
 
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
-    """Mail every item; returns the batch's tally (small: this is what the driver fetches)."""
+    """Mail every item; returns the batch's tally (small: this is what the driver fetches).
+    The delivery log says "sending" for the batch before the first claim, and holds every
+    outcome once the replies are in, even when the batch stops on an error."""
     started = time.process_time()
-    outcomes = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items))
+    key = delivery_log.new_key(batch.run_id, batch.shard)
+    mailable = [i for i in batch.items if _not_mailable(i) is None]
+    if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
+        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"])) for i in mailable]
+        await asyncio.to_thread(delivery_log.write, ctx.store, key, intent)
+    results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
+    outcomes = [r for r in results if isinstance(r, Outcome)]
+    if mailable:
+        logged = [delivery_log.entry(o) for o in outcomes if o.stage == "delivered"]
+        await asyncio.to_thread(delivery_log.write, ctx.store, key, logged)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
     tally = dict(batch.dropped)
     for o in outcomes:
         tally[o.status] = tally.get(o.status, 0) + 1
@@ -165,8 +224,8 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
 
 async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
     """Build, claim, send, record. The claim is taken only once the message is ready to leave
-    (PDF read, message built), just before it does: a failure before that leaves no claim, and
-    a crash leaves only the mails then in flight unresolved (reported, never resent)."""
+    (PDF read, message built, a relay answering), just before it does: a failure before that
+    leaves no claim, and a crash leaves only the mails then in flight as unconfirmed."""
     outcome = _not_mailable(item)
     if outcome is not None:
         ctx.state.record([outcome])
@@ -182,13 +241,30 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
             outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
             ctx.state.record([outcome])
             return outcome
-        if ctx.force:
+        await ctx.pool.ready()
+        resend = ctx.force or (ctx.resend_unconfirmed and _is_unconfirmed(ucc, ctx))
+        if resend:
             ctx.state.release_mail(ucc)
-        claimed = ctx.state.claim_mail(ucc, mid)
+        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch)
         outcome = await _send(item, ctx, mid, message) if claimed else _already_claimed(ucc, ctx)
+        if resend and outcome.status == "ok" and not ctx.force:
+            outcome.extra["possible_duplicate"] = True
         if outcome.status != "skipped":
-            ctx.state.record([outcome])  # right after the relay's answer: the delivery log
+            _record(ctx, outcome)  # right after the relay's answer
     return outcome
+
+
+def _record(ctx: MailContext, outcome: Outcome) -> None:
+    """A mail's outcome goes to Redis at once; if Redis fails here, the delivery log still
+    gets it at the end of the batch, and a resumed run restores it from there."""
+    try:
+        ctx.state.record([outcome])
+    except Exception as e:  # redis errors of every kind: the outcome is not lost, it is in the batch's log
+        log.warning("outcome of %s not recorded in Redis (kept in the delivery log): %s", outcome.ucc, e)
+
+
+def _is_unconfirmed(ucc: str, ctx: MailContext) -> bool:
+    return ctx.state.accounts([ucc]).get(ucc, {}).get("status") == "unconfirmed"
 
 
 @lru_cache(maxsize=8)
@@ -205,13 +281,18 @@ def _not_mailable(item: dict) -> Outcome | None:
 
 
 def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
-    """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash."""
+    """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
+    no outcome recorded, the mail may have reached the relay: unconfirmed, not resent."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
+    mid = record.get("message_id") or message_id(ctx.state.run_id, ucc)
     if record.get("stage") == "delivered":
-        return Outcome(ucc, "delivered", "skipped", reason="already delivered")
-    return Outcome(ucc, "delivered", "failed", reason=(
-        "mail claimed by an earlier attempt that recorded no outcome; not resent "
-        "(check the relay log, then rerun with --force)"))
+        return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
+                       reply=record.get("reply", ""))
+    if record.get("status") == "unconfirmed":
+        return Outcome(ucc, "delivered", "unconfirmed", reason=record.get("reason", ""), message_id=mid)
+    return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=(
+        "claimed by an attempt that ended before the relay's answer: settle with reconcile --relay-log, "
+        "or rerun --unconfirmed (same Message-ID)"))
 
 
 async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outcome:
@@ -219,6 +300,9 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outco
     try:
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, _envelope_sender(ctx.letter.sender),
                                                 item["email"], message)
+    except UnconfirmedMailError as e:  # the claim stays: never resent blindly
+        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=(
+            f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
     except PermanentMailError as e:
         ctx.state.release_mail(ucc)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid)

@@ -12,17 +12,29 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import uuid
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Iterable, Iterator
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from pipeline import keys
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
-FINAL_STATUSES = ("delivered", "failed", "rejected", "physical", "pending")
+FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending")
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+class StateLostError(RuntimeError):
+    """Redis no longer holds this run (flushed, or restarted without persistence): mailing
+    on would resend what the lost mail guard was protecting."""
 
 
 def rank(stage: str) -> int:
@@ -31,15 +43,18 @@ def rank(stage: str) -> int:
 
 
 def final_status(rec: dict) -> str:
-    """Where an account stands: delivered, failed, rejected (bad input), physical (no e-mail
-    consent or address: paper), or pending (on its way, or left by a crash)."""
+    """Where an account stands: delivered, unconfirmed (the mail may have reached the relay:
+    settle it with `reconcile` or `rerun --unconfirmed`), failed, rejected (bad input),
+    physical (no e-mail consent or address: paper), or pending (on its way)."""
     if rec.get("stage") == "delivered":
         return "delivered"
     status = rec.get("status")
-    return status if status in ("failed", "rejected", "physical") else "pending"
+    return status if status in ("unconfirmed", "failed", "rejected", "physical") else "pending"
 
-# The record keeps the furthest stage ever reached; a failure says where (failed_at).
-# KEYS: accounts, counts, failed. ARGV: ucc, record json, stage rank, stage, failed?, now, ttl
+# The record keeps the furthest stage ever reached; a failure says where (failed_at). An
+# account is in at most one registry: failed (rerun --failed) or unconfirmed (reconcile).
+# KEYS: accounts, counts, failed, unconfirmed. ARGV: ucc, record json, stage rank, stage,
+# registry (f, u or empty), now, ttl
 _RECORD = """
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 local prev_rank, prev_stage = 0, ''
@@ -61,9 +76,19 @@ rec['tries'] = nil
 if prev_rank >= rec['rank'] then rec['rank'] = prev_rank; rec['stage'] = prev_stage end
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
 if tonumber(ARGV[3]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
-if ARGV[5] == '1' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
-else redis.call('ZREM', KEYS[3], ARGV[1]) end
-for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+if ARGV[5] == 'f' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[3], ARGV[1]) end
+if ARGV[5] == 'u' then redis.call('ZADD', KEYS[4], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[4], ARGV[1]) end
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+"""
+
+# The mail guard, taken only while the run's epoch (set when the run first starts) is in
+# Redis: a Redis that lost the run answers -1 instead of handing out claims it forgot.
+# KEYS: meta, guard. ARGV: ucc, claim json, epoch, ttl
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return -1 end
+local claimed = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return claimed
 """
 
 
@@ -73,7 +98,7 @@ class Outcome:
 
     ucc: str
     stage: str
-    status: str = "ok"  # ok | failed | rejected | physical | skipped
+    status: str = "ok"  # ok | failed | rejected | physical | skipped | unconfirmed
     reason: str = ""
     message_id: str = ""
     reply: str = ""
@@ -83,14 +108,23 @@ class Outcome:
     def failed(self) -> bool:
         return self.status in ("failed", "rejected")
 
+    @property
+    def registry(self) -> str:
+        return "f" if self.failed else "u" if self.status == "unconfirmed" else ""
+
 
 _RECORD_SHA = hashlib.sha1(_RECORD.encode()).hexdigest()
+_CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
 
 
 @lru_cache(maxsize=16)
-def redis_client(url: str) -> redis.Redis:
-    """One client (one connection pool) per URL and process, shared by every RunState."""
-    return redis.Redis.from_url(url, decode_responses=True)
+def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
+    """One client (one connection pool) per URL and process, shared by every RunState. A
+    lost connection is retried for about 30 s, so a Redis restart (a failover, an AOF reload)
+    pauses the run instead of failing the accounts in flight."""
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), patience_retries)
+    return redis.Redis.from_url(url, decode_responses=True, retry=retry,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 class RunState:
@@ -98,16 +132,22 @@ class RunState:
         self.run_id, self.ttl_s = run_id, ttl_s
         self.r = redis_client(redis_url)
 
-    def start(self, meta: dict) -> None:
-        """A rerun of the run keeps its first start time (rates and ETA are about the run)."""
+    def start(self, meta: dict) -> str:
+        """A rerun of the run keeps its first start time (rates and ETA are about the run)
+        and its epoch; returns the epoch, which mail claims are checked against."""
         now = time.time()
         meta = {"run_id": self.run_id, "last_started": now, **meta}
         with self.r.pipeline() as p:
             p.zadd(keys.RUNS, {self.run_id: now}, nx=True)
             p.hsetnx(keys.run_meta(self.run_id), "started", str(now))
+            p.hsetnx(keys.run_meta(self.run_id), "epoch", uuid.uuid4().hex)
             p.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in meta.items()})
             p.expire(keys.run_meta(self.run_id), self.ttl_s)
-            p.execute()
+            p.hget(keys.run_meta(self.run_id), "epoch")
+            return p.execute()[-1]
+
+    def epoch(self) -> str:
+        return self.r.hget(keys.run_meta(self.run_id), "epoch") or ""
 
     def update_meta(self, **values) -> None:
         self.r.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in values.items()})
@@ -130,22 +170,23 @@ class RunState:
     def _eval_all(self, calls: list[list]) -> None:
         with self.r.pipeline(transaction=False) as p:
             for args in calls:
-                p.evalsha(_RECORD_SHA, 3, *args)
+                p.evalsha(_RECORD_SHA, 4, *args)
             p.execute()
 
     def _record_calls(self, outcomes: Iterable[Outcome]) -> Iterator[list]:
         now = time.time()
-        ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id)]
+        ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
+              keys.run_unconfirmed(self.run_id)]
         for o in outcomes:
-            reached = 0 if o.failed else rank(o.stage)
+            reached = 0 if o.registry else rank(o.stage)  # failed or unconfirmed: the stage was not reached
             rec = {**asdict(o), "rank": reached, "updated": now, "failed_at": o.stage if o.failed else "",
                    "tries": o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)}
-            if o.failed:
+            if o.registry:
                 rec["stage"] = ""
             if not rec["extra"]:
                 del rec["extra"]
             counter = o.stage if reached else ""
-            yield [*ks, o.ucc, json.dumps(rec), reached, counter, int(o.failed), now, self.ttl_s]
+            yield [*ks, o.ucc, json.dumps(rec), reached, counter, o.registry, now, self.ttl_s]
 
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of
@@ -166,6 +207,7 @@ class RunState:
         counts = {s: 0 for s in STAGES}
         counts.update({k: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()})
         counts["failed"] = self.r.zcard(keys.run_failed(self.run_id))
+        counts["unconfirmed"] = self.r.zcard(keys.run_unconfirmed(self.run_id))
         return counts
 
     def accounts(self, uccs: list[str]) -> dict[str, dict]:
@@ -190,14 +232,38 @@ class RunState:
     def failed(self) -> list[str]:
         return self.r.zrange(keys.run_failed(self.run_id), 0, -1)
 
-    def claim_mail(self, ucc: str, message_id: str) -> bool:
-        """Atomic: True for exactly one caller per run and account, whatever retries Ray makes."""
+    def unconfirmed(self) -> list[str]:
+        return self.r.zrange(keys.run_unconfirmed(self.run_id), 0, -1)
+
+    def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
+        """Atomic: True for exactly one caller per run and account, whatever retries Ray
+        makes; raises StateLostError if Redis no longer knows the run of this epoch."""
+        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc,
+                json.dumps({"message_id": message_id, "at": time.time()}), epoch, self.ttl_s]
+        try:
+            claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
+        except redis.exceptions.NoScriptError:
+            claimed = self.r.eval(_CLAIM, 2, *args)
+        if claimed == -1:
+            raise StateLostError(f"Redis no longer holds run {self.run_id} (flushed, or restarted without "
+                                 "persistence): mailing stopped; run the same run id again to rebuild its state "
+                                 "from the delivery log in storage")
+        return bool(claimed)
+
+    def claimed(self, uccs: list[str]) -> set[str]:
+        if not uccs:
+            return set()
+        found = self.r.hmget(keys.run_mailguard(self.run_id), uccs)
+        return {u for u, v in zip(uccs, found) if v}
+
+    def restore_claims(self, claims: dict[str, str]) -> None:
+        """Puts back mail guards (ucc -> Message-ID) that a lost Redis forgot."""
         guard = keys.run_mailguard(self.run_id)
         with self.r.pipeline(transaction=False) as p:
-            p.hsetnx(guard, ucc, json.dumps({"message_id": message_id, "at": time.time()}))
+            for ucc, mid in claims.items():
+                p.hsetnx(guard, ucc, json.dumps({"message_id": mid, "at": time.time(), "restored": True}))
             p.expire(guard, self.ttl_s)
-            claimed, _ = p.execute()
-        return bool(claimed)
+            p.execute()
 
     def release_mail(self, ucc: str) -> None:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""

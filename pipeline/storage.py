@@ -28,6 +28,7 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def lines(self, key: str) -> Iterator[str]: ...
+    def keys(self, prefix: str) -> Iterator[str]: ...
 
 
 def open_store(url: str) -> Store:
@@ -64,6 +65,14 @@ class FolderStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        """The keys under a folder-like prefix (ending in '/'), in order."""
+        folder = self._path(prefix)
+        if folder.is_dir():
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and not path.name.startswith(".tmp-"):
+                    yield path.relative_to(self.root).as_posix()
 
     def lines(self, key: str) -> Iterator[str]:
         """Bytes that are not UTF-8 come through as surrogates, for the row check to name;
@@ -105,6 +114,14 @@ class S3Store:
             if e.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
+
+    def keys(self, prefix: str) -> Iterator[str]:
+        """The keys under a prefix, in order (ListObjectsV2, a page per 1000 keys)."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        for page in pages:
+            for item in page.get("Contents", []):
+                yield item["Key"][skip:]
 
     def lines(self, key: str) -> Iterator[str]:
         """Streams the object: a day's trade file is never held in memory whole."""

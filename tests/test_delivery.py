@@ -15,7 +15,8 @@ import pytest
 
 from pipeline import keys
 from pipeline.driver import RunRequest, run_day
-from pipeline.mail import Letter, PermanentMailError, PoolOptions, SmtpPool, TransientMailError, build_message
+from pipeline.mail import (ConnectError, Letter, PermanentMailError, PoolOptions, RelayDownError, RetryPolicy,
+                           SmtpPool, TransientMailError, build_message, send_with_retry)
 from pipeline.settings import parse_smtp_url
 from pipeline.stages import Batch
 from pipeline.state import RunState
@@ -34,7 +35,7 @@ def report_rows(settings, run_id: str) -> dict[str, dict]:
     return {r["ucc"]: r for r in csv.DictReader(path.open())}
 
 
-def test_faults_end_in_delivered_once_or_failed_with_the_reason(ray_session, settings, day, smtp_server):
+def test_faults_end_in_delivered_once_or_failed_or_unconfirmed_with_the_reason(ray_session, settings, day, smtp_server):
     clients = client_rows(day)
     emails = {c["email"]: u for u, c in clients.items()}
     by_ucc = sorted(clients)
@@ -53,11 +54,13 @@ def test_faults_end_in_delivered_once_or_failed_with_the_reason(ray_session, set
         if row["status"] == "delivered":
             assert ucc in delivered_to and row["message_id"]
         else:
-            assert row["status"] == "failed" and row["reason"], row
+            assert row["status"] in ("failed", "unconfirmed") and row["reason"], row
     assert rows[rejected]["status"] == "failed" and "550" in rows[rejected]["reason"]
     assert rows[rejected]["physical_dispatch"] == "Y"
-    assert {tempfail, dropped} <= delivered_to, "a 451 and a dropped connection are retried"
-    assert summary["delivered"] == summary["accounts"] - 1
+    assert tempfail in delivered_to, "a 451 is retried"
+    assert rows[dropped]["status"] == "unconfirmed" and rows[dropped]["message_id"], "a drop after the dot is not"
+    assert dropped not in delivered_to
+    assert (summary["delivered"], summary["unconfirmed"]) == (summary["accounts"] - 2, 1)
     report = json.loads((Path(settings.store_url) / keys.report_keys(summary["run_id"])[0]).read_text())
     assert rejected in report["physical_dispatch"]
 
@@ -74,6 +77,7 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
     uccs = [f"M{i:05d}" for i in range(150)]
     items = [{"ucc": u, "name": "Client", "email": f"{u.lower()}@example.com", "pan": "ABCPD1234E", "ecn": True,
               "pdf": pdf} for u in uccs]
+    RunState(settings.redis_url, run_id).start({})
     actor = MailerActor.options(name=f"mailer-{run_id}").remote(slow, run_id)
     ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items))
     deadline = time.monotonic() + 60
@@ -95,9 +99,9 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
         if rec["stage"] == "delivered":
             assert ucc in mailed
         else:
-            assert rec["status"] == "failed" and "not resent" in rec["reason"], rec
+            assert rec["status"] == "unconfirmed" and "rerun --unconfirmed" in rec["reason"], rec
             unresolved.append(ucc)
-    assert len(unresolved) <= slow.smtp_connections, "only mails in flight at the kill may be unresolved"
+    assert len(unresolved) <= slow.smtp_connections, "only mails in flight at the kill may be unconfirmed"
     assert result["notes"] == len(uccs)
 
 
@@ -131,13 +135,57 @@ def test_a_421_connection_is_never_reused_and_a_new_one_is_made(smtp_server):
 
     async def go():
         pool = SmtpPool([parse_smtp_url(server.url)], PoolOptions(size=1))
-        with pytest.raises(TransientMailError, match="421"):
-            await pool.send("notes@broker.example.com", "c1@example.com", message(1))
-        await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        relay = pool.relays[0]
+        with pytest.raises(ConnectError, match="421"):
+            await relay.send("notes@broker.example.com", "c1@example.com", message(1))
+        await relay.send("notes@broker.example.com", "c1@example.com", message(1))
         await pool.close()
 
     run(go())
     assert len(outbox_messages(server.outbox)) == 1
+
+
+def test_a_relay_that_refuses_trips_its_breaker_and_the_send_waits_instead_of_failing(smtp_server):
+    server = smtp_server(refuse_connections=3)
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(server.url)], PoolOptions(size=1))
+        started = time.monotonic()
+        reply = await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        waited = time.monotonic() - started
+        await pool.close()
+        return reply, waited, pool.relays[0].breaker.closed()
+
+    reply, waited, closed = run(go())
+    assert reply.startswith("OK") and closed
+    assert 0.5 * (1 + 2 + 4) * 0.9 < waited < 10, "three refusals: probes after 0.5, 1 and 2 s"
+
+
+def test_a_relay_that_never_greets_fails_its_mails_after_the_patience_not_per_mail(tmp_path):
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # accepts connections, never says a word
+    port = silent.getsockname()[1]
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{port}")],
+                        PoolOptions(size=2, connect_timeout_s=0.5, patience_s=2.0))
+        started = time.monotonic()
+        results = await asyncio.gather(*(send_with_retry(pool, RetryPolicy(), "n@broker.example.com",
+                                                         f"c{i}@example.com", message(i)) for i in range(8)),
+                                       return_exceptions=True)
+        await pool.close()
+        return results, time.monotonic() - started
+
+    try:
+        results, took = run(go())
+    finally:
+        silent.close()
+    assert all(isinstance(r, RelayDownError) for r in results), results
+    assert "no relay reachable" in str(results[0])
+    assert took < 6, f"8 mails to a silent relay took {took:.1f} s: bounded by the patience, not linear"
 
 
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):

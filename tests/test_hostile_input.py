@@ -221,6 +221,7 @@ def test_a_mail_that_cannot_be_built_takes_no_claim_so_the_next_attempt_sends_it
 
     run_id = f"unbuilt-{os.urandom(3).hex()}"
     state, store = RunState(settings.redis_url, run_id), open_store(settings.store_url)
+    state.start({})
     item = {"ucc": "A1", "name": "Client", "email": "a1@example.com", "pan": "ABCDE1234F", "ecn": True, "pdf": None}
 
     async def mail() -> dict:

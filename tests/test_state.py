@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from pipeline.state import Outcome, RunState
+from pipeline.state import Outcome, RunState, StateLostError, final_status
 
 
 @pytest.fixture
@@ -32,10 +32,35 @@ def test_a_failure_keeps_the_furthest_stage_and_enters_the_failed_registry(state
 
 
 def test_the_mail_guard_admits_exactly_one_claim(state):
-    assert state.claim_mail("A", "<m1>") is True
-    assert state.claim_mail("A", "<m1>") is False
+    epoch = state.start({})
+    assert state.claim_mail("A", "<m1>", epoch) is True
+    assert state.claim_mail("A", "<m1>", epoch) is False
     state.release_mail("A")
-    assert state.claim_mail("A", "<m1>") is True
+    assert state.claim_mail("A", "<m1>", epoch) is True
+    assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
+
+
+def test_a_redis_that_lost_the_run_refuses_claims_instead_of_forgetting_them(state):
+    epoch = state.start({})
+    assert state.claim_mail("A", "<m1>", epoch)
+    state.r.delete(*state.r.keys(f"cn:run:{state.run_id}:*"))  # what FLUSHALL or a restart without AOF does
+    with pytest.raises(StateLostError, match="run the same run id again"):
+        state.claim_mail("A", "<m1>", epoch)
+    with pytest.raises(StateLostError):
+        state.claim_mail("B", "<m2>", epoch)
+    assert not state.claimed(["A", "B"]), "nothing was claimed against the lost run"
+
+
+def test_unconfirmed_accounts_have_their_own_registry_and_leave_it_when_settled(state):
+    state.record([Outcome("A", "archived"), Outcome("B", "archived")])
+    state.record([Outcome("A", "delivered", "unconfirmed", message_id="<a>", reason="connection lost")])
+    state.record([Outcome("B", "delivered", "failed", reason="smtp permanent: 550")])
+    rec = state.accounts(["A"])["A"]
+    assert (final_status(rec), rec["stage"], rec["message_id"]) == ("unconfirmed", "archived", "<a>")
+    assert state.unconfirmed() == ["A"] and state.failed() == ["B"]
+    assert (state.counts()["unconfirmed"], state.counts()["failed"]) == (1, 1)
+    state.record([Outcome("A", "delivered", message_id="<a>", reply="reconciled")])
+    assert state.unconfirmed() == [] and state.counts()["delivered"] == 1
 
 
 def test_note_numbers_are_reserved_in_disjoint_blocks(state):

@@ -1,0 +1,53 @@
+"""Ends a local run's Ray processes when the driver dies, however it dies.
+
+`ray.init()` on one machine starts Ray's processes under the driver; GCS and the raylet go
+with it, but the raylet's agents (dashboard agent, runtime-env agent) are left behind when
+the driver is SIGKILLed. This watcher is started by the driver with a pipe on its stdin: it
+notes the driver's descendants every second while the driver lives, and when the pipe
+closes (the driver is gone) it ends those still running. Processes are known by PID and
+start time, so a reused PID is never hit.
+
+    python -m pipeline.reaper DRIVER_PID
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+
+import psutil
+
+
+def _tree(root: psutil.Process) -> set[tuple[int, float]]:
+    try:
+        return {(p.pid, p.create_time()) for p in root.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def watch(driver_pid: int, grace_s: float = 3.0) -> None:
+    me = os.getpid()
+    root = psutil.Process(driver_pid)
+    seen: set[tuple[int, float]] = set()
+    while True:
+        seen |= {p for p in _tree(root) if p[0] != me}
+        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            break  # EOF: the driver has exited or been killed
+    left = []
+    for pid, started in seen:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started:
+                p.terminate()
+                left.append(p)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for p in alive:
+        p.kill()
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]))

@@ -1,0 +1,59 @@
+"""Settling unconfirmed mails from the relay's own log: `reconcile RUN_ID --relay-log FILE...`.
+
+An account is unconfirmed when its mail may have reached the relay (the connection dropped
+after the final dot, or the mailer died between claim and reply). The relay knows: each
+unconfirmed account whose Message-ID its log shows as accepted becomes delivered, in the
+delivery log first (the record), then in Redis, and the run report is written again. The
+rest stay unconfirmed for `rerun --unconfirmed`, which resends them with the same Message-ID.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from pipeline import delivery_log, keys, relay_log, report
+from pipeline.settings import Settings
+from pipeline.split import load_manifest
+from pipeline.state import Outcome, RunNotFound, RunState
+from pipeline.storage import open_store
+
+
+def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
+    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+    store = open_store(settings.store_url)
+    split = load_manifest(store, run_id)
+    if not state.exists() or split is None:
+        raise RunNotFound(f"no run {run_id!r} in Redis and storage (after a Redis loss, run it again first: "
+                          "that rebuilds its state from the delivery log)")
+    accepted = relay_log.accepted_ids(relay_logs)
+    unconfirmed = state.unconfirmed()
+    records = state.accounts(unconfirmed)
+    names = ", ".join(p.name for p in relay_logs)
+    settled = [Outcome(u, "delivered", message_id=records[u]["message_id"],
+                       reply=f"accepted, per the relay's log ({names})"[:300], extra={"reconciled": True})
+               for u in unconfirmed if records.get(u, {}).get("message_id") in accepted]
+    by_shard = defaultdict(list)
+    for o in settled:
+        by_shard[keys.shard_of(o.ucc, split.shard_count)].append(delivery_log.entry(o))
+    for shard, entries in by_shard.items():
+        delivery_log.write(store, delivery_log.new_key(run_id, shard), entries)
+    state.record(settled)
+    _rewrite_report(store, state, run_id)
+    return {"run_id": run_id, "relay_logs": [str(p) for p in relay_logs], "accepted_ids_in_logs": len(accepted),
+            "unconfirmed_before": len(unconfirmed), "reconciled": len(settled),
+            "still_unconfirmed": len(unconfirmed) - len(settled)}
+
+
+def _rewrite_report(store, state: RunState, run_id: str) -> None:
+    json_key, _ = keys.report_keys(run_id)
+    if not store.exists(json_key):
+        return
+    previous = json.loads(store.get(json_key))
+    counts = state.counts()
+    summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
+                                                             "input_errors")}
+    summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"])
+    doc, rows = report.build(state, summary, previous.get("input_errors", []))
+    report.write(store, run_id, doc, rows)

@@ -1,0 +1,239 @@
+"""The fault matrix: a process, Redis or the relay fails mid-run, and every account still ends
+delivered exactly once, or unconfirmed and then settled by `reconcile` / `rerun --unconfirmed`.
+Counted at the relay (by Message-ID), never from our own report; the delivery log in storage
+must agree with the relay."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline import delivery_log, keys
+from pipeline.driver import ROOT, RunRequest, rerun, run_day
+from pipeline.embedded import start_redis
+from pipeline.mail import message_id
+from pipeline.reconcile import reconcile
+from pipeline.state import RunState, StateLostError
+from pipeline.storage import open_store
+from pipeline.synth import SynthOptions, write_dumps
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+
+ACCOUNTS = int(os.environ.get("CN_FAULT_ACCOUNTS", "60"))  # the closing note's matrix ran with 300-500
+
+
+@pytest.fixture
+def busy_day(tmp_path) -> Path:
+    """Enough mail for a fault to land in the middle of it."""
+    out = tmp_path / "busy"
+    write_dumps(out, SynthOptions(dt.date.fromisoformat(TRADE_DATE), ACCOUNTS, seed=11))
+    return out
+
+
+def at_relay(outbox: Path) -> Counter:
+    return Counter(m["Message-ID"] for m in outbox_messages(outbox))
+
+
+def mailable(day: Path) -> set[str]:
+    traded = {line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]}
+    return {u for u, c in client_rows(day).items() if u in traded and c["ecn_opt_in"] == "Y"}
+
+
+def relay_log(outbox: Path, path: Path) -> Path:
+    """The relay's log as a plain list of the Message-IDs it accepted."""
+    path.write_text("".join(f"{mid}\n" for mid in at_relay(outbox)))
+    return path
+
+
+def wait_for(outbox: Path, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(list(outbox.glob("*.eml"))) < n:
+        assert time.monotonic() < deadline, f"the relay never got {n} messages"
+        time.sleep(0.01)
+
+
+def assert_each_account_once(settings, run_id: str, day: Path, outbox: Path, fault: str, first: dict) -> None:
+    """Every account that should get a note got exactly one, under its own Message-ID, and
+    the delivery log in storage says so for each (and for no one else). Prints the row of
+    the fault matrix (pytest -s)."""
+    expected = {message_id(run_id, u): u for u in mailable(day)}
+    got = at_relay(outbox)
+    print(json.dumps({"fault": fault, "accounts": ACCOUNTS, "to_mail": len(expected), "at_relay": len(got),
+                      "duplicates": sum(n - 1 for n in got.values()),
+                      "after_the_run": {k: first.get(k) for k in ("delivered", "unconfirmed", "failed")}}))
+    assert {m: n for m, n in got.items() if n > 1} == {}, "mailed twice"
+    assert set(got) == set(expected), f"missing: {sorted(set(expected) - set(got))[:5]}"
+    log = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
+    delivered = {e["message_id"] for e in log.values() if e["status"] == "delivered"}
+    assert delivered == set(got), "the delivery log disagrees with the relay"
+
+
+def in_background(fn, *args):
+    result = {}
+
+    def go():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # handed to the test thread
+            result["error"] = e
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_relay_that_drops_after_accepting_leaves_unconfirmed_accounts_that_reconcile_and_rerun_settle(
+        ray_session, settings, busy_day, smtp_server, tmp_path):
+    uccs = sorted(mailable(busy_day))
+    emails = {u: client_rows(busy_day)[u]["email"] for u in uccs}
+    kept, lost = uccs[:4], uccs[4:6]
+    server = smtp_server(accept_then_drop={emails[u] for u in kept}, drop_once={emails[u] for u in lost})
+    relay = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
+
+    first = run_day(relay, RunRequest(TRADE_DATE, str(busy_day)))
+
+    run_id = first["run_id"]
+    assert (first["unconfirmed"], first["failed"]) == (6, 0)
+    assert all(n == 1 for n in at_relay(server.outbox).values()), "an ambiguous send was retried blindly"
+    state = RunState(settings.redis_url, run_id)
+    assert sorted(state.unconfirmed()) == sorted(kept + lost)
+
+    settled = reconcile(relay, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
+    assert (settled["reconciled"], settled["still_unconfirmed"]) == (4, 2)
+    again = rerun(relay, run_id, unconfirmed=True)
+    assert again["rerun_accounts"] == sorted(lost) and again["unconfirmed"] == 0
+
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "relay drops after accepting", first)
+    report = {r["ucc"]: r for r in _report_rows(settings, run_id)}
+    assert {u for u, r in report.items() if r["possible_duplicate"] == "Y"} == set(lost)
+    assert all(report[u]["status"] == "delivered" for u in uccs)
+
+
+def test_a_mailer_killed_mid_run_by_pid_leaves_unconfirmed_accounts_never_lost_or_doubled(
+        ray_session, settings, busy_day, smtp_server, tmp_path):
+    import ray
+
+    server = smtp_server(delay_ms=25)
+    slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "window": 2})
+    run_id = f"kill-mailer-{uuid.uuid4().hex[:6]}"
+    thread, result = in_background(run_day, slow, RunRequest(TRADE_DATE, str(busy_day), run_id))
+    wait_for(server.outbox, 8)
+    mailer = ray.get_actor(f"mailer-0-{run_id}")
+    os.kill(ray.get(mailer.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    thread.join(300)
+
+    first = result["value"]
+    assert first["failed"] == 0 and first["delivered"] + first["unconfirmed"] == len(mailable(busy_day))
+    reconcile(slow, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
+    rerun(slow, run_id, unconfirmed=True)
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "mailer SIGKILLed mid-run", first)
+
+
+def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
+        ray_session, settings, busy_day, smtp_server):
+    server = smtp_server(outage={"after": 10, "seconds": 20})
+    relay = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
+
+    summary = run_day(relay, RunRequest(TRADE_DATE, str(busy_day)))
+
+    assert (summary["failed"], summary["unconfirmed"]) == (0, 0)
+    assert summary["delivered"] == len(mailable(busy_day))
+    assert summary["elapsed_s"] > 20, "the outage happened mid-run"
+    assert_each_account_once(settings, summary["run_id"], busy_day, server.outbox, "relay down 20 s", summary)
+
+
+@pytest.mark.parametrize("aof", [True, False], ids=["with-aof", "without-persistence"])
+def test_redis_restarted_mid_run(ray_session, settings, busy_day, smtp_server, tmp_path, aof):
+    """With AOF the run carries on; without persistence it stops (nothing resent) and the
+    same run id again rebuilds from the delivery log: 0 duplicates, 0 losses, and no note
+    number handed out twice."""
+    redis = start_redis(tmp_path / "redis", aof=aof)
+    port = int(redis.url.rsplit(":", 1)[1].split("/")[0])
+    server = smtp_server(delay_ms=25)
+    live = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "redis_url": redis.url, "window": 2})
+    run_id = f"redis-restart-{uuid.uuid4().hex[:6]}"
+    try:
+        thread, result = in_background(run_day, live, RunRequest(TRADE_DATE, str(busy_day), run_id))
+        wait_for(server.outbox, 12)
+        redis.stop()
+        redis = start_redis(tmp_path / "redis", aof=aof, port=port)
+        thread.join(300)
+        if aof:
+            summary = first = result["value"]
+            assert (summary["failed"], summary["unconfirmed"]) == (0, 0)
+        else:
+            assert isinstance(result.get("error"), StateLostError), result
+            assert "run the same run id again" in str(result["error"])
+            summary = first = run_day(live, RunRequest(TRADE_DATE, str(busy_day), run_id))
+            assert summary["unconfirmed"] == 0, "every mail in flight at the loss was logged with its answer"
+            elsewhere = settings.__class__(**{**live.__dict__, "smtp_url": smtp_server("later").url})
+            later = run_day(elsewhere, RunRequest(TRADE_DATE, str(busy_day)))
+            first_issued, last_issued = _note_numbers(live, run_id), _note_numbers(live, later["run_id"])
+            assert min(last_issued) > max(first_issued), "a note number was issued twice"
+        assert summary["delivered"] == len(mailable(busy_day))
+        assert_each_account_once(settings, run_id, busy_day, server.outbox,
+                                 f"Redis restarted {'with AOF' if aof else 'without persistence'}", first)
+    finally:
+        redis.stop()
+
+
+def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_the_day(
+        settings, busy_day, smtp_server, tmp_path, keys_dir):
+    server = smtp_server(delay_ms=25)
+    run_id = f"kill-driver-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
+           "CN_STORE": settings.store_url, "REDIS_URL": settings.redis_url, "SMTP_URL": server.url,
+           "CN_SHARD_SIZE": "8", "CN_WINDOW": "2", "RAY_ADDRESS": ""}
+    command = [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(busy_day),
+               "--run-id", run_id]
+    driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    wait_for(server.outbox, 8, timeout_s=180)
+    helpers = psutil.Process(driver.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in helpers if p.is_running())
+    driver.kill()
+    driver.wait()
+    gone, alive = psutil.wait_procs(helpers, timeout=30)
+    assert not alive, f"left behind: {[p.cmdline()[:2] for p in alive]}"
+
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["failed"] == 0 and summary["delivered"] + summary["unconfirmed"] == len(mailable(busy_day))
+    if summary["unconfirmed"]:
+        relay_file = relay_log(server.outbox, tmp_path / "relay.log")
+        settle = subprocess.run([sys.executable, "-m", "pipeline", "reconcile", run_id, "--relay-log",
+                                 str(relay_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert settle.returncode in (0, 1), settle.stderr
+        if json.loads(settle.stdout)["still_unconfirmed"]:
+            resend = subprocess.run([sys.executable, "-m", "pipeline", "rerun", run_id, "--unconfirmed"], cwd=ROOT,
+                                    env=env, capture_output=True, text=True, timeout=600)
+            assert resend.returncode == 0, resend.stderr[-2000:]
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "driver SIGKILLed, same run id again", summary)
+
+
+def _report_rows(settings, run_id: str) -> list[dict]:
+    import csv
+
+    return list(csv.DictReader((Path(settings.store_url) / keys.report_keys(run_id)[1]).open()))
+
+
+def _note_numbers(settings, run_id: str) -> list[int]:
+    store = open_store(settings.store_url)
+    numbers = []
+    for shard in json.loads(store.get(keys.manifest_key(run_id)))["shards"]:
+        for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines():
+            numbers.append(int(json.loads(line)["note_no"].rsplit("-", 1)[-1]))
+    return numbers
