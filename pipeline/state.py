@@ -82,13 +82,16 @@ for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
 """
 
 # The mail guard, taken only while the run's epoch (set when the run first starts) is in
-# Redis: a Redis that lost the run answers -1 instead of handing out claims it forgot.
-# KEYS: meta, guard. ARGV: ucc, claim json, epoch, ttl
+# Redis: a Redis that lost the run answers -1 instead of handing out claims it forgot. The
+# claim carries a token, so a call retried after its reply was lost (a Redis restart) still
+# finds the claim its own. KEYS: meta, guard. ARGV: ucc, claim json, epoch, ttl, token
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return -1 end
-local claimed = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then return cjson.decode(held)['token'] == ARGV[5] and 1 or 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-return claimed
+return 1
 """
 
 
@@ -238,8 +241,9 @@ class RunState:
     def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch."""
+        token = uuid.uuid4().hex
         args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc,
-                json.dumps({"message_id": message_id, "at": time.time()}), epoch, self.ttl_s]
+                json.dumps({"message_id": message_id, "at": time.time(), "token": token}), epoch, self.ttl_s, token]
         try:
             claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
         except redis.exceptions.NoScriptError:

@@ -65,7 +65,8 @@ def wait_for(outbox: Path, n: int, timeout_s: float = 120) -> None:
         time.sleep(0.01)
 
 
-def assert_each_account_once(settings, run_id: str, day: Path, outbox: Path, fault: str, first: dict) -> None:
+def assert_each_account_once(settings, run_id: str, day: Path, outbox: Path, fault: str, first: dict,
+                             settled: dict | None = None) -> None:
     """Every account that should get a note got exactly one, under its own Message-ID, and
     the delivery log in storage says so for each (and for no one else). Prints the row of
     the fault matrix (pytest -s)."""
@@ -73,7 +74,8 @@ def assert_each_account_once(settings, run_id: str, day: Path, outbox: Path, fau
     got = at_relay(outbox)
     print(json.dumps({"fault": fault, "accounts": ACCOUNTS, "to_mail": len(expected), "at_relay": len(got),
                       "duplicates": sum(n - 1 for n in got.values()),
-                      "after_the_run": {k: first.get(k) for k in ("delivered", "unconfirmed", "failed")}}))
+                      "after_the_run": {k: first.get(k) for k in ("delivered", "unconfirmed", "failed")},
+                      "settled": settled or {}}))
     assert {m: n for m, n in got.items() if n > 1} == {}, "mailed twice"
     assert set(got) == set(expected), f"missing: {sorted(set(expected) - set(got))[:5]}"
     log = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
@@ -116,7 +118,8 @@ def test_a_relay_that_drops_after_accepting_leaves_unconfirmed_accounts_that_rec
     again = rerun(relay, run_id, unconfirmed=True)
     assert again["rerun_accounts"] == sorted(lost) and again["unconfirmed"] == 0
 
-    assert_each_account_once(settings, run_id, busy_day, server.outbox, "relay drops after accepting", first)
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "relay drops after accepting", first,
+                             {"reconciled": settled["reconciled"], "resent": len(again["rerun_accounts"])})
     report = {r["ucc"]: r for r in _report_rows(settings, run_id)}
     assert {u for u, r in report.items() if r["possible_duplicate"] == "Y"} == set(lost)
     assert all(report[u]["status"] == "delivered" for u in uccs)
@@ -137,9 +140,10 @@ def test_a_mailer_killed_mid_run_by_pid_leaves_unconfirmed_accounts_never_lost_o
 
     first = result["value"]
     assert first["failed"] == 0 and first["delivered"] + first["unconfirmed"] == len(mailable(busy_day))
-    reconcile(slow, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
-    rerun(slow, run_id, unconfirmed=True)
-    assert_each_account_once(settings, run_id, busy_day, server.outbox, "mailer SIGKILLed mid-run", first)
+    settled = reconcile(slow, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
+    again = rerun(slow, run_id, unconfirmed=True)
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "mailer SIGKILLed mid-run", first,
+                             {"reconciled": settled["reconciled"], "resent": len(again["rerun_accounts"])})
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
@@ -212,16 +216,20 @@ def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_t
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads(again.stdout.strip().splitlines()[-1])
     assert summary["failed"] == 0 and summary["delivered"] + summary["unconfirmed"] == len(mailable(busy_day))
+    settled = {}
     if summary["unconfirmed"]:
         relay_file = relay_log(server.outbox, tmp_path / "relay.log")
         settle = subprocess.run([sys.executable, "-m", "pipeline", "reconcile", run_id, "--relay-log",
                                  str(relay_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert settle.returncode in (0, 1), settle.stderr
+        settled = {"reconciled": json.loads(settle.stdout)["reconciled"], "resent": 0}
         if json.loads(settle.stdout)["still_unconfirmed"]:
             resend = subprocess.run([sys.executable, "-m", "pipeline", "rerun", run_id, "--unconfirmed"], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=600)
             assert resend.returncode == 0, resend.stderr[-2000:]
-    assert_each_account_once(settings, run_id, busy_day, server.outbox, "driver SIGKILLed, same run id again", summary)
+            settled["resent"] = len(json.loads(resend.stdout.strip().splitlines()[-1])["rerun_accounts"])
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "driver SIGKILLed, same run id again", summary,
+                             settled)
 
 
 def _report_rows(settings, run_id: str) -> list[dict]:
@@ -237,3 +245,17 @@ def _note_numbers(settings, run_id: str) -> list[int]:
         for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines():
             numbers.append(int(json.loads(line)["note_no"].rsplit("-", 1)[-1]))
     return numbers
+
+
+def test_run_refuses_a_redis_that_keeps_nothing_on_disk_unless_told(busy_day, tmp_path, settings):
+    volatile = start_redis(tmp_path / "volatile", aof=False)
+    env = {**os.environ, "REDIS_URL": volatile.url, "CN_STORE": settings.store_url, "RAY_ADDRESS": "",
+           "CN_OWNER_PASSWORD": "an-owner-secret", "CN_SIGNER_KEY": settings.signer_key,
+           "CN_SIGNER_CERT": settings.signer_cert}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input",
+                               str(busy_day)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        volatile.stop()
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "keeps nothing on disk" in done.stderr and "--accept-volatile-redis" in done.stderr
