@@ -11,7 +11,7 @@ import time
 
 import ray
 
-from pipeline import metrics
+from pipeline import credentials, metrics
 from pipeline.settings import Settings
 from pipeline.stages import Batch, mail_context, mail_stage
 from pipeline.state import RunState
@@ -21,7 +21,8 @@ from pipeline.storage import open_store
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"smtp": 1})
 class MailerActor:
     def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False):
-        self.settings, self.run_id, self.force, self.resend = settings, run_id, force, resend_unconfirmed
+        self.settings = credentials.resolve(settings)  # the relays' credentials may be in the secret
+        self.run_id, self.force, self.resend = run_id, force, resend_unconfirmed
         self.ctx = None
 
     async def send(self, batch: Batch) -> dict:

@@ -1,7 +1,7 @@
 """SignerActor: holds the signing key and certificate chain, signs and archives batches.
 
-The key is parsed once, when the actor starts (a bad path or password fails there, with
-the cause). Ray restarts a crashed actor and re-runs its in-flight batch; signing and
+The key is read once, when the actor starts, from the cluster's secret store (CN_SECRET) or
+the settings' files; a bad path, secret or password fails there, with the cause. Ray restarts a crashed actor and re-runs its in-flight batch; signing and
 archiving are idempotent (same key in storage), so a retried batch ends signed once.
 """
 
@@ -14,7 +14,8 @@ import ray
 
 from pipeline import metrics
 from pipeline.settings import Settings
-from pipeline.sign import SignatureInfo, load_signer
+from pipeline import credentials
+from pipeline.sign import SignatureInfo
 from pipeline.stages import Batch, sign_stage
 from pipeline.state import RunState
 from pipeline.storage import open_store
@@ -23,9 +24,8 @@ from pipeline.storage import open_store
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1})
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
-        self.settings = settings
-        self.signer = load_signer(settings.signer_key, settings.signer_cert,
-                                  settings.signer_key_password, settings.signer_chain)
+        self.settings = credentials.resolve(settings)
+        self.signer = credentials.signer(settings)
         self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
         self.store = open_store(settings.store_url)
         self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)

@@ -43,12 +43,14 @@ def _run_level_errors() -> tuple[type, ...]:
 
     from pipeline.dumps import InputError
     from pipeline.settings import ConfigError
+    from pipeline.sign import SignerSetupError
     from pipeline.storage import StorageError
     from pipeline.trading_calendar import CalendarError
 
     from pipeline.state import StateLostError
 
-    return (InputError, ConfigError, StorageError, CalendarError, StateLostError, redis.ConnectionError)
+    return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
+            redis.ConnectionError)
 
 
 def _run_id(text: str) -> str:
@@ -124,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
     st.add_argument("run_id", type=_run_id)
     st.set_defaults(func=cmd_status)
+
+    sj = sub.add_parser("secret-json", help="print the cluster secret (CN_SECRET's JSON) made from CN_SIGNER_KEY, "
+                                             "CN_SIGNER_CERT, CN_SIGNER_CHAIN, CN_OWNER_PASSWORD and SMTP_URL")
+    sj.set_defaults(func=cmd_secret_json)
 
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
     sv.add_argument("--host", default="127.0.0.1")
@@ -201,6 +207,16 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_secret_json(args) -> int:
+    from pipeline.credentials import secret_json
+
+    settings = Settings.from_env()
+    if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD:
+        raise ConfigError("CN_OWNER_PASSWORD is not set: the secret needs the broker's own owner password")
+    print(secret_json(settings))
+    return 0
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -224,12 +240,13 @@ def cmd_synth(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from pipeline import cluster
+    from pipeline import cluster, credentials
     from pipeline.driver import RunRequest, init_ray, preflight, run_day
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
-    if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
+    # The secret's values are checked here and read again by each actor: they never travel through Ray
+    if credentials.resolve(settings).owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                           "could lift the notes' permissions; set it, or pass --test-keys for a test run")
     request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")

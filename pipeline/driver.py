@@ -26,11 +26,10 @@ from tqdm import tqdm
 
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import keys, metrics, report, trading_calendar
+from pipeline import credentials, keys, metrics, report, trading_calendar
 from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
-from pipeline.sign import load_signer
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
 from pipeline.mail import message_id
@@ -135,7 +134,6 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     store = open_store(settings.store_url)
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     preflight(settings, req, run_id)
-    load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password, settings.signer_chain)
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
@@ -189,7 +187,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
 def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> None:
     """What would stop the run, found before anything starts: Redis unreachable (or keeping
     nothing on disk, when persistence is required), storage not writable, an input file
-    missing or lacking a column (unless the run was already split), no calendar for the date."""
+    missing or lacking a column (unless the run was already split), no calendar for the date,
+    a signing key or secret that cannot be read. Before any actor asks for a node."""
     where = settings.summary()["redis_url"]
     try:
         r = redis_client(settings.redis_url, patience_retries=0)  # down at the start: say so at once
@@ -208,6 +207,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
     if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
+    credentials.signer(settings)
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,

@@ -59,6 +59,7 @@ class Settings:
     holidays_file: str = ""  # the broker's trading-holiday list, laid over pipeline/data/holidays.json
     state_ttl_s: int = 14 * 24 * 3600
     api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
+    secret: str = ""  # where each signer and mailer reads the key and passwords (pipeline/credentials.py)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -76,7 +77,7 @@ class Settings:
         return [parse_smtp_url(u.strip()) for u in self.smtp_url.split(",") if u.strip()]
 
     def uses_default_key(self) -> bool:
-        return self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
+        return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
 
     def summary(self) -> dict[str, str]:
         """What a run records about its configuration: no secrets, no credentials."""
@@ -89,6 +90,7 @@ class Settings:
             "signers": str(self.signers),
             "mailers": str(self.mailers),
             "encryption": self.encryption,
+            "secret": self.secret,
         }
 
 
@@ -124,6 +126,7 @@ ENV_NAMES = {
     "holidays_file": "CN_HOLIDAYS_FILE",
     "state_ttl_s": "CN_STATE_TTL_S",
     "api_token": "CN_API_TOKEN",
+    "secret": "CN_SECRET",
 }
 
 

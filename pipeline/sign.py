@@ -87,22 +87,38 @@ def load_signer(key_path: str, cert_path: str, password: str | None, chain_path:
     for p in {key_path, cert_path} | ({chain_path} if chain_path else set()):
         if not Path(p).is_file():
             raise SignerSetupError(f"signing key/certificate file not found: {p}")
-    pw = password.encode() if password else None
+    if key_path.endswith((".p12", ".pfx")):
+        return signer_from_pkcs12(Path(key_path).read_bytes(), password, key_path)
+    return signer_from_pem(Path(key_path).read_bytes(), Path(cert_path).read_bytes(), password,
+                           Path(chain_path).read_bytes() if chain_path else b"", key_path)
+
+
+def signer_from_pem(key: bytes, cert: bytes, password: str | None, chain: bytes = b"",
+                    name: str = "the signing key") -> Signer:
+    """The key as bytes: read from a secret store by the process that signs, never a file."""
     try:
-        if key_path.endswith((".p12", ".pfx")):
-            key, cert, extra = pkcs12.load_key_and_certificates(Path(key_path).read_bytes(), pw)
-            chain = list(extra or [])
-        else:
-            key = serialization.load_pem_private_key(Path(key_path).read_bytes(), pw)
-            cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
-            chain = x509.load_pem_x509_certificates(Path(chain_path).read_bytes()) if chain_path else []
+        return _signer(serialization.load_pem_private_key(key, password.encode() if password else None),
+                       x509.load_pem_x509_certificate(cert),
+                       x509.load_pem_x509_certificates(chain) if chain.strip() else [], name)
     except (ValueError, TypeError) as e:
-        raise SignerSetupError(f"cannot load the signing key {key_path}: wrong password or not a key/certificate "
+        raise SignerSetupError(f"cannot load {name}: wrong password or not a key/certificate "
                                f"({type(e).__name__})") from None
+
+
+def signer_from_pkcs12(bundle: bytes, password: str | None, name: str) -> Signer:
+    try:
+        key, cert, extra = pkcs12.load_key_and_certificates(bundle, password.encode() if password else None)
+    except (ValueError, TypeError) as e:
+        raise SignerSetupError(f"cannot load {name}: wrong password or not a key/certificate "
+                               f"({type(e).__name__})") from None
+    return _signer(key, cert, list(extra or []), name)
+
+
+def _signer(key, cert: x509.Certificate, chain: list[x509.Certificate], name: str) -> Signer:
     if not isinstance(key, rsa.RSAPrivateKey):
-        raise SignerSetupError(f"{key_path}: only RSA signing keys are supported")
+        raise SignerSetupError(f"{name}: only RSA signing keys are supported")
     if key.public_key().public_numbers() != cert.public_key().public_numbers():
-        raise SignerSetupError(f"{cert_path} does not belong to the key in {key_path}")
+        raise SignerSetupError(f"the certificate does not belong to {name}")
     return Signer(key, cert, chain)
 
 

@@ -49,6 +49,20 @@ def s3_endpoint(session_dir):
     service.stop()
 
 
+@pytest.fixture(scope="session")
+def secrets_endpoint(session_dir):
+    """AWS Secrets Manager over HTTP, where signer and mailer actors read CN_SECRET=aws-sm:..."""
+    service = servers.start_secrets_manager(session_dir / "secretsmanager")
+    saved = os.environ.get("AWS_ENDPOINT_URL_SECRETS_MANAGER")
+    os.environ["AWS_ENDPOINT_URL_SECRETS_MANAGER"] = service.url
+    yield service.url
+    if saved is None:
+        os.environ.pop("AWS_ENDPOINT_URL_SECRETS_MANAGER", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL_SECRETS_MANAGER"] = saved
+    service.stop()
+
+
 @pytest.fixture
 def s3_bucket(s3_endpoint) -> str:
     name = f"notes-{uuid.uuid4().hex[:10]}"
@@ -98,9 +112,9 @@ def settings(tmp_path, redis_url, smtp_sink, keys_dir) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def ray_session(s3_endpoint):
+def ray_session(s3_endpoint, secrets_endpoint):
     """One local Ray for the whole session, with the role resources a cluster advertises.
-    Started after the S3 server, so its workers inherit the S3 endpoint settings."""
+    Started after the S3 and Secrets Manager servers, so its workers inherit their endpoints."""
     import ray
 
     from pipeline.driver import ROOT

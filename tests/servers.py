@@ -30,6 +30,19 @@ def start_versitygw(root: Path) -> Service:
     return Service("s3", process, f"http://127.0.0.1:{port}")
 
 
+def start_secrets_manager(root: Path) -> Service:
+    """moto's server: AWS Secrets Manager's JSON protocol over HTTP (what boto3 speaks to AWS)."""
+    import sys
+
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = (root / "moto.log").open("ab")
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT)
+    wait_for_port(port, process, "moto server")
+    return Service("secretsmanager", process, f"http://127.0.0.1:{port}")
+
+
 def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
     """A self-signed server certificate for 127.0.0.1 (it is its own CA bundle)."""
     import datetime as dt

@@ -1,0 +1,117 @@
+"""The broker's secrets, read by each process that uses them from where the cluster keeps them.
+
+A signer actor on a signer_smtp node cannot read a key file that exists only on the head, and
+the key must not travel in file_mounts, the image or Ray's object store. So the driver passes
+only the secret's name (CN_SECRET), and each signer and mailer reads the secret when it starts,
+with its node's instance profile:
+
+  CN_SECRET=aws-sm:NAME_OR_ARN        AWS Secrets Manager (region: the ARN's, else AWS_REGION)
+  CN_SECRET=file:/path/secret.json    the same JSON in a file (simulated and embedded clusters)
+
+The secret is one JSON object (make it with `python -m pipeline secret-json`):
+
+  signer_key_pem       PEM private key (RSA)                                  required
+  signer_cert_pem      PEM certificate of that key                            required
+  signer_chain_pem     PEM intermediate and root certificates                 optional
+  signer_key_password  the key's password, when it is encrypted               optional
+  owner_password       the PDFs' owner (permissions) password                 required
+  smtp_url             smtp://user:pass@relay:587 (comma-separated relays)    optional
+
+Without CN_SECRET the settings' own files and variables apply (one machine, CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from pipeline.settings import ConfigError, Settings
+from pipeline.sign import Signer, signer_from_pem
+
+REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
+OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url")
+_ARN_REGION = re.compile(r"^arn:aws[\w-]*:secretsmanager:([a-z0-9-]+):")
+
+
+def fetch(ref: str) -> dict[str, str]:
+    """The secret as a dict, or one line saying why not (never its content)."""
+    kind, _, name = ref.partition(":")
+    if kind == "file":
+        try:
+            text = Path(name).read_text()
+        except OSError as e:
+            raise ConfigError(f"CN_SECRET {ref}: cannot read it ({e.strerror})") from None
+    elif kind == "aws-sm":
+        text = _from_secrets_manager(ref, name)
+    else:
+        raise ConfigError(f"CN_SECRET {ref!r} must start with aws-sm: or file:")
+    try:
+        secret = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"CN_SECRET {ref}: not a JSON object") from None
+    if not isinstance(secret, dict):
+        raise ConfigError(f"CN_SECRET {ref}: not a JSON object")
+    missing = [k for k in REQUIRED if not secret.get(k)]
+    if missing:
+        raise ConfigError(f"CN_SECRET {ref}: missing {', '.join(missing)}")
+    unknown = sorted(set(secret) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise ConfigError(f"CN_SECRET {ref}: unknown fields {', '.join(unknown)}")
+    return secret
+
+
+def _from_secrets_manager(ref: str, name: str) -> str:
+    import boto3
+    import botocore.exceptions
+
+    region = _ARN_REGION.match(name)
+    try:
+        client = boto3.client("secretsmanager", region_name=region.group(1) if region else None)
+        return client.get_secret_value(SecretId=name)["SecretString"]
+    except botocore.exceptions.ClientError as e:
+        raise ConfigError(f"CN_SECRET {ref}: {e.response['Error'].get('Code')}: "
+                          f"{e.response['Error'].get('Message', '')}") from None
+    except (botocore.exceptions.BotoCoreError, KeyError) as e:
+        raise ConfigError(f"CN_SECRET {ref}: {e}") from None
+
+
+def resolve(settings: Settings) -> Settings:
+    """The settings with the secret's owner password, key password and relays laid over them."""
+    if not settings.secret:
+        return settings
+    secret = fetch(settings.secret)
+    return dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
+                                                                   "smtp_url") if secret.get(k)})
+
+
+def signer(settings: Settings) -> Signer:
+    """The signing key, from the secret when there is one, else from the settings' files."""
+    if not settings.secret:
+        from pipeline.sign import load_signer
+
+        return load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
+                           settings.signer_chain)
+    secret = fetch(settings.secret)
+    return signer_from_pem(secret["signer_key_pem"].encode(), secret["signer_cert_pem"].encode(),
+                           secret.get("signer_key_password"), secret.get("signer_chain_pem", "").encode(),
+                           f"the signing key in {settings.secret}")
+
+
+def secret_json(settings: Settings) -> str:
+    """The secret's JSON from the settings' key files and variables: what to store in Secrets Manager."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+
+    secret = {"signer_key_pem": read(settings.signer_key), "signer_cert_pem": read(settings.signer_cert),
+              "owner_password": settings.owner_password}
+    if settings.signer_chain:
+        secret["signer_chain_pem"] = read(settings.signer_chain)
+    if settings.signer_key_password:
+        secret["signer_key_password"] = settings.signer_key_password
+    secret["smtp_url"] = settings.smtp_url
+    return json.dumps(secret)

@@ -1,0 +1,103 @@
+"""The signing key, owner password and relay credentials read by each actor from CN_SECRET."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+from pipeline import credentials, keys
+from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.settings import PLACEHOLDER_OWNER_PASSWORD, ConfigError
+from tests.conftest import TRADE_DATE
+from tests.helpers import assert_signed_and_encrypted, client_rows, outbox_messages
+
+
+def test_a_file_secret_made_by_secret_json_gives_back_the_key_and_passwords(settings, tmp_path):
+    path = tmp_path / "secret.json"
+    path.write_text(credentials.secret_json(settings))
+    bare = dataclasses.replace(settings, secret=f"file:{path}", owner_password=PLACEHOLDER_OWNER_PASSWORD,
+                               signer_key="/nowhere.pem", smtp_url="smtp://127.0.0.1:1")
+
+    resolved = credentials.resolve(bare)
+    assert (resolved.owner_password, resolved.smtp_url) == (settings.owner_password, settings.smtp_url)
+    assert credentials.signer(bare).cert.serial_number == credentials.signer(settings).cert.serial_number
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "cannot read it"),
+    ("not json", "not a JSON object"),
+    ('["a"]', "not a JSON object"),
+    ('{"signer_key_pem": "k", "signer_cert_pem": "c"}', "missing owner_password"),
+    ('{"signer_key_pem": "k", "signer_cert_pem": "c", "owner_password": "o", "ownerpassword": "x"}',
+     "unknown fields ownerpassword"),
+])
+def test_a_bad_secret_is_one_line_that_never_shows_its_content(tmp_path, content, error):
+    path = tmp_path / "secret.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=error) as raised:
+        credentials.fetch(f"file:{path}")
+    assert "\n" not in str(raised.value) and '"k"' not in str(raised.value)
+
+
+def test_an_unknown_secret_store_is_refused():
+    with pytest.raises(ConfigError, match="must start with aws-sm: or file:"):
+        credentials.fetch("vault:contract-notes")
+
+
+def test_a_secret_missing_from_secrets_manager_names_it(secrets_endpoint, monkeypatch):
+    for name in ("AWS_DEFAULT_REGION", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="aws-sm:contract-notes/absent: You must specify a region"):
+        credentials.fetch("aws-sm:contract-notes/absent")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "ap-south-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    with pytest.raises(ConfigError, match="aws-sm:contract-notes/absent: ResourceNotFoundException"):
+        credentials.fetch("aws-sm:contract-notes/absent")
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_every_actor_reads_the_key_and_relay_from_secrets_manager(settings, day, smtp_sink, secrets_endpoint,
+                                                                  ray_session):
+    owner = "owner-from-the-secret-7f3a"
+    secret = json.loads(credentials.secret_json(dataclasses.replace(settings, owner_password=owner)))
+    arn = boto3.client("secretsmanager", region_name="ap-south-1").create_secret(
+        Name=f"contract-notes/{os.getpid()}", SecretString=json.dumps(secret))["ARN"]
+    # Nothing secret in the settings the driver hands to Ray: no key file, no relay, the public placeholder
+    bare = dataclasses.replace(settings, secret=f"aws-sm:{arn}", signer_key="/nowhere/key.pem",
+                               signer_cert="/nowhere/cert.pem", signer_chain="", smtp_url="smtp://127.0.0.1:1",
+                               owner_password=PLACEHOLDER_OWNER_PASSWORD)
+
+    summary = run_day(bare, RunRequest(TRADE_DATE, str(day)))
+
+    assert summary["delivered"] == summary["accounts"] > 0
+    assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]
+    clients = client_rows(day)
+    ucc = sorted(clients)[0]
+    archived = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, ucc)
+    assert_signed_and_encrypted(archived, clients[ucc]["pan"])
+    shown = subprocess.run(["qpdf", f"--password={owner}", "--show-encryption", str(archived)],
+                           capture_output=True, text=True)
+    assert "Supplied password is owner password" in shown.stdout
+    logs = Path(ray_session.address_info["session_dir"]) / "logs"
+    leaked = [p.name for p in logs.rglob("*") if p.is_file() and owner.encode() in p.read_bytes()]
+    assert not leaked, f"the owner password is in Ray's logs: {leaked}"
+
+
+def test_run_with_an_incomplete_secret_stops_at_once_with_one_line(tmp_path):
+    path = tmp_path / "secret.json"
+    path.write_text('{"signer_key_pem": "k", "signer_cert_pem": "c"}')
+    out = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "CN_SECRET": f"file:{path}", "PYTHONPATH": ROOT})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"error: CN_SECRET file:{path}: missing owner_password"
+    assert "Traceback" not in out.stderr
