@@ -197,13 +197,29 @@ def cmd_reconcile(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from pipeline.state import RunState
+    """From Redis while the run is live; from its report in storage once Redis is gone (the
+    cluster's Redis ends with the cluster; the report is the record)."""
+    import redis
 
-    state = RunState(Settings.from_env().redis_url, args.run_id)
-    if not state.exists():
-        print(json.dumps({"error": f"no run {args.run_id!r}"}))
+    from pipeline.keys import report_keys
+    from pipeline.state import RunState, redis_client
+    from pipeline.storage import open_store
+
+    settings = Settings.from_env()
+    state = RunState(settings.redis_url, args.run_id)
+    state.r = redis_client(settings.redis_url, patience_retries=0)  # a status is asked now: no waiting
+    try:
+        if state.exists():
+            print(json.dumps({"run_id": args.run_id, "source": "redis", "meta": state.meta(),
+                              "counts": state.counts()}))
+            return 0
+    except redis.RedisError as e:
+        log.info("Redis unreachable (%s): reading the report in storage", e)
+    store, key = open_store(settings.store_url), report_keys(args.run_id)[0]
+    if not store.exists(key):
+        print(json.dumps({"error": f"no run {args.run_id!r} in Redis or in {settings.store_url}"}))
         return 2
-    print(json.dumps({"run_id": args.run_id, "meta": state.meta(), "counts": state.counts()}))
+    print(json.dumps({"run_id": args.run_id, "source": "storage", "report": json.loads(store.get(key))}))
     return 0
 
 

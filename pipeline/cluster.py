@@ -4,7 +4,7 @@ The plan turns the day's accounts, the deadline and the measured per-stage rates
 counts of the cluster.yaml types; the driver asks the autoscaler for exactly that
 (request_resources) so nodes start together instead of trickling in behind the queue.
 When the run ends, however it ends, the session releases the request, terminates the
-workers and shuts the head down (its InstanceInitiatedShutdownBehavior is terminate).
+workers, then the head (through the node provider, as `ray down` does).
 `ray submit --stop` is not used: it leaks workers (see ../shared/RAY_NOTES.md).
 """
 
@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +104,36 @@ def teardown_workers(config: str | dict) -> None:
     teardown_cluster(config, workers_only=True, keep_min_workers=False)
 
 
-def shut_down_head() -> None:
-    subprocess.run(["sudo", "shutdown", "-h", "+1"], check=False)  # a minute for the logs to flush
+def terminate_head(config: str | dict) -> None:
+    """The head ends itself through its node provider, as `ray down` would; if that fails,
+    by the OS (its InstanceInitiatedShutdownBehavior is terminate)."""
+    import yaml
+    from ray.autoscaler._private.commands import _bootstrap_config
+    from ray.autoscaler._private.providers import _get_node_provider
+    from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
+
+    try:
+        cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
+        cfg = _bootstrap_config(cfg, no_config_cache=True)
+        provider = _get_node_provider(cfg["provider"], cfg["cluster_name"])
+        provider.terminate_nodes(provider.non_terminated_nodes({TAG_RAY_NODE_KIND: NODE_KIND_HEAD}))
+    except Exception:
+        if not on_cluster():
+            raise
+        log.exception("cluster: the provider could not terminate the head; shutting it down instead")
+        subprocess.run(["sudo", "shutdown", "-h", "now"], check=False)
+
+
+def terminate_head_after_driver(config: str | dict, grace_s: float = 60.0) -> None:
+    """The head ends a minute after the driver exits: its exit status reaches `ray job` (a
+    failed day is a FAILED job), and the logs flush. A detached process waits for it."""
+    code = ("import sys, time, psutil; from pipeline.cluster import terminate_head; "
+            "psutil.wait_procs([psutil.Process(int(sys.argv[1]))]); time.sleep(float(sys.argv[2])); "
+            "terminate_head(sys.argv[3])")
+    subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(grace_s), str(config)],
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=open(Path("~/end-head.log").expanduser(), "ab"),
+                     env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
 
 
 @dataclass
@@ -125,10 +154,10 @@ class ClusterSession:
 def session(on_cluster: bool, deadline_min: float | None = None, keep: bool = False,
             config: str | dict = str(BOOTSTRAP_CONFIG), release: Callable[[], None] = release_capacity,
             teardown: Callable[[str | dict], None] = teardown_workers,
-            shutdown: Callable[[], None] = shut_down_head,
+            shutdown: Callable[[str | dict], None] = terminate_head_after_driver,
             request: Callable[[list[dict]], None] = request_capacity) -> Iterator[ClusterSession]:
     """Around a run on a cluster: whatever happens inside (a crash included), release the
-    request, terminate the workers and shut the head down, unless `keep`."""
+    request, terminate the workers and the head, unless `keep`."""
     current = ClusterSession(deadline_min if on_cluster else None, request=request)
     try:
         yield current
@@ -140,7 +169,7 @@ def session(on_cluster: bool, deadline_min: float | None = None, keep: bool = Fa
 def _end(current: ClusterSession, keep: bool, config, release, teardown, shutdown) -> None:
     steps = [("release the resource request", release)]
     if not keep:
-        steps += [("terminate the workers", lambda: teardown(config)), ("shut the head down", shutdown)]
+        steps += [("terminate the workers", lambda: teardown(config)), ("terminate the head", lambda: shutdown(config))]
     for what, step in steps:
         try:
             log.info("cluster: %s", what)

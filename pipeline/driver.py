@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import credentials, keys, metrics, report, trading_calendar
+from pipeline import cluster, credentials, keys, metrics, report, trading_calendar
 from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
@@ -57,11 +57,12 @@ def new_run_id(trade_date: str) -> str:
 
 
 def init_ray(settings: Settings, address: str | None = None) -> None:
-    """Join a running cluster if one is named (RAY_ADDRESS), else start Ray on this machine,
-    declaring the same role resources a cluster's node types advertise."""
+    """Join a running cluster if one is named (RAY_ADDRESS) or this is a `ray up` head (the
+    notebook there), else start Ray on this machine, declaring the same role resources a
+    cluster's node types advertise."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if cluster.on_cluster() else None)
     env = {"env_vars": {"PYTHONPATH": ROOT}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
@@ -288,6 +289,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
                 shard = pending.pop(ref)
                 result = _result(ref, settings, run_id, shard, pending)
                 _add(totals, result)
+                metrics.day(result["tally"])
                 progress.update(result["notes"])
             if time.monotonic() - snapshot_at >= 1.0 or not (queue or pending):
                 if state.epoch() != epoch:

@@ -1,19 +1,59 @@
-"""What `ray submit --tmux cluster.yaml scripts/cluster_run.py DATE INPUT_URL` runs on the head.
+"""What `ray submit --tmux cluster.yaml scripts/cluster_run.py DATE INPUT_URL` (or `ray job
+submit ... -- python scripts/cluster_run.py DATE INPUT_URL`) runs on the head.
 
-The head's redis-server holds the state; storage is the bucket in CN_STORE (set it, with
-SMTP_URL, CN_OWNER_PASSWORD and the signing key, in the head's environment). The driver
-sizes the cluster for the day, runs it, writes the report and tears the cluster down.
+The settings are scripts/cluster.env's (every node sources it); the secrets are read from
+CN_SECRET by the actors. Anything missing stops here, with one line and exit status 2,
+before a worker is asked for. The driver sizes the cluster for the day, runs it, writes the
+report to the bucket and ends the cluster. The exit status is the run's (0, 1 or 2), so a
+failed day is a FAILED Ray job.
 """
 
 import os
+import socket
 import sys
 
-sys.path.insert(0, os.path.expanduser("~/contract_notes"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.__main__ import main  # noqa: E402
 
+REDIS_PORT = 6380  # the head's redis-server (cluster.yaml); Ray's GCS has 6379
+
+
+def missing_settings(env: dict[str, str]) -> str | None:
+    """Why this cluster could not run the day, or None."""
+    store = env.get("CN_STORE", "")
+    if not store.startswith("s3://") or "YOUR-BUCKET" in store:
+        return (f"CN_STORE={store!r}: set it to the day's bucket (s3://...) in scripts/cluster.env; a folder on "
+                "the head is not reachable from the workers")
+    if not env.get("CN_SECRET"):
+        return "CN_SECRET is not set (scripts/cluster.env): the signer nodes read the key and passwords from it"
+    from pipeline.credentials import resolve
+    from pipeline.settings import ConfigError, Settings
+
+    try:
+        settings = resolve(Settings.from_env(env))
+    except ConfigError as e:
+        return str(e)
+    if settings.smtp_url == Settings.smtp_url:
+        return f"no relay: put smtp_url in the secret {env['CN_SECRET']} (or set SMTP_URL)"
+    return None
+
+
+def head_ip() -> str:
+    """The address workers reach the head's Redis at (the head's own private IP)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 1))  # no packet is sent: this picks the outgoing interface
+        return s.getsockname()[0]
+
+
 if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: cluster_run.py DATE INPUT_URL [run options]")
+    problem = missing_settings(os.environ)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     date, input_url, *rest = sys.argv[1:]
-    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
+    os.environ.setdefault("REDIS_URL", f"redis://{head_ip()}:{REDIS_PORT}/0")
     os.environ.setdefault("RAY_ADDRESS", "auto")
     sys.exit(main(["run", "--date", date, "--input", input_url, "--deadline-min", "25", *rest]))

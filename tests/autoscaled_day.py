@@ -59,9 +59,10 @@ def main(work: Path, keys: Path) -> dict:
     gcs = f"{ray._private.services.get_node_ip_address()}:{free_port()}"
     config_path = work / "autoscaler.yaml"
     config_path.write_text(yaml.safe_dump(fake_config(gcs)))
+    metrics_port = free_port()
     head = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "gcs_server_port": int(gcs.rsplit(":", 1)[1]), "autoscaling_config": str(config_path),
-        "include_dashboard": False, "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+        "include_dashboard": False, "dashboard_agent_listen_port": free_port(), "metrics_export_port": metrics_port,
         "object_store_memory": 150 * 2**20})
     assert head.address == gcs, (head.address, gcs)
     ray.init(address=head.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
@@ -85,7 +86,7 @@ def main(work: Path, keys: Path) -> dict:
                             signer_chain=str(keys / "root.cert.pem"), owner_password="autoscaler-owner-secret")
         started = time.time()
         with cluster.session(True, deadline_min=None, config=str(config_path), teardown=lambda c: None,
-                             shutdown=lambda: None) as current:
+                             shutdown=lambda config: None) as current:
             current.request([{"CPU": 1, "render": 1}, {"CPU": 1, "signer": 1, "smtp": 1}])  # capacity up front
             summary = run_day(settings, RunRequest("2026-11-20", str(work / "input")))
         ran_s = time.time() - started
@@ -96,13 +97,31 @@ def main(work: Path, keys: Path) -> dict:
         workers_left = len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0)])
         outbox = len(list((work / "outbox").glob("*.eml")))
         return {"types_seen": sorted(seen), "summary": summary, "outbox": outbox, "run_s": round(ran_s, 1),
-                "workers_left": workers_left, "gone_after_s": round(time.time() - started - ran_s, 1)}
+                "workers_left": workers_left, "gone_after_s": round(time.time() - started - ran_s, 1),
+                "head_metrics": head_metrics(f"http://{gcs.rsplit(':', 1)[0]}:{metrics_port}/metrics")}
     finally:
         stop.set()
         smtp.stop()
         redis.stop()
         ray.shutdown()
         head.shutdown()
+
+
+def head_metrics(url: str) -> dict[str, float]:
+    """The day's counters as Prometheus scrapes them from the head, once the workers are gone."""
+    import urllib.request
+
+    totals: dict[str, float] = {}
+    for _ in range(30):  # the head's agent exports every few seconds
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("ray_cn_day_accounts_total{"):
+                status = line.split('status="', 1)[1].split('"', 1)[0]
+                totals[status] = float(line.rsplit(" ", 1)[1])
+        if totals:
+            return totals
+        time.sleep(1)
+    return totals
 
 
 def kill_ours(tmpdir: str) -> None:

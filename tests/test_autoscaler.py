@@ -18,6 +18,7 @@ def test_the_driver_demand_launches_render_and_signer_nodes_which_go_afterwards(
     summary = result["summary"]
     assert summary["delivered"] == summary["accounts"] == result["outbox"] > 0
     assert result["workers_left"] == 0, "worker nodes outlived the run"
+    assert result["head_metrics"].get("delivered") == summary["delivered"], result["head_metrics"]
 
 
 def _env() -> dict:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -30,7 +33,10 @@ def aws(tmp_path, monkeypatch):
     with mock_aws():
         ec2, iam = boto3.client("ec2", region_name="ap-south-1"), boto3.client("iam")
         ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-        subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+        subnet = ec2.describe_subnets()["Subnets"][0]
+        group = ec2.create_security_group(GroupName="contract-notes", Description="the cluster",
+                                          VpcId=subnet["VpcId"])["GroupId"]
+        subnet = subnet["SubnetId"]
         arns = {}
         for name in ("contract-notes-head", "contract-notes-worker"):
             iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")
@@ -39,7 +45,7 @@ def aws(tmp_path, monkeypatch):
         config = yaml.safe_load(open(f"{ROOT}/cluster.yaml"))
         for name, node_type in config["available_node_types"].items():
             node_config = node_type["node_config"]
-            node_config.update(ImageId=ami, SubnetIds=[subnet])
+            node_config.update(ImageId=ami, SubnetIds=[subnet], SecurityGroupIds=[group])
             node_config["IamInstanceProfile"]["Arn"] = arns["contract-notes-head" if name == "head" else
                                                             "contract-notes-worker"]
         yield config, ec2, ami, subnet
@@ -63,13 +69,24 @@ def test_cluster_yaml_passes_rays_validation_and_the_aws_bootstrap(aws):
         assert node_type["node_config"]["IamInstanceProfile"]["Arn"]
     assert {"render", "signer", "smtp"} <= {r for t in types.values() for r in t["resources"]}
     assert any("shutdown -h +" in c for c in config["initialization_commands"])  # the dead-man switch
-    assert all("--metrics-export-port=8080" in c[-1] for c in (config["head_start_ray_commands"],
-                                                                config["worker_start_ray_commands"]))
-    assert config["provider"]["cache_stopped_nodes"] is False
+    for commands_ in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        start = next(c for c in commands_ if "ray start" in c)
+        assert "--metrics-export-port=8080" in start and "source ~/contract_notes/scripts/cluster.env" in start
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--port=6379" in head_start and "--dashboard-host=127.0.0.1" in head_start
+    assert "port 6380" in " ".join(config["head_setup_commands"])  # Redis clear of Ray's GCS port
+    assert "redis" not in " ".join(config["setup_commands"] + config["worker_setup_commands"])
+    assert "requirements-runtime.txt" in " ".join(config["setup_commands"])
+    assert config["provider"]["cache_stopped_nodes"] is False and config["provider"]["use_internal_ips"] is True
+    assert "availability_zone" not in config["provider"]  # the subnets decide
+    shipped = set(config["file_mounts"])
+    assert not any(part in m for m in shipped for part in ("tests", "bench", ".keys", "notebooks"))
+    assert "~/.ray/auth_token" in shipped and "RAY_AUTH_MODE=token" in (Path(ROOT) / "scripts/cluster.env").read_text()
 
     booted = commands._bootstrap_config(copy.deepcopy(config), no_config_cache=True)
-    for node_type in booted["available_node_types"].values():
-        assert node_type["node_config"]["SecurityGroupIds"]
+    for node_type in booted["available_node_types"].values():  # ours, not Ray's with SSH open to 0.0.0.0/0
+        assert node_type["node_config"]["SecurityGroupIds"] == config["available_node_types"]["head"][
+            "node_config"]["SecurityGroupIds"]
     assert booted["auth"]["ssh_private_key"]
 
 
@@ -96,8 +113,7 @@ def test_the_end_of_a_run_terminates_the_workers_even_after_a_driver_crash(aws, 
 
     def run():
         with cluster.session(True, deadline_min=25, config=config, release=lambda: calls.append("release"),
-                             shutdown=lambda: calls.append("shutdown"),
-                             request=lambda bundles: calls.append(("request", len(bundles)))) as current:
+                             shutdown=cluster.terminate_head, request=lambda bundles: calls.append(("request", len(bundles)))) as current:
             current.size_for(1_500_000)
             if crash:
                 raise RuntimeError("driver crashed mid-run")
@@ -110,8 +126,8 @@ def test_the_end_of_a_run_terminates_the_workers_even_after_a_driver_crash(aws, 
 
     after = states(ec2)
     assert all(after[w] in ("shutting-down", "terminated") for w in workers), after
-    assert after[head] == "running"  # the head shuts itself down (the "shutdown" step)
-    assert calls == [("request", 4), "release", "shutdown"]
+    assert after[head] in ("shutting-down", "terminated")  # through the provider, as `ray down` does
+    assert calls == [("request", 4), "release"]
 
 
 def test_keep_cluster_only_releases_the_request(aws):
@@ -119,7 +135,7 @@ def test_keep_cluster_only_releases_the_request(aws):
     worker = launch(ec2, ami, subnet, "worker", "render_spot")
     calls = []
     with cluster.session(True, keep=True, config=config, release=lambda: calls.append("release"),
-                         shutdown=lambda: calls.append("shutdown")):
+                         shutdown=lambda c: calls.append("shutdown")):
         pass
     assert calls == ["release"] and states(ec2)[worker] == "running"
 
@@ -127,7 +143,7 @@ def test_keep_cluster_only_releases_the_request(aws):
 def test_off_a_cluster_the_session_touches_nothing():
     calls = []
     with cluster.session(False, deadline_min=25, release=lambda: calls.append("release"),
-                         teardown=lambda c: calls.append("teardown"), shutdown=lambda: calls.append("shutdown"),
+                         teardown=lambda c: calls.append("teardown"), shutdown=lambda c: calls.append("shutdown"),
                          request=lambda b: calls.append("request")) as current:
         current.size_for(1000)
     assert calls == []
@@ -161,3 +177,56 @@ def test_the_plan_command_prints_the_same_plan():
     shown = json.loads(out.stdout.splitlines()[-1])
     assert shown == cluster.plan(1_500_000, 25).as_dict()
     assert "1 x c6a.8xlarge" in out.stderr and "3 x c6a.2xlarge" in out.stderr
+
+
+def cluster_run(env: dict, tmp_path) -> subprocess.CompletedProcess:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("CN_", "SMTP_URL"))}
+    return subprocess.run([sys.executable, f"{ROOT}/scripts/cluster_run.py", "2026-11-20", "s3://b/dumps"],
+                          capture_output=True, text=True, env={**keep, **env}, cwd=tmp_path, timeout=60)
+
+
+@pytest.mark.parametrize("env, error", [
+    ({}, "CN_STORE='': set it to the day's bucket"),
+    ({"CN_STORE": "s3://YOUR-BUCKET"}, "CN_STORE='s3://YOUR-BUCKET': set it"),
+    ({"CN_STORE": "/data/store"}, "a folder on the head is not reachable from the workers"),
+    ({"CN_STORE": "s3://notes"}, "CN_SECRET is not set"),
+    ({"CN_STORE": "s3://notes", "CN_SECRET": "file:/nowhere.json"}, "CN_SECRET file:/nowhere.json: cannot read it"),
+    ({"CN_STORE": "s3://notes", "CN_SECRET": "file:{secret}"}, "no relay: put smtp_url in the secret"),
+])
+def test_cluster_run_names_a_missing_setting_in_one_line_before_anything_starts(env, error, tmp_path, keys_dir):
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"signer_key_pem": (keys_dir / "signer.key.pem").read_text(),
+                                  "signer_cert_pem": (keys_dir / "signer.cert.pem").read_text(),
+                                  "owner_password": "o-7f3a"}))
+    out = cluster_run({k: v.format(secret=secret) for k, v in env.items()}, tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith("error: ") and error in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_the_runtime_requirements_are_generated_from_the_pins():
+    out = subprocess.run([sys.executable, f"{ROOT}/scripts/runtime_requirements.py", "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    runtime = (Path(ROOT) / "requirements-runtime.txt").read_text()
+    assert "ray==2.60.0" in runtime and "pytest" not in runtime and "moto" not in runtime
+
+
+def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited(tmp_path):
+    config = tmp_path / "bootstrap.yaml"
+    config.write_text(yaml.safe_dump({
+        "cluster_name": "cn", "provider": {"type": "external", "module": "tests.recording_provider.RecordingProvider"},
+        "auth": {"ssh_user": "ubuntu"}, "head_node_type": "head", "max_workers": 0,
+        "available_node_types": {"head": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0}},
+        **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands",
+                           "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")},
+        "file_mounts": {}, "cluster_synced_files": [], "rsync_exclude": [], "rsync_filter": []}))
+    record = tmp_path / "terminated.jsonl"
+    driver = ("import sys, time; from pipeline.cluster import terminate_head_after_driver; "
+              f"terminate_head_after_driver({str(config)!r}, grace_s=0.5); time.sleep(1)")
+    env = {**os.environ, "PYTHONPATH": ROOT, "CN_RECORDED_TERMINATIONS": str(record), "HOME": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", driver], env=env, cwd=ROOT, timeout=60, check=True)
+    assert not record.exists()  # not while the driver runs, nor in the grace after it: the job's status is read
+    deadline = time.monotonic() + 30
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert record.read_text().splitlines() == ['["head-1"]'], (tmp_path / "end-head.log").read_text()

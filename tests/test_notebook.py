@@ -37,12 +37,13 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     assert first["failed"] == 2
     for k, v in {"CN_SIGNER_KEY": good.signer_key, "CN_SIGNER_CERT": good.signer_cert,
                  "CN_SIGNER_CHAIN": good.signer_chain, "CN_OWNER_PASSWORD": good.owner_password,
-                 "SMTP_URL": healthy_relay.url, "CN_SHARD_SIZE": "4", "PYTHONPATH": ROOT,
+                 "SMTP_URL": healthy_relay.url, "CN_SHARD_SIZE": "4",
                  "RAY_ADDRESS": ray_session.address_info["address"]}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # as Jupyter starts it: in notebooks/, no import path set
     nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
     inject(nb, REDIS_URL=redis_url, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed")
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
 
     [last] = [o for o in nb.cells[-1].outputs if o["output_type"] == "execute_result"]
     result = ast.literal_eval(last["data"]["text/plain"])

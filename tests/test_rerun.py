@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline import keys
+from pipeline.embedded import free_port
 from pipeline.driver import ROOT, RunRequest, rerun, run_day
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
@@ -77,3 +78,10 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
     nothing = run("rerun", summary["run_id"], "--failed")
     assert nothing.returncode == 0, nothing.stderr[-2000:]
     assert json.loads(nothing.stdout.splitlines()[-1])["rerun_accounts"] == []
+
+    env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # the cluster's Redis is gone with the cluster
+    later = run("status", summary["run_id"])
+    assert later.returncode == 0, later.stderr[-2000:]
+    record = json.loads(later.stdout.splitlines()[-1])
+    assert record["source"] == "storage" and record["report"]["statuses"] == {"delivered": summary["delivered"]}
+    assert run("status", "no-such-run").returncode == 2
