@@ -47,10 +47,11 @@ def _run_level_errors() -> tuple[type, ...]:
     from pipeline.storage import StorageError
     from pipeline.trading_calendar import CalendarError
 
+    from pipeline.capacity import CapacityError
     from pipeline.state import StateLostError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
-            redis.ConnectionError)
+            CapacityError, redis.ConnectionError)
 
 
 def _run_id(text: str) -> str:
@@ -269,7 +270,7 @@ def cmd_run(args) -> int:
     preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
-        summary = run_day(settings, request, current.size_for)
+        summary = run_day(settings, request, current.size_for, current.watch)
     print(json.dumps(summary))
     return _exit_status(summary)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from pipeline.capacity import CapacityWatch, look_at_ray
+
 log = logging.getLogger("pipeline.cluster")
 BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()  # written on the head by `ray up`
 
@@ -124,9 +126,12 @@ def terminate_head(config: str | dict) -> None:
         subprocess.run(["sudo", "shutdown", "-h", "now"], check=False)
 
 
-def terminate_head_after_driver(config: str | dict, grace_s: float = 60.0) -> None:
-    """The head ends a minute after the driver exits: its exit status reaches `ray job` (a
-    failed day is a FAILED job), and the logs flush. A detached process waits for it."""
+def terminate_head_after_driver(config: str | dict, grace_s: float | None = None) -> None:
+    """The head ends a minute (CN_HEAD_GRACE_S) after the driver exits: its exit status reaches
+    `ray job` (a failed day is a FAILED job), and the logs flush. A detached process waits for it."""
+    from pipeline.settings import Settings
+
+    grace_s = Settings.from_env().head_grace_s if grace_s is None else grace_s
     code = ("import sys, time, psutil; from pipeline.cluster import terminate_head; "
             "psutil.wait_procs([psutil.Process(int(sys.argv[1]))]); time.sleep(float(sys.argv[2])); "
             "terminate_head(sys.argv[3])")
@@ -140,6 +145,7 @@ def terminate_head_after_driver(config: str | dict, grace_s: float = 60.0) -> No
 class ClusterSession:
     deadline_min: float | None
     request: Callable[[list[dict]], None] = request_capacity
+    capacity: CapacityWatch | None = None
 
     def size_for(self, accounts: int) -> None:
         """Called by the driver once the split has counted the day's accounts."""
@@ -147,7 +153,23 @@ class ClusterSession:
             return
         p = plan(accounts, self.deadline_min)
         log.info("capacity for %d accounts in %s min: %s", accounts, self.deadline_min, p.as_dict())
-        self.request(p.bundles)
+        (self.capacity.ask if self.capacity else self.request)(p.bundles)
+
+    def watch(self) -> None:
+        """Called by the driver about once a second while it waits on the cluster."""
+        if self.capacity is not None:
+            self.capacity.check()
+
+
+def capacity_watch(config: str | dict, request: Callable[[list[dict]], None]) -> CapacityWatch:
+    import yaml
+
+    from pipeline.settings import Settings
+
+    cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
+    settings = Settings.from_env()
+    return CapacityWatch(request, look_at_ray, cfg.get("available_node_types", {}), settings.spot_wait_s,
+                         settings.capacity_wait_s)
 
 
 @contextmanager
@@ -155,10 +177,14 @@ def session(on_cluster: bool, deadline_min: float | None = None, keep: bool = Fa
             config: str | dict = str(BOOTSTRAP_CONFIG), release: Callable[[], None] = release_capacity,
             teardown: Callable[[str | dict], None] = teardown_workers,
             shutdown: Callable[[str | dict], None] = terminate_head_after_driver,
-            request: Callable[[list[dict]], None] = request_capacity) -> Iterator[ClusterSession]:
-    """Around a run on a cluster: whatever happens inside (a crash included), release the
-    request, terminate the workers and the head, unless `keep`."""
-    current = ClusterSession(deadline_min if on_cluster else None, request=request)
+            request: Callable[[list[dict]], None] = request_capacity,
+            watch: CapacityWatch | None = None) -> Iterator[ClusterSession]:
+    """Around a run on a cluster: watch that capacity arrives, then whatever happens inside
+    (a crash included), release the request, terminate the workers and the head, unless `keep`."""
+    if on_cluster and watch is None:
+        watch = capacity_watch(config, request)
+    current = ClusterSession(deadline_min if on_cluster else None, request=request,
+                             capacity=watch if on_cluster else None)
     try:
         yield current
     finally:

@@ -26,14 +26,14 @@ from tqdm import tqdm
 
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import cluster, credentials, keys, metrics, report, trading_calendar
+from pipeline import cluster, credentials, keys, metrics, report, restore, trading_calendar
 from pipeline.notes import page_range
 from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
 from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
 from pipeline.mail import message_id
-from pipeline.state import Outcome, RunNotFound, RunState, StateLostError, final_status, redis_client
+from pipeline.state import Outcome, RunState, StateLostError, final_status, redis_client
 from pipeline.storage import StorageError, open_store
 
 log = logging.getLogger("pipeline.driver")
@@ -127,9 +127,11 @@ def render_any_size(note: dict, tagged: bool = False) -> bytes:
     return merge([pdf for pdf, _ in ray.get(refs)])
 
 
-def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None) -> dict:
+def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,
+            watch: Callable[[], None] = lambda: None) -> dict:
     """One run, end to end. `on_accounts` hears the day's account count once the split has
-    counted it (on a cluster: to ask the autoscaler for the capacity the day needs)."""
+    counted it (on a cluster: to ask the autoscaler for the capacity the day needs); `watch` is
+    called about once a second while the driver waits (on a cluster: that capacity arrives)."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     started = time.time()
     store = open_store(settings.store_url)
@@ -144,7 +146,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
-    split = _split_once(settings, store, run_id, req)
+    split = _split_once(settings, store, run_id, req, watch)
     state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
     if on_accounts is not None:
         on_accounts(split.accounts)
@@ -155,7 +157,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         wanted = {keys.shard_of(u, split.shard_count) for u in req.only}
         shards, expected = [s for s in split.shards if s in wanted], len(req.only)
     try:
-        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch)
+        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watch)
     finally:
         for actor in signers + mailers:
             ray.kill(actor)
@@ -167,6 +169,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     summary = {
         "run_id": run_id,
         "trade_date": req.trade_date,
+        "input": req.input_url,
         "accounts": split.accounts + split.rejected,
         "delivered": counts["delivered"],
         "delivered_now": tally["statuses"].get("ok", 0),
@@ -217,11 +220,12 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     again with the same Message-ID, marked "possible duplicate"), or the ones named. Each
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
     account is mailed again only with force. Accounts rejected at validation cannot be rerun:
-    their input must be corrected and run again."""
+    their input must be corrected and run again. A run its Redis has lost is brought back from
+    its report and delivery log in storage first (pipeline/restore.py)."""
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
     meta = state.meta()
-    if not meta:
-        raise RunNotFound(f"no run {run_id!r} in {settings.summary()['redis_url']}")
+    if not meta:  # its Redis is gone (a cluster's ends with the cluster): the run comes back from storage
+        meta = restore.from_storage(open_store(settings.store_url), state, run_id)
     chosen = set(state.failed() if failed else state.unconfirmed() if unconfirmed else accounts or [])
     records = state.accounts(sorted(chosen))
     rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
@@ -249,13 +253,15 @@ def _persists(r: redis.Redis) -> bool:
         return False
 
 
-def _split_once(settings: Settings, store, run_id: str, req: RunRequest) -> SplitResult:
+def _split_once(settings: Settings, store, run_id: str, req: RunRequest, watch: Callable[[], None]) -> SplitResult:
     """A run splits its input once; a rerun of the same run id reuses the shards (and so
     the contract note numbers they carry)."""
     split = load_manifest(store, run_id)
     if split is None:
-        split = ray.get(split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date,
-                                                                         req.input_url))
+        ref = split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date, req.input_url)
+        while not ray.wait([ref], timeout=1.0)[0]:
+            watch()
+        split = ray.get(ref)
         save_manifest(store, run_id, split)
     return split
 
@@ -270,7 +276,7 @@ def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[lis
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
-             signers: list, mailers: list, resume: bool, epoch: str) -> dict:
+             signers: list, mailers: list, resume: bool, epoch: str, watch: Callable[[], None]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, int] = {}
     queue = list(reversed(shards))
@@ -284,7 +290,8 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
                     settings, run_id, req.trade_date, shard, req.only, req.force, resume)
                 signed = signers[shard % len(signers)].sign.remote(batch)
                 pending[mailers[shard % len(mailers)].send.remote(signed)] = shard
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            watch()
             for ref in done:
                 shard = pending.pop(ref)
                 result = _result(ref, settings, run_id, shard, pending)

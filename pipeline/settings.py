@@ -60,6 +60,9 @@ class Settings:
     state_ttl_s: int = 14 * 24 * 3600
     api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
     secret: str = ""  # where each signer and mailer reads the key and passwords (pipeline/credentials.py)
+    spot_wait_s: float = 120.0  # no spot render node launched by then: ask for on-demand (pipeline/capacity.py)
+    capacity_wait_s: float = 900.0  # a role still without a node by then: the run stops (exit 2)
+    head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -127,6 +130,9 @@ ENV_NAMES = {
     "state_ttl_s": "CN_STATE_TTL_S",
     "api_token": "CN_API_TOKEN",
     "secret": "CN_SECRET",
+    "spot_wait_s": "CN_SPOT_WAIT_S",
+    "capacity_wait_s": "CN_CAPACITY_WAIT_S",
+    "head_grace_s": "CN_HEAD_GRACE_S",
 }
 
 

@@ -1,4 +1,5 @@
-"""CI executes notebooks/rerun.ipynb against a small local run with injected failures."""
+"""CI executes notebooks/rerun.ipynb against a small local run with injected failures, from a
+Redis that never saw the run (it comes back from storage)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ast
 import datetime as dt
 
 import nbformat
+import redis
 from nbclient import NotebookClient
 
 from pipeline.driver import ROOT, RunRequest, run_day
@@ -41,8 +43,10 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
                  "RAY_ADDRESS": ray_session.address_info["address"]}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("PYTHONPATH", raising=False)  # as Jupyter starts it: in notebooks/, no import path set
+    fresh_redis = redis_url.rsplit("/", 1)[0] + "/8"  # a laptop's: the cluster's Redis ended with the cluster
+    redis.Redis.from_url(fresh_redis).flushdb()
     nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
-    inject(nb, REDIS_URL=redis_url, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed")
+    inject(nb, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed")
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
 
     [last] = [o for o in nb.cells[-1].outputs if o["output_type"] == "execute_result"]

@@ -85,3 +85,43 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
     record = json.loads(later.stdout.splitlines()[-1])
     assert record["source"] == "storage" and record["report"]["statuses"] == {"delivered": summary["delivered"]}
     assert run("status", "no-such-run").returncode == 2
+
+
+def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_is_gone(
+        ray_session, settings, day, smtp_server):
+    clients = client_rows(day)
+    traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
+    sign_victim, mail_victim = traded[0], traded[1]
+    first_relay = smtp_server("first", reject={clients[mail_victim]["email"]})
+    broken = settings.__class__(**{**settings.__dict__, "smtp_url": first_relay.url,
+                                   "owner_password": clients[sign_victim]["pan"]})
+    first = run_day(broken, RunRequest(TRADE_DATE, str(day)))
+    assert first["failed"] == 2
+    archived = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, mail_victim)
+    archived_bytes = archived.read_bytes()
+
+    fresh_redis = settings.redis_url.rsplit("/", 1)[0] + "/9"  # a new cluster's Redis: the run is not in it
+    import redis
+
+    redis.Redis.from_url(fresh_redis).flushdb()
+    second_relay = smtp_server("second")
+    env = {**os.environ, "REDIS_URL": fresh_redis, "PYTHONPATH": ROOT, "CN_STORE": settings.store_url,
+           "RAY_ADDRESS": ray_session.address_info["address"], "SMTP_URL": second_relay.url,
+           "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
+           "CN_SHARD_SIZE": str(settings.shard_size)}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["rerun_accounts"] == sorted([sign_victim, mail_victim])
+    assert sorted(mids(second_relay.outbox).values()) == [1, 1], "each failed account once, nobody else"
+    assert len(outbox_messages(first_relay.outbox)) == first["delivered"]
+    assert archived.read_bytes() == archived_bytes, "an archived note is mailed, not re-rendered"
+    report = json.loads((Path(settings.store_url) / keys.report_keys(first["run_id"])[0]).read_text())
+    assert report["statuses"] == {"delivered": first["accounts"]}, "the report covers every account again"
+    again = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed"],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert json.loads(again.stdout.splitlines()[-1])["rerun_accounts"] == []
+    assert len(outbox_messages(second_relay.outbox)) == 2

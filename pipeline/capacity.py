@@ -1,0 +1,107 @@
+"""Capacity that arrives: spot first, on-demand when spot does not come, a clear end when
+nothing does.
+
+Ray's autoscaler (v2) keeps retrying a spot type that the cloud refuses and only demotes it
+after its own timeout, while the day waits with no node. So the driver watches: once spot
+render capacity has neither arrived nor started booting for `spot_wait_s`, it asks for the
+render resource with `ondemand` (a resource only the on-demand render type offers), which the
+autoscaler can satisfy only by launching that type. If any role the day needs (render, signer,
+smtp) is still absent after `capacity_wait_s`, the run stops with the autoscaler's reasons
+instead of waiting for the dead-man switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("pipeline.capacity")
+ROLES = ("render", "signer", "smtp")
+ONDEMAND = "ondemand"  # cluster.yaml: only render_ondemand offers it
+
+
+class CapacityError(RuntimeError):
+    """No node for a role the day needs came up in time."""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the watch needs to know about the cluster, read once per check."""
+
+    resources: dict[str, float]  # of the live nodes
+    booting: set[str]  # node types launched and not yet joined
+    failures: list[str]  # the autoscaler's failed launches, newest last
+
+
+@dataclass
+class CapacityWatch:
+    request: Callable[[list[dict]], None]
+    look: Callable[[], ClusterView]
+    node_types: dict[str, dict]  # available_node_types of the cluster config
+    spot_wait_s: float
+    capacity_wait_s: float
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=-1.0)
+    bundles: list[dict] = field(default_factory=list)
+    ondemand: bool = False
+    arrived: bool = False
+
+    def ask(self, bundles: list[dict]) -> None:
+        """Request the day's bundles; render bundles go on-demand once the watch fell back."""
+        self.bundles = bundles
+        self.request([self._placed(b) for b in bundles] if self.ondemand else bundles)
+
+    def check(self) -> None:
+        """Called about once a second by the driver while it waits on the cluster."""
+        if self.arrived:
+            return
+        now = self.clock()
+        if self.started < 0:
+            self.started = now
+        view = self.look()
+        missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
+        if not missing:
+            self.arrived = True
+            log.info("capacity: every role has a node after %.0f s", now - self.started)
+            return
+        waited = now - self.started
+        if ("render" in missing and not self.ondemand and waited >= self.spot_wait_s
+                and not view.booting & self._types_with("render") and self._types_with(ONDEMAND)):
+            self.ondemand = True
+            log.warning("capacity: no spot render node after %.0f s (%s); asking for on-demand render nodes",
+                        waited, _last(view.failures))
+            self.ask(self.bundles or [{"CPU": 1, "render": 1}])
+        if waited >= self.capacity_wait_s:
+            raise CapacityError(
+                f"no {'/'.join(missing)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
+                f"{_last(view.failures)}; nothing was mailed by this attempt: run the same run id again when the "
+                "account has capacity (or raise its EC2 quota)")
+
+    def _placed(self, bundle: dict) -> dict:
+        return {**bundle, ONDEMAND: 1} if "render" in bundle else bundle
+
+    def _types_with(self, resource: str) -> set[str]:
+        return {name for name, t in self.node_types.items() if t.get("resources", {}).get(resource)}
+
+
+def _last(failures: list[str]) -> str:
+    return failures[-1] if failures else "no launch failure reported"
+
+
+def look_at_ray() -> ClusterView:
+    """The live nodes' resources from Ray; booting nodes and failed launches from the
+    autoscaler v2 status (empty if it cannot be read: the timeouts still hold)."""
+    import ray
+
+    booting, failures = set(), []
+    try:
+        from ray.autoscaler.v2.sdk import get_cluster_status
+
+        status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        booting = {n.ray_node_type_name for n in status.pending_nodes}  # launched: an instance exists
+        failures = [f"{f.ray_node_type_name}: {f.details}" for f in status.failed_launches]
+    except Exception as e:  # a status the SDK cannot read must not stop the run
+        log.debug("capacity: no autoscaler status (%s)", e)
+    return ClusterView(dict(ray.cluster_resources()), booting, failures)

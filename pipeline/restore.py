@@ -1,0 +1,53 @@
+"""A run brought back into Redis from its record in storage, for a rerun or a look at it after
+the Redis that ran it is gone (a cluster's Redis ends with the cluster).
+
+The report holds every account's final status, the stage it reached and its Message-ID; the
+delivery log (applied by the resumed run's render tasks, stages.restore_from_log) adds whatever
+happened after the report was written. Mail guards come back with the statuses, so an account
+that was delivered, or may have been, is not mailed again by a plain rerun.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from pipeline import keys
+from pipeline.state import Outcome, RunNotFound, RunState
+from pipeline.storage import Store
+
+
+def from_storage(store: Store, state: RunState, run_id: str) -> dict:
+    """Writes the run's meta and account records into Redis; returns the meta."""
+    json_key, csv_key = keys.report_keys(run_id)
+    if not store.exists(json_key) or not store.exists(csv_key):
+        raise RunNotFound(f"no run {run_id!r} in Redis, and no report for it in storage")
+    report = json.loads(store.get(json_key))
+    rows = list(csv.DictReader(io.StringIO(store.get(csv_key).decode())))
+    meta = {"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
+            "finished": "", "restored_from": json_key}
+    state.start(meta)
+    state.update_meta(accounts=report["accounts"])
+    state.record(o for row in rows for o in _outcomes({k: _plain(v) for k, v in row.items()}))
+    state.restore_claims({r["ucc"]: r["message_id"] for r in rows if r["status"] in ("delivered", "unconfirmed")})
+    return state.meta()
+
+
+def _outcomes(row: dict) -> list[Outcome]:
+    ucc, status, stage = row["ucc"], row["status"], row["stage"]
+    reached = [Outcome(ucc, stage)] if stage and stage != "delivered" else []
+    if status == "delivered":
+        return [Outcome(ucc, "delivered", message_id=row["message_id"], reply=row["reply"],
+                        extra={"attempts": int(row["attempts"] or 1)})]
+    if status == "unconfirmed":
+        return [*reached, Outcome(ucc, "delivered", "unconfirmed", row["reason"], message_id=row["message_id"],
+                                  extra={"possible_duplicate": True} if row["possible_duplicate"] else {})]
+    if status in ("failed", "rejected", "physical"):
+        return [*reached, Outcome(ucc, row["failed_at"] or stage or "validated", status, row["reason"])]
+    return reached  # pending: the same run id, run again, takes it from where it is
+
+
+def _plain(value: str) -> str:
+    """Undoes report._inert: the quote put before a cell a spreadsheet would run."""
+    return value[1:] if value[:2] in ("'=", "'+", "'-", "'@", "'\t", "'\r") else value
