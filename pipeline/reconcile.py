@@ -13,7 +13,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline import delivery_log, keys, relay_log, report
+from pipeline import delivery_log, keys, relay_log, report, restore
 from pipeline.settings import Settings
 from pipeline.split import load_manifest
 from pipeline.state import Outcome, RunNotFound, RunState
@@ -24,9 +24,10 @@ def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
     store = open_store(settings.store_url)
     split = load_manifest(store, run_id)
-    if not state.exists() or split is None:
-        raise RunNotFound(f"no run {run_id!r} in Redis and storage (after a Redis loss, run it again first: "
-                          "that rebuilds its state from the delivery log)")
+    if split is None:
+        raise RunNotFound(f"no run {run_id!r} in storage")
+    if not state.exists():  # its Redis is gone (a cluster's ends with the cluster)
+        restore.from_storage(store, state, run_id)
     accepted = relay_log.accepted_ids(relay_logs)
     unconfirmed = state.unconfirmed()
     records = state.accounts(unconfirmed)

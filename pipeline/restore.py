@@ -1,9 +1,9 @@
 """A run brought back into Redis from its record in storage, for a rerun or a look at it after
 the Redis that ran it is gone (a cluster's Redis ends with the cluster).
 
-The report holds every account's final status, the stage it reached and its Message-ID; the
-delivery log (applied by the resumed run's render tasks, stages.restore_from_log) adds whatever
-happened after the report was written. Mail guards come back with the statuses, so an account
+The report holds every account's final status, the stage it reached and its Message-ID; each
+shard's delivery log (stages.restore_from_log) adds whatever happened after the report was
+written. Mail guards come back with the statuses, so an account
 that was delivered, or may have been, is not mailed again by a plain rerun.
 """
 
@@ -14,6 +14,8 @@ import io
 import json
 
 from pipeline import keys
+from pipeline.split import load_manifest
+from pipeline.stages import restore_from_log
 from pipeline.state import Outcome, RunNotFound, RunState
 from pipeline.storage import Store
 
@@ -31,6 +33,9 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     state.update_meta(accounts=report["accounts"])
     state.record(o for row in rows for o in _outcomes({k: _plain(v) for k, v in row.items()}))
     state.restore_claims({r["ucc"]: r["message_id"] for r in rows if r["status"] in ("delivered", "unconfirmed")})
+    split = load_manifest(store, run_id)
+    for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile)
+        restore_from_log(store, state, run_id, shard)
     return state.meta()
 
 

@@ -75,7 +75,6 @@ class Cloud:
         self.image = root / "image"
         _build_image(self.image, python_paths)
 
-    # --- instances
     def launch(self, node_config: dict, tags: dict, count: int) -> list[str]:
         spot = node_config.get("InstanceMarketOptions", {}).get("MarketType") == "spot"
         self.launches.append({"type": node_config.get("InstanceType"), "spot": spot, "refused": spot and self.refuse_spot})
@@ -123,7 +122,7 @@ class Cloud:
             raise CloudError(f"instance {iid} did not boot: {(node / 'init.log').read_text()}")
         pid1 = _child(init.pid)
         with self.lock:
-            self.instances[iid] = {"id": iid, "ip": ip, "tags": dict(tags), "state": "running", "ns": ns, "veth": veth,
+            self.instances[iid] = {"id": iid, "ip": ip, "tags": dict(tags), "state": "running", "ns": ns,
                                    "init": init, "pid1": pid1, "node": str(node),
                                    "pidns": os.readlink(f"/proc/{pid1}/ns/pid"),
                                    "type": node_config.get("InstanceType")}
@@ -240,11 +239,14 @@ def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
 
         def _route(self, fn) -> None:
             try:
-                self._reply(200, fn())
-            except CloudError as e:
-                self._reply(409, {"error": str(e)})
-            except Exception as e:  # a broken request must not take the cloud down
-                self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+                try:
+                    self._reply(200, fn())
+                except CloudError as e:
+                    self._reply(409, {"error": str(e)})
+                except Exception as e:  # a broken request must not take the cloud down
+                    self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            except OSError:  # the caller is gone: an instance that asked to end itself
+                self.close_connection = True
 
         def do_GET(self):
             self._route(cloud.listing)
