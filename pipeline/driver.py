@@ -28,6 +28,7 @@ from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import cluster, credentials, keys, metrics, report, restore, trading_calendar
 from pipeline.notes import page_range
+from pipeline.pools import Pool
 from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
 from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
@@ -68,7 +69,7 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers, "smtp": settings.mailers},
+    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
              include_dashboard=False, runtime_env=env, log_to_driver=False,
              object_store_memory=512 * 1024 * 1024)
     _start_reaper()
@@ -159,8 +160,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     try:
         tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watch)
     finally:
-        for actor in signers + mailers:
-            ray.kill(actor)
+        signers.close()
+        mailers.close()
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
     elapsed = time.time() - started
     state.update_meta(finished=time.time())
@@ -180,6 +181,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "elapsed_s": round(elapsed, 3),
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
+        "actors": {"signers": signers.peak, "mailers": mailers.peak},
     }
     if warnings:
         summary["warnings"] = warnings
@@ -266,34 +268,46 @@ def _split_once(settings: Settings, store, run_id: str, req: RunRequest, watch: 
     return split
 
 
-def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[list, list]:
-    signers = [SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id)
-               for i in range(settings.signers)]
-    mailers = [MailerActor.options(name=f"mailer-{i}-{run_id}").remote(settings, run_id, req.force,
-                                                                        req.resend_unconfirmed)
-               for i in range(settings.mailers)]
+def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Pool, Pool]:
+    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id),
+                   ray.kill)
+    mailers = Pool("mailer", lambda i: MailerActor.options(name=f"mailer-{i}-{run_id}").remote(
+        settings, run_id, req.force, req.resend_unconfirmed), ray.kill)
+    _size(settings, signers, mailers)
     return signers, mailers
 
 
+def _size(settings: Settings, signers: Pool, mailers: Pool) -> int:
+    """The pools follow the cluster's signer and smtp slots (unless fixed); returns the window:
+    two shards in flight per render CPU, at least CN_WINDOW's default."""
+    have = ray.cluster_resources()
+    signers.size_to(settings.signers or int(have.get("signer", 0)))
+    mailers.size_to(settings.mailers or int(have.get("smtp", 0)))
+    return settings.window or max(6, 2 * int(have.get("render", 0)))
+
+
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
-             signers: list, mailers: list, resume: bool, epoch: str, watch: Callable[[], None]) -> dict:
+             signers: Pool, mailers: Pool, resume: bool, epoch: str, watch: Callable[[], None]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
-    pending: dict[ray.ObjectRef, int] = {}
+    pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, its signer, its mailer
+    window = _size(settings, signers, mailers)
     queue = list(reversed(shards))
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
     try:
         while queue or pending:
-            while queue and len(pending) < settings.window:
+            while queue and len(pending) < window:
                 shard = queue.pop()
                 batch = render_task.options(name=f"render shard {shard}").remote(
                     settings, run_id, req.trade_date, shard, req.only, req.force, resume)
-                signed = signers[shard % len(signers)].sign.remote(batch)
-                pending[mailers[shard % len(mailers)].send.remote(signed)] = shard
+                signer, mailer = signers.take(), mailers.take()
+                pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, signer, mailer)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             watch()
             for ref in done:
-                shard = pending.pop(ref)
+                shard, signer, mailer = pending.pop(ref)
+                signers.give_back(signer)
+                mailers.give_back(mailer)
                 result = _result(ref, settings, run_id, shard, pending)
                 _add(totals, result)
                 metrics.day(result["tally"])
@@ -305,6 +319,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
                         "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
+                window = _size(settings, signers, mailers)  # nodes come and go
     finally:
         progress.close()
     return totals

@@ -32,9 +32,9 @@ class Settings:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # URLs may hold passwords
     smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
     shard_size: int = 100
-    window: int = 6
-    signers: int = 1
-    mailers: int = 1
+    window: int = 0  # shards in flight; 0: two per render CPU of the cluster, at least 6
+    signers: int = 0  # signer actors; 0: one per `signer` slot of the cluster (pipeline/pools.py)
+    mailers: int = 0  # mailer actors; 0: one per `smtp` slot
     smtp_connections: int = 4  # per relay, per mailer
     smtp_idle_s: float = 30.0
     smtp_wait_s: float = 30.0

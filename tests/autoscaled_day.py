@@ -3,7 +3,8 @@ by test_autoscaler.py: it needs a Ray of its own, with its own ports and temp di
 
 The fake node types are cluster.yaml's, with the same names and custom resources but one
 CPU each. The head has no CPU, as in cluster.yaml, so every render task and every actor
-needs a worker node the autoscaler launches because of the driver's demand. Prints one JSON
+needs a worker node the autoscaler launches because of the driver's demand; two signer/SMTP
+nodes are asked for, and the signer and mailer pools grow to their slots. Prints one JSON
 line: the node types seen, the run's summary, and the nodes left after the idle timeout.
 """
 
@@ -33,7 +34,8 @@ def fake_config(gcs_address: str) -> dict:
             continue
         small = {k: 1 for k in t["resources"] if k != "CPU"}
         types[name] = {"resources": {"CPU": 1, **small, "object_store_memory": 150 * 2**20}, "node_config": {},
-                       "min_workers": 0, "max_workers": 1, **({"priority": t["priority"]} if "priority" in t else {})}
+                       "min_workers": 0, "max_workers": 2 if "signer" in small else 1,
+                       **({"priority": t["priority"]} if "priority" in t else {})}
     return {
         "cluster_name": "fake-contract-notes", "max_workers": 4, "upscaling_speed": 10, "idle_timeout_minutes": 0.25,
         "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
@@ -81,13 +83,13 @@ def main(work: Path, keys: Path) -> dict:
     try:
         write_dumps(work / "input", SynthOptions(dt.date(2026, 11, 20), 16, seed=51))
         settings = Settings(store_url=str(work / "store"), redis_url=redis.url, smtp_url=smtp.url, shard_size=4,
-                            window=4, signers=1, mailers=1, smtp_connections=2,
+                            window=4, signers=0, mailers=0, smtp_connections=2,  # pools sized by the nodes
                             signer_key=str(keys / "signer.key.pem"), signer_cert=str(keys / "signer.cert.pem"),
                             signer_chain=str(keys / "root.cert.pem"), owner_password="autoscaler-owner-secret")
         started = time.time()
         with cluster.session(True, deadline_min=None, config=str(config_path), teardown=lambda c: None,
                              shutdown=lambda config: None) as current:
-            current.request([{"CPU": 1, "render": 1}, {"CPU": 1, "signer": 1, "smtp": 1}])  # capacity up front
+            current.request([{"CPU": 1, "render": 1}] + [{"CPU": 1, "signer": 1, "smtp": 1}] * 2)  # capacity up front
             summary = run_day(settings, RunRequest("2026-11-20", str(work / "input")))
         ran_s = time.time() - started
         deadline = time.time() + 120  # request released: idle nodes go after idle_timeout_minutes

@@ -73,7 +73,8 @@ class Cloud:
         _sh(f"ip link add {self.bridge} type bridge && ip addr add {self.gateway}/24 dev {self.bridge} "
             f"&& ip link set {self.bridge} up")
         self.image = root / "image"
-        _build_image(self.image, python_paths)
+        self.python_paths = python_paths
+        _build_image(self.image, len(python_paths))
 
     def launch(self, node_config: dict, tags: dict, count: int) -> list[str]:
         spot = node_config.get("InstanceMarketOptions", {}).get("MarketType") == "spot"
@@ -108,9 +109,10 @@ class Cloud:
         _sh(f"ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} "
             f"&& ip link set {veth} master {self.bridge} up && ip -n {ns} addr add {ip}/24 dev eth0 "
             f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {self.gateway}")
-        mounts = " && ".join(f"mount --bind {node / src} {dst}" for src, dst in (
+        binds = [(p, self.image / f"py{i}") for i, p in enumerate(self.python_paths)] + [(node / src, dst) for src, dst in (
             ("homes", "/home"), ("run", "/run"), ("etc-redis", "/etc/redis"), ("var-lib-redis", "/var/lib/redis"),
-            ("var-log-redis", "/var/log/redis"), ("profile.d", "/etc/profile.d"), ("tmp", "/tmp")))  # /tmp last
+            ("var-log-redis", "/var/log/redis"), ("profile.d", "/etc/profile.d"), ("tmp", "/tmp"))]  # /tmp last
+        mounts = " && ".join(f"mount --bind {src} {dst}" for src, dst in binds)
         init = subprocess.Popen(
             ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--ipc",
              "sh", "-c", f"hostname ip-{ip.replace('.', '-')} && {mounts} && mkdir -p /run/redis && "
@@ -302,7 +304,7 @@ def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
     return server
 
 
-def _build_image(image: Path, python_paths: list[str]) -> None:
+def _build_image(image: Path, n_paths: int) -> None:
     """The AMI: a venv that sees the runtime packages, the provider module, and the shims."""
     (image / "bin").mkdir(parents=True, exist_ok=True)
     python = Path(getattr(sys, "_base_executable", sys.executable)).resolve()  # the image's python3: ours
@@ -311,7 +313,11 @@ def _build_image(image: Path, python_paths: list[str]) -> None:
     if not (image / "venv/bin/python").exists():
         subprocess.run([str(python), "-m", "venv", str(image / "venv")], check=True)
     site = next((image / "venv/lib").glob("python3*/site-packages"))
-    (site / "zz_cn_image.pth").write_text("\n".join(python_paths) + "\n")
+    # The packages are the host's, bound at image/pyN in each instance (the host's may be under /tmp)
+    mounts = [image / f"py{i}" for i in range(n_paths)]
+    for m in mounts:
+        m.mkdir(exist_ok=True)
+    (site / "zz_cn_image.pth").write_text("".join(f"{m}\n" for m in mounts))
     shutil.copy(__file__, site / "local_cloud.py")
     (image / "venv/bin/ray").write_text('#!/bin/sh\nexec "$(dirname "$0")/python" -c '
                                         '"import sys; sys.argv[0] = \'ray\'; from ray.scripts.scripts import main; main()" "$@"\n')

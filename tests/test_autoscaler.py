@@ -19,6 +19,7 @@ def test_the_driver_demand_launches_render_and_signer_nodes_which_go_afterwards(
     assert summary["delivered"] == summary["accounts"] == result["outbox"] > 0
     assert result["workers_left"] == 0, "worker nodes outlived the run"
     assert result["head_metrics"].get("delivered") == summary["delivered"], result["head_metrics"]
+    assert summary["actors"] == {"signers": 2, "mailers": 2}, "the pools follow the two signer/SMTP nodes"
 
 
 def _env() -> dict:

@@ -140,6 +140,7 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert f"run {TRADE_DATE}-" in job.stdout + job.stderr  # the driver's progress line, through `ray job`
     summary = json.loads(next(line for line in job.stdout.splitlines() if line.startswith('{"run_id"')))
     assert summary["delivered"] == ACCOUNTS and summary["failed"] == 0
+    assert summary["actors"] == {"signers": 8, "mailers": 4}, "the pools fill the signer_smtp node's slots"
 
     # README step 4: the cluster ends itself
     deadline = time.monotonic() + 180
