@@ -6,8 +6,8 @@ after its own timeout, while the day waits with no node. So the driver watches: 
 render capacity has neither arrived nor started booting for `spot_wait_s`, it asks for the
 render resource with `ondemand` (a resource only the on-demand render type offers), which the
 autoscaler can satisfy only by launching that type. If any role the day needs (render, signer,
-smtp) is still absent after `capacity_wait_s`, the run stops with the autoscaler's reasons
-instead of waiting for the dead-man switch.
+smtp) is still absent after `capacity_wait_s`, with no node of it booting, the run stops with
+the autoscaler's reasons instead of waiting for the dead-man switch.
 """
 
 from __future__ import annotations
@@ -71,13 +71,15 @@ class CapacityWatch:
                 and not view.booting & self._types_with("render") and self._types_with(ONDEMAND)):
             self.ondemand = True
             log.warning("capacity: no spot render node after %.0f s (%s); asking for on-demand render nodes",
-                        waited, _last(view.failures))
+                        waited, _last(view.failures, self._types_with("render")))
             self.ask(self.bundles or [{"CPU": 1, "render": 1}])
-        if waited >= self.capacity_wait_s:
+        stalled = [r for r in missing if not view.booting & self._types_with(r)]  # a booting node is coming
+        if waited >= self.capacity_wait_s and stalled:
+            types = set().union(*map(self._types_with, stalled))
             raise CapacityError(
-                f"no {'/'.join(missing)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
-                f"{_last(view.failures)}; nothing was mailed by this attempt: run the same run id again when the "
-                "account has capacity (or raise its EC2 quota)")
+                f"no {'/'.join(stalled)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
+                f"{_last(view.failures, types)}; nothing was mailed by this attempt: run the same run id again "
+                "when the account has capacity (or raise its EC2 quota)")
 
     def _placed(self, bundle: dict) -> dict:
         return {**bundle, ONDEMAND: 1} if "render" in bundle else bundle
@@ -86,8 +88,11 @@ class CapacityWatch:
         return {name for name, t in self.node_types.items() if t.get("resources", {}).get(resource)}
 
 
-def _last(failures: list[str]) -> str:
-    return failures[-1] if failures else "no launch failure reported"
+def _last(failures: list[str], types: set[str]) -> str:
+    """The newest failed launch of these node types (Ray 2.60's status names the type, but
+    not the cloud's reason)."""
+    mine = [f for f in failures if f.split(" ", 1)[0] in types]
+    return mine[-1] if mine else "no failed launch reported"
 
 
 def look_at_ray() -> ClusterView:
@@ -101,7 +106,8 @@ def look_at_ray() -> ClusterView:
 
         status = get_cluster_status(ray.get_runtime_context().gcs_address)
         booting = {n.ray_node_type_name for n in status.pending_nodes}  # launched: an instance exists
-        failures = [f"{f.ray_node_type_name}: {f.details}" for f in status.failed_launches]
+        failures = [f"{f.ray_node_type_name} launch failed" + (f" ({f.details})" if f.details else "")
+                    for f in status.failed_launches]
     except Exception as e:  # a status the SDK cannot read must not stop the run
         log.debug("capacity: no autoscaler status (%s)", e)
     return ClusterView(dict(ray.cluster_resources()), booting, failures)

@@ -135,13 +135,17 @@ class Cloud:
             inst = self.instances.get(iid)
             if inst is None or inst["state"] != "running":
                 return
-            inst["state"] = "terminated"
+            inst["state"] = "shutting-down"
         try:
             os.kill(inst["pid1"], signal.SIGKILL)  # the kernel ends every process of the instance
         except ProcessLookupError:
             pass
         inst["init"].wait()
+        deadline = time.monotonic() + 30
+        while self._alive(inst["pidns"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         _sh(f"ip netns del {inst['ns']}", check=False)  # its veth goes with it
+        inst["state"] = "terminated"
 
     def close(self) -> None:
         for iid in list(self.instances):
@@ -204,7 +208,10 @@ class Cloud:
 
     def leftovers(self) -> list[int]:
         """Host PIDs of anything still running in any instance this cloud ever started."""
-        spaces = {i["pidns"] for i in self.instances.values()}
+        return self._alive(*{i["pidns"] for i in self.instances.values()})
+
+    @staticmethod
+    def _alive(*spaces: str) -> list[int]:
         left = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:

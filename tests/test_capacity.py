@@ -21,7 +21,7 @@ def watch(views, spot_wait_s=60, capacity_wait_s=600):
 
 
 def test_spot_that_never_launches_is_replaced_by_on_demand_render_nodes_only():
-    views = iter([ClusterView({"signer": 8, "smtp": 4}, set(), ["render_spot: InsufficientInstanceCapacity"])] * 100)
+    views = iter([ClusterView({"signer": 8, "smtp": 4}, set(), ["render_spot launch failed (InsufficientInstanceCapacity)"])] * 100)
     w, requests = watch(views)
     w.ask(DAY)
     for _ in range(6):  # 0..50 s: still waiting for spot
@@ -52,7 +52,7 @@ def test_a_spot_node_that_is_booting_is_waited_for():
 
 
 def test_no_capacity_at_all_stops_the_run_with_the_autoscalers_reason():
-    views = iter([ClusterView({}, set(), ["signer_smtp: VcpuLimitExceeded"])] * 100)
+    views = iter([ClusterView({}, set(), ["signer_smtp launch failed (VcpuLimitExceeded)"])] * 100)
     w, _ = watch(views, capacity_wait_s=100)
     for _ in range(10):
         w.check()
@@ -72,3 +72,12 @@ def test_only_the_on_demand_render_type_offers_the_fallback_resource():
     offering = {n for n, t in NODE_TYPES.items() if t["resources"].get("ondemand")}
     assert offering == {"render_ondemand"}
     assert "InstanceMarketOptions" not in NODE_TYPES["render_ondemand"]["node_config"]
+
+
+def test_the_stop_names_only_the_roles_with_nothing_booting():
+    views = iter([ClusterView({}, {"render_ondemand"}, ["signer_smtp launch failed (VcpuLimitExceeded)"])] * 100)
+    w, _ = watch(views, capacity_wait_s=30)
+    for _ in range(3):
+        w.check()
+    with pytest.raises(CapacityError, match=r"no signer/smtp node came up in 30 s.*VcpuLimitExceeded"):
+        w.check()
