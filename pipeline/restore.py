@@ -3,8 +3,8 @@ the Redis that ran it is gone (a cluster's Redis ends with the cluster).
 
 The report holds every account's final status, the stage it reached and its Message-ID; each
 shard's delivery log (stages.restore_from_log) adds whatever happened after the report was
-written. Mail guards come back with the statuses, so an account
-that was delivered, or may have been, is not mailed again by a plain rerun.
+written. Mail guards come back with the statuses, so an account that was delivered, or may
+have been, is not mailed again by a plain rerun.
 """
 
 from __future__ import annotations

@@ -21,17 +21,23 @@ def mids(outbox: Path) -> Counter:
     return Counter(m["Message-ID"] for m in outbox_messages(outbox))
 
 
-def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_session, settings, day, smtp_server):
+def failing_first_run(settings, day: Path, smtp_server) -> tuple[dict, str, str, object]:
+    """A run in which one account fails at signing (its PAN is the owner password) and one at
+    the relay (it rejects that address): the run, the two victims, the relay."""
     clients = client_rows(day)
     traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
     sign_victim, mail_victim = traded[0], traded[1]
     first_relay = smtp_server("first", reject={clients[mail_victim]["email"]})
     broken = settings.__class__(**{**settings.__dict__, "smtp_url": first_relay.url,
                                    "owner_password": clients[sign_victim]["pan"]})
-
     first = run_day(broken, RunRequest(TRADE_DATE, str(day)))
-
     assert first["failed"] == 2
+    return first, sign_victim, mail_victim, first_relay
+
+
+def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_session, settings, day, smtp_server):
+    first, sign_victim, mail_victim, first_relay = failing_first_run(settings, day, smtp_server)
+    traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
     from pipeline.state import RunState
 
     state = RunState(settings.redis_url, first["run_id"])
@@ -89,14 +95,7 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
 
 def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_is_gone(
         ray_session, settings, day, smtp_server):
-    clients = client_rows(day)
-    traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
-    sign_victim, mail_victim = traded[0], traded[1]
-    first_relay = smtp_server("first", reject={clients[mail_victim]["email"]})
-    broken = settings.__class__(**{**settings.__dict__, "smtp_url": first_relay.url,
-                                   "owner_password": clients[sign_victim]["pan"]})
-    first = run_day(broken, RunRequest(TRADE_DATE, str(day)))
-    assert first["failed"] == 2
+    first, sign_victim, mail_victim, first_relay = failing_first_run(settings, day, smtp_server)
     archived = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, mail_victim)
     archived_bytes = archived.read_bytes()
 
