@@ -153,10 +153,10 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         on_accounts(split.accounts)
     log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
              split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
-    shards, expected = split.shards, split.accounts
+    shards, expected = split.heaviest_first(split.shards), split.accounts
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
         wanted = {keys.shard_of(u, split.shard_count) for u in req.only}
-        shards, expected = [s for s in split.shards if s in wanted], len(req.only)
+        shards, expected = [s for s in shards if s in wanted], len(req.only)
     try:
         tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watch)
     finally:

@@ -35,6 +35,12 @@ class SplitResult:
     accounts: int = 0
     rejected: int = 0
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
+    trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
+
+    def heaviest_first(self, shards: list[int]) -> list[int]:
+        """A shard holding a huge account starts first, so it never sets the day's end."""
+        weight = dict(zip(self.shards, self.trades))
+        return sorted(shards, key=lambda s: -weight.get(s, 0))
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
@@ -101,6 +107,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
             store.put(keys.shard_key(run_id, shard), body.encode())
             state.record(Outcome(a["ucc"], "validated") for a in accounts)
             result.shards.append(shard)
+            result.trades.append(sum(len(a["trades"]) for a in accounts))
             result.accounts += len(accounts)
     return result
 

@@ -81,3 +81,22 @@ def test_shards_are_a_multiple_of_partitions_so_each_shard_has_one_prefix():
         k = keys.shard_of(ucc, 30)
         assert keys.shard_key("r", k).startswith(f"{keys.partition(ucc)}-contract-notes-data/")
         assert keys.signed_pdf_key("2026-11-20", ucc).startswith(f"{keys.partition(ucc)}-signed-pdf/")
+
+
+def test_the_shard_holding_the_heaviest_account_is_dispatched_first(redis_url, tmp_path):
+    import datetime as dt
+
+    from pipeline.split import split_day
+    from pipeline.stages import load_shard
+    from pipeline.state import RunState
+    from pipeline.storage import open_store
+    from pipeline.synth import SynthOptions, write_dumps
+
+    write_dumps(tmp_path / "in", SynthOptions(dt.date(2026, 11, 20), 60, seed=3))
+    store = open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(tmp_path / "in")), store, RunState(redis_url, "heavy"), "heavy",
+                      "2026-11-20", 5, "CNT")
+    counted = {s: sum(len(a["trades"]) for a in load_shard(store, "heavy", s)) for s in split.shards}
+    assert dict(zip(split.shards, split.trades)) == counted
+    order = split.heaviest_first(split.shards)
+    assert [counted[s] for s in order] == sorted(counted.values(), reverse=True)
