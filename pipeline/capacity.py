@@ -6,8 +6,8 @@ after its own timeout, while the day waits with no node. So the driver watches: 
 render capacity has neither arrived nor started booting for `spot_wait_s`, it asks for the
 render resource with `ondemand` (a resource only the on-demand render type offers), which the
 autoscaler can satisfy only by launching that type. If any role the day needs (render, signer,
-smtp) is still absent after `capacity_wait_s`, with no node of it booting, the run stops with
-the autoscaler's reasons instead of waiting for the dead-man switch.
+smtp) is still absent after `capacity_wait_s`, with no node of it booting, the run stops and
+names the node types that failed to launch, instead of waiting for the dead-man switch.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class CapacityWatch:
     spot_wait_s: float
     capacity_wait_s: float
     clock: Callable[[], float] = time.monotonic
-    started: float = field(default=-1.0)
+    started: float = -1.0
     bundles: list[dict] = field(default_factory=list)
     ondemand: bool = False
     arrived: bool = False
