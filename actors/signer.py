@@ -1,8 +1,9 @@
 """SignerActor: holds the signing key and certificate chain, signs and archives batches.
 
 The key is read once, when the actor starts, from the cluster's secret store (CN_SECRET) or
-the settings' files; a bad path, secret or password fails there, with the cause. Ray restarts a crashed actor and re-runs its in-flight batch; signing and
-archiving are idempotent (same key in storage), so a retried batch ends signed once.
+the settings' files; a bad path, secret or password fails there, with the cause. Ray restarts
+a crashed actor and re-runs its in-flight batch; signing and archiving are idempotent (same
+key in storage), so a retried batch ends signed once.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import time
 
 import ray
 
-from pipeline import metrics
+from pipeline import credentials, metrics
 from pipeline.settings import Settings
-from pipeline import credentials
 from pipeline.sign import SignatureInfo
 from pipeline.stages import Batch, sign_stage
 from pipeline.state import RunState
@@ -24,8 +24,7 @@ from pipeline.storage import open_store
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1})
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
-        self.settings = credentials.resolve(settings)
-        self.signer = credentials.signer(settings)
+        self.settings, self.signer = credentials.read(settings)  # one read of the secret
         self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
         self.store = open_store(settings.store_url)
         self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)

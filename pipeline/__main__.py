@@ -41,14 +41,13 @@ def _run_level_errors() -> tuple[type, ...]:
     settings, calendar. Imported late: `--help` stays fast."""
     import redis
 
+    from pipeline.capacity import CapacityError
     from pipeline.dumps import InputError
     from pipeline.settings import ConfigError
     from pipeline.sign import SignerSetupError
+    from pipeline.state import StateLostError
     from pipeline.storage import StorageError
     from pipeline.trading_calendar import CalendarError
-
-    from pipeline.capacity import CapacityError
-    from pipeline.state import StateLostError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
             CapacityError, redis.ConnectionError)

@@ -79,24 +79,26 @@ def _from_secrets_manager(ref: str, name: str) -> str:
 
 def resolve(settings: Settings) -> Settings:
     """The settings with the secret's owner password, key password and relays laid over them."""
-    if not settings.secret:
-        return settings
-    secret = fetch(settings.secret)
-    return dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
-                                                                   "smtp_url") if secret.get(k)})
+    return _laid_over(settings, fetch(settings.secret)) if settings.secret else settings
 
 
-def signer(settings: Settings) -> Signer:
-    """The signing key, from the secret when there is one, else from the settings' files."""
+def read(settings: Settings) -> tuple[Settings, Signer]:
+    """The resolved settings and the signing key, from one read of the secret (or, without
+    one, the settings' files)."""
     if not settings.secret:
         from pipeline.sign import load_signer
 
-        return load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
-                           settings.signer_chain)
+        return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
+                                     settings.signer_chain)
     secret = fetch(settings.secret)
-    return signer_from_pem(secret["signer_key_pem"].encode(), secret["signer_cert_pem"].encode(),
-                           secret.get("signer_key_password"), secret.get("signer_chain_pem", "").encode(),
-                           f"the signing key in {settings.secret}")
+    return _laid_over(settings, secret), signer_from_pem(
+        secret["signer_key_pem"].encode(), secret["signer_cert_pem"].encode(), secret.get("signer_key_password"),
+        secret.get("signer_chain_pem", "").encode(), f"the signing key in {settings.secret}")
+
+
+def _laid_over(settings: Settings, secret: dict[str, str]) -> Settings:
+    return dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
+                                                                   "smtp_url") if secret.get(k)})
 
 
 def secret_json(settings: Settings) -> str:

@@ -213,7 +213,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
     if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
-    credentials.signer(settings)
+    credentials.read(settings)
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,

@@ -9,7 +9,6 @@ failed day is a FAILED Ray job.
 """
 
 import os
-import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,13 +38,6 @@ def missing_settings(env: dict[str, str]) -> str | None:
     return None
 
 
-def head_ip() -> str:
-    """The address workers reach the head's Redis at (the head's own private IP)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("10.255.255.255", 1))  # no packet is sent: this picks the outgoing interface
-        return s.getsockname()[0]
-
-
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit("usage: cluster_run.py DATE INPUT_URL [run options]")
@@ -54,6 +46,8 @@ if __name__ == "__main__":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     date, input_url, *rest = sys.argv[1:]
-    os.environ.setdefault("REDIS_URL", f"redis://{head_ip()}:{REDIS_PORT}/0")
+    from ray.util import get_node_ip_address  # the head's private IP: where the workers reach its Redis
+
+    os.environ.setdefault("REDIS_URL", f"redis://{get_node_ip_address()}:{REDIS_PORT}/0")
     os.environ.setdefault("RAY_ADDRESS", "auto")
     sys.exit(main(["run", "--date", date, "--input", input_url, "--deadline-min", "25", *rest]))

@@ -150,6 +150,8 @@ class Cloud:
     def close(self) -> None:
         for iid in list(self.instances):
             self.terminate(iid)
+        if getattr(self, "server", None):
+            self.server.shutdown()
         _sh(f"ip link del {self.bridge}", check=False)
 
     def exec(self, iid: str, argv: list[str], stdin: bytes = b"") -> tuple[int, bytes]:
@@ -227,7 +229,7 @@ class CloudError(Exception):
 
 
 def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
-    """The cloud's API on the bridge address; returns the running server (stop with .shutdown())."""
+    """The cloud's API on the bridge address, running until the cloud is closed."""
 
     class Api(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -305,7 +307,7 @@ def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
 
     server = ThreadingHTTPServer((host, port), Api)
     server.daemon_threads = True
-    cloud.port = server.server_address[1]
+    cloud.server, cloud.port = server, server.server_address[1]
     cloud.api = f"http://{host}:{cloud.port}"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

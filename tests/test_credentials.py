@@ -27,7 +27,7 @@ def test_a_file_secret_made_by_secret_json_gives_back_the_key_and_passwords(sett
 
     resolved = credentials.resolve(bare)
     assert (resolved.owner_password, resolved.smtp_url) == (settings.owner_password, settings.smtp_url)
-    assert credentials.signer(bare).cert.serial_number == credentials.signer(settings).cert.serial_number
+    assert credentials.read(bare)[1].cert.serial_number == credentials.read(settings)[1].cert.serial_number
 
 
 @pytest.mark.parametrize("content, error", [

@@ -46,9 +46,9 @@ def cloud(tmp_path):
     subnet = random.choice([n for n in range(100, 200) if not Path(f"/sys/class/net/cnbr{n}").exists()])
     aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     c = local_cloud.Cloud(root, subnet, [str(p) for p in _site_packages()], {}, refuse_spot=True)
-    server = local_cloud.serve(c, c.gateway)
     services = []
     try:
+        local_cloud.serve(c, c.gateway)
         moto_port = free_port()
         moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", c.gateway, "-p", str(moto_port)],
                                 stdout=open(tmp_path / "moto.log", "wb"), stderr=subprocess.STDOUT)
@@ -67,7 +67,6 @@ def cloud(tmp_path):
         yield c
     finally:
         c.close()
-        server.shutdown()
         for p in services:
             p.terminate()
             p.wait(10)
