@@ -22,7 +22,7 @@ from typing import Callable, Literal
 
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, model_validator
 
@@ -134,14 +134,14 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(404, f"no run {run_id!r}")
         state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
         if state.exists():  # live, also while the run goes on
-            body = report.build(state, {}, [])[1]
+            chunks = report.csv_chunks(state)
         else:
             store = open_store(settings.store_url)
             key = keys.report_keys(run_id)[1]
             if not store.exists(key):  # Redis forgot the run (TTL): the stored report is the record
                 raise HTTPException(404, f"no run {run_id!r}")
-            body = store.get(key).decode()
-        return PlainTextResponse(body if full else mask_text(body), media_type="text/csv")
+            chunks = store.lines(key)
+        return StreamingResponse((c if full else mask_text(c) for c in chunks), media_type="text/csv")
 
     @app.post("/runs/{run_id}/rerun", status_code=202)
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):

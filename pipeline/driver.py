@@ -31,8 +31,9 @@ from pipeline.notes import page_range
 from pipeline.pools import Pool
 from pipeline.render import merge, render
 from pipeline.settings import ConfigError, Settings
-from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest, split_day
-from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
+from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest
+from pipeline.split_tasks import Split
+from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 from pipeline.mail import message_id
 from pipeline.state import Outcome, RunState, StateLostError, final_status, redis_client
 from pipeline.storage import StorageError, open_store
@@ -87,16 +88,10 @@ def _start_reaper() -> None:
                                    stdin=subprocess.PIPE, start_new_session=True)
 
 
-@ray.remote(num_cpus=1, resources={"render": 1})
-def split_task(settings: Settings, run_id: str, trade_date: str, input_url: str) -> SplitResult:
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    return split_day(open_store(input_url), open_store(settings.store_url), state, run_id, trade_date,
-                     settings.shard_size, broker()["note_prefix"])
-
-
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
-                only: frozenset[str] | None, force: bool = False, resume: bool = False) -> Batch:
+                only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None) -> Batch:
+    """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is done."""
     started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     store = open_store(settings.store_url)
@@ -141,27 +136,43 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
-    resume = load_manifest(store, run_id) is not None
+    manifest = load_manifest(store, run_id)
+    resume = manifest is not None  # mail may have gone out: each shard restores its delivery log first
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
-    split = _split_once(settings, store, run_id, req, watch)
-    state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
-    if on_accounts is not None:
-        on_accounts(split.accounts)
-    log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
-             split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
-    shards, expected = split.heaviest_first(split.shards), split.accounts
+    split = manifest if manifest is not None and manifest.complete else None
+    splitting = None
+    if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
+        splitting = Split.start(settings, run_id, req.trade_date, req.input_url,
+                                int(ray.cluster_resources().get("render", 0)), resume, watch)
+        save_manifest(store, run_id, splitting.partial())
+        log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
+                 len(splitting.weights))
+        shards, expected = splitting.shards(), splitting.clients()
+    else:
+        _split_done(store, state, run_id, split, on_accounts, started, save=False)
+        shards, expected = split.heaviest_first(split.shards), split.accounts
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
-        wanted = {keys.shard_of(u, split.shard_count) for u in req.only}
+        wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
         shards, expected = [s for s in shards if s in wanted], len(req.only)
+
+    def watching() -> None:
+        nonlocal split
+        if split is None and (done := splitting.done()) is not None:
+            split = _split_done(store, state, run_id, done, on_accounts, started)
+        watch()
+
     try:
-        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watch)
+        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watching,
+                         splitting.after if splitting else lambda shard: None)
     finally:
         signers.close()
         mailers.close()
+    if split is None:
+        split = _split_done(store, state, run_id, splitting.done(block=True), on_accounts, started)
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
     elapsed = time.time() - started
     state.update_meta(finished=time.time())
@@ -182,11 +193,11 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
+        "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     if warnings:
         summary["warnings"] = warnings
-    doc, rows = report.build(state, summary, split.input_errors)
-    summary["report"] = report.write(store, run_id, doc, rows)[0]
+    summary["report"] = report.write(store, state, run_id, summary, split.input_errors)
     return summary
 
 
@@ -255,16 +266,17 @@ def _persists(r: redis.Redis) -> bool:
         return False
 
 
-def _split_once(settings: Settings, store, run_id: str, req: RunRequest, watch: Callable[[], None]) -> SplitResult:
-    """A run splits its input once; a rerun of the same run id reuses the shards (and so
-    the contract note numbers they carry)."""
-    split = load_manifest(store, run_id)
-    if split is None:
-        ref = split_task.options(name=f"split {run_id}").remote(settings, run_id, req.trade_date, req.input_url)
-        while not ray.wait([ref], timeout=1.0)[0]:
-            watch()
-        split = ray.get(ref)
+def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_accounts, started: float,
+                save: bool = True) -> SplitResult:
+    """Once every shard is written: the manifest (from now on the run's shards are fixed), the
+    account count for the status page and, on a cluster, for the capacity the day needs."""
+    if save:
         save_manifest(store, run_id, split)
+    state.update_meta(accounts=split.accounts + split.rejected, shards=len(split.shards))
+    if on_accounts is not None:
+        on_accounts(split.accounts)
+    log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
+             split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
     return split
 
 
@@ -287,7 +299,8 @@ def _size(settings: Settings, signers: Pool, mailers: Pool) -> int:
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
-             signers: Pool, mailers: Pool, resume: bool, epoch: str, watch: Callable[[], None]) -> dict:
+             signers: Pool, mailers: Pool, resume: bool, epoch: str, watch: Callable[[], None],
+             assembled: Callable[[int], ray.ObjectRef | None]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, its signer, its mailer
     window = _size(settings, signers, mailers)
@@ -299,7 +312,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int]
             while queue and len(pending) < window:
                 shard = queue.pop()
                 batch = render_task.options(name=f"render shard {shard}").remote(
-                    settings, run_id, req.trade_date, shard, req.only, req.force, resume)
+                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard))
                 signer, mailer = signers.take(), mailers.take()
                 pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, signer, mailer)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
@@ -347,7 +360,10 @@ def _result(ref, settings: Settings, run_id: str, shard: int, pending: dict) -> 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
+    try:
+        uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
+    except StorageError:  # never written: its split task failed, and the run stops with that error
+        return {"tally": {}, "cpu_s": {}, "notes": 0}
     records = state.accounts(uccs)
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed")]
     claimed = state.claimed(unfinished)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from decimal import Decimal
 from typing import Mapping
 
@@ -200,6 +201,68 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     return Trade(**{**trade.__dict__, "close": close})
 
 
+# The fast path for a valid trade row: one match over the fields joined by \x1f (a control
+# character, so it never occurs inside an accepted field), then the few checks a pattern cannot
+# make. Anything it does not accept goes through parse_trade, which names the field at fault
+# (or accepts a row that only needed its spaces stripped). Never laxer than parse_trade.
+_FREE = r"[^\s\x00-\x1f\x7f-\x9f\u2028\u2029\udc80-\udcff]{0,%d}" % MAX_FIELD
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
+_PRICE = r"[0-9]{1,9}(?:\.[0-9]{1,4})?"
+_TRADE_PATTERN = "\x1f".join([
+    "%s", "(?:NSE|BSE)", "(?:CM|FO)", _FREE, "[A-Za-z0-9]{1,10}", "[0-9]{16}", _TIME, "[0-9]{16}", _TIME,
+    "[A-Z0-9][A-Z0-9&._-]{0,29}", "(?:IN[A-Z0-9]{9}[0-9])?", "(?:EQ|FUTSTK|FUTIDX|OPTSTK|OPTIDX)", _FREE, _FREE,
+    _FREE, "[BS]", "[0-9]{1,10}", _PRICE, "(?:CNC|MIS|NRML)", "1[123]"])
+
+
+@lru_cache(maxsize=8)
+def _trade_pattern(trade_date: str) -> re.Pattern:
+    return re.compile(_TRADE_PATTERN % re.escape(trade_date))
+
+
+def trade_row(file: str, row: int, values: list[str], trade_date: str,
+              closes: Mapping[tuple, Decimal] | None, contracts: dict | None = None) -> list[str]:
+    """A trade row (the values in TRADE_FIELDS order) checked as parse_trade checks it, about
+    five times faster; returns what Trade.as_row would (the closing price last). RowError if bad.
+    `contracts` remembers each derivatives contract's checks and price across a file's rows."""
+    if _trade_pattern(trade_date).fullmatch("\x1f".join(values)) is not None:
+        segment, isin, instrument, product = values[2], values[10], values[11], values[18]
+        quantity, price = int(values[16]), Decimal(values[17])
+        if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
+                and 0 < quantity <= MAX_QUANTITY and MIN_PRICE <= price <= MAX_PRICE):
+            if segment == "CM":
+                return [*values[:16], str(quantity), str(price), values[18], values[19], ""]
+            contract = (*values[1:3], instrument, values[9], *values[12:15])
+            if contracts is None or contract not in contracts:
+                close = _fo_close(values, trade_date, instrument, closes)
+                if contracts is not None:
+                    contracts[contract] = close
+            close = contracts[contract] if contracts is not None else close
+            if close is not None:
+                return [*values[:16], str(quantity), str(price), values[18], values[19], str(close)]
+    return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
+
+
+def _fo_close(v: list[str], trade_date: str, instrument: str, closes) -> Decimal | None:
+    """The contract's closing price if its derivatives fields are sound, else None (slow path)."""
+    expiry = v[12]
+    if len(expiry) != 10 or expiry < trade_date:
+        return None
+    try:
+        dt.date.fromisoformat(expiry)
+    except ValueError:
+        return None
+    strike = None
+    if instrument.startswith("OPT"):
+        if v[14] not in ("CE", "PE") or not PRICE.match(v[13]):
+            return None
+        strike = Decimal(v[13])
+        if not MIN_PRICE <= strike <= MAX_PRICE:
+            return None
+    if closes is None:
+        return None
+    return closes.get((v[1], v[2], instrument, v[9], expiry, strike, v[14] if strike is not None else ""))
+
+
 def contract_id(t: Trade) -> tuple[str, str, str, str, str, Decimal | None, str]:
     """How the bhavcopy names a contract: exchange, segment, instrument, symbol, expiry, strike, type."""
     strike = Decimal(t.strike) if t.instrument.startswith("OPT") else None
@@ -213,12 +276,18 @@ def describe_contract(t: Trade) -> str:
 
 def effective_trades(trades: list[Trade]) -> list[Trade]:
     """What goes on the note: the latest version of each trade, cancelled ones removed."""
-    latest: dict[tuple[str, str, str], Trade] = {}
-    for t in trades:
-        if t.status in ("12", "13") or t.key not in latest:
-            latest[t.key] = t
-    return sorted((t for t in latest.values() if t.status != "13"),
-                  key=lambda t: (t.exchange, t.segment, t.settlement_no, t.trade_time, t.trade_no))
+    kept = effective_rows([[*t.as_row(), i] for i, t in enumerate(trades)])
+    return [trades[r[-1]] for r in kept]
+
+
+def effective_rows(rows: list[list[str]]) -> list[list[str]]:
+    """effective_trades on rows as Trade.as_row gives them (what the split handles)."""
+    latest: dict[tuple[str, str, str], list[str]] = {}
+    for r in rows:
+        key = (r[1], r[2], r[7])  # exchange, segment, trade_no
+        if r[19] in ("12", "13") or key not in latest:  # status: 12 modified, 13 cancelled
+            latest[key] = r
+    return sorted((r for r in latest.values() if r[19] != "13"), key=lambda r: (r[1], r[2], r[3], r[8], r[7]))
 
 
 def _iso_date(text: str, fail) -> str:

@@ -10,6 +10,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:mailguard     hash   ucc -> claim; HSETNX before an e-mail leaves
   cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
+  cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
 
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
   {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
@@ -64,6 +65,10 @@ def run_mailguard(run_id: str) -> str:
 
 def run_timeline(run_id: str) -> str:
     return f"cn:run:{run_id}:timeline"
+
+
+def note_sequence_lock(fy: str) -> str:
+    return f"cn:noteseq:{fy}:lock"
 
 
 def note_sequence(fy: str) -> str:

@@ -1,6 +1,6 @@
 """Contract note numbers: one sequence per financial year, never issued twice.
 
-Redis hands them out (atomic across a run's shards and concurrent runs); storage keeps the
+Redis hands them out (atomic across a run's split tasks and concurrent runs); storage keeps the
 highest number reserved so far, next to the run manifests, written before any of them is
 used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
 without its data, or flushed, carries on above every number already printed.
@@ -9,7 +9,6 @@ without its data, or flushed, carries on above every number already printed.
 from __future__ import annotations
 
 import json
-from typing import Callable
 
 from pipeline import keys
 from pipeline.state import RunState
@@ -29,20 +28,16 @@ def note_number(prefix: str, trade_date: str, sequence: int) -> str:
     return f"{prefix}-{start % 100:02d}/{(start + 1) % 100:02d}-{sequence:07d}"
 
 
-def reserver(store: Store, state: RunState, fy: str) -> Callable[[int], int]:
-    """For one split: reserve(count) returns the first of `count` fresh numbers, and the storage
-    mark covers all of them on return. The mark is read once; each block is one Redis call
-    and one write."""
-    high = high_water_mark(store, fy)
-
-    def reserve(count: int) -> int:
-        nonlocal high
+def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
+    """The first of `count` fresh numbers; the storage mark covers all of them on return.
+    Split tasks reserve side by side: a Redis lock makes reading the mark, reserving and
+    writing the mark one step, so the mark in storage never moves down."""
+    with state.r.lock(keys.note_sequence_lock(fy), timeout=120, blocking_timeout=600):
+        high = high_water_mark(store, fy)
         first = state.next_note_numbers(fy, count, floor=high)
         high = max(high, first + count - 1)
         store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
         return first
-
-    return reserve
 
 
 def high_water_mark(store: Store, fy: str) -> int:

@@ -56,5 +56,4 @@ def _rewrite_report(store, state: RunState, run_id: str) -> None:
     summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
                                                              "input_errors")}
     summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"])
-    doc, rows = report.build(state, summary, previous.get("input_errors", []))
-    report.write(store, run_id, doc, rows)
+    report.write(store, state, run_id, summary, previous.get("input_errors", []))

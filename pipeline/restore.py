@@ -10,7 +10,7 @@ have been, is not mailed again by a plain rerun.
 from __future__ import annotations
 
 import csv
-import io
+import itertools
 import json
 
 from pipeline import keys
@@ -19,6 +19,8 @@ from pipeline.stages import restore_from_log
 from pipeline.state import Outcome, RunNotFound, RunState
 from pipeline.storage import Store
 
+PAGE = 1000  # report rows a Redis round trip: the day is never held whole
+
 
 def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     """Writes the run's meta and account records into Redis; returns the meta."""
@@ -26,13 +28,14 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     if not store.exists(json_key) or not store.exists(csv_key):
         raise RunNotFound(f"no run {run_id!r} in Redis, and no report for it in storage")
     report = json.loads(store.get(json_key))
-    rows = list(csv.DictReader(io.StringIO(store.get(csv_key).decode())))
     meta = {"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
             "finished": "", "restored_from": json_key}
     state.start(meta)
     state.update_meta(accounts=report["accounts"])
-    state.record(o for row in rows for o in _outcomes({k: _plain(v) for k, v in row.items()}))
-    state.restore_claims({r["ucc"]: r["message_id"] for r in rows if r["status"] in ("delivered", "unconfirmed")})
+    rows = csv.DictReader(store.lines(csv_key))
+    while page := [{k: _plain(v) for k, v in row.items()} for row in itertools.islice(rows, PAGE)]:
+        state.record(o for row in page for o in _outcomes(row))
+        state.restore_claims({r["ucc"]: r["message_id"] for r in page if r["status"] in ("delivered", "unconfirmed")})
     split = load_manifest(store, run_id)
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile)
         restore_from_log(store, state, run_id, shard)

@@ -1,29 +1,37 @@
-"""Stage 1: stream the dumps, validate each row, and write one shard file per group of accounts.
+"""Stage 1: read the dumps in byte ranges, validate each row, and write one shard file per group of accounts.
 
-Rows are spooled per shard to local disk in buffered appends, so memory stays flat however
-large the day; each shard is then assembled (trades grouped by account, cancellations and
-modifications applied, note numbers reserved) and written to storage. A bad row rejects
-its account with the file, row and field named; the rest of the run goes on.
+Two kinds of independent step, so the split runs on every core of the cluster
+(pipeline/split_tasks.py) or in one process (split_day, tests and benchmarks):
+- read_range validates the rows of one byte range of one dump (a ranged GET on S3) and deals
+  them into buckets, one per shard group;
+- assemble takes one group's buckets from every range, builds each shard's accounts (trades
+  grouped by account, cancellations and modifications applied), reserves their contract note
+  numbers and writes the shards to storage.
+Row numbers stay the file's own: a range counts its rows, and the errors it found are moved
+by the rows of the ranges before it once every range is read. A bad row rejects its account
+with the file, row and field named; the rest of the run goes on.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import tempfile
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipeline import bhavcopy, keys, note_numbers
-from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, TRADE_FIELDS, InputError, RowError, Trade, check_header,
-                            effective_trades, parse_client, parse_trade)
+from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, TRADE_FIELDS, InputError, RowError, check_header,
+                            effective_rows, parse_client, trade_row)
 from pipeline.state import Outcome, RunState
 from pipeline.storage import StorageError, Store
 
-FLUSH_ROWS = 50_000
 MAX_LISTED_ERRORS = 1000
+RANGE_BYTES_MIN = 1 << 20
+RANGE_BYTES_MAX = 64 << 20  # a range's parsed rows stay a few hundred MB in its worker
+DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_FIELDS}
 # A field longer than MAX_FIELD is a row error, not a csv.Error that ends the file
 csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
 
@@ -36,11 +44,33 @@ class SplitResult:
     rejected: int = 0
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
     trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
+    complete: bool = True  # False while the split is under way: a run resumed from here splits again
 
     def heaviest_first(self, shards: list[int]) -> list[int]:
         """A shard holding a huge account starts first, so it never sets the day's end."""
         weight = dict(zip(self.shards, self.trades))
         return sorted(shards, key=lambda s: -weight.get(s, 0))
+
+
+@dataclass(frozen=True)
+class Range:
+    """Rows whose first byte lies in [start, end) of a dump; `index` orders a file's ranges."""
+
+    file: str
+    index: int
+    start: int
+    end: int
+
+
+@dataclass
+class Plan:
+    """What every split task needs, worked out once by whoever starts the split."""
+
+    shard_count: int
+    ranges: list[Range]
+    columns: dict[str, list[int]]  # per dump: where each expected field is in its rows
+    closes: dict  # the bhavcopy's closing prices
+    input_errors: list[dict]  # the bhavcopy's
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
@@ -80,71 +110,183 @@ def shard_count(clients: int, shard_size: int) -> int:
 
 def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_date: str,
               shard_size: int, note_prefix: str) -> SplitResult:
-    """Raises InputError when a file is missing or unusable; a bad row only rejects its account."""
-    check_inputs(inputs)
-    clients = sum(1 for _ in inputs.lines("clients.csv")) - 1
-    shards = shard_count(clients, shard_size)
-    result = SplitResult(shards=[], shard_count=shards)
-    closes = _closing_prices(inputs, trade_date, result)
-    reserve = note_numbers.reserver(store, state, note_numbers.financial_year(trade_date))
-    with tempfile.TemporaryDirectory(prefix=f"split-{run_id}-") as tmp:
-        spool = _Spool(Path(tmp))
-        _spool_rows(inputs, "clients.csv", CLIENT_FIELDS, shards, spool, result,
-                    lambda n, row: parse_client("clients.csv", n, row))
-        _spool_rows(inputs, "trades.csv", TRADE_FIELDS, shards, spool, result,
-                    lambda n, row: parse_trade("trades.csv", n, row, trade_date, closes))
-        spool.flush()
-        for shard in range(shards):
-            accounts, rejects = _assemble(spool, shard)
-            result.rejected += len(rejects)
-            state.record(rejects)
-            if not accounts:
-                continue
-            first = reserve(len(accounts))
-            for i, account in enumerate(accounts):
-                account["note_no"] = note_numbers.note_number(note_prefix, trade_date, first + i)
+    """The whole split in this process, one range per dump and one group.
+    Raises InputError when a file is missing or unusable; a bad row only rejects its account."""
+    plan = make_plan(inputs, trade_date, shard_size, parts=1)
+    metas, parts = [], []
+    for rng in plan.ranges:
+        meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
+                                     plan.closes)
+        metas.append(meta)
+        parts.append(bucket)
+    assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas))
+    return result(plan, metas, [assembled])
+
+
+def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Plan:
+    """Raises InputError when a dump is missing or lacks a column. The shard count comes from
+    the size of clients.csv and its first rows (exact for a file under 256 KB): counting a
+    day's clients exactly would mean reading the file twice."""
+    columns = {name: _columns(inputs, name, fields) for name, fields in DUMPS.items()}
+    errors: list[dict] = []
+    closes = _closing_prices(inputs, trade_date, errors)
+    sizes = {name: inputs.size(name) for name in DUMPS}
+    target = min(RANGE_BYTES_MAX, max(RANGE_BYTES_MIN, sum(sizes.values()) // max(1, 2 * parts)))
+    ranges = []
+    for name, size in sizes.items():
+        n = max(1, round(size / target))
+        ranges += [Range(name, i, size * i // n, size * (i + 1) // n) for i in range(n)]
+    return Plan(shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
+                columns, closes, errors)
+
+
+def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
+               closes: dict) -> tuple[dict, list[list[tuple]]]:
+    """Validates one range's rows. Returns what the range saw (its row count, the errors that
+    name no account, trades per shard) and one bucket per group of shards: (kind, shard, ucc,
+    payload) with kind c (client), t (trade) or e (an error rejecting the account)."""
+    kind, name = rng.file[0], rng.file
+    reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
+    if rng.index == 0:
+        next(reader, None)  # the header
+    buckets: list[list[tuple]] = [[] for _ in range(groups)]
+    weights: dict[int, int] = defaultdict(int)
+    pick, width = operator.itemgetter(*columns), max(columns) + 1
+    shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
+    errors, n = [], 0
+    for n, raw in _rows(reader):
+        try:
+            if raw is None:
+                raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
+            values = list(pick(raw)) if len(raw) >= width else [raw[i] if i < len(raw) else "" for i in columns]
+            if kind == "t":
+                row = trade_row(name, n, values, trade_date, closes, contracts)
+                ucc = row[4]
+            else:
+                client = parse_client(name, n, dict(zip(CLIENT_FIELDS, values)))
+                ucc, row = client.ucc, [getattr(client, f) for f in CLIENT_FIELDS]
+            shard = shard_of.get(ucc)
+            if shard is None:
+                shard = shard_of[ucc] = keys.shard_of(ucc, shards)
+            buckets[shard % groups].append((kind, shard, ucc, row))
+            if kind == "t":
+                weights[shard] += 1
+        except RowError as e:
+            if e.ucc:
+                shard = keys.shard_of(e.ucc, shards)
+                buckets[shard % groups].append(("e", shard, e.ucc, {**e.as_dict(), "range": rng.index}))
+            elif len(errors) < MAX_LISTED_ERRORS:
+                errors.append({**e.as_dict(), "range": rng.index})
+    return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights)}, buckets
+
+
+def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
+    """(file, range index) -> the data rows of that file before the range."""
+    offsets, seen = {}, defaultdict(int)
+    for meta in sorted(metas, key=lambda m: (m["file"], m["index"])):
+        offsets[(meta["file"], meta["index"])] = seen[meta["file"]]
+        seen[meta["file"]] += meta["rows"]
+    return offsets
+
+
+def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_prefix: str,
+             parts: list[list[tuple]], offsets: dict, reuse: bool = False) -> dict:
+    """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
+    are reserved for the group in one block, shard after shard. With `reuse` (a split run
+    again after it was cut short), a shard already in storage is kept as written: its notes
+    may have gone out with those numbers. Returns {shard: (accounts, trades)} and the rejected."""
+    by_shard: dict[int, list[tuple]] = defaultdict(list)
+    for part in parts:
+        for item in part:
+            by_shard[item[1]].append(item)
+    done, fresh, rejected = {}, [], 0
+    for shard in sorted(by_shard):
+        accounts, rejects = _accounts(by_shard.pop(shard), offsets)
+        rejected += len(rejects)
+        state.record(rejects)
+        if not accounts:
+            continue
+        key = keys.shard_key(run_id, shard)
+        if reuse and store.exists(key):
+            accounts = [json.loads(line) for line in store.get(key).decode().splitlines()]
+            state.record(Outcome(a["ucc"], "validated") for a in accounts)
+            done[shard] = (len(accounts), sum(len(a["trades"]) for a in accounts))
+        else:
+            fresh.append((shard, accounts))
+    if fresh:
+        first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date),
+                                     sum(len(a) for _, a in fresh))
+        for shard, accounts in fresh:
+            for account in accounts:
+                account["note_no"] = note_numbers.note_number(note_prefix, trade_date, first)
+                first += 1
             body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
             store.put(keys.shard_key(run_id, shard), body.encode())
             state.record(Outcome(a["ucc"], "validated") for a in accounts)
-            result.shards.append(shard)
-            result.trades.append(sum(len(a["trades"]) for a in accounts))
-            result.accounts += len(accounts)
-    return result
+            done[shard] = (len(accounts), sum(len(a["trades"]) for a in accounts))
+    return {"shards": done, "rejected": rejected}
+
+
+def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
+    offsets = row_offsets(metas)
+    shards = sorted((s, n) for a in assembled for s, n in a["shards"].items())
+    errors = list(plan.input_errors)
+    for meta in sorted(metas, key=lambda m: (m["file"] != "clients.csv", m["index"])):
+        errors += [_moved(e, offsets) for e in meta["errors"]]
+    return SplitResult(shards=[s for s, _ in shards], shard_count=plan.shard_count,
+                       accounts=sum(n for _, (n, _) in shards), rejected=sum(a["rejected"] for a in assembled),
+                       input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
 
 
 def check_inputs(inputs: Store) -> None:
     """Before anything starts: both dumps are there and have every column (InputError if not)."""
-    for name, fields in (("clients.csv", CLIENT_FIELDS), ("trades.csv", TRADE_FIELDS)):
-        if not inputs.exists(name):
-            raise InputError(f"{name}: not found in the input {getattr(inputs, 'url', '')}")
-        check_header(name, next(csv.reader(_csv_lines(inputs, name)), []), fields)
+    for name, fields in DUMPS.items():
+        _columns(inputs, name, fields)
 
 
-def _closing_prices(inputs: Store, trade_date: str, result: SplitResult) -> dict:
+def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:
+    if not inputs.exists(name):
+        raise InputError(f"{name}: not found in the input {getattr(inputs, 'url', '')}")
+    header = next(csv.reader(_csv_lines(inputs, name)), [])
+    check_header(name, header, fields)
+    return [header.index(f) for f in fields]
+
+
+def _estimate_rows(inputs: Store, name: str, size: int) -> int:
+    sample = inputs.read_range(name, 0, 256 * 1024)
+    lines = sample.count(b"\n") + (not sample.endswith(b"\n") and bool(sample))
+    if len(sample) >= size:
+        return max(0, lines - 1)
+    return max(1, round(size * lines / len(sample)) - 1)
+
+
+def _closing_prices(inputs: Store, trade_date: str, errors: list[dict]) -> dict:
     """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
     if not inputs.exists(bhavcopy.FILE):
-        result.input_errors.append(
-            RowError(bhavcopy.FILE, 0, "", "file not found: derivatives trades have no closing price").as_dict())
+        errors.append(RowError(bhavcopy.FILE, 0, "", "file not found: derivatives trades have no closing price").as_dict())
         return {}
-    return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, result.input_errors, MAX_LISTED_ERRORS)
+    return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, errors, MAX_LISTED_ERRORS)
 
 
-def _spool_rows(inputs: Store, name: str, fields: list[str], shards: int, spool: "_Spool",
-                result: SplitResult, parse) -> None:
-    reader = csv.DictReader(_csv_lines(inputs, name))
-    check_header(name, reader.fieldnames or [], fields)
-    kind = name[0]
-    for n, row in _rows(reader):
-        try:
-            if row is None:
-                raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
-            record = parse(n, row)
-            spool.add(keys.shard_of(record.ucc, shards), [kind, record.ucc, _as_list(record)])
-        except RowError as e:
-            if e.ucc:
-                spool.add(keys.shard_of(e.ucc, shards), ["e", e.ucc, e.as_dict()])
-            elif len(result.input_errors) < MAX_LISTED_ERRORS:
-                result.input_errors.append(e.as_dict())
+def _range_text(inputs: Store, rng: Range) -> str:
+    """The range's own lines: from the first line starting at or after `start` (the header's,
+    for the first range) to the end of the line holding byte end-1."""
+    base = max(0, rng.start - 1)
+    data = inputs.read_range(rng.file, base, rng.end)
+    if rng.start > 0:
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""
+    if data and not data.endswith(b"\n"):
+        at = rng.end
+        while True:
+            more = inputs.read_range(rng.file, at, at + 64 * 1024)
+            cut = more.find(b"\n")
+            if cut >= 0 or not more:
+                data += more[:cut + 1] if cut >= 0 else more
+                break
+            data, at = data + more, at + len(more)
+    text = data.decode("utf-8", "surrogateescape")
+    return text.removeprefix("\ufeff") if rng.start == 0 else text
 
 
 def _csv_lines(inputs: Store, name: str):
@@ -154,39 +296,47 @@ def _csv_lines(inputs: Store, name: str):
         raise InputError(f"{name}: cannot be read: {e}") from None
 
 
-def _rows(reader: csv.DictReader):
-    """(row number, row) for each data row; a row the csv module cannot parse is (n, None), and
-    the file goes on. A field over the csv module's limit reaches the length check instead."""
+def _rows(reader):
+    """(row number, row) for each data row, blank lines skipped; a row the csv module cannot
+    parse is (n, None), and the file goes on. A field over the csv module's limit reaches the
+    length check instead."""
     n = 0
     while True:
-        n += 1
         try:
-            yield n, next(reader)
+            row = next(reader)
         except StopIteration:
             return
         except csv.Error:
+            n += 1
             yield n, None
+            continue
+        if row:
+            n += 1
+            yield n, row
 
 
-def _as_list(record) -> list:
-    if isinstance(record, Trade):
-        return record.as_row()
-    return [getattr(record, f) for f in CLIENT_FIELDS]
+def _moved(error: dict, offsets: dict) -> dict:
+    """A range's error with its row number counted from the top of the file."""
+    error = dict(error)
+    index = error.pop("range")
+    if error["row"] != "":
+        error["row"] += offsets[(error["file"], index)]
+    return error
 
 
-def _assemble(spool: "_Spool", shard: int) -> tuple[list[dict], list[Outcome]]:
+def _accounts(items: list[tuple], offsets: dict) -> tuple[list[dict], list[Outcome]]:
     clients: dict[str, list] = {}
-    trades: dict[str, list[Trade]] = defaultdict(list)
+    trades: dict[str, list[list[str]]] = defaultdict(list)
     errors: dict[str, list[dict]] = defaultdict(list)
-    for kind, ucc, payload in spool.read(shard):
+    for kind, _, ucc, payload in items:
         if kind == "c":
             if ucc in clients:
                 errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc", "error": "duplicate client"})
             clients[ucc] = payload
         elif kind == "t":
-            trades[ucc].append(Trade.from_row(payload))
+            trades[ucc].append(payload)
         else:
-            errors[ucc].append(payload)
+            errors[ucc].append(_moved(payload, offsets))
     accounts, rejects = [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
@@ -195,10 +345,9 @@ def _assemble(spool: "_Spool", shard: int) -> tuple[list[dict], list[Outcome]]:
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
-        kept = effective_trades(trades[ucc])
+        kept = effective_rows(trades[ucc])
         if kept:
-            client = dict(zip(CLIENT_FIELDS, clients[ucc]))
-            accounts.append({"ucc": ucc, "client": client, "trades": [t.as_row() for t in kept]})
+            accounts.append({"ucc": ucc, "client": dict(zip(CLIENT_FIELDS, clients[ucc])), "trades": kept})
     return accounts, rejects
 
 
@@ -207,30 +356,3 @@ def _describe(errors: list[dict]) -> str:
     where = f"{first['file']} row {first['row']}" if first["row"] != "" else first["file"]
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where} field '{first['field']}': {first['error']}{more}"
-
-
-class _Spool:
-    """Per-shard JSON-lines files on local disk, appended in large buffered batches."""
-
-    def __init__(self, root: Path):
-        self.root, self.buffers, self.pending = root, defaultdict(list), 0
-
-    def add(self, shard: int, item: list) -> None:
-        self.buffers[shard].append(json.dumps(item, separators=(",", ":")))
-        self.pending += 1
-        if self.pending >= FLUSH_ROWS:
-            self.flush()
-
-    def flush(self) -> None:
-        for shard, lines in self.buffers.items():
-            with (self.root / f"{shard}.jsonl").open("a") as f:
-                f.write("\n".join(lines) + "\n")
-        self.buffers.clear()
-        self.pending = 0
-
-    def read(self, shard: int):
-        path = self.root / f"{shard}.jsonl"
-        if path.exists():
-            with path.open() as f:
-                for line in f:
-                    yield json.loads(line)

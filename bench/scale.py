@@ -1,0 +1,205 @@
+"""Scale: the split on one core and on all, runs at two sizes, memory, Redis, S3 and the tail.
+
+Everything a user would run, with a local redis-server, SMTP sink and S3 server (versitygw,
+counted at its access log), measured in one go and printed as one JSON line:
+  split_rows_per_s_1core   split_day in one process (the 1-core baseline) on the large day
+  split_rows_per_s_all     the Ray split (ranged reads, then group assembly) on every core
+  first_note_s, notes_per_s_*, efficiency_*
+                           `python -m pipeline run` as a user runs it, at both sizes; the
+                           first note is timed from the command's start to the first relay
+                           acceptance; efficiency is against bench/e2e.py's sequential loop
+                           on the small day (notes/s per core)
+  driver_peak_rss_mb_*     the driver's own peak RSS in each run
+  redis_bytes_per_account  MEMORY USAGE of the large run's keys / its accounts
+  report_peak_mb_*         peak RSS of a fresh process writing each run's report; per_100k:
+                           its growth from the small to the large run, per 100,000 accounts
+  s3_requests_per_note     requests at the S3 server during the small day run on S3 / notes
+  tail_*                   the small day with and without one 60,000-trade client
+
+    python bench/scale.py --small 2000 --large 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e import sequential  # noqa: E402
+from pipeline import keys  # noqa: E402
+from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from pipeline.settings import Settings  # noqa: E402
+from pipeline.sign import make_test_certificate  # noqa: E402
+from pipeline.state import RunState  # noqa: E402
+from pipeline.synth import SynthOptions, write_dumps  # noqa: E402
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw  # noqa: E402
+
+DATE = "2026-11-20"
+PY = sys.executable
+
+
+def rows_of(folder: Path) -> int:
+    return sum(sum(1 for _ in (folder / f).open("rb")) - 1 for f in ("clients.csv", "trades.csv"))
+
+
+def split_rates(settings: Settings, day: Path, warm: Path) -> dict:
+    """In a child process each, so neither run's memory or Ray start is in the other."""
+    code = """
+import json, sys, time
+from pipeline.settings import Settings
+from pipeline.state import RunState
+from pipeline.storage import open_store
+s = Settings(**json.loads(sys.argv[1])); day, warm, mode = sys.argv[2:5]
+if mode == "1core":
+    from pipeline.split import split_day
+    t = time.perf_counter()
+    split_day(open_store(day), open_store(s.store_url), RunState(s.redis_url, "split1"), "split1", "%(d)s",
+              s.shard_size, "CNT")
+else:
+    import ray
+    from pipeline.driver import init_ray
+    from pipeline.split_tasks import Split
+    init_ray(s)
+    cpus = int(ray.cluster_resources()["render"])
+    Split.start(s, "warm", "%(d)s", warm, cpus, False, lambda: None).done(block=True)  # workers started
+    t = time.perf_counter()
+    Split.start(s, "splitall", "%(d)s", day, cpus, False, lambda: None).done(block=True)
+print(time.perf_counter() - t)
+""" % {"d": DATE}
+    rows, out = rows_of(day), {}
+    for mode in ("1core", "all"):
+        done = subprocess.run([PY, "-c", code, json.dumps(settings.__dict__), str(day), str(warm), mode],
+                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if done.returncode:
+            raise SystemExit(f"split {mode} failed:\n{done.stderr[-3000:]}")
+        out[mode] = rows / float(done.stdout.strip().splitlines()[-1])
+    return {"split_rows": rows, "split_rows_per_s_1core": round(out["1core"]),
+            "split_rows_per_s_all": round(out["all"]), "split_speedup": round(out["all"] / out["1core"], 2)}
+
+
+def run(env: dict, day: str, run_id: str) -> dict:
+    """`python -m pipeline run`, timed from the command's start; the first note from Redis."""
+    started = time.time()
+    done = subprocess.run([PY, "-m", "pipeline", "run", "--date", DATE, "--input", day, "--run-id", run_id],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"run {run_id} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    state = RunState(env["REDIS_URL"], run_id)
+    first = min(e["at"] for rec in state.all_accounts() for e in rec.get("history", []) if e["stage"] == "delivered")
+    return {**summary, "first_note_s": round(first - started, 2), "command_s": round(time.time() - started, 2)}
+
+
+def report_peak_mb(env: dict, run_id: str) -> float:
+    code = """
+import resource, sys
+from pipeline import report
+from pipeline.settings import Settings
+from pipeline.state import RunState
+from pipeline.storage import open_store
+s = Settings.from_env()
+state = RunState(s.redis_url, sys.argv[1])
+report.write(open_store(s.store_url), state, sys.argv[1], {"run_id": sys.argv[1]}, [])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+    done = subprocess.run([PY, "-c", code, run_id], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    return round(float(done.stdout.strip().splitlines()[-1]), 1)
+
+
+def redis_bytes_per_account(redis_url: str, run_id: str, accounts: int) -> float:
+    r = RunState(redis_url, run_id).r
+    names = [keys.run_meta(run_id), keys.run_counts(run_id), keys.run_accounts(run_id), keys.run_failed(run_id),
+             keys.run_unconfirmed(run_id), keys.run_mailguard(run_id), keys.run_timeline(run_id)]
+    return round(sum(r.memory_usage(k, samples=0) or 0 for k in names) / accounts, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", type=int, default=2000)
+    parser.add_argument("--large", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        date = dt.date.fromisoformat(DATE)
+        for name, n, volatile in (("small", args.small, False), ("large", args.large, False),
+                                  ("heavy", args.small, True)):
+            write_dumps(work / name, SynthOptions(date, n, args.seed, volatile=volatile))
+        key, cert, root = make_test_certificate(work / "keys")
+        redis = start_redis(work / "redis")
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+        s3 = start_versitygw(work / "s3")
+        try:
+            base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
+                                     signer_cert=str(cert), signer_chain=str(root))
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": redis.url, "SMTP_URL": smtp.url,
+                   "CN_SIGNER_KEY": str(key), "CN_SIGNER_CERT": str(cert), "CN_SIGNER_CHAIN": str(root),
+                   "CN_OWNER_PASSWORD": "bench-owner-secret", "RAY_ADDRESS": ""}
+            out: dict = {"accounts_small": args.small, "accounts_large": args.large, "cores": cores}
+            out.update(split_rates(Settings(**{**base.__dict__, "store_url": str(work / "split")}),
+                                   work / "large", work / "small"))
+            seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / "seq")}), work / "small", "seq")
+            seq_rate = seq["delivered"] / seq["elapsed_s"]
+            local = {**env, "CN_STORE": str(work / "store")}
+            runs = {name: run(local, str(work / name), f"scale-{name}") for name in ("small", "large", "heavy")}
+            out["sequential_notes_per_s"] = round(seq_rate, 2)
+            for name in ("small", "large"):
+                r = runs[name]
+                out[f"notes_per_s_{name}"] = r["notes_per_s"]
+                out[f"efficiency_{name}"] = round(r["notes_per_s"] / (cores * seq_rate), 3)
+                out[f"first_note_s_{name}"] = r["first_note_s"]
+                out[f"driver_peak_rss_mb_{name}"] = r["driver_peak_rss_mb"]
+                out[f"report_peak_mb_{name}"] = report_peak_mb(local, f"scale-{name}")
+            out["first_note_s"] = runs["small"]["first_note_s"]
+            out["driver_rss_ratio"] = round(out["driver_peak_rss_mb_large"] / out["driver_peak_rss_mb_small"], 3)
+            growth = out["report_peak_mb_large"] - out["report_peak_mb_small"]
+            out["report_peak_mb_per_100k"] = round(max(growth, 0) * 100_000 / (args.large - args.small), 1)
+            out["redis_bytes_per_account"] = redis_bytes_per_account(redis.url, "scale-large", args.large)
+            out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
+            out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
+            out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
+            out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
+        finally:
+            s3.stop()
+            smtp.stop()
+            redis.stop()
+    print(json.dumps(out))
+
+
+def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:
+    """The small day again, input and store on the S3 server; its access log counts the requests."""
+    import boto3
+
+    s3env = {**env, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+             "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
+             "CN_STORE": "s3://cn-archive"}
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_ACCESS_KEY,
+                          aws_secret_access_key=S3_SECRET_KEY, region_name="us-east-1")
+    for bucket in ("cn-archive", "cn-input"):
+        client.create_bucket(Bucket=bucket)
+    for f in ("clients.csv", "trades.csv", "bhavcopy.csv"):
+        client.upload_file(str(day / f), "cn-input", f"day/{f}")
+    before = _requests(log)
+    summary = run(s3env, "s3://cn-input/day", "scale-s3")
+    notes = summary["delivered_now"]
+    return {"s3_requests": _requests(log) - before, "s3_notes": notes,
+            "s3_requests_per_note": round((_requests(log) - before) / max(1, notes), 3)}
+
+
+def _requests(log: Path) -> int:
+    """versitygw writes one line per request it served: `time | vgw | status | took | ip | method | path | ...`."""
+    return sum(1 for line in log.open(errors="replace") if line.count(" | ") >= 6) if log.exists() else 0
+
+
+if __name__ == "__main__":
+    main()

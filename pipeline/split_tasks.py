@@ -1,0 +1,90 @@
+"""The split on the cluster: one Ray task per byte range of the dumps, then one per group of shards.
+
+Every range is read and validated at once on the render CPUs; each group of shards is then
+assembled by its own task as soon as every range has dealt it its rows, and a shard's render
+task waits on its group's object ref alone, so notes are rendered while other groups are
+still being assembled. The driver holds refs and counts per shard, never rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import ray
+
+from pipeline.settings import Settings
+from pipeline.split import Plan, SplitResult, assemble, make_plan, read_range, result, row_offsets
+from pipeline.stages import broker
+from pipeline.state import RunState
+from pipeline.storage import open_store
+
+
+@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict):
+    meta, buckets = read_range(open_store(input_url), rng, columns, shards, groups, trade_date, closes)
+    return (meta, *buckets)
+
+
+@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, *parts) -> dict:
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    return assemble(open_store(settings.store_url), state, run_id, trade_date, broker()["note_prefix"], list(parts),
+                    offsets, reuse)
+
+
+class Split:
+    """A split under way. `start` returns once every range is read (their row counts fix the
+    row numbers, their trade counts the order of the work); the groups then assemble while
+    the driver fans out."""
+
+    def __init__(self, plan: Plan, metas: list[dict], groups: int, assembling: dict[int, ray.ObjectRef]):
+        self.plan, self.metas, self.groups, self.assembling = plan, metas, groups, assembling
+        weights: dict[int, int] = {}
+        for meta in metas:
+            for shard, n in meta["weights"].items():
+                weights[shard] = weights.get(shard, 0) + n
+        self.weights = weights
+
+    @classmethod
+    def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
+              watch: Callable[[], None]) -> "Split":
+        plan = make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
+        groups = max(1, min(plan.shard_count, 2 * max(1, cpus), len(plan.ranges) * 4))
+        closes = ray.put(plan.closes)
+        reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file} part {r.index + 1}").remote(
+            input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes) for r in plan.ranges]
+        pending = [refs[0] for refs in reads]
+        while len(ray.wait(pending, num_returns=len(pending), timeout=1.0)[0]) < len(pending):
+            watch()
+        metas = ray.get(pending)
+        split = cls(plan, metas, groups, {})
+        offsets = row_offsets(metas)
+        heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
+        for shard, n in split.weights.items():
+            heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
+        for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
+            split.assembling[g] = assemble_task.options(name=f"split assemble group {g + 1}/{groups}").remote(
+                settings, run_id, trade_date, offsets, reuse, *[refs[g + 1] for refs in reads])
+        return split
+
+    def shards(self) -> list[int]:
+        """The shards with trades, heaviest first (a shard may still turn out empty: all rejected)."""
+        return sorted(self.weights, key=lambda s: (-self.weights[s], s))
+
+    def partial(self) -> SplitResult:
+        """The manifest while the split is under way: a run resumed from it splits again,
+        keeping the shards already written (and the note numbers in them)."""
+        return SplitResult(shards=self.shards(), shard_count=self.plan.shard_count, complete=False)
+
+    def after(self, shard: int) -> ray.ObjectRef:
+        return self.assembling[shard % self.groups]
+
+    def clients(self) -> int:
+        return sum(m["rows"] for m in self.metas if m["file"] == "clients.csv")
+
+    def done(self, block: bool = False) -> SplitResult | None:
+        """The finished split once every group is assembled (raises if a group failed for good)."""
+        refs = list(self.assembling.values())
+        if not block and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return None
+        return result(self.plan, self.metas, ray.get(refs))

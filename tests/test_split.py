@@ -1,0 +1,119 @@
+"""The split in parts: byte ranges cut anywhere give the rows and row numbers of one pass; the
+fast trade check agrees with parse_trade on every row, good or bad; note numbers reserved side
+by side never repeat and their mark in storage never moves down."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import os
+import threading
+
+import pytest
+
+from pipeline import bhavcopy, note_numbers, report
+from pipeline.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
+from pipeline.split import Range, assemble, make_plan, read_range, result, row_offsets, split_day
+from pipeline.state import Outcome, RunState
+from pipeline.storage import open_store
+from pipeline.synth import SynthOptions, write_dumps
+from tests.test_hostile_input import split_with
+from tests.test_note_correctness import DATE, HAND_MADE
+
+
+def ranged_split(inputs, store, state, run_id: str, cut_every: int, groups: int = 3):
+    """The split with every dump cut into ranges of `cut_every` bytes, read in reverse order."""
+    plan = make_plan(inputs, DATE, 4, parts=1)
+    plan.ranges = [Range(name, i, a, min(a + cut_every, inputs.size(name)))
+                   for name in ("clients.csv", "trades.csv")
+                   for i, a in enumerate(range(0, inputs.size(name), cut_every))]
+    metas, buckets = [], []
+    for rng in reversed(plan.ranges):
+        meta, parts = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, groups, DATE, plan.closes)
+        metas.insert(0, meta)
+        buckets.insert(0, parts)
+    offsets = row_offsets(metas)
+    assembled = [assemble(store, state, run_id, DATE, "CNT", [b[g] for b in buckets], offsets) for g in range(groups)]
+    return result(plan, metas, assembled)
+
+
+@pytest.mark.parametrize("cut_every", [1, 37, 400])
+def test_ranges_cut_anywhere_give_the_rows_and_row_numbers_of_one_pass(tmp_path, redis_url, cut_every):
+    split_with(tmp_path, redis_url, {"price": "1e30"})  # the poisoned account's first trade is row 13
+    inputs = open_store(str(tmp_path / "in"))
+    run = f"ranges-{os.urandom(3).hex()}"
+    one = split_day(inputs, open_store(str(tmp_path / "one")), RunState(redis_url, run + "a"), run + "a", DATE, 4, "CNT")
+    state = RunState(redis_url, run + "b")
+    cut = ranged_split(inputs, open_store(str(tmp_path / "cut")), state, run + "b", cut_every)
+    assert (cut.accounts, cut.rejected, cut.shards, cut.trades) == (one.accounts, one.rejected, one.shards, one.trades)
+    assert state.accounts(["BAD1"])["BAD1"]["reason"].startswith("trades.csv row 13 field 'price'")
+    strip = lambda folder: sorted(  # noqa: E731 (the note numbers differ: each split reserved its own)
+        line.split('"note_no"')[0] for p in (tmp_path / folder).rglob("shard-*.jsonl") for line in p.read_text().splitlines())
+    assert strip("cut") == strip("one")
+
+
+def test_a_row_that_names_no_account_keeps_its_row_number_in_any_range(tmp_path, redis_url):
+    split_with(tmp_path, redis_url, raw=b'x,"unterminated\x00')  # row 13 of trades.csv
+    inputs = open_store(str(tmp_path / "in"))
+    cut = ranged_split(inputs, open_store(str(tmp_path / "cut")), RunState(redis_url, "nameless"), "nameless", 53)
+    assert [e["row"] for e in cut.input_errors] == [13], cut.input_errors
+
+
+MUTATIONS = [("price", "1e30"), ("price", "0.001"), ("price", " 820.00"), ("quantity", "0010"), ("quantity", "0"),
+             ("quantity", "1_000"), ("symbol", "SB IN"), ("symbol", "S" * 300), ("isin", ""), ("expiry", "2026-13-01"),
+             ("expiry", "2026-11-19"), ("strike", "abc"), ("option_type", "XX"), ("trade_date", "2026-11-19"),
+             ("instrument", "FUTSTK"), ("product", "NRML"), ("status", "14"), ("settlement_no", "A\x85B"),
+             ("settlement_no", "x" * 300), ("order_time", "24:00:00"), ("segment", "XX"), ("ucc", "ÄB")]
+
+
+def test_the_fast_trade_check_agrees_with_parse_trade_on_every_row(tmp_path):
+
+    write_dumps(tmp_path, SynthOptions(dt.date.fromisoformat(DATE), 40, seed=5))
+    closes = bhavcopy.read((tmp_path / "bhavcopy.csv").open(), DATE, [], 10)
+    rows = list(csv.DictReader((tmp_path / "trades.csv").open()))[:300] + HAND_MADE
+    cases = rows + [{**r, f: v} for r in rows[::25] + HAND_MADE for f, v in MUTATIONS]
+    for n, raw in enumerate(cases, 1):
+        values = [raw.get(f, "") for f in TRADE_FIELDS]
+        try:
+            want = parse_trade("trades.csv", n, raw, DATE, closes).as_row()
+        except RowError as e:
+            with pytest.raises(RowError) as got:
+                trade_row("trades.csv", n, values, DATE, closes, {})
+            assert str(got.value) == str(e)
+            continue
+        assert trade_row("trades.csv", n, values, DATE, closes, {}) == want, raw
+
+
+def test_note_numbers_reserved_side_by_side_never_repeat_and_the_mark_never_drops(tmp_path, redis_url):
+    store, state, fy = open_store(str(tmp_path)), RunState(redis_url, "reserve"), f"t{os.urandom(3).hex()}"
+    firsts = []
+
+    def reserve():
+        for _ in range(5):
+            firsts.append(note_numbers.reserve(store, state, fy, 10))
+
+    threads = [threading.Thread(target=reserve) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    issued = sorted(n for f in firsts for n in range(f, f + 10))
+    assert issued == list(range(1, 301))
+    assert note_numbers.high_water_mark(store, fy) == 300
+
+
+def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_url):
+    state = RunState(redis_url, f"pages-{os.urandom(3).hex()}")
+    n = 2 * report.PAGE + 7
+    state.record([Outcome(f"U{i}", "delivered", message_id=f"<m{i}>") for i in range(n - 3)]
+                 + [Outcome(f"P{i}", "rendered", "physical", "no e-mail consent") for i in range(3)])
+    store = open_store(str(tmp_path))
+    key = report.write(store, state, state.run_id, {"run_id": state.run_id}, [])
+    rows = list(csv.DictReader(io.StringIO(store.get(key.replace(".json", ".csv")).decode())))
+    assert len(rows) == n and len({r["ucc"] for r in rows}) == n
+    doc = json.loads(store.get(key))
+    assert doc["statuses"] == {"delivered": n - 3, "physical": 3}
+    assert sorted(doc["physical_dispatch"]) == ["P0", "P1", "P2"]
+
