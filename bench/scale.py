@@ -101,7 +101,7 @@ def run(env: dict, day: str, run_id: str) -> dict:
 
 def report_peak_mb(env: dict, run_id: str) -> float:
     code = """
-import resource, sys
+import sys
 from pipeline import report
 from pipeline.settings import Settings
 from pipeline.state import RunState
@@ -109,7 +109,7 @@ from pipeline.storage import open_store
 s = Settings.from_env()
 state = RunState(s.redis_url, sys.argv[1])
 report.write(open_store(s.store_url), state, sys.argv[1], {"run_id": sys.argv[1]}, [])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024)
 """
     done = subprocess.run([PY, "-c", code, run_id], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
     return round(float(done.stdout.strip().splitlines()[-1]), 1)

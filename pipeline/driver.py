@@ -193,12 +193,20 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
-        "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "driver_peak_rss_mb": peak_rss_mb(),
     }
     if warnings:
         summary["warnings"] = warnings
     summary["report"] = report.write(store, state, run_id, summary, split.input_errors)
     return summary
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak (VmHWM). Not ru_maxrss: Linux carries that over from the parent
+    through fork and exec, so a child started by a big process reports the parent's peak."""
+    with open("/proc/self/status") as f:
+        kb = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
+    return round(kb / 1024, 1)
 
 
 def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> None:
