@@ -207,9 +207,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         if not accounts:
             continue
         key = keys.shard_key(run_id, shard)
-        if reuse and store.exists(key):
+        if reuse and store.exists(key):  # recorded when written: recording again would wipe a Message-ID
             accounts = [json.loads(line) for line in store.get(key).decode().splitlines()]
-            state.record(Outcome(a["ucc"], "validated") for a in accounts)
             done[shard] = (len(accounts), sum(len(a["trades"]) for a in accounts))
         else:
             fresh.append((shard, accounts))
