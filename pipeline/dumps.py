@@ -231,12 +231,11 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
                 and 0 < quantity <= MAX_QUANTITY and MIN_PRICE <= price <= MAX_PRICE):
             if segment == "CM":
                 return [*values[:16], str(quantity), str(price), values[18], values[19], ""]
+            contracts = {} if contracts is None else contracts
             contract = (*values[1:3], instrument, values[9], *values[12:15])
-            if contracts is None or contract not in contracts:
-                close = _fo_close(values, trade_date, instrument, closes)
-                if contracts is not None:
-                    contracts[contract] = close
-            close = contracts[contract] if contracts is not None else close
+            if contract not in contracts:
+                contracts[contract] = _fo_close(values, trade_date, instrument, closes)
+            close = contracts[contract]
             if close is not None:
                 return [*values[:16], str(quantity), str(price), values[18], values[19], str(close)]
     return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
