@@ -151,16 +151,23 @@ def test_a_mailer_killed_mid_run_by_pid_leaves_unconfirmed_accounts_never_lost_o
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
-        ray_session, settings, busy_day, smtp_server):
+        ray_session, settings, busy_day, smtp_server, tmp_path):
+    """Nothing fails for the outage. A transaction whose final dot was sent when the relay went
+    down has no answer, so it is unconfirmed (at most one per connection) and settled by the
+    relay's list, as in production."""
     server = smtp_server(outage={"after": 10, "seconds": 20})
     relay = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
 
     summary = run_day(relay, RunRequest(TRADE_DATE, str(busy_day)))
 
-    assert (summary["failed"], summary["unconfirmed"]) == (0, 0)
-    assert summary["delivered"] == len(mailable(busy_day))
+    assert summary["failed"] == 0 and summary["unconfirmed"] <= relay.smtp_connections * relay.mailers
+    assert summary["delivered"] + summary["unconfirmed"] == len(mailable(busy_day))
     assert summary["elapsed_s"] > 20, "the outage happened mid-run"
-    assert_each_account_once(settings, summary["run_id"], busy_day, server.outbox, "relay down 20 s", summary)
+    run_id, settled = summary["run_id"], {}
+    if summary["unconfirmed"]:
+        settled = {"reconciled": reconcile(relay, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
+                   ["reconciled"], "resent": len(rerun(relay, run_id, unconfirmed=True)["rerun_accounts"])}
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "relay down 20 s", summary, settled)
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["with-aof", "without-persistence"])
