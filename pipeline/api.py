@@ -29,7 +29,7 @@ from pydantic import BaseModel, model_validator
 from pipeline import keys, report
 from pipeline.settings import Settings
 from pipeline.split import find_account
-from pipeline.state import FINAL_STATUSES, RunState, final_status, redis_client
+from pipeline.state import FINAL_STATUSES, RunState, final_status, history, redis_client
 from pipeline.storage import StorageError, open_store
 
 PAGE = Path(__file__).parent / "static" / "status.html"
@@ -123,9 +123,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
         if client and not full:
             client.update(email=mask_email(client["email"]), pan=mask_pan(client["pan"]))
-        history = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
-                   for event in record.get("history", [])]
-        return {**public_record(record, full), "history": history, "client": client,
+        events = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
+                  for event in history(record)]
+        return {**public_record(record, full), "history": events, "client": client,
                 "pii": "shown" if full else "masked"}
 
     @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)

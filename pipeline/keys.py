@@ -4,10 +4,10 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:runs                    zset   run_id -> started (epoch s)
   cn:run:{run}:meta          hash   date, input, started, finished, config summary
   cn:run:{run}:counts        hash   per-stage counters (O(1) to read)
-  cn:run:{run}:accounts      hash   ucc -> JSON account record (stage, status, reason, ...)
+  cn:run:{run}:accounts      hash   ucc -> compact JSON account record (state.py says its fields)
   cn:run:{run}:failed        zset   ucc -> time of failure (the rerun registry)
   cn:run:{run}:unconfirmed   zset   ucc -> time: the mail may have reached the relay (reconcile)
-  cn:run:{run}:mailguard     hash   ucc -> claim; HSETNX before an e-mail leaves
+  cn:run:{run}:mailguard     hash   ucc -> claim token; taken before an e-mail leaves
   cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark

@@ -35,7 +35,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     rows = csv.DictReader(store.lines(csv_key))
     while page := [{k: _plain(v) for k, v in row.items()} for row in itertools.islice(rows, PAGE)]:
         state.record(o for row in page for o in _outcomes(row))
-        state.restore_claims({r["ucc"]: r["message_id"] for r in page if r["status"] in ("delivered", "unconfirmed")})
+        state.restore_claims(r["ucc"] for r in page if r["status"] in ("delivered", "unconfirmed"))
     split = load_manifest(store, run_id)
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile)
         restore_from_log(store, state, run_id, shard)

@@ -64,7 +64,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int) -> 
     log. Idempotent; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard))
     records = state.accounts(sorted(found))
-    guard, outcomes, catch_up = {}, [], []
+    guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
         rec = records.get(ucc)
         if rec is not None and rec.get("updated", 0) >= e["at"]:
@@ -74,7 +74,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int) -> 
             continue
         status = "unconfirmed" if e["status"] == "sending" else e["status"]
         if status in ("delivered", "unconfirmed"):
-            guard[ucc] = e["message_id"]
+            guard.add(ucc)
         if status == "delivered":
             outcomes.append(Outcome(ucc, "delivered", message_id=e["message_id"], reply=e.get("reply", ""),
                                     extra={"attempts": e.get("attempts", 1)}))

@@ -1,10 +1,11 @@
 """Live job state in Redis: account records, stage counters, the failed registry, the mail guard.
 
-An account's record holds the furthest stage it reached, its status, its history (one
-event per stage outcome: the delivery log) and its delivery attempts. Stage counters move
-only when an account reaches a stage for the first time, inside one Lua call with the
-record write, so reruns and Ray's retries never double count and counters stay O(1) to read.
-Writes are batched: one pipeline round trip per shard.
+An account's record holds the furthest stage it reached, its status, the events out of the
+ordinary (failures, reruns) and its delivery attempts; the delivery log in storage is the
+record of every mailing. Stage counters move only when an account reaches a stage for the
+first time, inside one Lua call with the record write, so reruns and Ray's retries never
+double count and counters stay O(1) to read. Writes are batched: one pipeline round trip
+per shard.
 """
 
 from __future__ import annotations
@@ -51,46 +52,56 @@ def final_status(rec: dict) -> str:
     status = rec.get("status")
     return status if status in ("unconfirmed", "failed", "rejected", "physical") else "pending"
 
-# The record keeps the furthest stage ever reached; a failure says where (failed_at). An
-# account is in at most one registry: failed (rerun --failed) or unconfirmed (reconcile).
+# An account's record is compact JSON, so that 1.5M of them fit a small head (issue 11: at
+# most 400 bytes an account with the mail guard). The ucc is the field name, the Message-ID
+# is derived from run and ucc ("m": 1) and a stage is its rank:
+#   r  furthest stage reached (0: none)   s  status code, absent when ok (STATUS_CODES)
+#   f  rank of the stage that failed      e  reason          p  the relay's reply
+#   t  time of the last outcome           n  delivery attempts, absent when 0
+#   x  extra flags of the last outcome    h  the out-of-the-ordinary events only
+# A stage reached on the first try is not kept as an event: it follows from r. An event is
+# kept when it failed, was refused, skipped or unconfirmed, or repeated a stage already
+# reached: [stage rank, status code, reason, time, r before it]. An account is in at most one
+# registry: failed (rerun --failed) or unconfirmed (reconcile).
 # KEYS: accounts, counts, failed, unconfirmed. ARGV: ucc, record json, stage rank, stage,
 # registry (f, u or empty), now, ttl
 _RECORD = """
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
-local prev_rank, prev_stage = 0, ''
-if prev then
-  local p = cjson.decode(prev)
-  prev_rank, prev_stage = tonumber(p['rank']) or 0, p['stage'] or ''
-end
 local rec = cjson.decode(ARGV[2])
-local history, attempts = {}, 0
+local g = rec['g']
+rec['g'] = nil
+local prev_rank, h, n = 0, nil, 0
 if prev then
   local p = cjson.decode(prev)
-  history, attempts = p['history'] or {}, tonumber(p['attempts']) or 0
+  prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
 end
-table.insert(history, {stage = rec['failed_at'] ~= '' and rec['failed_at'] or rec['stage'], status = rec['status'],
-                       reason = rec['reason'], at = rec['updated'], reply = rec['reply']})
-rec['history'] = history
-rec['attempts'] = attempts + (tonumber(rec['tries']) or 0)
-rec['tries'] = nil
-if prev_rank >= rec['rank'] then rec['rank'] = prev_rank; rec['stage'] = prev_stage end
+if (rec['s'] ~= nil and rec['s'] ~= 'p') or g <= prev_rank then
+  h = h or {}
+  table.insert(h, {g, rec['s'] or 'k', rec['e'] or '', rec['t'], prev_rank})
+end
+rec['h'] = h
+rec['n'] = n + (rec['n'] or 0)
+if rec['n'] == 0 then rec['n'] = nil end
+if prev_rank > rec['r'] then rec['r'] = prev_rank end
 redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
 if tonumber(ARGV[3]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
 if ARGV[5] == 'f' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[3], ARGV[1]) end
 if ARGV[5] == 'u' then redis.call('ZADD', KEYS[4], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[4], ARGV[1]) end
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
 """
+STATUS_CODES = {"failed": "f", "rejected": "r", "physical": "p", "skipped": "s", "unconfirmed": "u", "ok": "k"}
+_STATUSES = {c: s for s, c in STATUS_CODES.items()}
 
-# The mail guard, taken only while the run's epoch (set when the run first starts) is in
-# Redis: a Redis that lost the run answers -1 instead of handing out claims it forgot. The
-# claim carries a token, so a call retried after its reply was lost (a Redis restart) still
-# finds the claim its own. KEYS: meta, guard. ARGV: ucc, claim json, epoch, ttl, token
+# The mail guard holds the claim's token: a claim retried after its reply was lost (a Redis
+# restart) still finds it its own. It is taken only while the run's epoch (set when the run
+# first starts) is in Redis: a Redis that lost the run answers -1 instead of handing out
+# claims it forgot. KEYS: meta, guard. ARGV: ucc, epoch, ttl, token
 _CLAIM = """
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[3] then return -1 end
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
 local held = redis.call('HGET', KEYS[2], ARGV[1])
-if held then return cjson.decode(held)['token'] == ARGV[5] and 1 or 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+if held then return held == ARGV[4] and 1 or 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
@@ -177,19 +188,35 @@ class RunState:
             p.execute()
 
     def _record_calls(self, outcomes: Iterable[Outcome]) -> Iterator[list]:
-        now = time.time()
+        now = round(time.time(), 3)
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
               keys.run_unconfirmed(self.run_id)]
         for o in outcomes:
             reached = 0 if o.registry else rank(o.stage)  # failed or unconfirmed: the stage was not reached
-            rec = {**asdict(o), "rank": reached, "updated": now, "failed_at": o.stage if o.failed else "",
-                   "tries": o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)}
-            if o.registry:
-                rec["stage"] = ""
-            if not rec["extra"]:
-                del rec["extra"]
-            counter = o.stage if reached else ""
-            yield [*ks, o.ucc, json.dumps(rec), reached, counter, o.registry, now, self.ttl_s]
+            tries = o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)
+            rec = {"r": reached, "g": rank(o.stage), "t": now, "n": tries, "s": STATUS_CODES[o.status],
+                   "f": rank(o.stage) if o.failed else 0, "e": o.reason, "p": o.reply,
+                   "m": 1 if o.message_id and o.message_id == _message_id(self.run_id, o.ucc) else o.message_id,
+                   "x": {k: v for k, v in o.extra.items() if k != "attempts"}}
+            rec = {k: v for k, v in rec.items() if v or k in ("r", "g", "t")}
+            if rec.get("s") == "k":
+                del rec["s"]
+            yield [*ks, o.ucc, json.dumps(rec, separators=(",", ":")), reached, o.stage if reached else "",
+                   o.registry, now, self.ttl_s]
+
+    def _decode(self, ucc: str, raw: str) -> dict:
+        """The record as every reader sees it (field names of the report and the API)."""
+        c = json.loads(raw)
+        if "rank" in c:  # written before the compact record, by a run still within the retention
+            return {**c, "ucc": ucc, "events": []}
+        r, mid = c["r"], c.get("m", "")
+        rec = {"ucc": ucc, "stage": STAGES[r - 1] if r else "", "rank": r, "status": _STATUSES[c.get("s", "k")],
+               "failed_at": STAGES[c["f"] - 1] if "f" in c else "", "reason": c.get("e", ""),
+               "message_id": _message_id(self.run_id, ucc) if mid == 1 else mid, "reply": c.get("p", ""),
+               "attempts": c.get("n", 0), "updated": c["t"], "events": c.get("h", [])}
+        if "x" in c:
+            rec["extra"] = c["x"]
+        return rec
 
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of
@@ -217,18 +244,19 @@ class RunState:
         if not uccs:
             return {}
         raw = self.r.hmget(keys.run_accounts(self.run_id), uccs)
-        return {u: json.loads(v) for u, v in zip(uccs, raw) if v}
+        return {u: self._decode(u, v) for u, v in zip(uccs, raw) if v}
 
     def all_accounts(self) -> Iterator[dict]:
-        for _, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
-            yield json.loads(v)
+        for u, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
+            yield self._decode(u, v)
 
     def page(self, cursor: int, limit: int, status: str | None = None) -> tuple[list[dict], int]:
         """A page of account records (HSCAN: stable under writes, O(page)); cursor 0 = done."""
         found: list[dict] = []
         while True:
             cursor, chunk = self.r.hscan(keys.run_accounts(self.run_id), cursor, count=limit)
-            found += [r for r in map(json.loads, chunk.values()) if status is None or final_status(r) == status]
+            found += [r for r in (self._decode(u, v) for u, v in chunk.items())
+                      if status is None or final_status(r) == status]
             if cursor == 0 or len(found) >= limit:
                 return found, cursor
 
@@ -241,9 +269,8 @@ class RunState:
     def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch."""
-        token = uuid.uuid4().hex
-        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc,
-                json.dumps({"message_id": message_id, "at": time.time(), "token": token}), epoch, self.ttl_s, token]
+        token = uuid.uuid4().hex[:16]
+        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc, epoch, self.ttl_s, token]
         try:
             claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
         except redis.exceptions.NoScriptError:
@@ -260,12 +287,12 @@ class RunState:
         found = self.r.hmget(keys.run_mailguard(self.run_id), uccs)
         return {u for u, v in zip(uccs, found) if v}
 
-    def restore_claims(self, claims: dict[str, str]) -> None:
-        """Puts back mail guards (ucc -> Message-ID) that a lost Redis forgot."""
+    def restore_claims(self, uccs: Iterable[str]) -> None:
+        """Puts back mail guards that a lost Redis forgot."""
         guard = keys.run_mailguard(self.run_id)
         with self.r.pipeline(transaction=False) as p:
-            for ucc, mid in claims.items():
-                p.hsetnx(guard, ucc, json.dumps({"message_id": mid, "at": time.time(), "restored": True}))
+            for ucc in uccs:
+                p.hsetnx(guard, ucc, "restored")
             p.expire(guard, self.ttl_s)
             p.execute()
 
@@ -285,6 +312,27 @@ _RESERVE = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[2]) then redis.call('SET', KEYS[1], ARGV[2]) end
 return redis.call('INCRBY', KEYS[1], ARGV[1])
 """
+
+
+def history(record: dict) -> list[dict]:
+    """Every outcome of an account in order: the stages it reached on the first try (not
+    stored: they follow from its furthest stage, without a time) around the events kept."""
+    shown, out = 0, []
+    for stage, code, reason, at, before in record["events"]:
+        out += [{"stage": s, "status": "ok"} for s in STAGES[shown:before]]
+        shown = max(shown, before)
+        out.append({"stage": STAGES[stage - 1], "status": _STATUSES[code], "reason": reason, "at": at})
+    out += [{"stage": s, "status": "ok"} for s in STAGES[shown:record["rank"]]]
+    if record["rank"] > shown:  # the last outcome reached a stage: it is the record itself
+        out[-1].update({"status": record["status"], "reason": record["reason"], "at": record["updated"],
+                        "reply": record["reply"]})
+    return out
+
+
+@lru_cache(maxsize=1 << 16)
+def _message_id(run_id: str, ucc: str) -> str:
+    from pipeline.mail import message_id  # mail imports the renderer; state is imported by the API
+    return message_id(run_id, ucc)
 
 
 class StateWriter:

@@ -68,7 +68,10 @@ def main(work: Path, keys: Path) -> dict:
         "object_store_memory": 150 * 2**20})
     assert head.address == gcs, (head.address, gcs)
     ray.init(address=head.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
-    redis, smtp = start_redis(work / "redis"), start_smtp_sink(work / "outbox", work / "smtp.log")
+    # a relay 150 ms away keeps the mailing going while the second signer/SMTP node joins
+    (work / "relay.json").write_text(json.dumps({"delay_ms": 150}))
+    redis = start_redis(work / "redis")
+    smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(work / "relay.json")])
     seen, stop = set(), threading.Event()
 
     def watch() -> None:

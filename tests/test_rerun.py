@@ -38,7 +38,7 @@ def failing_first_run(settings, day: Path, smtp_server) -> tuple[dict, str, str,
 def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_session, settings, day, smtp_server):
     first, sign_victim, mail_victim, first_relay = failing_first_run(settings, day, smtp_server)
     traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
-    from pipeline.state import RunState
+    from pipeline.state import RunState, history
 
     state = RunState(settings.redis_url, first["run_id"])
     records = state.accounts([sign_victim, mail_victim])
@@ -57,8 +57,8 @@ def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_s
     assert sorted(second.values()) == [1, 1]
     assert not set(second) & set(mids(first_relay.outbox))
     assert archived.read_bytes() == archived_bytes, "an archived note is mailed, not re-rendered"
-    history = [e["stage"] for e in state.accounts([mail_victim])[mail_victim]["history"]]
-    assert history.count("rendered") == 1
+    stages = [e["stage"] for e in history(state.accounts([mail_victim])[mail_victim])]
+    assert stages.count("rendered") == 1 and stages[-1] == "delivered"
 
     assert rerun(fixed, first["run_id"], failed=True)["rerun_accounts"] == []
     forced = rerun(fixed, first["run_id"], accounts=[traded[2]], force=True)

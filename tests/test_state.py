@@ -4,7 +4,9 @@ import uuid
 
 import pytest
 
-from pipeline.state import Outcome, RunState, StateLostError, final_status
+from pipeline import keys
+from pipeline.mail import message_id
+from pipeline.state import STAGES, Outcome, RunState, StateLostError, final_status, history
 
 
 @pytest.fixture
@@ -83,3 +85,40 @@ def test_batched_writes_flush_by_size_and_a_trickle_by_time(state):
     writer.add(Outcome("D", "validated"))
     time.sleep(0.4)
     assert state.counts()["validated"] == 4  # a trickle is flushed by the timer
+
+
+def test_an_account_costs_redis_at_most_400_bytes_at_the_end_of_a_run(state):
+    """Issue 11's budget, measured with MEMORY USAGE on a run's keys: every stage recorded, the
+    mail guard taken, the relay's reply kept. 2,000 accounts make both hashes the large kind
+    (hashtable, not listpack), as at 1.5M."""
+    epoch, uccs = state.start({"date": "2026-11-20"}), [f"C{i:07d}" for i in range(2000)]
+    for stage in STAGES[:-1]:
+        state.record(Outcome(u, stage) for u in uccs)
+    for u in uccs:
+        assert state.claim_mail(u, message_id(state.run_id, u), epoch)
+    state.record(Outcome(u, "delivered", message_id=message_id(state.run_id, u),
+                         reply=f"OK queued as {uuid.uuid4().hex}", extra={"attempts": 1}) for u in uccs)
+    state.snapshot()
+    names = [keys.run_meta(state.run_id), keys.run_counts(state.run_id), keys.run_accounts(state.run_id),
+             keys.run_failed(state.run_id), keys.run_unconfirmed(state.run_id), keys.run_mailguard(state.run_id),
+             keys.run_timeline(state.run_id)]
+    per_account = sum(state.r.memory_usage(k, samples=0) or 0 for k in names) / len(uccs)
+    print(f"redis bytes per account: {per_account:.0f}")
+    assert per_account <= 400, per_account
+    rec = state.accounts([uccs[7]])[uccs[7]]
+    assert (rec["stage"], rec["message_id"], rec["attempts"]) == ("delivered", message_id(state.run_id, uccs[7]), 1)
+    assert rec["reply"].startswith("OK queued as ")
+
+
+def test_the_history_keeps_the_order_of_failures_reruns_and_stages_reached(state):
+    state.record([Outcome("A", "validated"), Outcome("A", "rendered")])
+    state.record([Outcome("A", "signed", "failed", reason="signer down")])
+    state.record([Outcome("A", "signed"), Outcome("A", "archived")])
+    state.record([Outcome("A", "delivered", "failed", reason="smtp permanent: 550")])
+    state.record([Outcome("A", "archived"), Outcome("A", "delivered", reply="250 ok", message_id="<x@y>")])
+    events = [(e["stage"], e["status"]) for e in history(state.accounts(["A"])["A"])]
+    assert events == [("validated", "ok"), ("rendered", "ok"), ("signed", "failed"), ("signed", "ok"),
+                      ("archived", "ok"), ("delivered", "failed"), ("archived", "ok"), ("delivered", "ok")]
+    rec = state.accounts(["A"])["A"]
+    assert (rec["message_id"], rec["reply"], rec["failed_at"], final_status(rec)) == ("<x@y>", "250 ok", "", "delivered")
+    assert history(rec)[-1]["reply"] == "250 ok" and history(rec)[2]["reason"] == "signer down"
