@@ -6,7 +6,8 @@ pooling would look useless):
   (a) baseline: smtplib, a new connection per message, built with email.message.EmailMessage;
   (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
       template, the Redis exactly-once guard and delivery log), message building included.
-Client CPU is the sending process's CPU time per mail. Prints one JSON object last.
+Client CPU is the sending process's CPU time per mail. Prints one JSON object last, and saves
+it to pipeline/measured.json (`plan` reads the mail rate there).
 
     python bench/mail.py [--mails 600]
 """
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from bench.scale import save  # noqa: E402
 from pipeline.render import render  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
@@ -119,6 +121,7 @@ def main() -> None:
         "ours_client_cpu_ms_per_mail": round(ours_cpu * 1000 / n, 2),
         "attachment_kb": round(sum(map(len, pdfs)) / n / 1024, 1),
     }
+    save("mail", result)
     print(json.dumps(result))
 
 

@@ -13,8 +13,10 @@ counted at its access log), measured in one go and printed as one JSON line:
   redis_bytes_per_account  MEMORY USAGE of the large run's keys / its accounts
   report_peak_mb_*         peak RSS of a fresh process writing each run's report; per_100k:
                            its growth from the small to the large run, per 100,000 accounts
+  report_s_per_100k        that process's time on the large run, per 100,000 accounts
   s3_requests_per_note     requests at the S3 server during the small day run on S3 / notes
   tail_*                   the small day with and without one 60,000-trade client
+Also saved to pipeline/measured.json, where `plan` reads its rates from.
 
     python bench/scale.py --small 2000 --large 20000
 """
@@ -36,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.e2e import sequential  # noqa: E402
 from pipeline import keys  # noqa: E402
+from pipeline.cluster import MEASURED  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.sign import make_test_certificate  # noqa: E402
@@ -95,11 +98,12 @@ def run(env: dict, day: str, run_id: str) -> dict:
         raise SystemExit(f"run {run_id} failed:\n{done.stderr[-3000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     state = RunState(env["REDIS_URL"], run_id)
-    first = min(e["at"] for rec in state.all_accounts() for e in rec.get("history", []) if e["stage"] == "delivered")
+    first = min(rec["updated"] for rec in state.all_accounts() if rec["stage"] == "delivered")
     return {**summary, "first_note_s": round(first - started, 2), "command_s": round(time.time() - started, 2)}
 
 
-def report_peak_mb(env: dict, run_id: str) -> float:
+def report_peak_mb(env: dict, run_id: str) -> tuple[float, float]:
+    """Peak RSS (MB) and seconds of writing the run's report, in a fresh process."""
     code = """
 import sys
 from pipeline import report
@@ -108,11 +112,15 @@ from pipeline.state import RunState
 from pipeline.storage import open_store
 s = Settings.from_env()
 state = RunState(s.redis_url, sys.argv[1])
+t = time.perf_counter()
 report.write(open_store(s.store_url), state, sys.argv[1], {"run_id": sys.argv[1]}, [])
-print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024,
+      time.perf_counter() - t)
 """
-    done = subprocess.run([PY, "-c", code, run_id], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
-    return round(float(done.stdout.strip().splitlines()[-1]), 1)
+    done = subprocess.run([PY, "-c", "import time\n" + code, run_id], capture_output=True, text=True, cwd=ROOT,
+                          env=env, check=True)
+    peak, seconds = map(float, done.stdout.strip().splitlines()[-1].split())
+    return round(peak, 1), seconds
 
 
 def redis_bytes_per_account(redis_url: str, run_id: str, accounts: int) -> float:
@@ -159,7 +167,10 @@ def main() -> None:
                 out[f"efficiency_{name}"] = round(r["notes_per_s"] / (cores * seq_rate), 3)
                 out[f"first_note_s_{name}"] = r["first_note_s"]
                 out[f"driver_peak_rss_mb_{name}"] = r["driver_peak_rss_mb"]
-                out[f"report_peak_mb_{name}"] = report_peak_mb(local, f"scale-{name}")
+                out[f"report_peak_mb_{name}"], report_s = report_peak_mb(local, f"scale-{name}")
+            out["report_s_per_100k"] = round(report_s * 100_000 / args.large, 1)
+            out["cpu_ms_per_note_large"] = runs["large"]["cpu_ms_per_note"]
+            out["rows_large"] = rows_of(work / "large")
             out["first_note_s"] = runs["small"]["first_note_s"]
             out["driver_rss_ratio"] = round(out["driver_peak_rss_mb_large"] / out["driver_peak_rss_mb_small"], 3)
             growth = out["report_peak_mb_large"] - out["report_peak_mb_small"]
@@ -173,7 +184,14 @@ def main() -> None:
             s3.stop()
             smtp.stop()
             redis.stop()
+    save("scale", out)
     print(json.dumps(out))
+
+
+def save(bench: str, result: dict) -> None:
+    """`plan` sizes the cluster from these (pipeline/cluster.py, Rates.measured)."""
+    saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+    MEASURED.write_text(json.dumps({**saved, bench: result}, indent=1, sort_keys=True) + "\n")
 
 
 def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:

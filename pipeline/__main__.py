@@ -101,9 +101,14 @@ def _parser() -> argparse.ArgumentParser:
                         "stops the run, and the same run id must be run again")
     r.set_defaults(func=cmd_run)
 
-    pl = sub.add_parser("plan", help="node counts and expected duration for a day (the driver's own sizing)")
-    pl.add_argument("--accounts", type=int, required=True)
-    pl.add_argument("--deadline-min", type=float, required=True)
+    pl = sub.add_parser("plan", help="node counts, split, report, head and expected duration for a day (the "
+                                      "driver's own sizing), from the rates in pipeline/measured.json")
+    pl.add_argument("--accounts", type=int)
+    pl.add_argument("--deadline-min", type=float, default=25.0)
+    pl.add_argument("--rows", type=int, help="the day's client and trade rows (default: accounts x the benchmark "
+                                             "day's rows per account)")
+    pl.add_argument("--render-nodes", type=int, default=1, help="at least this many render nodes (e.g. 4: 128 vCPU)")
+    pl.add_argument("--table", action="store_true", help="print the README's capacity table instead")
     pl.set_defaults(func=cmd_plan)
 
     rr = sub.add_parser("rerun", help="rerun the failed or the named accounts of a run, from where each stopped")
@@ -275,12 +280,20 @@ def cmd_run(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from pipeline.cluster import plan
+    from pipeline.cluster import capacity_table, plan
 
-    p = plan(args.accounts, args.deadline_min).as_dict()
+    if args.table:
+        print(capacity_table(args.deadline_min))
+        return 0
+    if args.accounts is None:
+        raise SystemExit("error: plan needs --accounts N (or --table)")
+    p = plan(args.accounts, args.deadline_min, rows=args.rows,
+             retention_days=Settings.from_env().state_ttl_s / 86400, min_render_nodes=args.render_nodes).as_dict()
     print(f"{p['render_nodes']} x {p['render_instance']} (render) + {p['signer_smtp_nodes']} x "
-          f"{p['signer_smtp_instance']} (signer/SMTP): about {p['expected_min']} min, "
-          f"~${p['est_cost_usd_on_demand']} on demand", file=sys.stderr)
+          f"{p['signer_smtp_instance']} (signer/SMTP), head {p['head_instance']} ({p['head_kept_instance']} if "
+          f"kept for the retention): the split of {p['rows']:,} rows {p['split_min']} min, about "
+          f"{p['expected_min']} min in all, ~${p['est_cost_usd_on_demand']} on demand",
+          file=sys.stderr)
     print(json.dumps(p))
     return 0 if p["fits_deadline"] else 1
 

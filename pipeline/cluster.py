@@ -10,6 +10,7 @@ workers, then the head (through the node provider, as `ray down` does).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -38,54 +39,119 @@ RENDER = NodeType("render_spot", "c6a.8xlarge", 32, 1.152)
 SIGNER_SMTP = NodeType("signer_smtp", "c6a.2xlarge", 8, 0.288)
 
 
+HEADS = (NodeType("head", "c6a.xlarge", 4, 0.144), NodeType("head", "c6a.2xlarge", 8, 0.288),
+         NodeType("head", "c6a.4xlarge", 16, 0.576), NodeType("head", "c6a.8xlarge", 32, 1.152))
+HEAD_GIB_PER_VCPU = 2  # c6a: 2 GiB a vCPU
+HEAD_BASE_GIB = 2.0  # GCS, dashboard, driver, API (the driver measured 170-250 MB)
+REDIS_HEADROOM = 1.5  # allocator fragmentation and the AOF rewrite's copy-on-write
+MEASURED = Path(__file__).resolve().parent / "measured.json"  # written by bench/scale.py and bench/mail.py
+
+
 @dataclass(frozen=True)
 class Rates:
-    """Per-note costs measured by bench/ on a 2-core c6a-class machine (see README)."""
+    """What a note costs, as bench/scale.py and bench/mail.py measured it on a 2-core c6a-class
+    machine (pipeline/measured.json, written by them). Start-up and margin are not measured
+    here: they are the nodes' boot and the share of the deadline held back."""
 
-    render_cpu_ms: float = 11.0  # bench/e2e.py pipeline render stage (charges + Typst)
-    sign_cpu_ms: float = 8.0  # bench/e2e.py sign stage (AES-256 + PAdES + archive)
-    mails_per_s_per_node: float = 1000.0  # bench/mail.py: ~270/s per mailer on 1 core, 4 mailers
-    efficiency: float = 0.8  # pipeline rate over cores x sequential rate (bench/e2e.py, 0.76-0.91)
+    render_cpu_ms: float  # a note's charges and Typst, in the pipeline
+    sign_cpu_ms: float  # AES-256 + PAdES + archive
+    mails_per_s_per_mailer: float  # one mailer actor against a relay 1 ms away
+    efficiency: float  # pipeline rate over cores x the sequential loop's rate
+    split_rows_per_s_per_core: float  # the Ray split on every core, per core
+    rows_per_account: float  # clients' and trades' rows a day, per account
+    report_s_per_100k: float
+    redis_bytes_per_account: float
+    mailers_per_node: int = 4  # the `smtp` resources of a signer/SMTP node (cluster.yaml)
     startup_s: float = 240.0  # nodes booting and installing before the first note
     margin: float = 0.25  # share of the deadline held back for retries, reruns and slow relays
+
+    @classmethod
+    def measured(cls, path: Path = MEASURED) -> "Rates":
+        m = json.loads(path.read_text())
+        scale, mail = m["scale"], m["mail"]
+        return cls(render_cpu_ms=scale["cpu_ms_per_note_large"]["render"],
+                   sign_cpu_ms=scale["cpu_ms_per_note_large"]["sign"],
+                   mails_per_s_per_mailer=mail["ours_mails_per_s"], efficiency=scale["efficiency_large"],
+                   split_rows_per_s_per_core=scale["split_rows_per_s_all"] / scale["cores"],
+                   rows_per_account=scale["rows_large"] / scale["accounts_large"],
+                   report_s_per_100k=scale["report_s_per_100k"],
+                   redis_bytes_per_account=scale["redis_bytes_per_account"])
 
 
 @dataclass(frozen=True)
 class Plan:
     accounts: int
+    rows: int
     deadline_s: float
     render_nodes: int
     signer_smtp_nodes: int
+    split_s: float
+    report_s: float
     expected_s: float
     usd: float
+    head: NodeType  # the head of one run (cluster.yaml's: it ends with the run)
+    head_redis_gib: float
+    head_kept: NodeType  # a head kept (--keep-cluster) for the retention, one run a day
+    head_kept_redis_gib: float
     bundles: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"accounts": self.accounts, "deadline_min": round(self.deadline_s / 60, 1),
+        return {"accounts": self.accounts, "rows": self.rows, "deadline_min": round(self.deadline_s / 60, 1),
                 "render_nodes": self.render_nodes, "render_instance": RENDER.instance,
                 "signer_smtp_nodes": self.signer_smtp_nodes, "signer_smtp_instance": SIGNER_SMTP.instance,
+                "split_min": round(self.split_s / 60, 2), "report_min": round(self.report_s / 60, 2),
                 "expected_min": round(self.expected_s / 60, 1), "fits_deadline": self.expected_s <= self.deadline_s,
+                "head_instance": self.head.instance, "head_redis_gib": round(self.head_redis_gib, 2),
+                "head_kept_instance": self.head_kept.instance,
+                "head_kept_redis_gib": round(self.head_kept_redis_gib, 1),
                 "est_cost_usd_on_demand": round(self.usd, 2)}
 
 
-def plan(accounts: int, deadline_min: float, rates: Rates = Rates()) -> Plan:
-    """The fewest nodes that finish inside the deadline less its margin, given the rates;
-    stages overlap (a pipeline), so the run lasts as long as its slowest stage, after
-    start-up."""
-    budget = max(60.0, deadline_min * 60 * (1 - rates.margin) - rates.startup_s)
-    render_core_s = accounts * rates.render_cpu_ms / 1000 / rates.efficiency
+def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: int | None = None,
+         retention_days: float = 14, min_render_nodes: int = 1) -> Plan:
+    """The fewest nodes that finish inside the deadline less its margin. Stages overlap (a
+    pipeline), so the run lasts as long as its slowest stage after start-up; the split runs
+    on the render cores and no note can finish before it; the report follows the last note.
+    The head holds Redis: the run's accounts, or every run's of the retention if it is kept."""
+    rates = rates or Rates.measured()
+    rows = rows if rows is not None else round(accounts * rates.rows_per_account)
+    report_s = accounts / 100_000 * rates.report_s_per_100k
+    budget = max(60.0, deadline_min * 60 * (1 - rates.margin) - rates.startup_s - report_s)
+    render_core_s = accounts * rates.render_cpu_ms / 1000 / rates.efficiency + rows / rates.split_rows_per_s_per_core
     sign_core_s = accounts * rates.sign_cpu_ms / 1000 / rates.efficiency
-    render_nodes = max(1, math.ceil(render_core_s / (budget * RENDER.vcpus)))
+    mails_per_s = rates.mails_per_s_per_mailer * rates.mailers_per_node
+    render_nodes = max(min_render_nodes, math.ceil(render_core_s / (budget * RENDER.vcpus)))
     signer_nodes = max(1, math.ceil(sign_core_s / (budget * SIGNER_SMTP.vcpus)),
-                       math.ceil(accounts / (budget * rates.mails_per_s_per_node)))
+                       math.ceil(accounts / (budget * mails_per_s)))
+    split_s = rows / (rates.split_rows_per_s_per_core * render_nodes * RENDER.vcpus)
     stage_s = max(render_core_s / (render_nodes * RENDER.vcpus), sign_core_s / (signer_nodes * SIGNER_SMTP.vcpus),
-                  accounts / (signer_nodes * rates.mails_per_s_per_node))
-    expected = rates.startup_s + stage_s
-    hours = expected / 3600
-    usd = hours * (render_nodes * RENDER.usd_per_hour + signer_nodes * SIGNER_SMTP.usd_per_hour)
+                  accounts / (signer_nodes * mails_per_s))
+    expected = rates.startup_s + stage_s + report_s
+    redis_gib = accounts * rates.redis_bytes_per_account / 2**30
+    kept_gib = redis_gib * math.ceil(retention_days)
+    usd = expected / 3600 * (render_nodes * RENDER.usd_per_hour + signer_nodes * SIGNER_SMTP.usd_per_hour)
     bundles = ([{"CPU": RENDER.vcpus, "render": RENDER.vcpus}] * render_nodes
-               + [{"CPU": SIGNER_SMTP.vcpus, "signer": 8, "smtp": 4}] * signer_nodes)
-    return Plan(accounts, deadline_min * 60, render_nodes, signer_nodes, expected, usd, bundles)
+               + [{"CPU": SIGNER_SMTP.vcpus, "signer": 8, "smtp": rates.mailers_per_node}] * signer_nodes)
+    return Plan(accounts, rows, deadline_min * 60, render_nodes, signer_nodes, split_s, report_s, expected, usd,
+                head_for(redis_gib), redis_gib, head_for(kept_gib), kept_gib, bundles)
+
+
+def head_for(redis_gib: float) -> NodeType:
+    need = redis_gib * REDIS_HEADROOM + HEAD_BASE_GIB
+    return next((h for h in HEADS if h.vcpus * HEAD_GIB_PER_VCPU >= need), HEADS[-1])
+
+
+def capacity_table(deadline_min: float = 25, sizes=(100_000, 500_000, 1_500_000, 3_000_000, 5_000_000)) -> str:
+    """The README's capacity table (`plan --table`), so the README can say what `plan` says."""
+    lines = ["| accounts | client + trade rows | render c6a.8xlarge | signer/SMTP c6a.2xlarge | split | report "
+             "| expected | cost | head (its Redis) | head kept 14 days |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for n in sizes:
+        p = plan(n, deadline_min)
+        lines.append(f"| {n:,} | {p.rows / 1e6:.1f}M | {p.render_nodes} | {p.signer_smtp_nodes} "
+                     f"| {p.split_s / 60:.1f} min | {p.report_s / 60:.1f} min | {p.expected_s / 60:.1f} min "
+                     f"| ${p.usd:.2f} | {p.head.instance} ({p.head_redis_gib:.2f} GiB) "
+                     f"| {p.head_kept.instance} ({p.head_kept_redis_gib:.1f} GiB) |")
+    return "\n".join(lines)
 
 
 def request_capacity(bundles: list[dict]) -> None:

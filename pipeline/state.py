@@ -15,7 +15,7 @@ import json
 import threading
 import uuid
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterable, Iterator
 
@@ -329,7 +329,7 @@ def history(record: dict) -> list[dict]:
     return out
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1024)  # a shard's worth: a report of 1.5M accounts must not keep them all
 def _message_id(run_id: str, ucc: str) -> str:
     from pipeline.mail import message_id  # mail imports the renderer; state is imported by the API
     return message_id(run_id, ucc)

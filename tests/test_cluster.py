@@ -127,7 +127,7 @@ def test_the_end_of_a_run_terminates_the_workers_even_after_a_driver_crash(aws, 
     after = states(ec2)
     assert all(after[w] in ("shutting-down", "terminated") for w in workers), after
     assert after[head] in ("shutting-down", "terminated")  # through the provider, as `ray down` does
-    assert calls == [("request", 4), "release"]
+    assert calls == [("request", len(cluster.plan(1_500_000, 25).bundles)), "release"]
 
 
 def test_keep_cluster_only_releases_the_request(aws):
@@ -149,34 +149,58 @@ def test_off_a_cluster_the_session_touches_nothing():
     assert calls == []
 
 
+RATES = cluster.Rates(render_cpu_ms=11, sign_cpu_ms=8, mails_per_s_per_mailer=250, efficiency=0.8,
+                      split_rows_per_s_per_core=60_000, rows_per_account=20, report_s_per_100k=6,
+                      redis_bytes_per_account=225)
+
+
 def test_the_plan_matches_hand_computed_numbers():
-    # 1.5M accounts in 25 min. Budget = 25 x 60 x 0.75 - 240 = 885 s.
-    # Render: 1.5M x 11 ms / 0.8 = 20,625 core-s; one c6a.8xlarge gives 885 x 32 = 28,320 -> 1 node.
-    # Sign: 1.5M x 8 ms / 0.8 = 15,000 core-s over 885 x 8 = 7,080 per node -> 3 nodes (2.12);
-    # mail: 1.5M / (885 x 1000) -> 2 nodes; so 3 signer/SMTP nodes.
-    # Slowest stage: render 20,625 / 32 = 644.53 s (sign 625 s, mail 500 s): 240 + 644.53 = 884.53 s.
-    # Cost: 884.53 / 3600 h x (1.152 + 3 x 0.288) $/h = 0.4953 $.
-    p = cluster.plan(1_500_000, 25)
-    assert (p.render_nodes, p.signer_smtp_nodes) == (1, 3)
-    assert p.expected_s == pytest.approx(884.53, abs=0.01)
-    assert p.usd == pytest.approx(0.4953, abs=0.0001)
+    # 1.5M accounts, 30M rows, 25 min. Report: 15 x 6 = 90 s. Budget = 1500 x 0.75 - 240 - 90 = 795 s.
+    # Render: 1.5M x 11 ms / 0.8 = 20,625 core-s + the split's 30M / 60k = 500 = 21,125; one
+    # c6a.8xlarge gives 795 x 32 = 25,440 -> 1 node. Split: 30M / (60k x 32) = 15.625 s.
+    # Sign: 15,000 core-s over 795 x 8 = 6,360 per node -> 3 (2.36); mail: 1.5M / (795 x 4 x 250) -> 2.
+    # Slowest stage: render 21,125 / 32 = 660.16 s: 240 + 660.16 + 90 = 990.16 s.
+    # Head: 1.5M x 225 B = 0.31 GiB of Redis, x 1.5 + 2 GiB -> c6a.xlarge (8 GiB). Kept 14 days:
+    # 4.40 GiB, x 1.5 + 2 = 8.6 GiB > 8 -> c6a.2xlarge.
+    # Cost: 990.16 / 3600 h x (1.152 + 3 x 0.288) $/h = 0.5545 $.
+    p = cluster.plan(1_500_000, 25, RATES)
+    assert (p.render_nodes, p.signer_smtp_nodes, p.rows) == (1, 3, 30_000_000)
+    assert (p.split_s, p.report_s) == (pytest.approx(15.625), pytest.approx(90))
+    assert p.expected_s == pytest.approx(990.16, abs=0.01)
+    assert (p.head.instance, round(p.head_redis_gib, 2)) == ("c6a.xlarge", 0.31)
+    assert (p.head_kept.instance, round(p.head_kept_redis_gib, 2)) == ("c6a.2xlarge", 4.40)
+    assert p.usd == pytest.approx(0.5545, abs=0.0001)
     assert len(p.bundles) == 4 and p.bundles[0] == {"CPU": 32, "render": 32}
-    # 5M in 25 min: render 68,750 / 28,320 -> 3; sign 50,000 / 7,080 -> 8 (7.06); mail -> 6.
-    # Slowest: sign 50,000 / 64 = 781.25 s -> 1021.25 s.
-    big = cluster.plan(5_000_000, 25)
-    assert (big.render_nodes, big.signer_smtp_nodes) == (3, 8)
-    assert big.expected_s == pytest.approx(1021.25)
-    # a small day still gets one node of each type, and start-up dominates: 240 + 10/8 s.
-    small = cluster.plan(1000, 10)
-    assert (small.render_nodes, small.signer_smtp_nodes, small.expected_s) == (1, 1, 241.25)
+    # 5M in 25 min: report 300 s, budget 585 s; render 70,416.7 / 18,720 -> 4; sign 50,000 / 4,680
+    # -> 11 (10.7); mail -> 9. Slowest: sign 50,000 / 88 = 568.18 s -> 240 + 568.18 + 300 = 1108.18 s.
+    big = cluster.plan(5_000_000, 25, RATES)
+    assert (big.render_nodes, big.signer_smtp_nodes) == (4, 11)
+    assert big.expected_s == pytest.approx(1108.18, abs=0.01)
+    # a small day still gets one node of each type, and start-up dominates: 240 + 10/8 + 0.06 s.
+    small = cluster.plan(1000, 10, RATES)
+    assert (small.render_nodes, small.signer_smtp_nodes, small.expected_s) == (1, 1, pytest.approx(241.31))
+    assert cluster.plan(1000, 10, RATES, retention_days=1).head_kept.instance == "c6a.xlarge"
+    # 30M rows on 4 render nodes (128 vCPU): 30M / (60k x 128) = 3.9 s
+    assert cluster.plan(1_500_000, 25, RATES, rows=30_000_000, min_render_nodes=4).split_s == pytest.approx(3.906, abs=0.001)
 
 
-def test_the_plan_command_prints_the_same_plan():
+def test_the_plan_command_prints_the_plan_from_the_benchmarks_own_figures():
     out = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--accounts", "1500000", "--deadline-min", "25"],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     shown = json.loads(out.stdout.splitlines()[-1])
-    assert shown == cluster.plan(1_500_000, 25).as_dict()
-    assert "1 x c6a.8xlarge" in out.stderr and "3 x c6a.2xlarge" in out.stderr
+    measured = json.loads(cluster.MEASURED.read_text())
+    rates = cluster.Rates.measured()
+    assert rates.split_rows_per_s_per_core == measured["scale"]["split_rows_per_s_all"] / measured["scale"]["cores"]
+    assert rates.mails_per_s_per_mailer == measured["mail"]["ours_mails_per_s"]
+    expected = cluster.plan(1_500_000, 25, rates)
+    assert shown == expected.as_dict()
+    assert f"{expected.render_nodes} x c6a.8xlarge" in out.stderr and shown["split_min"] > 0
+
+
+def test_the_readmes_capacity_table_is_what_plan_prints():
+    table = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--table"], capture_output=True, text=True,
+                           cwd=ROOT, check=True).stdout.strip()
+    assert table.count("\n") == 6 and table in (Path(ROOT) / "README.md").read_text()
 
 
 def cluster_run(env: dict, tmp_path) -> subprocess.CompletedProcess:
