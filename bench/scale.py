@@ -106,6 +106,7 @@ def report_peak_mb(env: dict, run_id: str) -> tuple[float, float]:
     """Peak RSS (MB) and seconds of writing the run's report, in a fresh process."""
     code = """
 import sys
+import time
 from pipeline import report
 from pipeline.settings import Settings
 from pipeline.state import RunState
@@ -117,8 +118,7 @@ report.write(open_store(s.store_url), state, sys.argv[1], {"run_id": sys.argv[1]
 print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024,
       time.perf_counter() - t)
 """
-    done = subprocess.run([PY, "-c", "import time\n" + code, run_id], capture_output=True, text=True, cwd=ROOT,
-                          env=env, check=True)
+    done = subprocess.run([PY, "-c", code, run_id], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
     peak, seconds = map(float, done.stdout.strip().splitlines()[-1].split())
     return round(peak, 1), seconds
 
