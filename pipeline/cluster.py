@@ -145,8 +145,9 @@ def capacity_table(deadline_min: float = 25, sizes=(100_000, 500_000, 1_500_000,
     """The README's capacity table (`plan --table`), so the README can say what `plan` says."""
     lines = ["| accounts | client + trade rows | render c6a.8xlarge | signer/SMTP c6a.2xlarge | split | report "
              "| expected | cost | head (its Redis) | head kept 14 days |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    rates = Rates.measured()
     for n in sizes:
-        p = plan(n, deadline_min)
+        p = plan(n, deadline_min, rates)
         lines.append(f"| {n:,} | {p.rows / 1e6:.1f}M | {p.render_nodes} | {p.signer_smtp_nodes} "
                      f"| {p.split_s / 60:.1f} min | {p.report_s / 60:.1f} min | {p.expected_s / 60:.1f} min "
                      f"| ${p.usd:.2f} | {p.head.instance} ({p.head_redis_gib:.2f} GiB) "
