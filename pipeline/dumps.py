@@ -13,6 +13,7 @@ import datetime as dt
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 from decimal import Decimal
 from typing import Mapping
 
@@ -201,17 +202,18 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     return Trade(**{**trade.__dict__, "close": close})
 
 
-# The fast path for a valid trade row: one match over the fields joined by \x1f (a control
-# character, so it never occurs inside an accepted field), then the few checks a pattern cannot
-# make. Anything it does not accept goes through parse_trade, which names the field at fault
-# (or accepts a row that only needed its spaces stripped). Never laxer than parse_trade.
+SEP = "\x1f"  # a control character: never inside an accepted field
+# The fast path for a valid trade row: one match over the fields joined by SEP, then the few
+# checks a pattern cannot make. Anything it does not accept goes through parse_trade, which
+# names the field at fault (or accepts a row that only needed its spaces stripped). Never
+# laxer than parse_trade.
 _FREE = r"[^\s\x00-\x1f\x7f-\x9f\u2028\u2029\udc80-\udcff]{0,%d}" % MAX_FIELD
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-_PRICE = r"[0-9]{1,9}(?:\.[0-9]{1,4})?"
-_TRADE_PATTERN = "\x1f".join([
+_PRICE = r"(?:0|[1-9][0-9]{0,8})(?:\.[0-9]{1,4})?"  # no leading zero: the text is str(Decimal(text))
+_TRADE_PATTERN = SEP.join([
     "%s", "(?:NSE|BSE)", "(?:CM|FO)", _FREE, "[A-Za-z0-9]{1,10}", "[0-9]{16}", _TIME, "[0-9]{16}", _TIME,
     "[A-Z0-9][A-Z0-9&._-]{0,29}", "(?:IN[A-Z0-9]{9}[0-9])?", "(?:EQ|FUTSTK|FUTIDX|OPTSTK|OPTIDX)", _FREE, _FREE,
-    _FREE, "[BS]", "[0-9]{1,10}", _PRICE, "(?:CNC|MIS|NRML)", "1[123]"])
+    _FREE, "[BS]", "[1-9][0-9]{0,9}", _PRICE, "(?:CNC|MIS|NRML)", "1[123]"])
 
 
 @lru_cache(maxsize=8)
@@ -224,20 +226,19 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
     """A trade row (the values in TRADE_FIELDS order) checked as parse_trade checks it, about
     five times faster; returns what Trade.as_row would (the closing price last). RowError if bad.
     `contracts` remembers each derivatives contract's checks and price across a file's rows."""
-    if _trade_pattern(trade_date).fullmatch("\x1f".join(values)) is not None:
+    if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None:
         segment, isin, instrument, product = values[2], values[10], values[11], values[18]
-        quantity, price = int(values[16]), Decimal(values[17])
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
-                and 0 < quantity <= MAX_QUANTITY and MIN_PRICE <= price <= MAX_PRICE):
+                and int(values[16]) <= MAX_QUANTITY and MIN_PRICE <= Decimal(values[17]) <= MAX_PRICE):
             if segment == "CM":
-                return [*values[:16], str(quantity), str(price), values[18], values[19], ""]
+                return [*values, ""]
             contracts = {} if contracts is None else contracts
             contract = (*values[1:3], instrument, values[9], *values[12:15])
             if contract not in contracts:
                 contracts[contract] = _fo_close(values, trade_date, instrument, closes)
             close = contracts[contract]
             if close is not None:
-                return [*values[:16], str(quantity), str(price), values[18], values[19], str(close)]
+                return [*values, str(close)]
     return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
 
 
@@ -273,20 +274,20 @@ def describe_contract(t: Trade) -> str:
     return " ".join(p for p in (t.exchange, t.instrument, t.symbol, t.expiry, t.strike, t.option_type) if p)
 
 
+def effective(trades: list, key, status, order) -> list:
+    """What goes on the note: the latest version of each trade (by `key`), cancelled ones
+    removed, sorted by `order`. Takes the accessors so Trades and the split's rows share the rule."""
+    latest = {}
+    for t in trades:
+        k = key(t)
+        if status(t) in ("12", "13") or k not in latest:  # 12 modified, 13 cancelled
+            latest[k] = t
+    return sorted((t for t in latest.values() if status(t) != "13"), key=order)
+
+
 def effective_trades(trades: list[Trade]) -> list[Trade]:
-    """What goes on the note: the latest version of each trade, cancelled ones removed."""
-    kept = effective_rows([[*t.as_row(), i] for i, t in enumerate(trades)])
-    return [trades[r[-1]] for r in kept]
-
-
-def effective_rows(rows: list[list[str]]) -> list[list[str]]:
-    """effective_trades on rows as Trade.as_row gives them (what the split handles)."""
-    latest: dict[tuple[str, str, str], list[str]] = {}
-    for r in rows:
-        key = (r[1], r[2], r[7])  # exchange, segment, trade_no
-        if r[19] in ("12", "13") or key not in latest:  # status: 12 modified, 13 cancelled
-            latest[key] = r
-    return sorted((r for r in latest.values() if r[19] != "13"), key=lambda r: (r[1], r[2], r[3], r[8], r[7]))
+    return effective(trades, attrgetter("key"), attrgetter("status"),
+                     attrgetter("exchange", "segment", "settlement_no", "trade_time", "trade_no"))
 
 
 def _iso_date(text: str, fail) -> str:

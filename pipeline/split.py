@@ -23,8 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pipeline import bhavcopy, keys, note_numbers
-from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, TRADE_FIELDS, InputError, RowError, check_header,
-                            effective_rows, parse_client, trade_row)
+from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, SEP, TRADE_FIELDS, InputError, RowError, check_header,
+                            effective, parse_client, trade_row)
 from pipeline.state import Outcome, RunState
 from pipeline.storage import StorageError, Store
 
@@ -32,6 +32,7 @@ MAX_LISTED_ERRORS = 1000
 RANGE_BYTES_MIN = 1 << 20
 RANGE_BYTES_MAX = 64 << 20  # a range's parsed rows stay a few hundred MB in its worker
 DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_FIELDS}
+RS = "\x1e"  # ends a bucket line's kind and account: like SEP, never inside an accepted field
 # A field longer than MAX_FIELD is a row error, not a csv.Error that ends the file
 csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
 
@@ -131,7 +132,7 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Pl
     errors: list[dict] = []
     closes = _closing_prices(inputs, trade_date, errors)
     sizes = {name: inputs.size(name) for name in DUMPS}
-    target = min(RANGE_BYTES_MAX, max(RANGE_BYTES_MIN, sum(sizes.values()) // max(1, 2 * parts)))
+    target = min(RANGE_BYTES_MAX, max(RANGE_BYTES_MIN, sum(sizes.values()) // max(1, 4 * parts)))
     ranges = []
     for name, size in sizes.items():
         n = max(1, round(size / target))
@@ -141,15 +142,18 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Pl
 
 
 def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
-               closes: dict) -> tuple[dict, list[list[tuple]]]:
+               closes: dict) -> tuple[dict, list[dict[int, str]]]:
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
-    name no account, trades per shard) and one bucket per group of shards: (kind, shard, ucc,
-    payload) with kind c (client), t (trade) or e (an error rejecting the account)."""
+    name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
+    text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
+    identity, its place on the note and its status joined by SEP, then the row as JSON) or e (an
+    error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
+    seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them."""
     kind, name = rng.file[0], rng.file
     reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
     if rng.index == 0:
         next(reader, None)  # the header
-    buckets: list[list[tuple]] = [[] for _ in range(groups)]
+    lines: dict[int, list[str]] = defaultdict(list)
     weights: dict[int, int] = defaultdict(int)
     pick, width = operator.itemgetter(*columns), max(columns) + 1
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
@@ -158,25 +162,30 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
         try:
             if raw is None:
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
-            values = list(pick(raw)) if len(raw) >= width else [raw[i] if i < len(raw) else "" for i in columns]
+            values = pick(raw) if len(raw) >= width else [raw[i] if i < len(raw) else "" for i in columns]
             if kind == "t":
-                row = trade_row(name, n, values, trade_date, closes, contracts)
-                ucc = row[4]
+                r = trade_row(name, n, values, trade_date, closes, contracts)
+                ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
+                line = f"{r[1]}{SEP}{r[2]}{SEP}{r[7]}{RS}{r[1]}{SEP}{r[2]}{SEP}{r[3]}{SEP}{r[8]}{SEP}{r[7]}{RS}{r[19]}" \
+                       f"{RS}{_json_row(r)}"
             else:
                 client = parse_client(name, n, dict(zip(CLIENT_FIELDS, values)))
-                ucc, row = client.ucc, [getattr(client, f) for f in CLIENT_FIELDS]
+                ucc, line = client.ucc, json.dumps(dict(zip(CLIENT_FIELDS, (getattr(client, f) for f in CLIENT_FIELDS))))
             shard = shard_of.get(ucc)
             if shard is None:
                 shard = shard_of[ucc] = keys.shard_of(ucc, shards)
-            buckets[shard % groups].append((kind, shard, ucc, row))
+            lines[shard].append(f"{kind}{ucc}{RS}{line}")
             if kind == "t":
                 weights[shard] += 1
         except RowError as e:
             if e.ucc:
-                shard = keys.shard_of(e.ucc, shards)
-                buckets[shard % groups].append(("e", shard, e.ucc, {**e.as_dict(), "range": rng.index}))
+                error = json.dumps({**e.as_dict(), "range": rng.index})  # JSON escapes every control character
+                lines[keys.shard_of(e.ucc, shards)].append(f"e{e.ucc}{RS}{error}")
             elif len(errors) < MAX_LISTED_ERRORS:
                 errors.append({**e.as_dict(), "range": rng.index})
+    buckets: list[dict[int, str]] = [{} for _ in range(groups)]
+    for shard, rows in lines.items():
+        buckets[shard % groups][shard] = "\n".join(rows)
     return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights)}, buckets
 
 
@@ -195,34 +204,35 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     are reserved for the group in one block, shard after shard. With `reuse` (a split run
     again after it was cut short), a shard already in storage is kept as written: its notes
     may have gone out with those numbers. Returns {shard: (accounts, trades)} and the rejected."""
-    by_shard: dict[int, list[tuple]] = defaultdict(list)
-    for part in parts:
-        for item in part:
-            by_shard[item[1]].append(item)
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for part in parts:  # in range order: a later row of a trade or client comes later
+        for shard, text in part.items():
+            by_shard[shard].append(text)
     done, fresh, rejected = {}, [], 0
     for shard in sorted(by_shard):
-        accounts, rejects = _accounts(by_shard.pop(shard), offsets)
+        accounts, rejects = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
         state.record(rejects)
         if not accounts:
             continue
         key = keys.shard_key(run_id, shard)
         if reuse and store.exists(key):  # recorded when written: recording again would wipe a Message-ID
-            accounts = [json.loads(line) for line in store.get(key).decode().splitlines()]
-            done[shard] = (len(accounts), sum(len(a["trades"]) for a in accounts))
+            kept = [json.loads(line) for line in store.get(key).decode().splitlines()]
+            done[shard] = (len(kept), sum(len(a["trades"]) for a in kept))
         else:
             fresh.append((shard, accounts))
     if fresh:
         first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date),
                                      sum(len(a) for _, a in fresh))
         for shard, accounts in fresh:
-            for account in accounts:
-                account["note_no"] = note_numbers.note_number(note_prefix, trade_date, first)
+            body = []
+            for ucc, client, trades in accounts:  # the shard file's JSON, put together from JSON parts
+                note_no = note_numbers.note_number(note_prefix, trade_date, first)
+                body.append(f'{{"ucc":"{ucc}","client":{client},"trades":[{",".join(trades)}],"note_no":{json.dumps(note_no)}}}\n')
                 first += 1
-            body = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in accounts)
-            store.put(keys.shard_key(run_id, shard), body.encode())
-            state.record(Outcome(a["ucc"], "validated") for a in accounts)
-            done[shard] = (len(accounts), sum(len(a["trades"]) for a in accounts))
+            store.put(keys.shard_key(run_id, shard), "".join(body).encode())
+            state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts)
+            done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
     return {"shards": done, "rejected": rejected}
 
 
@@ -323,19 +333,32 @@ def _moved(error: dict, offsets: dict) -> dict:
     return error
 
 
-def _accounts(items: list[tuple], offsets: dict) -> tuple[list[dict], list[Outcome]]:
-    clients: dict[str, list] = {}
+def _json_row(row: list[str]) -> str:
+    """json.dumps(row) at a third of the cost for fields with no quote or backslash (validated
+    fields hold no control character, the only other thing JSON escapes)."""
+    text = '","'.join(row)
+    if text.count('"') == 2 * (len(row) - 1) and "\\" not in text:
+        return f'["{text}"]'
+    return json.dumps(row)
+
+
+def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome]]:
+    """One shard's accounts from its rows (read_range's lines, in file order): (ucc, client as
+    JSON, the note's trades as JSON), and the rejected."""
+    clients: dict[str, str] = {}
     trades: dict[str, list[list[str]]] = defaultdict(list)
     errors: dict[str, list[dict]] = defaultdict(list)
-    for kind, _, ucc, payload in items:
-        if kind == "c":
+    for line in lines:
+        head, payload = line.split(RS, 1)
+        kind, ucc = head[0], head[1:]
+        if kind == "t":
+            trades[ucc].append(payload.split(RS))
+        elif kind == "c":
             if ucc in clients:
                 errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc", "error": "duplicate client"})
             clients[ucc] = payload
-        elif kind == "t":
-            trades[ucc].append(payload)
         else:
-            errors[ucc].append(_moved(payload, offsets))
+            errors[ucc].append(_moved(json.loads(payload), offsets))
     accounts, rejects = [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
@@ -344,10 +367,13 @@ def _accounts(items: list[tuple], offsets: dict) -> tuple[list[dict], list[Outco
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
-        kept = effective_rows(trades[ucc])
+        kept = effective(trades[ucc], _IDENTITY, _STATUS, _ORDER)
         if kept:
-            accounts.append({"ucc": ucc, "client": dict(zip(CLIENT_FIELDS, clients[ucc])), "trades": kept})
+            accounts.append((ucc, clients[ucc], [t[3] for t in kept]))
     return accounts, rejects
+
+
+_IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
 def _describe(errors: list[dict]) -> str:

@@ -63,32 +63,38 @@ def final_status(rec: dict) -> str:
 # kept when it failed, was refused, skipped or unconfirmed, or repeated a stage already
 # reached: [stage rank, status code, reason, time, r before it]. An account is in at most one
 # registry: failed (rerun --failed) or unconfirmed (reconcile).
-# KEYS: accounts, counts, failed, unconfirmed. ARGV: ucc, record json, stage rank, stage,
-# registry (f, u or empty), now, ttl
+# One call records a batch: KEYS: accounts, counts, failed, unconfirmed. ARGV: now, ttl, then
+# per account: ucc, record json, stage rank, stage, registry (f, u or empty)
 _RECORD = """
-local prev = redis.call('HGET', KEYS[1], ARGV[1])
-local rec = cjson.decode(ARGV[2])
-local g = rec['g']
-rec['g'] = nil
-local prev_rank, h, n = 0, nil, 0
-if prev then
-  local p = cjson.decode(prev)
-  prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
+local now = ARGV[1]
+for i = 3, #ARGV, 5 do
+  local ucc = ARGV[i]
+  local prev = redis.call('HGET', KEYS[1], ucc)
+  local rec = cjson.decode(ARGV[i + 1])
+  local g = rec['g']
+  rec['g'] = nil
+  local prev_rank, h, n = 0, nil, 0
+  if prev then
+    local p = cjson.decode(prev)
+    prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
+  end
+  if (rec['s'] ~= nil and rec['s'] ~= 'p') or g <= prev_rank then
+    h = h or {}
+    table.insert(h, {g, rec['s'] or 'k', rec['e'] or '', rec['t'], prev_rank})
+  end
+  rec['h'] = h
+  rec['n'] = n + (rec['n'] or 0)
+  if rec['n'] == 0 then rec['n'] = nil end
+  if prev_rank > rec['r'] then rec['r'] = prev_rank end
+  redis.call('HSET', KEYS[1], ucc, cjson.encode(rec))
+  if tonumber(ARGV[i + 2]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[i + 3], 1) end
+  local registry = ARGV[i + 4]
+  if registry == 'f' then redis.call('ZADD', KEYS[3], now, ucc) else redis.call('ZREM', KEYS[3], ucc) end
+  if registry == 'u' then redis.call('ZADD', KEYS[4], now, ucc) else redis.call('ZREM', KEYS[4], ucc) end
 end
-if (rec['s'] ~= nil and rec['s'] ~= 'p') or g <= prev_rank then
-  h = h or {}
-  table.insert(h, {g, rec['s'] or 'k', rec['e'] or '', rec['t'], prev_rank})
-end
-rec['h'] = h
-rec['n'] = n + (rec['n'] or 0)
-if rec['n'] == 0 then rec['n'] = nil end
-if prev_rank > rec['r'] then rec['r'] = prev_rank end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
-if tonumber(ARGV[3]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[4], 1) end
-if ARGV[5] == 'f' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[3], ARGV[1]) end
-if ARGV[5] == 'u' then redis.call('ZADD', KEYS[4], ARGV[6], ARGV[1]) else redis.call('ZREM', KEYS[4], ARGV[1]) end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[7]) end
+for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 """
+RECORD_BATCH = 500  # accounts a call: a script blocks Redis while it runs, a few ms at most
 STATUS_CODES = {"failed": "f", "rejected": "r", "physical": "p", "skipped": "s", "unconfirmed": "u", "ok": "k"}
 _STATUSES = {c: s for s, c in STATUS_CODES.items()}
 
@@ -170,27 +176,28 @@ class RunState:
         return self.r.hgetall(keys.run_meta(self.run_id))
 
     def record(self, outcomes: Iterable[Outcome]) -> None:
-        """One round trip for the lot (EVALSHA in a pipeline; the script is loaded again
-        only if the server lost it, e.g. after a restart)."""
-        calls = list(self._record_calls(outcomes))
-        if not calls:
+        """One round trip for the lot, one script call per RECORD_BATCH accounts (EVALSHA in a
+        pipeline; the script is loaded again only if the server lost it, e.g. after a restart)."""
+        now = round(time.time(), 3)
+        args = list(self._record_args(outcomes, now))
+        if not args:
             return
         try:
-            self._eval_all(calls)
+            self._eval_all(args, now)
         except redis.exceptions.NoScriptError:
             self.r.script_load(_RECORD)
-            self._eval_all(calls)
+            self._eval_all(args, now)
 
-    def _eval_all(self, calls: list[list]) -> None:
-        with self.r.pipeline(transaction=False) as p:
-            for args in calls:
-                p.evalsha(_RECORD_SHA, 4, *args)
-            p.execute()
-
-    def _record_calls(self, outcomes: Iterable[Outcome]) -> Iterator[list]:
-        now = round(time.time(), 3)
+    def _eval_all(self, args: list, now: float) -> None:
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
               keys.run_unconfirmed(self.run_id)]
+        step = 5 * RECORD_BATCH
+        with self.r.pipeline(transaction=False) as p:
+            for i in range(0, len(args), step):
+                p.evalsha(_RECORD_SHA, 4, *ks, now, self.ttl_s, *args[i:i + step])
+            p.execute()
+
+    def _record_args(self, outcomes: Iterable[Outcome], now: float) -> Iterator:
         for o in outcomes:
             reached = 0 if o.registry else rank(o.stage)  # failed or unconfirmed: the stage was not reached
             tries = o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)
@@ -201,8 +208,7 @@ class RunState:
             rec = {k: v for k, v in rec.items() if v or k in ("r", "g", "t")}
             if rec.get("s") == "k":
                 del rec["s"]
-            yield [*ks, o.ucc, json.dumps(rec, separators=(",", ":")), reached, o.stage if reached else "",
-                   o.registry, now, self.ttl_s]
+            yield from (o.ucc, json.dumps(rec, separators=(",", ":")), reached, o.stage if reached else "", o.registry)
 
     def _decode(self, ucc: str, raw: str) -> dict:
         """The record as every reader sees it (field names of the report and the API)."""

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline import bhavcopy, note_numbers, report
 from pipeline.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
-from pipeline.split import Range, assemble, make_plan, read_range, result, row_offsets, split_day
+from pipeline.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
 from pipeline.state import Outcome, RunState
 from pipeline.storage import open_store
 from pipeline.synth import SynthOptions, write_dumps
@@ -117,3 +117,9 @@ def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_
     assert doc["statuses"] == {"delivered": n - 3, "physical": 3}
     assert sorted(doc["physical_dispatch"]) == ["P0", "P1", "P2"]
 
+
+
+@pytest.mark.parametrize("field", ["plain", 'a"quote', "back\\slash", "Zoë", "", '"'])
+def test_a_row_handed_to_assembly_as_text_reads_back_as_the_same_fields(field):
+    row = ["2026-11-20", "NSE", field, "x,y"]
+    assert json.loads(_json_row(row)) == row
