@@ -42,6 +42,8 @@ log = logging.getLogger("pipeline.driver")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARALLEL_FROM_PAGES = 100
 RANGE_PAGES = 25  # Typst keeps ~10 compiles' memo cache: 25 dense pages each caps a worker near 0.7 GB
+FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
+# the first mail leaves a render, a sign and a send of 4 notes after the split, not of 100
 
 
 @dataclass(frozen=True)
@@ -90,14 +92,18 @@ def _start_reaper() -> None:
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
-                only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None) -> Batch:
-    """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is done."""
+                only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None,
+                part: tuple[int, int | None] | None = None) -> Batch:
+    """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is
+    done. `part`: just these of the shard's accounts (start, stop), as a slice."""
     started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     store = open_store(settings.store_url)
     if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
         restore_from_log(store, state, run_id, shard)
     accounts = load_shard(store, run_id, shard)
+    if part is not None:
+        accounts = accounts[part[0]:part[1]]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state,
                          set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force)
@@ -155,6 +161,9 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     else:
         _split_done(store, state, run_id, split, on_accounts, started, save=False)
         shards, expected = split.heaviest_first(split.shards), split.accounts
+    first = None  # the shard whose first notes go out first: a light one, among the first assembled
+    if not resume and req.only is None and shards:
+        first = splitting.lead(watch) if splitting else shards[-1]
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
         wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
         shards, expected = [s for s in shards if s in wanted], len(req.only)
@@ -166,8 +175,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         watch()
 
     try:
-        tally = _fan_out(settings, run_id, req, shards, expected, signers, mailers, resume, epoch, watching,
-                         splitting.after if splitting else lambda shard: None)
+        tally = _fan_out(settings, run_id, req, _units(shards, first), expected, signers, mailers, resume, epoch,
+                         watching, splitting.after if splitting else lambda shard: None)
     finally:
         signers.close()
         mailers.close()
@@ -309,30 +318,40 @@ def _size(settings: Settings, signers: Pool, mailers: Pool) -> int:
     return settings.window or max(6, 2 * int(have.get("render", 0)))
 
 
-def _fan_out(settings: Settings, run_id: str, req: RunRequest, shards: list[int], accounts: int,
+def _units(shards: list[int], first: int | None) -> list[tuple[int, tuple | None]]:
+    """The chains to run, in order: (shard, part). The `first` shard is cut in two, its first
+    FIRST_NOTES accounts leading. A resumed run never cuts a shard: each restores its delivery
+    log before it mails, once."""
+    if first is None:
+        return [(s, None) for s in shards]
+    return [(first, (0, FIRST_NOTES)), (first, (FIRST_NOTES, None))] + [(s, None) for s in shards if s != first]
+
+
+def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
              signers: Pool, mailers: Pool, resume: bool, epoch: str, watch: Callable[[], None],
              assembled: Callable[[int], ray.ObjectRef | None]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
-    pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, its signer, its mailer
+    pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
     window = _size(settings, signers, mailers)
-    queue = list(reversed(shards))
+    queue = list(reversed(units))
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
     try:
         while queue or pending:
             while queue and len(pending) < window:
-                shard = queue.pop()
-                batch = render_task.options(name=f"render shard {shard}").remote(
-                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard))
+                shard, part = queue.pop()
+                name = f"render shard {shard}" + (f" from account {part[0] + 1}" if part else "")
+                batch = render_task.options(name=name).remote(
+                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part)
                 signer, mailer = signers.take(), mailers.take()
-                pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, signer, mailer)
+                pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, part, signer, mailer)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             watch()
             for ref in done:
-                shard, signer, mailer = pending.pop(ref)
+                shard, part, signer, mailer = pending.pop(ref)
                 signers.give_back(signer)
                 mailers.give_back(mailer)
-                result = _result(ref, settings, run_id, shard, pending)
+                result = _result(ref, settings, run_id, shard, part, pending)
                 _add(totals, result)
                 metrics.day(result["tally"])
                 progress.update(result["notes"])
@@ -357,7 +376,7 @@ def _stop_mailing(pending: dict, error: StateLostError) -> None:
     raise error
 
 
-def _result(ref, settings: Settings, run_id: str, shard: int, pending: dict) -> dict:
+def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None, pending: dict) -> dict:
     try:
         return ray.get(ref)
     except Exception as e:  # the chain failed after Ray's retries: say so for each account
@@ -365,14 +384,15 @@ def _result(ref, settings: Settings, run_id: str, shard: int, pending: dict) -> 
         if isinstance(lost, StateLostError):
             _stop_mailing(pending, StateLostError(str(lost)))
         log.error("shard %s failed: %s", shard, e)
-        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", part)
 
 
-def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str) -> dict:
+def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     try:
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
+        uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return {"tally": {}, "cpu_s": {}, "notes": 0}
     records = state.accounts(uccs)

@@ -67,6 +67,20 @@ class Split:
                 settings, run_id, trade_date, offsets, reuse, *[refs[g + 1] for refs in reads])
         return split
 
+    def lead(self, watch: Callable[[], None]) -> int | None:
+        """The lightest shard of the group assembled first: its first notes can go out soonest.
+        Waits for that group (the fan-out could not start before it anyway)."""
+        groups = {ref: g for g, ref in self.assembling.items()}
+        waiting = list(groups)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for ref in ready:
+                mine = [s for s in self.weights if s % self.groups == groups[ref]]
+                if mine:
+                    return min(mine, key=lambda s: (self.weights[s], s))
+            watch()
+        return None
+
     def shards(self) -> list[int]:
         """The shards with trades, heaviest first (a shard may still turn out empty: all rejected)."""
         return sorted(self.weights, key=lambda s: (-self.weights[s], s))

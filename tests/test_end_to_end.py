@@ -13,7 +13,7 @@ import boto3
 import pytest
 
 from pipeline import keys
-from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.driver import FIRST_NOTES, ROOT, RunRequest, _units, run_day
 from pipeline.storage import open_store
 from tests.conftest import TRADE_DATE
 from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
@@ -53,6 +53,15 @@ def test_every_account_is_signed_archived_and_mailed_exactly_once(settings, day,
         rows = list(csv.DictReader(f))
     assert {r["ucc"] for r in rows} == accounts
     assert all(r["message_id"] for r in rows)
+
+
+def test_the_first_chain_carries_a_few_notes_of_the_lead_shard_and_every_account_is_in_one_chain():
+    shards = {7: list("abcdefghij"), 3: list("xyz"), 9: ["q"]}  # heaviest first, as the split orders them
+    units = _units(list(shards), first=3)
+    assert units[0] == (3, (0, FIRST_NOTES))
+    dealt = [u for shard, part in units for u in (shards[shard][slice(*part)] if part else shards[shard])]
+    assert sorted(dealt) == sorted(u for accounts in shards.values() for u in accounts)
+    assert _units([7, 3], first=None) == [(7, None), (3, None)]  # a resumed run or a rerun cuts nothing
 
 
 def test_rerunning_a_run_id_delivers_nothing_new(settings, day, smtp_sink):
