@@ -5,10 +5,12 @@ counted at its access log), measured in one go and printed as one JSON line:
   split_rows_per_s_1core   split_day in one process (the 1-core baseline) on the large day
   split_rows_per_s_all     the Ray split (ranged reads, then group assembly) on every core
   first_note_s, notes_per_s_*, efficiency_*
-                           `python -m pipeline run` as a user runs it, at both sizes; the
-                           first note is timed from the command's start to the first relay
-                           acceptance; efficiency is against bench/e2e.py's sequential loop
-                           on the small day (notes/s per core)
+                           `python -m pipeline run` as a user runs it, at both sizes, joining
+                           a Ray already running (as on a cluster `ray up` started: a warm
+                           machine); the first note is timed from the command's start to the
+                           first relay acceptance; efficiency is against bench/e2e.py's
+                           sequential loop on the small day (notes/s per core)
+  first_note_s_cold        the same, for a run that starts Ray itself (the S3 run below)
   driver_peak_rss_mb_*     the driver's own peak RSS in each run
   redis_bytes_per_account  MEMORY USAGE of the large run's keys / its accounts
   report_peak_mb_*         peak RSS of a fresh process writing each run's report; per_100k:
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench.e2e import sequential  # noqa: E402
 from pipeline import keys  # noqa: E402
 from pipeline.cluster import MEASURED  # noqa: E402
+from pipeline.driver import init_ray  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.sign import make_test_certificate  # noqa: E402
@@ -71,7 +74,7 @@ else:
     import ray
     from pipeline.driver import init_ray
     from pipeline.split_tasks import Split
-    init_ray(s)
+    init_ray(s)  # joins the benchmark's Ray (RAY_ADDRESS)
     cpus = int(ray.cluster_resources()["render"])
     Split.start(s, "warm", "%(d)s", warm, cpus, False, lambda: None).done(block=True)  # workers started
     t = time.perf_counter()
@@ -81,12 +84,22 @@ print(time.perf_counter() - t)
     rows, out = rows_of(day), {}
     for mode in ("1core", "all"):
         done = subprocess.run([PY, "-c", code, json.dumps(settings.__dict__), str(day), str(warm), mode],
-                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, **attach(), "PYTHONPATH": str(ROOT)})
         if done.returncode:
             raise SystemExit(f"split {mode} failed:\n{done.stderr[-3000:]}")
         out[mode] = rows / float(done.stdout.strip().splitlines()[-1])
     return {"split_rows": rows, "split_rows_per_s_1core": round(out["1core"]),
             "split_rows_per_s_all": round(out["all"]), "split_speedup": round(out["all"] / out["1core"], 2)}
+
+
+def attach() -> dict:
+    """What a command needs to join the running Ray: its address, and the token Ray 2.60 makes
+    a new local instance require (~/.ray/auth_token)."""
+    import ray
+
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
 def run(env: dict, day: str, run_id: str) -> dict:
@@ -150,6 +163,7 @@ def main() -> None:
         try:
             base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
                                      signer_cert=str(cert), signer_chain=str(root))
+            init_ray(base)  # Ray as a run starts it (same role resources); the runs join it
             env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": redis.url, "SMTP_URL": smtp.url,
                    "CN_SIGNER_KEY": str(key), "CN_SIGNER_CERT": str(cert), "CN_SIGNER_CHAIN": str(root),
                    "CN_OWNER_PASSWORD": "bench-owner-secret", "RAY_ADDRESS": ""}
@@ -158,7 +172,7 @@ def main() -> None:
                                    work / "large", work / "small"))
             seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / "seq")}), work / "small", "seq")
             seq_rate = seq["delivered"] / seq["elapsed_s"]
-            local = {**env, "CN_STORE": str(work / "store")}
+            local = {**env, **attach(), "CN_STORE": str(work / "store")}
             runs = {name: run(local, str(work / name), f"scale-{name}") for name in ("small", "large", "heavy")}
             out["sequential_notes_per_s"] = round(seq_rate, 2)
             for name in ("small", "large"):
@@ -179,6 +193,9 @@ def main() -> None:
             out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
             out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
             out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
+            import ray
+
+            ray.shutdown()  # the S3 run starts Ray itself: a cold start
             out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
         finally:
             s3.stop()
@@ -210,7 +227,7 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
     before = _requests(log)
     summary = run(s3env, "s3://cn-input/day", "scale-s3")
     notes = summary["delivered_now"]
-    return {"s3_requests": _requests(log) - before, "s3_notes": notes,
+    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": _requests(log) - before, "s3_notes": notes,
             "s3_requests_per_note": round((_requests(log) - before) / max(1, notes), 3)}
 
 
