@@ -170,7 +170,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                        f"{RS}{_json_row(r)}"
             else:
                 client = parse_client(name, n, dict(zip(CLIENT_FIELDS, values)))
-                ucc, line = client.ucc, json.dumps(dict(zip(CLIENT_FIELDS, (getattr(client, f) for f in CLIENT_FIELDS))))
+                ucc, line = client.ucc, json.dumps(vars(client), separators=(",", ":"))
             shard = shard_of.get(ucc)
             if shard is None:
                 shard = shard_of[ucc] = keys.shard_of(ucc, shards)
@@ -227,8 +227,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:  # the shard file's JSON, put together from JSON parts
-                note_no = note_numbers.note_number(note_prefix, trade_date, first)
-                body.append(f'{{"ucc":"{ucc}","client":{client},"trades":[{",".join(trades)}],"note_no":{json.dumps(note_no)}}}\n')
+                note_no = json.dumps(note_numbers.note_number(note_prefix, trade_date, first))
+                body.append(f'{{"ucc":"{ucc}","client":{client},"trades":[{",".join(trades)}],"note_no":{note_no}}}\n')
                 first += 1
             store.put(keys.shard_key(run_id, shard), "".join(body).encode())
             state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts)
