@@ -261,7 +261,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from pipeline import cluster, credentials
+    from pipeline import cluster, credentials, metrics
     from pipeline.driver import RunRequest, init_ray, preflight, run_day
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
@@ -275,6 +275,8 @@ def cmd_run(args) -> int:
     with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
         summary = run_day(settings, request, current.size_for, current.watch)
+    if cluster.on_cluster():  # the head's metrics port is where the day's totals are read
+        metrics.wait_exported()
     print(json.dumps(summary))
     return _exit_status(summary)
 

@@ -6,9 +6,14 @@ the last is counted by the driver, on the head, so the day's totals outlive the 
 
 from __future__ import annotations
 
+import logging
+import time
+import urllib.request
 from functools import lru_cache
 
 from ray.util.metrics import Counter, Histogram
+
+log = logging.getLogger("pipeline.metrics")
 
 
 @lru_cache(maxsize=1)
@@ -17,10 +22,50 @@ def _day() -> Counter:
                    tag_keys=("status",))
 
 
+_counted: dict[str, int] = {}  # what this driver has added to the day's counter, by status
+
+
 def day(tally: dict[str, int]) -> None:
     for status, n in tally.items():
         if n:
-            _day().inc(n, tags={"status": "delivered" if status == "ok" else status})
+            status = "delivered" if status == "ok" else status
+            _day().inc(n, tags={"status": status})
+            _counted[status] = _counted.get(status, 0) + n
+
+
+def wait_exported(timeout_s: float = 30.0) -> bool:
+    """Waits until this node's metrics port shows every count this driver made. Ray hands a
+    process's metrics to its node about every 10 s, and what is not handed over dies with the
+    process: a driver that exits right after its last chains would leave the day's totals short."""
+    import ray
+
+    me = ray.get_runtime_context()
+    node = next(n for n in ray.nodes() if n["NodeID"] == me.get_node_id())
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    worker = f'WorkerId="{me.get_worker_id()}"'
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            shown = _shown(urllib.request.urlopen(url, timeout=2).read().decode(), worker)
+        except OSError:
+            shown = {}
+        if all(shown.get(status, 0) >= n for status, n in _counted.items()):
+            return True
+        if time.monotonic() > deadline:
+            log.warning("the day's counters did not reach %s within %.0f s: shown %s, counted %s", url, timeout_s,
+                        shown, _counted)
+            return False
+        time.sleep(1)
+
+
+def _shown(text: str, worker: str) -> dict[str, float]:
+    shown = {}
+    for line in text.splitlines():
+        if line.startswith("ray_cn_day_accounts_total{") and worker in line:
+            labels, value = line.rsplit(" ", 1)
+            status = labels.split('status="', 1)[1].split('"', 1)[0]
+            shown[status] = float(value)
+    return shown
 
 
 @lru_cache(maxsize=1)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import boto3
@@ -175,3 +176,16 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     assert f"Page {pages} of {pages}" in text and "Levies and charges" in text
     [msg] = [m for m in outbox_messages(smtp_sink.outbox) if "C0000002" in m["Subject"]]
     assert attachment(msg)[1] == pdf.read_bytes()
+
+
+def test_the_drivers_day_counters_reach_the_nodes_metrics_port_before_it_lets_go(ray_session):
+    import ray
+
+    from pipeline import metrics
+
+    metrics.day({"ok": 3, "physical": 1})
+    assert metrics.wait_exported(timeout_s=60)
+    node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
+    text = urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics").read()
+    shown = metrics._shown(text.decode(), f'WorkerId="{ray.get_runtime_context().get_worker_id()}"')
+    assert shown["delivered"] >= 3 and shown["physical"] >= 1
