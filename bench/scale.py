@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e import sequential  # noqa: E402
+import ray  # noqa: E402
+
 from pipeline import keys  # noqa: E402
 from pipeline.cluster import MEASURED  # noqa: E402
 from pipeline.driver import init_ray  # noqa: E402
@@ -96,8 +98,6 @@ print(time.perf_counter() - t)
 def attach() -> dict:
     """What a command needs to join the running Ray: its address, and the token Ray 2.60 makes
     a new local instance require (~/.ray/auth_token)."""
-    import ray
-
     return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address,
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
@@ -193,8 +193,6 @@ def main() -> None:
             out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
             out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
             out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
-            import ray
-
             ray.shutdown()  # the S3 run starts Ray itself: a cold start
             out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
         finally:

@@ -161,9 +161,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     else:
         _split_done(store, state, run_id, split, on_accounts, started, save=False)
         shards, expected = split.heaviest_first(split.shards), split.accounts
-    first = None  # the shard whose first notes go out first: a light one, among the first assembled
-    if not resume and req.only is None and shards:
-        first = splitting.lead(watch) if splitting else shards[-1]
+    # a fresh split: the shard whose first notes go out first, a light one among the first assembled
+    first = splitting.lead(watch) if splitting and not resume and req.only is None else None
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
         wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
         shards, expected = [s for s in shards if s in wanted], len(req.only)

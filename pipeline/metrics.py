@@ -39,10 +39,7 @@ def wait_exported(timeout_s: float = 30.0) -> bool:
     process: a driver that exits right after its last chains would leave the day's totals short."""
     import ray
 
-    me = ray.get_runtime_context()
-    node = next(n for n in ray.nodes() if n["NodeID"] == me.get_node_id())
-    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-    worker = f'WorkerId="{me.get_worker_id()}"'
+    url, worker = node_metrics_url(), f'WorkerId="{ray.get_runtime_context().get_worker_id()}"'
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -56,6 +53,14 @@ def wait_exported(timeout_s: float = 30.0) -> bool:
                         shown, _counted)
             return False
         time.sleep(1)
+
+
+def node_metrics_url() -> str:
+    """This node's metrics export port, where Prometheus scrapes it."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def _shown(text: str, worker: str) -> dict[str, float]:

@@ -342,6 +342,10 @@ def _json_row(row: list[str]) -> str:
     return json.dumps(row)
 
 
+# a trade's bucket line after its kind and account: identity, order on the note, status, row
+_IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+
+
 def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome]]:
     """One shard's accounts from its rows (read_range's lines, in file order): (ucc, client as
     JSON, the note's trades as JSON), and the rejected."""
@@ -371,9 +375,6 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         if kept:
             accounts.append((ucc, clients[ucc], [t[3] for t in kept]))
     return accounts, rejects
-
-
-_IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
 def _describe(errors: list[dict]) -> str:

@@ -185,7 +185,6 @@ def test_the_drivers_day_counters_reach_the_nodes_metrics_port_before_it_lets_go
 
     metrics.day({"ok": 3, "physical": 1})
     assert metrics.wait_exported(timeout_s=60)
-    node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
-    text = urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics").read()
+    text = urllib.request.urlopen(metrics.node_metrics_url()).read()
     shown = metrics._shown(text.decode(), f'WorkerId="{ray.get_runtime_context().get_worker_id()}"')
     assert shown["delivered"] >= 3 and shown["physical"] >= 1
