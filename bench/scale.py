@@ -17,7 +17,11 @@ counted at its access log), measured in one go and printed as one JSON line:
                            its growth from the small to the large run, per 100,000 accounts
   report_s_per_100k        that process's time on the large run, per 100,000 accounts
   s3_requests_per_note     requests at the S3 server during the small day run on S3 / notes
-  tail_*                   the small day with and without one 60,000-trade client
+  tail_*                   the small day with and without one 60,000-trade client;
+                           tail_work_s: the CPU seconds the client adds (all cores busy time,
+                           /proc/stat), tail_floor_ratio: the least tail_ratio these cores
+                           allow, were that work spread over them with no idle moment
+  cores_busy_*             the share of the cores busy during each run (all processes)
 Also saved to pipeline/measured.json, where `plan` reads its rates from.
 
     python bench/scale.py --small 2000 --large 20000
@@ -102,9 +106,15 @@ def attach() -> dict:
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
+def busy_s() -> float:
+    """CPU seconds every core of this machine has been busy since boot."""
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def run(env: dict, day: str, run_id: str) -> dict:
     """`python -m pipeline run`, timed from the command's start; the first note from Redis."""
-    started = time.time()
+    started, busy = time.time(), busy_s()
     done = subprocess.run([PY, "-m", "pipeline", "run", "--date", DATE, "--input", day, "--run-id", run_id],
                           capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode not in (0, 1):
@@ -112,7 +122,8 @@ def run(env: dict, day: str, run_id: str) -> dict:
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     state = RunState(env["REDIS_URL"], run_id)
     first = min(rec["updated"] for rec in state.all_accounts() if rec["stage"] == "delivered")
-    return {**summary, "first_note_s": round(first - started, 2), "command_s": round(time.time() - started, 2)}
+    return {**summary, "first_note_s": round(first - started, 2), "command_s": round(time.time() - started, 2),
+            "busy_s": busy_s() - busy}
 
 
 def report_peak_mb(env: dict, run_id: str) -> tuple[float, float]:
@@ -181,6 +192,7 @@ def main() -> None:
                 out[f"efficiency_{name}"] = round(r["notes_per_s"] / (cores * seq_rate), 3)
                 out[f"first_note_s_{name}"] = r["first_note_s"]
                 out[f"driver_peak_rss_mb_{name}"] = r["driver_peak_rss_mb"]
+                out[f"cores_busy_{name}"] = round(r["busy_s"] / (cores * r["command_s"]), 3)
                 out[f"report_peak_mb_{name}"], report_s = report_peak_mb(local, f"scale-{name}")
             out["report_s_per_100k"] = round(report_s * 100_000 / args.large, 1)
             out["cpu_ms_per_note_large"] = runs["large"]["cpu_ms_per_note"]
@@ -193,6 +205,8 @@ def main() -> None:
             out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
             out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
             out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
+            out["tail_work_s"] = round(runs["heavy"]["busy_s"] - runs["small"]["busy_s"], 1)
+            out["tail_floor_ratio"] = round(1 + out["tail_work_s"] / cores / runs["small"]["elapsed_s"], 3)
             ray.shutdown()  # the S3 run starts Ray itself: a cold start
             out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
         finally:
