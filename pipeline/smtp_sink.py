@@ -33,7 +33,10 @@ from email.parser import BytesHeaderParser
 from pathlib import Path
 
 from aiosmtpd.controller import Controller
-from aiosmtpd.smtp import SMTP, AuthResult
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, syntax
+
+DATA_LIMIT = 64 * 1024 * 1024
+LINE_LIMIT = 1001  # RFC 5321 4.5.3.1.6, with CRLF; aiosmtpd's default
 
 
 @dataclass
@@ -99,7 +102,9 @@ class OutboxHandler:
         print("back after the outage", flush=True)
 
     def _keep(self, data: bytes) -> str:
-        mid = BytesHeaderParser().parsebytes(data).get("Message-ID", "") or str(len(os.listdir(self.outbox)))
+        end = data.find(b"\r\n\r\n")  # the headers are all it needs: parsing a 50 KB body cost 0.4 ms
+        mid = BytesHeaderParser().parsebytes(data[:end + 4] if end >= 0 else data).get("Message-ID", "") \
+            or str(len(os.listdir(self.outbox)))
         name = hashlib.sha256(mid.encode()).hexdigest()[:32]
         path, n = self.outbox / f"{name}.eml", 1
         while path.exists():
@@ -113,6 +118,41 @@ class OutboxHandler:
 
 class FaultySMTP(SMTP):
     faults: Faults
+    line_length_limit = DATA_LIMIT + 5  # the stream's limit: smtp_DATA reads to the end mark, not by line
+
+    @syntax("DATA")
+    async def smtp_DATA(self, arg: str) -> None:
+        """aiosmtpd reads DATA a line at a time in Python: 4.4 ms of CPU for a 55 KB note, three
+        times what our client spends sending it, on the same cores as the run it serves. This
+        reads to the end mark in a call or two, then makes aiosmtpd's checks and replies."""
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        if not self.envelope.rcpt_tos:
+            return await self.push("503 Error: need RCPT command")
+        if arg:
+            return await self.push("501 Syntax: DATA")
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        data = bytearray()
+        try:
+            while data != b".\r\n" and not data.endswith(b"\r\n.\r\n"):
+                data += await self._reader.readuntil(b".\r\n")
+        except asyncio.CancelledError:
+            self._writer.close()
+            raise
+        except asyncio.LimitOverrunError:
+            await self.push("552 Error: Too much mail data")
+            self.transport.close()
+            return
+        content = bytes(data[:-3])
+        if len(content) > DATA_LIMIT or max(map(len, content.split(b"\r\n"))) + 2 > LINE_LIMIT:
+            self._set_post_data_state()
+            return await self.push("552 Error: Too much mail data" if len(content) > DATA_LIMIT
+                                   else "500 Line too long (see RFC5321 4.5.3.1.6)")
+        content = content.replace(b"\r\n.", b"\r\n")  # RFC 5321 4.5.2: a line's leading dot goes
+        self.envelope.content = self.envelope.original_content = content[1:] if content[:1] == b"." else content
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()
+        await self.push("250 OK" if status is MISSING else status)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -145,7 +185,7 @@ class SinkController(Controller):
 
 def serve(host: str, port: int, outbox: Path, faults: Faults, tls: tuple[str, str] | None = None,
           login: str | None = None) -> None:
-    kwargs = {"data_size_limit": 64 * 1024 * 1024}
+    kwargs = {"data_size_limit": DATA_LIMIT}
     if tls:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(*tls)

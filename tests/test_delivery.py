@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import smtplib
 import time
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from aiosmtpd.controller import Controller
 
 from pipeline import keys
 from pipeline.driver import RunRequest, run_day
 from pipeline.mail import (ConnectError, Letter, PermanentMailError, PoolOptions, RelayDownError, RetryPolicy,
                            SmtpPool, TransientMailError, build_message, send_with_retry)
+from pipeline.embedded import free_port
 from pipeline.settings import parse_smtp_url
+from pipeline.smtp_sink import DATA_LIMIT, Faults, OutboxHandler, SinkController
 from pipeline.stages import Batch
 from pipeline.state import RunState
 from tests.conftest import TRADE_DATE
@@ -277,3 +281,35 @@ def test_clients_without_consent_or_a_usable_address_are_listed_for_paper(ray_se
     subjects = " ".join(m["Subject"] for m in outbox_messages(smtp_sink.outbox))
     assert not any(u in subjects for u in (no_consent, no_email, bad_email))
     assert summary["delivered"] == summary["accounts"] - 3
+
+
+def test_the_sinks_fast_data_reader_keeps_and_answers_what_aiosmtpds_own_does(tmp_path):
+    """The sink reads DATA to its end mark instead of by line; the outbox and the replies must
+    not tell the two apart: dot-stuffed lines, a lone dot in the body, lines ending in a dot,
+    a bare LF, a line one byte too long, an empty message."""
+    messages = [b"Message-ID: <a@x>\r\n\r\nbody\r\n",
+                b"Message-ID: <b@x>\r\n\r\n.starts with a dot\r\n.\r\n..two\r\nends with a dot.\r\n",
+                b".a first line with a dot\r\nMessage-ID: <c@x>\r\n\r\nx",
+                b"Message-ID: <d@x>\r\n\r\n" + b"Regards.\r\n" * 3000,
+                b"Message-ID: <e@x>\r\n\r\n" + b"y" * 999 + b"\r\nbare\nlf\r\n",
+                b"Message-ID: <f@x>\r\n\r\n" + b"z" * 1000 + b"\r\n", b""]
+    seen = {}
+    for name, controller in (("sink", SinkController), ("aiosmtpd", Controller)):
+        port, handler = free_port(), OutboxHandler(tmp_path / name, Faults())
+        handler.controller = server = controller(handler, hostname="127.0.0.1", port=port, decode_data=False,
+                                                 server_kwargs={"data_size_limit": DATA_LIMIT})
+        server.start()
+        replies = []
+        try:
+            with smtplib.SMTP("127.0.0.1", port) as s:
+                for m in messages:
+                    try:
+                        replies.append(s.sendmail("a@b.example", ["c@d.example"], m) or 250)
+                    except smtplib.SMTPDataError as e:
+                        replies.append(e.smtp_code)
+        finally:
+            server.stop()
+        seen[name] = replies, {p.name: p.read_bytes() for p in (tmp_path / name).glob("*.eml")}
+    assert seen["sink"] == seen["aiosmtpd"]
+    assert seen["sink"][0] == [250, 250, 250, 250, 250, 500, 250]
+    assert messages[1] in seen["sink"][1].values()  # smtplib stuffed its dots, the sink took them out
