@@ -45,7 +45,7 @@ PARALLEL_FROM_PAGES = 100
 RANGE_PAGES = 25  # Typst keeps ~10 compiles' memo cache: 25 dense pages each caps a worker near 0.7 GB
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
 # the first mail leaves a render, a sign and a send of 4 notes after the split, not of 100
-MALLOC_ARENAS = "2"
+MALLOC_ARENAS = 2  # glibc malloc arenas per process, driver and workers (see _few_malloc_arenas)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS") or ("auto" if cluster.on_cluster() else None)
     _few_malloc_arenas()
-    env = {"env_vars": {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)}}
+    env = {"env_vars": {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
@@ -89,7 +89,7 @@ def _few_malloc_arenas() -> None:
     if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, int(MALLOC_ARENAS))  # M_ARENA_MAX
+        ctypes.CDLL("libc.so.6").mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX
     except (OSError, AttributeError):  # not glibc (musl has no arenas to limit)
         pass
 
