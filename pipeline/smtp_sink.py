@@ -36,7 +36,6 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, syntax
 
 DATA_LIMIT = 64 * 1024 * 1024
-LINE_LIMIT = 1001  # RFC 5321 4.5.3.1.6, with CRLF; aiosmtpd's default
 
 
 @dataclass
@@ -144,10 +143,12 @@ class FaultySMTP(SMTP):
             self.transport.close()
             return
         content = bytes(data[:-3])
-        if len(content) > DATA_LIMIT or max(map(len, content.split(b"\r\n"))) + 2 > LINE_LIMIT:
+        error = ("552 Error: Too much mail data" if self.data_size_limit and len(content) > self.data_size_limit
+                 else "500 Line too long (see RFC5321 4.5.3.1.6)"
+                 if max(map(len, content.split(b"\r\n"))) + 2 > SMTP.line_length_limit else None)
+        if error:
             self._set_post_data_state()
-            return await self.push("552 Error: Too much mail data" if len(content) > DATA_LIMIT
-                                   else "500 Line too long (see RFC5321 4.5.3.1.6)")
+            return await self.push(error)
         content = content.replace(b"\r\n.", b"\r\n")  # RFC 5321 4.5.2: a line's leading dot goes
         self.envelope.content = self.envelope.original_content = content[1:] if content[:1] == b"." else content
         status = await self._call_handler_hook("DATA")
