@@ -74,11 +74,10 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
-    # A signer per core: a single signer gets a third of the cores beside two render tasks, so
-    # a window's worth of batches waited for it at the end of the day with one core idle
-    # (10 of 60 s at 2,000 accounts on 2 cores; 3 s with a signer per core).
+    # One signer slot, not one per core: a second signer's start delayed the first note by
+    # 0.5-1.6 s and cost 4-7 CPU-s a run, as much as the idle end it saved (2,000 accounts).
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or cores, "smtp": settings.mailers or 1},
+    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
              include_dashboard=False, runtime_env=env, log_to_driver=False,
              object_store_memory=512 * 1024 * 1024)
     _start_reaper()
