@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ray.util.metrics import Counter, Histogram
 
-log = logging.getLogger("pipeline.metrics")
+log = logging.getLogger("actors.metrics")
 
 
 @lru_cache(maxsize=1)

@@ -13,12 +13,13 @@ import time
 
 import ray
 
-from pipeline import credentials, metrics
+from actors import metrics
+from pipeline import credentials
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.seal.sign import SignatureInfo
 from pipeline.settings import Settings
-from pipeline.sign import SignatureInfo
 from pipeline.stages import Batch, sign_stage
-from pipeline.state import RunState
-from pipeline.storage import open_store
 
 
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1})

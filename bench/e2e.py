@@ -23,15 +23,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.driver import RunRequest, init_ray, run_day  # noqa: E402
+from pipeline.cluster.driver import RunRequest, init_ray, run_day  # noqa: E402
+from pipeline.day.split import split_day  # noqa: E402
+from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from pipeline.record.state import RunState  # noqa: E402
+from pipeline.record.storage import open_store  # noqa: E402
+from pipeline.seal.sign import load_signer, make_test_certificate  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from pipeline.sign import load_signer, make_test_certificate  # noqa: E402
-from pipeline.split import split_day  # noqa: E402
 from pipeline.stages import Batch, broker, load_shard, mail_context, mail_stage, render_stage, sign_stage  # noqa: E402
-from pipeline.state import RunState  # noqa: E402
-from pipeline.storage import open_store  # noqa: E402
-from pipeline.synth import SynthOptions, write_dumps  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
 

@@ -7,7 +7,7 @@ pooling would look useless):
   (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
       template, the Redis exactly-once guard and delivery log), message building included.
 Client CPU is the sending process's CPU time per mail. Prints one JSON object last, and saves
-it to pipeline/measured.json (`plan` reads the mail rate there).
+it to pipeline/cluster/measured.json (`plan` reads the mail rate there).
 
     python bench/mail.py [--mails 600]
 """
@@ -27,13 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from bench.scale import save  # noqa: E402
-from pipeline.render import render  # noqa: E402
+from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from pipeline.note.render import render  # noqa: E402
+from pipeline.record.state import RunState  # noqa: E402
+from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from pipeline.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
 from pipeline.stages import Batch  # noqa: E402
-from pipeline.state import RunState  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
@@ -64,7 +64,7 @@ def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[f
     import ray
 
     from actors.mailer import MailerActor
-    from pipeline.driver import ROOT as PROJECT
+    from pipeline.settings import ROOT as PROJECT
 
     ray.init(num_cpus=1, resources={"smtp": 1}, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})

@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 import typst  # noqa: E402
 
-from pipeline import synth  # noqa: E402
-from pipeline.charges import compute, net_totals  # noqa: E402
-from pipeline.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
-from pipeline.notes import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
-from pipeline.render import render  # noqa: E402
+from pipeline.day import synth  # noqa: E402
+from pipeline.day.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
+from pipeline.note.charges import compute, net_totals  # noqa: E402
+from pipeline.note.content import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
+from pipeline.note.render import render  # noqa: E402
 from pipeline.stages import broker  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
@@ -124,7 +124,8 @@ def huge(pages: int) -> dict:
     import psutil
     import ray
 
-    from pipeline.driver import ROOT as PROJECT, render_any_size
+    from pipeline.cluster.driver import render_any_size
+    from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
     ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,

@@ -23,7 +23,7 @@ counted at its access log), measured in one go and printed as one JSON line:
                            /proc/stat), tail_floor_ratio: the least tail_ratio these cores
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
-Also saved to pipeline/measured.json, where `plan` reads its rates from.
+Also saved to pipeline/cluster/measured.json, where `plan` reads its rates from.
 
     python bench/scale.py --small 2000 --large 20000
 """
@@ -43,17 +43,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import sequential  # noqa: E402
 import ray  # noqa: E402
 
-from pipeline import keys  # noqa: E402
-from pipeline.cluster import MEASURED  # noqa: E402
-from pipeline.driver import init_ray  # noqa: E402
+from bench.e2e import sequential  # noqa: E402
+from pipeline.cluster.driver import init_ray  # noqa: E402
+from pipeline.cluster.plan import MEASURED  # noqa: E402
+from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
+from pipeline.record import keys  # noqa: E402
+from pipeline.record.state import RunState  # noqa: E402
+from pipeline.seal.sign import make_test_certificate  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from pipeline.sign import make_test_certificate  # noqa: E402
-from pipeline.state import RunState  # noqa: E402
-from pipeline.synth import SynthOptions, write_dumps  # noqa: E402
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw  # noqa: E402
 
 DATE = "2026-11-20"
@@ -69,18 +69,18 @@ def split_rates(settings: Settings, day: Path, warm: Path) -> dict:
     code = """
 import json, sys, time
 from pipeline.settings import Settings
-from pipeline.state import RunState
-from pipeline.storage import open_store
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 s = Settings(**json.loads(sys.argv[1])); day, warm, mode = sys.argv[2:5]
 if mode == "1core":
-    from pipeline.split import split_day
+    from pipeline.day.split import split_day
     t = time.perf_counter()
     split_day(open_store(day), open_store(s.store_url), RunState(s.redis_url, "split1"), "split1", "%(d)s",
               s.shard_size, "CNT")
 else:
     import ray
-    from pipeline.driver import init_ray
-    from pipeline.split_tasks import Split
+    from pipeline.cluster.driver import init_ray
+    from pipeline.cluster.split_tasks import Split
     init_ray(s)  # joins the benchmark's Ray (RAY_ADDRESS)
     cpus = int(ray.cluster_resources()["render"])
     Split.start(s, "warm", "%(d)s", warm, cpus, False, lambda: None).done(block=True)  # workers started
@@ -132,10 +132,10 @@ def report_peak_mb(env: dict, run_id: str) -> tuple[float, float]:
     code = """
 import sys
 import time
-from pipeline import report
+from pipeline.record import report
 from pipeline.settings import Settings
-from pipeline.state import RunState
-from pipeline.storage import open_store
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 s = Settings.from_env()
 state = RunState(s.redis_url, sys.argv[1])
 t = time.perf_counter()
@@ -224,7 +224,7 @@ def main() -> None:
 
 
 def save(bench: str, result: dict) -> None:
-    """`plan` sizes the cluster from these (pipeline/cluster.py, Rates.measured)."""
+    """`plan` sizes the cluster from these (pipeline/cluster/plan.py, Rates.measured)."""
     saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     MEASURED.write_text(json.dumps({**saved, bench: result}, indent=1, sort_keys=True) + "\n")
 

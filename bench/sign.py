@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives.asymmetric import padding  # noqa: E402
 from pyhanko.pdf_utils.incremental_writer import IncrementalPdfFileWriter  # noqa: E402
 from pyhanko.sign import fields, signers  # noqa: E402
 
-from pipeline.render import render  # noqa: E402
-from pipeline.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
+from pipeline.note.render import render  # noqa: E402
+from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 OWNER = "broker-owner-secret"

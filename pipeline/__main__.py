@@ -41,20 +41,20 @@ def _run_level_errors() -> tuple[type, ...]:
     settings, calendar. Imported late: `--help` stays fast."""
     import redis
 
-    from pipeline.capacity import CapacityError
-    from pipeline.dumps import InputError
+    from pipeline.cluster.capacity import CapacityError
+    from pipeline.day.dumps import InputError
+    from pipeline.day.trading_calendar import CalendarError
+    from pipeline.record.guard import StateLostError
+    from pipeline.record.storage import StorageError
+    from pipeline.seal.sign import SignerSetupError
     from pipeline.settings import ConfigError
-    from pipeline.sign import SignerSetupError
-    from pipeline.state import StateLostError
-    from pipeline.storage import StorageError
-    from pipeline.trading_calendar import CalendarError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
             CapacityError, redis.ConnectionError)
 
 
 def _run_id(text: str) -> str:
-    from pipeline.keys import check_run_id
+    from pipeline.record.keys import check_run_id
 
     try:
         return check_run_id(text)
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     pl = sub.add_parser("plan", help="node counts, split, report, head and expected duration for a day (the "
-                                      "driver's own sizing), from the rates in pipeline/measured.json")
+                                      "driver's own sizing), from the rates in pipeline/cluster/measured.json")
     pl.add_argument("--accounts", type=int)
     pl.add_argument("--deadline-min", type=float, default=25.0)
     pl.add_argument("--rows", type=int, help="the day's client and trade rows (default: accounts x the benchmark "
@@ -167,8 +167,8 @@ def _accounts(text: str) -> list[str]:
 
 
 def cmd_rerun(args) -> int:
-    from pipeline.driver import init_ray, rerun
-    from pipeline.state import RunNotFound
+    from pipeline.cluster.driver import init_ray, rerun
+    from pipeline.record.state import RunNotFound
 
     settings = Settings.from_env()
     try:
@@ -186,8 +186,8 @@ def _exit_status(summary: dict) -> int:
 
 
 def cmd_reconcile(args) -> int:
-    from pipeline.reconcile import reconcile
-    from pipeline.state import RunNotFound
+    from pipeline.cluster.reconcile import reconcile
+    from pipeline.record.state import RunNotFound
 
     missing = [str(p) for p in args.relay_log if not p.is_file()]
     if missing:
@@ -206,9 +206,9 @@ def cmd_status(args) -> int:
     cluster's Redis ends with the cluster; the report is the record)."""
     import redis
 
-    from pipeline.keys import report_keys
-    from pipeline.state import RunState, redis_client
-    from pipeline.storage import open_store
+    from pipeline.record.keys import report_keys
+    from pipeline.record.state import RunState, redis_client
+    from pipeline.record.storage import open_store
 
     settings = Settings.from_env()
     state = RunState(settings.redis_url, args.run_id)
@@ -252,7 +252,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from pipeline.synth import SynthOptions, write_dumps
+    from pipeline.day.synth import SynthOptions, write_dumps
 
     clients, trades = write_dumps(args.out, SynthOptions(args.date, args.accounts, args.seed, args.volatile))
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
@@ -261,8 +261,10 @@ def cmd_synth(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from pipeline import cluster, credentials, metrics
-    from pipeline.driver import RunRequest, init_ray, preflight, run_day
+    from actors import metrics
+    from pipeline import credentials
+    from pipeline.cluster.driver import RunRequest, init_ray, preflight, run_day
+    from pipeline.cluster.plan import on_cluster, session
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
@@ -272,17 +274,17 @@ def cmd_run(args) -> int:
                           "could lift the notes' permissions; set it, or pass --test-keys for a test run")
     request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")
     preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
-    with cluster.session(cluster.on_cluster(), args.deadline_min, args.keep_cluster) as current:
+    with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
         summary = run_day(settings, request, current.size_for, current.watch)
-    if cluster.on_cluster():  # the head's metrics port is where the day's totals are read
+    if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary))
     return _exit_status(summary)
 
 
 def cmd_plan(args) -> int:
-    from pipeline.cluster import capacity_table, plan
+    from pipeline.cluster.plan import capacity_table, plan
 
     if args.table:
         print(capacity_table(args.deadline_min))
@@ -303,9 +305,9 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     import ray
 
-    from pipeline.driver import RunRequest, init_ray, run_day
+    from pipeline.cluster.driver import RunRequest, init_ray, run_day
+    from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import start_redis, start_smtp_sink
-    from pipeline.synth import SynthOptions, write_dumps
 
     work = args.workdir.resolve()
     write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
@@ -336,7 +338,7 @@ def cmd_demo(args) -> int:
 
 def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
     """With no signing key configured, make a clearly labelled local test certificate once."""
-    from pipeline.sign import make_test_certificate
+    from pipeline.seal.sign import make_test_certificate
 
     if (force or settings.uses_default_key()) and not Path(settings.signer_key).exists():
         log.warning("no signing key configured: generating a LOCAL TEST certificate in %s "

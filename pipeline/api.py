@@ -26,14 +26,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, model_validator
 
-from pipeline import keys, report
-from pipeline.settings import Settings
-from pipeline.split import find_account
-from pipeline.state import FINAL_STATUSES, RunState, final_status, history, redis_client
-from pipeline.storage import StorageError, open_store
+from pipeline.day.split import find_account
+from pipeline.record import keys, report
+from pipeline.record.records import FINAL_STATUSES, final_status, history
+from pipeline.record.state import RunState, redis_client
+from pipeline.record.storage import StorageError, open_store
+from pipeline.settings import ROOT, Settings
 
 PAGE = Path(__file__).parent / "static" / "status.html"
-ROOT = Path(__file__).resolve().parent.parent
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
 

@@ -27,8 +27,8 @@ import json
 import re
 from pathlib import Path
 
+from pipeline.seal.sign import Signer, signer_from_pem
 from pipeline.settings import ConfigError, Settings
-from pipeline.sign import Signer, signer_from_pem
 
 REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
 OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url")
@@ -86,7 +86,7 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
     """The resolved settings and the signing key, from one read of the secret (or, without
     one, the settings' files)."""
     if not settings.secret:
-        from pipeline.sign import load_signer
+        from pipeline.seal.sign import load_signer
 
         return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
                                      settings.signer_chain)

@@ -76,7 +76,7 @@ def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = ()) -> Serv
     with log.open("ab") as out:
         start = out.tell()
         process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.smtp_sink", "--port", str(port), "--outbox", str(outbox), *extra_args],
+            [sys.executable, "-m", "pipeline.mail.smtp_sink", "--port", str(port), "--outbox", str(outbox), *extra_args],
             stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
     deadline = time.monotonic() + 20
     while b"listening on" not in log.read_bytes()[start:]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it goes into PYTHONPATH and cwd
+TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
 DEFAULT_KEY_DIR = Path(".keys")
 PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this repository
 
@@ -33,7 +35,7 @@ class Settings:
     smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
     shard_size: int = 100
     window: int = 0  # shards in flight; 0: two per render CPU of the cluster, at least 6
-    signers: int = 0  # signer actors; 0: one per `signer` slot of the cluster (pipeline/pools.py)
+    signers: int = 0  # signer actors; 0: one per `signer` slot of the cluster (pipeline/cluster/pools.py)
     mailers: int = 0  # mailer actors; 0: one per `smtp` slot
     smtp_connections: int = 4  # per relay, per mailer
     smtp_idle_s: float = 30.0
@@ -56,11 +58,11 @@ class Settings:
     sign_contact: str = "compliance@broker.example.com"
     mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
     mail_reply_to: str = "Client Support <support@broker.example.com>"
-    holidays_file: str = ""  # the broker's trading-holiday list, laid over pipeline/data/holidays.json
+    holidays_file: str = ""  # the broker's trading-holiday list, laid over pipeline/day/data/holidays.json
     state_ttl_s: int = 14 * 24 * 3600
     api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
     secret: str = ""  # where each signer and mailer reads the key and passwords (pipeline/credentials.py)
-    spot_wait_s: float = 120.0  # no spot render node launched by then: ask for on-demand (pipeline/capacity.py)
+    spot_wait_s: float = 120.0  # no spot render node launched by then: ask for on-demand (pipeline/cluster/capacity.py)
     capacity_wait_s: float = 900.0  # a role still without a node by then: the run stops (exit 2)
     head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
 

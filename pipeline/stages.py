@@ -11,21 +11,31 @@ import asyncio
 import json
 import logging
 import time
-from email.utils import parseaddr
 from dataclasses import dataclass, field
+from email.utils import parseaddr
 from functools import lru_cache
 from typing import Callable
 
-from pipeline import delivery_log, keys
-from pipeline.charges import compute
-from pipeline.dumps import EMAIL, Client, Trade
-from pipeline.mail import (Letter, PermanentMailError, PoolOptions, RetryPolicy, SmtpPool, TransientMailError,
-                           UnconfirmedMailError, build_message, message_id, send_with_retry)
-from pipeline.notes import build_note
-from pipeline.render import TEMPLATES, RenderError, render
-from pipeline.sign import SignatureInfo, SignError, protect
-from pipeline.state import Outcome, RunState, StateLostError, StateWriter, final_status, rank
-from pipeline.storage import Store
+from pipeline.day.dumps import EMAIL, Client, Trade
+from pipeline.mail.message import (
+    Letter,
+    PermanentMailError,
+    TransientMailError,
+    UnconfirmedMailError,
+    build_message,
+    message_id,
+)
+from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
+from pipeline.note.charges import compute
+from pipeline.note.content import build_note
+from pipeline.note.render import RenderError, render
+from pipeline.record import delivery_log, keys
+from pipeline.record.guard import StateLostError
+from pipeline.record.records import Outcome, StateWriter, final_status, rank
+from pipeline.record.state import RunState
+from pipeline.record.storage import Store
+from pipeline.seal.sign import SignatureInfo, SignError, protect
+from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")
 

@@ -52,11 +52,11 @@ def main(work: Path, keys: Path) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipeline import cluster
-    from pipeline.driver import RunRequest, run_day
+    from pipeline.cluster import plan as cluster
+    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import free_port, start_redis, start_smtp_sink
     from pipeline.settings import Settings
-    from pipeline.synth import SynthOptions, write_dumps
 
     gcs = f"{ray._private.services.get_node_ip_address()}:{free_port()}"
     config_path = work / "autoscaler.yaml"

@@ -12,10 +12,10 @@ from pathlib import Path
 import boto3
 import pytest
 
+from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis, start_smtp_sink
+from pipeline.seal.sign import make_test_certificate
 from pipeline.settings import Settings
-from pipeline.sign import make_test_certificate
-from pipeline.synth import SynthOptions, write_dumps
 from tests import servers
 
 TRADE_DATE = "2026-11-20"
@@ -117,7 +117,7 @@ def ray_session(s3_endpoint, secrets_endpoint):
     Started after the S3 and Secrets Manager servers, so its workers inherit their endpoints."""
     import ray
 
-    from pipeline.driver import ROOT
+    from pipeline.settings import ROOT
 
     context = ray.init(num_cpus=2, resources={"render": 2, "signer": 2, "smtp": 2}, include_dashboard=False,
                        object_store_memory=300 * 1024 * 1024, log_to_driver=False,

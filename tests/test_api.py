@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pipeline.api import create_app
-from pipeline.driver import RunRequest, run_day
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
 from pipeline.settings import Settings
-from pipeline.synth import SynthOptions, write_dumps
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from pipeline.driver import ROOT
+from pipeline.settings import ROOT
 
 
 def test_the_driver_demand_launches_render_and_signer_nodes_which_go_afterwards(keys_dir, tmp_path):

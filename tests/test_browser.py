@@ -12,10 +12,10 @@ import uuid
 import uvicorn
 
 from pipeline.api import create_app
-from pipeline.driver import ROOT, RunRequest, run_day
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import free_port, start_smtp_sink
-from pipeline.settings import Settings
-from pipeline.synth import SynthOptions, write_dumps
+from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
 
@@ -97,7 +97,8 @@ def test_script_like_text_in_every_field_the_page_shows_runs_nothing_and_the_tok
         redis_url, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
-    from pipeline.state import Outcome, RunState
+    from pipeline.record.records import Outcome
+    from pipeline.record.state import RunState
 
     evil = '<img src=x onerror="window.__pwned=1">'
     run_id = f"xss-{uuid.uuid4().hex[:6]}"

@@ -4,8 +4,8 @@ the same watch runs against a cloud that refuses spot in tests/test_ray_up.py)."
 import pytest
 import yaml
 
-from pipeline.capacity import CapacityError, CapacityWatch, ClusterView
-from pipeline.driver import ROOT
+from pipeline.cluster.capacity import CapacityError, CapacityWatch, ClusterView
+from pipeline.settings import ROOT
 
 NODE_TYPES = yaml.safe_load(open(f"{ROOT}/cluster.yaml"))["available_node_types"]
 EVERY_ROLE = {"CPU": 40, "render": 32, "signer": 8, "smtp": 4}

@@ -7,8 +7,8 @@ from decimal import Decimal as D
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.charges import LEVY_FIELDS, compute, rates_for
-from pipeline.dumps import Trade
+from pipeline.day.dumps import Trade
+from pipeline.note.charges import LEVY_FIELDS, compute, rates_for
 from pipeline.stages import broker
 
 TARIFF = broker()["tariff"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import cluster
-from pipeline.driver import ROOT
+from pipeline.cluster import plan as cluster
+from pipeline.settings import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -245,7 +245,7 @@ def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited
                            "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")},
         "file_mounts": {}, "cluster_synced_files": [], "rsync_exclude": [], "rsync_filter": []}))
     record = tmp_path / "terminated.jsonl"
-    driver = ("import sys, time; from pipeline.cluster import terminate_head_after_driver; "
+    driver = ("import sys, time; from pipeline.cluster.plan import terminate_head_after_driver; "
               f"terminate_head_after_driver({str(config)!r}, grace_s=0.5); time.sleep(1)")
     env = {**os.environ, "PYTHONPATH": ROOT, "CN_RECORDED_TERMINATIONS": str(record), "HOME": str(tmp_path)}
     subprocess.run([sys.executable, "-c", driver], env=env, cwd=ROOT, timeout=60, check=True)

@@ -12,9 +12,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pipeline import credentials, keys
-from pipeline.driver import ROOT, RunRequest, run_day
-from pipeline.settings import PLACEHOLDER_OWNER_PASSWORD, ConfigError
+from pipeline import credentials
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.record import keys
+from pipeline.settings import PLACEHOLDER_OWNER_PASSWORD, ROOT, ConfigError
 from tests.conftest import TRADE_DATE
 from tests.helpers import assert_signed_and_encrypted, client_rows, outbox_messages
 

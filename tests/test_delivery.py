@@ -15,15 +15,22 @@ from pathlib import Path
 import pytest
 from aiosmtpd.controller import Controller
 
-from pipeline import keys
-from pipeline.driver import RunRequest, run_day
-from pipeline.mail import (ConnectError, Letter, PermanentMailError, PoolOptions, RelayDownError, RetryPolicy,
-                           SmtpPool, TransientMailError, build_message, send_with_retry)
+from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.embedded import free_port
+from pipeline.mail.message import (
+    ConnectError,
+    Letter,
+    PermanentMailError,
+    RelayDownError,
+    TransientMailError,
+    build_message,
+)
+from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
+from pipeline.mail.smtp_sink import DATA_LIMIT, Faults, OutboxHandler, SinkController
+from pipeline.record import keys
+from pipeline.record.state import RunState
 from pipeline.settings import parse_smtp_url
-from pipeline.smtp_sink import DATA_LIMIT, Faults, OutboxHandler, SinkController
 from pipeline.stages import Batch
-from pipeline.state import RunState
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
 

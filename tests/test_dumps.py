@@ -2,9 +2,9 @@ from decimal import Decimal
 
 import pytest
 
-from pipeline.dumps import RowError, effective_trades, parse_client, parse_trade
-from pipeline.split import shard_count
-from pipeline import keys
+from pipeline.day.dumps import RowError, effective_trades, parse_client, parse_trade
+from pipeline.day.split import shard_count
+from pipeline.record import keys
 
 GOOD = {
     "trade_date": "2026-11-20", "exchange": "NSE", "segment": "CM", "settlement_no": "CM2026324",
@@ -86,11 +86,11 @@ def test_shards_are_a_multiple_of_partitions_so_each_shard_has_one_prefix():
 def test_the_shard_holding_the_heaviest_account_is_dispatched_first(redis_url, tmp_path):
     import datetime as dt
 
-    from pipeline.split import split_day
+    from pipeline.day.split import split_day
+    from pipeline.day.synth import SynthOptions, write_dumps
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
     from pipeline.stages import load_shard
-    from pipeline.state import RunState
-    from pipeline.storage import open_store
-    from pipeline.synth import SynthOptions, write_dumps
 
     write_dumps(tmp_path / "in", SynthOptions(dt.date(2026, 11, 20), 60, seed=3))
     store = open_store(str(tmp_path / "store"))

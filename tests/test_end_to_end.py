@@ -13,9 +13,10 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pipeline import keys
-from pipeline.driver import FIRST_NOTES, ROOT, RunRequest, _units, run_day
-from pipeline.storage import open_store
+from pipeline.cluster.driver import FIRST_NOTES, RunRequest, _units, run_day
+from pipeline.record import keys
+from pipeline.record.storage import open_store
+from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
 from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
 
@@ -145,9 +146,9 @@ def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, set
 def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings, tmp_path, smtp_sink):
     import datetime as dt
 
-    from pipeline.driver import PARALLEL_FROM_PAGES
-    from pipeline.notes import ROWS_PER_PAGE
-    from pipeline.synth import SynthOptions, write_dumps
+    from pipeline.cluster.driver import PARALLEL_FROM_PAGES
+    from pipeline.day.synth import SynthOptions, write_dumps
+    from pipeline.note.content import ROWS_PER_PAGE
 
     day = tmp_path / "volatile"
     write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 3, seed=11))
@@ -181,7 +182,7 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
 def test_the_drivers_day_counters_reach_the_nodes_metrics_port_before_it_lets_go(ray_session):
     import ray
 
-    from pipeline import metrics
+    from actors import metrics
 
     metrics.day({"ok": 3, "physical": 1})
     assert metrics.wait_exported(timeout_s=60)

@@ -21,17 +21,18 @@ import psutil
 import pytest
 import redis
 
-from pipeline import delivery_log, keys
-from pipeline.driver import ROOT, RunRequest, rerun, run_day
+from pipeline.cluster.driver import RunRequest, rerun, run_day
+from pipeline.cluster.reconcile import reconcile
+from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis
-from pipeline.mail import message_id
-from pipeline.reconcile import reconcile
-from pipeline.state import RunState, StateLostError
-from pipeline.storage import open_store
-from pipeline.synth import SynthOptions, write_dumps
+from pipeline.mail.message import message_id
+from pipeline.record import delivery_log, keys
+from pipeline.record.guard import StateLostError
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
-
 
 ACCOUNTS = int(os.environ.get("CN_FAULT_ACCOUNTS", "60"))  # the closing note's matrix ran with 300-500
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from pipeline.charges import compute
-from pipeline.notes import money
-from pipeline.render import render
+from pipeline.note.charges import compute
+from pipeline.note.content import money
+from pipeline.note.render import render
 from pipeline.stages import broker
 from tests.test_render import TRADE_DATE, pdf_text, sample_client, sample_note, sample_trades
 

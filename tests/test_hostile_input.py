@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from pipeline.dumps import InputError, parse_trade
-from pipeline.split import split_day
-from pipeline.state import RunState
-from pipeline.storage import open_store
+from pipeline.day.dumps import InputError, parse_trade
+from pipeline.day.split import split_day
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 from tests.test_note_correctness import CLIENT, DATE, HAND_MADE, N, write_day
 
 INNOCENTS = [dict(CLIENT, ucc=f"OK{i}", pan=f"ABCDE{1000 + i}F", email=f"ok{i}@example.com") for i in range(6)]
@@ -95,7 +95,7 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_accepted(tmp_path, redis_url):
 
 
 def test_a_client_with_a_control_character_or_a_non_ascii_address_is_caught(tmp_path, redis_url):
-    from pipeline.dumps import EMAIL
+    from pipeline.day.dumps import EMAIL
 
     split, records = split_with(tmp_path, redis_url, client=dict(POISONED, name="Evil\rName"))
     assert split.rejected == 1 and "field 'name': contains a control character" in records["BAD1"]["reason"]
@@ -107,7 +107,7 @@ def test_a_client_with_a_control_character_or_a_non_ascii_address_is_caught(tmp_
     ("strike", "abc", "not a number"),
 ])
 def test_derivatives_fields_are_checked_at_validation_not_at_rendering(field, value, problem):
-    from pipeline.dumps import RowError
+    from pipeline.day.dumps import RowError
 
     opt = dict(HAND_MADE[-5], **{field: value})
     with pytest.raises(RowError, match=problem):
@@ -142,7 +142,7 @@ def test_run_with_a_missing_column_exits_2_with_one_line_and_no_traceback(tmp_pa
 @pytest.mark.parametrize("run_id", ["<img src=x onerror=alert(document.domain)>", "../../escape", "..", ".",
                                     "a" * 65, "run id", ""])
 def test_a_run_id_outside_the_pattern_is_refused_before_it_reaches_redis_or_storage(run_id, tmp_path):
-    from pipeline.keys import check_run_id
+    from pipeline.record.keys import check_run_id
 
     with pytest.raises(ValueError, match="is not 1-64 letters"):
         check_run_id(run_id)
@@ -153,14 +153,14 @@ def test_a_run_id_outside_the_pattern_is_refused_before_it_reaches_redis_or_stor
 
 
 def test_a_run_id_inside_the_pattern_is_kept_as_it_is():
-    from pipeline.keys import check_run_id
+    from pipeline.record.keys import check_run_id
 
     assert check_run_id("2026-11-20-ab12cd34") == "2026-11-20-ab12cd34" and check_run_id("a.b_c-9") == "a.b_c-9"
 
 
 def test_report_cells_that_a_spreadsheet_would_run_are_neutralised(redis_url):
-    from pipeline import report
-    from pipeline.state import Outcome
+    from pipeline.record import report
+    from pipeline.record.records import Outcome
 
     state = RunState(redis_url, f"csv-{os.urandom(3).hex()}")
     state.record([Outcome("R1", "delivered", "failed", reason="=HYPERLINK(\"http://x\",\"y\")"),
@@ -185,8 +185,8 @@ def test_a_poisoned_account_is_rejected_and_reported_while_its_shard_mates_are_d
     import json
     from pathlib import Path
 
-    from pipeline import keys
-    from pipeline.driver import RunRequest, run_day
+    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.record import keys
 
     clients = INNOCENTS + [POISONED]
     trades = trades_for(clients)
@@ -216,7 +216,7 @@ def test_run_refuses_the_public_placeholder_owner_password_unless_told_it_is_a_t
 def test_a_mail_that_cannot_be_built_takes_no_claim_so_the_next_attempt_sends_it(settings, smtp_sink, tmp_path):
     import asyncio
 
-    from pipeline import keys
+    from pipeline.record import keys
     from pipeline.stages import Batch, mail_context, mail_stage
 
     run_id = f"unbuilt-{os.urandom(3).hex()}"
@@ -255,7 +255,7 @@ def test_run_with_an_unwritable_store_exits_2_naming_the_store(tmp_path, redis_u
 def test_an_account_whose_rendering_raises_fails_alone_and_its_shard_mates_render(tmp_path, redis_url):
     from decimal import InvalidOperation
 
-    from pipeline.split import load_manifest, save_manifest
+    from pipeline.day.split import load_manifest, save_manifest
     from pipeline.stages import Batch, load_shard, render_stage
 
     folder = write_day(tmp_path / "in", trades=trades_for(INNOCENTS + [POISONED]), clients=INNOCENTS + [POISONED])

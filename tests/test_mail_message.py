@@ -3,7 +3,8 @@ from email import policy
 
 import pytest
 
-from pipeline.mail import Letter, PermanentMailError, RetryPolicy, build_message, message_id
+from pipeline.mail.message import Letter, PermanentMailError, build_message, message_id
+from pipeline.mail.relay import RetryPolicy
 
 LETTER = Letter("Notes <n@broker.example.com>", "Desk <desk@broker.example.com>")
 

@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import stages
-from pipeline.dumps import CLIENT_FIELDS, TRADE_FIELDS, Client
-from pipeline.render import render
-from pipeline.split import find_account, save_manifest, split_day
-from pipeline.state import RunState
-from pipeline.storage import open_store
+from pipeline.day.dumps import CLIENT_FIELDS, TRADE_FIELDS, Client
+from pipeline.day.split import find_account, save_manifest, split_day
+from pipeline.note.render import render
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 
 DATE = "2026-11-23"  # a Monday; 24-11-2026 is an NSE/BSE holiday (Guru Nanak Jayanti)
 N = lambda i: f"{i:016d}"  # noqa: E731
@@ -212,13 +212,13 @@ def test_note_numbers_are_never_issued_twice_when_redis_loses_them(tmp_path):
     ("2026-11-09", "2026-11-11"),  # Diwali Balipratipada on the 10th
 ])
 def test_settlement_is_the_next_trading_day_of_the_exchange(trade_date, settles):
-    from pipeline import trading_calendar
+    from pipeline.day import trading_calendar
 
     assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles}
 
 
 def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session_is_named():
-    from pipeline import trading_calendar
+    from pipeline.day import trading_calendar
 
     assert trading_calendar.trade_date_warnings("2026-11-20") == []
     saturday = trading_calendar.trade_date_warnings("2026-11-21")
@@ -228,7 +228,7 @@ def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session
 
 
 def test_a_broker_supplied_holiday_file_overrides_and_a_year_without_a_list_is_an_error(tmp_path):
-    from pipeline import trading_calendar
+    from pipeline.day import trading_calendar
 
     extra = tmp_path / "holidays.json"
     extra.write_text('{"NSE": {"2026": {"holidays": {"2026-11-25": "declared"}}},'
@@ -269,9 +269,9 @@ day_strategy = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(day_strategy, st.booleans())
 def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(specs, intra):
-    from pipeline.charges import compute, net_totals
-    from pipeline.dumps import Trade
-    from pipeline.notes import build_note, money
+    from pipeline.day.dumps import Trade
+    from pipeline.note.charges import compute, net_totals
+    from pipeline.note.content import build_note, money
     from pipeline.stages import broker
 
     trades = []

@@ -10,9 +10,9 @@ import nbformat
 import redis
 from nbclient import NotebookClient
 
-from pipeline.driver import ROOT, RunRequest, run_day
-from pipeline.settings import Settings
-from pipeline.synth import SynthOptions, write_dumps
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
 

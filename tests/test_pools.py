@@ -1,7 +1,7 @@
 """The actor pools' sizing and dispatch, with plain objects for actors (pure logic; the pools
 on Ray's autoscaler are in test_autoscaler.py)."""
 
-from pipeline.pools import Pool
+from pipeline.cluster.pools import Pool
 
 
 def pool():

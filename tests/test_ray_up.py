@@ -26,8 +26,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pipeline.driver import ROOT
 from pipeline.embedded import free_port
+from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
 
 ACCOUNTS = 40
@@ -55,7 +55,7 @@ def cloud(tmp_path):
         services.append(moto)
         _wait_tcp(c.gateway, moto_port, moto)
         smtp_port = free_port()
-        sink = subprocess.Popen([sys.executable, "-m", "pipeline.smtp_sink", "--host", c.gateway, "--port",
+        sink = subprocess.Popen([sys.executable, "-m", "pipeline.mail.smtp_sink", "--host", c.gateway, "--port",
                                  str(smtp_port), "--outbox", str(tmp_path / "outbox")], cwd=ROOT,
                                 stdout=open(tmp_path / "smtp.log", "wb"), stderr=subprocess.STDOUT)
         services.append(sink)

@@ -7,11 +7,12 @@ import json
 import time
 import uuid
 
-from pipeline import delivery_log
-from pipeline.relay_log import accepted_ids
+from pipeline.mail.relay_log import accepted_ids
+from pipeline.record import delivery_log
+from pipeline.record.records import final_status
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 from pipeline.stages import restore_from_log
-from pipeline.state import RunState, final_status
-from pipeline.storage import open_store
 
 POSTFIX = """\
 Nov 22 18:04:11 relay postfix/smtpd[2211]: 4B3C1200A4: client=app-1.internal[10.0.1.15]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import synth
-from pipeline.charges import compute
-from pipeline.dumps import Client, effective_trades, parse_trade
-from pipeline.notes import build_note, money
-from pipeline.render import merge, render
+from pipeline.day import synth
+from pipeline.day.dumps import Client, effective_trades, parse_trade
+from pipeline.note.charges import compute
+from pipeline.note.content import build_note, money
+from pipeline.note.render import merge, render
 from pipeline.stages import broker
 
 TRADE_DATE = "2026-11-20"
@@ -81,7 +81,7 @@ def test_no_trade_count_overflows_a_page_or_pushes_the_levies_off(tmp_path):
 
 
 def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
-    from pipeline.notes import page_range
+    from pipeline.note.content import page_range
 
     note = sample_note(400)
     total = note["total_pages"]

@@ -10,9 +10,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from pipeline import keys
+from pipeline.cluster.driver import RunRequest, rerun, run_day
 from pipeline.embedded import free_port
-from pipeline.driver import ROOT, RunRequest, rerun, run_day
+from pipeline.record import keys
+from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
 
@@ -38,7 +39,8 @@ def failing_first_run(settings, day: Path, smtp_server) -> tuple[dict, str, str,
 def test_rerun_failed_resumes_each_account_and_leaves_delivered_ones_alone(ray_session, settings, day, smtp_server):
     first, sign_victim, mail_victim, first_relay = failing_first_run(settings, day, smtp_server)
     traded = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})
-    from pipeline.state import RunState, history
+    from pipeline.record.records import history
+    from pipeline.record.state import RunState
 
     state = RunState(settings.redis_url, first["run_id"])
     records = state.accounts([sign_victim, mail_victim])

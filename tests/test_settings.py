@@ -1,7 +1,7 @@
 import pytest
 
+from pipeline.record.storage import FolderStore, S3Store, StorageError, open_store
 from pipeline.settings import ConfigError, Settings, parse_smtp_url
-from pipeline.storage import FolderStore, S3Store, StorageError, open_store
 
 
 def test_defaults_run_locally_with_nothing_configured():

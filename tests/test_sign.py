@@ -17,11 +17,11 @@ from pyhanko.pdf_utils.reader import PdfFileReader
 from pyhanko.sign.validation import validate_pdf_signature
 from pyhanko_certvalidator import ValidationContext
 
-from pipeline import keys
-from pipeline.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect
+from pipeline.record import keys
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.seal.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect
 from pipeline.stages import Batch, sign_stage
-from pipeline.state import RunState
-from pipeline.storage import open_store
 from tests.helpers import assert_signed_and_encrypted
 
 PAN = "ABCPD1234E"
@@ -30,7 +30,7 @@ OWNER = "broker-owner-secret"
 
 @pytest.fixture(scope="module")
 def note_pdf() -> bytes:
-    from pipeline.render import render
+    from pipeline.note.render import render
     from tests.test_render import sample_note
 
     return render(sample_note(trades=12))

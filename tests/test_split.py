@@ -13,12 +13,14 @@ import threading
 
 import pytest
 
-from pipeline import bhavcopy, note_numbers, report
-from pipeline.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
-from pipeline.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
-from pipeline.state import Outcome, RunState
-from pipeline.storage import open_store
-from pipeline.synth import SynthOptions, write_dumps
+from pipeline.day import bhavcopy
+from pipeline.day.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
+from pipeline.day.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.record import note_numbers, report
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 from tests.test_hostile_input import split_with
 from tests.test_note_correctness import DATE, HAND_MADE
 

@@ -4,9 +4,11 @@ import uuid
 
 import pytest
 
-from pipeline import keys
-from pipeline.mail import message_id
-from pipeline.state import STAGES, Outcome, RunState, StateLostError, final_status, history
+from pipeline.mail.message import message_id
+from pipeline.record import keys
+from pipeline.record.guard import StateLostError
+from pipeline.record.records import STAGES, Outcome, final_status, history
+from pipeline.record.state import RunState
 
 
 @pytest.fixture
@@ -74,7 +76,7 @@ def test_note_numbers_are_reserved_in_disjoint_blocks(state):
 def test_batched_writes_flush_by_size_and_a_trickle_by_time(state):
     import time
 
-    from pipeline.state import StateWriter
+    from pipeline.record.records import StateWriter
 
     writer = StateWriter(state, size=3, max_age_s=0.2)
     for ucc in ("A", "B"):

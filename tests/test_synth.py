@@ -8,7 +8,7 @@ import statistics
 from collections import Counter
 from decimal import Decimal
 
-from pipeline.synth import SynthOptions, write_dumps
+from pipeline.day.synth import SynthOptions, write_dumps
 
 
 def test_a_synthetic_day_is_heavy_tailed_mixed_and_safe_to_mail(tmp_path):
@@ -30,8 +30,8 @@ def test_a_synthetic_day_is_heavy_tailed_mixed_and_safe_to_mail(tmp_path):
 
 
 def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_path):
-    from pipeline import bhavcopy
-    from pipeline.dumps import contract_id, parse_trade
+    from pipeline.day import bhavcopy
+    from pipeline.day.dumps import contract_id, parse_trade
 
     write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 300, seed=4))
     errors: list[dict] = []

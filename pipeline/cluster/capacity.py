@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-log = logging.getLogger("pipeline.capacity")
+log = logging.getLogger("pipeline.cluster.capacity")
 ROLES = ("render", "signer", "smtp")
 ONDEMAND = "ondemand"  # cluster.yaml: only render_ondemand offers it
 

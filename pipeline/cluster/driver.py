@@ -25,22 +25,28 @@ import ray
 import redis
 from tqdm import tqdm
 
+from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
-from pipeline import cluster, credentials, keys, metrics, report, restore, trading_calendar
-from pipeline.notes import page_range
-from pipeline.pools import Pool
-from pipeline.render import merge, render
-from pipeline.settings import ConfigError, Settings
-from pipeline.split import SplitResult, check_inputs, load_manifest, save_manifest
-from pipeline.split_tasks import Split
+from pipeline import credentials
+from pipeline.cluster import restore
+from pipeline.cluster.plan import on_cluster
+from pipeline.cluster.pools import Pool
+from pipeline.cluster.split_tasks import Split
+from pipeline.day import trading_calendar
+from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_manifest
+from pipeline.mail.message import message_id
+from pipeline.note.content import page_range
+from pipeline.note.render import merge, render
+from pipeline.record import keys, report
+from pipeline.record.guard import StateLostError
+from pipeline.record.records import Outcome, final_status
+from pipeline.record.state import RunState, redis_client
+from pipeline.record.storage import StorageError, open_store
+from pipeline.settings import ROOT, ConfigError, Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
-from pipeline.mail import message_id
-from pipeline.state import Outcome, RunState, StateLostError, final_status, redis_client
-from pipeline.storage import StorageError, open_store
 
-log = logging.getLogger("pipeline.driver")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+log = logging.getLogger("pipeline.cluster.driver")
 PARALLEL_FROM_PAGES = 100
 RANGE_PAGES = 25  # Typst keeps ~10 compiles' memo cache: 25 dense pages each caps a worker near 0.7 GB
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
@@ -68,7 +74,7 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     cluster's node types advertise."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if cluster.on_cluster() else None)
+    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if on_cluster() else None)
     _few_malloc_arenas()
     env = {"env_vars": {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))}}
     if address:
@@ -104,7 +110,7 @@ def _start_reaper() -> None:
     it holds the read end of a pipe only this process writes to, so it sees the death."""
     global _reaper
     if _reaper is None or _reaper.poll() is not None:
-        _reaper = subprocess.Popen([sys.executable, "-m", "pipeline.reaper", str(os.getpid())], cwd=ROOT,
+        _reaper = subprocess.Popen([sys.executable, "-m", "pipeline.cluster.reaper", str(os.getpid())], cwd=ROOT,
                                    stdin=subprocess.PIPE, start_new_session=True)
 
 
@@ -271,7 +277,7 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
     account is mailed again only with force. Accounts rejected at validation cannot be rerun:
     their input must be corrected and run again. A run its Redis has lost is brought back from
-    its report and delivery log in storage first (pipeline/restore.py)."""
+    its report and delivery log in storage first (pipeline/cluster/restore.py)."""
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
     meta = state.meta()
     if not meta:  # its Redis is gone (a cluster's ends with the cluster): the run comes back from storage

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from pipeline.capacity import CapacityWatch, look_at_ray
+from pipeline.cluster.capacity import CapacityWatch, look_at_ray
+from pipeline.settings import ROOT, Settings
 
-log = logging.getLogger("pipeline.cluster")
+log = logging.getLogger("pipeline.cluster.plan")
 BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()  # written on the head by `ray up`
 
 
@@ -50,7 +51,7 @@ MEASURED = Path(__file__).resolve().parent / "measured.json"  # written by bench
 @dataclass(frozen=True)
 class Rates:
     """What a note costs, as bench/scale.py and bench/mail.py measured it on a 2-core c6a-class
-    machine (pipeline/measured.json, written by them). Start-up and margin are not measured
+    machine (pipeline/cluster/measured.json, written by them). Start-up and margin are not measured
     here: they are the nodes' boot and the share of the deadline held back."""
 
     render_cpu_ms: float  # a note's charges and Typst, in the pipeline
@@ -196,16 +197,14 @@ def terminate_head(config: str | dict) -> None:
 def terminate_head_after_driver(config: str | dict, grace_s: float | None = None) -> None:
     """The head ends a minute (CN_HEAD_GRACE_S) after the driver exits: its exit status reaches
     `ray job` (a failed day is a FAILED job), and the logs flush. A detached process waits for it."""
-    from pipeline.settings import Settings
-
     grace_s = Settings.from_env().head_grace_s if grace_s is None else grace_s
-    code = ("import sys, time, psutil; from pipeline.cluster import terminate_head; "
+    code = ("import sys, time, psutil; from pipeline.cluster.plan import terminate_head; "
             "psutil.wait_procs([psutil.Process(int(sys.argv[1]))]); time.sleep(float(sys.argv[2])); "
             "terminate_head(sys.argv[3])")
     subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(grace_s), str(config)],
                      start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=open(Path("~/end-head.log").expanduser(), "ab"),
-                     env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                     env={**os.environ, "PYTHONPATH": ROOT})
 
 
 @dataclass
@@ -230,8 +229,6 @@ class ClusterSession:
 
 def capacity_watch(config: str | dict, request: Callable[[list[dict]], None]) -> CapacityWatch:
     import yaml
-
-    from pipeline.settings import Settings
 
     cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
     settings = Settings.from_env()

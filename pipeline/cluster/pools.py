@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-log = logging.getLogger("pipeline.pools")
+log = logging.getLogger("pipeline.cluster.pools")
 
 
 @dataclass

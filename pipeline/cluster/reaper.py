@@ -7,7 +7,7 @@ notes the driver's descendants every second while the driver lives, and when the
 closes (the driver is gone) it ends those still running. Processes are known by PID and
 start time, so a reused PID is never hit.
 
-    python -m pipeline.reaper DRIVER_PID
+    python -m pipeline.cluster.reaper DRIVER_PID
 """
 
 from __future__ import annotations

@@ -13,11 +13,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline import delivery_log, keys, relay_log, report, restore
+from pipeline.cluster import restore
+from pipeline.day.split import load_manifest
+from pipeline.mail import relay_log
+from pipeline.record import delivery_log, keys, report
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunNotFound, RunState
+from pipeline.record.storage import open_store
 from pipeline.settings import Settings
-from pipeline.split import load_manifest
-from pipeline.state import Outcome, RunNotFound, RunState
-from pipeline.storage import open_store
 
 
 def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:

@@ -13,11 +13,12 @@ import csv
 import itertools
 import json
 
-from pipeline import keys
-from pipeline.split import load_manifest
+from pipeline.day.split import load_manifest
+from pipeline.record import keys
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunNotFound, RunState
+from pipeline.record.storage import Store
 from pipeline.stages import restore_from_log
-from pipeline.state import Outcome, RunNotFound, RunState
-from pipeline.storage import Store
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
 

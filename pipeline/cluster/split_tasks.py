@@ -12,11 +12,11 @@ from typing import Callable
 
 import ray
 
+from pipeline.day.split import Plan, SplitResult, assemble, make_plan, read_range, result, row_offsets
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 from pipeline.settings import Settings
-from pipeline.split import Plan, SplitResult, assemble, make_plan, read_range, result, row_offsets
 from pipeline.stages import broker
-from pipeline.state import RunState
-from pipeline.storage import open_store
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)

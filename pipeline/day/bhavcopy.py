@@ -12,7 +12,7 @@ import csv
 from decimal import Decimal, InvalidOperation
 from typing import Iterable
 
-from pipeline.dumps import RowError, check_header
+from pipeline.day.dumps import RowError, check_header
 
 FILE = "bhavcopy.csv"
 FIELDS = ["TradDt", "Src", "Sgmt", "FinInstrmTp", "TckrSymb", "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric"]

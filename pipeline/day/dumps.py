@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 from operator import attrgetter
-from decimal import Decimal
 from typing import Mapping
 
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]

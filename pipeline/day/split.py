@@ -1,7 +1,7 @@
 """Stage 1: read the dumps in byte ranges, validate each row, and write one shard file per group of accounts.
 
 Two kinds of independent step, so the split runs on every core of the cluster
-(pipeline/split_tasks.py) or in one process (split_day, tests and benchmarks):
+(pipeline/cluster/split_tasks.py) or in one process (split_day, tests and benchmarks):
 - read_range validates the rows of one byte range of one dump (a ranged GET on S3) and deals
   them into buckets, one per shard group;
 - assemble takes one group's buckets from every range, builds each shard's accounts (trades
@@ -22,11 +22,23 @@ import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from pipeline import bhavcopy, keys, note_numbers
-from pipeline.dumps import (CLIENT_FIELDS, MAX_FIELD, SEP, TRADE_FIELDS, InputError, RowError, check_header,
-                            effective, parse_client, trade_row)
-from pipeline.state import Outcome, RunState
-from pipeline.storage import StorageError, Store
+from pipeline.day import bhavcopy
+from pipeline.day.dumps import (
+    CLIENT_FIELDS,
+    MAX_FIELD,
+    SEP,
+    TRADE_FIELDS,
+    InputError,
+    RowError,
+    check_header,
+    effective,
+    parse_client,
+    trade_row,
+)
+from pipeline.record import keys, note_numbers
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunState
+from pipeline.record.storage import StorageError, Store
 
 MAX_LISTED_ERRORS = 1000
 RANGE_BYTES_MIN = 1 << 20

@@ -8,16 +8,16 @@ real person. Some names carry Typst syntax and non-Latin scripts on purpose.
 from __future__ import annotations
 
 import csv
-import io
 import datetime as dt
+import io
 import random
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from pipeline import bhavcopy, keys
-from pipeline.dumps import CLIENT_FIELDS, TRADE_FIELDS
-
+from pipeline.day import bhavcopy
+from pipeline.day.dumps import CLIENT_FIELDS, TRADE_FIELDS
+from pipeline.record import keys
 
 STATES = [
     ("Karnataka", "29"), ("Maharashtra", "27"), ("Tamil Nadu", "33"), ("Delhi", "07"),

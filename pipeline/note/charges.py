@@ -29,7 +29,7 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.dumps import Trade, contract_id
+from pipeline.day.dumps import Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")

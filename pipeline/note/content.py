@@ -16,9 +16,9 @@ import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
 from itertools import groupby
 
-from pipeline import trading_calendar
-from pipeline.charges import Charges, CarryForward, net_totals, segment_of
-from pipeline.dumps import Client, Trade
+from pipeline.day import trading_calendar
+from pipeline.day.dumps import Client, Trade
+from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64

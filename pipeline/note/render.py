@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from io import BytesIO
-from pathlib import Path
 
 import pikepdf
 import typst
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+from pipeline.settings import TEMPLATES
+
 TEMPLATE = TEMPLATES / "contract_note.typ"
 
 

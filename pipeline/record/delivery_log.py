@@ -19,9 +19,10 @@ import time
 import uuid
 from typing import Iterable, Iterator
 
-from pipeline import keys
-from pipeline.state import Outcome
-from pipeline.storage import Store
+from pipeline.record import keys
+from pipeline.record.records import Outcome
+from pipeline.record.storage import Store
+
 
 def new_key(run_id: str, shard: int) -> str:
     """Unique per mailing; keys sort by the time the mailing began."""

@@ -75,6 +75,13 @@ def note_sequence(fy: str) -> str:
     return f"cn:noteseq:{fy}"
 
 
+def message_id(run_id: str, ucc: str, domain: str = "contract-notes.invalid") -> str:
+    """Derived, not random: the same account in the same run always has the same Message-ID,
+    so a resend collapses in the client's mailbox and a record need not store it."""
+    digest = hashlib.sha256(f"{run_id}/{ucc}".encode()).hexdigest()[:24]
+    return f"<{digest}.{re.sub(r'[^A-Za-z0-9_.-]', '_', ucc)}@{domain}>"
+
+
 def stable_hash(ucc: str) -> int:
     """Same number on every machine and Python process (unlike hash())."""
     return int.from_bytes(hashlib.blake2b(ucc.encode(), digest_size=8).digest(), "big")

@@ -13,9 +13,10 @@ import json
 import tempfile
 from typing import Iterator
 
-from pipeline import keys
-from pipeline.state import RunState, final_status
-from pipeline.storage import Store
+from pipeline.record import keys
+from pipeline.record.records import final_status
+from pipeline.record.state import RunState
+from pipeline.record.storage import Store
 
 CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch",
               "possible_duplicate"]

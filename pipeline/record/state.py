@@ -1,140 +1,27 @@
-"""Live job state in Redis: account records, stage counters, the failed registry, the mail guard.
-
-An account's record holds the furthest stage it reached, its status, the events out of the
-ordinary (failures, reruns) and its delivery attempts; the delivery log in storage is the
-record of every mailing. Stage counters move only when an account reaches a stage for the
-first time, inside one Lua call with the record write, so reruns and Ray's retries never
-double count and counters stay O(1) to read. Writes are batched: one pipeline round trip
-per shard.
+"""A run's live state in Redis: its meta, counters and timeline, and the handle every reader
+and writer uses. The handle is put together from parts by what each keeps (as redis-py puts
+its client together from command sets): the account records (records.py) and the mail guard
+(guard.py), each beside the Lua script it calls.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import threading
-import uuid
 import time
-from dataclasses import dataclass, field
+import uuid
 from functools import lru_cache
-from typing import Iterable, Iterator
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline import keys
-
-STAGES = ("validated", "rendered", "signed", "archived", "delivered")
-FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending")
+from pipeline.record import keys
+from pipeline.record.guard import MailGuard
+from pipeline.record.records import STAGES, Records
 
 
 class RunNotFound(LookupError):
     pass
-
-
-class StateLostError(RuntimeError):
-    """Redis no longer holds this run (flushed, or restarted without persistence): mailing
-    on would resend what the lost mail guard was protecting."""
-
-
-def rank(stage: str) -> int:
-    """How far along a stage is: 1 for validated ... 5 for delivered (0: nowhere yet)."""
-    return STAGES.index(stage) + 1
-
-
-def final_status(rec: dict) -> str:
-    """Where an account stands: delivered, unconfirmed (the mail may have reached the relay:
-    settle it with `reconcile` or `rerun --unconfirmed`), failed, rejected (bad input),
-    physical (no e-mail consent or address: paper), or pending (on its way)."""
-    if rec.get("stage") == "delivered":
-        return "delivered"
-    status = rec.get("status")
-    return status if status in ("unconfirmed", "failed", "rejected", "physical") else "pending"
-
-# An account's record is compact JSON, so that 1.5M of them fit a small head (issue 11: at
-# most 400 bytes an account with the mail guard). The ucc is the field name, the Message-ID
-# is derived from run and ucc ("m": 1) and a stage is its rank:
-#   r  furthest stage reached (0: none)   s  status code, absent when ok (STATUS_CODES)
-#   f  rank of the stage that failed      e  reason          p  the relay's reply
-#   t  time of the last outcome           n  delivery attempts, absent when 0
-#   x  extra flags of the last outcome    h  the out-of-the-ordinary events only
-# A stage reached on the first try is not kept as an event: it follows from r. An event is
-# kept when it failed, was refused, skipped or unconfirmed, or repeated a stage already
-# reached: [stage rank, status code, reason, time, r before it]. An account is in at most one
-# registry: failed (rerun --failed) or unconfirmed (reconcile).
-# One call records a batch: KEYS: accounts, counts, failed, unconfirmed. ARGV: now, ttl, then
-# per account: ucc, record json, stage rank, stage, registry (f, u or empty)
-_RECORD = """
-local now = ARGV[1]
-for i = 3, #ARGV, 5 do
-  local ucc = ARGV[i]
-  local prev = redis.call('HGET', KEYS[1], ucc)
-  local rec = cjson.decode(ARGV[i + 1])
-  local g = rec['g']
-  rec['g'] = nil
-  local prev_rank, h, n = 0, nil, 0
-  if prev then
-    local p = cjson.decode(prev)
-    prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
-  end
-  if (rec['s'] ~= nil and rec['s'] ~= 'p') or g <= prev_rank then
-    h = h or {}
-    table.insert(h, {g, rec['s'] or 'k', rec['e'] or '', rec['t'], prev_rank})
-  end
-  rec['h'] = h
-  rec['n'] = n + (rec['n'] or 0)
-  if rec['n'] == 0 then rec['n'] = nil end
-  if prev_rank > rec['r'] then rec['r'] = prev_rank end
-  redis.call('HSET', KEYS[1], ucc, cjson.encode(rec))
-  if tonumber(ARGV[i + 2]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[i + 3], 1) end
-  local registry = ARGV[i + 4]
-  if registry == 'f' then redis.call('ZADD', KEYS[3], now, ucc) else redis.call('ZREM', KEYS[3], ucc) end
-  if registry == 'u' then redis.call('ZADD', KEYS[4], now, ucc) else redis.call('ZREM', KEYS[4], ucc) end
-end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-"""
-RECORD_BATCH = 500  # accounts a call: a script blocks Redis while it runs, a few ms at most
-STATUS_CODES = {"failed": "f", "rejected": "r", "physical": "p", "skipped": "s", "unconfirmed": "u", "ok": "k"}
-_STATUSES = {c: s for s, c in STATUS_CODES.items()}
-
-# The mail guard holds the claim's token: a claim retried after its reply was lost (a Redis
-# restart) still finds it its own. It is taken only while the run's epoch (set when the run
-# first starts) is in Redis: a Redis that lost the run answers -1 instead of handing out
-# claims it forgot. KEYS: meta, guard. ARGV: ucc, epoch, ttl, token
-_CLAIM = """
-if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
-local held = redis.call('HGET', KEYS[2], ARGV[1])
-if held then return held == ARGV[4] and 1 or 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-
-
-@dataclass
-class Outcome:
-    """What happened to one account at one stage."""
-
-    ucc: str
-    stage: str
-    status: str = "ok"  # ok | failed | rejected | physical | skipped | unconfirmed
-    reason: str = ""
-    message_id: str = ""
-    reply: str = ""
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def failed(self) -> bool:
-        return self.status in ("failed", "rejected")
-
-    @property
-    def registry(self) -> str:
-        return "f" if self.failed else "u" if self.status == "unconfirmed" else ""
-
-
-_RECORD_SHA = hashlib.sha1(_RECORD.encode()).hexdigest()
-_CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
 
 
 @lru_cache(maxsize=16)
@@ -147,7 +34,7 @@ def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
-class RunState:
+class RunState(Records, MailGuard):
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
         self.run_id, self.ttl_s = run_id, ttl_s
         self.r = redis_client(redis_url)
@@ -175,55 +62,6 @@ class RunState:
     def meta(self) -> dict:
         return self.r.hgetall(keys.run_meta(self.run_id))
 
-    def record(self, outcomes: Iterable[Outcome]) -> None:
-        """One round trip for the lot, one script call per RECORD_BATCH accounts (EVALSHA in a
-        pipeline; the script is loaded again only if the server lost it, e.g. after a restart)."""
-        now = round(time.time(), 3)
-        args = list(self._record_args(outcomes, now))
-        if not args:
-            return
-        try:
-            self._eval_all(args, now)
-        except redis.exceptions.NoScriptError:
-            self.r.script_load(_RECORD)
-            self._eval_all(args, now)
-
-    def _eval_all(self, args: list, now: float) -> None:
-        ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
-              keys.run_unconfirmed(self.run_id)]
-        step = 5 * RECORD_BATCH
-        with self.r.pipeline(transaction=False) as p:
-            for i in range(0, len(args), step):
-                p.evalsha(_RECORD_SHA, 4, *ks, now, self.ttl_s, *args[i:i + step])
-            p.execute()
-
-    def _record_args(self, outcomes: Iterable[Outcome], now: float) -> Iterator:
-        for o in outcomes:
-            reached = 0 if o.registry else rank(o.stage)  # failed or unconfirmed: the stage was not reached
-            tries = o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)
-            rec = {"r": reached, "g": rank(o.stage), "t": now, "n": tries, "s": STATUS_CODES[o.status],
-                   "f": rank(o.stage) if o.failed else 0, "e": o.reason, "p": o.reply,
-                   "m": 1 if o.message_id and o.message_id == _message_id(self.run_id, o.ucc) else o.message_id,
-                   "x": {k: v for k, v in o.extra.items() if k != "attempts"}}
-            rec = {k: v for k, v in rec.items() if v or k in ("r", "g", "t")}
-            if rec.get("s") == "k":
-                del rec["s"]
-            yield from (o.ucc, json.dumps(rec, separators=(",", ":")), reached, o.stage if reached else "", o.registry)
-
-    def _decode(self, ucc: str, raw: str) -> dict:
-        """The record as every reader sees it (field names of the report and the API)."""
-        c = json.loads(raw)
-        if "rank" in c:  # written before the compact record, by a run still within the retention
-            return {**c, "ucc": ucc, "events": []}
-        r, mid = c["r"], c.get("m", "")
-        rec = {"ucc": ucc, "stage": STAGES[r - 1] if r else "", "rank": r, "status": _STATUSES[c.get("s", "k")],
-               "failed_at": STAGES[c["f"] - 1] if "f" in c else "", "reason": c.get("e", ""),
-               "message_id": _message_id(self.run_id, ucc) if mid == 1 else mid, "reply": c.get("p", ""),
-               "attempts": c.get("n", 0), "updated": c["t"], "events": c.get("h", [])}
-        if "x" in c:
-            rec["extra"] = c["x"]
-        return rec
-
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of
         throughput over time); the driver calls it about once a second."""
@@ -245,137 +83,3 @@ class RunState:
         counts["failed"] = self.r.zcard(keys.run_failed(self.run_id))
         counts["unconfirmed"] = self.r.zcard(keys.run_unconfirmed(self.run_id))
         return counts
-
-    def accounts(self, uccs: list[str]) -> dict[str, dict]:
-        if not uccs:
-            return {}
-        raw = self.r.hmget(keys.run_accounts(self.run_id), uccs)
-        return {u: self._decode(u, v) for u, v in zip(uccs, raw) if v}
-
-    def all_accounts(self) -> Iterator[dict]:
-        for u, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
-            yield self._decode(u, v)
-
-    def page(self, cursor: int, limit: int, status: str | None = None) -> tuple[list[dict], int]:
-        """A page of account records (HSCAN: stable under writes, O(page)); cursor 0 = done."""
-        found: list[dict] = []
-        while True:
-            cursor, chunk = self.r.hscan(keys.run_accounts(self.run_id), cursor, count=limit)
-            found += [r for r in (self._decode(u, v) for u, v in chunk.items())
-                      if status is None or final_status(r) == status]
-            if cursor == 0 or len(found) >= limit:
-                return found, cursor
-
-    def failed(self) -> list[str]:
-        return self.r.zrange(keys.run_failed(self.run_id), 0, -1)
-
-    def unconfirmed(self) -> list[str]:
-        return self.r.zrange(keys.run_unconfirmed(self.run_id), 0, -1)
-
-    def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
-        """Atomic: True for exactly one caller per run and account, whatever retries Ray
-        makes; raises StateLostError if Redis no longer knows the run of this epoch."""
-        token = uuid.uuid4().hex[:16]
-        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc, epoch, self.ttl_s, token]
-        try:
-            claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
-        except redis.exceptions.NoScriptError:
-            claimed = self.r.eval(_CLAIM, 2, *args)
-        if claimed == -1:
-            raise StateLostError(f"Redis no longer holds run {self.run_id} (flushed, or restarted without "
-                                 "persistence): mailing stopped; run the same run id again to rebuild its state "
-                                 "from the delivery log in storage")
-        return bool(claimed)
-
-    def claimed(self, uccs: list[str]) -> set[str]:
-        if not uccs:
-            return set()
-        found = self.r.hmget(keys.run_mailguard(self.run_id), uccs)
-        return {u for u, v in zip(uccs, found) if v}
-
-    def restore_claims(self, uccs: Iterable[str]) -> None:
-        """Puts back mail guards that a lost Redis forgot."""
-        guard = keys.run_mailguard(self.run_id)
-        with self.r.pipeline(transaction=False) as p:
-            for ucc in uccs:
-                p.hsetnx(guard, ucc, "restored")
-            p.expire(guard, self.ttl_s)
-            p.execute()
-
-    def release_mail(self, ucc: str) -> None:
-        """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
-        self.r.hdel(keys.run_mailguard(self.run_id), ucc)
-
-    def next_note_numbers(self, fy: str, count: int, floor: int = 0) -> int:
-        """Reserve `count` contract note numbers of a financial year; returns the first. The
-        counter is first raised to `floor` (the highest number ever issued, from storage), so
-        a Redis that lost it never hands out a number twice."""
-        last = self.r.eval(_RESERVE, 1, keys.note_sequence(fy), count, floor)
-        return int(last) - count + 1
-
-
-_RESERVE = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[2]) then redis.call('SET', KEYS[1], ARGV[2]) end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
-"""
-
-
-def history(record: dict) -> list[dict]:
-    """Every outcome of an account in order: the stages it reached on the first try (not
-    stored: they follow from its furthest stage, without a time) around the events kept."""
-    shown, out = 0, []
-    for stage, code, reason, at, before in record["events"]:
-        out += [{"stage": s, "status": "ok"} for s in STAGES[shown:before]]
-        shown = max(shown, before)
-        out.append({"stage": STAGES[stage - 1], "status": _STATUSES[code], "reason": reason, "at": at})
-    out += [{"stage": s, "status": "ok"} for s in STAGES[shown:record["rank"]]]
-    if record["rank"] > shown:  # the last outcome reached a stage: it is the record itself
-        out[-1].update({"status": record["status"], "reason": record["reason"], "at": record["updated"],
-                        "reply": record["reply"]})
-    return out
-
-
-@lru_cache(maxsize=1024)  # a shard's worth: a report of 1.5M accounts must not keep them all
-def _message_id(run_id: str, ucc: str) -> str:
-    from pipeline.mail import message_id  # mail imports the renderer; state is imported by the API
-    return message_id(run_id, ucc)
-
-
-class StateWriter:
-    """Batches outcome writes: flushed at `size` outcomes, or `max_age_s` after the first one
-    still waiting, so a slow trickle (a shard with a 2000-page note) is never stuck in a
-    buffer. A delivered mark does not come through here: it is written at once."""
-
-    def __init__(self, state: RunState, size: int = 200, max_age_s: float = 0.5):
-        self.state, self.size, self.max_age_s = state, size, max_age_s
-        self._pending: list[Outcome] = []
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-
-    def add(self, outcome: Outcome) -> None:
-        with self._lock:
-            self._pending.append(outcome)
-            if len(self._pending) >= self.size:
-                self._flush_locked()
-            elif self._timer is None:
-                self._timer = threading.Timer(self.max_age_s, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def flush(self) -> None:
-        with self._lock:
-            self._flush_locked()
-
-    def _flush_locked(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._pending:
-            pending, self._pending = self._pending, []
-            self.state.record(pending)
-
-    def __enter__(self) -> "StateWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.flush()

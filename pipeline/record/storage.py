@@ -3,7 +3,7 @@
 `open_store("s3://bucket/prefix")` or `open_store("/some/folder")`. The S3 endpoint comes
 from boto3's standard AWS_ENDPOINT_URL; throttling (503 SlowDown) is retried by botocore's
 adaptive retry mode, which also slows the client down instead of hammering the bucket.
-Keys start with a partition digit (see pipeline.keys), so leave the prefix empty in
+Keys start with a partition digit (see pipeline.record.keys), so leave the prefix empty in
 production: S3 partitions by the leading characters of the key.
 """
 
@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator, Protocol
-
 
 
 class StorageError(RuntimeError):

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
 
-from pipeline.pdfcrypt import PRINT_ONLY_P, attach_encryption, encrypt_objects, mark_encrypted, r6_keys
+from pipeline.seal.pdfcrypt import PRINT_ONLY_P, attach_encryption, encrypt_objects, mark_encrypted, r6_keys
 
 TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
 FIELD_NAME = "BrokerSignature"

@@ -1,0 +1,123 @@
+"""The e-mail as MIME bytes, from prepared templates, and what can go wrong sending it.
+
+Building with email.message.EmailMessage costs ~5 ms per message here, more than signing
+it; the prepared template below is filled with a few header values and base64 bodies in
+~0.2 ms. Lines end in CRLF throughout (strict relays reject bare LF). Header values that
+come from client data are stripped of control characters and RFC 2047-encoded, so they
+cannot add headers; HTML gets the name escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from dataclasses import dataclass
+from email.header import Header
+from email.utils import formataddr, formatdate
+from functools import lru_cache
+
+from pipeline.record.keys import message_id  # noqa: F401  (derived from run and account, as record keys are)
+from pipeline.settings import TEMPLATES
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MIXED = "=_cn-mixed-7f3a9c"
+ALT = "=_cn-alt-7f3a9c"
+SKELETON = (
+    "From: {sender}\r\nReply-To: {reply_to}\r\nTo: {to}\r\nSubject: {subject}\r\nDate: {date}\r\n"
+    "Message-ID: {message_id}\r\nMIME-Version: 1.0\r\n"
+    f"Content-Type: multipart/mixed; boundary=\"{MIXED}\"\r\n\r\n"
+    f"--{MIXED}\r\nContent-Type: multipart/alternative; boundary=\"{ALT}\"\r\n\r\n"
+    f"--{ALT}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+    "{text}\r\n"
+    f"--{ALT}\r\nContent-Type: text/html; charset=utf-8\r\nContent-Transfer-Encoding: base64\r\n\r\n"
+    "{html}\r\n"
+    f"--{ALT}--\r\n"
+    f"--{MIXED}\r\nContent-Type: application/pdf; name=\"{{filename}}\"\r\n"
+    "Content-Transfer-Encoding: base64\r\nContent-Disposition: attachment; filename=\"{filename}\"\r\n\r\n"
+    "{attachment}\r\n"
+    f"--{MIXED}--\r\n"
+)
+
+
+class PermanentMailError(RuntimeError):
+    def __init__(self, code: int, text: str):
+        super().__init__(f"{code} {text}")
+        self.code, self.text = code, text
+
+
+class TransientMailError(RuntimeError):
+    pass
+
+
+class ConnectError(TransientMailError):
+    """No session with the relay: nothing of the message left, so it is not an attempt."""
+
+
+class RelayDownError(TransientMailError):
+    """Every relay has been unreachable for longer than the patience."""
+
+
+class UnconfirmedMailError(RuntimeError):
+    """The connection was lost after the message's final dot: the relay may have taken it.
+    Never retried blindly; the account becomes `unconfirmed` with its Message-ID."""
+
+
+@dataclass(frozen=True)
+class Letter:
+    """Who the mail is from and what it says around the attachment."""
+
+    sender: str
+    reply_to: str
+    broker: str = "Example Securities Private Limited"
+    support: str = "support@broker.example.com"
+
+
+def attachment_name(ucc: str, trade_date: str) -> str:
+    return f"ContractNote_{_safe(ucc)}_{trade_date.replace('-', '')}.pdf"
+
+
+@lru_cache(maxsize=1)
+def _texts() -> tuple[str, str, str]:
+    read = lambda name: (TEMPLATES / name).read_text(encoding="utf-8")  # noqa: E731
+    crlf = lambda text: "\r\n".join(text.splitlines()) + "\r\n"  # noqa: E731
+    return read("email_subject.txt").strip(), crlf(read("email_body.txt")), crlf(read("email_body.html"))
+
+
+def build_message(letter: Letter, to_name: str, to_addr: str, trade_date: str, ucc: str,
+                  msg_id: str, pdf: bytes) -> bytes:
+    subject, text, page = _texts()
+    name, code = _header_text(to_name), _safe(ucc)
+    values = dict(name=name, date=trade_date, ucc=code, broker=letter.broker, support=letter.support)
+    safe_values = {k: html.escape(v) for k, v in values.items()}
+    return SKELETON.format(
+        sender=letter.sender, reply_to=letter.reply_to,
+        to=formataddr((name, _safe_addr(to_addr)), charset="utf-8"),
+        subject=_encoded(subject.format(**values)), date=formatdate(localtime=False), message_id=msg_id,
+        text=_b64(text.format(**values).encode()), html=_b64(page.format(**safe_values).encode()),
+        filename=attachment_name(ucc, trade_date), attachment=_b64(pdf),
+    ).encode("ascii")
+
+
+def _b64(data: bytes) -> str:
+    """76-character lines joined by CRLF; twice as fast as base64.encodebytes."""
+    b = base64.b64encode(data).decode("ascii")
+    return "\r\n".join([b[i:i + 76] for i in range(0, len(b), 76)])
+
+
+def _encoded(text: str) -> str:
+    return text if text.isascii() else Header(text, "utf-8").encode()
+
+
+def _header_text(value: str) -> str:
+    return CONTROL.sub(" ", value).strip()
+
+
+def _safe(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", value)
+
+
+def _safe_addr(addr: str) -> str:
+    if CONTROL.search(addr) or any(c in addr for c in "<>,;\" "):
+        raise PermanentMailError(0, "malformed recipient address")  # the address itself is PII: not logged
+    return addr

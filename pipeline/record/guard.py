@@ -1,0 +1,73 @@
+"""The mail guard: a claim per account, taken in Redis just before its e-mail leaves, so that an
+account is mailed at most once per run, whatever Ray retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Iterable
+
+import redis
+
+from pipeline.record import keys
+
+
+class StateLostError(RuntimeError):
+    """Redis no longer holds this run (flushed, or restarted without persistence): mailing
+    on would resend what the lost mail guard was protecting."""
+
+
+# The mail guard holds the claim's token: a claim retried after its reply was lost (a Redis
+# restart) still finds it its own. It is taken only while the run's epoch (set when the run
+# first starts) is in Redis: a Redis that lost the run answers -1 instead of handing out
+# claims it forgot. KEYS: meta, guard. ARGV: ucc, epoch, ttl, token
+_CLAIM = """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then return held == ARGV[4] and 1 or 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+_CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
+
+
+class MailGuard:
+    """The mail-guard part of a RunState (which gives it `r`, `run_id` and `ttl_s`)."""
+
+    def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
+        """Atomic: True for exactly one caller per run and account, whatever retries Ray
+        makes; raises StateLostError if Redis no longer knows the run of this epoch."""
+        token = uuid.uuid4().hex[:16]
+        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc, epoch, self.ttl_s, token]
+        try:
+            claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
+        except redis.exceptions.NoScriptError:
+            claimed = self.r.eval(_CLAIM, 2, *args)
+        if claimed == -1:
+            raise StateLostError(f"Redis no longer holds run {self.run_id} (flushed, or restarted without "
+                                 "persistence): mailing stopped; run the same run id again to rebuild its state "
+                                 "from the delivery log in storage")
+        return bool(claimed)
+
+    def claimed(self, uccs: list[str]) -> set[str]:
+        if not uccs:
+            return set()
+        found = self.r.hmget(keys.run_mailguard(self.run_id), uccs)
+        return {u for u, v in zip(uccs, found) if v}
+
+    def restore_claims(self, uccs: Iterable[str]) -> None:
+        """Puts back mail guards that a lost Redis forgot."""
+        guard = keys.run_mailguard(self.run_id)
+        with self.r.pipeline(transaction=False) as p:
+            for ucc in uccs:
+                p.hsetnx(guard, ucc, "restored")
+            p.expire(guard, self.ttl_s)
+            p.execute()
+
+    def release_mail(self, ucc: str) -> None:
+        """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
+        self.r.hdel(keys.run_mailguard(self.run_id), ucc)

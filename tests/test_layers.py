@@ -1,0 +1,42 @@
+"""The import contracts of pipeline/ (pyproject.toml, [tool.importlinter]) hold, and a new
+import that breaks one fails with the contract's name, as it would in CI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.settings import ROOT
+
+LINT = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([LINT, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=120)
+
+
+def test_the_tree_keeps_every_contract():
+    out = lint(Path(ROOT))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "3 kept, 0 broken" in out.stdout
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("pipeline/record/keys.py", "from pipeline.cluster import driver", "pipeline's layers"),
+    ("pipeline/day/dumps.py", "import ray", "nothing below the cluster imports ray"),
+    ("pipeline/note/charges.py", "from pipeline.record import state", "note, seal and mail never import redis"),
+])
+def test_an_import_that_breaks_a_layer_fails_naming_the_contract(tmp_path, module, line, contract):
+    for part in ("pipeline", "actors"):
+        shutil.copytree(Path(ROOT) / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(ROOT) / "pyproject.toml", tmp_path)
+    with (tmp_path / module).open("a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    out = lint(tmp_path)
+    assert out.returncode != 0
+    broken = out.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken and module.removesuffix(".py").replace("/", ".") in broken, out.stdout[-3000:]
