@@ -21,8 +21,11 @@ from pipeline.stages import Batch, mail_context, mail_stage
 
 @ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"smtp": 1})
 class MailerActor:
-    def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False):
+    def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False,
+                 relays: str = ""):
         self.settings = credentials.resolve(settings)  # the relays' credentials may be in the secret
+        if relays:  # a rerun mails through its run's relays, with the credentials held here
+            self.settings = self.settings.pinned_to(relays)
         self.run_id, self.force, self.resend = run_id, force, resend_unconfirmed
         self.ctx = None
 

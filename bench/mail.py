@@ -70,13 +70,14 @@ def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[f
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
     try:
         RunState(settings.redis_url, "bench-ours").start({})
+        lease = RunState(settings.redis_url, "bench-ours").take_lease(3600).token
         mailer = MailerActor.remote(settings, "bench-ours")
         warm = [{"ucc": "W0", "name": "Warm", "email": "w0@example.com", "pan": "ABCPD1234E", "ecn": True,
                  "pdf": pdfs[0]}]
-        ray.get(mailer.send.remote(Batch("bench-ours", TRADE_DATE, 0, warm)))
+        ray.get(mailer.send.remote(Batch("bench-ours", TRADE_DATE, 0, warm, lease=lease)))
         items = [{"ucc": f"O{i:06d}", "name": "Client", "email": f"o{i}@example.com", "pan": "ABCPD1234E",
                   "ecn": True, "pdf": pdf} for i, pdf in enumerate(pdfs)]
-        batches = [ray.put(Batch("bench-ours", TRADE_DATE, k, items[k:k + batch_size]))
+        batches = [ray.put(Batch("bench-ours", TRADE_DATE, k, items[k:k + batch_size], lease=lease))
                    for k in range(0, len(items), batch_size)]
         cpu0 = ray.get(mailer.cpu_seconds.remote())
         started = time.perf_counter()

@@ -45,12 +45,13 @@ def _run_level_errors() -> tuple[type, ...]:
     from pipeline.day.dumps import InputError
     from pipeline.day.trading_calendar import CalendarError
     from pipeline.record.guard import StateLostError
+    from pipeline.record.lease import LeaseHeldError, LeaseLostError
     from pipeline.record.storage import StorageError
     from pipeline.seal.sign import SignerSetupError
     from pipeline.settings import ConfigError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
-            CapacityError, redis.ConnectionError)
+            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError)
 
 
 def _run_id(text: str) -> str:
@@ -119,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="every unconfirmed account, mailed again with the same Message-ID (reconcile first)")
     which.add_argument("--accounts", type=_accounts, help="comma-separated client codes (UCC)")
     rr.add_argument("--force", action="store_true", help="mail again accounts already delivered")
+    rr.add_argument("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
+                                   "relays, as it recorded them; not SMTP_URL)")
     rr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     rr.set_defaults(func=cmd_rerun)
 
@@ -170,10 +173,11 @@ def cmd_rerun(args) -> int:
     from pipeline.cluster.driver import init_ray, rerun
     from pipeline.record.state import RunNotFound
 
-    settings = Settings.from_env()
+    settings = Settings.from_env(smtp_url=args.smtp)
     try:
         init_ray(settings, args.address)
-        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed)
+        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
+                        settings.relays() if args.smtp else None)
     except RunNotFound as e:
         print(json.dumps({"error": str(e)}))
         return 2
@@ -263,8 +267,10 @@ def cmd_synth(args) -> int:
 def cmd_run(args) -> int:
     from actors import metrics
     from pipeline import credentials
-    from pipeline.cluster.driver import RunRequest, init_ray, preflight, run_day
+    from pipeline.cluster.driver import RunRequest, init_ray, new_run_id, preflight, run_day
     from pipeline.cluster.plan import on_cluster, session
+    from pipeline.record.lease import held
+    from pipeline.record.state import RunState
 
     settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                            smtp_url=args.smtp), DEFAULT_KEY_DIR)
@@ -272,11 +278,13 @@ def cmd_run(args) -> int:
     if credentials.resolve(settings).owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                           "could lift the notes' permissions; set it, or pass --test-keys for a test run")
-    request = RunRequest(args.date.isoformat(), args.input, args.run_id or "")
+    request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
     preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
-    with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
+    state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
+    # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first
+    with held(state, settings.lease_s) as lease, session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
         init_ray(settings, args.address)
-        summary = run_day(settings, request, current.size_for, current.watch)
+        summary = run_day(settings, request, current.size_for, current.watch, lease=lease)
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary))

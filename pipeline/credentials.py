@@ -27,7 +27,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.seal.sign import Signer, signer_from_pem
+from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
 from pipeline.settings import ConfigError, Settings
 
 REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
@@ -56,6 +56,9 @@ def fetch(ref: str) -> dict[str, str]:
     missing = [k for k in REQUIRED if not secret.get(k)]
     if missing:
         raise ConfigError(f"CN_SECRET {ref}: missing {', '.join(missing)}")
+    wrong = [k for k in (*REQUIRED, *OPTIONAL) if k in secret and not isinstance(secret[k], str)]
+    if wrong:  # named, never shown: the value may be the key itself
+        raise ConfigError(f"CN_SECRET {ref}: {', '.join(wrong)} must be a string")
     unknown = sorted(set(secret) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
         raise ConfigError(f"CN_SECRET {ref}: unknown fields {', '.join(unknown)}")
@@ -86,10 +89,14 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
     """The resolved settings and the signing key, from one read of the secret (or, without
     one, the settings' files)."""
     if not settings.secret:
-        from pipeline.seal.sign import load_signer
-
-        return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
-                                     settings.signer_chain)
+        try:
+            return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
+                                         settings.signer_chain)
+        except SignerSetupError as e:
+            if not settings.uses_default_key():
+                raise
+            raise SignerSetupError(f"{e}: set CN_SECRET to the cluster's secret (aws-sm:NAME with AWS_REGION, or "
+                                   "file:PATH), or CN_SIGNER_KEY and CN_SIGNER_CERT to the key's files") from None
     secret = fetch(settings.secret)
     return _laid_over(settings, secret), signer_from_pem(
         secret["signer_key_pem"].encode(), secret["signer_cert_pem"].encode(), secret.get("signer_key_password"),

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it goes into PYTHONPATH and cwd
 TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
@@ -64,6 +64,7 @@ class Settings:
     secret: str = ""  # where each signer and mailer reads the key and passwords (pipeline/credentials.py)
     spot_wait_s: float = 120.0  # no spot render node launched by then: ask for on-demand (pipeline/cluster/capacity.py)
     capacity_wait_s: float = 900.0  # a role still without a node by then: the run stops (exit 2)
+    lease_s: float = 30.0  # a driver that has not renewed its run's lease this long is taken over (record/lease.py)
     head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
 
     @classmethod
@@ -80,6 +81,22 @@ class Settings:
     def smtp(self) -> list[SmtpTarget]:
         """SMTP_URL may list several relays, comma-separated; mail is spread across them."""
         return [parse_smtp_url(u.strip()) for u in self.smtp_url.split(",") if u.strip()]
+
+    def relays(self) -> str:
+        """The relays as URLs without credentials: what a run records, and what a rerun pins."""
+        return ",".join(f"{'smtps' if t.implicit_tls else 'smtp'}://{t.host}:{t.port}" for t in self.smtp())
+
+    def pinned_to(self, relays: str) -> "Settings":
+        """These settings mailing through `relays` (URLs without credentials), with the
+        credentials these settings hold for the same host and port: a rerun mails through its
+        run's relays, and no password travels through Ray or the run's record."""
+        own = {(t.host, t.port): t for t in self.smtp()}
+        urls = []
+        for t in (parse_smtp_url(u.strip()) for u in relays.split(",") if u.strip()):
+            have = own.get((t.host, t.port))
+            user = f"{quote(have.username, safe='')}:{quote(have.password or '', safe='')}@" if have and have.username else ""
+            urls.append(f"{'smtps' if t.implicit_tls else 'smtp'}://{user}{t.host}:{t.port}")
+        return dataclasses.replace(self, smtp_url=",".join(urls))
 
     def uses_default_key(self) -> bool:
         return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
@@ -135,6 +152,7 @@ ENV_NAMES = {
     "spot_wait_s": "CN_SPOT_WAIT_S",
     "capacity_wait_s": "CN_CAPACITY_WAIT_S",
     "head_grace_s": "CN_HEAD_GRACE_S",
+    "lease_s": "CN_LEASE_S",
 }
 
 

@@ -31,6 +31,7 @@ from pipeline.note.content import build_note
 from pipeline.note.render import RenderError, render
 from pipeline.record import delivery_log, keys
 from pipeline.record.guard import StateLostError
+from pipeline.record.lease import LeaseLostError
 from pipeline.record.records import Outcome, StateWriter, final_status, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
@@ -49,6 +50,7 @@ class Batch:
     cpu_s: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
     settles: dict[str, str] = field(default_factory=dict)  # exchange -> settlement date (ISO)
+    lease: str = ""  # the token of the run's lease its driver held: checked before archiving and mailing
 
     def drop(self, status: str) -> None:
         self.dropped[status] = self.dropped.get(status, 0) + 1
@@ -83,17 +85,17 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int) -> 
                                  "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
             continue
         status = "unconfirmed" if e["status"] == "sending" else e["status"]
+        extra = {"attempts": e.get("attempts", 1)} | ({"possible_duplicate": True} if e.get("possible_duplicate") else {})
         if status in ("delivered", "unconfirmed"):
             guard.add(ucc)
         if status == "delivered":
-            outcomes.append(Outcome(ucc, "delivered", message_id=e["message_id"], reply=e.get("reply", ""),
-                                    extra={"attempts": e.get("attempts", 1)}))
+            outcomes.append(Outcome(ucc, "delivered", message_id=e["message_id"], reply=e.get("reply", ""), extra=extra))
         elif status == "unconfirmed":
             reason = e.get("reason") or "a mailing ended between claim and reply (from the delivery log)"
             outcomes += [Outcome(ucc, "archived"), Outcome(ucc, "delivered", "unconfirmed", reason=reason,
-                                                           message_id=e["message_id"])]
+                                                           message_id=e["message_id"], extra=extra)]
         else:  # failed: the next mailing tries again
-            outcomes.append(Outcome(ucc, "delivered", "failed", reason=e.get("reason", "")))
+            outcomes.append(Outcome(ucc, "delivered", "failed", reason=e.get("reason", ""), extra=extra))
     if catch_up:
         delivery_log.write(store, delivery_log.new_key(run_id, shard), catch_up)
     state.restore_claims(guard)
@@ -146,11 +148,19 @@ def _note(account: dict, client: Client, trade_date: str, settles: dict[str, str
 
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,
                state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
-    """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves."""
+    """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves. Only
+    for the driver holding the run, and never over a note whose mail was claimed: that note
+    may have gone out, and the archive must be what the client got."""
     started = time.process_time()
+    if not state.holds_lease(batch.lease):
+        raise LeaseLostError(f"run {batch.run_id}: the driver of shard {batch.shard} no longer holds the run: "
+                             "nothing signed or archived")
+    claimed = state.claimed([i["ucc"] for i in batch.items if i["pdf"] is not None])
     kept = []
     with StateWriter(state) as writer:
         for item in batch.items:
+            if item["ucc"] in claimed:
+                item["pdf"] = None  # mailed, or being mailed, from the archive
             if item["pdf"] is None:
                 kept.append(item)
                 continue
@@ -255,9 +265,9 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         resend = ctx.force or (ctx.resend_unconfirmed and _is_unconfirmed(ucc, ctx))
         if resend:
             ctx.state.release_mail(ucc)
-        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch)
+        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch, batch.lease)
         outcome = await _send(item, ctx, mid, message) if claimed else _already_claimed(ucc, ctx)
-        if resend and outcome.status == "ok" and not ctx.force:
+        if resend and not ctx.force:  # the first mail may have reached the client: kept from now on
             outcome.extra["possible_duplicate"] = True
         if outcome.status != "skipped":
             _record(ctx, outcome)  # right after the relay's answer
@@ -311,13 +321,14 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outco
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, _envelope_sender(ctx.letter.sender),
                                                 item["email"], message)
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
-        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=(
+        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
             f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
     except PermanentMailError as e:
         ctx.state.release_mail(ucc)
-        return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid)
+        return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid,
+                       extra={"attempts": e.attempts})
     except TransientMailError as e:
         ctx.state.release_mail(ucc)
-        return Outcome(ucc, "delivered", "failed", reason=f"smtp gave up after {ctx.policy.attempts} attempts: {e}",
-                       message_id=mid)
+        return Outcome(ucc, "delivered", "failed", reason=f"smtp gave up after {e.attempts} attempts: {e}",
+                       message_id=mid, extra={"attempts": e.attempts})
     return Outcome(ucc, "delivered", message_id=mid, reply=reply, extra={"attempts": attempts})

@@ -89,8 +89,9 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
     items = [{"ucc": u, "name": "Client", "email": f"{u.lower()}@example.com", "pan": "ABCPD1234E", "ecn": True,
               "pdf": pdf} for u in uccs]
     RunState(settings.redis_url, run_id).start({})
+    lease = RunState(settings.redis_url, run_id).take_lease(120).token
     actor = MailerActor.options(name=f"mailer-{run_id}").remote(slow, run_id)
-    ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items))
+    ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items, lease=lease))
     deadline = time.monotonic() + 60
     while len(list(server.outbox.glob("*.eml"))) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)

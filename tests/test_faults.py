@@ -26,13 +26,13 @@ from pipeline.cluster.reconcile import reconcile
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis
 from pipeline.mail.message import message_id
-from pipeline.record import delivery_log, keys
+from pipeline.record import delivery_log, keys, note_numbers
 from pipeline.record.guard import StateLostError
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
-from tests.helpers import client_rows, outbox_messages
+from tests.helpers import attachment, client_rows, outbox_messages
 
 ACCOUNTS = int(os.environ.get("CN_FAULT_ACCOUNTS", "60"))  # the closing note's matrix ran with 300-500
 
@@ -213,7 +213,7 @@ def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_t
     env = {**os.environ, "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
            "CN_STORE": settings.store_url, "REDIS_URL": settings.redis_url, "SMTP_URL": server.url,
-           "CN_SHARD_SIZE": "8", "CN_WINDOW": "2", "RAY_ADDRESS": ""}
+           "CN_SHARD_SIZE": "8", "CN_WINDOW": "2", "RAY_ADDRESS": "", "CN_LEASE_S": "6"}
     command = [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(busy_day),
                "--run-id", run_id]
     driver = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -222,11 +222,17 @@ def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_t
     assert any("raylet" in " ".join(p.cmdline()) for p in helpers if p.is_running())
     driver.kill()
     driver.wait()
+    killed_at = time.monotonic()
     gone, alive = psutil.wait_procs(helpers, timeout=30)
     assert not alive, f"left behind: {[p.cmdline()[:2] for p in alive]}"
 
+    if time.monotonic() - killed_at < 4:  # the dead driver's lease still looks alive: refused, naming it
+        early = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert early.returncode == 2 and f"(pid {driver.pid})" in early.stderr, early.stderr[-2000:]
+    time.sleep(max(0.0, 6.5 - (time.monotonic() - killed_at)))  # CN_LEASE_S without a renewal: taken over
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["lease_taken_over_from"]["pid"] == driver.pid
     assert summary["failed"] == 0 and summary["delivered"] + summary["unconfirmed"] == len(mailable(busy_day))
     settled = {}
     if summary["unconfirmed"]:
@@ -242,6 +248,49 @@ def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_t
             settled["resent"] = len(json.loads(resend.stdout.strip().splitlines()[-1])["rerun_accounts"])
     assert_each_account_once(settings, run_id, busy_day, server.outbox, "driver SIGKILLed, same run id again", summary,
                              settled)
+
+
+def test_two_drivers_on_one_run_id_one_runs_the_other_exits_naming_it(
+        settings, busy_day, smtp_server, tmp_path, keys_dir):
+    """Two `run`s of one run id started within 100 ms: the second exits 2 naming the first, and
+    the day is as one driver makes it, counted at the relay: each account mailed once, the
+    report's Message-IDs the relay's, each archived PDF the one mailed, one note number each."""
+    own_redis = start_redis(tmp_path / "redis")  # the year's note counter starts at 0 here
+    server = smtp_server(delay_ms=10)
+    run_id = f"two-drivers-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
+           "CN_STORE": settings.store_url, "REDIS_URL": own_redis.url, "SMTP_URL": server.url,
+           "CN_SHARD_SIZE": "8", "RAY_ADDRESS": ""}
+    command = [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(busy_day),
+               "--run-id", run_id]
+    try:
+        drivers = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)]
+        time.sleep(0.05)
+        drivers.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True))
+        outs = [d.communicate(timeout=600) for d in drivers]
+    finally:
+        own_redis.stop()
+    codes = [d.returncode for d in drivers]
+    assert sorted(codes) == [0, 2], [o[1][-2000:] for o in outs]
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    refusal = outs[loser][1].strip().splitlines()
+    assert refusal[-1].startswith(f"error: run {run_id} is held by a driver on ") and "Traceback" not in outs[loser][1]
+    assert f"(pid {drivers[winner].pid})" in refusal[-1]
+    summary = json.loads(outs[winner][0].strip().splitlines()[-1])
+    assert_each_account_once(settings, run_id, busy_day, server.outbox, "two drivers, one run id", summary)
+
+    mailed = {m["Message-ID"]: attachment(m)[1] for m in outbox_messages(server.outbox)}
+    rows = [r for r in _report_rows(settings, run_id) if r["status"] == "delivered"]
+    assert {r["message_id"] for r in rows} == set(mailed) and all(r["reply"] for r in rows)
+    store = open_store(settings.store_url)
+    for r in rows:
+        assert store.get(keys.signed_pdf_key(TRADE_DATE, r["ucc"])) == mailed[r["message_id"]], r["ucc"]
+    fy = note_numbers.financial_year(TRADE_DATE)
+    assert note_numbers.high_water_mark(store, fy) == len(_note_numbers(settings, run_id)) == summary["accounts"] - \
+        summary["rejected"]
 
 
 def _report_rows(settings, run_id: str) -> list[dict]:

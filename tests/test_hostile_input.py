@@ -222,10 +222,11 @@ def test_a_mail_that_cannot_be_built_takes_no_claim_so_the_next_attempt_sends_it
     run_id = f"unbuilt-{os.urandom(3).hex()}"
     state, store = RunState(settings.redis_url, run_id), open_store(settings.store_url)
     state.start({})
+    lease = state.take_lease(60).token
     item = {"ucc": "A1", "name": "Client", "email": "a1@example.com", "pan": "ABCDE1234F", "ecn": True, "pdf": None}
 
     async def mail() -> dict:
-        return await mail_stage(Batch(run_id, DATE, 0, [dict(item)]), mail_context(settings, state, store))
+        return await mail_stage(Batch(run_id, DATE, 0, [dict(item)], lease=lease), mail_context(settings, state, store))
 
     first = asyncio.run(mail())  # the archived PDF cannot be read (not there yet)
     assert first["tally"] == {"failed": 1} and "mail not built, nothing sent" in state.accounts(["A1"])["A1"]["reason"]

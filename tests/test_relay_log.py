@@ -78,4 +78,4 @@ def test_a_lost_redis_is_rebuilt_from_the_delivery_log_guard_first(redis_url, tm
     assert {u: final_status(r) for u, r in records.items()} == {
         "A": "delivered", "B": "unconfirmed", "C": "failed", "D": "unconfirmed"}
     assert state.claimed(["A", "B", "C", "D"]) == {"A", "B", "D"}, "a failed mail may be sent again"
-    assert not state.claim_mail("B", "<B>", epoch)
+    assert not state.claim_mail("B", "<B>", epoch, state.take_lease(30).token)

@@ -127,7 +127,8 @@ def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, re
     state = RunState(redis_url, f"sign-{uuid.uuid4().hex[:8]}", 600)
     store = open_store(str(tmp_path / "store"))
     items = [{"ucc": u, "pan": PAN, "pdf": pdf} for u, pdf in (("C1", note_pdf), ("C2", b"garbage"), ("C3", note_pdf))]
-    batch = sign_stage(Batch(state.run_id, "2026-11-20", 0, items), signer, OWNER, "aes256", store, state)
+    lease = state.take_lease(30).token
+    batch = sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=lease), signer, OWNER, "aes256", store, state)
     assert [i["ucc"] for i in batch.items] == ["C1", "C3"]
     records = state.accounts(["C1", "C2", "C3"])
     assert records["C2"]["status"] == "failed" and records["C2"]["failed_at"] == "signed"
@@ -145,7 +146,8 @@ def test_a_signer_killed_mid_batch_is_restarted_and_the_batch_ends_signed_once(
     actor = SignerActor.options(name=f"signer-{run_id}").remote(settings, run_id)
     first_pid = ray.get(actor.pid.remote())
     uccs = [f"K{i:04d}" for i in range(150)]
-    batch = Batch(run_id, "2026-11-20", 0, [{"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs])
+    lease = RunState(settings.redis_url, run_id).take_lease(60).token
+    batch = Batch(run_id, "2026-11-20", 0, [{"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs], lease=lease)
     ref = actor.sign.remote(batch)
     archive = Path(settings.store_url)
     deadline = time.monotonic() + 60

@@ -1,5 +1,9 @@
 """The Redis state model against a real redis-server."""
 
+import json
+import os
+import socket
+import time
 import uuid
 
 import pytest
@@ -7,6 +11,7 @@ import pytest
 from pipeline.mail.message import message_id
 from pipeline.record import keys
 from pipeline.record.guard import StateLostError
+from pipeline.record.lease import LeaseHeldError, LeaseLostError, held
 from pipeline.record.records import STAGES, Outcome, final_status, history
 from pipeline.record.state import RunState
 
@@ -36,22 +41,22 @@ def test_a_failure_keeps_the_furthest_stage_and_enters_the_failed_registry(state
 
 
 def test_the_mail_guard_admits_exactly_one_claim(state):
-    epoch = state.start({})
-    assert state.claim_mail("A", "<m1>", epoch) is True
-    assert state.claim_mail("A", "<m1>", epoch) is False
+    epoch, lease = state.start({}), state.take_lease(30).token
+    assert state.claim_mail("A", "<m1>", epoch, lease) is True
+    assert state.claim_mail("A", "<m1>", epoch, lease) is False
     state.release_mail("A")
-    assert state.claim_mail("A", "<m1>", epoch) is True
+    assert state.claim_mail("A", "<m1>", epoch, lease) is True
     assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
 
 
 def test_a_redis_that_lost_the_run_refuses_claims_instead_of_forgetting_them(state):
-    epoch = state.start({})
-    assert state.claim_mail("A", "<m1>", epoch)
+    epoch, lease = state.start({}), state.take_lease(30).token
+    assert state.claim_mail("A", "<m1>", epoch, lease)
     state.r.delete(*state.r.keys(f"cn:run:{state.run_id}:*"))  # what FLUSHALL or a restart without AOF does
     with pytest.raises(StateLostError, match="run the same run id again"):
-        state.claim_mail("A", "<m1>", epoch)
+        state.claim_mail("A", "<m1>", epoch, lease)
     with pytest.raises(StateLostError):
-        state.claim_mail("B", "<m2>", epoch)
+        state.claim_mail("B", "<m2>", epoch, lease)
     assert not state.claimed(["A", "B"]), "nothing was claimed against the lost run"
 
 
@@ -94,10 +99,11 @@ def test_an_account_costs_redis_at_most_400_bytes_at_the_end_of_a_run(state):
     mail guard taken, the relay's reply kept. 2,000 accounts make both hashes the large kind
     (hashtable, not listpack), as at 1.5M."""
     epoch, uccs = state.start({"date": "2026-11-20"}), [f"C{i:07d}" for i in range(2000)]
+    lease = state.take_lease(30).token
     for stage in STAGES[:-1]:
         state.record(Outcome(u, stage) for u in uccs)
     for u in uccs:
-        assert state.claim_mail(u, message_id(state.run_id, u), epoch)
+        assert state.claim_mail(u, message_id(state.run_id, u), epoch, lease)
     state.record(Outcome(u, "delivered", message_id=message_id(state.run_id, u),
                          reply=f"OK queued as {uuid.uuid4().hex}", extra={"attempts": 1}) for u in uccs)
     state.snapshot()
@@ -124,3 +130,44 @@ def test_the_history_keeps_the_order_of_failures_reruns_and_stages_reached(state
     rec = state.accounts(["A"])["A"]
     assert (rec["message_id"], rec["reply"], rec["failed_at"], final_status(rec)) == ("<x@y>", "250 ok", "", "delivered")
     assert history(rec)[-1]["reply"] == "250 ok" and history(rec)[2]["reason"] == "signer down"
+
+
+def test_one_driver_holds_a_run_and_a_second_is_told_who(state):
+    first = state.take_lease(30)
+    with pytest.raises(LeaseHeldError, match=rf"held by a driver on {socket.gethostname()} \(pid {os.getpid()}\) since"):
+        state.take_lease(30)
+    epoch = state.start({})
+    with pytest.raises(LeaseLostError):
+        state.claim_mail("A", "<m1>", epoch, "not-the-lease")
+    assert state.claim_mail("A", "<m1>", epoch, first.token)
+    state.release_lease(first.token)
+    assert state.take_lease(30).taken_over_from is None, "a released run is free"
+
+
+def test_a_driver_that_stopped_renewing_is_taken_over_and_the_takeover_recorded(state):
+    dead = state.take_lease(0.3)
+    time.sleep(0.5)
+    heir = state.take_lease(0.3)
+    assert heir.taken_over_from["token"] == dead.token and heir.taken_over_from["pid"] == os.getpid()
+    assert json.loads(state.meta()["lease_takeover"])["token"] == dead.token
+    assert not state.renew_lease(dead.token) and state.renew_lease(heir.token)
+    assert not state.holds_lease(dead.token) and state.holds_lease(heir.token)
+
+
+def test_a_held_lease_is_renewed_while_its_driver_works_and_released_after(state):
+    with held(state, 0.6) as lease:
+        time.sleep(1.5)  # more than twice the lease: only renewals keep it
+        with pytest.raises(LeaseHeldError):
+            state.take_lease(0.6)
+        assert not lease.lost
+    assert state.lease_holder() is None
+
+
+def test_a_later_outcome_keeps_the_recorded_message_id_reply_and_duplicate_mark(state):
+    state.record([Outcome("A", "delivered", message_id="<m>", reply="250 queued as X",
+                          extra={"possible_duplicate": True})])
+    state.record([Outcome("A", "delivered", "skipped", reason="already delivered")])
+    state.record([Outcome("A", "delivered", "unconfirmed", reason="a resend's reply was lost")])
+    rec = state.accounts(["A"])["A"]
+    assert (rec["message_id"], rec["reply"]) == ("<m>", "250 queued as X")
+    assert rec["extra"]["possible_duplicate"] is True

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -40,6 +41,7 @@ from pipeline.note.content import page_range
 from pipeline.note.render import merge, render
 from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
+from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.storage import StorageError, open_store
@@ -62,6 +64,7 @@ class RunRequest:
     only: frozenset[str] | None = None  # a targeted rerun: just these accounts
     force: bool = False  # mail again even if the account was delivered
     resend_unconfirmed: bool = False  # mail unconfirmed accounts again, with the same Message-ID
+    relays: str = ""  # mail through these (URLs without credentials; a rerun: its run's), not SMTP_URL's
 
 
 def new_run_id(trade_date: str) -> str:
@@ -117,9 +120,10 @@ def _start_reaper() -> None:
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None,
-                part: tuple[int, int | None] | None = None) -> Batch:
+                part: tuple[int, int | None] | None = None, lease: str = "") -> Batch:
     """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is
-    done. `part`: just these of the shard's accounts (start, stop), as a slice."""
+    done. `part`: just these of the shard's accounts (start, stop), as a slice. `lease`: the
+    token of the run's lease, which the batch carries to the signer and the mailer."""
     started = time.perf_counter()
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     store = open_store(settings.store_url)
@@ -129,7 +133,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     if part is not None:
         accounts = accounts[part[0]:part[1]]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
-    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles), accounts, state,
+    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
                          set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force)
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
@@ -154,15 +158,23 @@ def render_any_size(note: dict, tagged: bool = False) -> bytes:
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,
-            watch: Callable[[], None] = lambda: None) -> dict:
+            watch: Callable[[], None] = lambda: None, lease: Lease | None = None) -> dict:
     """One run, end to end. `on_accounts` hears the day's account count once the split has
     counted it (on a cluster: to ask the autoscaler for the capacity the day needs); `watch` is
-    called about once a second while the driver waits (on a cluster: that capacity arrives)."""
+    called about once a second while the driver waits (on a cluster: that capacity arrives).
+    The run's lease is taken first (LeaseHeldError if a live driver has it), unless `lease`
+    is one this process already holds (a rerun that brought the run back from storage)."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
+        return _run_day(settings, req, run_id, state, lease, on_accounts, watch)
+
+
+def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, lease: Lease,
+             on_accounts: Callable[[int], None] | None, watch: Callable[[], None]) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    preflight(settings, req, run_id)
+    relays = req.relays or preflight(settings, req, run_id).relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
@@ -171,7 +183,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "finished": ""})
+                         "relays": relays, "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
@@ -199,7 +211,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
 
     try:
         tally = _fan_out(settings, run_id, req, _units(shards, first), expected, signers, mailers, resume, epoch,
-                         watching, splitting.after if splitting else lambda shard: None)
+                         lease, watching, splitting.after if splitting else lambda shard: None)
     finally:
         signers.close()
         mailers.close()
@@ -225,10 +237,13 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
+        "relays": relays,
         "driver_peak_rss_mb": peak_rss_mb(),
     }
     if warnings:
         summary["warnings"] = warnings
+    if lease.taken_over_from:
+        summary["lease_taken_over_from"] = lease.taken_over_from
     summary["report"] = report.write(store, state, run_id, summary, split.input_errors)
     return summary
 
@@ -244,11 +259,12 @@ def peak_rss_mb() -> float:
     return round(kb / 1024, 1)
 
 
-def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> None:
+def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> Settings:
     """What would stop the run, found before anything starts: Redis unreachable (or keeping
     nothing on disk, when persistence is required), storage not writable, an input file
     missing or lacking a column (unless the run was already split), no calendar for the date,
-    a signing key or secret that cannot be read. Before any actor asks for a node."""
+    a signing key or secret that cannot be read. Before any actor asks for a node. Returns the
+    settings with the secret laid over them."""
     where = settings.summary()["redis_url"]
     try:
         r = redis_client(settings.redis_url, patience_retries=0)  # down at the start: say so at once
@@ -267,21 +283,33 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
     if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
-    credentials.read(settings)
+    return credentials.read(settings)[0]
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
-          force: bool = False, unconfirmed: bool = False) -> dict:
+          force: bool = False, unconfirmed: bool = False, relays: str | None = None) -> dict:
     """Targeted rerun of an existing run: the failed accounts, the unconfirmed ones (mailed
     again with the same Message-ID, marked "possible duplicate"), or the ones named. Each
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
     account is mailed again only with force. Accounts rejected at validation cannot be rerun:
     their input must be corrected and run again. A run its Redis has lost is brought back from
-    its report and delivery log in storage first (pipeline/cluster/restore.py)."""
+    its report and delivery log in storage first (pipeline/cluster/restore.py). It mails through
+    the run's own relays unless `relays` names others (--smtp), and says which it uses."""
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+    with held(state, settings.lease_s) as lease:
+        return _rerun(settings, state, lease, accounts, failed, force, unconfirmed, relays)
+
+
+def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str] | None, failed: bool, force: bool,
+           unconfirmed: bool, relays: str | None) -> dict:
+    run_id = state.run_id
     meta = state.meta()
     if not meta:  # its Redis is gone (a cluster's ends with the cluster): the run comes back from storage
         meta = restore.from_storage(open_store(settings.store_url), state, run_id)
+    recorded = meta.get("relays") or ""
+    source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
+    relays = relays or recorded or credentials.resolve(settings).relays()
+    log.info("rerun %s: mailing through %s (%s)", run_id, relays, source)
     chosen = set(state.failed() if failed else state.unconfirmed() if unconfirmed else accounts or [])
     records = state.accounts(sorted(chosen))
     rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
@@ -293,9 +321,10 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
                    "failed": counts["failed"], "unconfirmed": counts["unconfirmed"], "elapsed_s": 0.0,
                    "notes_per_s": 0.0}
     else:
-        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed))
-    summary.update(rerun_accounts=sorted(only), not_rerunnable={"rejected_at_validation": rejected,
-                                                                "not_in_run": unknown})
+        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
+                          lease=lease)
+    summary.update(rerun_accounts=sorted(only), relays=relays, not_rerunnable={"rejected_at_validation": rejected,
+                                                                                "not_in_run": unknown})
     return summary
 
 
@@ -327,7 +356,7 @@ def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Poo
     signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id),
                    ray.kill)
     mailers = Pool("mailer", lambda i: MailerActor.options(name=f"mailer-{i}-{run_id}").remote(
-        settings, run_id, req.force, req.resend_unconfirmed), ray.kill)
+        settings, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill)
     _size(settings, signers, mailers)
     return signers, mailers
 
@@ -351,7 +380,7 @@ def _units(shards: list[int], first: int | None) -> list[tuple[int, tuple | None
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
-             signers: Pool, mailers: Pool, resume: bool, epoch: str, watch: Callable[[], None],
+             signers: Pool, mailers: Pool, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
              assembled: Callable[[int], ray.ObjectRef | None]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
@@ -365,7 +394,8 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 shard, part = queue.pop()
                 name = f"render shard {shard}" + (f" from account {part[0] + 1}" if part else "")
                 batch = render_task.options(name=name).remote(
-                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part)
+                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part,
+                    lease.token)
                 signer, mailer = signers.take(), mailers.take()
                 pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, part, signer, mailer)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
@@ -378,6 +408,9 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 _add(totals, result)
                 metrics.day(result["tally"])
                 progress.update(result["notes"])
+            if lease.lost:
+                raise LeaseLostError(f"run {run_id}: another driver took the run over (this one had not renewed "
+                                     f"its lease for {settings.lease_s:.0f} s, CN_LEASE_S): this driver stops")
             if time.monotonic() - snapshot_at >= 1.0 or not (queue or pending):
                 if state.epoch() != epoch:
                     _stop_mailing(pending, StateLostError(
@@ -406,6 +439,8 @@ def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None
         lost = getattr(e, "cause", None) or e
         if isinstance(lost, StateLostError):
             _stop_mailing(pending, StateLostError(str(lost)))
+        if isinstance(lost, LeaseLostError):
+            raise LeaseLostError(str(lost)) from None
         log.error("shard %s failed: %s", shard, e)
         return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", part)
 

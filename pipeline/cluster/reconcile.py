@@ -17,6 +17,7 @@ from pipeline.cluster import restore
 from pipeline.day.split import load_manifest
 from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
+from pipeline.record.lease import held
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunNotFound, RunState
 from pipeline.record.storage import open_store
@@ -24,7 +25,14 @@ from pipeline.settings import Settings
 
 
 def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
+    """Under the run's lease: no driver mails the run while its accounts are settled."""
     state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+    with held(state, settings.lease_s):
+        return _reconcile(settings, state, relay_logs)
+
+
+def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> dict:
+    run_id = state.run_id
     store = open_store(settings.store_url)
     split = load_manifest(store, run_id)
     if split is None:
@@ -36,7 +44,8 @@ def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
     records = state.accounts(unconfirmed)
     names = ", ".join(p.name for p in relay_logs)
     settled = [Outcome(u, "delivered", message_id=records[u]["message_id"],
-                       reply=f"accepted, per the relay's log ({names})"[:300], extra={"reconciled": True})
+                       reply=f"accepted, per the relay's log ({names})"[:300],
+                       extra={"reconciled": True, **_duplicate(records[u])})
                for u in unconfirmed if records.get(u, {}).get("message_id") in accepted]
     by_shard = defaultdict(list)
     for o in settled:
@@ -48,6 +57,11 @@ def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
     return {"run_id": run_id, "relay_logs": [str(p) for p in relay_logs], "accepted_ids_in_logs": len(accepted),
             "unconfirmed_before": len(unconfirmed), "reconciled": len(settled),
             "still_unconfirmed": len(unconfirmed) - len(settled)}
+
+
+def _duplicate(record: dict) -> dict:
+    """A resend's mark goes into the log with the settlement: the log is what a lost Redis is rebuilt from."""
+    return {"possible_duplicate": True} if record.get("extra", {}).get("possible_duplicate") else {}
 
 
 def _rewrite_report(store, state: RunState, run_id: str) -> None:

@@ -30,7 +30,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
         raise RunNotFound(f"no run {run_id!r} in Redis, and no report for it in storage")
     report = json.loads(store.get(json_key))
     meta = {"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
-            "finished": "", "restored_from": json_key}
+            "relays": report.get("relays", ""), "finished": "", "restored_from": json_key}
     state.start(meta)
     state.update_meta(accounts=report["accounts"])
     rows = csv.DictReader(store.lines(csv_key))

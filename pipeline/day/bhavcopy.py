@@ -9,10 +9,10 @@ an account whose contract is then missing is rejected with its own trade row nam
 from __future__ import annotations
 
 import csv
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Iterable
 
-from pipeline.day.dumps import RowError, check_header
+from pipeline.day.dumps import PRICE, RowError, check_header
 
 FILE = "bhavcopy.csv"
 FIELDS = ["TradDt", "Src", "Sgmt", "FinInstrmTp", "TckrSymb", "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric"]
@@ -27,17 +27,24 @@ def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: 
     reader = csv.DictReader(lines)
     check_header(FILE, reader.fieldnames or [], FIELDS)
     prices: dict[tuple, Decimal] = {}
+    rows: dict[tuple, int] = {}  # the row that gave each contract its price
+    ambiguous: set[tuple] = set()
     for n, row in enumerate(reader, start=1):
         if row.get("TradDt") != trade_date or row.get("Sgmt") != "FO":
             continue
         try:
             key, price = _contract_price(n, row)
+            if key in prices and prices[key] != price:  # which one is the close? Neither is used
+                ambiguous.add(key)
+                raise RowError(FILE, n, "SttlmPric" if key[2].startswith("FUT") else "ClsPric",
+                               f"{row['TckrSymb']} {row['XpryDt']} is listed again, at {price} where row "
+                               f"{rows[key]} says {prices[key]}: its trades are rejected")
         except RowError as e:
             if len(errors) < max_errors:
                 errors.append(e.as_dict())
             continue
-        prices[key] = price
-    return prices
+        prices[key], rows[key] = price, n
+    return {k: v for k, v in prices.items() if k not in ambiguous}
 
 
 def _contract_price(n: int, row: dict[str, str]) -> tuple[tuple, Decimal]:
@@ -52,11 +59,12 @@ def _contract_price(n: int, row: dict[str, str]) -> tuple[tuple, Decimal]:
 
 
 def _price(n: int, field: str, text: str) -> Decimal:
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise RowError(FILE, n, field, f"{text!r} is not a number") from None
-    if not value.is_finite() or value <= 0:
+    """The trade file's rule for a price (digits, at most 4 places, under a billion): no
+    exponent, so 1e30 is a row error here, not an InvalidOperation at render."""
+    if not PRICE.match(text or ""):
+        raise RowError(FILE, n, field, f"{text[:40]!r} is not a price (digits, at most 4 decimal places)")
+    value = Decimal(text)
+    if value <= 0:
         raise RowError(FILE, n, field, f"{text!r} is not a positive price")
     return value
 

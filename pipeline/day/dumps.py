@@ -24,14 +24,14 @@ TRADE_FIELDS = [
     "option_type", "side", "quantity", "price", "product", "status",
 ]
 
-PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]$")
-UCC = re.compile(r"^[A-Za-z0-9]{1,10}$")
+PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]\Z")
+UCC = re.compile(r"^[A-Za-z0-9]{1,10}\Z")
 # ASCII only: an address the relay cannot take without SMTPUTF8 goes to physical dispatch
-EMAIL = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]{1,64}@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+$")
-ISIN = re.compile(r"^IN[A-Z0-9]{9}[0-9]$")
-SYMBOL = re.compile(r"^[A-Z0-9][A-Z0-9&._-]{0,29}$")  # NSE symbols: M&M, BAJAJ-AUTO, NIFTY
-QUANTITY = re.compile(r"^[0-9]{1,10}$")  # ASCII digits: int() would take "1_000" and Arabic-Indic digits
-PRICE = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,4})?$")  # no exponent, no sign, at most 4 places
+EMAIL = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]{1,64}@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+\Z")
+ISIN = re.compile(r"^IN[A-Z0-9]{9}[0-9]\Z")
+SYMBOL = re.compile(r"^[A-Z0-9][A-Z0-9&._-]{0,29}\Z")  # NSE symbols: M&M, BAJAJ-AUTO, NIFTY
+QUANTITY = re.compile(r"^[0-9]{1,10}\Z")  # ASCII digits: int() would take "1_000" and Arabic-Indic digits
+PRICE = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,4})?\Z")  # no exponent, no sign, at most 4 places
 # Guards against corrupt input, not exchange rules: the dearest NSE share (MRF) trades near
 # Rs 1.5 lakh and the tick is 1 paisa, so a unit price of Rs 1 crore is ~60x headroom; no
 # listed company's trade reaches 100 crore units. A value outside is a broken file.
@@ -40,8 +40,8 @@ MAX_QUANTITY = 10**9
 MAX_FIELD = 256  # characters; names and addresses included
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 UNDECODED = re.compile(r"[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogateescape)
-NUMBER16 = re.compile(r"^[0-9]{16}$")
-TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]$")
+NUMBER16 = re.compile(r"^[0-9]{16}\Z")
+TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\Z")
 INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}}
 PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}}
 STATUSES = {"11", "12", "13"}
@@ -141,7 +141,7 @@ def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
     opt_in = values["ecn_opt_in"].upper()
     if opt_in not in ("Y", "N"):
         fail("ecn_opt_in", "must be Y or N")
-    if not re.match(r"^[0-9]{2}$", values["gst_state_code"]):
+    if not re.fullmatch(r"[0-9]{2}", values["gst_state_code"]):
         fail("gst_state_code", "must be two digits")
     return Client(**{**values, "ucc": ucc, "pan": pan, "ecn_opt_in": opt_in == "Y"})
 
@@ -318,7 +318,8 @@ def _clean(raw: dict, fields: list[str], fail) -> dict[str, str]:
         if UNDECODED.search(value):
             fail(f, "is not UTF-8 (save the file as UTF-8)")
         if CONTROL.search(value):
-            fail(f, "contains a control character (a line break or tab)")
+            fail(f, "contains a control character (a line break or tab); the dumps are read in byte ranges cut at "
+                    "line ends, so a record must be one line (a multi-line address: join its lines with commas)")
         values[f] = value
     return values
 

@@ -276,16 +276,18 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
 
 async def send_with_retry(pool: SmtpPool, policy: RetryPolicy, sender: str, recipient: str,
                           message: bytes) -> tuple[str, int]:
-    """Returns the relay's reply and the attempts used; raises PermanentMailError,
+    """Returns the relay's reply and the attempts used (on an error: its `attempts`); raises PermanentMailError,
     UnconfirmedMailError (never retried: the relay may have the message), RelayDownError, or
     the last TransientMailError once the attempts are spent."""
     for attempt in range(policy.attempts):
         try:
             return await pool.send(sender, recipient, message), attempt + 1
-        except RelayDownError:
+        except (RelayDownError, PermanentMailError, UnconfirmedMailError) as e:
+            e.attempts = attempt + 1
             raise
-        except TransientMailError:
+        except TransientMailError as e:
             if attempt + 1 == policy.attempts:
+                e.attempts = attempt + 1
                 raise
             await asyncio.sleep(policy.delay(attempt))
     raise AssertionError("unreachable")

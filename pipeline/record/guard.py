@@ -11,6 +11,7 @@ from typing import Iterable
 import redis
 
 from pipeline.record import keys
+from pipeline.record.lease import LeaseLostError
 
 
 class StateLostError(RuntimeError):
@@ -21,9 +22,12 @@ class StateLostError(RuntimeError):
 # The mail guard holds the claim's token: a claim retried after its reply was lost (a Redis
 # restart) still finds it its own. It is taken only while the run's epoch (set when the run
 # first starts) is in Redis: a Redis that lost the run answers -1 instead of handing out
-# claims it forgot. KEYS: meta, guard. ARGV: ucc, epoch, ttl, token
+# claims it forgot. Only the driver holding the run's lease claims (lease.py): a second driver,
+# or the leftover work of one that was taken over, answers -2. KEYS: meta, guard, lease. ARGV:
+# ucc, epoch, ttl, token, lease token
 _CLAIM = """
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
+if redis.call('HGET', KEYS[3], 'token') ~= ARGV[5] then return -2 end
 local held = redis.call('HGET', KEYS[2], ARGV[1])
 if held then return held == ARGV[4] and 1 or 0 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
@@ -38,15 +42,19 @@ _CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
 class MailGuard:
     """The mail-guard part of a RunState (which gives it `r`, `run_id` and `ttl_s`)."""
 
-    def claim_mail(self, ucc: str, message_id: str, epoch: str) -> bool:
+    def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
-        makes; raises StateLostError if Redis no longer knows the run of this epoch."""
+        makes; raises StateLostError if Redis no longer knows the run of this epoch, and
+        LeaseLostError if the run's lease is not `lease` (another driver holds the run)."""
         token = uuid.uuid4().hex[:16]
-        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), ucc, epoch, self.ttl_s, token]
+        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id), ucc, epoch,
+                self.ttl_s, token, lease]
         try:
-            claimed = self.r.evalsha(_CLAIM_SHA, 2, *args)
+            claimed = self.r.evalsha(_CLAIM_SHA, 3, *args)
         except redis.exceptions.NoScriptError:
-            claimed = self.r.eval(_CLAIM, 2, *args)
+            claimed = self.r.eval(_CLAIM, 3, *args)
+        if claimed == -2:
+            raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: not mailed")
         if claimed == -1:
             raise StateLostError(f"Redis no longer holds run {self.run_id} (flushed, or restarted without "
                                  "persistence): mailing stopped; run the same run id again to rebuild its state "

@@ -9,6 +9,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:unconfirmed   zset   ucc -> time: the mail may have reached the relay (reconcile)
   cn:run:{run}:mailguard     hash   ucc -> claim token; taken before an e-mail leaves
   cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
+  cn:run:{run}:lease         hash   the driver that holds the run: holder (JSON), token, renewed
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
 
@@ -30,7 +31,7 @@ import re
 PARTITIONS = 10
 RUNS = "cn:runs"
 # A run id goes into Redis keys, storage keys and the status page: nothing else gets through
-RUN_ID = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9._-]{1,64}$")
+RUN_ID = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}\Z")  # \Z: "$" would take a final newline
 
 
 def check_run_id(run_id: str) -> str:
@@ -61,6 +62,10 @@ def run_unconfirmed(run_id: str) -> str:
 
 def run_mailguard(run_id: str) -> str:
     return f"cn:run:{run_id}:mailguard"
+
+
+def run_lease(run_id: str) -> str:
+    return f"cn:run:{run_id}:lease"
 
 
 def run_timeline(run_id: str) -> str:

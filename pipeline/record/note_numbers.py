@@ -34,7 +34,7 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
     writing the mark one step, so the mark in storage never moves down."""
     with state.r.lock(keys.note_sequence_lock(fy), timeout=120, blocking_timeout=600):
         high = high_water_mark(store, fy)
-        first = _next_numbers(state, fy, count, floor=high)
+        first = state.next_note_numbers(fy, count, floor=high)
         high = max(high, first + count - 1)
         store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
         return first
@@ -44,18 +44,3 @@ def high_water_mark(store: Store, fy: str) -> int:
     key = keys.note_sequence_key(fy)
     return int(json.loads(store.get(key))["high"]) if store.exists(key) else 0
 
-
-# Raises the year's counter to the floor, then takes `count` numbers. KEYS: the counter.
-# ARGV: count, floor
-_RESERVE = """
-if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[2]) then redis.call('SET', KEYS[1], ARGV[2]) end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
-"""
-
-
-def _next_numbers(state: RunState, fy: str, count: int, floor: int) -> int:
-    """The first of `count` numbers from Redis's counter, raised first to `floor` (the
-    highest number ever issued, from storage), so a Redis that lost it never hands out a
-    number twice."""
-    last = state.r.eval(_RESERVE, 1, keys.note_sequence(fy), count, floor)
-    return int(last) - count + 1

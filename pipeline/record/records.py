@@ -48,6 +48,8 @@ def final_status(rec: dict) -> str:
 #   f  rank of the stage that failed      e  reason          p  the relay's reply
 #   t  time of the last outcome           n  delivery attempts, absent when 0
 #   x  extra flags of the last outcome    h  the out-of-the-ordinary events only
+# A later outcome never erases a recorded Message-ID or reply (a second attempt that found
+# the mail claimed has neither), nor the possible-duplicate mark once set.
 # A stage reached on the first try is not kept as an event: it follows from r. An event is
 # kept when it failed, was refused, skipped or unconfirmed, or repeated a stage already
 # reached: [stage rank, status code, reason, time, r before it]. An account is in at most one
@@ -66,6 +68,11 @@ for i = 3, #ARGV, 5 do
   if prev then
     local p = cjson.decode(prev)
     prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
+    rec['m'], rec['p'] = rec['m'] or p['m'], rec['p'] or p['p']
+    if type(p['x']) == 'table' and p['x']['possible_duplicate'] then
+      if type(rec['x']) ~= 'table' then rec['x'] = {} end
+      rec['x']['possible_duplicate'] = true
+    end
   end
   if (rec['s'] ~= nil and rec['s'] ~= 'p') or g <= prev_rank then
     h = h or {}

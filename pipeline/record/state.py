@@ -1,7 +1,7 @@
 """A run's live state in Redis: its meta, counters and timeline, and the handle every reader
 and writer uses. The handle is put together from parts by what each keeps (as redis-py puts
-its client together from command sets): the account records (records.py) and the mail guard
-(guard.py), each beside the Lua script it calls.
+its client together from command sets): the account records (records.py), the mail guard
+(guard.py) and the run's lease (lease.py), each beside the Lua script it calls.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from redis.retry import Retry
 
 from pipeline.record import keys
 from pipeline.record.guard import MailGuard
+from pipeline.record.lease import RunLease
 from pipeline.record.records import STAGES, Records
 
 
@@ -34,7 +35,7 @@ def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
-class RunState(Records, MailGuard):
+class RunState(Records, MailGuard, RunLease):
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
         self.run_id, self.ttl_s = run_id, ttl_s
         self.r = redis_client(redis_url)
@@ -83,3 +84,16 @@ class RunState(Records, MailGuard):
         counts["failed"] = self.r.zcard(keys.run_failed(self.run_id))
         counts["unconfirmed"] = self.r.zcard(keys.run_unconfirmed(self.run_id))
         return counts
+
+    def next_note_numbers(self, fy: str, count: int, floor: int = 0) -> int:
+        """Reserve `count` contract note numbers of a financial year; returns the first. The
+        counter is first raised to `floor` (the highest number ever issued, from storage), so
+        a Redis that lost it never hands out a number twice."""
+        last = self.r.eval(_RESERVE, 1, keys.note_sequence(fy), count, floor)
+        return int(last) - count + 1
+
+
+_RESERVE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[2]) then redis.call('SET', KEYS[1], ARGV[2]) end
+return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
