@@ -118,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--failed", action="store_true", help="every account in the run's failed registry")
     which.add_argument("--unconfirmed", action="store_true",
                        help="every unconfirmed account, mailed again with the same Message-ID (reconcile first)")
-    which.add_argument("--accounts", type=_accounts, help="comma-separated client codes (UCC)")
+    which.add_argument("--accounts", type=_accounts,
+                       help="comma-separated client codes (UCC), or - to read them from standard input")
     rr.add_argument("--force", action="store_true", help="mail again accounts already delivered")
     rr.add_argument("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
                                    "relays, as it recorded them; not SMTP_URL)")
@@ -163,6 +164,9 @@ def _date(text: str) -> dt.date:
 
 
 def _accounts(text: str) -> list[str]:
+    """Comma-separated codes, or "-": the codes on standard input, one a line or comma-separated."""
+    if text == "-":
+        text = sys.stdin.read().replace("\n", ",")
     accounts = [a.strip() for a in text.split(",") if a.strip()]
     if not accounts:
         raise argparse.ArgumentTypeError("give at least one account")

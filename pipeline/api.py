@@ -36,6 +36,7 @@ from pipeline.settings import ROOT, Settings
 PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
+MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
 
 
 class RerunRequest(BaseModel):
@@ -47,18 +48,24 @@ class RerunRequest(BaseModel):
     def one_choice(self) -> "RerunRequest":
         if self.failed == bool(self.accounts):
             raise ValueError("give either failed: true or a non-empty list of accounts")
+        if self.accounts and len(self.accounts) > MAX_RERUN_ACCOUNTS:
+            raise ValueError(f"at most {MAX_RERUN_ACCOUNTS:,} accounts a request (rerun --failed takes any number)")
         if self.accounts and not all(re.fullmatch(r"[A-Za-z0-9]{1,10}", a) for a in self.accounts):
             raise ValueError("accounts are client codes: 1-10 letters or digits")
         return self
 
 
 def launch_rerun(run_id: str, accounts: list[str] | None, failed: bool, force: bool) -> int:
-    """Starts `python -m pipeline rerun` in the background, with this service's settings."""
+    """Starts `python -m pipeline rerun` in the background, with this service's settings. The
+    codes go through its standard input: a command line holds only so many."""
     args = [sys.executable, "-m", "pipeline", "rerun", run_id]
-    args += ["--failed"] if failed else ["--accounts", ",".join(accounts or [])]
+    args += ["--failed"] if failed else ["--accounts", "-"]
     args += ["--force"] if force else []
     log = open(os.environ.get("CN_RERUN_LOG", os.devnull), "ab")
-    return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, start_new_session=True).pid
+    process = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
+    process.stdin.write("\n".join(accounts or []).encode())
+    process.stdin.close()
+    return process.pid
 
 
 def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun, read_only: bool = False) -> FastAPI:

@@ -44,6 +44,10 @@ if __name__ == "__main__":
     problem = missing_settings(os.environ)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        from pipeline.cluster.plan import end_cluster, on_cluster
+
+        if on_cluster():  # `ray up` again once the settings are right
+            end_cluster()
         sys.exit(2)
     date, input_url, *rest = sys.argv[1:]
     from ray.util import get_node_ip_address  # the head's private IP: where the workers reach its Redis

@@ -268,6 +268,12 @@ def _end(current: ClusterSession, keep: bool, config, release, teardown, shutdow
             log.exception("cluster: could not %s", what)
 
 
+def end_cluster(config: str | dict = str(BOOTSTRAP_CONFIG)) -> None:
+    """A day that cannot start ends its cluster too (the workers, then the head after the
+    grace): nothing will run on it, and the dead-man switch is hours away."""
+    _end(ClusterSession(None), False, config, lambda: None, teardown_workers, terminate_head_after_driver)
+
+
 def on_cluster() -> bool:
     """The driver runs on a head that `ray up` made (its bootstrap config is there)."""
     return BOOTSTRAP_CONFIG.exists() and os.environ.get("CN_NOT_ON_CLUSTER") != "1"
