@@ -46,7 +46,8 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     fresh_redis = redis_url.rsplit("/", 1)[0] + "/8"  # a laptop's: the cluster's Redis ended with the cluster
     redis.Redis.from_url(fresh_redis).flushdb()
     nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
-    inject(nb, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed")
+    inject(nb, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed",
+           SMTP_URL=healthy_relay.url)  # not the run's own relay: told so
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
 
     [last] = [o for o in nb.cells[-1].outputs if o["output_type"] == "execute_result"]
