@@ -56,9 +56,12 @@ redis.call('HSET', KEYS[1], 'holder', me, 'token', ARGV[1], 'renewed', tostring(
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 return result
 """
-# KEYS: lease. ARGV: token. 1 while still ours.
+# KEYS: lease. ARGV: token. 1 while still ours, 0 when another holds it, -1 when Redis lost it
+# (then the run's epoch is gone too, and the driver stops on that: StateLostError).
 _RENEW = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+local held = redis.call('HGET', KEYS[1], 'token')
+if not held then return -1 end
+if held ~= ARGV[1] then return 0 end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'renewed', tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6))
 return 1
@@ -96,7 +99,8 @@ class RunLease:
         return lease
 
     def renew_lease(self, token: str) -> bool:
-        return bool(self.r.eval(_RENEW, 1, keys.run_lease(self.run_id), token))
+        """False only when another driver holds the run (a Redis that lost it is the epoch's to tell)."""
+        return self.r.eval(_RENEW, 1, keys.run_lease(self.run_id), token) != 0
 
     def release_lease(self, token: str) -> None:
         self.r.eval(_RELEASE, 1, keys.run_lease(self.run_id), token)
