@@ -153,6 +153,9 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
     may have gone out, and the archive must be what the client got."""
     started = time.process_time()
     if not state.holds_lease(batch.lease):
+        if state.lease_holder() is None:  # Redis lost the run (its epoch too): say that, as a claim would
+            raise StateLostError(f"Redis no longer holds run {batch.run_id}: nothing signed or archived; run the "
+                                 "same run id again to rebuild its state from the delivery log")
         raise LeaseLostError(f"run {batch.run_id}: the driver of shard {batch.shard} no longer holds the run: "
                              "nothing signed or archived")
     claimed = state.claimed([i["ucc"] for i in batch.items if i["pdf"] is not None])
