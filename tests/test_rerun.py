@@ -113,7 +113,8 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
            "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
            "CN_SHARD_SIZE": str(settings.shard_size)}
-    done = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed"],
+    done = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed", "--smtp",
+                           second_relay.url],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -182,8 +182,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     resume = manifest is not None  # mail may have gone out: each shard restores its delivery log first
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
+    own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "relays": relays, "finished": ""})
+                         **own, "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
@@ -237,7 +238,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
-        "relays": relays,
+        "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
         "driver_peak_rss_mb": peak_rss_mb(),
     }
     if warnings:
