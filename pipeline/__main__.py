@@ -214,6 +214,7 @@ def cmd_status(args) -> int:
     cluster's Redis ends with the cluster; the report is the record)."""
     import redis
 
+    from pipeline.cluster.restore import read_report
     from pipeline.record.keys import report_keys
     from pipeline.record.state import RunState, redis_client
     from pipeline.record.storage import open_store
@@ -232,7 +233,7 @@ def cmd_status(args) -> int:
     if not store.exists(key):
         print(json.dumps({"error": f"no run {args.run_id!r} in Redis or in {settings.store_url}"}))
         return 2
-    print(json.dumps({"run_id": args.run_id, "source": "storage", "report": json.loads(store.get(key))}))
+    print(json.dumps({"run_id": args.run_id, "source": "storage", "report": read_report(store, key)}))
     return 0
 
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Container
 
 from pipeline.day.dumps import EMAIL, Client, Trade
 from pipeline.mail.message import (
@@ -68,13 +68,14 @@ def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
     return [json.loads(line) for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines()]
 
 
-def restore_from_log(store: Store, state: RunState, run_id: str, shard: int) -> int:
+def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, accounts: Container[str]) -> int:
     """Before a resumed run mails a shard, Redis and the shard's delivery log are brought
     level, whichever knows more recently: a log entry newer than the Redis record (Redis lost
     the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
     a delivery Redis saw that the log missed (its mailing died before logging) goes into the
-    log. Idempotent; returns how many accounts Redis got back."""
-    found = delivery_log.latest(delivery_log.entries(store, run_id, shard))
+    log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
+    Idempotent; returns how many accounts Redis got back."""
+    found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():

@@ -140,7 +140,7 @@ def test_run_with_a_missing_column_exits_2_with_one_line_and_no_traceback(tmp_pa
 
 
 @pytest.mark.parametrize("run_id", ["<img src=x onerror=alert(document.domain)>", "../../escape", "..", ".",
-                                    "a" * 65, "run id", ""])
+                                    "a" * 65, "run id", "", "x\n", "x\r"])
 def test_a_run_id_outside_the_pattern_is_refused_before_it_reaches_redis_or_storage(run_id, tmp_path):
     from pipeline.record.keys import check_run_id
 
@@ -276,3 +276,202 @@ def test_an_account_whose_rendering_raises_fails_alone_and_its_shard_mates_rende
     assert [i["ucc"] for i in batch.items] == [a["ucc"] for a in accounts if a["ucc"] != "BAD1"]
     assert len(accounts) > 1 and batch.dropped == {"failed": 1}
     assert state.accounts(["BAD1"])["BAD1"]["reason"].startswith("render: InvalidOperation")
+
+
+def test_a_contract_listed_twice_at_two_prices_or_priced_1e30_is_a_bhavcopy_row_error():
+    from pipeline.day import bhavcopy
+    from tests.test_note_correctness import BHAVCOPY
+
+    def rows(*extra) -> list[str]:
+        fields = list(BHAVCOPY[0])
+        return [",".join(fields)] + [",".join(r[f] for f in fields) for r in (*BHAVCOPY, *extra)]
+
+    errors: list[dict] = []
+    twice = dict(BHAVCOPY[0], SttlmPric="900.00")
+    closes = bhavcopy.read(rows(twice), DATE, errors)
+    assert errors == [{"file": "bhavcopy.csv", "row": 3, "field": "SttlmPric", "ucc": "", "error": (
+        "ITC 2026-11-26 is listed again, at 900.00 where row 1 says 497.35: its trades are rejected")}]
+    assert len(closes) == 1, "neither price of the contract listed twice is used"
+    errors.clear()
+    bhavcopy.read(rows(dict(BHAVCOPY[0], TckrSymb="SBIN", SttlmPric="1e30")), DATE, errors)
+    assert errors == [{"file": "bhavcopy.csv", "row": 3, "field": "SttlmPric", "ucc": "",
+                       "error": "'1e30' is not a price (digits, at most 4 decimal places)"}]
+
+
+def test_a_multi_line_address_rejects_its_account_saying_why_and_how_to_fix_it(tmp_path, redis_url):
+    split, records = split_with(tmp_path, redis_url, client=dict(POISONED, address="1 MG Road\nBengaluru"))
+    assert split.accounts == 6 and split.rejected == 1
+    reason = records["BAD1"]["reason"]
+    assert "clients.csv" in reason and "field 'address'" in reason and "join its lines with commas" in reason
+
+
+@pytest.mark.parametrize("field,value", [("signer_key_pem", 12345), ("owner_password", ["owner", "secret"])])
+def test_a_secret_field_of_the_wrong_type_stops_the_run_naming_the_field_never_its_value(
+        tmp_path, redis_url, keys_dir, field, value):
+    import json
+
+    secret = {"signer_key_pem": (keys_dir / "signer.key.pem").read_text(),
+              "signer_cert_pem": (keys_dir / "signer.cert.pem").read_text(), "owner_password": "owner-secret-77"}
+    (tmp_path / "secret.json").write_text(json.dumps({**secret, field: value}))
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": "",
+           "CN_SECRET": f"file:{tmp_path / 'secret.json'}"}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input",
+                           str(write_day(tmp_path / "in"))], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"error: CN_SECRET file:{tmp_path / 'secret.json'}: {field} must be a string"
+    assert json.dumps(value) not in done.stderr and str(value) not in done.stderr.replace(str(tmp_path), "")
+
+
+def test_a_rerun_of_100000_named_accounts_goes_through_the_api_and_one_more_is_422(
+        ray_session, redis_url, tmp_path, monkeypatch):
+    import json
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from pipeline.api import MAX_RERUN_ACCOUNTS, create_app
+    from pipeline.settings import Settings
+
+    run_id = f"api-many-{os.urandom(3).hex()}"
+    RunState(redis_url, run_id).start({"date": DATE, "input": str(tmp_path / "in")})
+    log = tmp_path / "rerun.log"
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.address_info["address"])
+    monkeypatch.setenv("CN_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("CN_RERUN_LOG", str(log))
+    codes = [f"C{i}" for i in range(MAX_RERUN_ACCOUNTS)]
+    auth = {"Authorization": "Bearer t0ken-for-the-api"}
+    with TestClient(create_app(Settings(redis_url=redis_url, api_token="t0ken-for-the-api"))) as api:
+        too_many = api.post(f"/runs/{run_id}/rerun", json={"accounts": codes + ["C100000"]}, headers=auth)
+        assert too_many.status_code == 422 and "at most 100,000 accounts" in too_many.text
+        accepted = api.post(f"/runs/{run_id}/rerun", json={"accounts": codes}, headers=auth)
+    assert accepted.status_code == 202, accepted.text
+    pid, deadline = accepted.json()["pid"], time.monotonic() + 120
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        assert time.monotonic() < deadline, "the rerun did not end"
+        time.sleep(0.2)
+    out = log.read_text()
+    assert "Argument list too long" not in out and "Traceback" not in out
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith('{"run_id"')))
+    assert len(summary["not_in_run"] if "not_in_run" in summary else summary["not_rerunnable"]["not_in_run"]) == len(codes)
+
+
+def test_a_shard_whose_every_account_was_rejected_is_no_error(ray_session, settings, smtp_sink, tmp_path, caplog):
+    import dataclasses
+
+    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.record.keys import shard_of
+
+    innocent_shards = {shard_of(c["ucc"], 10) for c in INNOCENTS}
+    alone = next(u for u in (f"BAD{i}" for i in range(1, 50)) if shard_of(u, 10) not in innocent_shards)
+    clients = INNOCENTS + [dict(POISONED, ucc=alone)]
+    trades = trades_for(clients)
+    trades[-2] = {**trades[-2], "price": "1e30"}
+    with caplog.at_level("INFO", logger="pipeline"):
+        summary = run_day(dataclasses.replace(settings, shard_size=1),
+                          RunRequest(DATE, str(write_day(tmp_path / "in", trades=trades, clients=clients))))
+    assert (summary["delivered"], summary["failed"], summary["rejected"]) == (6, 0, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    assert len(list(smtp_sink.outbox.glob("*.eml"))) == 6
+
+
+@pytest.fixture(scope="module")
+def stored_run(ray_session, redis_url, keys_dir, tmp_path_factory):
+    """A finished run of seven accounts, its record in storage."""
+    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.embedded import start_smtp_sink
+    from pipeline.settings import Settings
+
+    work = tmp_path_factory.mktemp("stored")
+    smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+    clients = INNOCENTS + [dict(POISONED, ucc="OK9")]
+    settings = Settings(store_url=str(work / "store"), redis_url=redis_url, smtp_url=smtp.url, shard_size=1,
+                        signer_key=str(keys_dir / "signer.key.pem"), signer_cert=str(keys_dir / "signer.cert.pem"),
+                        signer_chain=str(keys_dir / "root.cert.pem"), owner_password="stored-owner-secret")
+    summary = run_day(settings, RunRequest(DATE, str(write_day(work / "in", trades=trades_for(clients),
+                                                               clients=clients))))
+    smtp.stop()
+    assert summary["delivered"] == 7
+    return settings, summary
+
+
+def _commands(settings, run_id: str, store: str, db: int, tmp_path, ray_session) -> dict:
+    """status, rerun --failed and reconcile on `store`, with an empty Redis: the answers."""
+    (tmp_path / "relay.log").write_text("")
+    env = {**os.environ, "REDIS_URL": settings.redis_url.rsplit("/", 1)[0] + f"/{db}", "CN_STORE": store,
+           "RAY_ADDRESS": ray_session.address_info["address"], "CN_SIGNER_KEY": settings.signer_key,
+           "CN_SIGNER_CERT": settings.signer_cert, "CN_OWNER_PASSWORD": settings.owner_password}
+    commands = {"status": ["status", run_id], "rerun": ["rerun", run_id, "--failed"],
+                "reconcile": ["reconcile", run_id, "--relay-log", str(tmp_path / "relay.log")]}
+    return {name: subprocess.run([sys.executable, "-m", "pipeline", *c], capture_output=True, text=True, env=env,
+                                 timeout=300) for name, c in commands.items()}
+
+
+@pytest.mark.parametrize("tamper,db,readers", [("truncated report", 11, ("status", "rerun", "reconcile")),
+                                               ("report trade_date", 12, ("status", "rerun", "reconcile")),
+                                               ("delivery-log line", 13, ("rerun", "reconcile"))])
+def test_tampered_storage_is_named_in_one_line_by_status_rerun_and_reconcile(
+        stored_run, ray_session, tmp_path, tamper, db, readers):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from pipeline.record import keys
+
+    settings, summary = stored_run
+    run_id, store = summary["run_id"], tmp_path / "store"
+    shutil.copytree(settings.store_url, store)
+    report = store / keys.report_keys(run_id)[0]
+    if tamper == "truncated report":
+        report.write_bytes(report.read_bytes()[:-40])
+        named = keys.report_keys(run_id)[0]
+    elif tamper == "report trade_date":
+        report.write_text(json.dumps({**json.loads(report.read_text()), "trade_date": "../../x"}))
+        named = keys.report_keys(run_id)[0]
+    else:
+        log = next(p for p in sorted(store.glob(f"*-delivery-log/{run_id}/*/*.jsonl")) if p.stat().st_size)
+        log.write_text(log.read_text() + "this is not JSON\n")
+        named = log.relative_to(store).as_posix()
+    answers = _commands(settings, run_id, str(store), db, tmp_path, ray_session)
+    for name, done in answers.items():
+        if name not in readers:
+            assert done.returncode == 0, (name, done.stderr)
+            continue
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (name, done.stderr[-2000:])
+        assert lines[-1].startswith(f"error: {store}: object {named!r}"), (name, lines[-1])
+    assert not (tmp_path / "x").exists() and not Path(store).parent.parent.joinpath("x").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["relay.log", "store"], "nothing written outside the store"
+
+
+def test_reconcile_streams_a_60_mb_delivery_log_its_memory_does_not_follow_the_log(stored_run, ray_session, tmp_path):
+    import json
+    import shutil
+
+    from pipeline.record import keys
+
+    settings, summary = stored_run
+    run_id, peaks = summary["run_id"], {}
+    uccs = [c["ucc"] for c in INNOCENTS] + ["OK9"]
+    for entries, db in ((10, 14), (550_000, 15)):
+        store = tmp_path / f"store-{entries}"
+        shutil.copytree(settings.store_url, store)
+        shard = keys.shard_of(uccs[0], 10)
+        log = store / keys.delivery_log_prefix(run_id, shard) / "00000000000000000001-padding.jsonl"
+        with log.open("w") as f:  # the shard's account once, then strangers: none is the run's
+            for i in range(entries):
+                f.write(json.dumps({"ucc": uccs[0] if i == 0 else f"Z{i}", "status": "sending", "at": 1.0,
+                                    "message_id": f"<{'x' * 40}.{i}@contract-notes.invalid>", "reply": "",
+                                    "reason": "padding " * 4}) + "\n")
+        (tmp_path / "relay.log").write_text("")
+        env = {**os.environ, "REDIS_URL": settings.redis_url.rsplit("/", 1)[0] + f"/{db}", "CN_STORE": str(store)}
+        measured = subprocess.run(
+            [sys.executable, "-c", "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
+             "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)",
+             sys.executable, "-m", "pipeline", "reconcile", run_id, "--relay-log", str(tmp_path / "relay.log")],
+            capture_output=True, text=True, env=env, timeout=600)
+        code, peak_kb = measured.stdout.strip().splitlines()[-1].split()
+        peaks[entries] = (code, int(peak_kb) / 1024, measured.stderr[-2000:])
+    assert log.stat().st_size > 60e6
+    assert peaks[550_000][1] - peaks[10][1] < 30, peaks
+    assert peaks[10][0] == peaks[550_000][0] == "0", "a stranger in the log is not an account of the run"

@@ -71,8 +71,8 @@ def test_a_lost_redis_is_rebuilt_from_the_delivery_log_guard_first(redis_url, tm
     state = RunState(redis_url, run_id, ttl_s=600)
     epoch = state.start({})
 
-    assert restore_from_log(store, state, run_id, 3) == 4
-    assert restore_from_log(store, state, run_id, 3) == 0, "restoring twice changes nothing"
+    assert restore_from_log(store, state, run_id, 3, {"A", "B", "C", "D"}) == 4
+    assert restore_from_log(store, state, run_id, 3, {"A", "B", "C", "D"}) == 0, "restoring twice changes nothing"
 
     records = state.accounts(["A", "B", "C", "D"])
     assert {u: final_status(r) for u, r in records.items()} == {

@@ -122,14 +122,16 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None,
                 part: tuple[int, int | None] | None = None, lease: str = "") -> Batch:
     """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is
-    done. `part`: just these of the shard's accounts (start, stop), as a slice. `lease`: the
+    done, with what it wrote. `part`: just these of the shard's accounts (start, stop), as a slice. `lease`: the
     token of the run's lease, which the batch carries to the signer and the mailer."""
     started = time.perf_counter()
+    if assembled is not None and shard not in assembled["shards"]:  # its every account was rejected: no file
+        return Batch(run_id, trade_date, shard, lease=lease)
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     store = open_store(settings.store_url)
-    if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
-        restore_from_log(store, state, run_id, shard)
     accounts = load_shard(store, run_id, shard)
+    if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
+        restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts})
     if part is not None:
         accounts = accounts[part[0]:part[1]]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)

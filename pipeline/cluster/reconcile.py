@@ -9,7 +9,6 @@ rest stay unconfirmed for `rerun --unconfirmed`, which resends them with the sam
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import open_store, read_json
 from pipeline.settings import Settings
 
 
@@ -68,7 +67,7 @@ def _rewrite_report(store, state: RunState, run_id: str) -> None:
     json_key, _ = keys.report_keys(run_id)
     if not store.exists(json_key):
         return
-    previous = json.loads(store.get(json_key))
+    previous = read_json(store, json_key)
     counts = state.counts()
     summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
                                                              "input_errors")}

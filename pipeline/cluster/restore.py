@@ -10,37 +10,65 @@ have been, is not mailed again by a plain rerun.
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import itertools
 import json
+import re
 
+from pipeline.day.dumps import UCC
 from pipeline.day.split import load_manifest
 from pipeline.record import keys
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import Store
-from pipeline.stages import restore_from_log
+from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.stages import load_shard, restore_from_log
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
+DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
+STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending")
 
 
 def from_storage(store: Store, state: RunState, run_id: str) -> dict:
-    """Writes the run's meta and account records into Redis; returns the meta."""
+    """Writes the run's account records, then its meta, into Redis; returns the meta. Until
+    the meta is written Redis holds no run: a restore stopped by an edited object is done again
+    in full, never taken for the run."""
     json_key, csv_key = keys.report_keys(run_id)
     if not store.exists(json_key) or not store.exists(csv_key):
         raise RunNotFound(f"no run {run_id!r} in Redis, and no report for it in storage")
-    report = json.loads(store.get(json_key))
-    meta = {"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
-            "relays": report.get("relays", ""), "finished": "", "restored_from": json_key}
-    state.start(meta)
-    state.update_meta(accounts=report["accounts"])
+    report = read_report(store, json_key)
     rows = csv.DictReader(store.lines(csv_key))
-    while page := [{k: _plain(v) for k, v in row.items()} for row in itertools.islice(rows, PAGE)]:
+    while page := [_row(store, csv_key, rows.line_num, row) for row in itertools.islice(rows, PAGE)]:
         state.record(o for row in page for o in _outcomes(row))
         state.restore_claims(r["ucc"] for r in page if r["status"] in ("delivered", "unconfirmed"))
     split = load_manifest(store, run_id)
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile)
-        restore_from_log(store, state, run_id, shard)
+        restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)})
+    state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
+                 "relays": report.get("relays", ""), "finished": "", "restored_from": json_key})
+    state.update_meta(accounts=report["accounts"])
     return state.meta()
+
+
+def read_report(store: Store, key: str) -> dict:
+    """The report's fields that go into keys and Redis, as the run wrote them: a date (it names
+    the archive's folder), a count, strings. An edited report stops here, naming itself."""
+    report = read_json(store, key)
+    try:
+        dt.date.fromisoformat(report["trade_date"])
+        ok = DATE.match(report["trade_date"]) and isinstance(report["accounts"], int)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok or not all(isinstance(report.get(k, ""), str) for k in ("input", "relays")):
+        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input or "
+                           "relays were edited)")
+    return report
+
+
+def _row(store: Store, key: str, line: int, row: dict) -> dict:
+    row = {k: _plain(v) for k, v in row.items()}
+    if not UCC.match(row.get("ucc") or "") or row.get("status") not in STATUSES:
+        raise StorageError(f"{store.url}: object {key!r} line {line}: not a report row (its ucc or status was edited)")
+    return row
 
 
 def _outcomes(row: dict) -> list[Outcome]:

@@ -75,7 +75,11 @@ class Split:
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=1.0)
             for ref in ready:
-                mine = [s for s in self.weights if s % self.groups == groups[ref]]
+                try:
+                    written = ray.get(ref)["shards"]  # not a shard whose every account was rejected
+                except ray.exceptions.RayError:  # the split's end says why
+                    continue
+                mine = [s for s in self.weights if s % self.groups == groups[ref] and s in written]
                 if mine:
                     return min(mine, key=lambda s: (self.weights[s], s))
             watch()

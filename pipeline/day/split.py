@@ -38,7 +38,7 @@ from pipeline.day.dumps import (
 from pipeline.record import keys, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import StorageError, Store, read_json
 
 MAX_LISTED_ERRORS = 1000
 RANGE_BYTES_MIN = 1 << 20
@@ -92,7 +92,15 @@ MIN_SHARDS = 2 * keys.PARTITIONS
 def load_manifest(store: Store, run_id: str) -> SplitResult | None:
     """What a run's split produced; a rerun reuses it (and the note numbers in its shards)."""
     key = keys.manifest_key(run_id)
-    return SplitResult(**json.loads(store.get(key))) if store.exists(key) else None
+    if not store.exists(key):
+        return None
+    try:
+        split = SplitResult(**read_json(store, key))
+    except TypeError:
+        split = None
+    if split is None or not isinstance(split.shard_count, int) or not all(isinstance(s, int) for s in split.shards):
+        raise StorageError(f"{store.url}: object {key!r} is not a run manifest (edited?)")
+    return split
 
 
 def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Iterable, Iterator
+from typing import Container, Iterable, Iterator
 
 from pipeline.record import keys
 from pipeline.record.records import Outcome
-from pipeline.record.storage import Store
+from pipeline.record.storage import StorageError, Store
+
+STATUSES = ("sending", "delivered", "unconfirmed", "failed")
 
 
 def new_key(run_id: str, shard: int) -> str:
@@ -56,15 +58,29 @@ def entries(store: Store, run_id: str, shard: int | None = None) -> Iterator[dic
                 [f"{p}-delivery-log/{run_id}/" for p in range(keys.PARTITIONS)])
     for prefix in prefixes:
         for key in store.keys(prefix):
-            for line in store.get(key).decode().splitlines():
+            for n, line in enumerate(store.lines(key), 1):  # streamed: an object is never held whole
                 if line.strip():
-                    yield json.loads(line)
+                    yield _entry(store, key, n, line)
 
 
-def latest(log: Iterable[dict]) -> dict[str, dict]:
-    """Each account's latest entry (by time; a later mailing wins a tie)."""
+def _entry(store: Store, key: str, n: int, line: str) -> dict:
+    try:
+        e = json.loads(line)
+        ok = isinstance(e, dict) and isinstance(e["ucc"], str) and e["status"] in STATUSES and float(e["at"]) >= 0
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:  # the record was edited or cut short: say where, and trust none of it
+        raise StorageError(f"{store.url}: object {key!r} line {n}: not a delivery-log entry (truncated or edited?)")
+    return e
+
+
+def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
+    """Each account's latest entry (by time; a later mailing wins a tie), of `accounts` only
+    when given: memory follows the shard, not the log's length."""
     found: dict[str, dict] = {}
     for e in log:
+        if accounts is not None and e["ucc"] not in accounts:
+            continue
         if e["ucc"] not in found or e["at"] >= found[e["ucc"]]["at"]:
             found[e["ucc"]] = e
     return found

@@ -12,7 +12,7 @@ import json
 
 from pipeline.record import keys
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store
+from pipeline.record.storage import StorageError, Store, read_json
 
 
 def financial_year(trade_date: str) -> str:
@@ -42,5 +42,10 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
 
 def high_water_mark(store: Store, fy: str) -> int:
     key = keys.note_sequence_key(fy)
-    return int(json.loads(store.get(key))["high"]) if store.exists(key) else 0
+    if not store.exists(key):
+        return 0
+    high = read_json(store, key).get("high")
+    if not isinstance(high, int) or high < 0:  # never guessed: a number issued twice is worse than a stopped run
+        raise StorageError(f"{store.url}: object {key!r} has no note-number mark (edited?)")
+    return high
 

@@ -10,6 +10,7 @@ production: S3 partitions by the leading characters of the key.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +20,18 @@ from typing import Iterator, Protocol
 
 class StorageError(RuntimeError):
     pass
+
+
+def read_json(store: Store, key: str) -> dict:
+    """An object this job wrote as one JSON object. Anything else was cut short or edited
+    in the bucket: one line naming the object, never a traceback."""
+    try:
+        value = json.loads(store.get(key))
+    except ValueError as e:
+        raise StorageError(f"{store.url}: object {key!r} is not valid JSON (truncated or edited?): {e}") from None
+    if not isinstance(value, dict):
+        raise StorageError(f"{store.url}: object {key!r} is not a JSON object (edited?)")
+    return value
 
 
 class Store(Protocol):
