@@ -28,7 +28,7 @@ class SignerActor:
         self.settings, self.signer = credentials.read(settings)  # one read of the secret
         self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
         self.store = open_store(settings.store_url)
-        self.state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+        self.state = RunState(self.settings.redis_url, run_id, settings.state_ttl_s)
 
     def sign(self, batch: Batch) -> Batch:
         started, before = time.perf_counter(), len(batch.items)

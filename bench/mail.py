@@ -6,10 +6,11 @@ pooling would look useless):
   (a) baseline: smtplib, a new connection per message, built with email.message.EmailMessage;
   (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
       template, the Redis exactly-once guard and delivery log), message building included.
-Client CPU is the sending process's CPU time per mail. Prints one JSON object last, and saves
-it to pipeline/cluster/measured.json (`plan` reads the mail rate there).
+Client CPU is the sending process's CPU time per mail. Prints one JSON object a run; with
+--save (and --runs 3 or more) the runs' medians and spread go to pipeline/cluster/measured.json
+(`plan` reads the mail rate there; bench/measured.py).
 
-    python bench/mail.py [--mails 600]
+    python bench/mail.py [--mails 600] [--runs 3 --save]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import save  # noqa: E402
+from bench import measured  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.note.render import render  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
@@ -94,7 +95,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mails", type=int, default=600)
     parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
+    parser.add_argument("--save", action="store_true", help="write the runs' medians to measured.json (3+ runs)")
     args = parser.parse_args()
+    if args.save and args.runs < measured.MIN_RUNS:
+        parser.error(f"--save needs --runs {measured.MIN_RUNS} or more")
+    results = []
+    for _ in range(args.runs):
+        results.append(once(args))
+        print(json.dumps(results[-1]), flush=True)
+    if args.save:
+        print(json.dumps({"saved": "pipeline/cluster/measured.json", **measured.save("mail", results)}))
+
+
+def once(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-mail-") as tmp:
         work = Path(tmp)
         pdfs = notes(args.mails, work / "keys")
@@ -122,8 +136,7 @@ def main() -> None:
         "ours_client_cpu_ms_per_mail": round(ours_cpu * 1000 / n, 2),
         "attachment_kb": round(sum(map(len, pdfs)) / n / 1024, 1),
     }
-    save("mail", result)
-    print(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":

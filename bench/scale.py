@@ -23,9 +23,10 @@ counted at its access log), measured in one go and printed as one JSON line:
                            /proc/stat), tail_floor_ratio: the least tail_ratio these cores
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
-Also saved to pipeline/cluster/measured.json, where `plan` reads its rates from.
+With --save (and --runs 3 or more), the runs' medians and spread go to
+pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
-    python bench/scale.py --small 2000 --large 20000
+    python bench/scale.py --small 2000 --large 20000 [--runs 3 --save]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 
+from bench import measured  # noqa: E402
 from bench.e2e import sequential  # noqa: E402
 from pipeline.cluster.driver import init_ray  # noqa: E402
 from pipeline.cluster.plan import MEASURED  # noqa: E402
@@ -160,7 +162,20 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--large", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
+    parser.add_argument("--save", action="store_true", help="write the runs' medians to measured.json (3+ runs)")
     args = parser.parse_args()
+    if args.save and args.runs < measured.MIN_RUNS:
+        parser.error(f"--save needs --runs {measured.MIN_RUNS} or more")
+    results = []
+    for _ in range(args.runs):
+        results.append(once(args))
+        print(json.dumps(results[-1]), flush=True)
+    if args.save:
+        print(json.dumps({"saved": str(MEASURED), **measured.save("scale", results)}))
+
+
+def once(args) -> dict:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
@@ -219,14 +234,7 @@ def main() -> None:
             s3.stop()
             smtp.stop()
             redis.stop()
-    save("scale", out)
-    print(json.dumps(out))
-
-
-def save(bench: str, result: dict) -> None:
-    """`plan` sizes the cluster from these (pipeline/cluster/plan.py, Rates.measured)."""
-    saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
-    MEASURED.write_text(json.dumps({**saved, bench: result}, indent=1, sort_keys=True) + "\n")
+    return out
 
 
 def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:

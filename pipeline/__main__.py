@@ -54,6 +54,27 @@ def _run_level_errors() -> tuple[type, ...]:
             CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError)
 
 
+def _on_redis(settings: Settings) -> Settings:
+    """With the secret's Redis password when REDIS_URL names the head's user `cn` without one."""
+    from pipeline.credentials import with_redis_password
+
+    return with_redis_password(settings)
+
+
+def cmd_redis_acl(args) -> int:
+    from pipeline.credentials import fetch
+    from pipeline.record.redis_acl import acl_file
+    from pipeline.settings import render_redis_password
+
+    settings = Settings.from_env()
+    password = fetch(settings.secret).get("redis_password") if settings.secret else None
+    if not password:
+        raise ConfigError(f"CN_SECRET={settings.secret!r}: redis-acl needs the secret's redis_password "
+                          "(python -m pipeline secret-json makes one)")
+    print(acl_file(password, render_redis_password(password)), end="")
+    return 0
+
+
 def _run_id(text: str) -> str:
     from pipeline.record.keys import check_run_id
 
@@ -140,6 +161,10 @@ def _parser() -> argparse.ArgumentParser:
                                              "CN_SIGNER_CERT, CN_SIGNER_CHAIN, CN_OWNER_PASSWORD and SMTP_URL")
     sj.set_defaults(func=cmd_secret_json)
 
+    ra = sub.add_parser("redis-acl", help="print the head's Redis users (an aclfile) from CN_SECRET's redis_password: "
+                                          "cluster.yaml's head_setup_commands")
+    ra.set_defaults(func=cmd_redis_acl)
+
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
@@ -177,7 +202,7 @@ def cmd_rerun(args) -> int:
     from pipeline.cluster.driver import init_ray, rerun
     from pipeline.record.state import RunNotFound
 
-    settings = Settings.from_env(smtp_url=args.smtp)
+    settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
     try:
         init_ray(settings, args.address)
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
@@ -201,7 +226,7 @@ def cmd_reconcile(args) -> int:
     if missing:
         raise ConfigError(f"relay log not found: {', '.join(missing)}")
     try:
-        summary = reconcile(Settings.from_env(), args.run_id, args.relay_log)
+        summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log)
     except RunNotFound as e:
         print(json.dumps({"error": str(e)}))
         return 2
@@ -219,7 +244,7 @@ def cmd_status(args) -> int:
     from pipeline.record.state import RunState, redis_client
     from pipeline.record.storage import open_store
 
-    settings = Settings.from_env()
+    settings = _on_redis(Settings.from_env())
     state = RunState(settings.redis_url, args.run_id)
     state.r = redis_client(settings.redis_url, patience_retries=0)  # a status is asked now: no waiting
     try:
@@ -252,7 +277,7 @@ def cmd_serve(args) -> int:
 
     from pipeline.api import create_app
 
-    settings = Settings.from_env()
+    settings = _on_redis(Settings.from_env())
     if not settings.api_token and not args.read_only:
         raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
                           "else; set it, or pass --read-only (no PII, no reruns)")
@@ -277,8 +302,8 @@ def cmd_run(args) -> int:
     from pipeline.record.lease import held
     from pipeline.record.state import RunState
 
-    settings = _with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
-                                                           smtp_url=args.smtp), DEFAULT_KEY_DIR)
+    settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
+                                                                     smtp_url=args.smtp), DEFAULT_KEY_DIR))
     # The secret's values are checked here and read again by each actor: they never travel through Ray
     if credentials.resolve(settings).owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "

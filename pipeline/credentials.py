@@ -16,8 +16,11 @@ The secret is one JSON object (make it with `python -m pipeline secret-json`):
   signer_key_password  the key's password, when it is encrypted               optional
   owner_password       the PDFs' owner (permissions) password                 required
   smtp_url             smtp://user:pass@relay:587 (comma-separated relays)    optional
+  redis_password       the head's Redis user `cn` (pipeline/record/redis_acl.py)  optional
 
-Without CN_SECRET the settings' own files and variables apply (one machine, CI).
+Without CN_SECRET the settings' own files and variables apply (one machine, CI). A REDIS_URL
+naming the user `cn` and no password (the cluster's: redis://cn@HEAD:6380/0) gets the
+secret's `redis_password`.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
-from pipeline.settings import ConfigError, Settings
+from pipeline.settings import REDIS_ADMIN, ConfigError, Settings
 
 REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
-OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url")
+OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url", "redis_password")
 _ARN_REGION = re.compile(r"^arn:aws[\w-]*:secretsmanager:([a-z0-9-]+):")
 
 
@@ -80,6 +85,14 @@ def _from_secrets_manager(ref: str, name: str) -> str:
         raise ConfigError(f"CN_SECRET {ref}: {e}") from None
 
 
+def with_redis_password(settings: Settings) -> Settings:
+    """The settings a process on the head talks to its Redis with: only the Redis password is
+    laid over (the rest of the secret stays with the actors that need it)."""
+    if settings.redis_user() != REDIS_ADMIN or urlsplit(settings.redis_url).password:
+        return settings
+    return _redis(settings, fetch(settings.secret) if settings.secret else {})
+
+
 def resolve(settings: Settings) -> Settings:
     """The settings with the secret's owner password, key password and relays laid over them."""
     return _laid_over(settings, fetch(settings.secret)) if settings.secret else settings
@@ -104,8 +117,18 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
 
 
 def _laid_over(settings: Settings, secret: dict[str, str]) -> Settings:
-    return dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
-                                                                   "smtp_url") if secret.get(k)})
+    settings = dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
+                                                                       "smtp_url") if secret.get(k)})
+    return _redis(settings, secret) if settings.redis_user() == REDIS_ADMIN else settings
+
+
+def _redis(settings: Settings, secret: dict[str, str]) -> Settings:
+    if urlsplit(settings.redis_url).password:
+        return settings
+    if not secret.get("redis_password"):
+        raise ConfigError(f"REDIS_URL names the Redis user {REDIS_ADMIN} without a password, and "
+                          f"{settings.secret or 'no CN_SECRET'} has no redis_password")
+    return settings.with_redis_password(secret["redis_password"])
 
 
 def secret_json(settings: Settings) -> str:
@@ -123,4 +146,5 @@ def secret_json(settings: Settings) -> str:
     if settings.signer_key_password:
         secret["signer_key_password"] = settings.signer_key_password
     secret["smtp_url"] = settings.smtp_url
+    secret["redis_password"] = secrets.token_urlsafe(32)  # the head's Redis (redis_acl.py): no one types it
     return json.dumps(secret)

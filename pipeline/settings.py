@@ -8,6 +8,8 @@ notebook) sees the same configuration.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +100,35 @@ class Settings:
             urls.append(f"{'smtps' if t.implicit_tls else 'smtp'}://{user}{t.host}:{t.port}")
         return dataclasses.replace(self, smtp_url=",".join(urls))
 
+    def redis_user(self) -> str:
+        return unquote(urlsplit(self.redis_url).username or "")
+
+    def with_redis_password(self, password: str) -> "Settings":
+        parts = urlsplit(self.redis_url)
+        netloc = f"{quote(self.redis_user(), safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port or 6379}"
+        return dataclasses.replace(self, redis_url=parts._replace(netloc=netloc).geturl())
+
+    def for_render(self) -> "Settings":
+        """What render and split tasks get. With the head's Redis users (REDIS_URL names user
+        `cn`), the `render` user instead, whose password is derived from `cn`'s: the render
+        nodes cannot read the secret, and the password that could erase a mail guard never
+        reaches them (pipeline/record/redis_acl.py)."""
+        password = unquote(urlsplit(self.redis_url).password or "")
+        if self.redis_user() != REDIS_ADMIN or not password:
+            return self
+        parts = urlsplit(self.redis_url)
+        netloc = f"{REDIS_RENDER}:{render_redis_password(password)}@{parts.hostname}:{parts.port or 6379}"
+        return dataclasses.replace(self, redis_url=parts._replace(netloc=netloc).geturl())
+
+    def for_actors(self) -> "Settings":
+        """What signer and mailer actors get: with a secret, `cn`'s password is left out (each
+        actor reads it from the secret, as it reads the key); without one, these settings."""
+        if self.redis_user() != REDIS_ADMIN or not self.secret:
+            return self
+        parts = urlsplit(self.redis_url)
+        return dataclasses.replace(self, redis_url=parts._replace(
+            netloc=f"{REDIS_ADMIN}@{parts.hostname}:{parts.port or 6379}").geturl())
+
     def uses_default_key(self) -> bool:
         return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
 
@@ -114,6 +145,14 @@ class Settings:
             "encryption": self.encryption,
             "secret": self.secret,
         }
+
+
+REDIS_ADMIN, REDIS_RENDER = "cn", "render"  # the head's Redis users (pipeline/record/redis_acl.py)
+
+
+def render_redis_password(password: str) -> str:
+    """Derived, so that the head's ACL file and the driver agree without a second secret."""
+    return hmac.new(password.encode(), b"contract-notes redis user render", hashlib.sha256).hexdigest()
 
 
 ENV_NAMES = {

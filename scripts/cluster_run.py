@@ -26,7 +26,7 @@ def missing_settings(env: dict[str, str]) -> str | None:
                 "the head is not reachable from the workers")
     if not env.get("CN_SECRET"):
         return "CN_SECRET is not set (scripts/cluster.env): the signer nodes read the key and passwords from it"
-    from pipeline.credentials import resolve
+    from pipeline.credentials import fetch, resolve
     from pipeline.settings import ConfigError, Settings
 
     try:
@@ -35,6 +35,9 @@ def missing_settings(env: dict[str, str]) -> str | None:
         return str(e)
     if settings.smtp_url == Settings.smtp_url:
         return f"no relay: put smtp_url in the secret {env['CN_SECRET']} (or set SMTP_URL)"
+    if not fetch(env["CN_SECRET"]).get("redis_password"):
+        return (f"no redis_password in the secret {env['CN_SECRET']}: the head's Redis takes no client without "
+                "one (python -m pipeline secret-json makes it; then `ray up` again)")
     return None
 
 
@@ -52,6 +55,7 @@ if __name__ == "__main__":
     date, input_url, *rest = sys.argv[1:]
     from ray.util import get_node_ip_address  # the head's private IP: where the workers reach its Redis
 
-    os.environ.setdefault("REDIS_URL", f"redis://{get_node_ip_address()}:{REDIS_PORT}/0")
+    # user cn: its password is the secret's (pipeline/record/redis_acl.py), laid over by the driver
+    os.environ.setdefault("REDIS_URL", f"redis://cn@{get_node_ip_address()}:{REDIS_PORT}/0")
     os.environ.setdefault("RAY_ADDRESS", "auto")
     sys.exit(main(["run", "--date", date, "--input", input_url, "--deadline-min", "25", *rest]))

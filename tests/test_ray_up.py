@@ -25,6 +25,8 @@ from pathlib import Path
 
 import boto3
 import pytest
+import redis
+import yaml
 
 from pipeline.embedded import free_port
 from pipeline.settings import ROOT
@@ -74,7 +76,7 @@ def cloud(tmp_path):
 
 
 def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_nothing_running(
-        cloud, tmp_path, keys_dir):
+        cloud, tmp_path, keys_dir, redis_url, ray_session):
     checkout, laptop = tmp_path / "checkout", tmp_path / "laptop"
     _clone(checkout)
     laptop.mkdir()
@@ -122,6 +124,8 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     head = [n for n in cloud.listing() if n["tags"].get("ray-node-type") == "head"]
     assert len(head) == 1 and head[0]["state"] == "running"
     head_ip = head[0]["ip"]
+    with pytest.raises(redis.AuthenticationError):  # the head's Redis answers no one without the secret's password
+        redis.Redis(host=head_ip, port=6380, socket_timeout=5).ping()
     metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
     port = free_port()
     tunnel = subprocess.Popen(["ray", "dashboard", "--port", str(port), str(yaml_path)], cwd=checkout, env=laptop_env,
@@ -165,6 +169,17 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert status.returncode == 0, status.stderr
     record = json.loads(status.stdout)
     assert record["source"] == "storage" and record["report"]["statuses"] == {"delivered": ACCOUNTS}
+    # README step 5, its commands as written: the run comes back into the laptop's Redis from the bucket
+    step5 = {**os.environ, **cloud.aws, "CN_STORE": f"s3://{BUCKET}", "AWS_REGION": "ap-south-1",
+             "CN_SECRET": "aws-sm:contract-notes/signing", "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/9",
+             "RAY_ADDRESS": ray_session.address_info["address"]}
+    for command in (["status", summary["run_id"]], ["rerun", summary["run_id"], "--failed"]):
+        done = subprocess.run([sys.executable, "-m", "pipeline", *command], cwd=checkout, capture_output=True,
+                              text=True, env=step5, timeout=300)
+        assert done.returncode == 0, (command, done.stderr[-3000:])
+    rerun = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rerun["rerun_accounts"] == [] and rerun["delivered"] == ACCOUNTS and rerun["relays"] == cloud.smtp_url
+    assert f"mailing through {cloud.smtp_url} (the run's own)" in done.stderr
     print(json.dumps({"ray_up_s": round(up_s, 1), "launches": launched}))
 
 
@@ -234,3 +249,54 @@ def _wait_tcp(host: str, port: int, process: subprocess.Popen) -> None:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"nothing listening on {host}:{port}") from None
             time.sleep(0.1)
+
+
+IAM = Path(ROOT) / "scripts/iam"
+SETUP_REQUESTS = 11  # 3 x (user, policy, access key), the bucket, the secret: then moto checks every request
+
+
+def test_each_node_type_s_role_reads_what_it_needs_and_a_render_node_s_cannot_read_the_secret():
+    """cluster.yaml's instance profiles with the policies in scripts/iam (README step 1), under
+    moto's IAM enforcement: a render node parses untrusted dumps, so its role has the bucket only."""
+    from botocore.exceptions import ClientError
+    from moto import mock_aws
+    from moto.core import set_initial_no_auth_action_count
+
+    types = yaml.safe_load((Path(ROOT) / "cluster.yaml").read_text())["available_node_types"]
+    roles = {name: t["node_config"]["IamInstanceProfile"]["Arn"].rsplit("/", 1)[1].removeprefix("contract-notes-")
+             for name, t in types.items()}
+    assert roles == {"head": "head", "render_spot": "render", "render_ondemand": "render", "signer_smtp": "worker"}
+
+    @set_initial_no_auth_action_count(SETUP_REQUESTS)
+    @mock_aws
+    def check() -> dict[str, tuple[bool, bool]]:
+        region = {"region_name": "ap-south-1"}
+        iam, keys = boto3.client("iam", **region), {}
+        for role in sorted(set(roles.values())):
+            iam.create_user(UserName=role)
+            policy = json.loads((IAM / f"{role}.json").read_text().replace("YOUR-BUCKET", BUCKET))
+            for statement in policy["Statement"]:  # moto matches Secrets Manager's actions, never its resource ARNs
+                if "secretsmanager" in str(statement["Action"]):
+                    statement["Resource"] = "*"
+            policy = json.dumps(policy).replace("ACCOUNT", "123456789012")
+            iam.put_user_policy(UserName=role, PolicyName=role, PolicyDocument=policy)
+            key = iam.create_access_key(UserName=role)["AccessKey"]
+            keys[role] = {"aws_access_key_id": key["AccessKeyId"], "aws_secret_access_key": key["SecretAccessKey"]}
+        boto3.client("s3", **region).create_bucket(Bucket=BUCKET,
+                                                   CreateBucketConfiguration={"LocationConstraint": "ap-south-1"})
+        boto3.client("secretsmanager", **region).create_secret(Name="contract-notes/signing", SecretString="{}")
+        can = {}
+        for role, creds in keys.items():
+            s3 = boto3.client("s3", **region, **creds)
+            s3.put_object(Bucket=BUCKET, Key=f"reports/{role}.json", Body=b"{}")
+            readable = s3.get_object(Bucket=BUCKET, Key=f"reports/{role}.json")["Body"].read() == b"{}"
+            try:
+                boto3.client("secretsmanager", **region, **creds).get_secret_value(SecretId="contract-notes/signing")
+                secret = True
+            except ClientError as e:
+                assert "AccessDenied" in str(e), e
+                secret = False
+            can[role] = (readable, secret)
+        return can
+
+    assert check() == {"head": (True, True), "render": (True, False), "worker": (True, True)}

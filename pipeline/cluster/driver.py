@@ -191,7 +191,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
-        splitting = Split.start(settings, run_id, req.trade_date, req.input_url,
+        splitting = Split.start(settings.for_render(), run_id, req.trade_date, req.input_url,
                                 int(ray.cluster_resources().get("render", 0)), resume, watch)
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
@@ -223,6 +223,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
     elapsed = time.time() - started
     state.update_meta(finished=time.time())
+    state.keep()
     counts = state.counts()
     worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
     summary = {
@@ -356,10 +357,10 @@ def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_acco
 
 
 def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Pool, Pool]:
-    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(settings, run_id),
-                   ray.kill)
+    own = settings.for_actors()  # each reads the secret itself
+    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(own, run_id), ray.kill)
     mailers = Pool("mailer", lambda i: MailerActor.options(name=f"mailer-{i}-{run_id}").remote(
-        settings, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill)
+        own, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill)
     _size(settings, signers, mailers)
     return signers, mailers
 
@@ -388,6 +389,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
     window = _size(settings, signers, mailers)
+    render_settings = settings.for_render()
     queue = list(reversed(units))
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
@@ -397,7 +399,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 shard, part = queue.pop()
                 name = f"render shard {shard}" + (f" from account {part[0] + 1}" if part else "")
                 batch = render_task.options(name=name).remote(
-                    settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part,
+                    render_settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part,
                     lease.token)
                 signer, mailer = signers.take(), mailers.take()
                 pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, part, signer, mailer)

@@ -46,6 +46,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
                  "relays": report.get("relays", ""), "finished": "", "restored_from": json_key})
     state.update_meta(accounts=report["accounts"])
+    state.keep()
     return state.meta()
 
 

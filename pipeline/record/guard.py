@@ -68,12 +68,12 @@ class MailGuard:
         return {u for u, v in zip(uccs, found) if v}
 
     def restore_claims(self, uccs: Iterable[str]) -> None:
-        """Puts back mail guards that a lost Redis forgot."""
+        """Puts back mail guards that a lost Redis forgot. Render tasks call it too, and they may
+        add a guard but not expire one (redis_acl.py): the run's end sets the TTL (RunState.keep)."""
         guard = keys.run_mailguard(self.run_id)
         with self.r.pipeline(transaction=False) as p:
             for ucc in uccs:
                 p.hsetnx(guard, ucc, "restored")
-            p.expire(guard, self.ttl_s)
             p.execute()
 
     def release_mail(self, ucc: str) -> None:

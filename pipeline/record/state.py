@@ -75,6 +75,14 @@ class RunState(Records, MailGuard, RunLease):
     def timeline(self) -> list[dict]:
         return [json.loads(p) for p in self.r.lrange(keys.run_timeline(self.run_id), 0, -1)]
 
+    def keep(self) -> None:
+        """Every key of the run lives `ttl_s` from now: called when a run or a restore ends."""
+        with self.r.pipeline(transaction=False) as p:
+            for key in (keys.run_meta, keys.run_counts, keys.run_accounts, keys.run_failed, keys.run_unconfirmed,
+                        keys.run_mailguard, keys.run_timeline):
+                p.expire(key(self.run_id), self.ttl_s)
+            p.execute()
+
     def exists(self) -> bool:
         return bool(self.r.exists(keys.run_meta(self.run_id)))
 

@@ -1,0 +1,42 @@
+"""What `plan` reads (pipeline/cluster/measured.json), written only when asked (--save) and
+only from several runs: one noisy run on a shared VM must not move the plan's node counts.
+
+Each number is the median of the runs, and `spread` keeps each number's lowest and highest, so
+a reader sees how far one run may stray. Nested figures (cpu_ms_per_note_large) are taken key
+by key.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from pipeline.cluster.plan import MEASURED
+
+MIN_RUNS = 3
+
+
+def median(results: list[dict]) -> tuple[dict, dict]:
+    """The runs' medians, and each number's [lowest, highest]."""
+    middle, spread = {}, {}
+    for key, first in results[0].items():
+        values = [r[key] for r in results]
+        if isinstance(first, dict):
+            middle[key], inner = median(values)
+            spread.update({f"{key}.{k}": v for k, v in inner.items()})
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            middle[key] = round(statistics.median(values), 3)
+            spread[key] = [min(values), max(values)]
+        else:
+            middle[key] = first
+    return middle, spread
+
+
+def save(bench: str, results: list[dict]) -> dict:
+    if len(results) < MIN_RUNS:
+        raise SystemExit(f"--save needs --runs {MIN_RUNS} or more: the plan follows a median, not one run")
+    middle, spread = median(results)
+    saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+    entry = {**middle, "runs": len(results), "spread": spread}
+    MEASURED.write_text(json.dumps({**saved, bench: entry}, indent=1, sort_keys=True) + "\n")
+    return entry
