@@ -104,9 +104,7 @@ class Settings:
         return unquote(urlsplit(self.redis_url).username or "")
 
     def with_redis_password(self, password: str) -> "Settings":
-        parts = urlsplit(self.redis_url)
-        netloc = f"{quote(self.redis_user(), safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port or 6379}"
-        return dataclasses.replace(self, redis_url=parts._replace(netloc=netloc).geturl())
+        return self._redis_as(self.redis_user(), password)
 
     def for_render(self) -> "Settings":
         """What render and split tasks get. With the head's Redis users (REDIS_URL names user
@@ -116,18 +114,18 @@ class Settings:
         password = unquote(urlsplit(self.redis_url).password or "")
         if self.redis_user() != REDIS_ADMIN or not password:
             return self
-        parts = urlsplit(self.redis_url)
-        netloc = f"{REDIS_RENDER}:{render_redis_password(password)}@{parts.hostname}:{parts.port or 6379}"
-        return dataclasses.replace(self, redis_url=parts._replace(netloc=netloc).geturl())
+        return self._redis_as(REDIS_RENDER, render_redis_password(password))
 
     def for_actors(self) -> "Settings":
         """What signer and mailer actors get: with a secret, `cn`'s password is left out (each
         actor reads it from the secret, as it reads the key); without one, these settings."""
-        if self.redis_user() != REDIS_ADMIN or not self.secret:
-            return self
+        return self._redis_as(REDIS_ADMIN) if self.redis_user() == REDIS_ADMIN and self.secret else self
+
+    def _redis_as(self, user: str, password: str = "") -> "Settings":
         parts = urlsplit(self.redis_url)
+        login = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
         return dataclasses.replace(self, redis_url=parts._replace(
-            netloc=f"{REDIS_ADMIN}@{parts.hostname}:{parts.port or 6379}").geturl())
+            netloc=f"{login}@{parts.hostname}:{parts.port or 6379}").geturl())
 
     def uses_default_key(self) -> bool:
         return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert

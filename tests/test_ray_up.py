@@ -255,10 +255,13 @@ IAM = Path(ROOT) / "scripts/iam"
 SETUP_REQUESTS = 11  # 3 x (user, policy, access key), the bucket, the secret: then moto checks every request
 
 
-def test_each_node_type_s_role_reads_what_it_needs_and_a_render_node_s_cannot_read_the_secret():
+def test_each_node_type_s_role_reads_what_it_needs_and_a_render_node_s_cannot_read_the_secret(monkeypatch):
     """cluster.yaml's instance profiles with the policies in scripts/iam (README step 1), under
     moto's IAM enforcement: a render node parses untrusted dumps, so its role has the bucket only."""
     from botocore.exceptions import ClientError
+
+    for name in [k for k in os.environ if k.startswith("AWS_")]:  # the session's S3 and Secrets Manager servers
+        monkeypatch.delenv(name)
     from moto import mock_aws
     from moto.core import set_initial_no_auth_action_count
 
