@@ -95,17 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mails", type=int, default=600)
     parser.add_argument("--connections", type=int, default=8)
-    parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
-    parser.add_argument("--save", action="store_true", help="write the runs' medians to measured.json (3+ runs)")
-    args = parser.parse_args()
-    if args.save and args.runs < measured.MIN_RUNS:
-        parser.error(f"--save needs --runs {measured.MIN_RUNS} or more")
-    results = []
-    for _ in range(args.runs):
-        results.append(once(args))
-        print(json.dumps(results[-1]), flush=True)
-    if args.save:
-        print(json.dumps({"saved": "pipeline/cluster/measured.json", **measured.save("mail", results)}))
+    measured.run("mail", parser, once)
 
 
 def once(args) -> dict:

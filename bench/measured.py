@@ -8,12 +8,29 @@ by key.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+from typing import Callable
 
 from pipeline.cluster.plan import MEASURED
 
 MIN_RUNS = 3
+
+
+def run(bench: str, parser: argparse.ArgumentParser, once: Callable[[argparse.Namespace], dict]) -> None:
+    """The benchmark's main: `--runs` times `once`, a JSON line each; with `--save`, their medians."""
+    parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
+    parser.add_argument("--save", action="store_true", help=f"write the runs' medians to measured.json ({MIN_RUNS}+ runs)")
+    args = parser.parse_args()
+    if args.save and args.runs < MIN_RUNS:
+        parser.error(f"--save needs --runs {MIN_RUNS} or more")
+    results = []
+    for _ in range(args.runs):
+        results.append(once(args))
+        print(json.dumps(results[-1]), flush=True)
+    if args.save:
+        print(json.dumps({"saved": str(MEASURED), **save(bench, results)}))
 
 
 def median(results: list[dict]) -> tuple[dict, dict]:

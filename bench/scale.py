@@ -49,7 +49,6 @@ import ray  # noqa: E402
 from bench import measured  # noqa: E402
 from bench.e2e import sequential  # noqa: E402
 from pipeline.cluster.driver import init_ray  # noqa: E402
-from pipeline.cluster.plan import MEASURED  # noqa: E402
 from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.record import keys  # noqa: E402
@@ -162,17 +161,7 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--large", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
-    parser.add_argument("--save", action="store_true", help="write the runs' medians to measured.json (3+ runs)")
-    args = parser.parse_args()
-    if args.save and args.runs < measured.MIN_RUNS:
-        parser.error(f"--save needs --runs {measured.MIN_RUNS} or more")
-    results = []
-    for _ in range(args.runs):
-        results.append(once(args))
-        print(json.dumps(results[-1]), flush=True)
-    if args.save:
-        print(json.dumps({"saved": str(MEASURED), **measured.save("scale", results)}))
+    measured.run("scale", parser, once)
 
 
 def once(args) -> dict:
