@@ -41,17 +41,21 @@ def _run_level_errors() -> tuple[type, ...]:
     settings, calendar. Imported late: `--help` stays fast."""
     import redis
 
+    from pipeline.cluster.bounces import RunClosed
     from pipeline.cluster.capacity import CapacityError
+    from pipeline.cluster.proof import WindowOpen
     from pipeline.day.dumps import InputError
     from pipeline.day.trading_calendar import CalendarError
+    from pipeline.mail.mailbox import MailboxError
     from pipeline.record.guard import StateLostError
     from pipeline.record.lease import LeaseHeldError, LeaseLostError
+    from pipeline.record.state import RunNotFound
     from pipeline.record.storage import StorageError
     from pipeline.seal.sign import SignerSetupError
     from pipeline.settings import ConfigError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
-            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError)
+            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError, RunNotFound)
 
 
 def _on_redis(settings: Settings) -> Settings:
@@ -153,6 +157,28 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--relay-log", type=Path, nargs="+", required=True, metavar="FILE")
     rc.set_defaults(func=cmd_reconcile)
 
+    b = sub.add_parser("bounces", help="record the bounces that came back to a run's VERP addresses: bounced (paper "
+                                        "owed) or deferred; from IMAP, a maildir or an mbox")
+    b.add_argument("run_id", type=_run_id)
+    b.add_argument("--imap", action="append", default=[], metavar="URL",
+                   help="imaps://user:password@host[:port]/FOLDER (the bounce domain's mailbox)")
+    b.add_argument("--maildir", action="append", default=[], metavar="DIR")
+    b.add_argument("--mbox", action="append", default=[], metavar="FILE")
+    b.add_argument("--watch", action="store_true", help="keep reading, every --every seconds, until stopped")
+    b.add_argument("--every", type=float, default=30.0, metavar="S")
+    b.set_defaults(func=cmd_bounces)
+
+    cl = sub.add_parser("close", help="once the run's bounce window has passed (CN_BOUNCE_WINDOW_H): every mailed "
+                                       "account with no bounce is delivered, final; the delivery log is sealed "
+                                       "with a signed proof")
+    cl.add_argument("run_id", type=_run_id)
+    cl.set_defaults(func=cmd_close)
+
+    ve = sub.add_parser("verify", help="check a run's delivery log, proof and signature from storage alone; names the "
+                                        "first object changed, removed or out of place (exit 1)")
+    ve.add_argument("run_id", type=_run_id)
+    ve.set_defaults(func=cmd_verify)
+
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
     st.add_argument("run_id", type=_run_id)
     st.set_defaults(func=cmd_status)
@@ -177,6 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", type=Path, default=Path("demo"))
     d.add_argument("--date", type=_date, default=dt.date(2026, 11, 20))
     d.add_argument("--seed", type=int, default=1)
+    d.add_argument("--bounce-rate", type=float, default=0.0,
+                   help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to "
+                        "the VERP addresses, and the demo reads them back with `bounces`")
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -232,6 +261,34 @@ def cmd_reconcile(args) -> int:
         return 2
     print(json.dumps(summary))
     return 0 if summary["still_unconfirmed"] == 0 else 1
+
+
+def cmd_bounces(args) -> int:
+    from pipeline import credentials
+    from pipeline.cluster.bounces import collect
+
+    sources = args.imap + args.maildir + args.mbox
+    if not sources:
+        raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
+    settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the tokens
+    print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every)))
+    return 0
+
+
+def cmd_close(args) -> int:
+    from pipeline.cluster.proof import close
+
+    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id)))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from pipeline.cluster.proof import verify
+    from pipeline.record.storage import open_store
+
+    result = verify(open_store(Settings.from_env().store_url), args.run_id)
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
 
 
 def cmd_status(args) -> int:
@@ -352,12 +409,15 @@ def cmd_demo(args) -> int:
     services = []
     try:
         services.append(start_redis(work / "redis"))
-        services.append(start_smtp_sink(work / "outbox", work / "smtp.log"))
+        bounce_box = work / "bounces"  # the test relay's DSNs come back here, as to the bounce domain's mailbox
+        services.append(start_smtp_sink(work / "outbox", work / "smtp.log", [
+            "--bounce-rate", str(args.bounce_rate), "--bounces", str(bounce_box)] if args.bounce_rate else []))
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
                                      smtp_url=services[1].url,
                                      signer_key=str(work / "keys" / "signer.key.pem"),
                                      signer_cert=str(work / "keys" / "signer.cert.pem"),
                                      signer_chain=str(work / "keys" / "root.cert.pem"),
+                                     token_key_file=str(work / "keys" / "token.key"),
                                      # unless one is set, a fresh owner password: the placeholder is public
                                      owner_password=None if os.environ.get("CN_OWNER_PASSWORD") else
                                      secrets.token_urlsafe(24))
@@ -365,6 +425,10 @@ def cmd_demo(args) -> int:
         init_ray(settings)
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))
         summary["outbox"] = str(work / "outbox")
+        if args.bounce_rate:
+            from pipeline.cluster.bounces import collect
+
+            summary["bounces"] = collect(settings, summary["run_id"], [str(bounce_box)])
         print(json.dumps(summary))
         return 0 if summary["delivered"] == summary["accounts"] else 1
     finally:

@@ -17,6 +17,7 @@ The secret is one JSON object (make it with `python -m pipeline secret-json`):
   owner_password       the PDFs' owner (permissions) password                 required
   smtp_url             smtp://user:pass@relay:587 (comma-separated relays)    optional
   redis_password       the head's Redis user `cn` (pipeline/record/redis_acl.py)  optional
+  token_key            keys the VERP addresses' and the client links' HMACs       optional
 
 Without CN_SECRET the settings' own files and variables apply (one machine, CI). A REDIS_URL
 naming the user `cn` and no password (the cluster's: redis://cn@HEAD:6380/0) gets the
@@ -36,7 +37,7 @@ from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_fro
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings
 
 REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
-OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url", "redis_password")
+OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url", "redis_password", "token_key")
 _ARN_REGION = re.compile(r"^arn:aws[\w-]*:secretsmanager:([a-z0-9-]+):")
 
 
@@ -118,7 +119,7 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
 
 def _laid_over(settings: Settings, secret: dict[str, str]) -> Settings:
     settings = dataclasses.replace(settings, **{k: secret[k] for k in ("owner_password", "signer_key_password",
-                                                                       "smtp_url") if secret.get(k)})
+                                                                       "smtp_url", "token_key") if secret.get(k)})
     return _redis(settings, secret) if settings.redis_user() == REDIS_ADMIN else settings
 
 
@@ -147,4 +148,5 @@ def secret_json(settings: Settings) -> str:
         secret["signer_key_password"] = settings.signer_key_password
     secret["smtp_url"] = settings.smtp_url
     secret["redis_password"] = secrets.token_urlsafe(32)  # the head's Redis (redis_acl.py): no one types it
+    secret["token_key"] = secrets.token_hex(32)
     return json.dumps(secret)

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import hmac
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -68,6 +69,15 @@ class Settings:
     capacity_wait_s: float = 900.0  # a role still without a node by then: the run stops (exit 2)
     lease_s: float = 30.0  # a driver that has not renewed its run's lease this long is taken over (record/lease.py)
     head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
+    token_key: str = field(default="", repr=False)  # keys the VERP and link HMACs; from the secret on a cluster
+    token_key_file: str = str(DEFAULT_KEY_DIR / "token.key")  # without either: made here once (one machine)
+    bounce_local: str = "bounces"  # MAIL FROM is bounce_local+TOKEN@bounce_domain (pipeline/mail/verp.py)
+    bounce_domain: str = "bounces.broker.example.com"  # its MX receives the bounces (README)
+    bounce_window_h: float = 72.0  # no bounce within this long after the mail: delivered, final (close)
+    bounce_max_bytes: int = 5_000_000  # a bigger "bounce" is reported, never parsed
+    paper_due_days: int = 1  # a physical note is due this many days after the reason is known
+    link_base: str = "http://127.0.0.1:8000"  # the status service's public address, for the client's link
+    link_days: float = 90.0  # how long a client's link to their note works
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -118,14 +128,35 @@ class Settings:
 
     def for_actors(self) -> "Settings":
         """What signer and mailer actors get: with a secret, `cn`'s password is left out (each
-        actor reads it from the secret, as it reads the key); without one, these settings."""
-        return self._redis_as(REDIS_ADMIN) if self.redis_user() == REDIS_ADMIN and self.secret else self
+        actor reads it from the secret, as it reads the key); without one, these settings with
+        the HMAC key read here (an actor's working folder is not the driver's)."""
+        if not self.secret:
+            return dataclasses.replace(self, token_key=self.hmac_key().decode())
+        return self._redis_as(REDIS_ADMIN) if self.redis_user() == REDIS_ADMIN else self
 
     def _redis_as(self, user: str, password: str = "") -> "Settings":
         parts = urlsplit(self.redis_url)
         login = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
         return dataclasses.replace(self, redis_url=parts._replace(
             netloc=f"{login}@{parts.hostname}:{parts.port or 6379}").geturl())
+
+    def hmac_key(self) -> bytes:
+        """The key of the VERP and link HMACs: CN_TOKEN_KEY, or the secret's once resolved
+        (pipeline/credentials.py), or on one machine a key file made once, so that `bounces`
+        and the status service, run later, check what the run signed."""
+        if self.token_key:
+            return self.token_key.encode()
+        if self.secret:
+            raise ConfigError(f"CN_SECRET {self.secret}: no token_key (python -m pipeline secret-json makes one)")
+        path = Path(self.token_key_file)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(path, "x", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+                    f.write(secrets.token_hex(32))
+            except FileExistsError:  # another process made it first: theirs is the key
+                pass
+        return path.read_text().strip().encode()
 
     def uses_default_key(self) -> bool:
         return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
@@ -190,6 +221,15 @@ ENV_NAMES = {
     "capacity_wait_s": "CN_CAPACITY_WAIT_S",
     "head_grace_s": "CN_HEAD_GRACE_S",
     "lease_s": "CN_LEASE_S",
+    "token_key": "CN_TOKEN_KEY",
+    "token_key_file": "CN_TOKEN_KEY_FILE",
+    "bounce_local": "CN_BOUNCE_LOCAL",
+    "bounce_domain": "CN_BOUNCE_DOMAIN",
+    "bounce_window_h": "CN_BOUNCE_WINDOW_H",
+    "bounce_max_bytes": "CN_BOUNCE_MAX_BYTES",
+    "paper_due_days": "CN_PAPER_DUE_DAYS",
+    "link_base": "CN_LINK_BASE",
+    "link_days": "CN_LINK_DAYS",
 }
 
 

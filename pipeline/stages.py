@@ -25,14 +25,16 @@ from pipeline.mail.message import (
     build_message,
     message_id,
 )
+from pipeline.mail import link
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
+from pipeline.mail.verp import Verp
 from pipeline.note.charges import compute
 from pipeline.note.content import build_note
 from pipeline.note.render import RenderError, render
 from pipeline.record import delivery_log, keys
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import LeaseLostError
-from pipeline.record.records import Outcome, StateWriter, final_status, rank
+from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
 from pipeline.seal.sign import SignatureInfo, SignError, protect
@@ -81,7 +83,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     for ucc, e in found.items():
         rec = records.get(ucc)
         if rec is not None and rec.get("updated", 0) >= e["at"]:
-            if final_status(rec) == "delivered" and e["status"] != "delivered":
+            if rec.get("stage") == "delivered" and e["status"] != "delivered":
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
                                  "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
             continue
@@ -98,7 +100,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
         else:  # failed: the next mailing tries again
             outcomes.append(Outcome(ucc, "delivered", "failed", reason=e.get("reason", ""), extra=extra))
     if catch_up:
-        delivery_log.write(store, delivery_log.new_key(run_id, shard), catch_up)
+        delivery_log.append(store, run_id, shard, catch_up)
     state.restore_claims(guard)
     state.record(outcomes)
     return len({o.ucc for o in outcomes})
@@ -199,6 +201,18 @@ class MailContext:
     resend_unconfirmed: bool = False  # rerun --unconfirmed: the same Message-ID again
     epoch: str = ""  # the run's epoch in Redis: claims are refused if Redis lost the run
     sending: asyncio.Semaphore | None = None  # one per connection: claim only what can leave now
+    verp: Verp | None = None  # each message's envelope sender; None: the From address (benchmarks of old)
+    link_base: str = ""  # the client's link to their note, in the e-mail's text ("": none)
+    link_s: float = 90 * 86400
+    key: bytes = b""  # the HMAC key of the links
+
+    def mail_from(self, run_id: str, ucc: str) -> str:
+        return self.verp.address(run_id, ucc) if self.verp else _envelope_sender(self.letter.sender)
+
+    def link(self, run_id: str, ucc: str, trade_date: str) -> str:
+        if not self.link_base:
+            return ""
+        return f"{self.link_base}/notes/{link.make(self.key, run_id, ucc, trade_date, self.link_s)}"
 
     def __post_init__(self) -> None:
         if self.sending is None:
@@ -217,25 +231,28 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
     epoch = state.epoch()
     if not epoch:
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
+    key = settings.hmac_key()
     return MailContext(SmtpPool(settings.smtp(), options), state, store, letter,
-                       RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch)
+                       RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
+                       verp=Verp(settings.bounce_local, settings.bounce_domain, key),
+                       link_base=settings.link_base.rstrip("/"), link_s=settings.link_days * 86400, key=key)
 
 
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     """Mail every item; returns the batch's tally (small: this is what the driver fetches).
-    The delivery log says "sending" for the batch before the first claim, and holds every
-    outcome once the replies are in, even when the batch stops on an error."""
+    The delivery log gets the batch as "sending" before the first claim, and every outcome
+    once the replies are in, even when the batch stops on an error."""
     started = time.process_time()
-    key = delivery_log.new_key(batch.run_id, batch.shard)
     mailable = [i for i in batch.items if _not_mailable(i) is None]
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
-        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"])) for i in mailable]
-        await asyncio.to_thread(delivery_log.write, ctx.store, key, intent)
+        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"]), ctx.mail_from(batch.run_id, i["ucc"]))
+                  for i in mailable]
+        end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
-        logged = [delivery_log.entry(o) for o in outcomes if o.stage == "delivered"]
-        await asyncio.to_thread(delivery_log.write, ctx.store, key, logged)
+        logged = [delivery_log.entry(o, ctx.mail_from(batch.run_id, o.ucc)) for o in outcomes if o.stage == "delivered"]
+        await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, logged, end)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise errors[0]
@@ -260,7 +277,8 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
             pdf = item["pdf"]
             if pdf is None:  # archived on an earlier attempt: mailed from the archive
                 pdf = ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
-            message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf)
+            message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf,
+                                    ctx.link(batch.run_id, ucc, batch.trade_date))
         except Exception as e:  # storage, or a message that cannot be built: nothing has left
             outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
             ctx.state.record([outcome])
@@ -322,7 +340,7 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
 async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outcome:
     ucc = item["ucc"]
     try:
-        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, _envelope_sender(ctx.letter.sender),
+        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, ctx.mail_from(ctx.state.run_id, ucc),
                                                 item["email"], message)
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(

@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium)
+# dovecot-imapd and postfix: the tests' bounce mailbox and bouncing relay (each test starts its own)
+APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium
+              dovecot-imapd postfix)
 VERSITYGW_VERSION=v1.8.0
 TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
 
@@ -16,7 +18,12 @@ done
 if ((${#missing[@]})); then
   echo "installing system packages: ${missing[*]}" >&2
   apt-get update -qq
+  # no daemon is started by the install (policy-rc.d 101): the tests start their own, on loopback
+  had_policy=$([[ -e /usr/sbin/policy-rc.d ]] && echo y || true)
+  [[ $had_policy ]] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }
+  echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  [[ $had_policy ]] || rm -f /usr/sbin/policy-rc.d
 fi
 
 stamp=".venv/.requirements.sha256"

@@ -63,7 +63,7 @@ def test_the_render_user_splits_renders_and_restores_but_cannot_erase_a_guard_or
     assert split.accounts == len(INNOCENTS)
     shard = split.shards[0]
     accounts = load_shard(store, run_id, shard)
-    delivery_log.write(store, delivery_log.new_key(run_id, shard), [
+    delivery_log.append(store, run_id, shard, [
         {"ucc": accounts[0]["ucc"], "status": "delivered", "message_id": "<m>", "at": time.time() + 60, "attempts": 1}])
     assert restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts}) == 1
     batch = render_stage(Batch(run_id, DATE, shard, lease=lease), accounts, state, render_note=lambda note: b"%PDF")

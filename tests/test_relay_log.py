@@ -63,9 +63,8 @@ def test_only_messages_the_relay_committed_count_as_accepted(tmp_path):
 def test_a_lost_redis_is_rebuilt_from_the_delivery_log_guard_first(redis_url, tmp_path):
     store = open_store(str(tmp_path / "store"))
     run_id = f"restore-{uuid.uuid4().hex[:6]}"
-    first, second = delivery_log.new_key(run_id, 3), delivery_log.new_key(run_id, 3)
-    delivery_log.write(store, first, [delivery_log.sending(u, f"<{u}>") for u in ("A", "B", "C", "D")])
-    delivery_log.write(store, second, [
+    delivery_log.append(store, run_id, 3, [delivery_log.sending(u, f"<{u}>") for u in ("A", "B", "C", "D")])
+    delivery_log.append(store, run_id, 3, [
         {"ucc": "A", "status": "delivered", "message_id": "<A>", "reply": "OK queued", "at": time.time(), "attempts": 1},
         {"ucc": "C", "status": "failed", "message_id": "<C>", "reason": "smtp permanent: 550", "at": time.time()}])
     state = RunState(redis_url, run_id, ttl_s=600)

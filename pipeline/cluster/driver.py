@@ -186,7 +186,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         **own, "finished": ""})
+                         "bounce_window_h": settings.bounce_window_h, **own, "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
@@ -221,8 +221,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     if split is None:
         split = _split_done(store, state, run_id, splitting.done(block=True), on_accounts, started)
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
-    elapsed = time.time() - started
-    state.update_meta(finished=time.time())
+    finished = time.time()
+    elapsed = finished - started
+    state.update_meta(finished=finished)
     state.keep()
     counts = state.counts()
     worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
@@ -237,6 +238,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "unconfirmed": counts["unconfirmed"],
         "rejected": split.rejected,
         "physical": tally["statuses"].get("physical", 0),
+        "finished_at": finished,  # the bounce window runs from here
         "elapsed_s": round(elapsed, 3),
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
@@ -248,7 +250,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         summary["warnings"] = warnings
     if lease.taken_over_from:
         summary["lease_taken_over_from"] = lease.taken_over_from
-    summary["report"] = report.write(store, state, run_id, summary, split.input_errors)
+    summary["report"] = report.write(store, state, run_id, summary, split.input_errors, settings.paper_due_days)
     return summary
 
 
@@ -459,7 +461,8 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return {"tally": {}, "cpu_s": {}, "notes": 0}
     records = state.accounts(uccs)
-    unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed")]
+    unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",
+                                                                           "deferred")]
     claimed = state.claimed(unfinished)
     state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u),
                          reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")

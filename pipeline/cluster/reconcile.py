@@ -19,7 +19,7 @@ from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import open_store, read_json
+from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 
 
@@ -50,9 +50,9 @@ def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> d
     for o in settled:
         by_shard[keys.shard_of(o.ucc, split.shard_count)].append(delivery_log.entry(o))
     for shard, entries in by_shard.items():
-        delivery_log.write(store, delivery_log.new_key(run_id, shard), entries)
+        delivery_log.append(store, run_id, shard, entries)
     state.record(settled)
-    _rewrite_report(store, state, run_id)
+    report.rewrite(store, state, run_id, settings.paper_due_days)
     return {"run_id": run_id, "relay_logs": [str(p) for p in relay_logs], "accepted_ids_in_logs": len(accepted),
             "unconfirmed_before": len(unconfirmed), "reconciled": len(settled),
             "still_unconfirmed": len(unconfirmed) - len(settled)}
@@ -61,15 +61,3 @@ def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> d
 def _duplicate(record: dict) -> dict:
     """A resend's mark goes into the log with the settlement: the log is what a lost Redis is rebuilt from."""
     return {"possible_duplicate": True} if record.get("extra", {}).get("possible_duplicate") else {}
-
-
-def _rewrite_report(store, state: RunState, run_id: str) -> None:
-    json_key, _ = keys.report_keys(run_id)
-    if not store.exists(json_key):
-        return
-    previous = read_json(store, json_key)
-    counts = state.counts()
-    summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
-                                                             "input_errors")}
-    summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"])
-    report.write(store, state, run_id, summary, previous.get("input_errors", []))

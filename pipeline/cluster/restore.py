@@ -17,7 +17,7 @@ import re
 
 from pipeline.day.dumps import UCC
 from pipeline.day.split import load_manifest
-from pipeline.record import keys
+from pipeline.record import delivery_log, keys
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunNotFound, RunState
 from pipeline.record.storage import StorageError, Store, read_json
@@ -25,7 +25,7 @@ from pipeline.stages import load_shard, restore_from_log
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
 DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
-STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending")
+STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
 
 
 def from_storage(store: Store, state: RunState, run_id: str) -> dict:
@@ -39,12 +39,23 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     rows = csv.DictReader(store.lines(csv_key))
     while page := [_row(store, csv_key, rows.line_num, row) for row in itertools.islice(rows, PAGE)]:
         state.record(o for row in page for o in _outcomes(row))
-        state.restore_claims(r["ucc"] for r in page if r["status"] in ("delivered", "unconfirmed"))
+        state.restore_claims(r["ucc"] for r in page if r["status"] in ("delivered", "unconfirmed", "bounced", "deferred"))
+        state.bounce([(r["ucc"], r["status"], r["bounce_status"], r["bounce_reason"],
+                       dt.datetime.fromisoformat(r["bounced_at"]).timestamp())
+                      for r in page if r["status"] in ("bounced", "deferred") and r.get("bounced_at")])
     split = load_manifest(store, run_id)
-    for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile)
+    for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile, a bounce)
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)})
+        state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
+                             for e in delivery_log.entries(store, run_id, shard)
+                             if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))
+    window = report.get("bounce_window") if isinstance(report.get("bounce_window"), dict) else {}
+    closed = window.get("closed_at") or ""
     state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
-                 "relays": report.get("relays", ""), "finished": "", "restored_from": json_key})
+                 "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
+                 "bounce_window_h": _number(window.get("hours")),
+                 "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
+                 "restored_from": json_key})
     state.update_meta(accounts=report["accounts"])
     state.keep()
     return state.meta()
@@ -75,7 +86,7 @@ def _row(store: Store, key: str, line: int, row: dict) -> dict:
 def _outcomes(row: dict) -> list[Outcome]:
     ucc, status, stage = row["ucc"], row["status"], row["stage"]
     reached = [Outcome(ucc, stage)] if stage and stage != "delivered" else []
-    if status == "delivered":
+    if status in ("delivered", "bounced", "deferred"):
         return [Outcome(ucc, "delivered", message_id=row["message_id"], reply=row["reply"],
                         extra={"attempts": int(row["attempts"] or 1)})]
     if status == "unconfirmed":
@@ -84,6 +95,10 @@ def _outcomes(row: dict) -> list[Outcome]:
     if status in ("failed", "rejected", "physical"):
         return [*reached, Outcome(ucc, row["failed_at"] or stage or "validated", status, row["reason"])]
     return reached  # pending: the same run id, run again, takes it from where it is
+
+
+def _number(value) -> float | str:
+    return float(value) if isinstance(value, (int, float)) else ""
 
 
 def _plain(value: str) -> str:

@@ -85,10 +85,13 @@ def _texts() -> tuple[str, str, str]:
 
 
 def build_message(letter: Letter, to_name: str, to_addr: str, trade_date: str, ucc: str,
-                  msg_id: str, pdf: bytes) -> bytes:
+                  msg_id: str, pdf: bytes, link: str = "") -> bytes:
+    """`link`: the client's own link to the note (pipeline/mail/link.py), said in the text."""
     subject, text, page = _texts()
     name, code = _header_text(to_name), _safe(ucc)
-    values = dict(name=name, date=trade_date, ucc=code, broker=letter.broker, support=letter.support)
+    online = f"Your own link to this note, for a copy at any time (it expires): {link}" if link else ""
+    values = dict(name=name, date=trade_date, ucc=code, broker=letter.broker, support=letter.support, link=link,
+                  online=online)
     safe_values = {k: html.escape(v) for k, v in values.items()}
     return SKELETON.format(
         sender=letter.sender, reply_to=letter.reply_to,

@@ -17,6 +17,10 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
   outage              {"after": N, "seconds": S}: after the Nth message kept, the
                       server stops listening and drops every connection for S s
 --tls CERT KEY requires STARTTLS; --login USER:PASSWORD requires AUTH.
+--bounce-rate R --bounces MAILDIR: after the 250, a share R of the recipients (chosen by a
+hash of the address: half permanent "5.1.1 user unknown", half "4.2.2 mailbox full" delays)
+get an RFC 3464 DSN sent back to the message's envelope sender, as a remote MTA would,
+delivered into MAILDIR (the bounce mailbox) and listed in MAILDIR.jsonl.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ import json
 import os
 import signal
 import ssl
+import time
+import uuid
 from dataclasses import dataclass, field
 from email.parser import BytesHeaderParser
+from email.utils import formatdate
 from pathlib import Path
 
 from aiosmtpd.controller import Controller
@@ -47,6 +54,8 @@ class Faults:
     drop_once: set[str] = field(default_factory=set)
     accept_then_drop: set[str] = field(default_factory=set)
     outage: dict = field(default_factory=dict)
+    bounce_rate: float = 0.0
+    bounces: Path | None = None
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -81,6 +90,9 @@ class OutboxHandler:
             return "421 closing"  # never reaches the client: the transport is gone
         kept = self._keep(envelope.original_content or envelope.content)
         self.kept += 1
+        kind = bounce_kind(rcpt, self.faults.bounce_rate)
+        if kind and self.faults.bounces:
+            self._bounce(kind, envelope.mail_from, rcpt, envelope.original_content or envelope.content)
         if rcpt in self.faults.accept_then_drop:
             self.faults.accept_then_drop.discard(rcpt)
             server.transport.close()
@@ -100,6 +112,16 @@ class OutboxHandler:
         self.controller.server = await self.controller._create_server()
         print("back after the outage", flush=True)
 
+    def _bounce(self, kind: str, mail_from: str, rcpt: str, data: bytes) -> None:
+        box = self.faults.bounces
+        for sub in ("new", "cur", "tmp"):
+            (box / sub).mkdir(parents=True, exist_ok=True)
+        name = f"{time.time_ns()}.{uuid.uuid4().hex[:8]}.sink"
+        (box / "tmp" / name).write_bytes(dsn(kind, mail_from, rcpt, data))
+        os.replace(box / "tmp" / name, box / "new" / name)
+        with box.with_suffix(".jsonl").open("a") as f:
+            f.write(json.dumps({"kind": kind, "mail_from": mail_from, "rcpt": rcpt}) + "\n")
+
     def _keep(self, data: bytes) -> str:
         end = data.find(b"\r\n\r\n")  # the headers are all it needs: parsing a 50 KB body cost 0.4 ms
         mid = BytesHeaderParser().parsebytes(data[:end + 4] if end >= 0 else data).get("Message-ID", "") \
@@ -113,6 +135,35 @@ class OutboxHandler:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         return path.stem
+
+
+def bounce_kind(rcpt: str, rate: float) -> str:
+    """"bounced", "deferred" or "": a fixed choice per address, half of `rate` each."""
+    x = int.from_bytes(hashlib.sha256(rcpt.encode()).digest()[:8], "big") / 2 ** 64
+    return "bounced" if x < rate / 2 else "deferred" if x < rate else ""
+
+
+def dsn(kind: str, mail_from: str, rcpt: str, original: bytes) -> bytes:
+    """A DSN as Postfix writes one (RFC 3464 multipart/report, the original's headers returned)."""
+    status, action, diag = (("5.1.1", "failed", "smtp; 550 5.1.1 <{r}>: Recipient address rejected: User unknown")
+                            if kind == "bounced" else
+                            ("4.2.2", "delayed", "smtp; 452 4.2.2 <{r}>: Mailbox full, try again later"))
+    headers = original.split(b"\r\n\r\n", 1)[0].decode("ascii", "replace")
+    boundary = f"dsn-{uuid.uuid4().hex}"
+    text = ("I'm sorry to have to inform you that your message could not be delivered to one or more recipients."
+            if kind == "bounced" else "This is a delivery status notification: your message has not yet been "
+            "delivered. The mail system will keep trying.")
+    return "\r\n".join([
+        "Return-Path: <>", f"Delivered-To: {mail_from}", "From: MAILER-DAEMON@mx.client.example (Mail Delivery System)",
+        f"To: {mail_from}", f"Subject: {'Undelivered Mail Returned to Sender' if kind == 'bounced' else 'Delayed Mail'}",
+        f"Date: {formatdate()}", f"Message-ID: <{uuid.uuid4().hex}@mx.client.example>", "MIME-Version: 1.0",
+        f'Content-Type: multipart/report; report-type=delivery-status; boundary="{boundary}"', "",
+        f"--{boundary}", "Content-Type: text/plain; charset=us-ascii", "", text, "",
+        f"--{boundary}", "Content-Type: message/delivery-status", "",
+        "Reporting-MTA: dns; mx.client.example", "", f"Final-Recipient: rfc822; {rcpt}",
+        f"Original-Recipient: rfc822;{rcpt}", f"Action: {action}", f"Status: {status}",
+        "Remote-MTA: dns; mailstore.client.example", f"Diagnostic-Code: {diag.format(r=rcpt)}", "",
+        f"--{boundary}", "Content-Type: text/rfc822-headers", "", headers, "", f"--{boundary}--", ""]).encode()
 
 
 class FaultySMTP(SMTP):
@@ -219,5 +270,9 @@ if __name__ == "__main__":
     parser.add_argument("--faults", type=Path, help="JSON file of faults to inject")
     parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="offer and require STARTTLS")
     parser.add_argument("--login", metavar="USER:PASSWORD", help="require AUTH with these credentials")
+    parser.add_argument("--bounce-rate", type=float, default=0.0)
+    parser.add_argument("--bounces", type=Path, metavar="MAILDIR")
     args = parser.parse_args()
-    serve(args.host, args.port, args.outbox, Faults.load(args.faults), args.tls, args.login)
+    faults = Faults.load(args.faults)
+    faults.bounce_rate, faults.bounces = args.bounce_rate, args.bounces
+    serve(args.host, args.port, args.outbox, faults, args.tls, args.login)

@@ -1,41 +1,60 @@
-"""The delivery log: what each mailing of a shard did, kept in storage beside the signed archive.
+"""The delivery log: what each mailing of a shard did, and what came of it, kept in storage
+beside the signed archive as a chain no one can quietly edit.
 
-One object per mailing of a shard, under the shard's fixed partition prefix. It is written
-twice: before the first mail of the batch is claimed, with every account about to be tried
-as "sending"; then, once the batch's replies are in, with each account's outcome
-(Message-ID, relay reply, time, attempts). Two PUTs per shard of ~100 notes. Reconciling
-with a relay's log adds an object of its own.
+A shard's log is a numbered series of write-once objects under the shard's fixed partition
+prefix. A mailing adds two: before the first mail of the batch is claimed, every account
+about to be tried as "sending"; once the replies are in, each account's outcome (Message-ID,
+relay reply, time, attempts, envelope sender). Reconciling, a bounce, a deemed delivery and
+a client's fetch of their note each add one of their own.
+
+Each object's first line names its run, shard and number and carries the SHA-256 of the
+object before it (a chain, as a Git commit names its parent): an object changed, removed or
+put out of order breaks the link after it, and `close` signs the heads (cluster/proof.py).
+An object is created with a conditional write (S3's If-None-Match), so two writers that
+meet at the end of a chain never fork it: the second takes the next number.
 
 Redis is live state; this is the record. When Redis has lost a run, the mail guard and the
 account stages are rebuilt from it before anything is mailed again. For each account the
-entry with the latest time wins; a "sending" left behind by a mailing that died means the
-mail may have left: unconfirmed, never resent blindly.
+mail entry with the latest time wins; a "sending" left behind by a mailing that died means
+the mail may have left: unconfirmed, never resent blindly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-import uuid
+from dataclasses import dataclass
 from typing import Container, Iterable, Iterator
 
 from pipeline.record import keys
 from pipeline.record.records import Outcome
 from pipeline.record.storage import StorageError, Store
 
-STATUSES = ("sending", "delivered", "unconfirmed", "failed")
+MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed")
+STATUSES = MAIL_STATUSES + ("bounced", "deferred", "fetched")
+GENESIS = "0" * 64  # the `prev` of a chain's first object
 
 
-def new_key(run_id: str, shard: int) -> str:
-    """Unique per mailing; keys sort by the time the mailing began."""
-    return f"{keys.delivery_log_prefix(run_id, shard)}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
+@dataclass(frozen=True)
+class Link:
+    """Where a shard's chain ends: its last object's key, number and SHA-256."""
+
+    key: str
+    seq: int
+    sha256: str
 
 
-def sending(ucc: str, message_id: str) -> dict:
-    return {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
+def object_key(run_id: str, shard: int, seq: int) -> str:
+    return f"{keys.delivery_log_prefix(run_id, shard)}{seq:08d}.jsonl"
 
 
-def entry(o: Outcome) -> dict:
+def sending(ucc: str, message_id: str, mail_from: str = "") -> dict:
+    e = {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
+    return e | ({"mail_from": mail_from} if mail_from else {})
+
+
+def entry(o: Outcome, mail_from: str = "") -> dict:
     """A mail outcome as the log keeps it; a mail skipped because an earlier attempt
     delivered it is logged as delivered again (that attempt may have died before logging)."""
     status = {"ok": "delivered", "skipped": "delivered"}.get(o.status, o.status)
@@ -43,13 +62,52 @@ def entry(o: Outcome) -> dict:
          "at": time.time(), "attempts": o.extra.get("attempts", 0)}
     if o.extra.get("possible_duplicate"):
         e["possible_duplicate"] = True
+    if mail_from:
+        e["mail_from"] = mail_from
     return e
 
 
-def write(store: Store, key: str, entries: Iterable[dict]) -> None:
-    """Written whole each time: the outcomes replace the "sending" list (even with nothing,
-    when the batch stopped before its first claim)."""
-    store.put(key, "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries).encode())
+def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after: Link | None = None) -> Link:
+    """Adds one object to the end of the shard's chain and returns the new end. `after`, the
+    end this writer last saw, saves a listing; when another writer got there first, the
+    chain is read again and the object takes the next number."""
+    body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
+    for _ in range(20):
+        end = after or head(store, run_id, shard)
+        seq, prev = (end.seq + 1, end.sha256) if end else (1, GENESIS)
+        header = json.dumps({"chain": 1, "run": run_id, "shard": shard, "seq": seq, "prev": prev},
+                            separators=(",", ":"))
+        data = (header + "\n" + body).encode()
+        key = object_key(run_id, shard, seq)
+        if store.put_new(key, data):
+            return Link(key, seq, hashlib.sha256(data).hexdigest())
+        after = None
+    raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "
+                       "20 writers got there first")
+
+
+def head(store: Store, run_id: str, shard: int) -> Link | None:
+    """The last object of the shard's chain, or None for an empty log."""
+    last = None
+    for key in store.keys(keys.delivery_log_prefix(run_id, shard)):
+        last = key
+    if last is None:
+        return None
+    data = store.get(last)
+    return Link(last, chain_header(store, last, data)["seq"], hashlib.sha256(data).hexdigest())
+
+
+def chain_header(store: Store, key: str, data: bytes) -> dict:
+    """An object's first line: run, shard, number and the SHA-256 of the object before it."""
+    try:
+        header = json.loads(data.split(b"\n", 1)[0])
+        ok = isinstance(header, dict) and header.get("chain") == 1 and isinstance(header.get("seq"), int) \
+            and isinstance(header.get("prev"), str)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StorageError(f"{store.url}: object {key!r} has no chain header (edited, or not a delivery-log object)")
+    return header
 
 
 def entries(store: Store, run_id: str, shard: int | None = None) -> Iterator[dict]:
@@ -59,7 +117,7 @@ def entries(store: Store, run_id: str, shard: int | None = None) -> Iterator[dic
     for prefix in prefixes:
         for key in store.keys(prefix):
             for n, line in enumerate(store.lines(key), 1):  # streamed: an object is never held whole
-                if line.strip():
+                if line.strip() and not (n == 1 and line.startswith('{"chain"')):
                     yield _entry(store, key, n, line)
 
 
@@ -75,11 +133,12 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 
 
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
-    """Each account's latest entry (by time; a later mailing wins a tie), of `accounts` only
-    when given: memory follows the shard, not the log's length."""
+    """Each account's latest mail entry (by time; a later mailing wins a tie), of `accounts`
+    only when given: memory follows the shard, not the log's length. What came after the
+    mail (a bounce, a fetch) is not a mailing: apply.py reads those."""
     found: dict[str, dict] = {}
     for e in log:
-        if accounts is not None and e["ucc"] not in accounts:
+        if e["status"] not in MAIL_STATUSES or (accounts is not None and e["ucc"] not in accounts):
             continue
         if e["ucc"] not in found or e["at"] >= found[e["ucc"]]["at"]:
             found[e["ucc"]] = e

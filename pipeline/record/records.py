@@ -24,7 +24,8 @@ import redis
 from pipeline.record import keys
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
-FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending")
+FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
+BOUNCE_KINDS = {"bounced": "b", "deferred": "d"}  # a permanent failure (5.x.x); a delay (4.x.x), not final
 
 
 def rank(stage: str) -> int:
@@ -35,9 +36,10 @@ def rank(stage: str) -> int:
 def final_status(rec: dict) -> str:
     """Where an account stands: delivered, unconfirmed (the mail may have reached the relay:
     settle it with `reconcile` or `rerun --unconfirmed`), failed, rejected (bad input),
-    physical (no e-mail consent or address: paper), or pending (on its way)."""
+    physical (no e-mail consent or address: paper), or pending (on its way). A delivered
+    mail that came back is bounced (paper), or deferred while the recipient's server retries."""
     if rec.get("stage") == "delivered":
-        return "delivered"
+        return rec["bounce"]["kind"] if rec.get("bounce") else "delivered"
     status = rec.get("status")
     return status if status in ("unconfirmed", "failed", "rejected", "physical") else "pending"
 
@@ -48,6 +50,7 @@ def final_status(rec: dict) -> str:
 #   f  rank of the stage that failed      e  reason          p  the relay's reply
 #   t  time of the last outcome           n  delivery attempts, absent when 0
 #   x  extra flags of the last outcome    h  the out-of-the-ordinary events only
+#   b  the bounce that came back after delivery: [kind b|d, DSN status, reason, time]
 # A later outcome never erases a recorded Message-ID or reply (a second attempt that found
 # the mail claimed has neither), nor the possible-duplicate mark once set.
 # A stage reached on the first try is not kept as an event: it follows from r. An event is
@@ -68,7 +71,7 @@ for i = 3, #ARGV, 5 do
   if prev then
     local p = cjson.decode(prev)
     prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
-    rec['m'], rec['p'] = rec['m'] or p['m'], rec['p'] or p['p']
+    rec['m'], rec['p'], rec['b'] = rec['m'] or p['m'], rec['p'] or p['p'], p['b']
     if type(p['x']) == 'table' and p['x']['possible_duplicate'] then
       if type(rec['x']) ~= 'table' then rec['x'] = {} end
       rec['x']['possible_duplicate'] = true
@@ -90,9 +93,36 @@ for i = 3, #ARGV, 5 do
 end
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 """
+# A bounce lands on a mailed account only (delivered or unconfirmed), once: the same again
+# changes nothing, a delay never replaces a permanent failure. KEYS: accounts, counts.
+# ARGV: ttl, then per account: ucc, kind, status, reason, time. Returns a code per account:
+# 1 applied, 0 already so, -1 no such account, -2 not mailed.
+_BOUNCE = """
+local out = {}
+for i = 2, #ARGV, 5 do
+  local raw = redis.call('HGET', KEYS[1], ARGV[i])
+  if not raw then table.insert(out, -1) else
+    local rec = cjson.decode(raw)
+    local old = type(rec['b']) == 'table' and rec['b'][1] or nil
+    if (rec['r'] or 0) < 5 and rec['s'] ~= 'u' then table.insert(out, -2)
+    elseif old == 'b' or old == ARGV[i + 1] then table.insert(out, 0)
+    else
+      rec['b'] = {ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])}
+      redis.call('HSET', KEYS[1], ARGV[i], cjson.encode(rec))
+      if old then redis.call('HINCRBY', KEYS[2], old == 'b' and 'bounced' or 'deferred', -1) end
+      redis.call('HINCRBY', KEYS[2], ARGV[i + 1] == 'b' and 'bounced' or 'deferred', 1)
+      table.insert(out, 1)
+    end
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return out
+"""
 RECORD_BATCH = 500  # accounts a call: a script blocks Redis while it runs, a few ms at most
 STATUS_CODES = {"failed": "f", "rejected": "r", "physical": "p", "skipped": "s", "unconfirmed": "u", "ok": "k"}
 _STATUSES = {c: s for s, c in STATUS_CODES.items()}
+_BOUNCES = {c: k for k, c in BOUNCE_KINDS.items()}
 
 
 @dataclass
@@ -170,7 +200,19 @@ class Records:
                "attempts": c.get("n", 0), "updated": c["t"], "events": c.get("h", [])}
         if "x" in c:
             rec["extra"] = c["x"]
+        if "b" in c:
+            kind, status, reason, at = c["b"]
+            rec["bounce"] = {"kind": _BOUNCES[kind], "status": status, "reason": reason, "at": at}
         return rec
+
+    def bounce(self, bounces: list[tuple[str, str, str, str, float]]) -> list[int]:
+        """(ucc, kind, DSN status, reason, time) each; returns _BOUNCE's code for each."""
+        args = [a for ucc, kind, status, reason, at in bounces for a in (ucc, BOUNCE_KINDS[kind], status, reason, at)]
+        codes: list[int] = []
+        for i in range(0, len(args), 5 * RECORD_BATCH):
+            codes += self.r.eval(_BOUNCE, 2, keys.run_accounts(self.run_id), keys.run_counts(self.run_id), self.ttl_s,
+                                 *args[i:i + 5 * RECORD_BATCH])
+        return codes
 
     def accounts(self, uccs: list[str]) -> dict[str, dict]:
         if not uccs:

@@ -1,13 +1,16 @@
-"""The run report: totals and timings as JSON, one CSV row per account; the permanent record.
+"""The run report: totals and timings as JSON, one CSV row per account, and the paper list
+(reports/{run}.paper.csv: each account owed a physical note, why, and by when).
 
-Written a page of accounts at a time (HSCAN) into a local file, then uploaded (multipart on
+Written a page of accounts at a time (HSCAN) into local files, then uploaded (multipart on
 S3), so writing it takes the same memory at 2,000 accounts as at 1.5 million. Rows come in
-Redis's scan order; sort the CSV by its first column for an alphabetical list.
+Redis's scan order; sort the CSV by its first column for an alphabetical list. It is written
+again whenever something changes an account after the run (reconcile, a bounce, close).
 """
 
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import json
 import tempfile
@@ -16,49 +19,115 @@ from typing import Iterator
 from pipeline.record import keys
 from pipeline.record.records import final_status
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store
+from pipeline.record.storage import Store, read_json
 
 CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch",
-              "possible_duplicate"]
+              "possible_duplicate", "bounced_at", "bounce_status", "bounce_reason", "due_date"]
+PAPER_FIELDS = ["ucc", "why", "known_on", "due_date"]
 PAGE = 1000
+IST = dt.timezone(dt.timedelta(hours=5, minutes=30))  # the exchanges' day, and the paper's due date
 
 
-def write(store: Store, state: RunState, run_id: str, summary: dict, input_errors: list[dict]) -> str:
-    """Stores reports/{run}.csv and reports/{run}.json; returns the JSON's key."""
+def paper_key(run_id: str) -> str:
+    return f"reports/{run_id}.paper.csv"
+
+
+def write(store: Store, state: RunState, run_id: str, summary: dict, input_errors: list[dict],
+          due_days: int = 1) -> str:
+    """Stores reports/{run}.csv, .paper.csv and .json; returns the JSON's key. `summary`
+    needs the run's trade_date: the day an address-less client's paper note is owed from."""
     json_key, csv_key = keys.report_keys(run_id)
     tally = {"statuses": {}, "physical_dispatch": []}
-    with tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as f:
-        for chunk in csv_chunks(state, tally):
+    meta = state.meta()
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as f, \
+            tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as paper:
+        for chunk in csv_chunks(state, tally, summary.get("trade_date", ""), due_days, meta, paper):
             f.write(chunk)
         f.flush()
+        paper.flush()
         store.put_file(csv_key, f.name)
+        store.put_file(paper_key(run_id), paper.name)
     report = {**summary, "statuses": tally["statuses"], "stage_counts": state.counts(),
-              "physical_dispatch": tally["physical_dispatch"], "input_errors": input_errors}
+              "physical_dispatch": tally["physical_dispatch"], "paper_list": paper_key(run_id),
+              "bounce_window": bounce_window(meta), "input_errors": input_errors}
     store.put(json_key, json.dumps(report, indent=2, default=str).encode())
     return json_key
 
 
-def csv_chunks(state: RunState, tally: dict | None = None) -> Iterator[str]:
+def rewrite(store: Store, state: RunState, run_id: str, due_days: int = 1) -> None:
+    """The report again, after the run (reconcile, bounces, close): the run's totals as it
+    wrote them, the counts from Redis now."""
+    json_key, _ = keys.report_keys(run_id)
+    if not store.exists(json_key):
+        return
+    previous = read_json(store, json_key)
+    counts = state.counts()
+    summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
+                                                             "input_errors", "bounce_window", "paper_list")}
+    summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"],
+                   bounced=counts.get("bounced", 0), deferred=counts.get("deferred", 0))
+    write(store, state, run_id, summary, previous.get("input_errors", []), due_days)
+
+
+def bounce_window(meta: dict) -> dict:
+    """Open until `closes_at` (the run's end plus CN_BOUNCE_WINDOW_H), then closed by `close`:
+    every mailed account with no bounce is delivered, final."""
+    window = {"hours": float(meta.get("bounce_window_h") or 0)}
+    if meta.get("finished"):
+        window["closes_at"] = _iso(float(meta["finished"]) + window["hours"] * 3600)
+    window["closed_at"] = _iso(float(meta["closed_at"])) if meta.get("closed_at") else ""
+    window["state"] = "closed" if window["closed_at"] else "open" if meta.get("finished") else "run not finished"
+    return window
+
+
+def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "", due_days: int = 1,
+               meta: dict | None = None, paper=None) -> Iterator[str]:
     """The CSV, a page of accounts at a time. `tally` (statuses, physical_dispatch) is filled
-    as the pages go by: the accounts to print and post, and the count of each status."""
+    as the pages go by: the accounts to print and post, and the count of each status; each
+    of those is also written to `paper`, with the date its note is due."""
+    meta = state.meta() if meta is None else meta
+    closed = bool(meta.get("closed_at"))
+    final = f"delivered, no bounce within {float(meta.get('bounce_window_h') or 0):g} h"
     buf = io.StringIO()
     writer = csv.DictWriter(buf, CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
+    papers = csv.DictWriter(paper, PAPER_FIELDS, lineterminator="\n") if paper is not None else None
+    if papers:
+        papers.writeheader()
     for n, rec in enumerate(state.all_accounts(), 1):
         status = final_status(rec)
-        needs_paper = status == "physical" or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
+        bounce = rec.get("bounce") or {}
+        if closed and status in ("delivered", "deferred"):  # no permanent bounce within the window: final
+            status, rec = "delivered", {**rec, "reason": final}
+        needs_paper = status in ("physical", "bounced") or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
+        known = _day(bounce["at"]) if status == "bounced" else trade_date
+        due = (dt.date.fromisoformat(known) + dt.timedelta(days=due_days)).isoformat() if needs_paper and known else ""
         if tally is not None:
             tally["statuses"][status] = tally["statuses"].get(status, 0) + 1
             if needs_paper:
                 tally["physical_dispatch"].append(rec["ucc"])
+        if needs_paper and papers:
+            why = f"bounced {bounce['status']}: {bounce['reason']}" if status == "bounced" else rec.get("reason", "")
+            papers.writerow({k: _inert(v) for k, v in
+                             {"ucc": rec["ucc"], "why": why, "known_on": known, "due_date": due}.items()})
         duplicate = "Y" if rec.get("extra", {}).get("possible_duplicate") else ""  # resent with the same Message-ID
-        row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else "", "possible_duplicate": duplicate}
+        row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else "", "possible_duplicate": duplicate,
+               "bounced_at": _iso(bounce["at"]) if bounce else "", "bounce_status": bounce.get("status", ""),
+               "bounce_reason": bounce.get("reason", ""), "due_date": due}
         writer.writerow({k: _inert(v) for k, v in row.items()})
         if n % PAGE == 0:
             yield buf.getvalue()
             buf.seek(0)
             buf.truncate()
     yield buf.getvalue()
+
+
+def _iso(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, IST).isoformat(timespec="seconds")
+
+
+def _day(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, IST).date().isoformat()
 
 
 def _inert(value):

@@ -38,6 +38,7 @@ class Store(Protocol):
     url: str
 
     def put(self, key: str, data: bytes) -> None: ...
+    def put_new(self, key: str, data: bytes) -> bool: ...
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def lines(self, key: str) -> Iterator[str]: ...
@@ -72,6 +73,21 @@ class FolderStore:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Writes only if no object has the key (a hard link does not replace); False if one has."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
         try:
@@ -135,6 +151,16 @@ class S3Store:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """A conditional PUT (If-None-Match: *): S3 refuses it when the key exists."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            return True
+        except self.client.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            raise
 
     def get(self, key: str) -> bytes:
         try:

@@ -1,0 +1,162 @@
+"""`bounces RUN_ID --imap URL | --maildir DIR | --mbox FILE [--watch]`: the bounces that came
+back to the run's VERP addresses, each mapped to its account and recorded.
+
+A permanent failure makes the account `bounced` (a paper note is owed, by its due date), a
+delay `deferred` (not final). Each result is written to the delivery log first (the record,
+chained), then to Redis, then to the report; one already recorded is skipped, so the same
+bounce read twice changes nothing. A bounce with a forged or mangled token, for another run,
+for no account of the run, too big or unreadable is reported and changes no account.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from pipeline.cluster import restore
+from pipeline.day.split import load_manifest
+from pipeline.mail import bounce, verp
+from pipeline.mail.mailbox import Message, describe, open_source
+from pipeline.record import delivery_log, keys, report
+from pipeline.record.lease import held
+from pipeline.record.state import RunNotFound, RunState
+from pipeline.record.storage import open_store
+from pipeline.settings import Settings
+
+log = logging.getLogger("pipeline.bounces")
+CODES = {1: "applied", 0: "already recorded", -1: "no such account in the run", -2: "not mailed in the run"}
+
+
+class RunClosed(RuntimeError):
+    pass
+
+
+@dataclass
+class Tally:
+    read: int = 0
+    applied: dict[str, int] = field(default_factory=lambda: {"bounced": 0, "deferred": 0})
+    unchanged: int = 0
+    refused: int = 0
+    refused_first: list[dict] = field(default_factory=list)  # {"message", "why"}: the first 50
+
+    def refuse(self, name: str, why: str) -> None:
+        self.refused += 1
+        if len(self.refused_first) < 50:
+            self.refused_first.append({"message": name, "why": why})
+
+
+def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
+            on_applied=lambda kind, n: None) -> dict:
+    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+    store = open_store(settings.store_url)
+    split = load_manifest(store, run_id)
+    if split is None:
+        raise RunNotFound(f"no run {run_id!r} in {settings.store_url}")
+    if not state.exists():  # its Redis is gone (a cluster's ends with the cluster): the record has it
+        with held(state, settings.lease_s):
+            restore.from_storage(store, state, run_id)
+    if state.meta().get("closed_at"):
+        raise RunClosed(f"run {run_id} was closed (its bounce window ended): a bounce now changes nothing")
+    boxes = [open_source(s, settings.bounce_max_bytes) for s in sources]
+    v, tally = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key()), Tally()
+    try:
+        while True:
+            for box in boxes:
+                messages = list(box.unseen())
+                if messages:
+                    apply(store, state, split.shard_count, v, messages, tally, settings.paper_due_days, on_applied,
+                          settings.bounce_max_bytes)
+                    box.seen(messages)
+            if not watch:
+                break
+            time.sleep(every_s)
+    finally:
+        for box in boxes:
+            box.close()
+    return {"run_id": run_id, "sources": [describe(s) for s in sources], "read": tally.read,
+            "bounced": tally.applied["bounced"], "deferred": tally.applied["deferred"],
+            "unchanged": tally.unchanged, "refused": tally.refused, "refused_first": tally.refused_first}
+
+
+def apply(store, state: RunState, shards: int, v: verp.Verp, messages: list[Message], tally: Tally,
+          due_days: int = 1, on_applied=lambda kind, n: None, max_bytes: int = 5_000_000) -> None:
+    """Parses, maps, then records a poll's worth of bounces: log, Redis, report."""
+    found: dict[str, tuple[bounce.Bounce, str]] = {}
+    pattern = v.pattern()
+    for m in messages:
+        tally.read += 1
+        if m.raw is None:
+            tally.refuse(m.name, f"{m.size:,} bytes, over CN_BOUNCE_MAX_BYTES: not read")
+            continue
+        try:
+            b = bounce.read(m.raw, pattern, max_bytes)
+        except bounce.NotABounce as e:
+            tally.refuse(m.name, str(e))
+            continue
+        ucc, why = _account(b, v.key, state.run_id)
+        if ucc is None:
+            tally.refuse(m.name, why)
+            continue
+        if ucc in found and found[ucc][0].kind == "bounced":
+            continue  # a permanent failure is what counts; a delay after it changes nothing
+        found[ucc] = (b, m.name)
+    if not found:
+        return
+    records = state.accounts(sorted(found))
+    fresh = {}
+    for ucc, (b, name) in found.items():
+        rec = records.get(ucc)
+        if rec is None:
+            tally.refuse(name, CODES[-1])
+            continue
+        old = (rec.get("bounce") or {}).get("kind")
+        if old == "bounced" or old == b.kind:
+            tally.unchanged += 1
+            continue
+        if rec.get("stage") != "delivered" and rec.get("status") != "unconfirmed":
+            tally.refuse(name, CODES[-2])
+            continue
+        fresh[ucc] = (b, name)
+    now = round(time.time(), 3)
+    by_shard = defaultdict(list)
+    for ucc, (b, _) in fresh.items():  # the record first
+        by_shard[keys.shard_of(ucc, shards)].append(
+            {"ucc": ucc, "status": b.kind, "dsn_status": b.status, "reason": b.reason, "message_id": b.message_id,
+             "token": b.token, "at": now})
+    for shard, entries in by_shard.items():
+        delivery_log.append(store, state.run_id, shard, entries)
+    codes = state.bounce([(ucc, b.kind, b.status, b.reason, now) for ucc, (b, _) in fresh.items()])
+    for (b, name), code in zip(fresh.values(), codes):
+        if code == 1:
+            tally.applied[b.kind] += 1
+            on_applied(b.kind, 1)
+        elif code == 0:
+            tally.unchanged += 1
+        else:
+            tally.refuse(name, CODES[code])
+    if any(codes):
+        report.rewrite(store, state, state.run_id, due_days)
+    log.info("run %s: %d bounced, %d deferred so far; %d unchanged, %d refused", state.run_id,
+             tally.applied["bounced"], tally.applied["deferred"], tally.unchanged, tally.refused)
+
+
+def _account(b: bounce.Bounce, key: bytes, run_id: str) -> tuple[str | None, str]:
+    """The account a bounce is for, by its VERP token, else by the original Message-ID."""
+    if b.token:
+        t = verp.parse(b.token)
+        if t is None:
+            return None, "a mangled VERP token"
+        if t.run_tag != verp.run_tag(run_id):
+            return None, "a bounce for another run"
+        if not verp.genuine(key, run_id, t):
+            return None, "a forged VERP token (its HMAC does not match)"
+        return t.ucc, ""
+    if b.message_id:
+        local = b.message_id.strip("<>").partition("@")[0]
+        digest, _, ucc = local.partition(".")
+        if ucc and keys.message_id(run_id, ucc) == b.message_id:
+            return ucc, ""
+        return None, "a Message-ID that is not the run's"
+    return None, "no VERP token and no original Message-ID in it"

@@ -1,0 +1,53 @@
+"""The client's own link to their note: https://notes.broker.example.com/notes/TOKEN.
+
+TOKEN carries the run, the account, the trade date and an expiry, signed with an HMAC keyed
+by the secret's token_key (domain-separated from the VERP tag). Anyone holding the link can
+fetch the note, as anyone holding the e-mail can open the attachment: the PDF itself still
+needs the client's PAN. Nothing is looked up to check a link, so a guess costs the server
+an HMAC, and a wrong one is refused before storage is touched.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NoteLink:
+    run_id: str
+    ucc: str
+    trade_date: str
+    expires: int
+
+
+def make(key: bytes, run_id: str, ucc: str, trade_date: str, valid_s: float, now: float | None = None) -> str:
+    expires = int((time.time() if now is None else now) + valid_s)
+    payload = _b64(f"{run_id}\n{ucc}\n{trade_date}\n{expires}".encode())
+    return f"{payload}.{_b64(_mac(key, payload))}"
+
+
+def check(key: bytes, token: str, now: float | None = None) -> NoteLink | None:
+    """The link's contents when it is genuine and not expired; None for anything else."""
+    payload, _, mac = token.partition(".")
+    if not payload or len(token) > 400 or not hmac.compare_digest(mac.encode(), _b64(_mac(key, payload)).encode()):
+        return None
+    try:
+        run_id, ucc, trade_date, expires = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) \
+            .decode().split("\n")
+        link = NoteLink(run_id, ucc, trade_date, int(expires))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return link if link.expires > (time.time() if now is None else now) else None
+
+
+def _mac(key: bytes, payload: str) -> bytes:
+    return hmac.new(key, b"note-link\0" + payload.encode(), hashlib.sha256).digest()[:18]
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")

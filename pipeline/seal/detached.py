@@ -1,0 +1,47 @@
+"""A detached CMS signature over any bytes, with the notes' own signing key: what seals a run's
+proof of delivery (pipeline/cluster/proof.py). The same SignedData shape as a note's
+signature, so `openssl cms -verify -binary -inform DER -content FILE` checks it, as does
+`check` here, from the bytes and the signature alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from asn1crypto import cms
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import padding
+
+from pipeline.seal.sign import SignError, Signer
+
+
+def sign(data: bytes, signer: Signer) -> bytes:
+    """DER ContentInfo (SignedData, no content: detached)."""
+    return signer.cms(hashlib.sha256(data).digest())
+
+
+def check(data: bytes, signature: bytes) -> str:
+    """The signer's subject if `signature` is a valid signature of `data` by the certificate it
+    carries; SignError otherwise. Whose certificate it is, is for the reader to judge (the
+    subject and the SHA-256 of the certificate are what verify prints)."""
+    try:
+        signed = cms.ContentInfo.load(signature)["content"]
+        info = signed["signer_infos"][0]
+        attrs = info["signed_attrs"]
+        digest = next(a["values"][0].native for a in attrs if a["type"].native == "message_digest")
+        sid = info["sid"].chosen  # the certificates are a SET: in DER order, not the signer's first
+        cert = x509.load_der_x509_certificate(next(
+            c.chosen.dump() for c in signed["certificates"]
+            if c.chosen.serial_number == sid["serial_number"].native and c.chosen.issuer == sid["issuer"]))
+    except (ValueError, KeyError, IndexError, StopIteration, TypeError) as e:
+        raise SignError(f"not a CMS signature ({type(e).__name__})") from None
+    if digest != hashlib.sha256(data).digest():
+        raise SignError("the signed digest is not the data's: the data was changed after signing")
+    to_verify = b"\x31" + attrs.dump()[1:]  # signed as a SET, not as the [0] IMPLICIT it is stored as
+    try:
+        cert.public_key().verify(info["signature"].native, to_verify, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        raise SignError("the signature does not verify with the certificate it carries") from None
+    return cert.subject.rfc4514_string() + " sha256:" + cert.fingerprint(hashes.SHA256()).hex()
