@@ -334,7 +334,9 @@ def cmd_serve(args) -> int:
 
     from pipeline.api import create_app
 
-    settings = _on_redis(Settings.from_env())
+    from pipeline import credentials
+
+    settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the notes' links
     if not settings.api_token and not args.read_only:
         raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
                           "else; set it, or pass --read-only (no PII, no reruns)")

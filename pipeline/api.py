@@ -5,6 +5,11 @@ a PAN or an e-mail address, needs the bearer token from config (CN_API_TOKEN); w
 it, PII is masked wherever it appears (relay replies quote addresses) and reruns are
 refused. A read-only service never shows PII nor reruns, token or not. Unknown runs and
 accounts are 404, bad queries 422; a Redis or storage outage is 503, never a 500.
+
+GET /notes/{token} is the clients' own door: the link in their e-mail (pipeline/mail/link.py)
+returns their archived note, still encrypted with their PAN, and the fetch goes into the
+delivery log (it proves receipt). A link that is expired, tampered with or names no note
+gets the same 404, and each address may try only so often (429).
 """
 
 from __future__ import annotations
@@ -16,18 +21,22 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Literal
 
 import redis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, model_validator
 
-from pipeline.day.split import find_account
-from pipeline.record import keys, report
+from pipeline.day.split import find_account, load_manifest
+from pipeline.mail import link
+from pipeline.mail.message import attachment_name
+from pipeline.record import delivery_log, keys, report
 from pipeline.record.records import FINAL_STATUSES, final_status, history
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.storage import StorageError, open_store
@@ -37,6 +46,30 @@ PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
 MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
+NOTE_FETCHES = (20, 60.0)  # per client address: this many fetches of /notes/ a this many seconds, then 429
+
+
+class RateLimit:
+    """A token bucket per client address, in this process: a guesser is slowed to a trickle.
+    Buckets that are full again are forgotten, so memory follows the addresses active now."""
+
+    def __init__(self, burst: int, per_s: float):
+        self.burst, self.rate = burst, burst / per_s
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self.lock = threading.Lock()
+
+    def allow(self, who: str) -> bool:
+        now = time.monotonic()
+        with self.lock:
+            if len(self.buckets) > 100_000:
+                self.buckets = {k: v for k, v in self.buckets.items() if v[0] + (now - v[1]) * self.rate < self.burst}
+            tokens, at = self.buckets.get(who, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - at) * self.rate)
+            if tokens < 1:
+                self.buckets[who] = (tokens, now)
+                return False
+            self.buckets[who] = (tokens - 1, now)
+            return True
 
 
 class RerunRequest(BaseModel):
@@ -118,7 +151,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                  limit: int = Query(50, ge=1, le=500), full: bool = Depends(authorised)):
         state = run_state(run_id)
         items, cursor = state.page(cursor, limit, status)
-        return {"items": [public_record(rec, full) for rec in items], "next_cursor": cursor or None}
+        return {"items": [public_record(rec, full, settings.paper_due_days) for rec in items],
+                "next_cursor": cursor or None}
 
     @app.get("/runs/{run_id}/accounts/{ucc}")
     def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
@@ -149,6 +183,31 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                 raise HTTPException(404, f"no run {run_id!r}")
             chunks = store.lines(key)
         return StreamingResponse((c if full else mask_text(c) for c in chunks), media_type="text/csv")
+
+    limit, key = RateLimit(*NOTE_FETCHES), settings.hmac_key()
+
+    @lru_cache(maxsize=64)
+    def shard_count(run_id: str) -> int | None:
+        split = load_manifest(open_store(settings.store_url), run_id)
+        return split.shard_count if split else None
+
+    @app.get("/notes/{token}")
+    def note(token: str, request: Request):
+        if not limit.allow(request.client.host if request.client else ""):
+            raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
+        found = link.check(key, token)
+        store = open_store(settings.store_url)
+        pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
+            else None
+        shards = shard_count(found.run_id) if pdf_key else None
+        if not shards or not store.exists(pdf_key):
+            raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
+        pdf = store.get(pdf_key)
+        delivery_log.append(store, found.run_id, keys.shard_of(found.ucc, shards),
+                            [{"ucc": found.ucc, "status": "fetched", "at": time.time(), "bytes": len(pdf)}])
+        return Response(pdf, media_type="application/pdf", headers={
+            "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
+            "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
     @app.post("/runs/{run_id}/rerun", status_code=202)
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
@@ -184,14 +243,20 @@ def summary(state: RunState) -> dict:
     eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
     return {"run_id": state.run_id, "date": meta.get("date"), "accounts": accounts, "counts": counts,
             "started": started, "finished": float(finished) if finished else None,
+            "bounce_window": report.bounce_window(meta),
             "notes_per_s": round(rate, 2), "eta_s": round(eta, 1) if eta is not None else None}
 
 
-def public_record(rec: dict, full: bool = False) -> dict:
+def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:
     out = {k: rec.get(k) for k in ("ucc", "stage", "status", "failed_at", "reason", "message_id", "attempts",
                                    "updated")} | {"status": final_status(rec)}
     if not full and out["reason"]:
         out["reason"] = mask_text(out["reason"])
+    if rec.get("bounce"):
+        b = rec["bounce"]
+        out["bounce"] = {"kind": b["kind"], "status": b["status"], "at": b["at"],
+                         "reason": b["reason"] if full else mask_text(b["reason"]),
+                         "due_date": report.due_date(b["at"], due_days) if b["kind"] == "bounced" else ""}
     return out
 
 

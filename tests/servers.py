@@ -68,3 +68,72 @@ def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_path, key_path
+
+
+DOVECOT_USER, DOVECOT_PASSWORD = "bounces", "bounce-box-secret"
+
+
+def start_dovecot() -> Service:
+    """Debian's Dovecot as the bounce domain's IMAP mailbox: a throwaway configuration, one
+    user, plain IMAP on a free loopback port. Its mail lives in a folder of its own (Dovecot
+    refuses to run mail as root, and a test's tmp_path is closed to other users); url is
+    imap://bounces:PASSWORD@127.0.0.1:PORT/INBOX."""
+    import pwd
+    import tempfile
+
+    binary = shutil.which("dovecot") or "/usr/sbin/dovecot"
+    if not Path(binary).exists():
+        raise EmbeddedError("dovecot not found: run scripts/install.sh (dovecot-imapd)")
+    root = Path(tempfile.mkdtemp(prefix="cn-dovecot-"))
+    root.chmod(0o755)
+    nobody = pwd.getpwnam("nobody")
+    for sub in ("run", "state", "mail", "home"):
+        (root / sub).mkdir()
+    for sub in ("mail", "home"):
+        os.chown(root / sub, nobody.pw_uid, nobody.pw_gid)
+    (root / "users").write_text(f"{DOVECOT_USER}:{{PLAIN}}{DOVECOT_PASSWORD}\n")
+    port = free_port()
+    (root / "dovecot.conf").write_text(f"""protocols = imap
+listen = 127.0.0.1
+ssl = no
+disable_plaintext_auth = no
+auth_mechanisms = plain login
+base_dir = {root}/run
+state_dir = {root}/state
+log_path = {root}/dovecot.log
+mail_location = maildir:{root}/mail/%u
+first_valid_uid = 1
+passdb {{
+  driver = passwd-file
+  args = scheme=PLAIN username_format=%u {root}/users
+}}
+userdb {{
+  driver = static
+  args = uid={nobody.pw_uid} gid={nobody.pw_gid} home={root}/home/%u
+}}
+service imap-login {{
+  inet_listener imap {{
+    address = 127.0.0.1
+    port = {port}
+  }}
+  inet_listener imaps {{
+    port = 0
+  }}
+}}
+service pop3-login {{
+  inet_listener pop3 {{
+    port = 0
+  }}
+}}
+service submission-login {{
+  inet_listener submission {{
+    port = 0
+  }}
+}}
+""")
+    process = subprocess.Popen([binary, "-F", "-c", str(root / "dovecot.conf")], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    wait_for_port(port, process, "dovecot")
+    service = Service("imap", process, f"imap://{DOVECOT_USER}:{DOVECOT_PASSWORD}@127.0.0.1:{port}/INBOX")
+    service.root = root
+    return service

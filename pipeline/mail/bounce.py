@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import email
 import email.policy
+import logging
 import re
 from dataclasses import dataclass
 from email.message import Message
@@ -21,6 +22,7 @@ from flufl.bounce import all_failures
 
 STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
 MESSAGE_ID = re.compile(r"^Message-ID:\s*(<[^<>\s]{1,250}>)", re.IGNORECASE | re.MULTILINE)
+logging.getLogger("flufl.bounce").setLevel(logging.CRITICAL)  # a detector tripped by a broken message: we report it
 TOKEN_HEADERS = ("Delivered-To", "X-Original-To", "Envelope-To", "X-Envelope-To", "To", "X-Failed-Recipients")
 
 
@@ -114,8 +116,13 @@ def _returned_message_id(msg: Message, text: str) -> str:
     return m.group(1) if m else ""
 
 
+WHY = re.compile(r"unknown|not recognized|no such|does not exist|not found|no mailbox|mailbox full|quota|"
+                 r"rejected|blocked|spam", re.IGNORECASE)
+
+
 def _first_error_line(text: str) -> str:
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for line in lines:
         if STATUS.search(line) or re.search(r"\b[45]\d\d\b", line):
             return line.strip()
-    return ""
+    return next((line.strip() for line in lines if WHY.search(line)), "")

@@ -64,7 +64,7 @@ class Faults:
         raw = json.loads(path.read_text())
         return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
-                   raw.get("outage", {}))
+                   raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None)
 
 
 class OutboxHandler:
@@ -274,5 +274,6 @@ if __name__ == "__main__":
     parser.add_argument("--bounces", type=Path, metavar="MAILDIR")
     args = parser.parse_args()
     faults = Faults.load(args.faults)
-    faults.bounce_rate, faults.bounces = args.bounce_rate, args.bounces
+    if args.bounce_rate:
+        faults.bounce_rate, faults.bounces = args.bounce_rate, args.bounces
     serve(args.host, args.port, args.outbox, faults, args.tls, args.login)

@@ -122,6 +122,11 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
     yield buf.getvalue()
 
 
+def due_date(known_at: float, due_days: int) -> str:
+    """When a bounced client's paper note is due: days after the bounce, on the exchanges' calendar day."""
+    return (dt.date.fromisoformat(_day(known_at)) + dt.timedelta(days=due_days)).isoformat()
+
+
 def _iso(at: float) -> str:
     return dt.datetime.fromtimestamp(at, IST).isoformat(timespec="seconds")
 

@@ -1,0 +1,194 @@
+"""Delivered means in the client's mailbox, provably: DSNs come back to the VERP addresses of a
+real run, through a real IMAP server (Dovecot), and become bounced or deferred accounts and
+paper notes; hostile ones change nothing; `close` seals the delivery log, `openssl cms`
+checks the seal, and `verify` names the object an edit or a deletion touched."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import imaplib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.cluster import bounces, proof
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.mail import bounce, verp
+from pipeline.mail.smtp_sink import dsn
+from pipeline.record import delivery_log, keys, report
+from pipeline.record.keys import message_id
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from tests import servers
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+SAMPLES = Path(__file__).parent / "data" / "bounces"
+
+
+@pytest.fixture
+def imap_box():
+    service = servers.start_dovecot()
+    yield service
+    service.stop()
+    shutil.rmtree(service.root, ignore_errors=True)
+
+
+def deliver(imap_url: str, messages: list[bytes]) -> None:
+    """What the bounce domain's MX does: each DSN into the bounce mailbox."""
+    box = imaplib.IMAP4("127.0.0.1", int(imap_url.rsplit(":", 1)[1].split("/")[0]))
+    box.login(servers.DOVECOT_USER, servers.DOVECOT_PASSWORD)
+    for raw in messages:
+        assert box.append("INBOX", None, None, raw)[0] == "OK"
+    box.logout()
+
+
+def rows(settings, run_id: str, which: str = "csv") -> dict[str, dict]:
+    key = keys.report_keys(run_id)[1] if which == "csv" else report.paper_key(run_id)
+    return {r["ucc"]: r for r in csv.DictReader((Path(settings.store_url) / key).open())}
+
+
+def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
+        ray_session, settings, day, smtp_server, imap_box, tmp_path):
+    clients = client_rows(day)
+    uccs = sorted(clients)
+    no_consent, malformed, rejected = uccs[0], uccs[1], uccs[2]
+    text = (day / "clients.csv").read_text()
+    text = text.replace(f"{clients[malformed]['email']},", "not-an-address,")
+    lines = text.splitlines()
+    lines = [line[:-1] + "N" if line.startswith(no_consent + ",") else line for line in lines]
+    (day / "clients.csv").write_text("\n".join(lines) + "\n")
+    bounce_box = tmp_path / "relay-dsns"
+    relay = smtp_server(reject={clients[rejected]["email"]}, bounce_rate=0.4, bounces=str(bounce_box))
+    settings = dataclasses.replace(settings, smtp_url=relay.url)
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+    run_id = summary["run_id"]
+
+    # every message left with its own VERP envelope sender, and the delivery log says which
+    sent = [json.loads(line) for line in bounce_box.with_suffix(".jsonl").read_text().splitlines()]
+    by_email = {c["email"]: u for u, c in clients.items()}
+    expected = {by_email[s["rcpt"]]: s["kind"] for s in sent}
+    assert {"bounced", "deferred"} <= set(expected.values()), "the relay returned both kinds"
+    v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
+    assert all(s["mail_from"] == v.address(run_id, by_email[s["rcpt"]]) for s in sent)
+    logged = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
+    assert logged[uccs[5]]["mail_from"] == v.address(run_id, uccs[5])
+
+    # the report says the window is open, and until when
+    window = json.loads((Path(settings.store_url) / keys.report_keys(run_id)[0]).read_text())["bounce_window"]
+    assert window["state"] == "open" and window["closes_at"] and window["hours"] == 72
+
+    # the DSNs come back through the bounce domain's IMAP mailbox
+    deliver(imap_box.url, [p.read_bytes() for p in sorted((bounce_box / "new").iterdir())])
+    first = bounces.collect(settings, run_id, [imap_box.url])
+    assert first["read"] == len(sent) and first["refused"] == 0
+    assert (first["bounced"], first["deferred"]) == (list(expected.values()).count("bounced"),
+                                                     list(expected.values()).count("deferred"))
+    assert servers.DOVECOT_PASSWORD not in json.dumps(first)
+    csv_rows = rows(settings, run_id)
+    assert {u: r["status"] for u, r in csv_rows.items() if r["status"] in ("bounced", "deferred")} == expected
+    some = next(u for u, k in expected.items() if k == "bounced")
+    assert csv_rows[some]["bounce_status"] == "5.1.1" and "User unknown" in csv_rows[some]["bounce_reason"]
+    assert csv_rows[some]["bounced_at"] and csv_rows[some]["due_date"]
+    paper = rows(settings, run_id, "paper")
+    assert set(paper) == {no_consent, malformed, rejected} | {u for u, k in expected.items() if k == "bounced"}
+    assert all(r["due_date"] for r in paper.values())
+    assert RunState(settings.redis_url, run_id).counts()["bounced"] == list(expected.values()).count("bounced")
+
+    # hostile DSNs, and the same ones again: nothing changes
+    report_before = (Path(settings.store_url) / keys.report_keys(run_id)[1]).read_bytes()
+    genuine = (bounce_box / "new").iterdir().__next__().read_bytes()
+    victim = next(u for u in uccs[3:] if u not in expected)
+    forged = dsn("bounced", v.address(run_id, victim)[:-len(settings.bounce_domain) - 3] + "00@" +
+                 settings.bounce_domain, clients[victim]["email"], b"Subject: x\r\n\r\n")
+    other_run = dsn("bounced", v.address("another-run", victim), clients[victim]["email"], b"Subject: x\r\n\r\n")
+    huge = genuine + b"\r\n" + b"x" * (20 * 1024 * 1024)
+    broken = (b"Delivered-To: " + v.address(run_id, victim).encode() +
+              b"\r\nContent-Type: multipart/report; boundary=\"nowhere\"\r\n\r\n\xff\xfe--nowhere\r\nContent-Type: "
+              b"message/delivery-status\r\n\r\nAction: \x00\r\n")
+    deliver(imap_box.url, [forged, other_run, huge, broken] + [p.read_bytes() for p in (bounce_box / "new").iterdir()])
+    again = bounces.collect(settings, run_id, [imap_box.url])
+    assert (again["bounced"], again["deferred"], again["unchanged"], again["refused"]) == (0, 0, len(sent), 4), again
+    why = " | ".join(r["why"] for r in again["refused_first"])
+    for cause in ("forged", "another run", "over CN_BOUNCE_MAX_BYTES", "not a readable message"):
+        assert cause in why, why
+    assert (Path(settings.store_url) / keys.report_keys(run_id)[1]).read_bytes() == report_before
+    assert rows(settings, run_id)[victim]["status"] == "delivered"
+
+    # verify before the seal: every chain whole
+    store = open_store(settings.store_url)
+    checked = proof.verify(store, run_id)
+    assert checked["ok"] and not checked["sealed"] and checked["log_objects"] > 0, checked
+
+    # close: refused while the window is open, then deemed delivery and a signed proof
+    finished = float(RunState(settings.redis_url, run_id).meta()["finished"])
+    with pytest.raises(proof.WindowOpen, match="open until"):
+        proof.close(settings, run_id, now=finished + 3600)
+    closed = proof.close(settings, run_id, now=finished + 72 * 3600 + 1)
+    after = rows(settings, run_id)
+    assert closed["bounced"] == list(expected.values()).count("bounced")
+    assert {u for u, r in after.items() if r["status"] == "delivered"} == \
+        {u for u, r in csv_rows.items() if r["status"] in ("delivered", "deferred")}
+    assert after[victim]["reason"] == "delivered, no bounce within 72 h"
+    proof_key, sig_key = proof.proof_keys(run_id)
+    root = Path(settings.store_url)
+    openssl = subprocess.run(["openssl", "cms", "-verify", "-binary", "-inform", "DER", "-in", str(root / sig_key),
+                              "-content", str(root / proof_key), "-CAfile", settings.signer_chain, "-purpose", "any",
+                              "-out", "/dev/null"], capture_output=True, text=True)
+    assert openssl.returncode == 0, openssl.stderr
+    sealed = proof.verify(store, run_id)
+    assert sealed["ok"] and sealed["sealed"] and "Signatory" in sealed["signed_by"], sealed
+
+    # one byte of one delivery-log object changed: verify names it; so does a deletion
+    shard = keys.shard_of(some, summary_shards(store, run_id))
+    objects = sorted(store.keys(keys.delivery_log_prefix(run_id, shard)))
+    assert len(objects) >= 3, objects  # intent, outcomes, the bounce
+    middle = root / objects[1]
+    original = middle.read_bytes()
+    at = original.index(b'"status":"delivered"') + 11
+    middle.write_bytes(original[:at] + b"D" + original[at + 1:])
+    edited = proof.verify(store, run_id)
+    assert not edited["ok"] and edited["first_problem"].startswith(f"{objects[1]}: changed"), edited
+    middle.write_bytes(original)
+    last = root / objects[-1]
+    kept = last.read_bytes()
+    last.unlink()
+    removed = proof.verify(store, run_id)
+    assert not removed["ok"] and removed["first_problem"].startswith(f"{objects[-1]}: removed"), removed
+    last.write_bytes(kept)
+    assert proof.verify(store, run_id)["ok"]
+    (root / proof_key).write_bytes((root / proof_key).read_bytes().replace(b'"objects": 3', b'"objects": 2', 1))
+    assert not proof.verify(store, run_id)["ok"], "a proof edited after signing"
+
+
+def summary_shards(store, run_id: str) -> int:
+    from pipeline.day.split import load_manifest
+
+    return load_manifest(store, run_id).shard_count
+
+
+@pytest.mark.parametrize("shape", sorted(p.name for p in SAMPLES.glob("*.eml")))
+def test_the_shapes_providers_send_are_read_as_permanent_failures_of_the_right_account(shape):
+    v = verp.Verp("bounces", "bounces.broker.example.com", b"test-key")
+    raw = (SAMPLES / shape).read_text().format(verp=v.address("run-1", "C0000042"), rcpt="c42@client.example",
+                                               message_id=message_id("run-1", "C0000042"))
+    b = bounce.read(raw.replace("\n", "\r\n").encode(), v.pattern(), 10**7)
+    assert b.kind == "bounced" and b.reason
+    t = verp.parse(b.token)
+    assert t is not None and t.ucc == "C0000042" and verp.genuine(b"test-key", "run-1", t)
+    assert not verp.genuine(b"other-key", "run-1", t) and not verp.genuine(b"test-key", "run-2", t)
+
+
+def test_a_vERP_token_survives_case_folding_and_a_mangled_one_names_no_account():
+    v = verp.Verp("bounces", "b.example", b"k")
+    address = v.address("2026-11-20-abc", "C0000007")
+    assert len(address.split("@")[0]) <= 64
+    token = v.pattern().search(address.upper()).group(1)
+    assert verp.genuine(b"k", "2026-11-20-abc", verp.parse(token))
+    assert verp.parse(token.replace("-", "")) is None
+    assert not verp.genuine(b"k", "2026-11-20-abc", verp.parse(token[:-1] + ("0" if token[-1] != "0" else "1")))
