@@ -1,8 +1,9 @@
 """Per-stage counters and latency histograms with ray.util.metrics (Ray glue, not a
 building block): exported by the node where the work ran, on its metrics export port, and
 shown by the dashboard's Metrics view when Prometheus scrapes it. Prometheus names them
-ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count} and ray_cn_day_accounts_total;
-the last is counted by the driver, on the head, so the day's totals outlive the workers."""
+ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_day_accounts_total and
+ray_cn_bounces_total{kind}; the last two are counted on the head (by the driver, and by
+`bounces` on a cluster), so the day's totals outlive the workers."""
 
 from __future__ import annotations
 
@@ -22,7 +23,14 @@ def _day() -> Counter:
                    tag_keys=("status",))
 
 
-_counted: dict[str, int] = {}  # what this driver has added to the day's counter, by status
+@lru_cache(maxsize=1)
+def _bounces() -> Counter:
+    return Counter("cn_bounces", description="Bounces recorded after delivery, by kind (bounced, deferred).",
+                   tag_keys=("kind",))
+
+
+DAY, BOUNCES = ("ray_cn_day_accounts_total", "status"), ("ray_cn_bounces_total", "kind")
+_counted: dict[tuple, int] = {}  # what this process has added to the head's counters: (metric, label) -> n
 
 
 def day(tally: dict[str, int]) -> None:
@@ -30,11 +38,16 @@ def day(tally: dict[str, int]) -> None:
         if n:
             status = "delivered" if status == "ok" else status
             _day().inc(n, tags={"status": status})
-            _counted[status] = _counted.get(status, 0) + n
+            _counted[(DAY, status)] = _counted.get((DAY, status), 0) + n
+
+
+def bounces(kind: str, n: int) -> None:
+    _bounces().inc(n, tags={"kind": kind})
+    _counted[(BOUNCES, kind)] = _counted.get((BOUNCES, kind), 0) + n
 
 
 def wait_exported(timeout_s: float = 30.0) -> bool:
-    """Waits until this node's metrics port shows every count this driver made. Ray hands a
+    """Waits until this node's metrics port shows every count this process made. Ray hands a
     process's metrics to its node about every 10 s, and what is not handed over dies with the
     process: a driver that exits right after its last chains would leave the day's totals short."""
     import ray
@@ -43,10 +56,11 @@ def wait_exported(timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            shown = _shown(urllib.request.urlopen(url, timeout=2).read().decode(), worker)
+            text = urllib.request.urlopen(url, timeout=2).read().decode()
+            shown = {(m, label): v for m in (DAY, BOUNCES) for label, v in _shown(text, worker, *m).items()}
         except OSError:
             shown = {}
-        if all(shown.get(status, 0) >= n for status, n in _counted.items()):
+        if all(shown.get(key, 0) >= n for key, n in _counted.items()):
             return True
         if time.monotonic() > deadline:
             log.warning("the day's counters did not reach %s within %.0f s: shown %s, counted %s", url, timeout_s,
@@ -63,13 +77,12 @@ def node_metrics_url() -> str:
     return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
-def _shown(text: str, worker: str) -> dict[str, float]:
+def _shown(text: str, worker: str, metric: str = DAY[0], label: str = DAY[1]) -> dict[str, float]:
     shown = {}
     for line in text.splitlines():
-        if line.startswith("ray_cn_day_accounts_total{") and worker in line:
+        if line.startswith(metric + "{") and worker in line:
             labels, value = line.rsplit(" ", 1)
-            status = labels.split('status="', 1)[1].split('"', 1)[0]
-            shown[status] = float(value)
+            shown[labels.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(value)
     return shown
 
 

@@ -184,7 +184,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             chunks = store.lines(key)
         return StreamingResponse((c if full else mask_text(c) for c in chunks), media_type="text/csv")
 
-    limit, key = RateLimit(*NOTE_FETCHES), settings.hmac_key()
+    limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
 
     @lru_cache(maxsize=64)
     def shard_count(run_id: str) -> int | None:
@@ -195,7 +195,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     def note(token: str, request: Request):
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
-        found = link.check(key, token)
+        found = link.check(key(), token)
         store = open_store(settings.store_url)
         pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
             else None

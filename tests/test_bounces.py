@@ -25,7 +25,7 @@ from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from tests import servers
 from tests.conftest import TRADE_DATE
-from tests.helpers import client_rows, outbox_messages
+from tests.helpers import client_rows
 
 SAMPLES = Path(__file__).parent / "data" / "bounces"
 
@@ -192,3 +192,31 @@ def test_a_vERP_token_survives_case_folding_and_a_mangled_one_names_no_account()
     assert verp.genuine(b"k", "2026-11-20-abc", verp.parse(token))
     assert verp.parse(token.replace("-", "")) is None
     assert not verp.genuine(b"k", "2026-11-20-abc", verp.parse(token[:-1] + ("0" if token[-1] != "0" else "1")))
+
+
+def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(tmp_path):
+    """The README's demo, as a user runs it: the test relay accepts every message, then returns
+    DSNs (half permanent, half delayed) to the VERP addresses; the demo reads them back."""
+    import os
+    import sys
+
+    from pipeline.settings import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "CN_", "REDIS_", "SMTP_"))}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--accounts", "500", "--bounce-rate", "0.02",
+                           "--workdir", str(tmp_path / "demo")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    work = tmp_path / "demo"
+    sent = [json.loads(line) for line in (work / "bounces.jsonl").read_text().splitlines()]
+    by_email = {c["email"]: u for u, c in client_rows(work / "input").items()}
+    expected = {by_email[s["rcpt"]]: s["kind"] for s in sent}
+    assert 4 <= len(expected) <= 20, f"about 2% of 500: {len(expected)}"
+    report_csv = work / "store" / keys.report_keys(summary["run_id"])[1]
+    statuses = {r["ucc"]: r["status"] for r in csv.DictReader(report_csv.open())}
+    assert {u: s for u, s in statuses.items() if s in ("bounced", "deferred")} == expected
+    assert summary["bounces"]["refused"] == 0
+    paper = {r["ucc"] for r in csv.DictReader((work / "store" / report.paper_key(summary["run_id"])).open())}
+    physical = {u for u, s in statuses.items() if s == "physical"}
+    assert paper == physical | {u for u, k in expected.items() if k == "bounced"}

@@ -130,3 +130,55 @@ def test_script_like_text_in_every_field_the_page_shows_runs_nothing_and_the_tok
             browser.close()
     finally:
         server.should_exit = True
+
+
+def test_the_link_in_a_received_email_downloads_the_clients_own_note_in_chromium(
+        ray_session, settings, day, smtp_sink, tmp_path):
+    import dataclasses
+    import re
+
+    import httpx
+    from playwright.sync_api import sync_playwright
+
+    from pipeline.mail import link
+    from pipeline.record import delivery_log
+    from pipeline.record.storage import open_store
+    from tests.helpers import assert_signed_and_encrypted
+
+    port = free_port()
+    settings = dataclasses.replace(settings, link_base=f"http://127.0.0.1:{port}", api_token=TOKEN)
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+    ucc = "C0000003"
+    [msg] = [m for m in outbox_messages(smtp_sink.outbox) if ucc in m["Subject"]]
+    url = re.search(r"http://127\.0\.0\.1:\d+/notes/\S+", msg.get_body(("plain",)).get_content()).group(0)
+    server = serve(create_app(settings), port)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(accept_downloads=True)
+            with page.expect_download() as download:  # the client clicks the link in their mail
+                page.set_content(f'<a id="mine" href="{url}">your contract note</a>')
+                page.click("#mine")
+            download.value.save_as(tmp_path / "mine.pdf")
+            browser.close()
+        pan = client_rows(day)[ucc]["pan"]
+        assert_signed_and_encrypted(tmp_path / "mine.pdf", pan)  # qpdf --requires-password, pdfsig -upw PAN
+        store = open_store(settings.store_url)
+        fetched = [e for e in delivery_log.entries(store, summary["run_id"]) if e["status"] == "fetched"]
+        assert [e["ucc"] for e in fetched] == [ucc], "the fetch is in the delivery log: it proves receipt"
+
+        token = url.rsplit("/", 1)[1]
+        key = settings.hmac_key()
+        wrong = {
+            "tampered": token[:-2] + ("AA" if token[-2:] != "AA" else "BB"),
+            "expired": link.make(key, summary["run_id"], ucc, TRADE_DATE, 60, now=0),
+            "no such note": link.make(key, summary["run_id"], "C9999999", TRADE_DATE, 600),
+            "another key": link.make(b"not-the-key", summary["run_id"], ucc, TRADE_DATE, 600),
+        }
+        answers = {why: httpx.get(f"http://127.0.0.1:{port}/notes/{t}") for why, t in wrong.items()}
+        assert {why: (r.status_code, r.text) for why, r in answers.items()} == \
+            {why: (404, '{"detail":"no such note"}') for why in wrong}, "every wrong link looks the same"
+        codes = [httpx.get(f"http://127.0.0.1:{port}/notes/{wrong['tampered']}").status_code for _ in range(25)]
+        assert 429 in codes, "a guesser is slowed down"
+    finally:
+        server.should_exit = True

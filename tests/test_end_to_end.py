@@ -179,13 +179,16 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     assert attachment(msg)[1] == pdf.read_bytes()
 
 
-def test_the_drivers_day_counters_reach_the_nodes_metrics_port_before_it_lets_go(ray_session):
+def test_the_day_and_bounce_counters_reach_the_nodes_metrics_port_before_the_process_lets_go(ray_session):
     import ray
 
     from actors import metrics
 
     metrics.day({"ok": 3, "physical": 1})
+    metrics.bounces("bounced", 2)
     assert metrics.wait_exported(timeout_s=60)
-    text = urllib.request.urlopen(metrics.node_metrics_url()).read()
-    shown = metrics._shown(text.decode(), f'WorkerId="{ray.get_runtime_context().get_worker_id()}"')
+    text = urllib.request.urlopen(metrics.node_metrics_url()).read().decode()
+    worker = f'WorkerId="{ray.get_runtime_context().get_worker_id()}"'
+    shown = metrics._shown(text, worker)
     assert shown["delivered"] >= 3 and shown["physical"] >= 1
+    assert metrics._shown(text, worker, *metrics.BOUNCES)["bounced"] >= 2
