@@ -137,3 +137,73 @@ service submission-login {{
     service = Service("imap", process, f"imap://{DOVECOT_USER}:{DOVECOT_PASSWORD}@127.0.0.1:{port}/INBOX")
     service.root = root
     return service
+
+
+def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: str) -> Service:
+    """Debian's Postfix as the clients' mail server: it takes every message on a free loopback
+    port, delivers to the addresses in `mailboxes` (address -> maildir name) and, like a real
+    provider after its 250, bounces the rest of `domains` ("5.1.1 unknown user") to the
+    envelope sender.
+    Mail for `bounce_domain` (the VERP addresses: bounces+TOKEN@...) goes to the maildir
+    `bounces/`. Its folders are service.root / "vmail" / NAME."""
+    import pwd
+    import tempfile
+
+    master = Path("/usr/lib/postfix/sbin/master")
+    if not master.exists() or not shutil.which("postfix"):
+        raise EmbeddedError("postfix not found: run scripts/install.sh")
+    root = Path(tempfile.mkdtemp(prefix="cn-postfix-"))
+    root.chmod(0o755)
+    nobody = pwd.getpwnam("nobody")
+    etc, port = root / "etc", free_port()
+    for sub in ("etc", "spool", "lib", "vmail"):
+        (root / sub).mkdir()
+    os.chown(root / "lib", pwd.getpwnam("postfix").pw_uid, -1)
+    os.chown(root / "vmail", nobody.pw_uid, nobody.pw_gid)
+    services = []
+    for line in Path("/etc/postfix/master.cf").read_text().splitlines():
+        fields = line.split()
+        if line.startswith(("#", " ", "\t")) or len(fields) < 8:
+            services.append(line)
+        elif fields[0] == "smtp" and fields[1] == "inet":
+            services.append(f"127.0.0.1:{port} inet n - n - - smtpd")
+        else:  # nothing chrooted: the queue is in a folder of the test's
+            services.append(" ".join(fields[:4] + ["n"] + fields[5:]))
+    (etc / "master.cf").write_text("\n".join(services) + "\n")
+    domains = sorted(set(domains) | {bounce_domain})
+    (etc / "mailboxes").write_text("".join(f"{a} {box}/\n" for a, box in mailboxes.items()) +
+                                   f"bounces@{bounce_domain} bounces/\n")
+    (etc / "main.cf").write_text(f"""compatibility_level = 3.6
+queue_directory = {root}/spool
+data_directory = {root}/lib
+mail_owner = postfix
+setgid_group = postdrop
+inet_interfaces = 127.0.0.1
+inet_protocols = ipv4
+myhostname = mx.client.example
+mydomain = client.example
+myorigin = client.example
+mydestination =
+alias_maps =
+alias_database =
+virtual_mailbox_domains = {", ".join(domains)}
+virtual_mailbox_base = {root}/vmail
+virtual_mailbox_maps = texthash:{etc}/mailboxes
+virtual_uid_maps = static:{nobody.pw_uid}
+virtual_gid_maps = static:{nobody.pw_gid}
+virtual_minimum_uid = 1
+recipient_delimiter = +
+smtpd_reject_unlisted_recipient = no
+mynetworks = 127.0.0.0/8
+smtpd_relay_restrictions = permit_mynetworks, reject
+maillog_file_prefixes = {root}
+maillog_file = {root}/maillog
+biff = no
+smtputf8_enable = no
+""")
+    subprocess.run(["postfix", "-c", str(etc), "check"], check=True)  # makes the queue's folders
+    process = subprocess.Popen([str(master), "-c", str(etc), "-d"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_for_port(port, process, "postfix")
+    service = Service("smtp", process, f"smtp://127.0.0.1:{port}")
+    service.root = root
+    return service

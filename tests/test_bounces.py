@@ -220,3 +220,35 @@ def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(
     paper = {r["ucc"] for r in csv.DictReader((work / "store" / report.paper_key(summary["run_id"])).open())}
     physical = {u for u, s in statuses.items() if s == "physical"}
     assert paper == physical | {u for u, k in expected.items() if k == "bounced"}
+
+
+def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_and_they_become_paper_notes(
+        ray_session, settings, day, tmp_path):
+    """Postfix takes every message with a 250, then bounces those for unknown users back to
+    each message's VERP envelope sender: the DSNs are Postfix's own."""
+    import time
+
+    clients = client_rows(day)
+    uccs = sorted(clients)
+    known = {clients[u]["email"]: "clients" for u in uccs[::2]}
+    mta = servers.start_postfix(known, {c["email"].split("@")[1] for c in clients.values()}, settings.bounce_domain)
+    try:
+        settings = dataclasses.replace(settings, smtp_url=mta.url)
+        summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+        assert summary["delivered"] == len(uccs), "the MTA accepted every message"
+        unknown = {u for u in uccs if clients[u]["email"] not in known}
+        box = mta.root / "vmail" / "bounces"
+        deadline = time.monotonic() + 60
+        while len(list((box / "new").glob("*")) if (box / "new").exists() else []) < len(unknown):
+            assert time.monotonic() < deadline, (mta.root / "maillog").read_text()[-3000:]
+            time.sleep(0.2)
+        result = bounces.collect(settings, summary["run_id"], [str(box)])
+    finally:
+        mta.stop()
+        shutil.rmtree(mta.root, ignore_errors=True)
+    assert (result["bounced"], result["deferred"], result["refused"]) == (len(unknown), 0, 0), result
+    csv_rows = rows(settings, summary["run_id"])
+    assert {u for u, r in csv_rows.items() if r["status"] == "bounced"} == unknown
+    for u in unknown:
+        assert csv_rows[u]["bounce_status"] == "5.1.1" and "unknown user" in csv_rows[u]["bounce_reason"], csv_rows[u]
+    assert set(rows(settings, summary["run_id"], "paper")) == unknown
