@@ -55,5 +55,6 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     assert sorted(result["before"]) == sorted(victims) and result["after"] == []
     outputs = "".join(str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "image/png" in outputs and victims[0] in outputs
+    assert "Bounce window: **open**, until" in outputs
     assert len(outbox_messages(failing_relay.outbox)) == first["delivered"]
     assert sorted(m["Subject"].split("(")[-1].rstrip(")") for m in outbox_messages(healthy_relay.outbox)) == victims

@@ -40,16 +40,15 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     while page := [_row(store, csv_key, rows.line_num, row) for row in itertools.islice(rows, PAGE)]:
         state.record(o for row in page for o in _outcomes(row))
         state.restore_claims(r["ucc"] for r in page if r["status"] in ("delivered", "unconfirmed", "bounced", "deferred"))
-        state.bounce([(r["ucc"], r["status"], r["bounce_status"], r["bounce_reason"],
-                       dt.datetime.fromisoformat(r["bounced_at"]).timestamp())
-                      for r in page if r["status"] in ("bounced", "deferred") and r.get("bounced_at")])
+        state.bounce([(r["ucc"], r["status"], r["bounce_status"], r["bounce_reason"], r["bounced_at"])
+                      for r in page if r["status"] in ("bounced", "deferred") and r["bounced_at"]])
     split = load_manifest(store, run_id)
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile, a bounce)
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)})
         state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
                              for e in delivery_log.entries(store, run_id, shard)
                              if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))
-    window = report.get("bounce_window") if isinstance(report.get("bounce_window"), dict) else {}
+    window = report.get("bounce_window", {})
     closed = window.get("closed_at") or ""
     state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
@@ -68,18 +67,27 @@ def read_report(store: Store, key: str) -> dict:
     try:
         dt.date.fromisoformat(report["trade_date"])
         ok = DATE.match(report["trade_date"]) and isinstance(report["accounts"], int)
-    except (KeyError, TypeError, ValueError):
+        window = report.get("bounce_window", {})
+        if window.get("closed_at"):
+            dt.datetime.fromisoformat(window["closed_at"])
+    except (KeyError, TypeError, ValueError, AttributeError):
         ok = False
     if not ok or not all(isinstance(report.get(k, ""), str) for k in ("input", "relays")):
-        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input or "
-                           "relays were edited)")
+        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input, "
+                           "relays or bounce window were edited)")
     return report
 
 
 def _row(store: Store, key: str, line: int, row: dict) -> dict:
     row = {k: _plain(v) for k, v in row.items()}
-    if not UCC.match(row.get("ucc") or "") or row.get("status") not in STATUSES:
-        raise StorageError(f"{store.url}: object {key!r} line {line}: not a report row (its ucc or status was edited)")
+    ok = UCC.match(row.get("ucc") or "") and row.get("status") in STATUSES
+    try:
+        row["bounced_at"] = dt.datetime.fromisoformat(row["bounced_at"]).timestamp() if row.get("bounced_at") else ""
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StorageError(f"{store.url}: object {key!r} line {line}: not a report row (its ucc, status or bounced_at "
+                           "was edited)")
     return row
 
 

@@ -22,6 +22,7 @@ from flufl.bounce import all_failures
 
 STATUS = re.compile(r"\b([245])\.(\d{1,3})\.(\d{1,3})\b")
 MESSAGE_ID = re.compile(r"^Message-ID:\s*(<[^<>\s]{1,250}>)", re.IGNORECASE | re.MULTILINE)
+PARSED_BYTES = 256 * 1024
 logging.getLogger("flufl.bounce").setLevel(logging.CRITICAL)  # a detector tripped by a broken message: we report it
 TOKEN_HEADERS = ("Delivered-To", "X-Original-To", "Envelope-To", "X-Envelope-To", "To", "X-Failed-Recipients")
 
@@ -43,10 +44,12 @@ def read(raw: bytes, token_pattern: re.Pattern, max_bytes: int) -> Bounce:
     if len(raw) > max_bytes:
         raise NotABounce(f"{len(raw):,} bytes, over CN_BOUNCE_MAX_BYTES ({max_bytes:,}): not read")
     try:
-        msg = email.message_from_bytes(raw, policy=email.policy.compat32)
+        # the report parts come first; a returned original (a 60 KB note) need not be parsed whole
+        msg = email.message_from_bytes(raw[:PARSED_BYTES], policy=email.policy.compat32)
         temporary, permanent = all_failures(msg)
-        fields = _delivery_status(msg)
-        text = _text(msg)
+        parts = [(part.get_content_type(), part) for part in msg.walk()]  # once: each look below is a pass
+        fields = _delivery_status(parts)
+        text = _text(parts)
     except Exception as e:  # a broken message may trip the parser or a detector anywhere
         raise NotABounce(f"not a readable message ({type(e).__name__})") from None
     action = fields.get("action", "").lower()
@@ -63,14 +66,14 @@ def read(raw: bytes, token_pattern: re.Pattern, max_bytes: int) -> Bounce:
         code = code if kind == "deferred" else ""
     reason = fields.get("diagnostic-code") or _first_error_line(text) or ("permanent failure" if kind == "bounced"
                                                                           else "delivery delayed")
-    return Bounce(kind, code, " ".join(reason.split())[:300], _token(msg, token_pattern),
-                  _returned_message_id(msg, text))
+    return Bounce(kind, code, " ".join(reason.split())[:300], _token(msg, parts, token_pattern),
+                  _returned_message_id(parts, text))
 
 
-def _delivery_status(msg: Message) -> dict[str, str]:
+def _delivery_status(parts: list[tuple[str, Message]]) -> dict[str, str]:
     """The first recipient block of a message/delivery-status part (RFC 3464), lower-cased names."""
-    for part in msg.walk():
-        if part.get_content_type() == "message/delivery-status" and part.is_multipart():
+    for kind, part in parts:
+        if kind == "message/delivery-status" and part.is_multipart():
             blocks = part.get_payload()
             for block in blocks[1:] or blocks:  # the first block is about the reporting MTA
                 if block.get("Action") or block.get("Status"):
@@ -78,37 +81,37 @@ def _delivery_status(msg: Message) -> dict[str, str]:
     return {}
 
 
-def _text(msg: Message, limit: int = 200_000) -> str:
+def _text(parts: list[tuple[str, Message]], limit: int = 200_000) -> str:
     """The human-readable parts, as text (what heuristic shapes put the reason in)."""
     out = []
-    for part in msg.walk():
-        if part.get_content_maintype() == "text" and not part.is_multipart():
+    for kind, part in parts:
+        if kind.startswith("text/") and not part.is_multipart():
             payload = part.get_payload(decode=True) or b""
             out.append(payload[:limit].decode("utf-8", "replace"))
     return "\n".join(out)
 
 
-def _token(msg: Message, pattern: re.Pattern) -> str:
+def _token(msg: Message, parts: list[tuple[str, Message]], pattern: re.Pattern) -> str:
     for name in TOKEN_HEADERS:
         for value in msg.get_all(name, []):
             m = pattern.search(str(value))
             if m:
                 return m.group(1).lower()
-    for part in msg.walk():  # the returned headers carry the original Return-Path
-        if part.get_content_type() in ("text/rfc822-headers", "message/rfc822"):
+    for kind, part in parts:  # the returned headers carry the original Return-Path
+        if kind in ("text/rfc822-headers", "message/rfc822"):
             m = pattern.search(part.as_string()[:100_000])
             if m:
                 return m.group(1).lower()
     return ""
 
 
-def _returned_message_id(msg: Message, text: str) -> str:
-    for part in msg.walk():
-        if part.get_content_type() == "message/rfc822" and part.is_multipart():
+def _returned_message_id(parts: list[tuple[str, Message]], text: str) -> str:
+    for kind, part in parts:
+        if kind == "message/rfc822" and part.is_multipart():
             mid = part.get_payload(0).get("Message-ID")
             if mid:
                 return str(mid).strip()
-        if part.get_content_type() == "text/rfc822-headers":
+        if kind == "text/rfc822-headers":
             m = MESSAGE_ID.search(part.get_payload(decode=True).decode("utf-8", "replace"))
             if m:
                 return m.group(1)
