@@ -12,6 +12,7 @@ for no account of the run, too big or unreadable is reported and changes no acco
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -30,6 +31,7 @@ from pipeline.settings import Settings
 
 log = logging.getLogger("pipeline.bounces")
 REPORT_EVERY_S = 300.0
+BATCH = 2000  # messages read, then recorded, at a time
 APPENDS = 16  # delivery-log appends in flight on S3 (one per shard a poll's bounces fall in)
 CODES = {1: "applied", 0: "already recorded", -1: "no such account in the run", -2: "not mailed in the run"}
 
@@ -70,8 +72,8 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
     try:
         while True:
             for box in boxes:
-                messages = list(box.unseen())
-                if messages:
+                unseen = box.unseen()
+                while messages := list(itertools.islice(unseen, BATCH)):  # memory: a batch, not the mailbox
                     changed |= apply(store, state, split.shard_count, v, messages, tally, on_applied,
                                      settings.bounce_max_bytes)
                     box.seen(messages)

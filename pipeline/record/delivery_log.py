@@ -135,7 +135,7 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
     """Each account's latest mail entry (by time; a later mailing wins a tie), of `accounts`
     only when given: memory follows the shard, not the log's length. What came after the
-    mail (a bounce, a fetch) is not a mailing: apply.py reads those."""
+    mail (a bounce, a fetch) is not a mailing: cluster/bounces.py and restore.py read those."""
     found: dict[str, dict] = {}
     for e in log:
         if e["status"] not in MAIL_STATUSES or (accounts is not None and e["ucc"] not in accounts):

@@ -16,8 +16,11 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
   {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
   {p}-signed-pdf/{date}/{ucc}.pdf                 the signed archive of record
-  {p}-delivery-log/{run}/shard-{k}/{stamp}.jsonl  mail outcomes of one mailing of shard k (k % 10 == p)
+  {p}-delivery-log/{run}/shard-{k}/{n:08d}.jsonl  object n of shard k's chained log: a mailing's intent or
+                                                  outcomes, a bounce, a fetch (k % 10 == p; delivery_log.py)
   reports/{run}.json, reports/{run}.csv           the run report
+  reports/{run}.paper.csv                         the physical dispatch list, with due dates
+  reports/{run}.proof.json, .proof.p7s            the sealed chain heads and their CMS signature (close)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
   reports/.write-check                            written before a run starts: the store is writable
