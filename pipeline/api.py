@@ -209,6 +209,15 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
             "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
+    @app.get("/runs/{run_id}/paper.csv", response_class=PlainTextResponse)
+    def paper_csv(run_id: str, full: bool = Depends(authorised)):
+        """The physical dispatch list as the report last wrote it: who, why, by when."""
+        key = report.paper_key(run_id) if keys.RUN_ID.match(run_id) else ""
+        store = open_store(settings.store_url)
+        if not key or not store.exists(key):
+            raise HTTPException(404, f"no paper list for run {run_id!r}")
+        return StreamingResponse((c if full else mask_text(c) for c in store.lines(key)), media_type="text/csv")
+
     @app.post("/runs/{run_id}/rerun", status_code=202)
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
         if read_only:

@@ -98,6 +98,13 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
     paper = rows(settings, run_id, "paper")
     assert set(paper) == {no_consent, malformed, rejected} | {u for u, k in expected.items() if k == "bounced"}
     assert all(r["due_date"] for r in paper.values())
+    from fastapi.testclient import TestClient
+
+    from pipeline.api import create_app
+
+    served = TestClient(create_app(settings, read_only=True)).get(f"/runs/{run_id}/paper.csv")
+    assert served.status_code == 200 and {r["ucc"] for r in csv.DictReader(served.text.splitlines())} == set(paper)
+    assert "@" not in served.text.replace("***@", ""), "addresses in a bounce's reason are masked without the token"
     assert RunState(settings.redis_url, run_id).counts()["bounced"] == list(expected.values()).count("bounced")
 
     # hostile DSNs, and the same ones again: nothing changes
@@ -252,3 +259,37 @@ def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_and_they_become_
     for u in unknown:
         assert csv_rows[u]["bounce_status"] == "5.1.1" and "unknown user" in csv_rows[u]["bounce_reason"], csv_rows[u]
     assert set(rows(settings, summary["run_id"], "paper")) == unknown
+
+
+def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_from_an_mbox(
+        redis_url, keys_dir, tmp_path):
+    """A relay that rewrote the envelope sender (no VERP token in the DSN) still returns the
+    original's headers: the run's own Message-ID names the account; another run's names none."""
+    import mailbox
+    import uuid
+
+    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record.records import Outcome
+    from pipeline.settings import Settings
+
+    run_id = f"mbox-{uuid.uuid4().hex[:6]}"
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url,
+                        token_key_file=str(keys_dir / "token.key"))
+    state, store = RunState(redis_url, run_id), open_store(settings.store_url)
+    state.start({"date": TRADE_DATE, "finished": 1.0, "bounce_window_h": 72})
+    state.record([Outcome(u, "delivered", message_id=message_id(run_id, u), reply="250 ok") for u in ("C1", "C2")])
+    save_manifest(store, run_id, SplitResult([0], 10, 2))
+    box = mailbox.mbox(tmp_path / "bounces.mbox")
+    for ucc, run in (("C1", run_id), ("C2", "some-other-run")):
+        original = f"From: notes@broker.example.com\r\nMessage-ID: {message_id(run, ucc)}\r\n\r\n".encode()
+        box.add(dsn("bounced", "rewritten@relay.example", f"{ucc.lower()}@clients.test", original))
+    box.flush()
+
+    result = bounces.collect(settings, run_id, [str(tmp_path / "bounces.mbox")])
+
+    assert (result["bounced"], result["refused"]) == (1, 1), result
+    assert result["refused_first"][0]["why"] == "a Message-ID that is not the run's"
+    records = state.accounts(["C1", "C2"])
+    assert records["C1"]["bounce"]["kind"] == "bounced" and "bounce" not in records["C2"]
+    logged = [e for e in delivery_log.entries(store, run_id) if e["status"] == "bounced"]
+    assert [(e["ucc"], e["token"], e["message_id"]) for e in logged] == [("C1", "", message_id(run_id, "C1"))]

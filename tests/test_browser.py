@@ -138,7 +138,7 @@ def test_the_link_in_a_received_email_downloads_the_clients_own_note_in_chromium
     import re
 
     import httpx
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     from pipeline.mail import link
     from pipeline.record import delivery_log
@@ -160,6 +160,9 @@ def test_the_link_in_a_received_email_downloads_the_clients_own_note_in_chromium
                 page.set_content(f'<a id="mine" href="{url}">your contract note</a>')
                 page.click("#mine")
             download.value.save_as(tmp_path / "mine.pdf")
+            page.goto(f"http://127.0.0.1:{port}/?run={summary['run_id']}")  # the operator's page: the window
+            expect(page.locator("#window")).to_contain_text("open until", timeout=10_000)
+            assert page.locator("#paper-link").get_attribute("href") == f"/runs/{summary['run_id']}/paper.csv"
             browser.close()
         pan = client_rows(day)[ucc]["pan"]
         assert_signed_and_encrypted(tmp_path / "mine.pdf", pan)  # qpdf --requires-password, pdfsig -upw PAN
