@@ -55,7 +55,8 @@ def _run_level_errors() -> tuple[type, ...]:
     from pipeline.settings import ConfigError
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
-            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError, RunNotFound)
+            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError,
+            RunNotFound)
 
 
 def _on_redis(settings: Settings) -> Settings:
@@ -345,9 +346,8 @@ def cmd_secret_json(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from pipeline.api import create_app
-
     from pipeline import credentials
+    from pipeline.api import create_app
 
     settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the notes' links
     if not settings.api_token and not args.read_only:

@@ -46,7 +46,7 @@ PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
 MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
-NOTE_FETCHES = (20, 60.0)  # per client address: this many fetches of /notes/ a this many seconds, then 429
+NOTE_FETCHES = (20, 60.0)  # per client address: this many requests to /notes/ in this many seconds, then 429
 
 
 class RateLimit:
@@ -175,7 +175,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(404, f"no run {run_id!r}")
         state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
         if state.exists():  # live, also while the run goes on
-            chunks = report.csv_chunks(state)
+            chunks = report.csv_chunks(state, trade_date=state.meta().get("date", ""), due_days=settings.paper_due_days)
         else:
             store = open_store(settings.store_url)
             key = keys.report_keys(run_id)[1]

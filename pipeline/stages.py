@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Callable, Container
 
 from pipeline.day.dumps import EMAIL, Client, Trade
+from pipeline.mail import link
 from pipeline.mail.message import (
     Letter,
     PermanentMailError,
@@ -25,7 +26,6 @@ from pipeline.mail.message import (
     build_message,
     message_id,
 )
-from pipeline.mail import link
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
 from pipeline.mail.verp import Verp
 from pipeline.note.charges import compute
@@ -201,7 +201,7 @@ class MailContext:
     resend_unconfirmed: bool = False  # rerun --unconfirmed: the same Message-ID again
     epoch: str = ""  # the run's epoch in Redis: claims are refused if Redis lost the run
     sending: asyncio.Semaphore | None = None  # one per connection: claim only what can leave now
-    verp: Verp | None = None  # each message's envelope sender; None: the From address (benchmarks of old)
+    verp: Verp | None = None  # each message's envelope sender (None: the From header's address)
     link_base: str = ""  # the client's link to their note, in the e-mail's text ("": none)
     link_s: float = 90 * 86400
     key: bytes = b""  # the HMAC key of the links
@@ -209,7 +209,7 @@ class MailContext:
     def mail_from(self, run_id: str, ucc: str) -> str:
         return self.verp.address(run_id, ucc) if self.verp else _envelope_sender(self.letter.sender)
 
-    def link(self, run_id: str, ucc: str, trade_date: str) -> str:
+    def note_link(self, run_id: str, ucc: str, trade_date: str) -> str:
         if not self.link_base:
             return ""
         return f"{self.link_base}/notes/{link.make(self.key, run_id, ucc, trade_date, self.link_s)}"
@@ -278,7 +278,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
             if pdf is None:  # archived on an earlier attempt: mailed from the archive
                 pdf = ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
             message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf,
-                                    ctx.link(batch.run_id, ucc, batch.trade_date))
+                                    ctx.note_link(batch.run_id, ucc, batch.trade_date))
         except Exception as e:  # storage, or a message that cannot be built: nothing has left
             outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
             ctx.state.record([outcome])
