@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -274,6 +275,8 @@ def cmd_bounces(args) -> int:
         raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
     settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the tokens
     count = lambda kind, n: None  # noqa: E731
+    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     if on_cluster():  # ray_cn_bounces_total{kind}, on the head's metrics port, beside the day's counters
         import ray
 

@@ -293,3 +293,50 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
     assert records["C1"]["bounce"]["kind"] == "bounced" and "bounce" not in records["C2"]
     logged = [e for e in delivery_log.entries(store, run_id) if e["status"] == "bounced"]
     assert [(e["ucc"], e["token"], e["message_id"]) for e in logged] == [("C1", "", message_id(run_id, "C1"))]
+
+
+def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_report_written(
+        redis_url, keys_dir, tmp_path):
+    import os
+    import signal
+    import sys
+    import time
+    import uuid
+
+    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record.records import Outcome
+    from pipeline.settings import ROOT, Settings
+
+    run_id = f"watch-{uuid.uuid4().hex[:6]}"
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url,
+                        token_key_file=str(keys_dir / "token.key"))
+    state, store = RunState(redis_url, run_id), open_store(settings.store_url)
+    state.start({"date": TRADE_DATE, "finished": time.time(), "bounce_window_h": 72})
+    state.record([Outcome(u, "delivered", message_id=message_id(run_id, u), reply="250 ok") for u in ("C1", "C2")])
+    save_manifest(store, run_id, SplitResult([0], 10, 2))
+    report.write(store, state, run_id, {"run_id": run_id, "trade_date": TRADE_DATE}, [])
+    box = tmp_path / "box"
+    for sub in ("new", "cur", "tmp"):
+        (box / sub).mkdir(parents=True)
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": settings.store_url,
+           "CN_TOKEN_KEY_FILE": settings.token_key_file, "PYTHONPATH": ROOT}
+    watcher = subprocess.Popen([sys.executable, "-m", "pipeline", "bounces", run_id, "--maildir", str(box), "--watch",
+                                "--every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        time.sleep(1)
+        v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
+        (box / "new" / "1.dsn").write_bytes(dsn("bounced", v.address(run_id, "C2"), "c2@clients.test", b"\r\n"))
+        deadline = time.monotonic() + 30
+        while "bounce" not in state.accounts(["C2"])["C2"]:
+            assert watcher.poll() is None and time.monotonic() < deadline, watcher.stderr.read() if watcher.poll() else ""
+            time.sleep(0.1)
+        watcher.send_signal(signal.SIGTERM)
+        out, err = watcher.communicate(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1])["bounced"] == 1
+    assert rows(settings, run_id)["C2"]["status"] == "bounced", "the report got what the watch recorded"
+    assert list((box / "cur").iterdir())[0].name.endswith(":2,S"), "the maildir message is marked seen"

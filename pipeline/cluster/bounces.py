@@ -70,7 +70,7 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
     v, tally = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key()), Tally()
     changed, written = False, time.monotonic()
     try:
-        while True:
+        while True:  # --watch ends with Ctrl-C or SIGTERM (cmd_bounces): what was read is recorded
             for box in boxes:
                 unseen = box.unseen()
                 while messages := list(itertools.islice(unseen, BATCH)):  # memory: a batch, not the mailbox
@@ -83,6 +83,9 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
             if not watch:
                 break
             time.sleep(every_s)
+    except KeyboardInterrupt:
+        if not watch:
+            raise
     finally:
         for box in boxes:
             box.close()
