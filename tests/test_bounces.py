@@ -9,8 +9,10 @@ import csv
 import dataclasses
 import imaplib
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from pipeline.record import delivery_log, keys, report
 from pipeline.record.keys import message_id
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
+from pipeline.settings import ROOT
 from tests import servers
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows
@@ -161,6 +164,9 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
     middle.write_bytes(original[:at] + b"D" + original[at + 1:])
     edited = proof.verify(store, run_id)
     assert not edited["ok"] and edited["first_problem"].startswith(f"{objects[1]}: changed"), edited
+    cli = subprocess.run([sys.executable, "-m", "pipeline", "verify", run_id], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "CN_STORE": settings.store_url})
+    assert cli.returncode == 1 and json.loads(cli.stdout)["first_problem"] == edited["first_problem"]
     middle.write_bytes(original)
     last = root / objects[-1]
     kept = last.read_bytes()
@@ -204,11 +210,6 @@ def test_a_vERP_token_survives_case_folding_and_a_mangled_one_names_no_account()
 def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(tmp_path):
     """The README's demo, as a user runs it: the test relay accepts every message, then returns
     DSNs (half permanent, half delayed) to the VERP addresses; the demo reads them back."""
-    import os
-    import sys
-
-    from pipeline.settings import ROOT
-
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "CN_", "REDIS_", "SMTP_"))}
     done = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--accounts", "500", "--bounce-rate", "0.02",
                            "--workdir", str(tmp_path / "demo")], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -297,15 +298,13 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
 
 def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_report_written(
         redis_url, keys_dir, tmp_path):
-    import os
     import signal
-    import sys
     import time
     import uuid
 
     from pipeline.day.split import SplitResult, save_manifest
     from pipeline.record.records import Outcome
-    from pipeline.settings import ROOT, Settings
+    from pipeline.settings import Settings
 
     run_id = f"watch-{uuid.uuid4().hex[:6]}"
     settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url,
