@@ -56,5 +56,8 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     outputs = "".join(str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "image/png" in outputs and victims[0] in outputs
     assert "Bounce window: **open**, until" in outputs
+    [paper_cell] = [c for c in nb.cells if "paper_key" in c.source]
+    paper = "".join(str(o.get("data", "")) for o in paper_cell.outputs if o["output_type"] == "execute_result")
+    assert victims[1] in paper and "smtp permanent" in paper, "the relay's 550 is on the paper list"
     assert len(outbox_messages(failing_relay.outbox)) == first["delivered"]
     assert sorted(m["Subject"].split("(")[-1].rstrip(")") for m in outbox_messages(healthy_relay.outbox)) == victims
