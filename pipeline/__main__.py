@@ -353,6 +353,7 @@ def cmd_serve(args) -> int:
     from pipeline.api import create_app
 
     settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the notes' links
+    settings.hmac_key()  # the clients' links are checked with it: a secret without one is said at start
     if not settings.api_token and not args.read_only:
         raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
                           "else; set it, or pass --read-only (no PII, no reruns)")
@@ -380,9 +381,11 @@ def cmd_run(args) -> int:
     settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                                      smtp_url=args.smtp), DEFAULT_KEY_DIR))
     # The secret's values are checked here and read again by each actor: they never travel through Ray
-    if credentials.resolve(settings).owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
+    resolved = credentials.resolve(settings)
+    if resolved.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                           "could lift the notes' permissions; set it, or pass --test-keys for a test run")
+    resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
     request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
     preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
     state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
