@@ -8,7 +8,7 @@ import time
 import uuid
 
 from pipeline.mail.relay_log import accepted_ids
-from pipeline.record import delivery_log
+from pipeline.record import delivery_log, keys
 from pipeline.record.records import final_status
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
@@ -78,3 +78,16 @@ def test_a_lost_redis_is_rebuilt_from_the_delivery_log_guard_first(redis_url, tm
         "A": "delivered", "B": "unconfirmed", "C": "failed", "D": "unconfirmed"}
     assert state.claimed(["A", "B", "C", "D"]) == {"A", "B", "D"}, "a failed mail may be sent again"
     assert not state.claim_mail("B", "<B>", epoch, state.take_lease(30).token)
+
+
+def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):
+    """Objects named by time (a run of the previous version, still within the retention) stay
+    readable; the chain starts beside them."""
+    store = open_store(str(tmp_path / "store"))
+    run_id = f"legacy-{uuid.uuid4().hex[:6]}"
+    legacy = f"{keys.delivery_log_prefix(run_id, 2)}01795540000000000000-abcd1234.jsonl"
+    store.put(legacy, json.dumps({"ucc": "A", "status": "delivered", "message_id": "<A>", "at": time.time(),
+                                  "attempts": 1}).encode() + b"\n")
+    link = delivery_log.append(store, run_id, 2, [delivery_log.sending("B", "<B>")])
+    assert link.seq == 1 and delivery_log.head(store, run_id, 2) == link
+    assert {e["ucc"] for e in delivery_log.entries(store, run_id, 2)} == {"A", "B"}

@@ -132,7 +132,7 @@ def _links_elsewhere(store: Store, rest: list[str], data: bytes, head: dict | No
 def _chain(store: Store, run_id: str, shard: int, head: dict | None) -> tuple[int, int, str]:
     """(objects, of them after the seal, the first problem or "") for one shard's chain."""
     prev_sha, prev_key, n = delivery_log.GENESIS, "", 0
-    found = list(store.keys(keys.delivery_log_prefix(run_id, shard)))
+    found = [k for k in store.keys(keys.delivery_log_prefix(run_id, shard)) if delivery_log.CHAINED.search(k)]
     for i, key in enumerate(found):
         data = store.get(key)
         try:

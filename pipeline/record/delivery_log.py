@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Container, Iterable, Iterator
@@ -34,6 +35,7 @@ from pipeline.record.storage import StorageError, Store
 MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed")
 STATUSES = MAIL_STATUSES + ("bounced", "deferred", "fetched")
 GENESIS = "0" * 64  # the `prev` of a chain's first object
+CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,12 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
 
 
 def head(store: Store, run_id: str, shard: int) -> Link | None:
-    """The last object of the shard's chain, or None for an empty log."""
+    """The last object of the shard's chain, or None for an empty log. Objects a run wrote
+    before the log was chained (named by time) are read as entries, never chained to."""
     last = None
     for key in store.keys(keys.delivery_log_prefix(run_id, shard)):
-        last = key
+        if CHAINED.search(key):
+            last = key
     if last is None:
         return None
     data = store.get(last)
