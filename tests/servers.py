@@ -73,10 +73,11 @@ def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
 DOVECOT_USER, DOVECOT_PASSWORD = "bounces", "bounce-box-secret"
 
 
-def start_dovecot() -> Service:
+def start_dovecot(mail_root: Path | None = None) -> Service:
     """Debian's Dovecot as the bounce domain's IMAP mailbox: a throwaway configuration, one
     user, plain IMAP on a free loopback port. Its mail lives in a folder of its own (Dovecot
-    refuses to run mail as root, and a test's tmp_path is closed to other users); url is
+    refuses to run mail as root, and a test's tmp_path is closed to other users), or in
+    `mail_root` (an MTA's maildirs, one per user, owned by nobody); url is
     imap://bounces:PASSWORD@127.0.0.1:PORT/INBOX."""
     import pwd
     import tempfile
@@ -101,7 +102,7 @@ auth_mechanisms = plain login
 base_dir = {root}/run
 state_dir = {root}/state
 log_path = {root}/dovecot.log
-mail_location = maildir:{root}/mail/%u
+mail_location = maildir:{mail_root or root / "mail"}/%u
 first_valid_uid = 1
 passdb {{
   driver = passwd-file

@@ -230,16 +230,18 @@ def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(
     assert paper == physical | {u for u, k in expected.items() if k == "bounced"}
 
 
-def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_and_they_become_paper_notes(
+def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_read_over_imap_into_paper_notes(
         ray_session, settings, day, tmp_path):
     """Postfix takes every message with a 250, then bounces those for unknown users back to
-    each message's VERP envelope sender: the DSNs are Postfix's own."""
+    each message's VERP envelope sender: the DSNs are Postfix's own, delivered into the bounce
+    mailbox's maildir and read through Dovecot's IMAP, as the bounce domain's MX would have it."""
     import time
 
     clients = client_rows(day)
     uccs = sorted(clients)
     known = {clients[u]["email"]: "clients" for u in uccs[::2]}
     mta = servers.start_postfix(known, {c["email"].split("@")[1] for c in clients.values()}, settings.bounce_domain)
+    imap = servers.start_dovecot(mta.root / "vmail")
     try:
         settings = dataclasses.replace(settings, smtp_url=mta.url)
         summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
@@ -250,9 +252,11 @@ def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_and_they_become_
         while len(list((box / "new").glob("*")) if (box / "new").exists() else []) < len(unknown):
             assert time.monotonic() < deadline, (mta.root / "maillog").read_text()[-3000:]
             time.sleep(0.2)
-        result = bounces.collect(settings, summary["run_id"], [str(box)])
+        result = bounces.collect(settings, summary["run_id"], [imap.url])
     finally:
+        imap.stop()
         mta.stop()
+        shutil.rmtree(imap.root, ignore_errors=True)
         shutil.rmtree(mta.root, ignore_errors=True)
     assert (result["bounced"], result["deferred"], result["refused"]) == (len(unknown), 0, 0), result
     csv_rows = rows(settings, summary["run_id"])
