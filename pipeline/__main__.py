@@ -179,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="check a run's delivery log, proof and signature from storage alone; names the "
                                         "first object changed, removed or out of place (exit 1)")
     ve.add_argument("run_id", type=_run_id)
+    ve.add_argument("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it")
     ve.set_defaults(func=cmd_verify)
 
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
@@ -303,7 +304,10 @@ def cmd_verify(args) -> int:
     from pipeline.cluster.proof import verify
     from pipeline.record.storage import open_store
 
-    result = verify(open_store(Settings.from_env().store_url), args.run_id)
+    if args.cert and not args.cert.is_file():
+        raise ConfigError(f"--cert {args.cert}: no such file")
+    result = verify(open_store(Settings.from_env().store_url), args.run_id,
+                    args.cert.read_bytes() if args.cert else None)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

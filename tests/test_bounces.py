@@ -151,8 +151,10 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
                               "-content", str(root / proof_key), "-CAfile", settings.signer_chain, "-purpose", "any",
                               "-out", "/dev/null"], capture_output=True, text=True)
     assert openssl.returncode == 0, openssl.stderr
-    sealed = proof.verify(store, run_id)
+    sealed = proof.verify(store, run_id, Path(settings.signer_cert).read_bytes())
     assert sealed["ok"] and sealed["sealed"] and "Signatory" in sealed["signed_by"], sealed
+    assert "not by the certificate given" in proof.verify(store, run_id, Path(settings.signer_chain).read_bytes())[
+        "first_problem"], "a proof signed again with another key is caught when the broker's certificate is given"
 
     # one byte of one delivery-log object changed: verify names it; so does a deletion
     shard = keys.shard_of(some, summary_shards(store, run_id))

@@ -54,8 +54,8 @@ def close(settings: Settings, run_id: str, now: float | None = None) -> dict:
         if not meta.get("finished"):
             raise WindowOpen(f"run {run_id} has not finished: its bounce window has not begun")
         hours = float(meta.get("bounce_window_h") or settings.bounce_window_h)
-        opens_until = float(meta["finished"]) + hours * 3600
-        if now < opens_until:
+        closes = float(meta["finished"]) + hours * 3600
+        if now < closes:
             raise WindowOpen(f"run {run_id}: the bounce window is open until "
                              f"{report.bounce_window(meta)['closes_at']} ({hours:g} h after the run): not closed")
         if not meta.get("closed_at"):
@@ -87,8 +87,10 @@ def seal(settings: Settings, store: Store, run_id: str, shards: list[int]) -> di
     return proof
 
 
-def verify(store: Store, run_id: str) -> dict:
-    """Every check, and the first problem found (None: the record is whole)."""
+def verify(store: Store, run_id: str, cert_pem: bytes | None = None) -> dict:
+    """Every check, and the first problem found (None: the record is whole). With the broker's
+    certificate (`cert_pem`), the proof must be signed by it: a proof edited and signed again
+    with another key fails, where without it the signer is only named, for the reader to judge."""
     split = load_manifest(store, run_id)
     if split is None:
         raise RunNotFound(f"no run {run_id!r} in {store.url}")
@@ -100,6 +102,8 @@ def verify(store: Store, run_id: str) -> dict:
             signer = detached.check(data, store.get(sig_key) if store.exists(sig_key) else b"")
         except SignError as e:
             problems.append(f"{proof_key}: signature {sig_key}: {e}")
+        if signer and cert_pem and not signer.endswith(detached.fingerprint(cert_pem)):
+            problems.append(f"{sig_key}: signed by {signer}, not by the certificate given")
         try:
             sealed = {h["shard"]: h for h in json.loads(data)["heads"]}
         except (ValueError, KeyError, TypeError):

@@ -45,3 +45,8 @@ def check(data: bytes, signature: bytes) -> str:
     except InvalidSignature:
         raise SignError("the signature does not verify with the certificate it carries") from None
     return cert.subject.rfc4514_string() + " sha256:" + cert.fingerprint(hashes.SHA256()).hex()
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """How check() names a certificate: "sha256:" and its SHA-256."""
+    return "sha256:" + x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
