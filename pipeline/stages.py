@@ -78,6 +78,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
     Idempotent; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
+    found = {u: e for u, e in found.items() if e["status"] != "not_sent"}  # that mailing never sent it
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
@@ -252,6 +253,8 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
         logged = [delivery_log.entry(o, ctx.mail_from(batch.run_id, o.ucc)) for o in outcomes if o.stage == "delivered"]
+        logged += [delivery_log.not_sent(i["ucc"], str(r)) for i, r in zip(batch.items, results)
+                   if isinstance(r, (StateLostError, LeaseLostError))]  # refused at the claim: nothing left
         await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, logged, end)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

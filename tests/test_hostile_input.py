@@ -475,3 +475,37 @@ def test_reconcile_streams_a_60_mb_delivery_log_its_memory_does_not_follow_the_l
     assert log.stat().st_size > 60e6
     assert peaks[550_000][1] - peaks[10][1] < 30, peaks
     assert peaks[10][0] == peaks[550_000][0] == "0", "a stranger in the log is not an account of the run"
+
+
+def test_a_mailing_whose_claims_are_refused_logs_them_not_sent_so_a_resumed_run_mails_them(
+        settings, smtp_sink, tmp_path):
+    """The delivery log's "sending" for a mail whose claim was refused (here: another driver
+    took the run) is settled as not sent: rebuilt from the log, the account is neither
+    unconfirmed nor guarded, and nothing reached the relay."""
+    import asyncio
+
+    from pipeline.record import delivery_log, keys
+    from pipeline.record.lease import LeaseLostError
+    from pipeline.stages import Batch, mail_context, mail_stage, restore_from_log
+
+    run_id = f"refused-{os.urandom(3).hex()}"
+    state, store = RunState(settings.redis_url, run_id), open_store(settings.store_url)
+    state.start({})
+    stale = state.take_lease(1).token
+    state.r.delete(keys.run_lease(run_id))
+    state.take_lease(60)  # another driver holds the run now
+    store.put(keys.signed_pdf_key(DATE, "A1"), b"%PDF-1.7 archived")
+    item = {"ucc": "A1", "name": "Client", "email": "a1@example.com", "pan": "ABCDE1234F", "ecn": True, "pdf": None}
+
+    async def mail() -> dict:
+        return await mail_stage(Batch(run_id, DATE, 0, [item], lease=stale), mail_context(settings, state, store))
+
+    with pytest.raises(LeaseLostError):
+        asyncio.run(mail())
+    log = delivery_log.latest(delivery_log.entries(store, run_id, 0))
+    assert log["A1"]["status"] == "not_sent" and "lease" in log["A1"]["reason"]
+    assert list(smtp_sink.outbox.glob("*.eml")) == []
+    state.r.delete(*state.r.keys(f"cn:run:{run_id}:*"))  # Redis loses the run; the log rebuilds it
+    state.start({})
+    assert restore_from_log(store, state, run_id, 0, {"A1"}) == 0
+    assert state.accounts(["A1"]) == {} and state.claimed(["A1"]) == set()

@@ -4,8 +4,8 @@ beside the signed archive as a chain no one can quietly edit.
 A shard's log is a numbered series of write-once objects under the shard's fixed partition
 prefix. A mailing adds two: before the first mail of the batch is claimed, every account
 about to be tried as "sending"; once the replies are in, each account's outcome (Message-ID,
-relay reply, time, attempts, envelope sender). Reconciling, a bounce, a deemed delivery and
-a client's fetch of their note each add one of their own.
+relay reply, time, attempts, envelope sender), and "not_sent" for each whose claim was
+refused. Reconciling, a bounce and a client's fetch of their note each add one of their own.
 
 Each object's first line names its run, shard and number and carries the SHA-256 of the
 object before it (a chain, as a Git commit names its parent): an object changed, removed or
@@ -32,7 +32,7 @@ from pipeline.record import keys
 from pipeline.record.records import Outcome
 from pipeline.record.storage import StorageError, Store
 
-MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed")
+MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed", "not_sent")
 STATUSES = MAIL_STATUSES + ("bounced", "deferred", "fetched")
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
@@ -54,6 +54,12 @@ def object_key(run_id: str, shard: int, seq: int) -> str:
 def sending(ucc: str, message_id: str, mail_from: str = "") -> dict:
     e = {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
     return e | ({"mail_from": mail_from} if mail_from else {})
+
+
+def not_sent(ucc: str, why: str) -> dict:
+    """Settles a "sending" whose claim was refused (Redis lost the run, or another driver holds
+    it): nothing left, and the resumed run mails it as if this mailing had never tried."""
+    return {"ucc": ucc, "status": "not_sent", "reason": why[:300], "at": time.time()}
 
 
 def entry(o: Outcome, mail_from: str = "") -> dict:
