@@ -245,14 +245,16 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     once the replies are in, even when the batch stops on an error."""
     started = time.process_time()
     mailable = [i for i in batch.items if _not_mailable(i) is None]
+    for i in mailable:  # its VERP address: sent with, and logged twice
+        i["mail_from"] = ctx.mail_from(batch.run_id, i["ucc"])
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
-        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"]), ctx.mail_from(batch.run_id, i["ucc"]))
-                  for i in mailable]
+        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"]), i["mail_from"]) for i in mailable]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
-        logged = [delivery_log.entry(o, ctx.mail_from(batch.run_id, o.ucc)) for o in outcomes if o.stage == "delivered"]
+        senders = {i["ucc"]: i["mail_from"] for i in mailable}
+        logged = [delivery_log.entry(o, senders[o.ucc]) for o in outcomes if o.stage == "delivered"]
         logged += [delivery_log.not_sent(i["ucc"], str(r)) for i, r in zip(batch.items, results)
                    if isinstance(r, (StateLostError, LeaseLostError))]  # refused at the claim: nothing left
         await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, logged, end)
@@ -343,8 +345,7 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
 async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outcome:
     ucc = item["ucc"]
     try:
-        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, ctx.mail_from(ctx.state.run_id, ucc),
-                                                item["email"], message)
+        reply, attempts = await send_with_retry(ctx.pool, ctx.policy, item["mail_from"], item["email"], message)
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
             f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))

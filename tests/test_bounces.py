@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.cluster import bounces, proof
 from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.split import load_manifest
 from pipeline.mail import bounce, verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report
@@ -157,7 +158,7 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
         "first_problem"], "a proof signed again with another key is caught when the broker's certificate is given"
 
     # one byte of one delivery-log object changed: verify names it; so does a deletion
-    shard = keys.shard_of(some, summary_shards(store, run_id))
+    shard = keys.shard_of(some, load_manifest(store, run_id).shard_count)
     objects = sorted(store.keys(keys.delivery_log_prefix(run_id, shard)))
     assert len(objects) >= 3, objects  # intent, outcomes, the bounce
     middle = root / objects[1]
@@ -179,12 +180,6 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
     assert proof.verify(store, run_id)["ok"]
     (root / proof_key).write_bytes((root / proof_key).read_bytes().replace(b'"objects": 3', b'"objects": 2', 1))
     assert not proof.verify(store, run_id)["ok"], "a proof edited after signing"
-
-
-def summary_shards(store, run_id: str) -> int:
-    from pipeline.day.split import load_manifest
-
-    return load_manifest(store, run_id).shard_count
 
 
 @pytest.mark.parametrize("shape", sorted(p.name for p in SAMPLES.glob("*.eml")))

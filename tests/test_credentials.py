@@ -93,23 +93,18 @@ def test_every_actor_reads_the_key_and_relay_from_secrets_manager(settings, day,
     assert not leaked, f"the owner password is in Ray's logs: {leaked}"
 
 
-def test_run_with_an_incomplete_secret_stops_at_once_with_one_line(tmp_path):
+@pytest.mark.parametrize("secret, why", [
+    ('{"signer_key_pem": "k", "signer_cert_pem": "c"}', "missing owner_password"),
+    # made before the VERP addresses: said at once, not by each mailer
+    ('{"signer_key_pem": "k", "signer_cert_pem": "c", "owner_password": "o"}',
+     "no token_key (python -m pipeline secret-json makes one)"),
+], ids=["incomplete", "no-token-key"])
+def test_run_with_an_incomplete_secret_stops_at_once_with_one_line(tmp_path, secret, why):
     path = tmp_path / "secret.json"
-    path.write_text('{"signer_key_pem": "k", "signer_cert_pem": "c"}')
+    path.write_text(secret)
     out = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**os.environ, "CN_SECRET": f"file:{path}", "PYTHONPATH": ROOT})
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == f"error: CN_SECRET file:{path}: missing owner_password"
+    assert out.stderr.strip().splitlines()[-1] == f"error: CN_SECRET file:{path}: {why}"
     assert "Traceback" not in out.stderr
-
-
-def test_a_secret_made_before_the_verp_addresses_is_named_at_once_not_by_each_mailer(tmp_path):
-    path = tmp_path / "secret.json"
-    path.write_text('{"signer_key_pem": "k", "signer_cert_pem": "c", "owner_password": "o"}')
-    out = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(tmp_path)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env={**os.environ, "CN_SECRET": f"file:{path}", "PYTHONPATH": ROOT})
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1] == \
-        f"error: CN_SECRET file:{path}: no token_key (python -m pipeline secret-json makes one)"

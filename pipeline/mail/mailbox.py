@@ -71,10 +71,15 @@ class ImapSource:
     def unseen(self) -> Iterator[Message]:
         self.imap.noop()  # a watching reader sees what arrived since the last poll
         _, data = self.imap.uid("SEARCH", None, "UNSEEN")
-        for uid in (data[0] or b"").split():
-            _, meta = self.imap.uid("FETCH", uid, "(RFC822.SIZE)")
-            size = int(re.search(rb"RFC822\.SIZE (\d+)", meta[0]).group(1))
-            raw = None
+        uids = (data[0] or b"").split()
+        if not uids:
+            return
+        _, meta = self.imap.uid("FETCH", b",".join(uids), "(RFC822.SIZE)")  # every size in one round trip
+        sizes = _sizes(meta)
+        for uid in uids:
+            if uid not in sizes:  # expunged meanwhile
+                continue
+            size, raw = sizes[uid], None
             if size <= self.max_bytes:
                 _, parts = self.imap.uid("FETCH", uid, "(BODY.PEEK[])")
                 raw = next(p[1] for p in parts if isinstance(p, tuple))
@@ -131,6 +136,17 @@ class MboxSource:
 
     def close(self) -> None:
         self.box.close()
+
+
+def _sizes(meta: list) -> dict[bytes, int]:
+    """UID -> RFC822.SIZE from a FETCH's lines (a server may give the two in either order)."""
+    sizes = {}
+    for line in meta:
+        if isinstance(line, bytes):
+            uid, size = re.search(rb"UID (\d+)", line), re.search(rb"RFC822\.SIZE (\d+)", line)
+            if uid and size:
+                sizes[uid.group(1)] = int(size.group(1))
+    return sizes
 
 
 def _quoted(folder: str) -> str:

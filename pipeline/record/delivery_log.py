@@ -126,9 +126,14 @@ def entries(store: Store, run_id: str, shard: int | None = None) -> Iterator[dic
                 [f"{p}-delivery-log/{run_id}/" for p in range(keys.PARTITIONS)])
     for prefix in prefixes:
         for key in store.keys(prefix):
-            for n, line in enumerate(store.lines(key), 1):  # streamed: an object is never held whole
-                if line.strip() and not (n == 1 and line.startswith('{"chain"')):
-                    yield _entry(store, key, n, line)
+            yield from parse(store, key, store.lines(key))  # streamed: an object is never held whole
+
+
+def parse(store: Store, key: str, lines: Iterable[str]) -> Iterator[dict]:
+    """An object's entries, each checked (its chain header skipped)."""
+    for n, line in enumerate(lines, 1):
+        if line.strip() and not (n == 1 and line.startswith('{"chain"')):
+            yield _entry(store, key, n, line)
 
 
 def _entry(store: Store, key: str, n: int, line: str) -> dict:

@@ -101,7 +101,7 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
             status, rec = "delivered", {**rec, "reason": final}
         needs_paper = status in ("physical", "bounced") or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
         known = _day(bounce["at"]) if status == "bounced" else trade_date
-        due = (dt.date.fromisoformat(known) + dt.timedelta(days=due_days)).isoformat() if needs_paper and known else ""
+        due = _days_after(known, due_days) if needs_paper and known else ""
         if tally is not None:
             tally["statuses"][status] = tally["statuses"].get(status, 0) + 1
             if needs_paper:
@@ -124,7 +124,11 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
 
 def due_date(known_at: float, due_days: int) -> str:
     """When a bounced client's paper note is due: days after the bounce, on the exchanges' calendar day."""
-    return (dt.date.fromisoformat(_day(known_at)) + dt.timedelta(days=due_days)).isoformat()
+    return _days_after(_day(known_at), due_days)
+
+
+def _days_after(day: str, days: int) -> str:
+    return (dt.date.fromisoformat(day) + dt.timedelta(days=days)).isoformat()
 
 
 def _iso(at: float) -> str:

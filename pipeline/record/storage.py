@@ -65,22 +65,23 @@ class FolderStore:
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def put(self, key: str, data: bytes) -> None:
-        """Write to a temporary file and rename: a reader never sees half a PDF."""
+    def _staged(self, key: str, data: bytes) -> tuple[Path, str]:
+        """The object's path, and a temporary file beside it holding `data`."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        return path, tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write to a temporary file and rename: a reader never sees half a PDF."""
+        path, tmp = self._staged(key, data)
         os.replace(tmp, path)
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Writes only if no object has the key (a hard link does not replace); False if one has."""
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        path, tmp = self._staged(key, data)
         try:
             os.link(tmp, path)
             return True
