@@ -90,6 +90,10 @@ def _run_id(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+STORE_HELP = ("where the run's record is, when Redis does not hold the run (default: the store the run recorded, "
+              "else CN_STORE); a store other than the recorded one is used only if it holds the run's manifest")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description=(
         "Contract notes on Ray: trade dumps in, signed and e-mailed contract notes out. "
@@ -151,12 +155,14 @@ def _parser() -> argparse.ArgumentParser:
     rr.add_argument("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
                                    "relays, as it recorded them; not SMTP_URL)")
     rr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    rr.add_argument("--store", help=STORE_HELP)
     rr.set_defaults(func=cmd_rerun)
 
     rc = sub.add_parser("reconcile", help="mark unconfirmed accounts delivered where the relay's log shows their "
                                            "Message-ID accepted (Postfix, Haraka, or a plain list of Message-IDs)")
     rc.add_argument("run_id", type=_run_id)
     rc.add_argument("--relay-log", type=Path, nargs="+", required=True, metavar="FILE")
+    rc.add_argument("--store", help=STORE_HELP)
     rc.set_defaults(func=cmd_reconcile)
 
     b = sub.add_parser("bounces", help="record the bounces that came back to a run's VERP addresses: bounced (paper "
@@ -168,22 +174,26 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--mbox", action="append", default=[], metavar="FILE")
     b.add_argument("--watch", action="store_true", help="keep reading, every --every seconds, until stopped")
     b.add_argument("--every", type=float, default=30.0, metavar="S")
+    b.add_argument("--store", help=STORE_HELP)
     b.set_defaults(func=cmd_bounces)
 
     cl = sub.add_parser("close", help="once the run's bounce window has passed (CN_BOUNCE_WINDOW_H): every mailed "
                                        "account with no bounce is delivered, final; the delivery log is sealed "
                                        "with a signed proof")
     cl.add_argument("run_id", type=_run_id)
+    cl.add_argument("--store", help=STORE_HELP)
     cl.set_defaults(func=cmd_close)
 
     ve = sub.add_parser("verify", help="check a run's delivery log, proof and signature from storage alone; names the "
                                         "first object changed, removed or out of place (exit 1)")
     ve.add_argument("run_id", type=_run_id)
     ve.add_argument("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it")
+    ve.add_argument("--store", help=STORE_HELP)
     ve.set_defaults(func=cmd_verify)
 
     st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
     st.add_argument("run_id", type=_run_id)
+    st.add_argument("--store", help=STORE_HELP)
     st.set_defaults(func=cmd_status)
 
     sj = sub.add_parser("secret-json", help="print the cluster secret (CN_SECRET's JSON) made from CN_SIGNER_KEY, "
@@ -238,12 +248,19 @@ def cmd_rerun(args) -> int:
     try:
         init_ray(settings, args.address)
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
-                        settings.relays() if args.smtp else None)
+                        settings.relays() if args.smtp else None, args.store)
     except RunNotFound as e:
-        print(json.dumps({"error": str(e)}))
-        return 2
+        return _not_found(e)
     print(json.dumps(summary))
-    return _exit_status(summary)
+    taken = summary.get("rerun_outcomes", {})
+    return max(_exit_status(summary), 1 if set(taken) - {"delivered", "physical"} else 0)
+
+
+def _not_found(e: Exception) -> int:
+    """One line on stderr, as every exit 2; the JSON on stdout that tools read."""
+    print(f"error: {e}", file=sys.stderr)
+    print(json.dumps({"error": str(e)}))
+    return 2
 
 
 def _exit_status(summary: dict) -> int:
@@ -258,23 +275,21 @@ def cmd_reconcile(args) -> int:
     if missing:
         raise ConfigError(f"relay log not found: {', '.join(missing)}")
     try:
-        summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log)
+        summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log, args.store)
     except RunNotFound as e:
-        print(json.dumps({"error": str(e)}))
-        return 2
+        return _not_found(e)
     print(json.dumps(summary))
     return 0 if summary["still_unconfirmed"] == 0 else 1
 
 
 def cmd_bounces(args) -> int:
-    from pipeline import credentials
     from pipeline.cluster.bounces import collect
     from pipeline.cluster.plan import on_cluster
 
     sources = args.imap + args.maildir + args.mbox
     if not sources:
         raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
-    settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the tokens
+    settings = _on_redis(Settings.from_env())
     count = lambda kind, n: None  # noqa: E731
     if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -286,7 +301,7 @@ def cmd_bounces(args) -> int:
         ray.init(address="auto", log_to_driver=False)
         count = metrics.bounces
     try:
-        print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every, count)))
+        print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)))
     finally:
         if on_cluster():
             metrics.wait_exported()
@@ -296,47 +311,47 @@ def cmd_bounces(args) -> int:
 def cmd_close(args) -> int:
     from pipeline.cluster.proof import close
 
-    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id)))
+    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)))
     return 0
 
 
 def cmd_verify(args) -> int:
+    from pipeline.cluster.located import locate
     from pipeline.cluster.proof import verify
-    from pipeline.record.storage import open_store
 
     if args.cert and not args.cert.is_file():
         raise ConfigError(f"--cert {args.cert}: no such file")
-    result = verify(open_store(Settings.from_env().store_url), args.run_id,
-                    args.cert.read_bytes() if args.cert else None)
-    print(json.dumps(result))
+    found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
+    result = verify(found.store, args.run_id, args.cert.read_bytes() if args.cert else None)
+    print(json.dumps({**result, "store": found.store.url, "store_from": found.source}))
     return 0 if result["ok"] else 1
 
 
 def cmd_status(args) -> int:
     """From Redis while the run is live; from its report in storage once Redis is gone (the
     cluster's Redis ends with the cluster; the report is the record)."""
-    import redis
-
+    from pipeline.cluster.located import locate
     from pipeline.cluster.restore import read_report
     from pipeline.record.keys import report_keys
-    from pipeline.record.state import RunState, redis_client
-    from pipeline.record.storage import open_store
+    from pipeline.record.state import RunNotFound, RunState, redis_client
 
     settings = _on_redis(Settings.from_env())
-    state = RunState(settings.redis_url, args.run_id)
-    state.r = redis_client(settings.redis_url, patience_retries=0)  # a status is asked now: no waiting
-    try:
-        if state.exists():
-            print(json.dumps({"run_id": args.run_id, "source": "redis", "meta": state.meta(),
-                              "counts": state.counts()}))
-            return 0
-    except redis.RedisError as e:
-        log.info("Redis unreachable (%s): reading the report in storage", e)
-    store, key = open_store(settings.store_url), report_keys(args.run_id)[0]
-    if not store.exists(key):
-        print(json.dumps({"error": f"no run {args.run_id!r} in Redis or in {settings.store_url}"}))
-        return 2
-    print(json.dumps({"run_id": args.run_id, "source": "storage", "report": read_report(store, key)}))
+    try:  # a status is asked now: a Redis that does not answer at once is passed over for storage
+        found = locate(settings, args.run_id, args.store, command="status", redis_optional=True)
+    except RunNotFound as e:
+        return _not_found(e)
+    where = {"store": found.store.url, "store_from": found.source}
+    if found.in_redis:
+        state = RunState(settings.redis_url, args.run_id)
+        state.r = redis_client(settings.redis_url, patience_retries=0)
+        print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
+                          "counts": state.counts(), "statuses": state.statuses()}))
+        return 0
+    key = report_keys(args.run_id)[0]
+    if not found.store.exists(key):
+        return _not_found(RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report yet "
+                                      "(the run has not finished), and Redis does not hold it"))
+    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": read_report(found.store, key)}))
     return 0
 
 
@@ -382,21 +397,23 @@ def cmd_run(args) -> int:
     from pipeline.record.lease import held
     from pipeline.record.state import RunState
 
-    settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
-                                                                     smtp_url=args.smtp), DEFAULT_KEY_DIR))
-    # The secret's values are checked here and read again by each actor: they never travel through Ray
-    resolved = credentials.resolve(settings)
-    if resolved.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
-        raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
-                          "could lift the notes' permissions; set it, or pass --test-keys for a test run")
-    resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
-    request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
-    preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
-    state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
-    # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first
-    with held(state, settings.lease_s) as lease, session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
-        init_ray(settings, args.address)
-        summary = run_day(settings, request, current.size_for, current.watch, lease=lease)
+    # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
+    with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
+        settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
+                                                                         smtp_url=args.smtp), DEFAULT_KEY_DIR))
+        # The secret's values are checked here and read again by each actor: they never travel through Ray
+        resolved = credentials.resolve(settings)
+        if resolved.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
+            raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
+                              "could lift the notes' permissions; set it, or pass --test-keys for a test run")
+        resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
+        request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
+        preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
+        state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
+        # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first
+        with held(state, settings.lease_s) as lease:
+            init_ray(settings, args.address)
+            summary = run_day(settings, request, current.size_for, current.watch, lease=lease)
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary))

@@ -5,7 +5,8 @@ the key must not travel in file_mounts, the image or Ray's object store. So the 
 only the secret's name (CN_SECRET), and each signer and mailer reads the secret when it starts,
 with its node's instance profile:
 
-  CN_SECRET=aws-sm:NAME_OR_ARN        AWS Secrets Manager (region: the ARN's, else AWS_REGION)
+  CN_SECRET=aws-sm:NAME_OR_ARN        AWS Secrets Manager (region: the ARN's, else AWS_REGION,
+                                      else AWS_DEFAULT_REGION)
   CN_SECRET=file:/path/secret.json    the same JSON in a file (simulated and embedded clusters)
 
 The secret is one JSON object (make it with `python -m pipeline secret-json`):
@@ -34,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
-from pipeline.settings import REDIS_ADMIN, ConfigError, Settings
+from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
 
 REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
 OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url", "redis_password", "token_key")
@@ -77,7 +78,7 @@ def _from_secrets_manager(ref: str, name: str) -> str:
 
     region = _ARN_REGION.match(name)
     try:
-        client = boto3.client("secretsmanager", region_name=region.group(1) if region else None)
+        client = boto3.client("secretsmanager", region_name=region.group(1) if region else aws_region())
         return client.get_secret_value(SecretId=name)["SecretString"]
     except botocore.exceptions.ClientError as e:
         raise ConfigError(f"CN_SECRET {ref}: {e.response['Error'].get('Code')}: "

@@ -71,6 +71,7 @@ class Settings:
     head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
     token_key: str = field(default="", repr=False)  # keys the VERP and link HMACs; from the secret on a cluster
     token_key_file: str = str(DEFAULT_KEY_DIR / "token.key")  # without either: made here once (one machine)
+    token_key_id: str = ""  # the fingerprint of the key a run recorded: a follow-up must find that key, never make one
     bounce_local: str = "bounces"  # MAIL FROM is bounce_local+TOKEN@bounce_domain (pipeline/mail/verp.py)
     bounce_domain: str = "bounces.broker.example.com"  # its MX receives the bounces (README)
     bounce_window_h: float = 72.0  # no bounce within this long after the mail: delivered, final (close)
@@ -143,12 +144,29 @@ class Settings:
     def hmac_key(self) -> bytes:
         """The key of the VERP and link HMACs: CN_TOKEN_KEY, or the secret's once resolved
         (pipeline/credentials.py), or on one machine a key file made once, so that `bounces`
-        and the status service, run later, check what the run signed."""
+        and the status service, run later, check what the run signed. With `token_key_id`
+        (a follow-up of a run that recorded its key) the key must be that one: a new key would
+        sign what no earlier link or VERP address matches."""
+        key = self._hmac_key()
+        if self.token_key_id and key_id(key) != self.token_key_id:
+            raise ConfigError(f"the HMAC key ({self.token_key_source()}) is not the one the run signed its links "
+                              f"and VERP addresses with (key id {self.token_key_id}, this one {key_id(key)})")
+        return key
+
+    def token_key_source(self) -> str:
+        """Where the HMAC key comes from, as a run records it (never the key)."""
+        return "CN_TOKEN_KEY" if self.token_key and not self.secret else f"secret {self.secret}" if self.secret \
+            else f"file {self.token_key_file}"
+
+    def _hmac_key(self) -> bytes:
         if self.token_key:
             return self.token_key.encode()
         if self.secret:
             raise ConfigError(f"CN_SECRET {self.secret}: no token_key (python -m pipeline secret-json makes one)")
         path = Path(self.token_key_file)
+        if not path.exists() and self.token_key_id:
+            raise ConfigError(f"the run's HMAC key file {path} is missing (key id {self.token_key_id}): it is never "
+                              "made anew for a run that has one; restore it, or set CN_TOKEN_KEY_FILE")
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -157,6 +175,13 @@ class Settings:
             except FileExistsError:  # another process made it first: theirs is the key
                 pass
         return path.read_text().strip().encode()
+
+    def anchored(self) -> "Settings":
+        """These settings with every folder and file made absolute: what a run records and
+        passes on, so that a command typed later, elsewhere, or a worker with another working
+        folder, finds the same store and keys."""
+        files = {f: str(Path(getattr(self, f)).resolve()) for f in KEY_FILES + ("holidays_file",) if getattr(self, f)}
+        return dataclasses.replace(self, store_url=absolute_store(self.store_url), **files)
 
     def uses_default_key(self) -> bool:
         return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
@@ -174,6 +199,28 @@ class Settings:
             "encryption": self.encryption,
             "secret": self.secret,
         }
+
+
+KEY_FILES = ("signer_key", "signer_cert", "signer_chain", "token_key_file")
+
+
+def absolute_store(url: str) -> str:
+    """s3://... as it is; a folder (or file://folder) as an absolute folder."""
+    if "://" in url and not url.startswith("file://"):
+        return url
+    return str(Path(url.removeprefix("file://")).resolve())
+
+
+def key_id(key: bytes) -> str:
+    """A fingerprint of the HMAC key that a run records, to tell its key from another: not the key."""
+    return hashlib.sha256(b"contract-notes token key id\0" + key).hexdigest()[:16]
+
+
+def aws_region(env: dict[str, str] | None = None) -> str | None:
+    """The region boto3 is given: AWS_REGION (what the README sets), else AWS_DEFAULT_REGION
+    (what botocore alone reads)."""
+    env = os.environ if env is None else env
+    return env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
 
 
 REDIS_ADMIN, REDIS_RENDER = "cn", "render"  # the head's Redis users (pipeline/record/redis_acl.py)
@@ -223,6 +270,7 @@ ENV_NAMES = {
     "lease_s": "CN_LEASE_S",
     "token_key": "CN_TOKEN_KEY",
     "token_key_file": "CN_TOKEN_KEY_FILE",
+    "token_key_id": "CN_TOKEN_KEY_ID",
     "bounce_local": "CN_BOUNCE_LOCAL",
     "bounce_domain": "CN_BOUNCE_DOMAIN",
     "bounce_window_h": "CN_BOUNCE_WINDOW_H",

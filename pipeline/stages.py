@@ -108,11 +108,14 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
-                 render_note: Callable[[dict], bytes] = render, force: bool = False) -> Batch:
+                 render_note: Callable[[dict], bytes] = render, force: bool = False,
+                 in_archive: Callable[[str], bool] = lambda ucc: True) -> Batch:
     """Render every account of the shard that still needs it; an account already archived is
     passed on to be mailed from the archive, one already delivered is left alone (unless
     `force`: then it is mailed again, from the archive). `only` limits a targeted rerun.
-    `render_note` lets the Ray task render a huge note as page ranges in parallel."""
+    `render_note` lets the Ray task render a huge note as page ranges in parallel. An archived
+    note the store has lost (`in_archive` says no) is rendered again, with its note number: the
+    signer archives it anew unless its mail was claimed, and a mailed note is never rebuilt."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
     with StateWriter(state) as writer:
@@ -127,7 +130,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
             client = Client(**account["client"])
             item = {"ucc": ucc, "name": client.name, "email": client.email, "pan": client.pan,
                     "ecn": client.ecn_opt_in, "pdf": None}
-            if reached >= rank("archived"):
+            if reached >= rank("archived") and (reached >= rank("delivered") or in_archive(ucc)):
                 batch.items.append(item)
                 continue
             try:

@@ -19,14 +19,14 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.cluster import restore
+from pipeline import credentials
+from pipeline.cluster import located, restore
 from pipeline.day.split import load_manifest
 from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 
 log = logging.getLogger("pipeline.bounces")
@@ -55,9 +55,11 @@ class Tally:
 
 
 def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
-            on_applied=lambda kind, n: None) -> dict:
-    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
-    store = open_store(settings.store_url)
+            on_applied=lambda kind, n: None, store_url: str | None = None) -> dict:
+    """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record."""
+    found = located.locate(settings, run_id, store_url, writes=True, command="bounces")
+    settings, store = credentials.resolve(found.settings), found.store  # the secret's token_key checks the tokens
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     split = load_manifest(store, run_id)
     if split is None:
         raise RunNotFound(f"no run {run_id!r} in {settings.store_url}")
@@ -91,7 +93,8 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
             box.close()
         if changed:  # stopped while watching: what was recorded reaches the report
             report.rewrite(store, state, run_id, settings.paper_due_days)
-    return {"run_id": run_id, "sources": [describe(s) for s in sources], "read": tally.read,
+    return {"run_id": run_id, "store": store.url, "store_from": found.source,
+            "sources": [describe(s) for s in sources], "read": tally.read,
             "bounced": tally.applied["bounced"], "deferred": tally.applied["deferred"],
             "unchanged": tally.unchanged, "refused": tally.refused, "refused_first": tally.refused_first}
 

@@ -30,7 +30,7 @@ from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
-from pipeline.cluster import restore
+from pipeline.cluster import located, restore
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
@@ -44,7 +44,7 @@ from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunState, redis_client
-from pipeline.record.storage import StorageError, open_store
+from pipeline.record.storage import StorageError, check_create_only, open_store
 from pipeline.settings import ROOT, ConfigError, Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 
@@ -136,7 +136,8 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
         accounts = accounts[part[0]:part[1]]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
-                         set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force)
+                         set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force,
+                         lambda ucc: store.exists(keys.signed_pdf_key(trade_date, ucc)))
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
 
@@ -167,6 +168,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     The run's lease is taken first (LeaseHeldError if a live driver has it), unless `lease`
     is one this process already holds (a rerun that brought the run back from storage)."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
+    settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         return _run_day(settings, req, run_id, state, lease, on_accounts, watch)
@@ -176,7 +178,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
              on_accounts: Callable[[int], None] | None, watch: Callable[[], None]) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
-    relays = req.relays or preflight(settings, req, run_id).relays()
+    resolved = preflight(settings, req, run_id)
+    relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
@@ -185,8 +188,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
+    record = located.recorded(settings, resolved)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "bounce_window_h": settings.bounce_window_h, **own, "finished": ""})
+                         "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": ""})
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
@@ -213,6 +217,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         watch()
 
     try:
+        _actors_started(signers, mailers, watching)
         tally = _fan_out(settings, run_id, req, _units(shards, first), expected, signers, mailers, resume, epoch,
                          lease, watching, splitting.after if splitting else lambda shard: None)
     finally:
@@ -244,6 +249,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
+        **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }
     if warnings:
@@ -269,8 +275,8 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
     """What would stop the run, found before anything starts: Redis unreachable (or keeping
     nothing on disk, when persistence is required), storage not writable, an input file
     missing or lacking a column (unless the run was already split), no calendar for the date,
-    a signing key or secret that cannot be read. Before any actor asks for a node. Returns the
-    settings with the secret laid over them."""
+    a signing key or secret that cannot be read, a store that takes a second create-only write.
+    Before any actor asks for a node. Returns the settings with the secret laid over them."""
     where = settings.summary()["redis_url"]
     try:
         r = redis_client(settings.redis_url, patience_retries=0)  # down at the start: say so at once
@@ -286,6 +292,8 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
         store.put(keys.WRITE_CHECK, b"ok")  # one small PUT a run, overwritten each time
     except Exception as e:  # OSError, botocore: whatever the backend says, the run cannot keep its record
         raise StorageError(f"storage {settings.store_url} cannot be written: {e}") from None
+    if run_id:
+        check_create_only(store, keys.create_only_check_key(run_id))
     if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
@@ -293,17 +301,20 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
-          force: bool = False, unconfirmed: bool = False, relays: str | None = None) -> dict:
+          force: bool = False, unconfirmed: bool = False, relays: str | None = None, store: str | None = None) -> dict:
     """Targeted rerun of an existing run: the failed accounts, the unconfirmed ones (mailed
     again with the same Message-ID, marked "possible duplicate"), or the ones named. Each
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
     account is mailed again only with force. Accounts rejected at validation cannot be rerun:
     their input must be corrected and run again. A run its Redis has lost is brought back from
     its report and delivery log in storage first (pipeline/cluster/restore.py). It mails through
-    the run's own relays unless `relays` names others (--smtp), and says which it uses."""
-    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+    the run's own relays unless `relays` names others (--smtp), and its own store and keys
+    unless `store` names a copy of its record (--store), and says which it uses."""
+    found = located.locate(settings, run_id, store, writes=True, command="rerun")
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with held(state, settings.lease_s) as lease:
-        return _rerun(settings, state, lease, accounts, failed, force, unconfirmed, relays)
+        summary = _rerun(found.settings, state, lease, accounts, failed, force, unconfirmed, relays)
+    return {**summary, "store": found.settings.store_url, "store_from": found.source}
 
 
 def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str] | None, failed: bool, force: bool,
@@ -329,9 +340,23 @@ def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str
     else:
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
                           lease=lease)
-    summary.update(rerun_accounts=sorted(only), relays=relays, not_rerunnable={"rejected_at_validation": rejected,
-                                                                                "not_in_run": unknown})
+    summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,
+                   not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
     return summary
+
+
+def _ended(state: RunState, only: frozenset[str]) -> dict[str, int]:
+    """What each account the rerun took ended as. One still on its way (pending) is failed,
+    with why: a rerun leaves no account without an outcome."""
+    records = state.accounts(sorted(only))
+    left = [u for u in sorted(only) if final_status(records.get(u, {})) == "pending"]
+    state.record(Outcome(u, "delivered", "failed", reason="the rerun ended without an outcome for it (see the log)")
+                 for u in left)
+    ended: dict[str, int] = {}
+    for u in only:
+        status = "failed" if u in left else final_status(records.get(u, {}))
+        ended[status] = ended.get(status, 0) + 1
+    return ended
 
 
 def _persists(r: redis.Redis) -> bool:
@@ -356,6 +381,27 @@ def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_acco
     log.info("run %s: %d accounts (%d rejected) in %d shards, split after %.1f s", run_id,
              split.accounts + split.rejected, split.rejected, len(split.shards), time.time() - started)
     return split
+
+
+def _actors_started(signers: Pool, mailers: Pool, watch: Callable[[], None]) -> None:
+    """The first signer and mailer are up (the key, the secret, the region read where they run),
+    or the run stops here with the cause in one line (exit status 2), before an account is
+    rendered: an actor that cannot start would otherwise fail every account it was given."""
+    waiting = [signers.actors[0].pid.remote(), mailers.actors[0].cpu_seconds.remote()]
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise _cannot_start(e) from None
+        watch()
+
+
+def _cannot_start(e: ray.exceptions.RayActorError) -> ConfigError:
+    """The creation error's last line ("SignerSetupError: ..."), not Ray's traceback."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return ConfigError(f"an actor could not start: {lines[-1] if lines else type(e).__name__}")
 
 
 def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Pool, Pool]:
@@ -431,7 +477,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     return totals
 
 
-def _stop_mailing(pending: dict, error: StateLostError) -> None:
+def _stop_mailing(pending: dict, error: Exception) -> None:
     """Mailers refuse claims once Redis lost the run; the chains in flight are given time to
     log what they sent before the run stops, then the error ends it (exit status 2)."""
     log.error("%s", error)
@@ -444,6 +490,8 @@ def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None
         return ray.get(ref)
     except Exception as e:  # the chain failed after Ray's retries: say so for each account
         lost = getattr(e, "cause", None) or e
+        if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:  # a new node's actor
+            _stop_mailing(pending, _cannot_start(e))
         if isinstance(lost, StateLostError):
             _stop_mailing(pending, StateLostError(str(lost)))
         if isinstance(lost, LeaseLostError):

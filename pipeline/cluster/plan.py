@@ -163,9 +163,11 @@ def request_capacity(bundles: list[dict]) -> None:
 
 
 def release_capacity() -> None:
+    import ray
     from ray.autoscaler.sdk import request_resources
 
-    request_resources(bundles=[])
+    if ray.is_initialized():  # a day stopped before Ray started asked for nothing
+        request_resources(bundles=[])
 
 
 def teardown_workers(config: str | dict) -> None:

@@ -19,13 +19,13 @@ import hashlib
 import json
 import time
 
-from pipeline.cluster import restore
+from pipeline.cluster import located, restore
 from pipeline.credentials import read as read_credentials
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import StorageError, Store, open_store, read_json
+from pipeline.record.storage import StorageError, Store, read_json
 from pipeline.seal import detached
 from pipeline.seal.sign import SignError
 from pipeline.settings import Settings
@@ -39,10 +39,12 @@ def proof_keys(run_id: str) -> tuple[str, str]:
     return f"reports/{run_id}.proof.json", f"reports/{run_id}.proof.p7s"
 
 
-def close(settings: Settings, run_id: str, now: float | None = None) -> dict:
-    """Under the run's lease: nothing mails the run while it is sealed."""
-    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
-    store = open_store(settings.store_url)
+def close(settings: Settings, run_id: str, now: float | None = None, store_url: str | None = None) -> dict:
+    """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
+    and key (located.py), unless `store_url` names a copy of its record."""
+    found = located.locate(settings, run_id, store_url, writes=True, command="close")
+    settings, store = found.settings, found.store
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     split = load_manifest(store, run_id)
     if split is None:
         raise RunNotFound(f"no run {run_id!r} in {settings.store_url}")
@@ -63,7 +65,7 @@ def close(settings: Settings, run_id: str, now: float | None = None) -> dict:
         report.rewrite(store, state, run_id, settings.paper_due_days)
         sealed = seal(settings, store, run_id, split.shards)
     statuses = read_json(store, keys.report_keys(run_id)[0]).get("statuses", {})
-    return {"run_id": run_id, "closed_at": state.meta()["closed_at"], "delivered_final": statuses.get("delivered", 0),
+    return {"run_id": run_id, "store": store.url, "store_from": found.source, "closed_at": state.meta()["closed_at"], "delivered_final": statuses.get("delivered", 0),
             "bounced": statuses.get("bounced", 0), "proof": proof_keys(run_id)[0],
             "signature": proof_keys(run_id)[1], "shards": len(sealed["heads"]),
             "log_objects": sum(h["objects"] for h in sealed["heads"])}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.cluster import restore
+from pipeline.cluster import located, restore
 from pipeline.day.split import load_manifest
 from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
@@ -23,11 +23,14 @@ from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 
 
-def reconcile(settings: Settings, run_id: str, relay_logs: list[Path]) -> dict:
-    """Under the run's lease: no driver mails the run while its accounts are settled."""
-    state = RunState(settings.redis_url, keys.check_run_id(run_id), settings.state_ttl_s)
+def reconcile(settings: Settings, run_id: str, relay_logs: list[Path], store: str | None = None) -> dict:
+    """Under the run's lease: no driver mails the run while its accounts are settled. On the
+    run's own store (located.py) unless `store` names a copy of its record."""
+    found = located.locate(settings, run_id, store, writes=True, command="reconcile")
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with held(state, settings.lease_s):
-        return _reconcile(settings, state, relay_logs)
+        return {**_reconcile(found.settings, state, relay_logs), "store": found.settings.store_url,
+                "store_from": found.source}
 
 
 def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> dict:

@@ -54,7 +54,8 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
-                 "restored_from": json_key})
+                 "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},
+                 "store_url": store.url})
     state.update_meta(accounts=report["accounts"])
     state.keep()
     return state.meta()

@@ -2,8 +2,9 @@
 
 Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:runs                    zset   run_id -> started (epoch s)
-  cn:run:{run}:meta          hash   date, input, started, finished, config summary
-  cn:run:{run}:counts        hash   per-stage counters (O(1) to read)
+  cn:run:{run}:meta          hash   date, input, started, finished, config summary, and where the run's
+                                    record and keys are (RECORD_FIELDS, also in the report)
+  cn:run:{run}:counts        hash   per-stage counters, and st:{status} per final status (O(1) to read)
   cn:run:{run}:accounts      hash   ucc -> compact JSON account record (state.py says its fields)
   cn:run:{run}:failed        zset   ucc -> time of failure (the rerun registry)
   cn:run:{run}:unconfirmed   zset   ucc -> time: the mail may have reached the relay (reconcile)
@@ -24,6 +25,8 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
   reports/.write-check                            written before a run starts: the store is writable
+  reports/{run}.create-only-check                 written twice, create-only, before a run or a command
+                                                  appends to its record: the second must be refused
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ import hashlib
 import re
 
 PARTITIONS = 10
+# Where a run's record and keys are, absolute (locations and a key's fingerprint, never key
+# material): in its meta and its report, so a command typed later, anywhere, finds them
+RECORD_FIELDS = ("store_url", "key_dir", "secret", "signer_key", "signer_cert", "signer_chain", "token_key_file",
+                 "token_key_id")
 RUNS = "cn:runs"
 # A run id goes into Redis keys, storage keys and the status page: nothing else gets through
 RUN_ID = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}\Z")  # \Z: "$" would take a final newline
@@ -125,6 +132,10 @@ def note_sequence_key(fy: str) -> str:
 
 
 WRITE_CHECK = "reports/.write-check"  # a run proves the store writable before it starts
+
+
+def create_only_check_key(run_id: str) -> str:
+    return f"reports/{run_id}.create-only-check"
 
 
 def report_keys(run_id: str) -> tuple[str, str]:

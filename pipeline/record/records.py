@@ -59,7 +59,25 @@ def final_status(rec: dict) -> str:
 # registry: failed (rerun --failed) or unconfirmed (reconcile).
 # One call records a batch: KEYS: accounts, counts, failed, unconfirmed. ARGV: now, ttl, then
 # per account: ucc, record json, stage rank, stage, registry (f, u or empty)
-_RECORD = """
+# Each account's final status (final_status below) is counted too, in the counts hash as
+# st:{status}, moved from the old status to the new one by the call that changes it: the
+# statuses add up to the run's accounts after any mix of restore, rerun, reconcile, bounces.
+_FINAL = """
+local function final(rec)
+  if (rec['r'] or 0) >= 5 then
+    if type(rec['b']) == 'table' then return rec['b'][1] == 'b' and 'bounced' or 'deferred' end
+    return 'delivered'
+  end
+  local named = {u = 'unconfirmed', f = 'failed', r = 'rejected', p = 'physical'}
+  return named[rec['s'] or 'k'] or 'pending'
+end
+local function moved(counts, before, after)
+  if before == after then return end
+  if before then redis.call('HINCRBY', counts, 'st:' .. before, -1) end
+  redis.call('HINCRBY', counts, 'st:' .. after, 1)
+end
+"""
+_RECORD = _FINAL + """
 local now = ARGV[1]
 for i = 3, #ARGV, 5 do
   local ucc = ARGV[i]
@@ -67,9 +85,10 @@ for i = 3, #ARGV, 5 do
   local rec = cjson.decode(ARGV[i + 1])
   local g = rec['g']
   rec['g'] = nil
-  local prev_rank, h, n = 0, nil, 0
+  local prev_rank, h, n, before = 0, nil, 0, nil
   if prev then
     local p = cjson.decode(prev)
+    before = final(p)
     prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
     rec['m'], rec['p'], rec['b'] = rec['m'] or p['m'], rec['p'] or p['p'], p['b']
     if type(p['x']) == 'table' and p['x']['possible_duplicate'] then
@@ -86,6 +105,7 @@ for i = 3, #ARGV, 5 do
   if rec['n'] == 0 then rec['n'] = nil end
   if prev_rank > rec['r'] then rec['r'] = prev_rank end
   redis.call('HSET', KEYS[1], ucc, cjson.encode(rec))
+  moved(KEYS[2], before, final(rec))
   if tonumber(ARGV[i + 2]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[i + 3], 1) end
   local registry = ARGV[i + 4]
   if registry == 'f' then redis.call('ZADD', KEYS[3], now, ucc) else redis.call('ZREM', KEYS[3], ucc) end
@@ -97,7 +117,7 @@ for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 # changes nothing, a delay never replaces a permanent failure. KEYS: accounts, counts.
 # ARGV: ttl, then per account: ucc, kind, status, reason, time. Returns a code per account:
 # 1 applied, 0 already so, -1 no such account, -2 not mailed.
-_BOUNCE = """
+_BOUNCE = _FINAL + """
 local out = {}
 for i = 2, #ARGV, 5 do
   local raw = redis.call('HGET', KEYS[1], ARGV[i])
@@ -107,8 +127,10 @@ for i = 2, #ARGV, 5 do
     if (rec['r'] or 0) < 5 and rec['s'] ~= 'u' then table.insert(out, -2)
     elseif old == 'b' or old == ARGV[i + 1] then table.insert(out, 0)
     else
+      local before = final(rec)
       rec['b'] = {ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])}
       redis.call('HSET', KEYS[1], ARGV[i], cjson.encode(rec))
+      moved(KEYS[2], before, final(rec))
       if old then redis.call('HINCRBY', KEYS[2], old == 'b' and 'bounced' or 'deferred', -1) end
       redis.call('HINCRBY', KEYS[2], ARGV[i + 1] == 'b' and 'bounced' or 'deferred', 1)
       table.insert(out, 1)
@@ -213,6 +235,14 @@ class Records:
             codes += self.r.eval(_BOUNCE, 2, keys.run_accounts(self.run_id), keys.run_counts(self.run_id), self.ttl_s,
                                  *args[i:i + 5 * RECORD_BATCH])
         return codes
+
+    def statuses(self) -> dict[str, int]:
+        """How many accounts stand at each final status (final_status): they add up to the
+        accounts Redis holds. O(1): kept by the same calls that write the records."""
+        found = {s: 0 for s in FINAL_STATUSES}
+        found.update({k[3:]: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()
+                      if k.startswith("st:")})
+        return found
 
     def accounts(self, uccs: list[str]) -> dict[str, dict]:
         if not uccs:

@@ -88,7 +88,8 @@ class RunState(Records, MailGuard, RunLease):
 
     def counts(self) -> dict[str, int]:
         counts = {s: 0 for s in STAGES}
-        counts.update({k: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()})
+        counts.update({k: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()
+                       if not k.startswith("st:")})  # the final statuses: statuses()
         counts["failed"] = self.r.zcard(keys.run_failed(self.run_id))
         counts["unconfirmed"] = self.r.zcard(keys.run_unconfirmed(self.run_id))
         return counts

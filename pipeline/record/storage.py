@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from pipeline.settings import aws_region
+
 
 class StorageError(RuntimeError):
     pass
@@ -32,6 +34,24 @@ def read_json(store: Store, key: str) -> dict:
     if not isinstance(value, dict):
         raise StorageError(f"{store.url}: object {key!r} is not a JSON object (edited?)")
     return value
+
+
+def check_create_only(store: Store, key: str) -> None:
+    """The delivery log's chain rests on the store refusing a second create-only write (S3's
+    If-None-Match): a store that takes it lets two appends both write one number, and the
+    first batch's entries are lost in silence. Tried on `key` before anything is written."""
+    try:
+        first = store.put_new(key, b"create-only check\n")
+        second = store.put_new(key, b"create-only check, a second write\n")
+    except StorageError:
+        raise
+    except Exception as e:  # botocore's NotImplemented, an OSError from a file system without hard links
+        raise StorageError(f"storage {store.url} does not support create-only writes (If-None-Match): "
+                           f"{str(e).splitlines()[0][:200]}; the delivery log needs them") from None
+    if second or not (first or store.exists(key)):
+        raise StorageError(f"storage {store.url} accepted a second create-only write to {key!r} (it ignores "
+                           "If-None-Match): two writers would overwrite each other's delivery-log entries; use a "
+                           "store that refuses it (S3; versitygw with metadata, not --nometa)")
 
 
 class Store(Protocol):
@@ -145,7 +165,7 @@ class S3Store:
         self.url, self.bucket, self.prefix = url, bucket, prefix
         config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=32,
                         s3={"addressing_style": "path"})
-        self.client = boto3.client("s3", config=config)
+        self.client = boto3.client("s3", config=config, region_name=aws_region())
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

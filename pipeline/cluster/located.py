@@ -1,0 +1,104 @@
+"""Where a run's record lives: the store and keys every command after the day works on.
+
+A run records its store (an absolute folder or an s3:// URL) and where its keys are, in its
+meta in Redis and in its report. `rerun`, `reconcile`, `bounces`, `close`, `verify` and
+`status` use those, not whatever the current folder or CN_STORE implies: a rerun typed in
+another folder once opened ./store, split the day again there, made a new HMAC key and
+appended to a second delivery log. A store that does not hold the run is refused before
+anything is written, naming the run, the store tried and the one the run recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import redis
+
+from pipeline.cluster.restore import read_report
+from pipeline.record import keys
+from pipeline.record.state import RunNotFound, RunState, redis_client
+from pipeline.record.storage import Store, check_create_only, open_store
+from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
+
+log = logging.getLogger("pipeline.cluster.located")
+
+
+@dataclass(frozen=True)
+class Located:
+    settings: Settings  # with the run's store and key locations
+    store: Store
+    source: str  # why this store, as the command says it
+    in_redis: bool  # Redis holds the run (else it comes back from `store`)
+
+
+def recorded(settings: Settings, resolved: Settings) -> dict[str, str]:
+    """What a run records about where its record and keys are (`settings` anchored, `resolved`
+    with the secret laid over): locations and a key's fingerprint, never key material."""
+    own = not settings.secret
+    return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
+            "secret": settings.secret, **{f: getattr(settings, f) if own else "" for f in KEY_FILES},
+            "token_key_id": key_id(resolved.hmac_key())}
+
+
+def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
+           command: str = "", redis_optional: bool = False) -> Located:
+    """The run's store and key locations: Redis's record of the run, else `store_url` (--store),
+    else CN_STORE. An explicit store other than the recorded one is used only if it holds the
+    run's manifest (a copied or moved record). `writes`: the store must refuse a second
+    create-only write (the delivery log's chain rests on it). Reads only, until that check."""
+    keys.check_run_id(run_id)
+    meta = _meta(settings, run_id, redis_optional)
+    own = meta.get("store_url", "")
+    if store_url:
+        url = absolute_store(store_url)
+        source = "--store" if not own else "--store, the run's own" if url == own else \
+            f"--store, a copy of the run's record (it recorded {own})"
+    elif own:
+        url, source = own, "the run's own, recorded in Redis"
+        if absolute_store(settings.store_url) != own and settings.store_url != Settings.store_url:
+            source += f"; CN_STORE={settings.store_url} is not the run's and is not used"
+    else:
+        url = absolute_store(settings.store_url)
+        source = "CN_STORE" if settings.store_url != Settings.store_url else "the default folder ./store (CN_STORE unset)"
+        source += ": Redis does not hold the run"
+    store = open_store(url)
+    manifest, report = store.exists(keys.manifest_key(run_id)), store.exists(keys.report_keys(run_id)[0])
+    if not (manifest or report) or (own and url != own and not manifest):
+        elsewhere = f"; the run recorded {own}" if own and own != url else ""
+        raise RunNotFound(f"no run {run_id!r} in {url} (no manifest or report there){elsewhere}"
+                          + ("" if meta else "; Redis does not hold it either"))
+    found = meta if meta else read_report(store, keys.report_keys(run_id)[0]) if report else {}
+    if not meta and found.get("store_url") and found["store_url"] != url:
+        source += f"; a copy of the run's record (it recorded {found['store_url']})"
+    if writes:
+        check_create_only(store, keys.create_only_check_key(run_id))
+    log.info("%s %s: store %s (%s)", command or "run", run_id, url, source)
+    return Located(_with_keys(replace(settings, store_url=url), found), store, source, bool(meta))
+
+
+def _meta(settings: Settings, run_id: str, optional: bool) -> dict:
+    try:
+        return RunState(settings.redis_url, run_id).meta() if not optional else \
+            redis_client(settings.redis_url, patience_retries=0).hgetall(keys.run_meta(run_id))
+    except redis.RedisError as e:
+        if not optional:
+            raise
+        log.info("Redis unreachable (%s): the run's record is looked for in storage", e)
+        return {}
+
+
+def _with_keys(settings: Settings, found: dict) -> Settings:
+    """The run's key locations where these settings name none of their own (no CN_SECRET, the
+    default key files), and its HMAC key's fingerprint: a follow-up finds that key, or stops."""
+    changes = {}
+    if found.get("secret") and not settings.secret:
+        changes["secret"] = found["secret"]
+    elif not settings.secret and settings.uses_default_key():
+        changes.update({f: found[f] for f in KEY_FILES[:3] if found.get(f)})
+    if found.get("token_key_file") and settings.token_key_file == Settings.token_key_file and not settings.token_key:
+        changes["token_key_file"] = found["token_key_file"]
+    if found.get("token_key_id"):
+        changes["token_key_id"] = found["token_key_id"]
+    return replace(settings, **changes)
