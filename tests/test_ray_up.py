@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from email import policy
 from pathlib import Path
 
@@ -75,8 +76,38 @@ def cloud(tmp_path):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_nothing_running(
-        cloud, tmp_path, keys_dir, redis_url, ray_session):
+@dataclass
+class Laptop:
+    """README steps 1 and 2 done: a checkout with scripts/cluster.env filled in, the bucket with
+    the day's dumps, the secret; `run` types a command in the checkout, as the laptop's user."""
+
+    checkout: Path
+    home: Path
+    yaml_path: Path
+    env: dict
+    log: Path
+
+    def run(self, *cmd, timeout=600, check=True) -> subprocess.CompletedProcess:
+        p = subprocess.run(list(cmd), cwd=self.checkout, env=self.env, capture_output=True, text=True, timeout=timeout)
+        self.log.open("a").write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+        assert not check or p.returncode == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        return p
+
+    def submit(self, tmp_path: Path, input_url: str) -> subprocess.CompletedProcess:
+        """README step 3's `ray dashboard` tunnel and `ray job submit` of the day."""
+        port = free_port()
+        tunnel = subprocess.Popen(["ray", "dashboard", "--port", str(port), str(self.yaml_path)], cwd=self.checkout,
+                                  env=self.env, stdout=open(tmp_path / "tunnel.log", "ab"), stderr=subprocess.STDOUT)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/api/version", self.home)
+            return self.run("ray", "job", "submit", "--address", f"http://127.0.0.1:{port}", "--",
+                            "python", "scripts/cluster_run.py", TRADE_DATE, input_url, timeout=900, check=False)
+        finally:
+            tunnel.terminate()
+            tunnel.wait(10)
+
+
+def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path) -> Laptop:
     checkout, laptop = tmp_path / "checkout", tmp_path / "laptop"
     _clone(checkout)
     laptop.mkdir()
@@ -109,12 +140,21 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     laptop_env = {"PATH": f"{ROOT}/.venv/bin:/usr/local/bin:/usr/bin:/bin", "HOME": str(laptop),
                   "PYTHONPATH": str(TESTS), "RAY_AUTH_MODE": "token", "LANG": "C.UTF-8",
                   "RAY_UP_enable_autoscaler_v2": "1"}
+    return Laptop(checkout, laptop, yaml_path, laptop_env, tmp_path / "laptop.log")
 
-    def laptop_run(*cmd, timeout=600, check=True):
-        p = subprocess.run(list(cmd), cwd=checkout, env=laptop_env, capture_output=True, text=True, timeout=timeout)
-        (tmp_path / "laptop.log").open("a").write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
-        assert not check or p.returncode == 0, f"{cmd} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-        return p
+
+def _all_terminated(cloud, within_s: float = 180) -> list[str]:
+    """The instances still not terminated after waiting up to `within_s`."""
+    deadline = time.monotonic() + within_s
+    while any(n["state"] != "terminated" for n in cloud.listing()) and time.monotonic() < deadline:
+        time.sleep(1)
+    return [n["id"] for n in cloud.listing() if n["state"] != "terminated"]
+
+
+def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_nothing_running(
+        cloud, tmp_path, keys_dir, redis_url):
+    lap = _steps_1_and_2(cloud, tmp_path, keys_dir)
+    laptop_run, yaml_path, checkout = lap.run, lap.yaml_path, lap.checkout
 
     # README step 3: the head, the tunnel, the day as a Ray job
     laptop_run("ray", "get-auth-token", "--generate")
@@ -127,17 +167,7 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     with pytest.raises(redis.AuthenticationError):  # the head's Redis answers no one without the secret's password
         redis.Redis(host=head_ip, port=6380, socket_timeout=5).ping()
     metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
-    port = free_port()
-    tunnel = subprocess.Popen(["ray", "dashboard", "--port", str(port), str(yaml_path)], cwd=checkout, env=laptop_env,
-                              stdout=open(tmp_path / "tunnel.log", "wb"), stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/api/version", laptop)
-        job = laptop_run("ray", "job", "submit", "--address", f"http://127.0.0.1:{port}", "--",
-                         "python", "scripts/cluster_run.py", TRADE_DATE,
-                         f"s3://{BUCKET}/dumps/{TRADE_DATE}", timeout=900, check=False)
-    finally:
-        tunnel.terminate()
-        tunnel.wait(10)
+    job = lap.submit(tmp_path, f"s3://{BUCKET}/dumps/{TRADE_DATE}")
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "succeeded" in job.stdout
     assert f"run {TRADE_DATE}-" in job.stdout + job.stderr  # the driver's progress line, through `ray job`
@@ -146,10 +176,7 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert summary["actors"] == {"signers": 8, "mailers": 4}, "the pools fill the signer_smtp node's slots"
 
     # README step 4: the cluster ends itself
-    deadline = time.monotonic() + 180
-    while any(n["state"] != "terminated" for n in cloud.listing()) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert [n["id"] for n in cloud.listing() if n["state"] != "terminated"] == []
+    assert _all_terminated(cloud) == []
     assert cloud.leftovers() == []
 
     # counted at the relay: every account once
@@ -169,18 +196,41 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert status.returncode == 0, status.stderr
     record = json.loads(status.stdout)
     assert record["source"] == "storage" and record["report"]["statuses"] == {"delivered": ACCOUNTS}
-    # README step 5, its commands as written: the run comes back into the laptop's Redis from the bucket
-    step5 = {**os.environ, **cloud.aws, "CN_STORE": f"s3://{BUCKET}", "AWS_REGION": "ap-south-1",
-             "CN_SECRET": "aws-sm:contract-notes/signing", "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/9",
-             "RAY_ADDRESS": ray_session.address_info["address"]}
-    for command in (["status", summary["run_id"]], ["rerun", summary["run_id"], "--failed"]):
+    # README step 5, with exactly the variables it exports (AWS_REGION, not AWS_DEFAULT_REGION), the laptop's
+    # AWS credentials and, standing in for AWS, the cloud's endpoint: the run comes back from the bucket
+    redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/9").flushdb()
+    step5 = {"PATH": lap.env["PATH"], "HOME": str(lap.home), "LANG": "C.UTF-8", "AWS_ACCESS_KEY_ID": "testing",
+             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL": cloud.aws["AWS_ENDPOINT_URL"],
+             "CN_STORE": f"s3://{BUCKET}", "AWS_REGION": "ap-south-1", "CN_SECRET": "aws-sm:contract-notes/signing",
+             "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/9"}
+    forced = ids[0].strip("<>").rsplit("@", 1)[0].split(".", 1)[1]  # a client mailed again, by hand: the mailers start
+    for command in (["status", summary["run_id"]], ["rerun", summary["run_id"], "--failed"],
+                    ["rerun", summary["run_id"], "--accounts", forced, "--force"]):
         done = subprocess.run([sys.executable, "-m", "pipeline", *command], cwd=checkout, capture_output=True,
                               text=True, env=step5, timeout=300)
         assert done.returncode == 0, (command, done.stderr[-3000:])
-    rerun = json.loads(done.stdout.strip().splitlines()[-1])
-    assert rerun["rerun_accounts"] == [] and rerun["delivered"] == ACCOUNTS and rerun["relays"] == cloud.smtp_url
-    assert f"mailing through {cloud.smtp_url} (the run's own)" in done.stderr
+        if command[-1] == "--failed":
+            rerun = json.loads(done.stdout.strip().splitlines()[-1])
+            assert rerun["rerun_accounts"] == [] and rerun["delivered"] == ACCOUNTS
+            assert rerun["relays"] == cloud.smtp_url and rerun["store"] == f"s3://{BUCKET}"
+            assert f"mailing through {cloud.smtp_url} (the run's own)" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["rerun_outcomes"] == {"delivered": 1}
+    assert len(list(cloud.outbox.iterdir())) == ACCOUNTS + 1, "the forced account once more, through the run's relay"
     print(json.dumps({"ray_up_s": round(up_s, 1), "launches": launched}))
+
+
+def test_a_day_stopped_by_a_wrong_input_url_ends_its_cluster(cloud, tmp_path, keys_dir):
+    lap = _steps_1_and_2(cloud, tmp_path, keys_dir)
+    lap.run("ray", "get-auth-token", "--generate")
+    lap.run("ray", "up", "-y", "--no-config-cache", str(lap.yaml_path))
+
+    job = lap.submit(tmp_path, f"s3://no-such-bucket/dumps/{TRADE_DATE}")
+
+    assert job.returncode != 0
+    errors = {line for line in (job.stdout + job.stderr).splitlines() if line.startswith("error:")}  # `ray job` shows
+    assert len(errors) == 1 and "no-such-bucket" in errors.pop(), job.stdout[-3000:]  # the logs twice: one line, twice
+    assert _all_terminated(cloud) == [], "the head ends as it does after a day"
+    assert cloud.leftovers() == []
 
 
 def _clone(to: Path) -> None:

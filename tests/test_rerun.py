@@ -125,6 +125,10 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
     assert archived.read_bytes() == archived_bytes, "an archived note is mailed, not re-rendered"
     report = json.loads((Path(settings.store_url) / keys.report_keys(first["run_id"])[0]).read_text())
     assert report["statuses"] == {"delivered": first["accounts"]}, "the report covers every account again"
+    status = subprocess.run([sys.executable, "-m", "pipeline", "status", first["run_id"]], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=300)
+    counted = json.loads(status.stdout.splitlines()[-1])["statuses"]
+    assert {k: v for k, v in counted.items() if v} == report["statuses"], "status adds up after restore + rerun"
     again = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert json.loads(again.stdout.splitlines()[-1])["rerun_accounts"] == []

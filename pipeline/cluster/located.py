@@ -16,10 +16,12 @@ from pathlib import Path
 
 import redis
 
+from pipeline import credentials
 from pipeline.cluster.restore import read_report
 from pipeline.record import keys
 from pipeline.record.state import RunNotFound, RunState, redis_client
 from pipeline.record.storage import Store, check_create_only, open_store
+from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
 
 log = logging.getLogger("pipeline.cluster.located")
@@ -39,7 +41,8 @@ def recorded(settings: Settings, resolved: Settings) -> dict[str, str]:
     own = not settings.secret
     return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
             "secret": settings.secret, **{f: getattr(settings, f) if own else "" for f in KEY_FILES},
-            "token_key_id": key_id(resolved.hmac_key())}
+            "token_key_id": key_id(resolved.hmac_key()),
+            "signer_cert_sha256": detached.cert_fingerprint(credentials.read(settings)[1].cert)}
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
@@ -90,15 +93,14 @@ def _meta(settings: Settings, run_id: str, optional: bool) -> dict:
 
 
 def _with_keys(settings: Settings, found: dict) -> Settings:
-    """The run's key locations where these settings name none of their own (no CN_SECRET, the
-    default key files), and its HMAC key's fingerprint: a follow-up finds that key, or stops."""
+    """The run's key locations wherever these settings name none of their own (no CN_SECRET, a
+    key file left at its default), and its HMAC key's fingerprint: a follow-up finds that key,
+    or stops."""
     changes = {}
     if found.get("secret") and not settings.secret:
         changes["secret"] = found["secret"]
-    elif not settings.secret and settings.uses_default_key():
-        changes.update({f: found[f] for f in KEY_FILES[:3] if found.get(f)})
-    if found.get("token_key_file") and settings.token_key_file == Settings.token_key_file and not settings.token_key:
-        changes["token_key_file"] = found["token_key_file"]
+    elif not settings.secret:
+        changes.update({f: found[f] for f in KEY_FILES if found.get(f) and getattr(settings, f) == getattr(Settings, f)})
     if found.get("token_key_id"):
         changes["token_key_id"] = found["token_key_id"]
     return replace(settings, **changes)

@@ -28,25 +28,46 @@ def check(data: bytes, signature: bytes) -> str:
     subject and the SHA-256 of the certificate are what verify prints)."""
     try:
         signed = cms.ContentInfo.load(signature)["content"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SignError(f"not a CMS signature ({type(e).__name__})") from None
+    return signed_by(signed, hashlib.sha256(data).digest())
+
+
+def signed_by(signed: cms.SignedData, digest: bytes) -> str:
+    """The signer of a SignedData whose signed content has this SHA-256 (`check`, and an
+    RFC 3161 timestamp token over its TSTInfo); SignError if it is not a valid signature."""
+    try:
         info = signed["signer_infos"][0]
         attrs = info["signed_attrs"]
-        digest = next(a["values"][0].native for a in attrs if a["type"].native == "message_digest")
+        signed_digest = signed_digest_of(attrs)
         sid = info["sid"].chosen  # the certificates are a SET: in DER order, not the signer's first
         cert = x509.load_der_x509_certificate(next(
             c.chosen.dump() for c in signed["certificates"]
             if c.chosen.serial_number == sid["serial_number"].native and c.chosen.issuer == sid["issuer"]))
     except (ValueError, KeyError, IndexError, StopIteration, TypeError) as e:
         raise SignError(f"not a CMS signature ({type(e).__name__})") from None
-    if digest != hashlib.sha256(data).digest():
+    if digest != signed_digest:
         raise SignError("the signed digest is not the data's: the data was changed after signing")
     to_verify = b"\x31" + attrs.dump()[1:]  # signed as a SET, not as the [0] IMPLICIT it is stored as
+    algorithm = hashes.SHA512() if info["digest_algorithm"]["algorithm"].native == "sha512" else hashes.SHA256()
     try:
-        cert.public_key().verify(info["signature"].native, to_verify, padding.PKCS1v15(), hashes.SHA256())
-    except InvalidSignature:
+        cert.public_key().verify(info["signature"].native, to_verify, padding.PKCS1v15(), algorithm)
+    except (InvalidSignature, TypeError):
         raise SignError("the signature does not verify with the certificate it carries") from None
-    return cert.subject.rfc4514_string() + " sha256:" + cert.fingerprint(hashes.SHA256()).hex()
+    return cert.subject.rfc4514_string() + " " + cert_fingerprint(cert)
+
+
+def signed_digest_of(attrs) -> bytes:
+    return next(a["values"][0].native for a in attrs if a["type"].native == "message_digest")
 
 
 def fingerprint(cert_pem: bytes) -> str:
-    """How check() names a certificate: "sha256:" and its SHA-256."""
-    return "sha256:" + x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
+    """How check() names a certificate: "sha256:" and its SHA-256. SignError if it is not one."""
+    try:
+        return cert_fingerprint(x509.load_pem_x509_certificate(cert_pem))
+    except ValueError:
+        raise SignError("not a PEM certificate") from None
+
+
+def cert_fingerprint(cert: x509.Certificate) -> str:
+    return "sha256:" + cert.fingerprint(hashes.SHA256()).hex()
