@@ -44,7 +44,7 @@ def _run_level_errors() -> tuple[type, ...]:
 
     from pipeline.cluster.bounces import RunClosed
     from pipeline.cluster.capacity import CapacityError
-    from pipeline.cluster.proof import WindowOpen
+    from pipeline.cluster.proof import SealBroken, WindowOpen
     from pipeline.day.dumps import InputError
     from pipeline.day.trading_calendar import CalendarError
     from pipeline.mail.mailbox import MailboxError
@@ -57,7 +57,7 @@ def _run_level_errors() -> tuple[type, ...]:
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
             CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError,
-            RunNotFound)
+            RunNotFound, SealBroken)
 
 
 def _on_redis(settings: Settings) -> Settings:
@@ -184,10 +184,14 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--store", help=STORE_HELP)
     cl.set_defaults(func=cmd_close)
 
-    ve = sub.add_parser("verify", help="check a run's delivery log, proof and signature from storage alone; names the "
-                                        "first object changed, removed or out of place (exit 1)")
+    ve = sub.add_parser("verify", help="check a run's delivery log, proof, signature and timestamp from storage alone, "
+                                        "and its report against the log: exit 0 sealed and whole; 1 naming the first "
+                                        "object changed, removed, out of place or disagreeing; 3 not sealed yet")
     ve.add_argument("run_id", type=_run_id)
-    ve.add_argument("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it")
+    ve.add_argument("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it "
+                                             "(default: the certificate the run recorded when it started)")
+    ve.add_argument("--tsa-cert", type=Path, help="the time-stamping authority's certificate (PEM): the proof's "
+                                                 "timestamp must be signed by it")
     ve.add_argument("--store", help=STORE_HELP)
     ve.set_defaults(func=cmd_verify)
 
@@ -317,14 +321,30 @@ def cmd_close(args) -> int:
 
 def cmd_verify(args) -> int:
     from pipeline.cluster.located import locate
-    from pipeline.cluster.proof import verify
+    from pipeline.cluster.verify import exit_status, verify
 
-    if args.cert and not args.cert.is_file():
-        raise ConfigError(f"--cert {args.cert}: no such file")
+    cert, tsa_cert = _certificate(args.cert, "--cert"), _certificate(args.tsa_cert, "--tsa-cert")
     found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
-    result = verify(found.store, args.run_id, args.cert.read_bytes() if args.cert else None)
+    result = verify(found.store, args.run_id, cert, tsa_cert)
+    print(result["summary"], file=sys.stderr)
     print(json.dumps({**result, "store": found.store.url, "store_from": found.source}))
-    return 0 if result["ok"] else 1
+    return exit_status(result)
+
+
+def _certificate(path: Path | None, flag: str) -> bytes | None:
+    """The PEM certificate a flag names, or one line saying why it is not one."""
+    from pipeline.seal import detached
+    from pipeline.seal.sign import SignError
+
+    if path is None:
+        return None
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        detached.fingerprint(path.read_bytes())
+    except SignError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    return path.read_bytes()
 
 
 def cmd_status(args) -> int:

@@ -79,6 +79,7 @@ class Settings:
     paper_due_days: int = 1  # a physical note is due this many days after the reason is known
     link_base: str = "http://127.0.0.1:8000"  # the status service's public address, for the client's link
     link_days: float = 90.0  # how long a client's link to their note works
+    tsa_url: str = ""  # an RFC 3161 time-stamping authority: `close` timestamps the proof (pipeline/seal/timestamp.py)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -278,6 +279,7 @@ ENV_NAMES = {
     "paper_due_days": "CN_PAPER_DUE_DAYS",
     "link_base": "CN_LINK_BASE",
     "link_days": "CN_LINK_DAYS",
+    "tsa_url": "CN_TSA_URL",
 }
 
 

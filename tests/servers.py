@@ -209,3 +209,77 @@ smtputf8_enable = no
     service = Service("smtp", process, f"smtp://127.0.0.1:{port}")
     service.root = root
     return service
+
+
+def start_tsa(directory: Path):
+    """An RFC 3161 time-stamping authority on a free loopback port: `openssl ts -reply` (OpenSSL's
+    own TSA) behind a small HTTP handler, with a TSA certificate of its own. Returns (url, the
+    TSA's certificate, a function that stops it)."""
+    import datetime as dt
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Test Time-Stamping Authority")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
+            .not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.TIME_STAMPING]), critical=True)
+            .sign(key, hashes.SHA256()))
+    (directory / "tsa.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "tsa.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    (directory / "serial").write_text("01\n")
+    config = directory / "tsa.cnf"
+    config.write_text(f"""[ tsa ]
+default_tsa = test_tsa
+[ test_tsa ]
+dir = {directory}
+serial = $dir/serial
+crypto_device = builtin
+signer_cert = $dir/tsa.crt
+signer_key = $dir/tsa.key
+signer_digest = sha256
+default_policy = 1.2.3.4.1
+digests = sha256
+accuracy = secs:1
+ordering = yes
+tsa_name = yes
+ess_cert_id_chain = no
+ess_cert_id_alg = sha256
+""")
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            query = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with lock:  # one serial file
+                (directory / "query.tsq").write_bytes(query)
+                done = subprocess.run(["openssl", "ts", "-reply", "-config", str(config), "-queryfile",
+                                       str(directory / "query.tsq"), "-out", str(directory / "reply.tsr")],
+                                      capture_output=True)
+                reply = (directory / "reply.tsr").read_bytes() if done.returncode == 0 else b""
+            self.send_response(200 if reply else 500)
+            self.send_header("Content-Type", "application/timestamp-reply")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}/", directory / "tsa.crt", stop

@@ -33,7 +33,8 @@ from pipeline.record.records import Outcome
 from pipeline.record.storage import StorageError, Store
 
 MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed", "not_sent")
-STATUSES = MAIL_STATUSES + ("bounced", "deferred", "fetched")
+AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's seal (cluster/proof.py)
+STATUSES = MAIL_STATUSES + ("bounced", "deferred", "closed") + AFTER_SEAL
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
 
@@ -94,17 +95,25 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
                        "20 writers got there first")
 
 
+def chain_keys(store: Store, run_id: str, shard: int) -> list[str]:
+    """The shard's chained objects, in order. Objects a run wrote before the log was chained
+    (named by time) are read as entries, never chained to."""
+    return [k for k in store.keys(keys.delivery_log_prefix(run_id, shard)) if CHAINED.search(k)]
+
+
 def head(store: Store, run_id: str, shard: int) -> Link | None:
-    """The last object of the shard's chain, or None for an empty log. Objects a run wrote
-    before the log was chained (named by time) are read as entries, never chained to."""
-    last = None
-    for key in store.keys(keys.delivery_log_prefix(run_id, shard)):
-        if CHAINED.search(key):
-            last = key
-    if last is None:
+    """The last object of the shard's chain, or None for an empty log."""
+    found = chain_keys(store, run_id, shard)
+    if not found:
         return None
+    last = found[-1]
     data = store.get(last)
     return Link(last, chain_header(store, last, data)["seq"], hashlib.sha256(data).hexdigest())
+
+
+def closing(store: Store, key: str) -> bool:
+    """Whether the object is a run's closing object (cluster/proof.py)."""
+    return any(e["status"] == "closed" for e in parse(store, key, store.lines(key)))
 
 
 def chain_header(store: Store, key: str, data: bytes) -> dict:
@@ -157,4 +166,29 @@ def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[
             continue
         if e["ucc"] not in found or e["at"] >= found[e["ucc"]]["at"]:
             found[e["ucc"]] = e
+    return found
+
+
+def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
+    """Each mailed account's final status, from its shard's log alone, as the report states it
+    (report.csv_chunks over records.final_status): a mail once delivered stays delivered, else
+    the latest mailing decides; a bounce counts on a delivered mail (a permanent one over a
+    delay); once closed, a delay is delivered. An account with no mailing here (never mailed,
+    or refused at the claim) is absent."""
+    mails, bounces, delivered = {}, {}, set()
+    for e in log:
+        if e["status"] in MAIL_STATUSES and (e["ucc"] not in mails or e["at"] >= mails[e["ucc"]]["at"]):
+            mails[e["ucc"]] = e
+        elif e["status"] in ("bounced", "deferred") and bounces.get(e["ucc"]) != "bounced":
+            bounces[e["ucc"]] = e["status"]
+        if e["status"] == "delivered":
+            delivered.add(e["ucc"])
+    found = {}
+    for ucc, e in mails.items():
+        status = "delivered" if ucc in delivered else {"sending": "unconfirmed"}.get(e["status"], e["status"])
+        if status == "delivered":
+            status = bounces.get(ucc, "delivered")
+            status = "delivered" if closed and status == "deferred" else status
+        if status != "not_sent":
+            found[ucc] = status
     return found

@@ -1,0 +1,246 @@
+"""`verify RUN_ID`: what a run's record proves, checked from storage alone.
+
+Every shard's chain is walked from its first object: each object's number and link, and for a
+sealed run each object's SHA-256 against the one the seal recorded, so the first object
+changed is named even when every later link was forged to match. After the seal only a
+client's fetch or a bounce refused after close may follow. The signer of the proof must be the
+certificate the run recorded when it started (or the one an auditor brings, `--cert`); a
+timestamp, where the run was sealed with one, must be over this proof. A run whose chains or
+report say it was closed must have its proof. Then every account's final status is worked out
+from the log alone and compared with the sealed report and paper list.
+
+Exit status of the command: 0 sealed and whole; 1 a problem, the first one named; 3 not
+sealed: consistent so far, not yet proof.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import sqlite3
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pipeline.cluster.proof import PARALLEL, proof_keys, timestamp_key
+from pipeline.cluster.restore import read_report
+from pipeline.day.split import load_manifest
+from pipeline.record import delivery_log, keys, report
+from pipeline.record.state import RunNotFound
+from pipeline.record.storage import StorageError, Store
+from pipeline.seal import detached, timestamp
+from pipeline.seal.sign import SignError
+
+MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status that only a mailing can give
+
+
+@dataclass
+class Chain:
+    """One shard's chain as verify found it."""
+
+    shard: int
+    objects: int = 0
+    after_seal: int = 0
+    problem: str = ""
+    closed: bool = False  # it holds a closing object
+    statuses: dict[str, str] = field(default_factory=dict)  # from the log alone
+    where: dict[str, str] = field(default_factory=dict)  # ucc -> the object of its last entry
+
+
+def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pem: bytes | None = None) -> dict:
+    split = load_manifest(store, run_id)
+    if split is None:
+        raise RunNotFound(f"no run {run_id!r} in {store.url}")
+    json_key = keys.report_keys(run_id)[0]
+    run_report = read_report(store, json_key) if store.exists(json_key) else {}
+    proof, problems = _proof(store, run_id), []
+    signer, stamped = "", {}
+    if proof is not None:
+        signer = _signer(store, run_id, proof["data"], cert_pem, run_report, problems)
+        stamped = _timestamp(store, run_id, proof, tsa_cert_pem, problems)
+    closed = bool(proof) or bool((run_report.get("bounce_window") or {}).get("closed_at"))
+    objects = after_seal = was_closed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        db = sqlite3.connect(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
+        db.execute("CREATE TABLE log (ucc TEXT PRIMARY KEY, status TEXT, key TEXT)")
+        for c in _chains(store, run_id, split.shards, proof["objects"] if proof else None, closed):
+            objects, after_seal, was_closed = objects + c.objects, after_seal + c.after_seal, was_closed + c.closed
+            problems += [c.problem] if c.problem else []
+            db.executemany("INSERT OR REPLACE INTO log VALUES (?, ?, ?)",
+                           ((u, st, c.where.get(u, "")) for u, st in c.statuses.items()))
+        if proof is None and (was_closed or closed):
+            evidence = f"{was_closed} chains hold a closing object" if was_closed else "its report says closed_at"
+            problems.insert(0, f"{proof_keys(run_id)[0]}: removed (the run was closed: {evidence})")
+        if proof is not None:
+            for key, sha in proof["reports"].items():
+                if not store.exists(key) or hashlib.sha256(store.get(key)).hexdigest() != sha:
+                    problems.append(f"{key}: changed or removed after the seal")
+            if not problems:
+                problems += _disagreements(db, store, run_id)
+        db.close()
+    ok = not problems
+    summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if proof else
+                                   "not sealed: consistent so far, not yet proof")
+    return {"run_id": run_id, "sealed": proof is not None, "signed_by": signer, "timestamp": stamped,
+            "shards": len(split.shards), "log_objects": objects, "added_after_seal": after_seal, "ok": ok,
+            "summary": summary,
+            "first_problem": problems[0] if problems else None, "problems": problems[:100]}
+
+
+def exit_status(result: dict) -> int:
+    return 1 if not result["ok"] else 0 if result["sealed"] else 3
+
+
+def _proof(store: Store, run_id: str) -> dict | None:
+    key = proof_keys(run_id)[0]
+    if not store.exists(key):
+        return None
+    data = store.get(key)
+    try:
+        proof = json.loads(data)
+        objects = proof.get("objects", {})
+        if not isinstance(proof["heads"], list) or not isinstance(proof["reports"], dict) \
+                or not isinstance(objects, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise StorageError(f"{store.url}: {key} is not a proof (edited?)") from None
+    return {**proof, "objects": {int(s): h for s, h in objects.items()}, "data": data}
+
+
+def _signer(store: Store, run_id: str, data: bytes, cert_pem: bytes | None, run_report: dict,
+            problems: list[str]) -> str:
+    """Who signed the proof; a problem unless it is the certificate given, else the one the run
+    recorded when it started (a proof signed again with a key of one's own is not the broker's)."""
+    proof_key, sig_key = proof_keys(run_id)
+    try:
+        signer = detached.check(data, store.get(sig_key) if store.exists(sig_key) else b"")
+    except SignError as e:
+        problems.append(f"{proof_key}: signature {sig_key}: {e}")
+        return ""
+    expected = detached.fingerprint(cert_pem) if cert_pem else run_report.get("signer_cert_sha256", "")
+    whose = "the certificate given (--cert)" if cert_pem else "the run's signing certificate (its report)"
+    if not expected:
+        problems.append(f"{sig_key}: the run recorded no signing certificate: give the broker's with --cert")
+    elif not signer.endswith(expected):
+        problems.append(f"{sig_key}: signed by {signer}, not by {whose}")
+    return signer
+
+
+def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | None, problems: list[str]) -> dict:
+    key = timestamp_key(run_id)
+    if not store.exists(key):
+        if proof.get("tsa"):
+            problems.append(f"{key}: removed (the proof was timestamped by {proof['tsa']})")
+        return {}
+    try:
+        return timestamp.check(store.get(key), proof["data"], tsa_cert_pem)
+    except SignError as e:
+        problems.append(f"{key}: {e}")
+        return {}
+
+
+def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool):
+    """Each shard's Chain, read 64 shards at a time: memory follows the window, not the day."""
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        ordered = iter(sorted(shards))
+        while window := list(itertools.islice(ordered, 4 * PARALLEL)):
+            yield from pool.map(lambda s: _chain(store, run_id, s, None if sealed is None else sealed.get(s, []),
+                                                 closed), window)
+
+
+def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool) -> Chain:
+    """One shard's chain, from its first object; `sealed`: the SHA-256 the seal recorded for
+    each object (None: the run is not sealed)."""
+    found, chain = delivery_log.chain_keys(store, run_id, shard), Chain(shard)
+    prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
+    for i, key in enumerate(found):
+        n, data = i + 1, store.get(key)
+        sha = hashlib.sha256(data).hexdigest()
+        chain.objects = n
+        if sealed is not None and n <= len(sealed) and sha != sealed[i]:
+            chain.problem = f"{key}: changed (not the object the seal recorded)"
+            return chain
+        try:
+            header = delivery_log.chain_header(store, key, data)
+        except StorageError:
+            chain.problem = f"{key}: changed (its chain header is gone)"
+            return chain
+        if header["run"] != run_id or header["shard"] != shard or key != delivery_log.object_key(run_id, shard, n):
+            chain.problem = _misplaced(run_id, shard, n, key, header, prev_key)
+            return chain
+        if header["prev"] != prev_sha:  # this object or the one before was changed: the next link tells which
+            this_changed = not prev_key or _links_elsewhere(store, found[i + 1:], sha)
+            chain.problem = f"{key}: changed (its link to {prev_key or 'the start'} was edited)" if this_changed \
+                else f"{prev_key}: changed (the next object, {key}, links to another)"
+            return chain
+        prev_sha, prev_key = sha, key
+        try:
+            lines = list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
+        except StorageError as e:
+            unreadable = unreadable or str(e)
+            continue
+        after = sealed is not None and n > len(sealed)
+        chain.after_seal += after
+        for e in lines:
+            if after and e["status"] not in delivery_log.AFTER_SEAL:
+                chain.problem = (f"{key}: a {e['status']!r} entry after the seal (only a client's fetch or a bounce "
+                                 "refused after close may follow it)")
+                return chain
+            chain.closed |= e["status"] == "closed"
+            chain.where[e["ucc"]] = key
+        entries += lines
+    if sealed is not None and len(found) < len(sealed):
+        chain.problem = f"{delivery_log.object_key(run_id, shard, len(sealed))}: removed (the seal recorded " \
+                        f"{len(sealed)} objects of shard {shard}, {len(found)} remain)"
+        return chain
+    chain.problem = unreadable
+    chain.statuses = delivery_log.final_statuses(entries, closed) if sealed is not None else {}
+    return chain
+
+
+def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:
+    if header["seq"] > n and key == delivery_log.object_key(run_id, shard, header["seq"]):
+        return f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
+               f"{prev_key or 'its start'} to {key})"
+    return f"{key}: out of place (it says run {header['run']} shard {header['shard']} number {header['seq']}; " \
+           f"number {n} of shard {shard} belongs here)"
+
+
+def _links_elsewhere(store: Store, rest: list[str], sha: str) -> bool:
+    """Whether what comes after this object no longer links to it as it is."""
+    if not rest:
+        return False
+    try:
+        return delivery_log.chain_header(store, rest[0], store.get(rest[0]))["prev"] != sha
+    except StorageError:
+        return True
+
+
+def _disagreements(db: sqlite3.Connection, store: Store, run_id: str) -> list[str]:
+    """Where the sealed report or paper list says other than the log (`db`'s table `log`): each
+    account's status against its report row, a mailed status the log never saw, the paper list
+    against the report's dispatch column. The first one, naming account and object."""
+    csv_key, paper_key = keys.report_keys(run_id)[1], report.paper_key(run_id)
+    db.execute("CREATE TABLE report (ucc TEXT PRIMARY KEY, status TEXT, paper INTEGER)")
+    db.execute("CREATE TABLE paper (ucc TEXT PRIMARY KEY)")
+    db.executemany("INSERT OR REPLACE INTO report VALUES (?, ?, ?)", ((r["ucc"], r["status"], r["physical_dispatch"] == "Y")
+                                                                   for r in csv.DictReader(store.lines(csv_key))))
+    db.executemany("INSERT OR REPLACE INTO paper VALUES (?)", ((r["ucc"],) for r in csv.DictReader(store.lines(paper_key))))
+    differs = db.execute("SELECT l.ucc, r.status, l.status, l.key FROM log l LEFT JOIN report r USING (ucc) "
+                         "WHERE r.status IS NOT l.status ORDER BY l.ucc LIMIT 1").fetchone()
+    if differs:
+        ucc, said, logged, key = differs
+        return [f"{csv_key}: account {ucc} is {said or 'missing'!r} in the report, {logged!r} in the delivery log "
+                f"({key})"]
+    unlogged = db.execute(f"SELECT ucc, status FROM report WHERE status IN ({','.join('?' * len(MAILED))}) AND ucc "
+                          "NOT IN (SELECT ucc FROM log) ORDER BY ucc LIMIT 1", MAILED).fetchone()
+    if unlogged:
+        return [f"{csv_key}: account {unlogged[0]} is {unlogged[1]!r} in the report, and the delivery log has no "
+                "mailing of it"]
+    odd = db.execute("SELECT ucc FROM report WHERE paper = 1 AND ucc NOT IN (SELECT ucc FROM paper) UNION "
+                     "SELECT ucc FROM paper WHERE ucc NOT IN (SELECT ucc FROM report WHERE paper = 1) "
+                     "ORDER BY ucc LIMIT 1").fetchone()
+    return [f"{paper_key}: account {odd[0]} is on one of the paper list and the report's dispatch column, "
+            "not both"] if odd else []

@@ -1,0 +1,212 @@
+"""The seal, tried as an auditor and an attacker would (issue 32, section 1): each attack on a
+closed run's record is caught and named by `verify`, from storage alone; `close` seals once.
+One run is mailed, bounced and closed for the module; each test works on a copy of its store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline.__main__ import main
+from pipeline.cluster import bounces, proof
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.cluster.verify import exit_status, verify
+from pipeline.day.split import load_manifest
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.embedded import start_smtp_sink
+from pipeline.mail import verp
+from pipeline.record import delivery_log, keys
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.seal import detached
+from pipeline.seal.sign import load_signer, make_test_certificate
+from pipeline.settings import Settings
+from tests import servers
+from tests.conftest import TRADE_DATE
+
+
+@pytest.fixture(scope="module")
+def closed_run(ray_session, redis_url, keys_dir, tmp_path_factory):
+    """(settings, run id, the store before close, the store after close, the accounts bounced)."""
+    import datetime as dt
+
+    work = tmp_path_factory.mktemp("proof")
+    write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), 30, seed=11))
+    sink = start_smtp_sink(work / "outbox", work / "smtp.log", ["--bounce-rate", "0.5", "--bounces", str(work / "dsns")])
+    try:
+        settings = Settings(store_url=str(work / "store"), redis_url=redis_url, smtp_url=sink.url, shard_size=8,
+                            window=4, signers=1, mailers=1, signer_key=str(keys_dir / "signer.key.pem"),
+                            signer_cert=str(keys_dir / "signer.cert.pem"), signer_chain=str(keys_dir / "root.cert.pem"),
+                            owner_password="proof-owner-secret", token_key_file=str(keys_dir / "token.key"))
+        run_id = run_day(settings, RunRequest(TRADE_DATE, str(work / "input")))["run_id"]
+    finally:
+        sink.stop()
+    found = bounces.collect(settings, run_id, [str(work / "dsns")])
+    assert found["bounced"] > 0, found
+    shutil.copytree(work / "store", work / "open")
+    proof.close(settings, run_id, now=after_the_window(settings, run_id))
+    sent = [json.loads(line) for line in (work / "dsns.jsonl").read_text().splitlines()]
+    bounced = [verp.parse(d["mail_from"].split("@")[0].split("+", 1)[1]).ucc for d in sent if d["kind"] == "bounced"]
+    return settings, run_id, work / "open", work / "store", bounced
+
+
+def after_the_window(settings: Settings, run_id: str) -> float:
+    return float(RunState(settings.redis_url, run_id).meta()["finished"]) + 72 * 3600 + 1
+
+
+def copy(of: Path, to: Path) -> Path:
+    shutil.copytree(of, to)
+    return to
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def chain(root: Path, run_id: str, shard: int) -> list[Path]:
+    return [root / k for k in delivery_log.chain_keys(open_store(str(root)), run_id, shard)]
+
+
+def relink(objects: list[Path]) -> None:
+    """What an attacker with write access does after editing an object: every later object's
+    link rewritten to match, so the chain is whole again."""
+    for before, after in zip(objects, objects[1:]):
+        header, body = after.read_bytes().split(b"\n", 1)
+        fields = json.loads(header)
+        fields["prev"] = hashlib.sha256(before.read_bytes()).hexdigest()
+        after.write_bytes(json.dumps(fields, separators=(",", ":")).encode() + b"\n" + body)
+
+
+def shard_of(root: Path, run_id: str, ucc: str) -> int:
+    return keys.shard_of(ucc, load_manifest(open_store(str(root)), run_id).shard_count)
+
+
+def verified(root: Path, run_id: str, **kw) -> dict:
+    return verify(open_store(str(root)), run_id, **kw)
+
+
+def test_a_sealed_run_verifies_and_an_open_one_is_not_yet_proof(closed_run, monkeypatch, capsys):
+    settings, run_id, opened, sealed, _ = closed_run
+    whole = verified(sealed, run_id)
+    assert whole["ok"] and whole["sealed"] and exit_status(whole) == 0, whole
+    assert whole["signed_by"].endswith(detached.fingerprint(Path(settings.signer_cert).read_bytes()))
+    before = verified(opened, run_id)
+    assert before["ok"] and not before["sealed"] and exit_status(before) == 3
+    assert "not sealed: consistent so far, not yet proof" in before["summary"]
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    assert main(["verify", run_id, "--store", str(opened)]) == 3
+    assert "not sealed: consistent so far, not yet proof" in capsys.readouterr().err
+
+
+def test_the_first_object_edited_and_every_later_link_forged_is_named(closed_run, tmp_path):
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    objects[0].write_bytes(objects[0].read_bytes().replace(b'"at":1', b'"at":2', 1))
+    relink(objects)
+    found = verified(root, run_id)
+    assert not found["ok"] and found["first_problem"].startswith(f"{objects[0].relative_to(root)}: changed"), found
+
+
+def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(closed_run, tmp_path):
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    for key in proof.proof_keys(run_id):
+        (root / key).unlink()
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    holding = next(p for p in objects if b'"status":"bounced"' in p.read_bytes())
+    holding.write_bytes(holding.read_bytes().replace(b'"status":"bounced"', b'"status":"deferred"'))
+    relink(objects)
+    found = verified(root, run_id)
+    assert not found["ok"] and exit_status(found) == 1
+    assert found["first_problem"].startswith(f"{proof.proof_keys(run_id)[0]}: removed (the run was closed"), found
+
+
+def test_close_seals_once_and_refuses_a_log_that_no_longer_matches_its_seal(closed_run, tmp_path):
+    settings, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    before = tree(root)
+    again = proof.close(settings, run_id, store_url=str(root))
+    assert again["already_sealed"] and tree(root) == before, "a second close changes nothing"
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    objects[1].write_bytes(objects[1].read_bytes().replace(b'"status":"delivered"', b'"status":"failed"', 1))
+    relink(objects)
+    edited = tree(root)
+    with pytest.raises(proof.SealBroken, match=str(objects[1].relative_to(root))):
+        proof.close(settings, run_id, store_url=str(root))
+    assert tree(root) == edited, "never sealed again"
+
+
+def test_after_the_seal_only_a_fetch_or_a_refused_bounce_may_follow(closed_run, tmp_path):
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    store, shard = open_store(str(root)), shard_of(root, run_id, bounced[0])
+    delivery_log.append(store, run_id, shard, [{"ucc": bounced[0], "status": "fetched", "at": 1.0}])
+    fetched = verified(root, run_id)
+    assert fetched["ok"] and fetched["added_after_seal"] == 1, fetched
+    forged = delivery_log.append(store, run_id, shard, [{"ucc": bounced[0], "status": "delivered", "message_id": "x",
+                                                         "reply": "250 ok", "at": 2e9}])
+    found = verified(root, run_id)
+    assert not found["ok"] and found["first_problem"].startswith(f"{forged.key}: a 'delivered' entry after the seal")
+
+
+def test_a_log_edited_before_the_seal_is_caught_by_the_report_it_no_longer_matches(closed_run, tmp_path):
+    settings, run_id, opened, _, bounced = closed_run
+    root = copy(opened, tmp_path / "store")
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    holding = next(p for p in objects if b'"status":"bounced"' in p.read_bytes() and bounced[0].encode() in p.read_bytes())
+    assert holding == objects[-1], "the bounce came last"
+    holding.unlink()  # the bounce object deleted before close: nothing links to it yet
+    proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+    found = verified(root, run_id)
+    assert not found["ok"], found
+    assert f"account {bounced[0]} is 'bounced' in the report, 'delivered' in the delivery log" in found["first_problem"]
+
+
+def test_a_proof_signed_again_with_a_key_of_one_s_own_fails_without_cert(closed_run, tmp_path, monkeypatch, capsys):
+    settings, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    make_test_certificate(tmp_path / "mine")
+    mine = load_signer(str(tmp_path / "mine/signer.key.pem"), str(tmp_path / "mine/signer.cert.pem"), None)
+    proof_key, sig_key = proof.proof_keys(run_id)
+    (root / sig_key).write_bytes(detached.sign((root / proof_key).read_bytes(), mine))
+    found = verified(root, run_id)
+    assert not found["ok"] and "not by the run's signing certificate" in found["first_problem"], found
+    (tmp_path / "not-a-cert.pem").write_text("hello")
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    capsys.readouterr()
+    assert main(["verify", run_id, "--store", str(root), "--cert", str(tmp_path / "not-a-cert.pem")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --cert {tmp_path / 'not-a-cert.pem'}: not a PEM certificate"]
+
+
+def test_a_timestamp_from_a_tsa_dates_the_seal_and_a_proof_made_again_fails_it(closed_run, tmp_path):
+    settings, run_id, opened, _, _ = closed_run
+    root = copy(opened, tmp_path / "store")
+    url, tsa_cert, stop = servers.start_tsa(tmp_path / "tsa")
+    try:
+        proof.close(settings.__class__(**{**settings.__dict__, "tsa_url": url}), run_id,
+                    now=after_the_window(settings, run_id), store_url=str(root))
+    finally:
+        stop()
+    proof_key = proof.proof_keys(run_id)[0]
+    stamped = verified(root, run_id, tsa_cert_pem=tsa_cert.read_bytes())
+    assert stamped["ok"] and stamped["timestamp"]["time"] and "Time-Stamping" in stamped["timestamp"]["tsa"], stamped
+    openssl = subprocess.run(["openssl", "ts", "-verify", "-data", str(root / proof_key), "-in",
+                              str(root / proof.timestamp_key(run_id)), "-token_in", "-CAfile", str(tsa_cert)],
+                             capture_output=True, text=True)
+    assert openssl.returncode == 0 and "Verification: OK" in openssl.stdout, openssl.stderr
+    # someone who holds the signing key seals again later: the proof's signature holds, its timestamp does not
+    data = (root / proof_key).read_bytes().replace(b'"sealed_at": ', b'"sealed_at": 1', 1)
+    (root / proof_key).write_bytes(data)
+    (root / proof.proof_keys(run_id)[1]).write_bytes(detached.sign(data, load_signer(
+        settings.signer_key, settings.signer_cert, None, settings.signer_chain)))
+    resealed = verified(root, run_id)
+    assert not resealed["ok"] and "the timestamp is not over this proof" in resealed["first_problem"], resealed
+    (root / proof.timestamp_key(run_id)).unlink()
+    assert "removed (the proof was timestamped by" in verified(root, run_id)["first_problem"]
