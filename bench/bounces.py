@@ -50,7 +50,7 @@ def once(args) -> dict:
         state.start({"date": "2026-11-20", "finished": time.time(), "bounce_window_h": 72})
         uccs = [f"C{n:07d}" for n in range(1, args.accounts + 1)]
         for i in range(0, len(uccs), 5000):
-            state.record(Outcome(u, "delivered", message_id=keys.message_id(run_id, u), reply="250 2.0.0 queued")
+            state.record(Outcome(u, "delivered", message_id=keys.message_id(run_id, u, v.key), reply="250 2.0.0 queued")
                          for u in uccs[i:i + 5000])
         shards = max(keys.PARTITIONS, len(uccs) // SHARD_SIZE // keys.PARTITIONS * keys.PARTITIONS)
         save_manifest(store, run_id, SplitResult(list(range(shards)), shards, len(uccs)))
@@ -61,15 +61,14 @@ def once(args) -> dict:
         step = max(1, len(uccs) // args.dsns)
         for n, u in enumerate(uccs[::step][:args.dsns]):
             original = (f"From: notes@broker.example.com\r\nTo: {u.lower()}@clients.test\r\nMessage-ID: "
-                        f"{keys.message_id(run_id, u)}\r\nSubject: Contract note\r\n\r\n").encode()
+                        f"{keys.message_id(run_id, u, v.key)}\r\nSubject: Contract note\r\n\r\n").encode()
             kind = "bounced" if n % 2 == 0 else "deferred"
             (box / "new" / f"{n:08d}.bench").write_bytes(dsn(kind, v.address(run_id, u), f"{u.lower()}@clients.test",
                                                              original))
         started, cpu = time.perf_counter(), time.process_time()
         source, tally = MaildirSource(box, 5_000_000), Tally()
         messages = list(source.unseen())
-        apply(store, state, shards, v, messages, tally)
-        source.seen(messages)
+        source.seen(apply(store, state, shards, v, messages, tally))
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         assert tally.applied["bounced"] + tally.applied["deferred"] == args.dsns and tally.refused == 0, tally
         written = time.perf_counter()

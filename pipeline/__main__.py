@@ -42,7 +42,6 @@ def _run_level_errors() -> tuple[type, ...]:
     settings, calendar. Imported late: `--help` stays fast."""
     import redis
 
-    from pipeline.cluster.bounces import RunClosed
     from pipeline.cluster.capacity import CapacityError
     from pipeline.cluster.proof import SealBroken, WindowOpen
     from pipeline.day.dumps import InputError
@@ -50,7 +49,7 @@ def _run_level_errors() -> tuple[type, ...]:
     from pipeline.mail.mailbox import MailboxError
     from pipeline.record.guard import StateLostError
     from pipeline.record.lease import LeaseHeldError, LeaseLostError
-    from pipeline.record.state import RunNotFound
+    from pipeline.record.state import RunClosed, RunNotFound
     from pipeline.record.storage import StorageError
     from pipeline.seal.sign import SignerSetupError
     from pipeline.settings import ConfigError

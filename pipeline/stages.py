@@ -208,7 +208,7 @@ class MailContext:
     verp: Verp | None = None  # each message's envelope sender (None: the From header's address)
     link_base: str = ""  # the client's link to their note, in the e-mail's text ("": none)
     link_s: float = 90 * 86400
-    key: bytes = b""  # the HMAC key of the links
+    key: bytes = b""  # the HMAC key of the links and the Message-IDs
 
     def mail_from(self, run_id: str, ucc: str) -> str:
         return self.verp.address(run_id, ucc) if self.verp else _envelope_sender(self.letter.sender)
@@ -251,7 +251,8 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     for i in mailable:  # its VERP address: sent with, and logged twice
         i["mail_from"] = ctx.mail_from(batch.run_id, i["ucc"])
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
-        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"]), i["mail_from"]) for i in mailable]
+        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"], ctx.key), i["mail_from"])
+                  for i in mailable]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     outcomes = [r for r in results if isinstance(r, Outcome)]
@@ -280,7 +281,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         ctx.state.record([outcome])
         return outcome
     async with ctx.sending:
-        ucc, mid = item["ucc"], message_id(batch.run_id, item["ucc"])
+        ucc, mid = item["ucc"], message_id(batch.run_id, item["ucc"], ctx.key)
         try:
             pdf = item["pdf"]
             if pdf is None:  # archived on an earlier attempt: mailed from the archive
@@ -334,7 +335,7 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
     no outcome recorded, the mail may have reached the relay: unconfirmed, not resent."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
-    mid = record.get("message_id") or message_id(ctx.state.run_id, ucc)
+    mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key)
     if record.get("stage") == "delivered":
         return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
                        reply=record.get("reply", ""))

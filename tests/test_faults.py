@@ -72,7 +72,7 @@ def assert_each_account_once(settings, run_id: str, day: Path, outbox: Path, fau
     """Every account that should get a note got exactly one, under its own Message-ID, and
     the delivery log in storage says so for each (and for no one else). Prints the row of
     the fault matrix (pytest -s)."""
-    expected = {message_id(run_id, u): u for u in mailable(day)}
+    expected = {message_id(run_id, u, settings.hmac_key()): u for u in mailable(day)}
     got = at_relay(outbox)
     print(json.dumps({"fault": fault, "accounts": ACCOUNTS, "to_mail": len(expected), "at_relay": len(got),
                       "duplicates": sum(n - 1 for n in got.values()),
@@ -211,6 +211,7 @@ def test_a_killed_driver_leaves_no_process_behind_and_the_same_run_id_finishes_t
     server = smtp_server(delay_ms=25)
     run_id = f"kill-driver-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_TOKEN_KEY_FILE": settings.token_key_file,
            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
            "CN_STORE": settings.store_url, "REDIS_URL": settings.redis_url, "SMTP_URL": server.url,
            "CN_SHARD_SIZE": "8", "CN_WINDOW": "2", "RAY_ADDRESS": "", "CN_LEASE_S": "6"}
@@ -259,6 +260,7 @@ def test_two_drivers_on_one_run_id_one_runs_the_other_exits_naming_it(
     server = smtp_server(delay_ms=10)
     run_id = f"two-drivers-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_TOKEN_KEY_FILE": settings.token_key_file,
            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
            "CN_STORE": settings.store_url, "REDIS_URL": own_redis.url, "SMTP_URL": server.url,
            "CN_SHARD_SIZE": "8", "RAY_ADDRESS": ""}

@@ -43,7 +43,7 @@ from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
-from pipeline.record.state import RunState, redis_client
+from pipeline.record.state import RunClosed, RunState, redis_client
 from pipeline.record.storage import StorageError, check_create_only, open_store
 from pipeline.settings import ROOT, ConfigError, Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
@@ -190,7 +190,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
     record = located.recorded(settings, resolved)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": ""})
+                         "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
+                         "message_ids": "keyed"})  # by the run's HMAC key (a run from before: unkeyed)
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
@@ -323,6 +324,9 @@ def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str
     meta = state.meta()
     if not meta:  # its Redis is gone (a cluster's ends with the cluster): the run comes back from storage
         meta = restore.from_storage(open_store(settings.store_url), state, run_id)
+    if meta.get("closed_at"):
+        raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed under it (its "
+                        "failed and bounced accounts are on the paper list)")
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
     relays = relays or recorded or credentials.resolve(settings).relays()
@@ -509,10 +513,11 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return {"tally": {}, "cpu_s": {}, "notes": 0}
     records = state.accounts(uccs)
+    key = credentials.resolve(settings).hmac_key()
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",
                                                                            "deferred")]
     claimed = state.claimed(unfinished)
-    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u),
+    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key),
                          reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
                  if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
                  for u in unfinished)

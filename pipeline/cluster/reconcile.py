@@ -18,7 +18,7 @@ from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.records import Outcome
-from pipeline.record.state import RunNotFound, RunState
+from pipeline.record.state import RunClosed, RunNotFound, RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 
@@ -41,6 +41,8 @@ def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> d
         raise RunNotFound(f"no run {run_id!r} in storage")
     if not state.exists():  # its Redis is gone (a cluster's ends with the cluster)
         restore.from_storage(store, state, run_id)
+    if state.meta().get("closed_at"):
+        raise RunClosed(f"run {run_id} was closed and its record sealed: nothing is settled under it any more")
     accepted = relay_log.accepted_ids(relay_logs)
     unconfirmed = state.unconfirmed()
     records = state.accounts(unconfirmed)

@@ -43,6 +43,8 @@ class Bounce:
 def read(raw: bytes, token_pattern: re.Pattern, max_bytes: int) -> Bounce:
     if len(raw) > max_bytes:
         raise NotABounce(f"{len(raw):,} bytes, over CN_BOUNCE_MAX_BYTES ({max_bytes:,}): not read")
+    if len(raw) > PARSED_BYTES and b"\n\n" not in raw[:PARSED_BYTES] and b"\n\r\n" not in raw[:PARSED_BYTES]:
+        raise NotABounce(f"too large: its headers alone pass {PARSED_BYTES // 1024} KB (no bounce needs that many)")
     try:
         # the report parts come first; a returned original (a 60 KB note) need not be parsed whole
         msg = email.message_from_bytes(raw[:PARSED_BYTES], policy=email.policy.compat32)
@@ -50,7 +52,8 @@ def read(raw: bytes, token_pattern: re.Pattern, max_bytes: int) -> Bounce:
         parts = [(part.get_content_type(), part) for part in msg.walk()]  # once: each look below is a pass
         fields = _delivery_status(parts)
         text = _text(parts)
-    except Exception as e:  # a broken message may trip the parser or a detector anywhere
+        token, returned = _token(msg, parts, token_pattern), _returned_message_id(parts, text)
+    except Exception as e:  # a broken message (MIME nested 500 deep too) may trip the parser or a detector anywhere
         raise NotABounce(f"not a readable message ({type(e).__name__})") from None
     action = fields.get("action", "").lower()
     status = STATUS.search(fields.get("status", "")) or STATUS.search(fields.get("diagnostic-code", "")) \
@@ -66,8 +69,7 @@ def read(raw: bytes, token_pattern: re.Pattern, max_bytes: int) -> Bounce:
         code = code if kind == "deferred" else ""
     reason = fields.get("diagnostic-code") or _first_error_line(text) or ("permanent failure" if kind == "bounced"
                                                                           else "delivery delayed")
-    return Bounce(kind, code, " ".join(reason.split())[:300], _token(msg, parts, token_pattern),
-                  _returned_message_id(parts, text))
+    return Bounce(kind, code, " ".join(reason.split())[:300], token, returned)
 
 
 def _delivery_status(parts: list[tuple[str, Message]]) -> dict[str, str]:

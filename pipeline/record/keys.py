@@ -11,6 +11,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:mailguard     hash   ucc -> claim token; taken before an e-mail leaves
   cn:run:{run}:timeline      list   JSON snapshots of the counters, about one a second
   cn:run:{run}:lease         hash   the driver that holds the run: holder (JSON), token, renewed
+  cn:run:{run}:bounce-reader string the one `bounces` reader of the run (JSON), while it renews
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
 
@@ -32,6 +33,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 
 PARTITIONS = 10
@@ -78,6 +80,10 @@ def run_lease(run_id: str) -> str:
     return f"cn:run:{run_id}:lease"
 
 
+def run_bounce_reader(run_id: str) -> str:
+    return f"cn:run:{run_id}:bounce-reader"
+
+
 def run_timeline(run_id: str) -> str:
     return f"cn:run:{run_id}:timeline"
 
@@ -90,10 +96,13 @@ def note_sequence(fy: str) -> str:
     return f"cn:noteseq:{fy}"
 
 
-def message_id(run_id: str, ucc: str, domain: str = "contract-notes.invalid") -> str:
+def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-notes.invalid") -> str:
     """Derived, not random: the same account in the same run always has the same Message-ID,
-    so a resend collapses in the client's mailbox and a record need not store it."""
-    digest = hashlib.sha256(f"{run_id}/{ucc}".encode()).hexdigest()[:24]
+    so a resend collapses in the client's mailbox. Keyed by the run's HMAC key (the secret's
+    token_key): the run id is readable in a client's link, and an unkeyed digest let anyone
+    write a DSN naming another client's Message-ID. Without a key: a run started before."""
+    text = f"{run_id}/{ucc}".encode()
+    digest = (hmac.new(key, b"message-id\0" + text, hashlib.sha256) if key else hashlib.sha256(text)).hexdigest()[:24]
     return f"<{digest}.{re.sub(r'[^A-Za-z0-9_.-]', '_', ucc)}@{domain}>"
 
 

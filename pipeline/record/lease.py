@@ -142,3 +142,47 @@ def held(state: RunLease, lease_s: float) -> Iterator[Lease]:
 
 def _when(epoch_s: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(epoch_s)))
+
+
+# One `bounces` reader a run: a key holding the reader's JSON, kept while it renews. Not the
+# run's lease: a reader watching a 72-hour window must not stop a rerun of the run meanwhile.
+_READER_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+_READER_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+@contextmanager
+def reader(r, key: str, what: str, lease_s: float) -> Iterator[None]:
+    """Held while the block runs (renewed every third of `lease_s`); LeaseHeldError naming the
+    holder if another live reader has it; one that died frees it after `lease_s`."""
+    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "id": uuid.uuid4().hex})
+    ms = int(lease_s * 1000)
+    if not r.set(key, me, nx=True, px=ms):
+        held = r.get(key)
+        h = json.loads(held) if held else {"host": "?", "pid": "?", "since": time.time()}
+        raise LeaseHeldError(f"{what} is being read by another reader on {h['host']} (pid {h['pid']}) since "
+                             f"{_when(h['since'])}: one reader at a time; wait for it to end, or for {lease_s:.0f} s "
+                             "(CN_LEASE_S) after it stops")
+    done = threading.Event()
+
+    def renew() -> None:
+        while not done.wait(lease_s / 3):
+            try:
+                r.eval(_READER_RENEW, 1, key, me, ms)
+            except Exception as e:  # Redis restarting: try again
+                log.warning("%s: reader's lock not renewed (%s); trying again", what, e)
+
+    thread = threading.Thread(target=renew, name="bounce-reader", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        r.eval(_READER_RELEASE, 1, key, me)

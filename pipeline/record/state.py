@@ -25,6 +25,10 @@ class RunNotFound(LookupError):
     pass
 
 
+class RunClosed(RuntimeError):
+    """The run was closed and its record sealed: nothing is mailed or settled under it again."""
+
+
 @lru_cache(maxsize=16)
 def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
     """One client (one connection pool) per URL and process, shared by every RunState. A
