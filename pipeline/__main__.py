@@ -210,6 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--forwarded-allow-ips", default="", metavar="IPS",
+                    help="the reverse proxies whose X-Forwarded-For is believed (comma-separated; default: none, so "
+                         "each client is the address that connects, and a forged header cannot dodge the limit)")
     sv.add_argument("--read-only", action="store_true",
                     help="serve without CN_API_TOKEN: e-mail addresses and PANs always masked, no reruns")
     sv.set_defaults(func=cmd_serve)
@@ -395,7 +398,8 @@ def cmd_serve(args) -> int:
     if not settings.api_token and not args.read_only:
         raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
                           "else; set it, or pass --read-only (no PII, no reruns)")
-    uvicorn.run(create_app(settings, read_only=args.read_only), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(settings, read_only=args.read_only), host=args.host, port=args.port, log_level="info",
+                proxy_headers=bool(args.forwarded_allow_ips), forwarded_allow_ips=args.forwarded_allow_ips or None)
     return 0
 
 

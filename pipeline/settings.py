@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -80,6 +81,17 @@ class Settings:
     link_base: str = "http://127.0.0.1:8000"  # the status service's public address, for the client's link
     link_days: float = 90.0  # how long a client's link to their note works
     tsa_url: str = ""  # an RFC 3161 time-stamping authority: `close` timestamps the proof (pipeline/seal/timestamp.py)
+
+    def __post_init__(self) -> None:
+        """A value outside its range stops whatever reads it, before anything is sent: a window of
+        1e9 hours mailed a whole day and then crashed writing the report; one of 0 let `close`
+        seal at once; links valid for 0 days went out expired."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            low, high = RANGES.get(f.name, (None, None))
+            if f.type == "float" and not math.isfinite(value) or low is not None and not low <= value <= high:
+                limits = f" (from {low:g} to {high:g})" if low is not None else " (a finite number)"
+                raise ConfigError(f"{ENV_NAMES[f.name]}={value!r} is out of range{limits}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -203,6 +215,12 @@ class Settings:
 
 
 KEY_FILES = ("signer_key", "signer_cert", "signer_chain", "token_key_file")
+RANGES = {  # each documented in the README's settings table
+    "bounce_window_h": (1, 720),  # an hour to 30 days: a bounce comes within days, and paper is owed after
+    "link_days": (1, 3650),
+    "paper_due_days": (0, 30),
+    "lease_s": (1, 3600),
+}
 
 
 def absolute_store(url: str) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +16,7 @@ from pipeline.api import create_app
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
-from pipeline.settings import Settings
+from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows
 
@@ -169,3 +172,60 @@ def test_serve_without_a_token_refuses_to_start_unless_read_only():
     done = subprocess.run([sys.executable, "-m", "pipeline", "serve", "--port", "1"], capture_output=True,
                           text=True, env=env, timeout=60)
     assert done.returncode == 2 and "error: CN_API_TOKEN is not set" in done.stderr
+
+
+def test_behind_no_trusted_proxy_a_forged_x_forwarded_for_does_not_dodge_the_link_limit(redis_url, keys_dir, tmp_path):
+    """The limiter keys by the client address; uvicorn believes X-Forwarded-For only from the
+    proxies named with --forwarded-allow-ips (default: none)."""
+    import urllib.error
+    import urllib.request
+
+    from pipeline.api import NOTE_FETCHES
+    from pipeline.embedded import free_port, wait_for_port
+
+    def statuses(trusting: list[str]) -> list[int]:
+        port = free_port()
+        env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "PYTHONPATH": ROOT,
+               "CN_TOKEN_KEY_FILE": str(keys_dir / "token.key")}
+        server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", "--read-only", "--port", str(port),
+                                   *trusting], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(port, server, "serve")
+            found = []
+            for n in range(NOTE_FETCHES[0] + 5):
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/notes/x.y",
+                                                 headers={"X-Forwarded-For": f"203.0.113.{n}"})
+                try:
+                    found.append(urllib.request.urlopen(request, timeout=10).status)
+                except urllib.error.HTTPError as e:
+                    found.append(e.code)
+            return found
+        finally:
+            server.terminate()
+            server.wait(10)
+
+    assert 429 in statuses([]), "a forged header from an untrusted address is ignored: one client, limited"
+    assert set(statuses(["--forwarded-allow-ips", "127.0.0.1"])) == {404}, "a trusted proxy's header names each client"
+
+
+def test_a_signed_link_naming_a_path_outside_the_store_gets_the_same_404(redis_url, keys_dir, tmp_path, s3_bucket):
+    """Links stay inside the store: the date is checked before a key is built, and no store
+    (a folder, S3) takes a key that climbs out of it."""
+    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.mail import link
+    from pipeline.record.storage import StorageError, open_store
+
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url,
+                        token_key_file=str(keys_dir / "token.key"))
+    save_manifest(open_store(settings.store_url), "run-1", SplitResult([0], 10, 1))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "C1.pdf").write_bytes(b"%PDF- not the store's")
+    for partition in range(10):  # wherever the account's partition puts it, ../../outside is beside the store
+        (tmp_path / "store" / f"{partition}-signed-pdf").mkdir(parents=True, exist_ok=True)
+    token = link.make(settings.hmac_key(), "run-1", "C1", "../../outside", 3600)
+    with TestClient(create_app(settings, read_only=True)) as api:
+        assert api.get(f"/notes/{token}").status_code == 404
+    for store in (open_store(settings.store_url), open_store(f"s3://{s3_bucket}/notes")):
+        for key in ("../outside/C1.pdf", "0-signed-pdf/../../outside/C1.pdf", "/etc/passwd"):
+            with pytest.raises(StorageError, match="would leave the store"):
+                store.get(key)

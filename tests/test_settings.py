@@ -40,3 +40,20 @@ def test_storage_urls_choose_the_backend():
     assert open_store("s3://bucket/pre/fix").prefix == "pre/fix"
     with pytest.raises(StorageError):
         open_store("gs://bucket")
+
+
+@pytest.mark.parametrize("name,value", [("CN_BOUNCE_WINDOW_H", "1e9"), ("CN_BOUNCE_WINDOW_H", "nan"),
+                                        ("CN_BOUNCE_WINDOW_H", "inf"), ("CN_BOUNCE_WINDOW_H", "0"),
+                                        ("CN_BOUNCE_WINDOW_H", "-1"), ("CN_LINK_DAYS", "0"), ("CN_LINK_DAYS", "-1"),
+                                        ("CN_LINK_DAYS", "nan"), ("CN_LINK_DAYS", "inf"), ("CN_PAPER_DUE_DAYS", "-1"),
+                                        ("CN_SMTP_PATIENCE_S", "nan")])
+def test_a_setting_out_of_its_range_stops_the_run_in_one_line_before_anything_is_sent(
+        name, value, tmp_path, monkeypatch, capsys):
+    from pipeline.__main__ import main
+
+    monkeypatch.setenv(name, value)
+    assert main(["run", "--date", "2026-11-20", "--input", str(tmp_path / "in"), "--store", str(tmp_path / "s"),
+                 "--test-keys"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and name in errors[0] and "out of range" in errors[0], errors
+    assert not (tmp_path / "s").exists()

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import hashlib
 import hmac
+import re
 import time
 from dataclasses import dataclass
+
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")  # a run id or a client code: nothing that walks a path
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,11 @@ def check(key: bytes, token: str, now: float | None = None) -> NoteLink | None:
     try:
         run_id, ucc, trade_date, expires = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) \
             .decode().split("\n")
-        link = NoteLink(run_id, ucc, trade_date, int(expires))
+        link = NoteLink(run_id, ucc, dt.date.fromisoformat(trade_date).isoformat(), int(expires))
     except (binascii.Error, UnicodeDecodeError, ValueError):
         return None
+    if link.trade_date != trade_date or not NAME.match(ucc) or not NAME.match(run_id):
+        return None  # signed, yet naming no note: the parts build storage keys, so they are checked first
     return link if link.expires > (time.time() if now is None else now) else None
 
 

@@ -24,6 +24,14 @@ class StorageError(RuntimeError):
     pass
 
 
+def inside(store_url: str, key: str) -> str:
+    """The key, if it stays under the store's root or prefix: a key built from a link, a report
+    or any other outside value ("../../etc/x", "/etc/x") never reaches outside it."""
+    if key.startswith("/") or "\\" in key or any(part in ("..", ".") for part in key.split("/")):
+        raise StorageError(f"{store_url}: key {key[:120]!r} would leave the store")
+    return key
+
+
 def read_json(store: Store, key: str) -> dict:
     """An object this job wrote as one JSON object. Anything else was cut short or edited
     in the bucket: one line naming the object, never a traceback."""
@@ -83,7 +91,7 @@ class FolderStore:
         self.root = Path(root)
 
     def _path(self, key: str) -> Path:
-        return self.root / key
+        return self.root / inside(self.url, key)
 
     def _staged(self, key: str, data: bytes) -> tuple[Path, str]:
         """The object's path, and a temporary file beside it holding `data`."""
@@ -168,6 +176,7 @@ class S3Store:
         self.client = boto3.client("s3", config=config, region_name=aws_region())
 
     def _key(self, key: str) -> str:
+        key = inside(self.url, key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes) -> None:
