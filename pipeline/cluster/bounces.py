@@ -89,7 +89,6 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
             restore.from_storage(store, state, run_id)
     boxes = [open_source(s, settings.bounce_max_bytes) for s in sources]
     v, tally = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key()), Tally()
-    logged: dict[int, dict[str, set[str]]] = {}  # shard -> ucc -> what its log holds: read once a shard
     written = time.monotonic()
     with reader(state.r, keys.run_bounce_reader(run_id), f"run {run_id}'s bounces", settings.lease_s):
         try:
@@ -100,7 +99,7 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
                     while messages := list(itertools.islice(unseen, BATCH)):  # memory: a batch, not the mailbox
                         box.seen(apply(store, state, split.shard_count, v, messages, tally, on_applied,
                                        settings.bounce_max_bytes, meta.get("message_ids") == "keyed",
-                                       bool(meta.get("closed_at")), logged))
+                                       bool(meta.get("closed_at"))))
                 if not watch or time.monotonic() - written > REPORT_EVERY_S:
                     _report_level(store, state, run_id, settings.paper_due_days)
                     written = time.monotonic()
@@ -135,8 +134,8 @@ def _report_level(store, state: RunState, run_id: str, due_days: int) -> None:
 
 
 def apply(store, state: RunState, shards: int, v: verp.Verp, messages: list[Message], tally: Tally,
-          on_applied=lambda kind, n: None, max_bytes: int = 5_000_000, keyed: bool = True, closed: bool = False,
-          logged: dict | None = None) -> list[Message]:
+          on_applied=lambda kind, n: None, max_bytes: int = 5_000_000, keyed: bool = True,
+          closed: bool = False) -> list[Message]:
     """Parses, maps, then records a poll's worth of bounces: the log, then Redis. Returns the
     messages to mark seen: those recorded for this run, or that no run can ever use (a message
     for another run is left for it)."""
@@ -157,7 +156,7 @@ def apply(store, state: RunState, shards: int, v: verp.Verp, messages: list[Mess
         elif not (mapped.ucc in found and found[mapped.ucc].bounce.kind == "bounced"):
             found[mapped.ucc] = mapped  # a permanent failure is what counts; a delay after it changes nothing
     if found:
-        _record(store, state, shards, found, tally, on_applied, closed, {} if logged is None else logged)
+        _record(store, state, shards, found, tally, on_applied, closed)
     return seen
 
 
@@ -193,8 +192,8 @@ def _ucc_of(message_id: str) -> str:
     return ucc if len(digest) == 24 else ""
 
 
-def _record(store, state: RunState, shards: int, found: dict[str, Found], tally: Tally, on_applied, closed: bool,
-            logged: dict) -> None:
+def _record(store, state: RunState, shards: int, found: dict[str, Found], tally: Tally, on_applied,
+            closed: bool) -> None:
     records = state.accounts(sorted(found))
     fresh = {}
     for ucc, f in found.items():
@@ -216,25 +215,24 @@ def _record(store, state: RunState, shards: int, found: dict[str, Found], tally:
     now = round(time.time(), 3)
 
     def log_new(item: tuple[int, dict[str, Found]]) -> None:
-        """The shard's new entries, after what its log holds (read once: the log is the truth)."""
+        """The shard's new entries, after what its log holds (the log is the truth)."""
         shard, mine = item
-        if shard not in logged:
-            logged[shard] = defaultdict(set)
-            for e in delivery_log.entries(store, state.run_id, shard):
-                if e["status"] in ("bounced", "deferred", "refused_after_close"):
-                    logged[shard][e["ucc"]].add(e.get("kind", e["status"]))
+        held, end = delivery_log.scan(store, state.run_id, shard, ("bounced", "deferred", "refused_after_close"))
+        logged = defaultdict(set)
+        for e in held:
+            logged[e["ucc"]].add((e["status"] == "refused_after_close", e.get("kind", e["status"])))
         entries = []
         for ucc, f in mine.items():
             kind = f.bounce.kind
-            if kind in logged[shard][ucc] or (not closed and "bounced" in logged[shard][ucc]):
+            if (closed, kind) in logged[ucc] or (not closed and (False, "bounced") in logged[ucc]):
                 continue
             entry = {"ucc": ucc, "status": "refused_after_close" if closed else kind, "kind": kind,
                      "dsn_status": f.bounce.status, "reason": f.bounce.reason, "message_id": f.bounce.message_id,
                      "token": f.bounce.token, "at": now}
             entries.append(entry | ({MISMATCH: True} if f.mismatch else {}))
-            logged[shard][ucc].add(kind)
+            logged[ucc].add((closed, kind))
         if entries:
-            delivery_log.append(store, state.run_id, shard, entries)
+            delivery_log.append(store, state.run_id, shard, entries, end)
 
     if store.url.startswith("s3://"):  # each shard is a LIST, GETs and a PUT: waited on together
         with ThreadPoolExecutor(APPENDS) as pool:

@@ -30,7 +30,7 @@ from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import held
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.settings import Settings
 
@@ -132,8 +132,7 @@ def seal(settings: Settings, store: Store, run_id: str, shards: list[int]) -> di
     sealed_report = json.loads(store.get(json_key))
     proof = {"run_id": run_id, "sealed_at": time.time(), "closed_at": sealed_report["bounce_window"]["closed_at"],
              "heads": heads, "objects": objects, "tsa": settings.tsa_url,
-             "reports": {k: hashlib.sha256(store.get(k)).hexdigest()
-                         for k in (json_key, csv_key, report.paper_key(run_id))}}
+             "reports": {k: sha256(store, k) for k in (json_key, csv_key, report.paper_key(run_id))}}
     data = json.dumps(proof, indent=0, sort_keys=True).encode()
     _, signer = read_credentials(settings)
     proof_key, sig_key = proof_keys(run_id)

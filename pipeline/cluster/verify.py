@@ -29,7 +29,7 @@ from pipeline.cluster.restore import read_report
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.state import RunNotFound
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.sign import SignError
 
@@ -75,7 +75,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             problems.insert(0, f"{proof_keys(run_id)[0]}: removed (the run was closed: {evidence})")
         if proof is not None:
             for key, sha in proof["reports"].items():
-                if not store.exists(key) or hashlib.sha256(store.get(key)).hexdigest() != sha:
+                if not store.exists(key) or sha256(store, key) != sha:
                     problems.append(f"{key}: changed or removed after the seal")
             if not problems:
                 problems += _disagreements(db, store, run_id)

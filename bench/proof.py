@@ -1,0 +1,177 @@
+"""`close` and `verify` against a store as slow as S3, projected to 1.5M accounts, in one run.
+
+A run's record is laid out as a real one is (a folder store; its Redis a real redis-server):
+--accounts accounts in shards of 100, each shard's delivery log a chain of its mailing's
+intent and outcomes, 2% of the accounts bounced (a chain object per shard they fall in), the
+report, its CSV and the paper list. Then `close` and `verify` run, each in a process of its
+own (its peak RSS is its own), against that store with --latency-ms (20: S3 from the same
+region) added to every request, as S3's round trip would be. Requests run 64 at a time
+(pipeline/cluster/proof.py's PARALLEL), so the time is the requests' waits, divided by 64, plus
+the CPU. The 1.5M projection is a line through the two sizes measured (a fixed part, the
+requests made one after another, and a part per account). The goal: both under
+2 minutes at 1.5M accounts, memory flat (at most 200 MB), shown at two sizes.
+
+    python bench/proof.py [--accounts 20000] [--latency-ms 20] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import measured  # noqa: E402
+from pipeline.cluster.driver import peak_rss_mb  # noqa: E402
+from pipeline.settings import Settings  # noqa: E402
+
+DAY = 1_500_000
+GOAL_S = 120.0
+GOAL_MB = 200.0
+SHARD_SIZE = 100
+BOUNCED = 0.02
+
+
+class SlowStore:
+    """A store whose every request waits `latency_s` first, as an S3 round trip does; counted."""
+
+    def __init__(self, store, latency_s: float):
+        self.store, self.latency_s, self.url = store, latency_s, store.url
+        self.requests, self.lock = 0, threading.Lock()
+
+    def _wait(self) -> None:
+        with self.lock:
+            self.requests += 1
+        time.sleep(self.latency_s)
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def slow(*args, **kwargs):
+            self._wait()
+            return method(*args, **kwargs)
+        return slow
+
+    def keys(self, prefix: str):
+        self._wait()  # a listing page of 1,000 keys is one request
+        for n, key in enumerate(self.store.keys(prefix), 1):
+            if n % 1000 == 0:
+                self._wait()
+            yield key
+
+
+def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
+    """The record of a mailed, partly bounced run, as a run leaves it."""
+    from pipeline.cluster import located
+    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record import delivery_log, keys, report
+    from pipeline.record.records import Outcome
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.seal.sign import make_test_certificate
+
+    make_test_certificate(work / "keys")
+    settings = Settings(store_url=str(work / "store"), redis_url=redis_url, signer_key=str(work / "keys/signer.key.pem"),
+                        signer_cert=str(work / "keys/signer.cert.pem"), signer_chain=str(work / "keys/root.cert.pem"),
+                        token_key_file=str(work / "keys/token.key"))
+    run_id, store, key = "bench-proof", open_store(settings.store_url), settings.hmac_key()
+    state = RunState(redis_url, run_id)
+    shards = max(keys.PARTITIONS, accounts // SHARD_SIZE // keys.PARTITIONS * keys.PARTITIONS)
+    uccs = [f"C{n:07d}" for n in range(1, accounts + 1)]
+    state.start({"date": "2026-11-20", "input": "bench", "finished": time.time() - 73 * 3600, "bounce_window_h": 72,
+                 "message_ids": "keyed", **located.recorded(settings, settings)})
+    by_shard: dict[int, list[str]] = {}
+    for u in uccs:
+        by_shard.setdefault(keys.shard_of(u, shards), []).append(u)
+    now = time.time()
+    for shard, mine in by_shard.items():
+        store.put(keys.shard_key(run_id, shard), "".join(json.dumps({"ucc": u}) + "\n" for u in mine).encode())
+        mids = {u: keys.message_id(run_id, u, key) for u in mine}
+        end = delivery_log.append(store, run_id, shard, [delivery_log.sending(u, mids[u]) for u in mine])
+        outcomes = [Outcome(u, "delivered", message_id=mids[u], reply="250 2.0.0 queued", extra={"attempts": 1})
+                    for u in mine]
+        end = delivery_log.append(store, run_id, shard, [delivery_log.entry(o) for o in outcomes], end)
+        state.record(outcomes)
+        bounced = mine[:max(0, round(len(mine) * BOUNCED))]
+        if bounced:
+            delivery_log.append(store, run_id, shard, [
+                {"ucc": u, "status": "bounced", "kind": "bounced", "dsn_status": "5.1.1", "reason": "User unknown",
+                 "message_id": mids[u], "token": "", "at": now} for u in bounced], end)
+            state.bounce([(u, "bounced", "5.1.1", "User unknown", now) for u in bounced])
+    save_manifest(store, run_id, SplitResult(sorted(by_shard), shards, accounts))
+    report.write(store, state, run_id, {"run_id": run_id, "trade_date": "2026-11-20", "accounts": accounts,
+                                        **located.recorded(settings, settings)}, [])
+    return settings, run_id
+
+
+def step(args) -> dict:
+    """One of close or verify, in this process, against the slow store."""
+    from pipeline.cluster import located, proof, verify
+    from pipeline.record.storage import open_store
+
+    settings = Settings(**json.loads(args.settings))
+    slow = SlowStore(open_store(settings.store_url), args.latency_ms / 1000)
+    located.open_store = lambda url: slow  # every open of the run's store is the slow one
+    started, cpu = time.perf_counter(), time.process_time()
+    if args.step == "close":
+        result = proof.close(settings, args.run_id)
+        assert not result["already_sealed"], result
+    else:
+        result = verify.verify(slow, args.run_id)
+        assert result["ok"] and result["sealed"], result["first_problem"]
+    return {"elapsed_s": round(time.perf_counter() - started, 3), "cpu_s": round(time.process_time() - cpu, 3),
+            "requests": slow.requests, "peak_rss_mb": peak_rss_mb(), "log_objects": result["log_objects"]}
+
+
+def once(args) -> dict:
+    from pipeline.embedded import start_redis
+
+    out = {"bench": "proof", "latency_ms": args.latency_ms, "parallel": 64, "goal_s_at_1_5m": GOAL_S,
+           "goal_peak_mb": GOAL_MB}
+    for accounts in (args.accounts // 4, args.accounts):  # two sizes: memory must not follow the day
+        work = Path(tempfile.mkdtemp(prefix="cn-bench-proof-"))
+        redis = start_redis(work / "redis")
+        try:
+            built = time.perf_counter()
+            settings, run_id = lay_out(work, accounts, redis.url)
+            built = time.perf_counter() - built
+            size = {"accounts": accounts, "laid_out_s": round(built, 1)}
+            for name in ("close", "verify"):
+                done = subprocess.run([sys.executable, __file__, "--step", name, "--run-id", run_id, "--settings",
+                                       json.dumps(settings.__dict__), "--latency-ms", str(args.latency_ms)],
+                                      capture_output=True, text=True, check=True,
+                                      env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                size[name] = json.loads(done.stdout.splitlines()[-1])
+            out[f"at_{accounts}"] = size
+        finally:
+            redis.stop()
+    small, large = out[f"at_{args.accounts // 4}"], out[f"at_{args.accounts}"]
+    for name in ("close", "verify"):  # a fixed part and a part per account, from the two sizes
+        per_account = (large[name]["elapsed_s"] - small[name]["elapsed_s"]) / (args.accounts - args.accounts // 4)
+        projected = large[name]["elapsed_s"] + per_account * (DAY - args.accounts)
+        out[f"{name}_projected_s_at_1_5m"] = round(projected, 1)
+        out[f"{name}_ratio_to_goal"] = round(projected / GOAL_S, 2)
+        out[f"{name}_peak_mb"] = max(small[name]["peak_rss_mb"], large[name]["peak_rss_mb"])
+    out["meets_goal"] = all(out[f"{n}_projected_s_at_1_5m"] <= GOAL_S and out[f"{n}_peak_mb"] <= GOAL_MB
+                            for n in ("close", "verify"))
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--accounts", type=int, default=20000)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--step", choices=["close", "verify"], help=argparse.SUPPRESS)
+    parser.add_argument("--run-id", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    if "--step" in sys.argv:
+        print(json.dumps(step(parser.parse_known_args()[0])))
+    else:
+        measured.run("proof", parser, once)
