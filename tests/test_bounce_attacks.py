@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import imaplib
 import json
 import mailbox
+import shutil
 import subprocess
 import sys
 import uuid
@@ -25,7 +27,9 @@ from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT, Settings
+from tests import servers
 from tests.conftest import TRADE_DATE
+from tests.test_bounces import deliver
 
 UCCS = [f"C{n:07d}" for n in range(1, 21)]
 
@@ -88,29 +92,48 @@ def test_a_tokenless_dsn_naming_a_message_id_anyone_could_compute_changes_nobody
     assert keys.message_id(run_id, victim, settings.hmac_key()) != unkeyed
 
 
-def test_a_shared_mailbox_leaves_another_run_s_bounce_for_it(redis_url, keys_dir, tmp_path):
+@pytest.fixture
+def imap_box():
+    service = servers.start_dovecot()
+    yield service
+    service.stop()
+    shutil.rmtree(service.root, ignore_errors=True)
+
+
+def unseen(imap_url: str) -> int:
+    box = imaplib.IMAP4("127.0.0.1", int(imap_url.rsplit(":", 1)[1].split("/")[0]))
+    box.login(servers.DOVECOT_USER, servers.DOVECOT_PASSWORD)
+    box.select("INBOX")
+    found = len((box.uid("SEARCH", None, "UNSEEN")[1][0] or b"").split())
+    box.logout()
+    return found
+
+
+def test_a_shared_imap_mailbox_leaves_another_run_s_bounce_for_it(redis_url, keys_dir, tmp_path, imap_box):
     first_settings, first, e1 = a_run(redis_url, keys_dir, tmp_path / "s1")
     second_settings, second, e2 = a_run(redis_url, keys_dir, tmp_path / "s2")
-    box = maildir(tmp_path / "box", [a_dsn(second_settings, e2, UCCS[3])])
+    deliver(imap_box.url, [a_dsn(second_settings, e2, UCCS[3]), a_dsn(first_settings, e1, UCCS[2])])
 
-    one = bounces.collect(first_settings, e1, [str(box)])
-    assert (one["bounced"], one["left_for_other_runs"]) == (0, 1) and list((box / "new").iterdir()), one
-    two = bounces.collect(second_settings, e2, [str(box)])
+    one = bounces.collect(first_settings, e1, [imap_box.url])
+    assert (one["bounced"], one["left_for_other_runs"]) == (1, 1) and unseen(imap_box.url) == 1, one
+    two = bounces.collect(second_settings, e2, [imap_box.url])
     assert two["bounced"] == 1 and second.accounts([UCCS[3]])[UCCS[3]]["bounce"]["kind"] == "bounced", two
-    assert not list((box / "new").iterdir()), "recorded by its own run, then seen"
+    assert unseen(imap_box.url) == 0, "recorded by its own run, then seen"
 
 
 def test_a_second_reader_of_a_run_exits_2_in_one_line_and_nothing_is_logged_twice(
-        redis_url, keys_dir, tmp_path, monkeypatch, capsys):
+        redis_url, keys_dir, tmp_path, imap_box, monkeypatch, capsys):
     settings, state, run_id = a_run(redis_url, keys_dir, tmp_path / "store")
-    box = maildir(tmp_path / "box", [a_dsn(settings, run_id, u) for u in UCCS[:5]])
+    deliver(imap_box.url, [a_dsn(settings, run_id, u) for u in UCCS[:5]])
     monkeypatch.setenv("REDIS_URL", redis_url)
     monkeypatch.setenv("CN_TOKEN_KEY_FILE", settings.token_key_file)
     with reader(redis.Redis.from_url(redis_url, decode_responses=True), keys.run_bounce_reader(run_id), "x", 30):
-        assert main(["bounces", run_id, "--maildir", str(box)]) == 2
+        assert main(["bounces", run_id, "--imap", imap_box.url]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "one reader at a time" in errors[0], errors
-    assert main(["bounces", run_id, "--maildir", str(box)]) == 0
+    assert unseen(imap_box.url) == 5, "the refused reader read nothing"
+    assert main(["bounces", run_id, "--imap", imap_box.url]) == 0
+    assert main(["bounces", run_id, "--imap", imap_box.url]) == 0
     assert len(logged(settings, run_id, "bounced")) == 5
 
 
@@ -234,3 +257,26 @@ def test_a_dsn_behind_100_000_headers_is_refused_as_too_large(redis_url, keys_di
 
     assert result["refused"] == 1 and "too large" in result["refused_first"][0]["why"], result
     assert "bounce" not in state.accounts([UCCS[10]])[UCCS[10]]
+
+
+def test_a_follow_up_whose_run_recorded_an_hmac_key_never_makes_a_new_one(
+        redis_url, keys_dir, tmp_path, monkeypatch, capsys):
+    from pipeline.settings import key_id
+
+    key_file = tmp_path / "keys" / "token.key"
+    key_file.parent.mkdir()
+    key_file.write_bytes((keys_dir / "token.key").read_bytes())
+    settings, state, run_id = a_run(redis_url, tmp_path / "keys", tmp_path / "store")
+    state.update_meta(token_key_file=str(key_file), token_key_id=key_id(settings.hmac_key()))
+    box = maildir(tmp_path / "box", [a_dsn(settings, run_id, UCCS[11])])
+    key_file.unlink()
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.chdir(tmp_path)
+
+    assert main(["bounces", run_id, "--maildir", str(box)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is missing" in errors[0] and "never made anew" in errors[0], errors
+    assert not key_file.exists() and not (tmp_path / ".keys").exists(), "no new key, here or where the run had it"
+    key_file.write_text("another key")
+    assert main(["bounces", run_id, "--maildir", str(box)]) == 2
+    assert "is not the one the run signed" in capsys.readouterr().err
