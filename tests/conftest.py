@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -90,6 +91,15 @@ def smtp_server(tmp_path):
     yield start
     for service in started:
         service.stop()
+
+
+@pytest.fixture
+def imap_box():
+    """Dovecot as the bounce domain's IMAP mailbox (tests/servers.py)."""
+    service = servers.start_dovecot()
+    yield service
+    service.stop()
+    shutil.rmtree(service.root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -44,10 +44,10 @@ def start_secrets_manager(root: Path) -> Service:
     return Service("secretsmanager", process, f"http://127.0.0.1:{port}")
 
 
-def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
-    """A self-signed server certificate for 127.0.0.1 (it is its own CA bundle)."""
+def self_signed(directory: Path, stem: str, common_name: str, *extensions) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA bundle) and its key, as STEM.crt and STEM.key;
+    `extensions`: (extension, critical) pairs."""
     import datetime as dt
-    import ipaddress
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -55,20 +55,30 @@ def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
     from cryptography.x509.oid import NameOID
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
-            .not_valid_after(now + dt.timedelta(days=30))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
+               .not_valid_after(now + dt.timedelta(days=30)))
+    for extension, critical in extensions:
+        builder = builder.add_extension(extension, critical)
     directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / "smtp.crt", directory / "smtp.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    cert_path, key_path = directory / f"{stem}.crt", directory / f"{stem}.key"
+    cert_path.write_bytes(builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_path, key_path
+
+
+def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed server certificate for 127.0.0.1."""
+    import ipaddress
+
+    from cryptography import x509
+
+    return self_signed(directory, "smtp", "127.0.0.1",
+                       (x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False),
+                       (x509.BasicConstraints(ca=True, path_length=None), True))
 
 
 DOVECOT_USER, DOVECOT_PASSWORD = "bounces", "bounce-box-secret"
@@ -215,27 +225,14 @@ def start_tsa(directory: Path):
     """An RFC 3161 time-stamping authority on a free loopback port: `openssl ts -reply` (OpenSSL's
     own TSA) behind a small HTTP handler, with a TSA certificate of its own. Returns (url, the
     TSA's certificate, a function that stops it)."""
-    import datetime as dt
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    directory.mkdir(parents=True, exist_ok=True)
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Test Time-Stamping Authority")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
-            .not_valid_after(now + dt.timedelta(days=30))
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.TIME_STAMPING]), critical=True)
-            .sign(key, hashes.SHA256()))
-    (directory / "tsa.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "tsa.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                          serialization.NoEncryption()))
+    self_signed(directory, "tsa", "Test Time-Stamping Authority",
+                (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.TIME_STAMPING]), True))
     (directory / "serial").write_text("01\n")
     config = directory / "tsa.cnf"
     config.write_text(f"""[ tsa ]

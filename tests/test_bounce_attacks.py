@@ -7,7 +7,6 @@ import hashlib
 import imaplib
 import json
 import mailbox
-import shutil
 import subprocess
 import sys
 import uuid
@@ -90,14 +89,6 @@ def test_a_tokenless_dsn_naming_a_message_id_anyone_could_compute_changes_nobody
     assert result["bounced"] == 1 and "bounce" not in state.accounts([victim])[victim], result
     assert state.accounts([genuine])[genuine]["bounce"]["kind"] == "bounced"
     assert keys.message_id(run_id, victim, settings.hmac_key()) != unkeyed
-
-
-@pytest.fixture
-def imap_box():
-    service = servers.start_dovecot()
-    yield service
-    service.stop()
-    shutil.rmtree(service.root, ignore_errors=True)
 
 
 def unseen(imap_url: str) -> int:

@@ -35,14 +35,6 @@ from tests.helpers import client_rows
 SAMPLES = Path(__file__).parent / "data" / "bounces"
 
 
-@pytest.fixture
-def imap_box():
-    service = servers.start_dovecot()
-    yield service
-    service.stop()
-    shutil.rmtree(service.root, ignore_errors=True)
-
-
 def deliver(imap_url: str, messages: list[bytes]) -> None:
     """What the bounce domain's MX does: each DSN into the bounce mailbox."""
     box = imaplib.IMAP4("127.0.0.1", int(imap_url.rsplit(":", 1)[1].split("/")[0]))
