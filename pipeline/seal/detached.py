@@ -12,7 +12,7 @@ from asn1crypto import cms
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.asymmetric import ec, padding
 
 from pipeline.seal.sign import SignError, Signer
 
@@ -50,8 +50,12 @@ def signed_by(signed: cms.SignedData, digest: bytes) -> str:
         raise SignError("the signed digest is not the data's: the data was changed after signing")
     to_verify = b"\x31" + attrs.dump()[1:]  # signed as a SET, not as the [0] IMPLICIT it is stored as
     algorithm = hashes.SHA512() if info["digest_algorithm"]["algorithm"].native == "sha512" else hashes.SHA256()
+    key = cert.public_key()
     try:
-        cert.public_key().verify(info["signature"].native, to_verify, padding.PKCS1v15(), algorithm)
+        if isinstance(key, ec.EllipticCurvePublicKey):  # a TSA may sign with ECDSA
+            key.verify(info["signature"].native, to_verify, ec.ECDSA(algorithm))
+        else:
+            key.verify(info["signature"].native, to_verify, padding.PKCS1v15(), algorithm)
     except (InvalidSignature, TypeError):
         raise SignError("the signature does not verify with the certificate it carries") from None
     return cert.subject.rfc4514_string() + " " + cert_fingerprint(cert)
