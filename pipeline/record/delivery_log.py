@@ -143,15 +143,15 @@ def scan(store: Store, run_id: str, shard: int, statuses: tuple[str, ...]) -> tu
     one listing for both). An object, then a line, is parsed only if it names one of them
     (entries are written without spaces): looking for a shard's bounces skips the JSON of its
     mailings, ten to a hundred times as many lines."""
-    wanted, found, end = tuple(f'"status":"{s}"' for s in statuses), [], None
+    wanted, found, last = tuple(f'"status":"{s}"' for s in statuses), [], None
     for key in store.keys(keys.delivery_log_prefix(run_id, shard)):
         data = store.get(key)
         if CHAINED.search(key):
-            end = Link(key, chain_header(store, key, data)["seq"], hashlib.sha256(data).hexdigest())
-        text = data.decode("utf-8", "surrogateescape")
-        if any(w in text for w in wanted):
-            found += [e for n, line in enumerate(text.splitlines(), 1)
+            last = (key, data)
+        if any(w.encode() in data for w in wanted):
+            found += [e for n, line in enumerate(data.decode("utf-8", "surrogateescape").splitlines(), 1)
                       if any(w in line for w in wanted) and (e := _entry(store, key, n, line))["status"] in statuses]
+    end = Link(last[0], chain_header(store, *last)["seq"], hashlib.sha256(last[1]).hexdigest()) if last else None
     return found, end
 
 
