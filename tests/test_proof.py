@@ -210,3 +210,12 @@ def test_a_timestamp_from_a_tsa_dates_the_seal_and_a_proof_made_again_fails_it(c
     assert not resealed["ok"] and "the timestamp is not over this proof" in resealed["first_problem"], resealed
     (root / proof.timestamp_key(run_id)).unlink()
     assert "removed (the proof was timestamped by" in verified(root, run_id)["first_problem"]
+
+
+def test_close_and_verify_on_s3_read_and_write_in_parallel_and_agree(ray_session, settings, day, s3_bucket):
+    on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
+    run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
+    sealed = proof.close(on_s3, run_id, now=after_the_window(on_s3, run_id))
+    assert not sealed["already_sealed"] and sealed["shards"] > 1, sealed
+    found = verify(open_store(on_s3.store_url), run_id)
+    assert found["ok"] and found["sealed"] and found["log_objects"] == sealed["log_objects"], found

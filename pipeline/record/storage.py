@@ -181,7 +181,7 @@ class S3Store:
         from botocore.config import Config
 
         self.url, self.bucket, self.prefix = url, bucket, prefix
-        config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=32,
+        config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=64,
                         s3={"addressing_style": "path"})
         self.client = boto3.client("s3", config=config, region_name=aws_region())
 
