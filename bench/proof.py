@@ -6,7 +6,7 @@ intent and outcomes, 2% of the accounts bounced (a chain object per shard they f
 report, its CSV and the paper list. Then `close` and `verify` run, each in a process of its
 own (its peak RSS is its own), against that store with --latency-ms (20: S3 from the same
 region) added to every request, as S3's round trip would be. Requests run 64 at a time
-(pipeline/cluster/proof.py's PARALLEL), so the time is the requests' waits, divided by 64, plus
+(pipeline/record/storage.py's IN_FLIGHT), so the time is the requests' waits, divided by 64, plus
 the CPU. The 1.5M projection is a line through the two sizes measured (a fixed part, the
 requests made one after another, and a part per account). The goal: both under
 2 minutes at 1.5M accounts, memory flat (at most 200 MB), shown at two sizes.
@@ -75,18 +75,19 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     from pipeline.record.records import Outcome
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
-    from pipeline.seal.sign import make_test_certificate
+    from pipeline.seal.sign import load_signer, make_test_certificate
 
     make_test_certificate(work / "keys")
     settings = Settings(store_url=str(work / "store"), redis_url=redis_url, signer_key=str(work / "keys/signer.key.pem"),
                         signer_cert=str(work / "keys/signer.cert.pem"), signer_chain=str(work / "keys/root.cert.pem"),
                         token_key_file=str(work / "keys/token.key"))
     run_id, store, key = "bench-proof", open_store(settings.store_url), settings.hmac_key()
+    record = located.recorded(settings, settings, load_signer(settings.signer_key, settings.signer_cert, None).cert)
     state = RunState(redis_url, run_id)
     shards = max(keys.PARTITIONS, accounts // SHARD_SIZE // keys.PARTITIONS * keys.PARTITIONS)
     uccs = [f"C{n:07d}" for n in range(1, accounts + 1)]
     state.start({"date": "2026-11-20", "input": "bench", "finished": time.time() - 73 * 3600, "bounce_window_h": 72,
-                 "message_ids": "keyed", **located.recorded(settings, settings)})
+                 "message_ids": "keyed", **record})
     by_shard: dict[int, list[str]] = {}
     for u in uccs:
         by_shard.setdefault(keys.shard_of(u, shards), []).append(u)
@@ -107,7 +108,7 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
             state.bounce([(u, "bounced", "5.1.1", "User unknown", now) for u in bounced])
     save_manifest(store, run_id, SplitResult(sorted(by_shard), shards, accounts))
     report.write(store, state, run_id, {"run_id": run_id, "trade_date": "2026-11-20", "accounts": accounts,
-                                        **located.recorded(settings, settings)}, [])
+                                        **record}, [])
     return settings, run_id
 
 

@@ -15,6 +15,8 @@ from pipeline.record.lease import LeaseHeldError, LeaseLostError, held
 from pipeline.record.records import STAGES, Outcome, final_status, history
 from pipeline.record.state import RunState
 
+KEY = b"the run's HMAC key: Message-IDs are keyed, as a run writes them"
+
 
 @pytest.fixture
 def state(redis_url):
@@ -103,8 +105,8 @@ def test_an_account_costs_redis_at_most_400_bytes_at_the_end_of_a_run(state):
     for stage in STAGES[:-1]:
         state.record(Outcome(u, stage) for u in uccs)
     for u in uccs:
-        assert state.claim_mail(u, message_id(state.run_id, u), epoch, lease)
-    state.record(Outcome(u, "delivered", message_id=message_id(state.run_id, u),
+        assert state.claim_mail(u, message_id(state.run_id, u, KEY), epoch, lease)
+    state.record(Outcome(u, "delivered", message_id=message_id(state.run_id, u, KEY),
                          reply=f"OK queued as {uuid.uuid4().hex}", extra={"attempts": 1}) for u in uccs)
     state.snapshot()
     names = [keys.run_meta(state.run_id), keys.run_counts(state.run_id), keys.run_accounts(state.run_id),
@@ -114,7 +116,7 @@ def test_an_account_costs_redis_at_most_400_bytes_at_the_end_of_a_run(state):
     print(f"redis bytes per account: {per_account:.0f}")
     assert per_account <= 400, per_account
     rec = state.accounts([uccs[7]])[uccs[7]]
-    assert (rec["stage"], rec["message_id"], rec["attempts"]) == ("delivered", message_id(state.run_id, uccs[7]), 1)
+    assert (rec["stage"], rec["message_id"], rec["attempts"]) == ("delivered", message_id(state.run_id, uccs[7], KEY), 1)
     assert rec["reply"].startswith("OK queued as ")
 
 

@@ -45,6 +45,7 @@ from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunClosed, RunState, redis_client
 from pipeline.record.storage import StorageError, check_create_only, open_store
+from pipeline.seal.sign import Signer
 from pipeline.settings import ROOT, ConfigError, Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 
@@ -178,7 +179,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
              on_accounts: Callable[[int], None] | None, watch: Callable[[], None]) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
-    resolved = preflight(settings, req, run_id)
+    resolved, signer = preflight(settings, req, run_id)
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
@@ -188,7 +189,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
-    record = located.recorded(settings, resolved)
+    record = located.recorded(settings, resolved, signer.cert)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
                          "message_ids": "keyed"})  # by the run's HMAC key (a run from before: unkeyed)
@@ -272,12 +273,14 @@ def peak_rss_mb() -> float:
     return round(kb / 1024, 1)
 
 
-def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_persistence: bool = False) -> Settings:
+def preflight(settings: Settings, req: RunRequest, run_id: str = "",
+              require_persistence: bool = False) -> tuple[Settings, Signer]:
     """What would stop the run, found before anything starts: Redis unreachable (or keeping
     nothing on disk, when persistence is required), storage not writable, an input file
     missing or lacking a column (unless the run was already split), no calendar for the date,
     a signing key or secret that cannot be read, a store that takes a second create-only write.
-    Before any actor asks for a node. Returns the settings with the secret laid over them."""
+    Before any actor asks for a node. Returns the settings with the secret laid over them, and
+    the signing key they read (its certificate is recorded with the run)."""
     where = settings.summary()["redis_url"]
     try:
         r = redis_client(settings.redis_url, patience_retries=0)  # down at the start: say so at once
@@ -298,7 +301,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "", require_per
     if not run_id or load_manifest(store, run_id) is None:
         check_inputs(open_store(req.input_url))
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
-    return credentials.read(settings)[0]
+    return credentials.read(settings)
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import redis
 
-from pipeline import credentials
+from cryptography import x509
+
 from pipeline.cluster.restore import read_report
 from pipeline.record import keys
 from pipeline.record.state import RunNotFound, RunState, redis_client
@@ -35,14 +36,15 @@ class Located:
     in_redis: bool  # Redis holds the run (else it comes back from `store`)
 
 
-def recorded(settings: Settings, resolved: Settings) -> dict[str, str]:
+def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> dict[str, str]:
     """What a run records about where its record and keys are (`settings` anchored, `resolved`
-    with the secret laid over): locations and a key's fingerprint, never key material."""
+    with the secret laid over, `cert` the notes' signing certificate): locations and
+    fingerprints, never key material."""
     own = not settings.secret
     return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
             "secret": settings.secret, **{f: getattr(settings, f) if own else "" for f in KEY_FILES},
             "token_key_id": key_id(resolved.hmac_key()),
-            "signer_cert_sha256": detached.cert_fingerprint(credentials.read(settings)[1].cert)}
+            "signer_cert_sha256": detached.cert_fingerprint(cert)}
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,

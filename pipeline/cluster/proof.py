@@ -25,17 +25,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.cluster import located, restore
+from pipeline.cluster.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
+from pipeline.record.keys import proof_keys, timestamp_key
 from pipeline.record.lease import held
 from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import StorageError, Store, sha256
+from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.settings import Settings
-
-PARALLEL = 64  # storage requests in flight: 15,000 shards at 20 ms a request in seconds, not minutes
-
 
 class WindowOpen(RuntimeError):
     pass
@@ -45,19 +44,9 @@ class SealBroken(RuntimeError):
     """A sealed run whose record no longer matches its seal: named, never sealed again."""
 
 
-def proof_keys(run_id: str) -> tuple[str, str]:
-    return f"reports/{run_id}.proof.json", f"reports/{run_id}.proof.p7s"
-
-
-def timestamp_key(run_id: str) -> str:
-    return f"reports/{run_id}.proof.tsr"
-
-
 def close(settings: Settings, run_id: str, now: float | None = None, store_url: str | None = None) -> dict:
     """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
     and key (located.py), unless `store_url` names a copy of its record."""
-    from pipeline.cluster.verify import verify
-
     found = located.locate(settings, run_id, store_url, writes=True, command="close")
     settings, store = found.settings, found.store
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
@@ -86,9 +75,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         if not meta.get("closed_at"):
             state.update_meta(closed_at=now, bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        closed_at = float(state.meta()["closed_at"])
-        _close_chains(store, run_id, split.shards, closed_at)
-        seal(settings, store, run_id, split.shards)
+        seal(settings, store, run_id, _close_chains(store, run_id, split.shards, float(state.meta()["closed_at"])))
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 
 
@@ -102,32 +89,32 @@ def _sealed(store: Store, run_id: str) -> dict:
             "shards": len(proof["heads"]), "log_objects": sum(h["objects"] for h in proof["heads"])}
 
 
-def _close_chains(store: Store, run_id: str, shards: list[int], closed_at: float) -> None:
+def _close_chains(store: Store, run_id: str, shards: list[int], closed_at: float) -> dict[int, tuple[str, list[str]]]:
     """A closing object at the end of each shard's chain, once (a close that stopped half-way
-    and runs again adds none twice)."""
-    def close_one(shard: int) -> None:
-        end = delivery_log.head(store, run_id, shard)
-        if end is not None and delivery_log.closing(store, end.key):
-            return
-        delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], end)
-
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        list(pool.map(close_one, shards))
-
-
-def seal(settings: Settings, store: Store, run_id: str, shards: list[int]) -> dict:
-    """The proof, its signature and (with CN_TSA_URL) its timestamp, each written once."""
-    def chain(shard: int) -> tuple[int, list[str], delivery_log.Link | None]:
+    and runs again adds none twice); returns each chain's last key and every object's SHA-256,
+    read in the same pass, for the seal."""
+    def close_one(shard: int) -> tuple[int, str, list[str]]:
         found = delivery_log.chain_keys(store, run_id, shard)
-        return shard, [hashlib.sha256(store.get(k)).hexdigest() for k in found], \
-            delivery_log.Link(found[-1], len(found), "") if found else None
+        data = [store.get(k) for k in found]
+        hashes = [hashlib.sha256(d).hexdigest() for d in data]
+        if found and any(e["status"] == "closed" for e in delivery_log.parse(
+                store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines())):
+            return shard, found[-1], hashes
+        end = delivery_log.Link(found[-1], len(found), hashes[-1]) if found else None
+        added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], end)
+        if added.seq != len(found) + 1:  # another writer (a client's fetch) got there first: read the chain again
+            return close_one(shard)
+        return shard, added.key, hashes + [added.sha256]
 
-    objects, heads = {}, []
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        for shard, hashes, end in pool.map(chain, sorted(shards)):
-            if end is not None:
-                objects[str(shard)] = hashes
-                heads.append({"shard": shard, "key": end.key, "objects": end.seq, "sha256": hashes[-1]})
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        return {shard: (last, hashes) for shard, last, hashes in pool.map(close_one, shards)}
+
+
+def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]]) -> dict:
+    """The proof, its signature and (with CN_TSA_URL) its timestamp, each written once."""
+    objects = {str(shard): hashes for shard, (_, hashes) in sorted(chains.items())}
+    heads = [{"shard": shard, "key": last, "objects": len(hashes), "sha256": hashes[-1]}
+             for shard, (last, hashes) in sorted(chains.items())]
     json_key, csv_key = keys.report_keys(run_id)
     sealed_report = json.loads(store.get(json_key))
     proof = {"run_id": run_id, "sealed_at": time.time(), "closed_at": sealed_report["bounce_window"]["closed_at"],

@@ -24,12 +24,12 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.cluster.proof import PARALLEL, proof_keys, timestamp_key
 from pipeline.cluster.restore import read_report
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
+from pipeline.record.keys import proof_keys, timestamp_key
 from pipeline.record.state import RunNotFound
-from pipeline.record.storage import StorageError, Store, sha256
+from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.sign import SignError
 
@@ -143,9 +143,9 @@ def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | Non
 
 def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool):
     """Each shard's Chain, read 64 shards at a time: memory follows the window, not the day."""
-    with ThreadPoolExecutor(PARALLEL) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         ordered = iter(sorted(shards))
-        while window := list(itertools.islice(ordered, 4 * PARALLEL)):
+        while window := list(itertools.islice(ordered, 4 * IN_FLIGHT)):
             yield from pool.map(lambda s: _chain(store, run_id, s, None if sealed is None else sealed.get(s, []),
                                                  closed), window)
 

@@ -111,11 +111,6 @@ def head(store: Store, run_id: str, shard: int) -> Link | None:
     return Link(last, chain_header(store, last, data)["seq"], hashlib.sha256(data).hexdigest())
 
 
-def closing(store: Store, key: str) -> bool:
-    """Whether the object is a run's closing object (cluster/proof.py)."""
-    return any(e["status"] == "closed" for e in parse(store, key, store.lines(key)))
-
-
 def chain_header(store: Store, key: str, data: bytes) -> dict:
     """An object's first line: run, shard, number and the SHA-256 of the object before it."""
     try:

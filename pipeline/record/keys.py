@@ -22,7 +22,8 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
                                                   outcomes, a bounce, a fetch (k % 10 == p; delivery_log.py)
   reports/{run}.json, reports/{run}.csv           the run report
   reports/{run}.paper.csv                         the physical dispatch list, with due dates
-  reports/{run}.proof.json, .proof.p7s            the sealed chain heads and their CMS signature (close)
+  reports/{run}.proof.json, .proof.p7s            the seal (every log object's SHA-256) and its CMS signature
+  reports/{run}.proof.tsr                         an RFC 3161 timestamp of the proof (close, with CN_TSA_URL)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
   reports/.write-check                            written before a run starts: the store is writable
@@ -103,6 +104,11 @@ def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-
     write a DSN naming another client's Message-ID. Without a key: a run started before."""
     text = f"{run_id}/{ucc}".encode()
     digest = (hmac.new(key, b"message-id\0" + text, hashlib.sha256) if key else hashlib.sha256(text)).hexdigest()[:24]
+    return message_id_of(digest, ucc, domain)
+
+
+def message_id_of(digest: str, ucc: str, domain: str = "contract-notes.invalid") -> str:
+    """The Message-ID around its digest: all a record keeps of it (records.py)."""
     return f"<{digest}.{re.sub(r'[^A-Za-z0-9_.-]', '_', ucc)}@{domain}>"
 
 
@@ -145,6 +151,14 @@ WRITE_CHECK = "reports/.write-check"  # a run proves the store writable before i
 
 def create_only_check_key(run_id: str) -> str:
     return f"reports/{run_id}.create-only-check"
+
+
+def proof_keys(run_id: str) -> tuple[str, str]:
+    return f"reports/{run_id}.proof.json", f"reports/{run_id}.proof.p7s"
+
+
+def timestamp_key(run_id: str) -> str:
+    return f"reports/{run_id}.proof.tsr"
 
 
 def report_keys(run_id: str) -> tuple[str, str]:

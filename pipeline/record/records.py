@@ -45,7 +45,8 @@ def final_status(rec: dict) -> str:
 
 # An account's record is compact JSON, so that 1.5M of them fit a small head (issue 11: at
 # most 400 bytes an account with the mail guard). The ucc is the field name, the Message-ID
-# is derived from run and ucc ("m": 1) and a stage is its rank:
+# is derived from run and ucc ("m": 1 unkeyed, as a run before keyed ones; else its 24-digit
+# digest alone, the rest follows from the ucc) and a stage is its rank:
 #   r  furthest stage reached (0: none)   s  status code, absent when ok (STATUS_CODES)
 #   f  rank of the stage that failed      e  reason          p  the relay's reply
 #   t  time of the last outcome           n  delivery attempts, absent when 0
@@ -203,7 +204,7 @@ class Records:
             tries = o.extra.get("attempts", 1 if o.stage == "delivered" and o.status != "skipped" else 0)
             rec = {"r": reached, "g": rank(o.stage), "t": now, "n": tries, "s": STATUS_CODES[o.status],
                    "f": rank(o.stage) if o.failed else 0, "e": o.reason, "p": o.reply,
-                   "m": 1 if o.message_id and o.message_id == _message_id(self.run_id, o.ucc) else o.message_id,
+                   "m": _compact_mid(self.run_id, o.ucc, o.message_id),
                    "x": {k: v for k, v in o.extra.items() if k != "attempts"}}
             rec = {k: v for k, v in rec.items() if v or k in ("r", "g", "t")}
             if rec.get("s") == "k":
@@ -218,7 +219,7 @@ class Records:
         r, mid = c["r"], c.get("m", "")
         rec = {"ucc": ucc, "stage": STAGES[r - 1] if r else "", "rank": r, "status": _STATUSES[c.get("s", "k")],
                "failed_at": STAGES[c["f"] - 1] if "f" in c else "", "reason": c.get("e", ""),
-               "message_id": _message_id(self.run_id, ucc) if mid == 1 else mid, "reply": c.get("p", ""),
+               "message_id": _full_mid(self.run_id, ucc, mid), "reply": c.get("p", ""),
                "attempts": c.get("n", 0), "updated": c["t"], "events": c.get("h", [])}
         if "x" in c:
             rec["extra"] = c["x"]
@@ -289,6 +290,23 @@ def history(record: dict) -> list[dict]:
 @lru_cache(maxsize=1024)  # a shard's worth: a report of 1.5M accounts must not keep them all
 def _message_id(run_id: str, ucc: str) -> str:
     return keys.message_id(run_id, ucc)
+
+
+def _compact_mid(run_id: str, ucc: str, mid: str) -> str | int:
+    """What a record keeps of a Message-ID: 1 for the unkeyed one, the digest of a keyed one
+    of ours (the rest follows from the ucc), anything else whole."""
+    if not mid:
+        return mid
+    if mid == _message_id(run_id, ucc):
+        return 1
+    digest = mid[1:25]
+    return digest if keys.message_id_of(digest, ucc) == mid and "<" not in digest else mid
+
+
+def _full_mid(run_id: str, ucc: str, kept: str | int) -> str:
+    if kept == 1:
+        return _message_id(run_id, ucc)
+    return keys.message_id_of(kept, ucc) if kept and not kept.startswith("<") else kept
 
 
 class StateWriter:

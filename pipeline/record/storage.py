@@ -21,6 +21,9 @@ from typing import Iterator, Protocol
 from pipeline.settings import aws_region
 
 
+IN_FLIGHT = 64  # requests a command keeps in flight (close, verify), and the S3 client's pool holds
+
+
 class StorageError(RuntimeError):
     pass
 
@@ -181,7 +184,7 @@ class S3Store:
         from botocore.config import Config
 
         self.url, self.bucket, self.prefix = url, bucket, prefix
-        config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=64,
+        config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=IN_FLIGHT,
                         s3={"addressing_style": "path"})
         self.client = boto3.client("s3", config=config, region_name=aws_region())
 
