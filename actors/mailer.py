@@ -37,6 +37,7 @@ class MailerActor:
         started = time.perf_counter()
         result = await mail_stage(batch, self.ctx)
         metrics.observe("mail", result["tally"], time.perf_counter() - started)
+        metrics.relays(self.ctx.pool.rates())
         return result
 
     async def cpu_seconds(self) -> float:

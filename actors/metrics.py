@@ -1,8 +1,9 @@
 """Per-stage counters and latency histograms with ray.util.metrics (Ray glue, not a
 building block): exported by the node where the work ran, on its metrics export port, and
 shown by the dashboard's Metrics view when Prometheus scrapes it. Prometheus names them
-ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_day_accounts_total and
-ray_cn_bounces_total{kind}; the last two are counted on the head (by the driver, and by
+ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_relay_rate{relay} (messages a
+second a relay or paced domain is sent at now, cluster-wide, as each mailer last heard it),
+ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total and ray_cn_bounces_total{kind}; the last two are counted on the head (by the driver, and by
 `bounces` on a cluster), so the day's totals outlive the workers."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import urllib.request
 from functools import lru_cache
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 log = logging.getLogger("actors.metrics")
 
@@ -100,3 +101,26 @@ def observe(stage: str, tally: dict[str, int], seconds: float) -> None:
         if n:
             notes.inc(n, tags={"stage": stage, "status": status})
     histogram.observe(seconds, tags={"stage": stage})
+
+
+@lru_cache(maxsize=1)
+def _relay_metrics() -> tuple[Gauge, Counter]:
+    rate = Gauge("cn_relay_rate", description="Messages a second the cluster sends through a relay (or to a paced "
+                 "domain) now; 0: no rate set.", tag_keys=("relay",))
+    throttles = Counter("cn_relay_throttles", description="Throttle and daily-quota replies, by relay.",
+                        tag_keys=("relay",))
+    return rate, throttles
+
+
+_throttles_seen: dict[str, int] = {}
+
+
+def relays(rates: dict[str, dict]) -> None:
+    """`rates` is SmtpPool.rates(): this mailer's view, exported after every batch."""
+    gauge, counter = _relay_metrics()
+    for name, r in rates.items():
+        gauge.set(r["rate"], tags={"relay": name})
+        new = r["throttles"] - _throttles_seen.get(name, 0)
+        if new > 0:
+            counter.inc(new, tags={"relay": name})
+            _throttles_seen[name] = r["throttles"]

@@ -354,6 +354,7 @@ def cmd_status(args) -> int:
     cluster's Redis ends with the cluster; the report is the record)."""
     from pipeline.cluster.located import locate
     from pipeline.cluster.restore import read_report
+    from pipeline.record import rates
     from pipeline.record.keys import report_keys
     from pipeline.record.state import RunNotFound, RunState, redis_client
 
@@ -367,7 +368,7 @@ def cmd_status(args) -> int:
         state = RunState(settings.redis_url, args.run_id)
         state.r = redis_client(settings.redis_url, patience_retries=0)
         print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
-                          "counts": state.counts(), "statuses": state.statuses()}))
+                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}))
         return 0
     key = report_keys(args.run_id)[0]
     if not found.store.exists(key):
@@ -430,6 +431,7 @@ def cmd_run(args) -> int:
             raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                               "could lift the notes' permissions; set it, or pass --test-keys for a test run")
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
+        current.relay_rate = resolved.relay_rate()
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
         preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
@@ -451,13 +453,16 @@ def cmd_plan(args) -> int:
         return 0
     if args.accounts is None:
         raise SystemExit("error: plan needs --accounts N (or --table)")
-    p = plan(args.accounts, args.deadline_min, rows=args.rows,
-             retention_days=Settings.from_env().state_ttl_s / 86400, min_render_nodes=args.render_nodes).as_dict()
+    settings = Settings.from_env()
+    p = plan(args.accounts, args.deadline_min, rows=args.rows, retention_days=settings.state_ttl_s / 86400,
+             min_render_nodes=args.render_nodes, relay_rate=settings.relay_rate()).as_dict()
     print(f"{p['render_nodes']} x {p['render_instance']} (render) + {p['signer_smtp_nodes']} x "
           f"{p['signer_smtp_instance']} (signer/SMTP), head {p['head_instance']} ({p['head_kept_instance']} if "
           f"kept for the retention): the split of {p['rows']:,} rows {p['split_min']} min, about "
           f"{p['expected_min']} min in all, ~${p['est_cost_usd_on_demand']} on demand",
           file=sys.stderr)
+    print(p["advice"] or ("the relays' rate: " + (f"{p['relay_rate']:g}/s, not the bottleneck" if p["relay_rate"] else
+                          "not known (give each relay in SMTP_URL a ?rate=)")), file=sys.stderr)
     print(json.dumps(p))
     return 0 if p["fits_deadline"] else 1
 

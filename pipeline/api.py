@@ -36,7 +36,7 @@ from pydantic import BaseModel, model_validator
 from pipeline.day.split import find_account, load_manifest
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
-from pipeline.record import delivery_log, keys, report
+from pipeline.record import delivery_log, keys, rates, report
 from pipeline.record.records import FINAL_STATUSES, final_status, history
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.storage import StorageError, open_store
@@ -252,7 +252,7 @@ def summary(state: RunState) -> dict:
     eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
     return {"run_id": state.run_id, "date": meta.get("date"), "accounts": accounts, "counts": counts,
             "started": started, "finished": float(finished) if finished else None,
-            "bounce_window": report.bounce_window(meta),
+            "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
             "notes_per_s": round(rate, 2), "eta_s": round(eta, 1) if eta is not None else None}
 
 

@@ -15,7 +15,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it goes into PYTHONPATH and cwd
 TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
@@ -30,6 +30,18 @@ class SmtpTarget:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     implicit_tls: bool = False
+    rate: float = 0.0  # messages a second the relay takes from the whole cluster (?rate=); 0: no limit
+    daily: int = 0  # messages a day (?daily=); 0: none known (the relay's quota reply still stops it)
+
+    @property
+    def name(self) -> str:
+        """The relay's name in Redis, the metrics and the report: shared by every run on that Redis."""
+        return f"{self.host}:{self.port}"
+
+    def url(self) -> str:
+        """Without credentials: what a run records, and what a rerun pins."""
+        query = urlencode({k: str(int(v)) if v == int(v) else repr(v) for k, v in (("rate", self.rate), ("daily", self.daily)) if v})
+        return f"{'smtps' if self.implicit_tls else 'smtp'}://{self.host}:{self.port}" + (f"?{query}" if query else "")
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class Settings:
     smtp_ca_file: str = ""
     smtp_attempts: int = 4
     smtp_patience_s: float = 600.0  # how long a relay outage is waited out before its mails fail
+    domain_rates: str = ""  # gmail.com=300,outlook.com=150: messages a second to each, cluster-wide
     signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
     signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
     signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
@@ -92,6 +105,7 @@ class Settings:
             if f.type == "float" and not math.isfinite(value) or low is not None and not low <= value <= high:
                 limits = f" (from {low:g} to {high:g})" if low is not None else " (a finite number)"
                 raise ConfigError(f"{ENV_NAMES[f.name]}={value!r} is out of range{limits}")
+        self.domain_limits()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -110,7 +124,7 @@ class Settings:
 
     def relays(self) -> str:
         """The relays as URLs without credentials: what a run records, and what a rerun pins."""
-        return ",".join(f"{'smtps' if t.implicit_tls else 'smtp'}://{t.host}:{t.port}" for t in self.smtp())
+        return ",".join(t.url() for t in self.smtp())
 
     def pinned_to(self, relays: str) -> "Settings":
         """These settings mailing through `relays` (URLs without credentials), with the
@@ -121,8 +135,21 @@ class Settings:
         for t in (parse_smtp_url(u.strip()) for u in relays.split(",") if u.strip()):
             have = own.get((t.host, t.port))
             user = f"{quote(have.username, safe='')}:{quote(have.password or '', safe='')}@" if have and have.username else ""
-            urls.append(f"{'smtps' if t.implicit_tls else 'smtp'}://{user}{t.host}:{t.port}")
+            urls.append(t.url().replace("://", f"://{user}", 1))
         return dataclasses.replace(self, smtp_url=",".join(urls))
+
+    def domain_limits(self) -> dict[str, float]:
+        """CN_DOMAIN_RATES as {domain: messages a second}."""
+        limits = {}
+        for part in filter(None, (p.strip() for p in self.domain_rates.split(","))):
+            domain, _, rate = part.partition("=")
+            limits[domain.strip().lower()] = _rate(rate, f"CN_DOMAIN_RATES {domain.strip()!r}")
+        return limits
+
+    def relay_rate(self) -> float:
+        """The relays' messages a second together, or 0 when one of them has no rate (no limit known)."""
+        rates = [t.rate for t in self.smtp()]
+        return sum(rates) if rates and all(rates) else 0.0
 
     def redis_user(self) -> str:
         return unquote(urlsplit(self.redis_url).username or "")
@@ -267,6 +294,7 @@ ENV_NAMES = {
     "smtp_ca_file": "CN_SMTP_CA_FILE",
     "smtp_attempts": "CN_SMTP_ATTEMPTS",
     "smtp_patience_s": "CN_SMTP_PATIENCE_S",
+    "domain_rates": "CN_DOMAIN_RATES",
     "signer_key": "CN_SIGNER_KEY",
     "signer_cert": "CN_SIGNER_CERT",
     "signer_chain": "CN_SIGNER_CHAIN",
@@ -327,13 +355,32 @@ def parse_smtp_url(url: str) -> SmtpTarget:
     if not parts.hostname:
         raise ConfigError("SMTP URL has no host")
     implicit_tls = parts.scheme == "smtps"
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = set(query) - {"rate", "daily"}
+    if unknown:
+        raise ConfigError(f"SMTP URL for {parts.hostname}: unknown setting {', '.join(sorted(unknown))} (rate, daily)")
+    daily = _rate(query["daily"], f"SMTP URL for {parts.hostname}: daily") if "daily" in query else 0
+    if daily != int(daily):
+        raise ConfigError(f"SMTP URL for {parts.hostname}: daily={query['daily']} is not a whole number of messages")
     return SmtpTarget(
         host=parts.hostname,
         port=parts.port or (465 if implicit_tls else 25),
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
         implicit_tls=implicit_tls,
+        rate=_rate(query["rate"], f"SMTP URL for {parts.hostname}: rate") if "rate" in query else 0.0,
+        daily=int(daily),
     )
+
+
+def _rate(raw: str, what: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{what}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{what}={raw!r} must be a positive number")
+    return value
 
 
 def _without_password(url: str) -> str:

@@ -21,6 +21,7 @@ from pipeline.mail import link
 from pipeline.mail.message import (
     Letter,
     PermanentMailError,
+    QuotaError,
     TransientMailError,
     UnconfirmedMailError,
     build_message,
@@ -34,6 +35,7 @@ from pipeline.note.render import RenderError, render
 from pipeline.record import delivery_log, keys
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import LeaseLostError
+from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
@@ -236,7 +238,9 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
     if not epoch:
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
     key = settings.hmac_key()
-    return MailContext(SmtpPool(settings.smtp(), options), state, store, letter,
+    targets, domains = settings.smtp(), settings.domain_limits()
+    buckets = RedisBuckets(settings.redis_url) if domains or any(t.rate for t in targets) else None
+    return MailContext(SmtpPool(targets, options, buckets, domains), state, store, letter,
                        RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
                        verp=Verp(settings.bounce_local, settings.bounce_domain, key),
                        link_base=settings.link_base.rstrip("/"), link_s=settings.link_days * 86400, key=key)
@@ -353,6 +357,9 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outco
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
             f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
+    except QuotaError as e:
+        ctx.state.release_mail(ucc)
+        return Outcome(ucc, "delivered", "failed", reason=str(e), message_id=mid, extra={"attempts": e.attempts})
     except PermanentMailError as e:
         ctx.state.release_mail(ucc)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid,

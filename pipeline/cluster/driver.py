@@ -43,10 +43,11 @@ from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
+from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunClosed, RunState, redis_client
 from pipeline.record.storage import StorageError, check_create_only, open_store
 from pipeline.seal.sign import Signer
-from pipeline.settings import ROOT, ConfigError, Settings
+from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 
 log = logging.getLogger("pipeline.cluster.driver")
@@ -345,6 +346,9 @@ def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str
                    "failed": counts["failed"], "unconfirmed": counts["unconfirmed"], "elapsed_s": 0.0,
                    "notes_per_s": 0.0}
     else:
+        for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
+                                                             for u in relays.split(",") if u.strip()]):
+            log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
                           lease=lease)
     summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,

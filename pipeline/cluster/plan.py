@@ -95,6 +95,18 @@ class Plan:
     head_kept: NodeType  # a head kept (--keep-cluster) for the retention, one run a day
     head_kept_redis_gib: float
     bundles: list[dict] = field(default_factory=list)
+    relay_rate: float = 0.0  # the relays' messages a second together (0: not known)
+    mail_s: float = 0.0  # the accounts at that rate
+    mail_bound: bool = False  # the relays, not the nodes, decide when the day ends: more nodes would not help
+
+    def advice(self) -> str:
+        if not self.mail_bound:
+            return ""
+        need = self.accounts / max(1.0, self.deadline_s - (self.expected_s - self.mail_s))
+        return (f"mail-bound: {_count(self.accounts)} at {self.relay_rate:g}/s = {self.mail_s / 60:.3g} min; "
+                + (f"add a relay or raise the relay's rate (SES: its maximum send rate) to {need:,.0f}/s "
+                   f"to meet {self.deadline_s / 60:g} min" if self.expected_s > self.deadline_s else
+                   f"it still meets {self.deadline_s / 60:g} min"))
 
     def as_dict(self) -> dict:
         return {"accounts": self.accounts, "rows": self.rows, "deadline_min": round(self.deadline_s / 60, 1),
@@ -105,28 +117,33 @@ class Plan:
                 "head_instance": self.head.instance, "head_redis_gib": round(self.head_redis_gib, 2),
                 "head_kept_instance": self.head_kept.instance,
                 "head_kept_redis_gib": round(self.head_kept_redis_gib, 1),
-                "est_cost_usd_on_demand": round(self.usd, 2)}
+                "est_cost_usd_on_demand": round(self.usd, 2), "relay_rate": self.relay_rate,
+                "mail_min": round(self.mail_s / 60, 1), "mail_bound": self.mail_bound, "advice": self.advice()}
 
 
 def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: int | None = None,
-         retention_days: float = 14, min_render_nodes: int = 1) -> Plan:
+         retention_days: float = 14, min_render_nodes: int = 1, relay_rate: float = 0.0) -> Plan:
     """The fewest nodes that finish inside the deadline less its margin. Stages overlap (a
     pipeline), so the run lasts as long as its slowest stage after start-up; the split runs
     on the render cores and no note can finish before it; the report follows the last note.
-    The head holds Redis: the run's accounts, or every run's of the retention if it is kept."""
+    The relays are a stage too: at `relay_rate` (their rates together), the mail takes
+    accounts / relay_rate whatever the nodes. The head holds Redis: the run's accounts, or
+    every run's of the retention if it is kept."""
     rates = rates or Rates.measured()
     rows = rows if rows is not None else round(accounts * rates.rows_per_account)
     report_s = accounts / 100_000 * rates.report_s_per_100k
     budget = max(60.0, deadline_min * 60 * (1 - rates.margin) - rates.startup_s - report_s)
     render_core_s = accounts * rates.render_cpu_ms / 1000 / rates.efficiency + rows / rates.split_rows_per_s_per_core
     sign_core_s = accounts * rates.sign_cpu_ms / 1000 / rates.efficiency
-    mails_per_s = rates.mails_per_s_per_mailer * rates.mailers_per_node
+    node_mails_per_s = rates.mails_per_s_per_mailer * rates.mailers_per_node
+    mail_need = min(relay_rate, accounts / budget) if relay_rate else accounts / budget  # mailers past the relays' rate would wait
     render_nodes = max(min_render_nodes, math.ceil(render_core_s / (budget * RENDER.vcpus)))
-    signer_nodes = max(1, math.ceil(sign_core_s / (budget * SIGNER_SMTP.vcpus)),
-                       math.ceil(accounts / (budget * mails_per_s)))
+    signer_nodes = max(1, math.ceil(sign_core_s / (budget * SIGNER_SMTP.vcpus)), math.ceil(mail_need / node_mails_per_s))
     split_s = rows / (rates.split_rows_per_s_per_core * render_nodes * RENDER.vcpus)
-    stage_s = max(render_core_s / (render_nodes * RENDER.vcpus), sign_core_s / (signer_nodes * SIGNER_SMTP.vcpus),
-                  accounts / (signer_nodes * mails_per_s))
+    nodes_s = max(render_core_s / (render_nodes * RENDER.vcpus), sign_core_s / (signer_nodes * SIGNER_SMTP.vcpus),
+                  accounts / (signer_nodes * node_mails_per_s))
+    mail_s = accounts / relay_rate if relay_rate else 0.0
+    stage_s = max(nodes_s, mail_s)
     expected = rates.startup_s + stage_s + report_s
     redis_gib = accounts * rates.redis_bytes_per_account / 2**30
     kept_gib = redis_gib * math.ceil(retention_days)
@@ -134,7 +151,12 @@ def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: i
     bundles = ([{"CPU": RENDER.vcpus, "render": RENDER.vcpus}] * render_nodes
                + [{"CPU": SIGNER_SMTP.vcpus, "signer": 8, "smtp": rates.mailers_per_node}] * signer_nodes)
     return Plan(accounts, rows, deadline_min * 60, render_nodes, signer_nodes, split_s, report_s, expected, usd,
-                head_for(redis_gib), redis_gib, head_for(kept_gib), kept_gib, bundles)
+                head_for(redis_gib), redis_gib, head_for(kept_gib), kept_gib, bundles, relay_rate, mail_s,
+                mail_s > nodes_s)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n:,}"
 
 
 def head_for(redis_gib: float) -> NodeType:
@@ -214,13 +236,16 @@ class ClusterSession:
     deadline_min: float | None
     request: Callable[[list[dict]], None] = request_capacity
     capacity: CapacityWatch | None = None
+    relay_rate: float = 0.0  # the run's relays' rates together (settings.relay_rate()): the plan's mail stage
 
     def size_for(self, accounts: int) -> None:
         """Called by the driver once the split has counted the day's accounts."""
         if self.deadline_min is None:
             return
-        p = plan(accounts, self.deadline_min)
+        p = plan(accounts, self.deadline_min, relay_rate=self.relay_rate)
         log.info("capacity for %d accounts in %s min: %s", accounts, self.deadline_min, p.as_dict())
+        if p.mail_bound:
+            (log.warning if not p.expected_s <= p.deadline_s else log.info)("capacity: %s", p.advice())
         (self.capacity.ask if self.capacity else self.request)(p.bundles)
 
     def watch(self) -> None:

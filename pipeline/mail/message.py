@@ -58,6 +58,20 @@ class RelayDownError(TransientMailError):
     """Every relay has been unreachable for longer than the patience."""
 
 
+class ThrottledError(TransientMailError):
+    """The relay (or the domain behind it) said slow down: the rate is cut, the mail waits its
+    turn again; not an outage, not an attempt."""
+
+    def __init__(self, code: int, text: str, quota: bool = False):
+        super().__init__(f"{code} {text}")
+        self.code, self.text, self.quota = code, text, quota  # quota: no more mail today through that relay
+
+
+class QuotaError(RuntimeError):
+    """Every relay has said its daily quota is spent: nothing was sent; a rerun once the quota
+    resets sends it."""
+
+
 class UnconfirmedMailError(RuntimeError):
     """The connection was lost after the message's final dot: the relay may have taken it.
     Never retried blindly; the account becomes `unconfirmed` with its Message-ID."""

@@ -5,12 +5,20 @@ starts with RSET (no "503 nested MAIL command", smtppool #8), and a connection t
 error or a 421 is closed, never handed out again (smtppool #18). A relay that cannot be
 reached trips its circuit breaker: sends wait for it (or another relay) instead of burning
 their attempts, and fail only once the outage has outlasted the patience.
+
+A relay with a rate (SMTP_URL's ?rate=) and a domain in CN_DOMAIN_RATES are paced for the
+whole cluster (pipeline/mail/pacing.py): each mail goes to the relay whose next send time is
+soonest, so mail splits across relays as their rates do. A throttle reply cuts the rate and
+the mail waits its turn again; a daily-quota reply takes the relay out for the day and its
+mail goes to the others. Neither is an outage: the breaker stays closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -20,11 +28,16 @@ import aiosmtplib
 from pipeline.mail.message import (
     ConnectError,
     PermanentMailError,
+    QuotaError,
     RelayDownError,
+    ThrottledError,
     TransientMailError,
     UnconfirmedMailError,
 )
+from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.settings import SmtpTarget
+
+log = logging.getLogger("pipeline.mail.relay")
 
 
 @dataclass(frozen=True)
@@ -89,11 +102,17 @@ class _Conn:
 class RelayPool:
     """A bounded pool of live connections to one relay."""
 
-    def __init__(self, target: SmtpTarget, options: PoolOptions):
-        self.target, self.options = target, options
+    def __init__(self, target: SmtpTarget, options: PoolOptions, pacer: Pacer | None = None):
+        self.target, self.options, self.pacer = target, options, pacer
         self.breaker = Breaker()
+        self.throttles, self.quota_out = 0, False
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(options.size)
+
+    def next_at(self, now: float) -> float:
+        if self.quota_out:
+            return math.inf
+        return self.pacer.next_at(now) if self.pacer else now
 
     async def send(self, sender: str, recipient: str, message: bytes) -> str:
         try:
@@ -172,6 +191,8 @@ class RelayPool:
                 await smtp.ehlo()
         except aiosmtplib.SMTPResponseException as e:
             smtp.close()
+            if reply_kind(e.code, e.message):  # there, and answering: slow down, not an outage
+                raise _classify(e.code, e.message) from None
             if 400 <= e.code < 500:  # 421 "try later": the relay is there but not taking mail
                 raise ConnectError(f"{t.host}:{t.port} said {e.code} {e.message}") from None
             raise _classify(e.code, e.message) from None
@@ -182,30 +203,68 @@ class RelayPool:
 
 
 class SmtpPool:
-    """One RelayPool per relay; messages go round-robin over the relays whose breaker is
-    closed, so load spreads and a relay that fails is skipped. When every relay is down,
-    sends wait (one probes when its relay's pause is over) until one answers or the
-    patience runs out. A sweeper task closes idle connections."""
+    """One RelayPool per relay; each message goes to the relay with a closed breaker whose next
+    send time is soonest (unpaced relays: at once, in turn), so load spreads and a relay that
+    fails is skipped. When every relay is down, sends wait (one probes when its relay's pause
+    is over) until one answers or the patience runs out. A sweeper task closes idle connections."""
 
-    def __init__(self, targets: list[SmtpTarget], options: PoolOptions = PoolOptions()):
-        self.relays = [RelayPool(t, options) for t in targets]
-        self.patience_s = options.patience_s
-        self._next = itertools.cycle(self.relays)
+    def __init__(self, targets: list[SmtpTarget], options: PoolOptions = PoolOptions(),
+                 buckets: Buckets | None = None, domain_rates: dict[str, float] | None = None):
+        self.relays = [RelayPool(t, options, Pacer(f"relay:{t.name}", t.rate, buckets, t.daily)
+                                 if t.rate and buckets else None) for t in targets]
+        self.domains = {d: Pacer(f"domain:{d}", r, buckets) for d, r in (domain_rates or {}).items()} if buckets else {}
+        self.buckets, self.patience_s = buckets, options.patience_s
+        self._turn = itertools.count()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(options.idle_s))
 
     async def send(self, sender: str, recipient: str, message: bytes) -> str:
+        domain = self.domains.get(recipient.rpartition("@")[2].lower())
+        throttled_since = None
         while True:
+            if domain and not await domain.slot(asyncio.sleep):
+                raise QuotaError(f"domain {domain.name} stopped for the day")
             relay = await self._relay()
             try:
                 reply = await relay.send(sender, recipient, message)
             except ConnectError:
                 relay.breaker.trip()
                 continue
+            except ThrottledError as e:
+                relay.breaker.probing = False
+                throttled_since = throttled_since or time.monotonic()
+                if time.monotonic() - throttled_since > self.patience_s:
+                    raise TransientMailError(f"{relay.target.name} still throttling after {self.patience_s:.0f} s: {e}") from None
+                await self._slow_down(relay, domain, e)
+                continue
             except BaseException:
                 relay.breaker.probing = False  # the relay answered, or the send was cancelled
                 raise
             relay.breaker.reset()
             return reply
+
+    async def _slow_down(self, relay: RelayPool, domain: Pacer | None, e: ThrottledError) -> None:
+        """A quota reply takes the relay out for the day (the mail tries the others); a throttle
+        cuts the rate of whoever is throttling: the receiving domain if it has a rate and the
+        reply is not the relay's own limit, else the relay. A relay without a rate has none to
+        cut: the reply is counted and the mail waits a moment."""
+        relay.throttles += 1
+        if e.quota:
+            relay.quota_out = True
+            if relay.pacer:
+                relay.pacer.out_of_quota()
+            elif self.buckets:
+                self.buckets.stop_for_day(f"relay:{relay.target.name}")
+            log.warning("%s: daily quota spent (%s); %d other relays left", relay.target.name, e,
+                        sum(not r.quota_out for r in self.relays))
+            return
+        if domain and not relay_wide(e.text):
+            domain.throttled()
+        elif relay.pacer:
+            relay.pacer.throttled()
+        else:
+            if self.buckets:
+                self.buckets.throttled(f"relay:{relay.target.name}", 0, 0)
+            await asyncio.sleep(random.uniform(0.5, 2.0))
 
     async def ready(self) -> None:
         """Waits while every relay is down and none is due a probe: a mail is claimed only
@@ -215,22 +274,47 @@ class SmtpPool:
 
     async def _relay(self) -> RelayPool:
         while True:
-            for _ in self.relays:
-                relay = next(self._next)
-                if relay.breaker.closed():
+            live = [r for r in self.relays if not r.quota_out]
+            if not live:
+                raise QuotaError("daily quota spent at every relay (" + ", ".join(r.target.name for r in self.relays)
+                                 + "): nothing sent; a rerun once the quota resets sends it")
+            closed = [r for r in live if r.breaker.closed()]
+            if closed:
+                k = next(self._turn) % len(closed)
+                now = time.monotonic()
+                relay, at = min(((r, r.next_at(now)) for r in closed[k:] + closed[:k]), key=lambda p: p[1])
+                if at == math.inf:  # its quota ran out as it was asked
+                    continue
+                if relay.pacer is None:
                     return relay
-            due = [r for r in self.relays if r.breaker.probe_due()]
+                if relay.pacer.ready():
+                    relay.pacer.pop()
+                    if at > now:
+                        await asyncio.sleep(at - now)
+                    return relay
+                await asyncio.sleep(max(0.0, at - now))  # no room in the cluster's bucket before then
+                continue
+            due = [r for r in live if r.breaker.probe_due()]
             if due:
                 due[0].breaker.probing = True
                 return due[0]
             if self._impatient():
-                down = ", ".join(f"{r.target.host}:{r.target.port}" for r in self.relays)
+                down = ", ".join(r.target.name for r in live)
                 raise RelayDownError(f"no relay reachable for over {self.patience_s:.0f} s ({down})")
             await asyncio.sleep(0.1)
 
     def _impatient(self) -> bool:
-        down = [r.breaker.down_since for r in self.relays]
-        return None not in down and time.monotonic() - min(down) > self.patience_s
+        down = [r.breaker.down_since for r in self.relays if not r.quota_out]
+        return bool(down) and None not in down and time.monotonic() - min(down) > self.patience_s
+
+    def rates(self) -> dict[str, dict]:
+        """Each paced relay's and domain's rate as this mailer last heard it, and the throttle
+        replies it got (the metrics)."""
+        shown = {r.target.name: {"rate": r.pacer.rate if r.pacer else 0.0, "throttles": r.throttles,
+                                 "quota_out": r.quota_out} for r in self.relays}
+        shown.update({d: {"rate": p.rate, "throttles": p.throttles, "quota_out": p.quota_out}
+                      for d, p in self.domains.items()})
+        return shown
 
     async def _sweep_forever(self, every_s: float) -> None:
         while True:
@@ -277,12 +361,12 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
 async def send_with_retry(pool: SmtpPool, policy: RetryPolicy, sender: str, recipient: str,
                           message: bytes) -> tuple[str, int]:
     """Returns the relay's reply and the attempts used (on an error: its `attempts`); raises PermanentMailError,
-    UnconfirmedMailError (never retried: the relay may have the message), RelayDownError, or
+    UnconfirmedMailError (never retried: the relay may have the message), RelayDownError, QuotaError, or
     the last TransientMailError once the attempts are spent."""
     for attempt in range(policy.attempts):
         try:
             return await pool.send(sender, recipient, message), attempt + 1
-        except (RelayDownError, PermanentMailError, UnconfirmedMailError) as e:
+        except (RelayDownError, PermanentMailError, UnconfirmedMailError, QuotaError) as e:
             e.attempts = attempt + 1
             raise
         except TransientMailError as e:
@@ -294,6 +378,9 @@ async def send_with_retry(pool: SmtpPool, policy: RetryPolicy, sender: str, reci
 
 
 def _classify(code: int, text: str) -> Exception:
+    kind = reply_kind(code, text)
+    if kind:
+        return ThrottledError(code, text, quota=kind == "quota")
     if 400 <= code < 500:
         return TransientMailError(f"{code} {text}")
     return PermanentMailError(code, text)

@@ -16,6 +16,13 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
                       drops before the 250 reaches the client (an ambiguous send)
   outage              {"after": N, "seconds": S}: after the Nth message kept, the
                       server stops listening and drops every connection for S s
+  rate                messages a second it takes (a bucket of one second's worth), as
+                      Amazon SES does: above it "454 Throttling failure: Maximum sending
+                      rate exceeded" after the data
+  daily_quota         messages it takes until SIGUSR1 (a new day): then "454 Throttling
+                      failure: Daily message quota exceeded"
+  With rate or daily_quota, every answer to a message is listed in OUTBOX.replies as
+  "UNIX-TIME accepted|throttle|quota": what the relay saw, second by second.
 --tls CERT KEY requires STARTTLS; --login USER:PASSWORD requires AUTH.
 --bounce-rate R --bounces MAILDIR: after the 250, a share R of the recipients (chosen by a
 hash of the address: half permanent "5.1.1 user unknown", half "4.2.2 mailbox full" delays)
@@ -56,6 +63,8 @@ class Faults:
     outage: dict = field(default_factory=dict)
     bounce_rate: float = 0.0
     bounces: Path | None = None
+    rate: float = 0.0
+    daily_quota: int = 0
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -64,14 +73,40 @@ class Faults:
         raw = json.loads(path.read_text())
         return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
-                   raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None)
+                   raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None,
+                   raw.get("rate", 0.0), raw.get("daily_quota", 0))
 
 
 class OutboxHandler:
     def __init__(self, outbox: Path, faults: Faults):
         self.outbox, self.faults = outbox, faults
         self.kept, self.sessions, self.controller = 0, set(), None
+        self.today, self.tokens, self.filled = 0, faults.rate, time.monotonic()
+        self.replies = outbox.with_name(outbox.name + ".replies").open("a", buffering=1) \
+            if faults.rate or faults.daily_quota else None
         outbox.mkdir(parents=True, exist_ok=True)
+
+    def new_day(self) -> None:
+        self.today = 0
+        print("a new day: the daily quota is reset", flush=True)
+
+    def _limited(self) -> str | None:
+        """SES's answers above its limits (their wording, which is what clients match)."""
+        if self.faults.daily_quota and self.today >= self.faults.daily_quota:
+            return self._reply("quota", "454 Throttling failure: Daily message quota exceeded.")
+        if self.faults.rate:
+            now = time.monotonic()
+            self.tokens = min(self.faults.rate, self.tokens + (now - self.filled) * self.faults.rate)
+            self.filled = now
+            if self.tokens < 1:
+                return self._reply("throttle", "454 Throttling failure: Maximum sending rate exceeded.")
+            self.tokens -= 1
+        return None
+
+    def _reply(self, kind: str, reply: str | None = None) -> str | None:
+        if self.replies:
+            self.replies.write(f"{time.time():.6f} {kind}\n")
+        return reply
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
         if address in self.faults.reject:
@@ -88,8 +123,13 @@ class OutboxHandler:
             self.faults.drop_once.discard(rcpt)
             server.transport.close()
             return "421 closing"  # never reaches the client: the transport is gone
+        limited = self._limited()
+        if limited:
+            return limited
         kept = self._keep(envelope.original_content or envelope.content)
         self.kept += 1
+        self.today += 1
+        self._reply("accepted")
         kind = bounce_kind(rcpt, self.faults.bounce_rate)
         if kind and self.faults.bounces:
             self._bounce(kind, envelope.mail_from, rcpt, envelope.original_content or envelope.content)
@@ -257,6 +297,7 @@ def serve(host: str, port: int, outbox: Path, faults: Faults, tls: tuple[str, st
     loop = asyncio.new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, handler.new_day)
     print(f"smtp sink listening on {host}:{port}, outbox {outbox}", flush=True)
     loop.run_until_complete(stop.wait())
     controller.stop()

@@ -1,0 +1,135 @@
+"""A mailer's share of a rate the whole cluster keeps: send times reserved a batch at a time
+from shared buckets (pipeline/record/rates.py on the run's Redis), and the relay replies that
+say a rate or a quota was exceeded.
+
+A reserved time is used once, at or after its moment; one more than STALE_S late is given
+back unused rather than sent late, so a mailer that fell behind never bursts: in any second
+the cluster sends at most rate x (1 + STALE_S) messages.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Protocol
+
+STALE_S = 0.1
+BATCH_S = 0.1  # a batch is at least this much of the rate's time, and at least MIN_BATCH sends
+MIN_BATCH = 20
+
+# Amazon SES's "454 Throttling failure: Maximum sending rate exceeded", Gmail's "421 4.7.28 ...
+# unusual rate", "421 4.7.0 ... try again later", Outlook's "451 4.7.650 ... rate limited",
+# Postfix's anvil "450 4.7.1 Error: too much mail from ..."
+_THROTTLE = re.compile(r"throttl|sending rate|4\.7\.28|4\.7\.650|4\.7\.0\b|too much mail|too many messages|rate limit",
+                       re.I)
+_QUOTA = re.compile(r"daily (message )?quota|quota exceeded", re.I)
+_RELAY_WIDE = re.compile(r"throttling failure|sending rate|too much mail|too many messages", re.I)
+
+
+def reply_kind(code: int, text: str) -> str | None:
+    """"quota" (the relay takes no more mail today), "throttle" (slow down), or None. Only 4xx:
+    a 5xx is the relay's final word on that message."""
+    if not 400 <= code < 500:
+        return None
+    if _QUOTA.search(text):
+        return "quota"
+    return "throttle" if _THROTTLE.search(text) else None
+
+
+def relay_wide(text: str) -> bool:
+    """A throttle of the sender's account at the relay (SES), not of one receiving domain."""
+    return bool(_RELAY_WIDE.search(text))
+
+
+class Buckets(Protocol):
+    def take(self, name: str, want: int, ceiling: float, daily: int, horizon_s: float,
+             unused: int = 0) -> tuple[int, float, float]: ...
+
+    def throttled(self, name: str, ceiling: float, pause_s: float) -> float: ...
+
+    def stop_for_day(self, name: str) -> None: ...
+
+
+class Pacer:
+    """One relay's or one domain's send times, as this mailer holds them."""
+
+    def __init__(self, name: str, ceiling: float, buckets: Buckets, daily: int = 0):
+        self.name, self.ceiling, self.daily, self.buckets = name, ceiling, daily, buckets
+        self.batch = max(MIN_BATCH, math.ceil(ceiling * BATCH_S))
+        self.horizon_s = max(1.0, 2 * self.batch / ceiling)  # how far ahead the cluster may reserve
+        self.rate, self.quota_out, self.throttles = ceiling, False, 0
+        self.calls = 0  # Redis calls, for bench/mail.py
+        self._start = self._step = 0.0
+        self._left = self._unused = 0
+        self._room_at = 0.0
+
+    def next_at(self, now: float) -> float:
+        """When this pacer's next send may leave (inf: its quota is spent today). Asks Redis
+        for a batch when none is held and the bucket had room at the last ask."""
+        self._drop_stale(now)
+        if not self._left and not self.quota_out and now >= self._room_at:
+            self._refill(now)
+        if self.quota_out:
+            return math.inf
+        return self._start if self._left else self._room_at
+
+    def ready(self) -> bool:
+        return self._left > 0
+
+    def pop(self) -> float:
+        at = self._start
+        self._start += self._step
+        self._left -= 1
+        return at
+
+    async def slot(self, sleep) -> bool:
+        """Waits for this pacer's next send time; False when the quota is spent."""
+        while True:
+            now = time.monotonic()
+            at = self.next_at(now)
+            if at == math.inf:
+                return False
+            if self.ready():
+                self.pop()
+                if at > now:
+                    await sleep(at - now)
+                return True
+            await sleep(max(0.0, at - now))
+
+    def throttled(self) -> None:
+        """The relay said slow down: the cluster's rate is cut; the times held at the old rate
+        are given back."""
+        self.throttles += 1
+        self.rate = self.buckets.throttled(self.name, self.ceiling, self.horizon_s)
+        self.calls += 1
+        self._give_back()
+
+    def out_of_quota(self) -> None:
+        if not self.quota_out:
+            self.buckets.stop_for_day(self.name)
+            self.calls += 1
+        self.quota_out = True
+        self._give_back()
+
+    def _refill(self, now: float) -> None:
+        n, start_in, self.rate = self.buckets.take(self.name, self.batch, self.ceiling, self.daily, self.horizon_s,
+                                                   self._unused)
+        self.calls, self._unused = self.calls + 1, 0
+        if n < 0:
+            self.quota_out = True
+        elif n == 0:
+            self._room_at = now + start_in
+        else:
+            self._start, self._step, self._left = now + start_in, 1 / self.rate, n
+
+    def _drop_stale(self, now: float) -> None:
+        if self._left and self._start < now - STALE_S:
+            late = min(self._left, int((now - STALE_S - self._start) / self._step) + 1)
+            self._start += late * self._step
+            self._left -= late
+            self._unused += late
+
+    def _give_back(self) -> None:
+        self._unused += self._left
+        self._left = 0
