@@ -6,7 +6,14 @@ pooling would look useless):
   (a) baseline: smtplib, a new connection per message, built with email.message.EmailMessage;
   (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
       template, the Redis exactly-once guard and delivery log), message building included.
-Client CPU is the sending process's CPU time per mail. Prints one JSON object a run; with
+Client CPU is the sending process's CPU time per mail. (b) runs twice: as today (no rate) and
+with the relay given a rate (?rate=, above what one mailer sends, so the figures compare like
+with like). The limiter alone (pipeline/mail/pacing.py against the real Redis: two mailers'
+pacers on one bucket, 4 sends each at a time, at 200 a second: SES's rate in the README, a
+batch of 40 send times) gives its CPU and Redis calls per mail. Its CPU is mostly the event
+loop's timer wake-ups (20 a second at most, ~0.2 ms each on this VM), so per mail it falls
+as the rate rises.
+Prints one JSON object a run; with
 --save (and --runs 3 or more) the runs' medians and spread go to pipeline/cluster/measured.json
 (`plan` reads the mail rate there; bench/measured.py).
 
@@ -38,6 +45,7 @@ from pipeline.stages import Batch  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
+LIMITER_RATE = 200.0
 
 
 def notes(n: int, keys: Path) -> list[bytes]:
@@ -61,7 +69,29 @@ def baseline(host: str, port: int, pdfs: list[bytes]) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[float, float]:
+def limiter(redis_url: str, mails: int = 2000, rate: float = LIMITER_RATE) -> tuple[float, float]:
+    """CPU ms and Redis calls per mail of the limiter alone, paced at `rate`."""
+    import asyncio
+
+    from pipeline.mail.pacing import Pacer
+    from pipeline.record.rates import RedisBuckets
+
+    async def paced() -> tuple[float, int]:
+        pacers = [Pacer("relay:bench:25", rate, RedisBuckets(redis_url)) for _ in range(2)]
+
+        async def send(pacer: Pacer, n: int) -> None:
+            for _ in range(n):
+                assert await pacer.slot(asyncio.sleep)
+
+        cpu = time.process_time()
+        await asyncio.gather(*(send(p, mails // 8) for p in pacers for _ in range(4)))
+        return time.process_time() - cpu, sum(p.calls for p in pacers)
+
+    cpu, calls = asyncio.run(paced())
+    return cpu * 1000 / mails, calls / mails
+
+
+def ours(settings: Settings, pdfs: list[bytes], run_id: str = "bench-ours", batch_size: int = 50) -> tuple[float, float]:
     import ray
 
     from actors.mailer import MailerActor
@@ -70,15 +100,15 @@ def ours(settings: Settings, pdfs: list[bytes], batch_size: int = 50) -> tuple[f
     ray.init(num_cpus=1, resources={"smtp": 1}, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
     try:
-        RunState(settings.redis_url, "bench-ours").start({})
-        lease = RunState(settings.redis_url, "bench-ours").take_lease(3600).token
-        mailer = MailerActor.remote(settings, "bench-ours")
+        RunState(settings.redis_url, run_id).start({})
+        lease = RunState(settings.redis_url, run_id).take_lease(3600).token
+        mailer = MailerActor.remote(settings, run_id)
         warm = [{"ucc": "W0", "name": "Warm", "email": "w0@example.com", "pan": "ABCPD1234E", "ecn": True,
                  "pdf": pdfs[0]}]
-        ray.get(mailer.send.remote(Batch("bench-ours", TRADE_DATE, 0, warm, lease=lease)))
+        ray.get(mailer.send.remote(Batch(run_id, TRADE_DATE, 0, warm, lease=lease)))
         items = [{"ucc": f"O{i:06d}", "name": "Client", "email": f"o{i}@example.com", "pan": "ABCPD1234E",
                   "ecn": True, "pdf": pdf} for i, pdf in enumerate(pdfs)]
-        batches = [ray.put(Batch("bench-ours", TRADE_DATE, k, items[k:k + batch_size], lease=lease))
+        batches = [ray.put(Batch(run_id, TRADE_DATE, k, items[k:k + batch_size], lease=lease))
                    for k in range(0, len(items), batch_size)]
         cpu0 = ray.get(mailer.cpu_seconds.remote())
         started = time.perf_counter()
@@ -95,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mails", type=int, default=600)
     parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=1000.0, help="the relay's rate in the limited run (messages/s)")
     measured.run("mail", parser, once)
 
 
@@ -111,6 +142,10 @@ def once(args) -> dict:
             settings = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, store_url=str(work / "store"),
                                          smtp_connections=args.connections)
             ours_s, ours_cpu = ours(settings, pdfs)
+            limited = Settings.from_env(redis_url=redis.url, smtp_url=f"{smtp.url}?rate={args.rate}",
+                                        store_url=str(work / "store"), smtp_connections=args.connections)
+            limited_s, limited_cpu = ours(limited, pdfs, "bench-limited")
+            limiter_cpu_ms, limiter_calls = limiter(redis.url)
             received = len(os.listdir(work / "outbox"))
         finally:
             smtp.stop()
@@ -124,6 +159,12 @@ def once(args) -> dict:
         "speedup": round(base_s / ours_s, 2),
         "baseline_client_cpu_ms_per_mail": round(base_cpu * 1000 / n, 2),
         "ours_client_cpu_ms_per_mail": round(ours_cpu * 1000 / n, 2),
+        "limited_rate": args.rate,
+        "limited_mails_per_s": round(n / limited_s, 1),
+        "limited_client_cpu_ms_per_mail": round(limited_cpu * 1000 / n, 2),
+        "limiter_rate": LIMITER_RATE,
+        "limiter_cpu_ms_per_mail": round(limiter_cpu_ms, 4),
+        "limiter_redis_calls_per_mail": round(limiter_calls, 4),
         "attachment_kb": round(sum(map(len, pdfs)) / n / 1024, 1),
     }
     return result

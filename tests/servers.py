@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from pipeline.embedded import EmbeddedError, Service, free_port, wait_for_port
@@ -151,13 +152,15 @@ service submission-login {{
     return service
 
 
-def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: str) -> Service:
+def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: str, policy: str = "") -> Service:
     """Debian's Postfix as the clients' mail server: it takes every message on a free loopback
     port, delivers to the addresses in `mailboxes` (address -> maildir name) and, like a real
     provider after its 250, bounces the rest of `domains` ("5.1.1 unknown user") to the
     envelope sender.
     Mail for `bounce_domain` (the VERP addresses: bounces+TOKEN@...) goes to the maildir
-    `bounces/`. Its folders are service.root / "vmail" / NAME."""
+    `bounces/`. Its folders are service.root / "vmail" / NAME. `policy` (HOST:PORT) is asked at
+    the end of each message's data (smtpd_end_of_data_restrictions), as a rate-limiting policy
+    service is."""
     import pwd
     import tempfile
 
@@ -212,7 +215,7 @@ maillog_file_prefixes = {root}
 maillog_file = {root}/maillog
 biff = no
 smtputf8_enable = no
-""")
+""" + (f"smtpd_end_of_data_restrictions = check_policy_service inet:{policy}\n" if policy else ""))
     subprocess.run(["postfix", "-c", str(etc), "check"], check=True)  # makes the queue's folders
     process = subprocess.Popen([str(master), "-c", str(etc), "-d"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     wait_for_port(port, process, "postfix")
@@ -280,3 +283,52 @@ ess_cert_id_alg = sha256
         server.server_close()
 
     return f"http://127.0.0.1:{server.server_address[1]}/", directory / "tsa.crt", stop
+
+
+class RatePolicy:
+    """A Postfix policy service (the SMTPD policy delegation protocol) that lets `rate` messages
+    a second through, with a bucket of one second's worth, and answers above it as Amazon SES
+    does: what policyd-rate-limit and postfwd do for a mail administrator."""
+
+    def __init__(self, rate: float):
+        import socketserver
+        import threading
+
+        self.rate, self.tokens, self.filled, self.accepted, self.throttled = rate, rate, time.monotonic(), 0, 0
+        self.lock = threading.Lock()
+        policy = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                while True:
+                    request = {}
+                    for raw in self.rfile:
+                        line = raw.decode().strip()
+                        if not line:
+                            break
+                        key, _, value = line.partition("=")
+                        request[key] = value
+                    else:
+                        return
+                    self.wfile.write(f"action={policy.decide(request)}\n\n".encode())
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def decide(self, request: dict) -> str:
+        with self.lock:
+            now = time.monotonic()
+            self.tokens = min(self.rate, self.tokens + (now - self.filled) * self.rate)
+            self.filled = now
+            if self.tokens < 1:
+                self.throttled += 1
+                return "454 4.7.0 Throttling failure: Maximum sending rate exceeded."
+            self.tokens -= 1
+            self.accepted += 1
+            return "dunno"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

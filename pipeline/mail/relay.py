@@ -34,7 +34,7 @@ from pipeline.mail.message import (
     TransientMailError,
     UnconfirmedMailError,
 )
-from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
+from pipeline.mail.pacing import Buckets, Pacer, relay_wide, next_tick, reply_kind, wait_until
 from pipeline.settings import SmtpTarget
 
 log = logging.getLogger("pipeline.mail.relay")
@@ -105,9 +105,21 @@ class RelayPool:
     def __init__(self, target: SmtpTarget, options: PoolOptions, pacer: Pacer | None = None):
         self.target, self.options, self.pacer = target, options, pacer
         self.breaker = Breaker()
-        self.throttles, self.quota_out = 0, False
+        self.throttles, self._quota_out = 0, False
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(options.size)
+
+    @property
+    def quota_out(self) -> bool:
+        """Its daily quota is spent: said by its reply here, or by the cluster's bucket."""
+        return self._quota_out or bool(self.pacer and self.pacer.quota_out)
+
+    def out_of_quota(self, buckets: Buckets | None) -> None:
+        self._quota_out = True
+        if self.pacer:
+            self.pacer.out_of_quota()
+        elif buckets:
+            buckets.stop_for_day(f"relay:{self.target.name}")
 
     def next_at(self, now: float) -> float:
         if self.quota_out:
@@ -249,11 +261,7 @@ class SmtpPool:
         cut: the reply is counted and the mail waits a moment."""
         relay.throttles += 1
         if e.quota:
-            relay.quota_out = True
-            if relay.pacer:
-                relay.pacer.out_of_quota()
-            elif self.buckets:
-                self.buckets.stop_for_day(f"relay:{relay.target.name}")
+            relay.out_of_quota(self.buckets)
             log.warning("%s: daily quota spent (%s); %d other relays left", relay.target.name, e,
                         sum(not r.quota_out for r in self.relays))
             return
@@ -283,16 +291,14 @@ class SmtpPool:
                 k = next(self._turn) % len(closed)
                 now = time.monotonic()
                 relay, at = min(((r, r.next_at(now)) for r in closed[k:] + closed[:k]), key=lambda p: p[1])
-                if at == math.inf:  # its quota ran out as it was asked
+                if at == math.inf:  # its quota ran out as it was asked: `live` leaves it out now
                     continue
                 if relay.pacer is None:
                     return relay
                 if relay.pacer.ready():
-                    relay.pacer.pop()
-                    if at > now:
-                        await asyncio.sleep(at - now)
+                    await wait_until(relay.pacer.pop(), asyncio.sleep)
                     return relay
-                await asyncio.sleep(max(0.0, at - now))  # no room in the cluster's bucket before then
+                await asyncio.sleep(max(0.0, next_tick(at) - time.monotonic()))  # no room in the cluster's bucket before then
                 continue
             due = [r for r in live if r.breaker.probe_due()]
             if due:
