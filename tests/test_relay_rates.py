@@ -5,21 +5,27 @@ list of answers, second by second, and the Message-IDs it kept."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import signal
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import ray
 import redis
+from fastapi.testclient import TestClient
 
+from actors import metrics
+from pipeline.api import create_app
 from pipeline.cluster.driver import RunRequest, rerun, run_day
 from pipeline.cluster.plan import plan
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.mail.pacing import relay_wide, reply_kind
+from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
 from pipeline.record import rates
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState
@@ -112,6 +118,32 @@ def test_the_plan_says_when_the_relays_not_the_nodes_decide_the_day():
     assert not plan(1_500_000, 25, relay_rate=5000).mail_bound
 
 
+def test_a_relay_that_throttles_at_the_greeting_is_slowed_down_not_treated_as_down(redis_url, smtp_server):
+    """Gmail's "421 4.7.0 Try again later" to a new connection: the rate is cut, the breaker
+    stays closed, every message goes once."""
+    _flush(redis_url)
+    relay = smtp_server("greets", throttle_connections=3)
+
+    async def mail() -> SmtpPool:
+        pool = SmtpPool([parse_smtp_url(relay.url + "?rate=50")], PoolOptions(size=2), RedisBuckets(redis_url))
+        sending = asyncio.Semaphore(2)
+
+        async def one(i: int) -> None:
+            async with sending:
+                await send_with_retry(pool, RetryPolicy(attempts=1), "notes@broker.example", f"c{i}@example.com",
+                                      b"Message-ID: <%d@t>\r\nSubject: n\r\n\r\nnote\r\n" % i)
+
+        await asyncio.gather(*(one(i) for i in range(20)))
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(mail())
+    [r] = pool.relays
+    assert r.breaker.down_since is None and r.throttles == 3  # one attempt each: a throttle is not an attempt
+    assert len(list(relay.outbox.glob("*.eml"))) == 20
+    assert rates.snapshot(redis.Redis.from_url(redis_url))[f"relay:{r.target.name}"]["cuts"] >= 1
+
+
 def test_a_throttle_halves_the_clusters_rate_once_and_it_grows_back(redis_url):
     _flush(redis_url)
     b = RedisBuckets(redis_url)
@@ -174,6 +206,16 @@ def test_two_relays_share_the_mail_as_their_rates_do(ray_session, settings, smtp
     got = len(list(slow.outbox.glob("*.eml"))), len(list(fast.outbox.glob("*.eml")))
     print(json.dumps({"slow_100": got[0], "fast_300": got[1]}))
     assert sum(got) == 2000 and 2.5 <= got[1] / got[0] <= 3.5, got
+    wanted = {f'relay="{parse_smtp_url(u).name}"' for u in (slow.url, fast.url)}
+    deadline = time.monotonic() + 45  # a worker hands its metrics to the node about every 10 s
+    while True:
+        text = urllib.request.urlopen(metrics.node_metrics_url()).read().decode()
+        shown = {label for label in wanted for line in text.splitlines()
+                 if line.startswith("ray_cn_relay_rate{") and label in line}
+        if shown == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert shown == wanted, "ray_cn_relay_rate{relay} is not on the node's metrics port"
 
 
 def test_a_relay_out_of_quota_hands_its_mail_to_the_other(ray_session, settings, smtp_server):
@@ -218,8 +260,9 @@ def test_a_daily_quota_fails_the_rest_and_a_rerun_after_the_reset_sends_them_onc
     print(json.dumps({"first": {k: first[k] for k in ("delivered", "failed", "elapsed_s")}}))
     assert (first["delivered"], first["failed"]) == (2000, 1000)
     assert all("daily quota" in r["reason"] for r in failed.values()), list(failed.values())[:3]
-    status = rates.snapshot(state.r)[f"relay:{parse_smtp_url(relay.url).name}"]
-    assert status["quota_stopped"] and status["quota_replies"] >= 1
+    with TestClient(create_app(s, read_only=True)) as api:  # what the live page shows
+        status = api.get(f"/runs/{run_id}").json()["relays"][f"relay:{parse_smtp_url(relay.url).name}"]
+    assert status["quota_stopped"] and status["quota_replies"] >= 1 and status["ceiling"] == 100
     relay.process.send_signal(signal.SIGUSR1)  # the relay's new day
     time.sleep(0.5)
     again = rerun(s, run_id, failed=True)

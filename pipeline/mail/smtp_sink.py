@@ -8,6 +8,8 @@ server has answered 250 to it.
 It can misbehave on purpose (--faults FILE, JSON), the way relays do:
   delay_ms            wait before every reply (a relay on the LAN, not loopback)
   refuse_connections  answer this many connections with 421 and hang up
+  throttle_connections  greet this many connections as Gmail does a sender it throttles:
+                      "421 4.7.0 Try again later, closing connection."
   reject              recipients answered 550 at RCPT (permanent)
   tempfail_once       recipients whose first message gets 451 after DATA
   drop_once           recipients whose first message is never answered: the
@@ -65,6 +67,7 @@ class Faults:
     bounces: Path | None = None
     rate: float = 0.0
     daily_quota: int = 0
+    throttle_connections: int = 0
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -74,7 +77,7 @@ class Faults:
         return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
                    raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None,
-                   raw.get("rate", 0.0), raw.get("daily_quota", 0))
+                   raw.get("rate", 0.0), raw.get("daily_quota", 0), raw.get("throttle_connections", 0))
 
 
 class OutboxHandler:
@@ -265,6 +268,11 @@ class FaultySMTP(SMTP):
             await super().push("421 4.3.2 service not available, try later")
             self.transport.close()
             return
+        if self.faults.throttle_connections > 0:
+            self.faults.throttle_connections -= 1
+            await super().push("421 4.7.0 Try again later, closing connection.")
+            self.transport.close()
+            return
         await super()._handle_client()
 
 
@@ -290,9 +298,10 @@ def serve(host: str, port: int, outbox: Path, faults: Faults, tls: tuple[str, st
     handler = OutboxHandler(outbox, faults)
     controller = handler.controller = SinkController(handler, hostname=host, port=port,
                                                      server_kwargs=kwargs, decode_data=False)
-    refuse, faults.refuse_connections = faults.refuse_connections, 0
+    refuse, throttle = faults.refuse_connections, faults.throttle_connections
+    faults.refuse_connections = faults.throttle_connections = 0
     controller.start()  # connects to itself once to check the server: not a client to refuse
-    faults.refuse_connections = refuse
+    faults.refuse_connections, faults.throttle_connections = refuse, throttle
     stop = asyncio.Event()
     loop = asyncio.new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
