@@ -101,6 +101,7 @@ def test_throttle_and_quota_replies_are_told_from_other_temporary_failures():
     assert reply_kind(451, "4.7.650 The mail server [1.2.3.4] has been temporarily rate limited") == "throttle"
     assert reply_kind(450, "4.7.1 Error: too much mail from 10.0.0.5") == "throttle"
     assert reply_kind(451, "4.3.0 temporary failure, try again") is None
+    assert reply_kind(454, "4.7.0 TLS not available due to local problem") is None
     assert reply_kind(421, "4.3.2 Service shutting down") is None
     assert reply_kind(554, "Throttling failure: Maximum sending rate exceeded.") is None  # 5xx: final
     assert relay_wide("Throttling failure: Maximum sending rate exceeded.")

@@ -23,8 +23,8 @@ MIN_BATCH = 20
 # Amazon SES's "454 Throttling failure: Maximum sending rate exceeded", Gmail's "421 4.7.28 ...
 # unusual rate", "421 4.7.0 ... try again later", Outlook's "451 4.7.650 ... rate limited",
 # Postfix's anvil "450 4.7.1 Error: too much mail from ..."
-_THROTTLE = re.compile(r"throttl|sending rate|4\.7\.28|4\.7\.650|4\.7\.0\b|too much mail|too many messages|rate limit",
-                       re.I)
+_THROTTLE = re.compile(r"throttl|sending rate|4\.7\.28|4\.7\.650|4\.7\.0\b.*try again later|too much mail"
+                       r"|too many messages|rate limit", re.I)
 _QUOTA = re.compile(r"daily (message )?quota|quota exceeded", re.I)
 _RELAY_WIDE = re.compile(r"throttling failure|sending rate|too much mail|too many messages", re.I)
 
@@ -96,16 +96,17 @@ class Pacer:
         self._left -= 1
         return at
 
-    async def slot(self, sleep) -> bool:
-        """Waits for this pacer's next send time; False when the quota is spent."""
+    async def slot(self, sleep) -> None:
+        """Waits for this pacer's next send time (none once its quota is spent: the relay's
+        own reply then says so)."""
         while True:
             now = time.monotonic()
             at = self.next_at(now)
             if at == math.inf:
-                return False
+                return
             if self.ready():
                 await wait_until(self.pop(), sleep)
-                return True
+                return
             await sleep(max(0.0, next_tick(at) - time.monotonic()))  # room in the cluster's bucket then
 
     def throttled(self) -> None:

@@ -34,7 +34,7 @@ from pipeline.mail.message import (
     TransientMailError,
     UnconfirmedMailError,
 )
-from pipeline.mail.pacing import Buckets, Pacer, relay_wide, next_tick, reply_kind, wait_until
+from pipeline.mail.pacing import Buckets, Pacer, next_tick, relay_wide, reply_kind, wait_until
 from pipeline.settings import SmtpTarget
 
 log = logging.getLogger("pipeline.mail.relay")
@@ -233,8 +233,8 @@ class SmtpPool:
         domain = self.domains.get(recipient.rpartition("@")[2].lower())
         throttled_since = None
         while True:
-            if domain and not await domain.slot(asyncio.sleep):
-                raise QuotaError(f"domain {domain.name} stopped for the day")
+            if domain:
+                await domain.slot(asyncio.sleep)
             relay = await self._relay()
             try:
                 reply = await relay.send(sender, recipient, message)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import redis
 
+from pipeline.record.state import redis_client
+
 PREFIX = "cn:rate:"
 RECOVERY = 0.05  # of the ceiling, a second
 FLOOR = 0.02  # of the ceiling: the lowest a cut may take a rate
@@ -81,7 +83,7 @@ class RedisBuckets:
     """The buckets on the run's Redis (pipeline/mail/pacing.py takes from them)."""
 
     def __init__(self, redis_url: str):
-        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.r = redis_client(redis_url)  # the run's own client: a Redis restart pauses the pacing too
         self._take, self._throttled = self.r.register_script(TAKE), self.r.register_script(THROTTLED)
         self._stop = self.r.register_script(STOP)
 
