@@ -287,14 +287,16 @@ ess_cert_id_alg = sha256
 
 class RatePolicy:
     """A Postfix policy service (the SMTPD policy delegation protocol) that lets `rate` messages
-    a second through, with a bucket of one second's worth, and answers above it as Amazon SES
-    does: what policyd-rate-limit and postfwd do for a mail administrator."""
+    a second through, with a bucket of one second's worth, and `daily` (0: any number) in all,
+    and answers above them as Amazon SES does: what policyd-rate-limit and postfwd do for a
+    mail administrator."""
 
-    def __init__(self, rate: float):
+    def __init__(self, rate: float, daily: int = 0):
         import socketserver
         import threading
 
-        self.rate, self.tokens, self.filled, self.accepted, self.throttled = rate, rate, time.monotonic(), 0, 0
+        self.rate, self.daily, self.tokens, self.filled = rate, daily, rate, time.monotonic()
+        self.accepted = self.throttled = 0
         self.lock = threading.Lock()
         policy = self
 
@@ -319,6 +321,8 @@ class RatePolicy:
 
     def decide(self, request: dict) -> str:
         with self.lock:
+            if self.daily and self.accepted >= self.daily:
+                return "454 4.7.0 Throttling failure: Daily message quota exceeded."
             now = time.monotonic()
             self.tokens = min(self.rate, self.tokens + (now - self.filled) * self.rate)
             self.filled = now

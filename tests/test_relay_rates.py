@@ -183,6 +183,7 @@ def test_two_mailers_hold_a_relay_to_its_rate_and_every_account_is_mailed_once(r
     ids = Counter(m["Message-ID"] for m in outbox_messages(relay.outbox))
     assert len(ids) == MAILS and max(ids.values()) == 1
     assert RunState(s.redis_url, "rates-one-relay").counts()["delivered"] == MAILS
+    assert len(list(redis.Redis.from_url(s.redis_url).scan_iter(rates.PREFIX + "*"))) == 1  # no key per mail
 
 
 def test_a_rate_set_above_what_the_relay_takes_is_cut_by_its_throttles_and_nothing_is_lost(ray_session, settings,
@@ -274,8 +275,9 @@ def test_a_daily_quota_fails_the_rest_and_a_rerun_after_the_reset_sends_them_onc
 
 
 def test_postfix_with_a_rate_policy_is_held_to_its_rate(ray_session, settings):
-    """Debian's Postfix, rate-limited by a policy service (as policyd-rate-limit does), which
-    answers "454 4.7.0 Throttling failure" above 100 a second: counted in Postfix's own log."""
+    """Debian's Postfix, limited by a policy service (as policyd-rate-limit does) that answers
+    "454 4.7.0 Throttling failure" above 100 a second and above its daily quota: counted in
+    Postfix's own log."""
     _flush(settings.redis_url)
     policy = servers.RatePolicy(rate=100)
     mta = servers.start_postfix({"@example.com": "clients"}, {"example.com"}, settings.bounce_domain,
@@ -301,6 +303,13 @@ def test_postfix_with_a_rate_policy_is_held_to_its_rate(ray_session, settings):
         results = mail_with_two_actors(s, "rates-postfix-over", 600)
         assert sum(r["tally"].get("ok", 0) for r in results) == 600 and policy.throttled > 0
         assert rates.snapshot(redis.Redis.from_url(s.redis_url))[f"relay:{parse_smtp_url(mta.url).name}"]["cuts"] >= 1
+        # its daily quota: 100 more go, the rest fail with the reason and are not claimed
+        policy.daily = policy.accepted + 100
+        results = mail_with_two_actors(s, "rates-postfix-quota", 200)
+        assert sum(r["tally"].get("ok", 0) for r in results) == 100 == sum(r["tally"].get("failed", 0) for r in results)
+        state = RunState(s.redis_url, "rates-postfix-quota")
+        assert all("daily quota" in r["reason"] for r in state.accounts(state.failed()).values())
+        assert policy.accepted == 1700
     finally:
         mta.stop()
         policy.stop()
