@@ -1,10 +1,11 @@
 """Per-stage counters and latency histograms with ray.util.metrics (Ray glue, not a
 building block): exported by the node where the work ran, on its metrics export port, and
 shown by the dashboard's Metrics view when Prometheus scrapes it. Prometheus names them
-ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_relay_rate{relay} (messages a
-second a relay or paced domain is sent at now, cluster-wide, as each mailer last heard it),
-ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total and ray_cn_bounces_total{kind}; the last two are counted on the head (by the driver, and by
-`bounces` on a cluster), so the day's totals outlive the workers."""
+ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_relay_rate{relay} (messages
+a second a relay or paced domain is sent at now, cluster-wide, as each mailer last heard it),
+ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total and ray_cn_bounces_total{kind};
+the last two are counted on the head (by the driver, and by `bounces` on a cluster), so the
+day's totals outlive the workers."""
 
 from __future__ import annotations
 
