@@ -342,11 +342,12 @@ def _certificate(path: Path | None, flag: str) -> bytes | None:
         return None
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
+    pem = path.read_bytes()
     try:
-        detached.fingerprint(path.read_bytes())
+        detached.fingerprint(pem)
     except SignError as e:
         raise ConfigError(f"{flag} {path}: {e}") from None
-    return path.read_bytes()
+    return pem
 
 
 def cmd_status(args) -> int:

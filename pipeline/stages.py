@@ -252,11 +252,11 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     once the replies are in, even when the batch stops on an error."""
     started = time.process_time()
     mailable = [i for i in batch.items if _not_mailable(i) is None]
-    for i in mailable:  # its VERP address: sent with, and logged twice
+    for i in mailable:  # its VERP address and Message-ID (an HMAC each): sent with, and logged twice
         i["mail_from"] = ctx.mail_from(batch.run_id, i["ucc"])
+        i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key)
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
-        intent = [delivery_log.sending(i["ucc"], message_id(batch.run_id, i["ucc"], ctx.key), i["mail_from"])
-                  for i in mailable]
+        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"]) for i in mailable]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     outcomes = [r for r in results if isinstance(r, Outcome)]
@@ -285,7 +285,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         ctx.state.record([outcome])
         return outcome
     async with ctx.sending:
-        ucc, mid = item["ucc"], message_id(batch.run_id, item["ucc"], ctx.key)
+        ucc, mid = item["ucc"], item["message_id"]
         try:
             pdf = item["pdf"]
             if pdf is None:  # archived on an earlier attempt: mailed from the archive

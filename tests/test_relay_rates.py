@@ -28,7 +28,7 @@ from pipeline.mail.pacing import relay_wide, reply_kind
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
 from pipeline.record import rates
 from pipeline.record.rates import RedisBuckets
-from pipeline.record.state import RunState
+from pipeline.record.state import RunState, redis_client
 from pipeline.settings import ConfigError, Settings, parse_smtp_url
 from pipeline.stages import Batch
 from tests import servers
@@ -142,7 +142,7 @@ def test_a_relay_that_throttles_at_the_greeting_is_slowed_down_not_treated_as_do
     [r] = pool.relays
     assert r.breaker.down_since is None and r.throttles == 3  # one attempt each: a throttle is not an attempt
     assert len(list(relay.outbox.glob("*.eml"))) == 20
-    assert rates.snapshot(redis.Redis.from_url(redis_url))[f"relay:{r.target.name}"]["cuts"] >= 1
+    assert rates.snapshot(redis_client(redis_url))[f"relay:{r.target.name}"]["cuts"] >= 1
 
 
 def test_a_throttle_halves_the_clusters_rate_once_and_it_grows_back(redis_url):
@@ -153,13 +153,13 @@ def test_a_throttle_halves_the_clusters_rate_once_and_it_grows_back(redis_url):
     assert b.throttled("relay:t:25", 100, 1.0) == pytest.approx(50, abs=1)  # the same burst: one cut
     time.sleep(1.1)
     assert b.take("relay:t:25", 20, 100, 0, 1.0)[2] == pytest.approx(55.5, abs=1.5)  # + 5 % of 100 a second
-    shown = rates.snapshot(redis.Redis.from_url(redis_url))["relay:t:25"]
+    shown = rates.snapshot(redis_client(redis_url))["relay:t:25"]
     assert (shown["throttles"], shown["cuts"], shown["ceiling"]) == (2, 1, 100)
     assert b.take("relay:q:25", 20, 100, 30, 1.0)[0] == 20
     assert b.take("relay:q:25", 20, 100, 30, 1.0)[0] == 10  # the rest of the day's 30
     assert b.take("relay:q:25", 20, 100, 30, 1.0, unused=4)[0] == 4  # times given back unused are not spent
     assert b.take("relay:q:25", 20, 100, 30, 1.0)[0] == -1
-    assert rates.snapshot(redis.Redis.from_url(redis_url))["relay:q:25"]["quota_stopped"]
+    assert rates.snapshot(redis_client(redis_url))["relay:q:25"]["quota_stopped"]
     assert b.resume(["relay:q:25", "relay:t:25"]) == ["relay:q:25"]
 
 
@@ -193,7 +193,7 @@ def test_a_rate_set_above_what_the_relay_takes_is_cut_by_its_throttles_and_nothi
     s = Settings(**{**settings.__dict__, "smtp_url": relay.url + "?rate=300"})
     results = mail_with_two_actors(s, "rates-over", 600)
     assert sum(r["tally"].get("ok", 0) for r in results) == 600
-    shown = rates.snapshot(redis.Redis.from_url(s.redis_url))[f"relay:{parse_smtp_url(relay.url).name}"]
+    shown = rates.snapshot(redis_client(s.redis_url))[f"relay:{parse_smtp_url(relay.url).name}"]
     replies = relay.outbox.with_name("over.replies")
     assert shown["cuts"] >= 1 and shown["throttles"] == sum(per_second(replies, "throttle")) > 0
     assert len(list(relay.outbox.glob("*.eml"))) == 600  # a throttled message is sent again, once
@@ -227,7 +227,7 @@ def test_a_relay_out_of_quota_hands_its_mail_to_the_other(ray_session, settings,
     results = mail_with_two_actors(s, "rates-quota-moves", 1000)
     assert sum(r["tally"].get("ok", 0) for r in results) == 1000
     assert (len(list(spent.outbox.glob("*.eml"))), len(list(other.outbox.glob("*.eml")))) == (300, 700)
-    assert rates.snapshot(redis.Redis.from_url(s.redis_url))[f"relay:{parse_smtp_url(spent.url).name}"]["quota_stopped"]
+    assert rates.snapshot(redis_client(s.redis_url))[f"relay:{parse_smtp_url(spent.url).name}"]["quota_stopped"]
 
 
 def test_a_receiving_domain_is_paced_across_relays(ray_session, settings, smtp_server):
@@ -302,7 +302,7 @@ def test_postfix_with_a_rate_policy_is_held_to_its_rate(ray_session, settings):
         s = Settings(**{**settings.__dict__, "smtp_url": mta.url + "?rate=300"})
         results = mail_with_two_actors(s, "rates-postfix-over", 600)
         assert sum(r["tally"].get("ok", 0) for r in results) == 600 and policy.throttled > 0
-        assert rates.snapshot(redis.Redis.from_url(s.redis_url))[f"relay:{parse_smtp_url(mta.url).name}"]["cuts"] >= 1
+        assert rates.snapshot(redis_client(s.redis_url))[f"relay:{parse_smtp_url(mta.url).name}"]["cuts"] >= 1
         # its daily quota: 100 more go, the rest fail with the reason and are not claimed
         policy.daily = policy.accepted + 100
         results = mail_with_two_actors(s, "rates-postfix-quota", 200)

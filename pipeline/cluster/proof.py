@@ -36,6 +36,7 @@ from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.settings import Settings
 
+
 class WindowOpen(RuntimeError):
     pass
 
@@ -116,10 +117,11 @@ def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[
     heads = [{"shard": shard, "key": last, "objects": len(hashes), "sha256": hashes[-1]}
              for shard, (last, hashes) in sorted(chains.items())]
     json_key, csv_key = keys.report_keys(run_id)
-    sealed_report = json.loads(store.get(json_key))
-    proof = {"run_id": run_id, "sealed_at": time.time(), "closed_at": sealed_report["bounce_window"]["closed_at"],
-             "heads": heads, "objects": objects, "tsa": settings.tsa_url,
-             "reports": {k: sha256(store, k) for k in (json_key, csv_key, report.paper_key(run_id))}}
+    raw_report = store.get(json_key)
+    proof = {"run_id": run_id, "sealed_at": time.time(), "heads": heads, "objects": objects, "tsa": settings.tsa_url,
+             "closed_at": json.loads(raw_report)["bounce_window"]["closed_at"],
+             "reports": {json_key: hashlib.sha256(raw_report).hexdigest(),
+                         **{k: sha256(store, k) for k in (csv_key, report.paper_key(run_id))}}}
     data = json.dumps(proof, indent=0, sort_keys=True).encode()
     _, signer = read_credentials(settings)
     proof_key, sig_key = proof_keys(run_id)

@@ -44,14 +44,14 @@ def relay_wide(text: str) -> bool:
     return bool(_RELAY_WIDE.search(text))
 
 
-async def wait_until(at: float, sleep) -> None:
+async def _wait_until(at: float, sleep) -> None:
     """Until the start of the tick that holds `at` (the event loop's clock is time.monotonic)."""
     delay = math.floor(at / TICK_S) * TICK_S - time.monotonic()
     if delay > 0:
         await sleep(delay)
 
 
-def next_tick(at: float) -> float:
+def _next_tick(at: float) -> float:
     return (math.floor(at / TICK_S) + 1) * TICK_S
 
 
@@ -87,10 +87,7 @@ class Pacer:
             return math.inf
         return self._start if self._left else self._room_at
 
-    def ready(self) -> bool:
-        return self._left > 0
-
-    def pop(self) -> float:
+    def _pop(self) -> float:
         at = self._start
         self._start += self._step
         self._left -= 1
@@ -102,12 +99,17 @@ class Pacer:
         while True:
             now = time.monotonic()
             at = self.next_at(now)
-            if at == math.inf:
+            if at == math.inf or await self.take(at, sleep):
                 return
-            if self.ready():
-                await wait_until(self.pop(), sleep)
-                return
-            await sleep(max(0.0, next_tick(at) - time.monotonic()))  # room in the cluster's bucket then
+
+    async def take(self, at: float, sleep) -> bool:
+        """With a send time held: waits for it and True. Without (the cluster's bucket is full
+        until `at`): waits until then and False, for the caller to ask again."""
+        if self._left:
+            await _wait_until(self._pop(), sleep)
+            return True
+        await sleep(max(0.0, _next_tick(at) - time.monotonic()))
+        return False
 
     def throttled(self) -> None:
         """The relay said slow down: the cluster's rate is cut; the times held at the old rate

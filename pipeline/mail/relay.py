@@ -34,7 +34,7 @@ from pipeline.mail.message import (
     TransientMailError,
     UnconfirmedMailError,
 )
-from pipeline.mail.pacing import Buckets, Pacer, next_tick, relay_wide, reply_kind, wait_until
+from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.settings import SmtpTarget
 
 log = logging.getLogger("pipeline.mail.relay")
@@ -293,13 +293,9 @@ class SmtpPool:
                 relay, at = min(((r, r.next_at(now)) for r in closed[k:] + closed[:k]), key=lambda p: p[1])
                 if at == math.inf:  # its quota ran out as it was asked: `live` leaves it out now
                     continue
-                if relay.pacer is None:
+                if relay.pacer is None or await relay.pacer.take(at, asyncio.sleep):
                     return relay
-                if relay.pacer.ready():
-                    await wait_until(relay.pacer.pop(), asyncio.sleep)
-                    return relay
-                await asyncio.sleep(max(0.0, next_tick(at) - time.monotonic()))  # no room in the cluster's bucket before then
-                continue
+                continue  # the cluster's bucket had no room before `at`: the relays are compared again
             due = [r for r in live if r.breaker.probe_due()]
             if due:
                 due[0].breaker.probing = True

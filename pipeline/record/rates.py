@@ -44,8 +44,9 @@ local sent = 0
 if tonumber(h[5]) == day then sent = math.max(0, (tonumber(h[6]) or 0) - unused) end
 redis.call('HSET', KEYS[1], 'rate', f(rate), 'ceiling', f(ceiling), 'at', f(now), 'day', day, 'sent', sent)
 redis.call('EXPIRE', KEYS[1], """ + str(KEEP_S) + """)
-if daily > 0 and sent >= daily then redis.call('HSET', KEYS[1], 'stopped', day) end
-if tonumber(h[7]) == day or daily > 0 and sent >= daily then return {-1, '0', f(rate)} end
+local spent = daily > 0 and sent >= daily
+if spent then redis.call('HSET', KEYS[1], 'stopped', day) end
+if spent or tonumber(h[7]) == day then return {-1, '0', f(rate)} end
 if daily > 0 then want = math.min(want, daily - sent) end
 local tat = math.max(tonumber(h[1]) or now, now)
 local n = math.min(want, math.floor((now + horizon - tat) * rate + 1e-9))
@@ -102,25 +103,21 @@ class RedisBuckets:
     def resume(self, names: list[str]) -> list[str]:
         """Lifts the day's quota stop of these buckets (a rerun probes its relays again): the
         names that were stopped."""
-        stopped = [n for n in names if self.r.hexists(PREFIX + n, "stopped")]
-        for name in stopped:
-            self.r.hdel(PREFIX + name, "stopped")
-        return stopped
+        return [n for n in names if self.r.hdel(PREFIX + n, "stopped")]
 
 
 def snapshot(r: redis.Redis, limit: int = 200) -> dict[str, dict]:
     """Every relay's and domain's rate now, its ceiling, throttle replies and quota state on this
-    Redis (status, the live page): a few keys, one per relay and per paced domain."""
-    names = sorted(k.decode() if isinstance(k, bytes) else k for k in r.scan_iter(PREFIX + "*", count=100))[:limit]
+    Redis (status, the live page): a few keys, one per relay and per paced domain. `r` decodes
+    its replies (redis_client)."""
+    names = sorted(r.scan_iter(PREFIX + "*", count=100))[:limit]
     seconds, micros = r.time()
     now, day = seconds + micros / 1e6, str(seconds // 86400)
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(name)
     shown = {}
-    for name, raw in zip(names, pipe.execute()):
-        h = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-             for k, v in raw.items()}
+    for name, h in zip(names, pipe.execute()):
         ceiling = float(h.get("ceiling", 0))
         rate = min(ceiling, float(h.get("rate", 0)) + (now - float(h.get("at", now))) * ceiling * RECOVERY)
         shown[name.removeprefix(PREFIX)] = {

@@ -39,7 +39,7 @@ def signed_by(signed: cms.SignedData, digest: bytes) -> str:
     try:
         info = signed["signer_infos"][0]
         attrs = info["signed_attrs"]
-        signed_digest = signed_digest_of(attrs)
+        signed_digest = next(a["values"][0].native for a in attrs if a["type"].native == "message_digest")
         sid = info["sid"].chosen  # the certificates are a SET: in DER order, not the signer's first
         cert = x509.load_der_x509_certificate(next(
             c.chosen.dump() for c in signed["certificates"]
@@ -59,10 +59,6 @@ def signed_by(signed: cms.SignedData, digest: bytes) -> str:
     except (InvalidSignature, TypeError):
         raise SignError("the signature does not verify with the certificate it carries") from None
     return cert.subject.rfc4514_string() + " " + cert_fingerprint(cert)
-
-
-def signed_digest_of(attrs) -> bytes:
-    return next(a["values"][0].native for a in attrs if a["type"].native == "message_digest")
 
 
 def fingerprint(cert_pem: bytes) -> str:
