@@ -44,6 +44,7 @@ def _run_level_errors() -> tuple[type, ...]:
 
     from pipeline.cluster.capacity import CapacityError
     from pipeline.cluster.proof import SealBroken, WindowOpen
+    from pipeline.cluster.tls_ca import TlsError
     from pipeline.day.dumps import InputError
     from pipeline.day.trading_calendar import CalendarError
     from pipeline.mail.mailbox import MailboxError
@@ -56,7 +57,7 @@ def _run_level_errors() -> tuple[type, ...]:
 
     return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
             CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError,
-            RunNotFound, SealBroken)
+            RunNotFound, SealBroken, TlsError)
 
 
 def _on_redis(settings: Settings) -> Settings:
@@ -77,6 +78,29 @@ def cmd_redis_acl(args) -> int:
         raise ConfigError(f"CN_SECRET={settings.secret!r}: redis-acl needs the secret's redis_password "
                           "(python -m pipeline secret-json makes one)")
     print(acl_file(password, render_redis_password(password)), end="")
+    return 0
+
+
+def cmd_tls(args) -> int:
+    """The cluster's CA and certificates (pipeline/cluster/tls_ca.py, enroll.py): cluster.yaml's setup."""
+    from pipeline.cluster import enroll, tls_ca
+
+    folder = Path(Settings.from_env().tls_dir or Path.home() / ".cn-tls").expanduser()
+    if args.action == "init":
+        from ray.util import get_node_ip_address
+
+        ip = args.ip or get_node_ip_address()
+        made = tls_ca.init_head(folder, ip)
+        log.info("%s the cluster's CA in %s; the head's certificate for %s", "made" if made else "kept", folder, ip)
+    elif args.action == "serve":
+        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port)
+        log.info("issuing node certificates on port %d", args.port)
+        server.serve_forever()
+    else:
+        if not args.head:
+            raise ConfigError("tls enroll needs the head's IP ($RAY_HEAD_IP in cluster.yaml's worker commands)")
+        enroll.enroll(folder, args.head, enroll.read_token(args.token_file), port=args.port)
+        log.info("this node's certificate from the head %s is in %s", args.head, folder)
     return 0
 
 
@@ -206,6 +230,17 @@ def _parser() -> argparse.ArgumentParser:
     ra = sub.add_parser("redis-acl", help="print the head's Redis users (an aclfile) from CN_SECRET's redis_password: "
                                           "cluster.yaml's head_setup_commands")
     ra.set_defaults(func=cmd_redis_acl)
+
+    tl = sub.add_parser("tls", help="the cluster's own CA (cluster.yaml): `init` on the head makes it and the head's "
+                                    "certificate, `serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; "
+                                    "in CN_TLS_DIR (default ~/.cn-tls)")
+    tl.add_argument("action", choices=["init", "serve", "enroll"])
+    tl.add_argument("head", nargs="?", help="enroll: the head's IP")
+    tl.add_argument("--ip", help="init: the head's IP (default: the one Ray uses)")
+    tl.add_argument("--port", type=int, default=6381, help="the head's certificate service")
+    tl.add_argument("--token-file", type=Path, default=Path.home() / ".ray/auth_token",
+                    help="the cluster's Ray token, which proves both sides")
+    tl.set_defaults(func=cmd_tls)
 
     sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
     sv.add_argument("--host", default="127.0.0.1")

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.settings import with_tls_files
+
 
 class EmbeddedError(RuntimeError):
     pass
@@ -54,19 +56,27 @@ def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: fl
     raise EmbeddedError(f"{name} did not listen on port {port} within {timeout_s} s")
 
 
-def start_redis(workdir: Path, aof: bool = True, port: int | None = None) -> Service:
-    """AOF on (fsync every second): a restart keeps the run's state, at no cost worth measuring."""
+def start_redis(workdir: Path, aof: bool = True, port: int | None = None, tls_dir: Path | None = None) -> Service:
+    """AOF on (fsync every second): a restart keeps the run's state, at no cost worth measuring.
+    With `tls_dir` (ca.crt, node.crt, node.key), TLS only and client certificates required, as
+    on a cluster's head (cluster.yaml)."""
     binary = shutil.which("redis-server")
     if not binary:
         raise EmbeddedError("redis-server is not on PATH (apt-get install redis-server)")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    listen = ["--port", str(port)] if tls_dir is None else [
+        "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls_dir / "node.crt"),
+        "--tls-key-file", str(tls_dir / "node.key"), "--tls-ca-cert-file", str(tls_dir / "ca.crt"),
+        "--tls-auth-clients", "yes"]
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no",
+        [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, process, "redis-server")
-    return Service("redis", process, f"redis://127.0.0.1:{port}/0")
+    if tls_dir is None:
+        return Service("redis", process, f"redis://127.0.0.1:{port}/0")
+    return Service("redis", process, with_tls_files(f"rediss://127.0.0.1:{port}/0", str(tls_dir)))
 
 
 def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = ()) -> Service:

@@ -93,6 +93,7 @@ class Settings:
     paper_due_days: int = 1  # a physical note is due this many days after the reason is known
     link_base: str = "http://127.0.0.1:8000"  # the status service's public address, for the client's link
     link_days: float = 90.0  # how long a client's link to their note works
+    tls_dir: str = ""  # this node's ca.crt, node.crt, node.key from the cluster's CA: a rediss:// REDIS_URL uses them
     tsa_url: str = ""  # an RFC 3161 time-stamping authority: `close` timestamps the proof (pipeline/seal/timestamp.py)
 
     def __post_init__(self) -> None:
@@ -116,6 +117,8 @@ class Settings:
             if raw is not None and raw != "":
                 values[f.name] = _coerce(f.type, raw, ENV_NAMES[f.name])
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("tls_dir") and values.get("redis_url"):
+            values["redis_url"] = with_tls_files(values["redis_url"], values["tls_dir"])
         return cls(**values)
 
     def smtp(self) -> list[SmtpTarget]:
@@ -250,6 +253,17 @@ RANGES = {  # each documented in the README's settings table
 }
 
 
+def with_tls_files(redis_url: str, folder: str) -> str:
+    """A rediss:// URL that names no certificate gets this node's: the same path on every node of
+    the cluster, so the URL the driver passes to its tasks works where they run."""
+    parts = urlsplit(redis_url)
+    if parts.scheme != "rediss" or "ssl_" in parts.query:
+        return redis_url
+    folder = str(Path(folder).expanduser())
+    files = {"ssl_ca_certs": f"{folder}/ca.crt", "ssl_certfile": f"{folder}/node.crt", "ssl_keyfile": f"{folder}/node.key"}
+    return parts._replace(query="&".join(filter(None, (parts.query, urlencode(files))))).geturl()
+
+
 def absolute_store(url: str) -> str:
     """s3://... as it is; a folder (or file://folder) as an absolute folder."""
     if "://" in url and not url.startswith("file://"):
@@ -326,6 +340,7 @@ ENV_NAMES = {
     "link_base": "CN_LINK_BASE",
     "link_days": "CN_LINK_DAYS",
     "tsa_url": "CN_TSA_URL",
+    "tls_dir": "CN_TLS_DIR",
 }
 
 

@@ -24,6 +24,10 @@ def missing_settings(env: dict[str, str]) -> str | None:
     if not store.startswith("s3://") or "YOUR-BUCKET" in store:
         return (f"CN_STORE={store!r}: set it to the day's bucket (s3://...) in scripts/cluster.env; a folder on "
                 "the head is not reachable from the workers")
+    tls = env.get("CN_TLS_DIR", "")
+    if not tls or not all(os.path.exists(os.path.join(tls, f)) for f in ("ca.crt", "node.crt", "node.key")):
+        return (f"CN_TLS_DIR={tls!r} has no certificate from the cluster's CA (scripts/cluster.env; `ray up` makes "
+                "it): the head's Redis and Ray take nothing in the clear")
     if not env.get("CN_SECRET"):
         return "CN_SECRET is not set (scripts/cluster.env): the signer nodes read the key and passwords from it"
     from pipeline.credentials import fetch, resolve
@@ -55,7 +59,8 @@ if __name__ == "__main__":
     date, input_url, *rest = sys.argv[1:]
     from ray.util import get_node_ip_address  # the head's private IP: where the workers reach its Redis
 
-    # user cn: its password is the secret's (pipeline/record/redis_acl.py), laid over by the driver
-    os.environ.setdefault("REDIS_URL", f"redis://cn@{get_node_ip_address()}:{REDIS_PORT}/0")
+    # user cn: its password is the secret's (pipeline/record/redis_acl.py), laid over by the driver; over
+    # TLS with this node's certificate (CN_TLS_DIR), which every node has at the same path
+    os.environ.setdefault("REDIS_URL", f"rediss://cn@{get_node_ip_address()}:{REDIS_PORT}/0")
     os.environ.setdefault("RAY_ADDRESS", "auto")
     sys.exit(main(["run", "--date", date, "--input", input_url, "--deadline-min", "25", *rest]))

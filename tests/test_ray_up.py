@@ -10,6 +10,7 @@ instances and processes once the day is done.
 
 from __future__ import annotations
 
+import csv
 import email
 import json
 import os
@@ -31,6 +32,7 @@ import yaml
 
 from pipeline.embedded import free_port
 from pipeline.settings import ROOT
+from tests.capture import Capture, found
 from tests.conftest import TRADE_DATE
 
 ACCOUNTS = 40
@@ -163,11 +165,14 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     up_s = time.monotonic() - started
     head = [n for n in cloud.listing() if n["tags"].get("ray-node-type") == "head"]
     assert len(head) == 1 and head[0]["state"] == "running"
-    head_ip = head[0]["ip"]
-    with pytest.raises(redis.AuthenticationError):  # the head's Redis answers no one without the secret's password
-        redis.Redis(host=head_ip, port=6380, socket_timeout=5).ping()
+    head_ip, head_disk = head[0]["ip"], Path(cloud.instances[head[0]["id"]]["node"]) / "homes/ubuntu"
+    _head_redis_refuses_strangers(head_ip, head_disk / ".cn-tls")
     metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
+    strangers = _strangers_try_to_join(cloud, head_ip, lap.home / ".ray/auth_token")
+    wire = Capture(net=f"{cloud.gateway}/24", exclude={cloud.gateway})  # between the instances, not the relay or S3
     job = lap.submit(tmp_path, f"s3://{BUCKET}/dumps/{TRADE_DATE}")
+    streams = wire.stop()
+    strangers.join()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "succeeded" in job.stdout
     assert f"run {TRADE_DATE}-" in job.stdout + job.stderr  # the driver's progress line, through `ray job`
@@ -178,6 +183,23 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     # README step 4: the cluster ends itself
     assert _all_terminated(cloud) == []
     assert cloud.leftovers() == []
+
+    # nothing of a client crossed between the nodes in the clear, in a capture that saw the day's traffic
+    clients = list(csv.DictReader((tmp_path / "day/clients.csv").open()))
+    needles = {"PAN": [c["pan"].encode() for c in clients], "e-mail": [c["email"].encode() for c in clients],
+               "PDF": [b"%PDF-"]}
+    assert found(streams, needles) == {}
+    assert wire.dropped == 0, "the capture missed packets: it proves nothing"
+    _the_capture_saw_the_day(streams, head_ip, strangers.ip)
+    # no stranger joined Ray, though it had the token; the workers did, with their certificates
+    registered = " ".join(p.read_text(errors="replace") for p in (head_disk.parent.parent / "tmp/ray").glob(
+        "session_*/logs/gcs_server.out"))
+    assert strangers.ip not in registered and strangers.outcome == {"plain": "refused", "own CA": "refused"}, \
+        strangers.outcome
+    workers = [n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"]
+    assert workers and all(f"{ip}" in registered for ip in workers)
+    # the keys stayed on the nodes: not in the bucket, the job's output or the head's Ray logs
+    _no_key_left_the_nodes(cloud, lap.log, head_disk.parent.parent / "tmp/ray")
 
     # counted at the relay: every account once
     ids = [email.message_from_bytes(p.read_bytes(), policy=policy.default)["Message-ID"]
@@ -231,6 +253,82 @@ def test_a_day_stopped_by_a_wrong_input_url_ends_its_cluster(cloud, tmp_path, ke
     assert len(errors) == 1 and "no-such-bucket" in errors.pop(), job.stdout[-3000:]  # the logs twice: one line, twice
     assert _all_terminated(cloud) == [], "the head ends as it does after a day"
     assert cloud.leftovers() == []
+
+
+def _head_redis_refuses_strangers(head_ip: str, head_tls: Path) -> None:
+    """TLS only, with a certificate from the cluster's CA, and then still a password (the ACL)."""
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(host=head_ip, port=6380, socket_timeout=5, retry=None).ping()
+    plain = subprocess.run(["redis-cli", "-h", head_ip, "-p", "6380", "ping"], capture_output=True, text=True,
+                           timeout=30)
+    assert "PONG" not in plain.stdout + plain.stderr
+    with pytest.raises(redis.ConnectionError):  # the CA trusted, but no certificate of its own
+        redis.Redis(host=head_ip, port=6380, ssl=True, ssl_ca_certs=str(head_tls / "ca.crt"), socket_timeout=5,
+                    retry=None).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=head_ip, port=6380, ssl=True, ssl_ca_certs=str(head_tls / "ca.crt"),
+                    ssl_certfile=str(head_tls / "node.crt"), ssl_keyfile=str(head_tls / "node.key"),
+                    socket_timeout=5).ping()
+
+
+def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread:
+    """An instance in the cluster's network, with the cluster's Ray token, starts Ray against the
+    head: without TLS, then with a certificate of a CA of its own for its own address."""
+    from pipeline.cluster.tls_ca import init_head
+
+    iid = cloud.launch({"InstanceType": "c6a.large"}, {"purpose": "stranger"}, 1)[0]
+    home = Path(cloud.instances[iid]["node"]) / "homes/ubuntu"
+    (home / ".ray").mkdir()
+    shutil.copy(token, home / ".ray/auth_token")
+    ip = cloud.instances[iid]["ip"]
+    init_head(home / "own-ca", ip)
+    own = ("RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=~/own-ca/node.crt RAY_TLS_SERVER_KEY=~/own-ca/node.key "
+           "RAY_TLS_CA_CERT=~/own-ca/ca.crt")
+    tries = {"plain": "", "own CA": own}
+
+    def attempt():
+        for name, env in tries.items():
+            code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 150 "
+                                         f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1 --block"])
+            (Path(cloud.instances[iid]["node"]) / f"ray-start-{name.replace(' ', '-')}.log").write_bytes(out)
+            thread.outcome[name] = "refused" if code not in (0, 124) else f"exit {code}"
+            cloud.exec(iid, ["bash", "-c", "~/venv/bin/ray stop --force >/dev/null 2>&1"])
+        cloud.terminate(iid)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.ip, thread.outcome = ip, {}
+    thread.start()
+    return thread
+
+
+def _the_capture_saw_the_day(streams: dict, head_ip: str, stranger: str) -> None:
+    """The positive control: the capture held the day's Redis and Ray traffic, encrypted."""
+    nodes = {flow: data for flow, data in streams.items() if stranger not in (flow[0], flow[2])}
+    to_redis = [data for (src, _, dst, dport), data in nodes.items() if dst == head_ip and dport == 6380]
+    to_gcs = [data for (src, _, dst, dport), data in nodes.items() if dst == head_ip and dport == 6379]
+    between_workers = sum(len(d) for (src, _, dst, _), d in nodes.items() if head_ip not in (src, dst))
+    assert to_redis and sum(map(len, to_redis)) > 10_000 and all(d[:2] == b"\x16\x03" for d in to_redis)
+    assert to_gcs and all(d[:2] == b"\x16\x03" for d in to_gcs), "gRPC to the GCS starts with a TLS handshake"
+    assert between_workers > 100_000, "the rendered notes went from the render node to the signer node"
+
+
+def _no_key_left_the_nodes(cloud, laptop_log: Path, head_ray: Path) -> None:
+    keys = []
+    for inst in cloud.instances.values():
+        for name in ("ca.key", "node.key"):
+            path = Path(inst["node"]) / "homes/ubuntu/.cn-tls" / name
+            if path.exists():
+                keys.append(b"".join(path.read_bytes().splitlines()[1:-1]))  # the key's base64, one line
+    assert len(keys) >= 3, "the head's CA and node keys, and at least one worker's"
+    s3 = boto3.client("s3", endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    places = {f"s3://{BUCKET}/{o['Key']}": s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+              for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET) for o in page.get("Contents", [])}
+    places["the laptop's log"] = laptop_log.read_bytes()
+    places.update({str(p): p.read_bytes() for p in head_ray.glob("session_*/logs/*") if p.is_file()})
+    leaked = [where for where, data in places.items() for key in keys
+              if key[:48] in data.replace(b"\n", b"") or b"PRIVATE KEY" in data]
+    assert leaked == []
 
 
 def _clone(to: Path) -> None:
