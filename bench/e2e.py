@@ -7,6 +7,15 @@ efficiency = pipeline rate / (cores x sequential rate): 1.0 would be perfect sca
 Prints one JSON object as its last line.
 
     python bench/e2e.py --accounts 1500
+
+With --tls, the pipeline alone with TLS off and on (Ray's gRPC with RAY_USE_TLS and a CA made
+as `ray up` makes it, Redis TLS-only with client certificates), alternately, --runs times each,
+each in a fresh process. Ray runs two nodes on this machine, a render node and a signer/SMTP
+node, so every note crosses from one node's object store to the other's, as on a cluster. CPU
+per note is the whole run's: the driver, Ray's processes (GCS, raylets, workers), Redis and
+the SMTP sink; the ratio (on / off) is against the budget of 1.05.
+
+    python bench/e2e.py --tls --accounts 1500 --runs 3
 """
 
 from __future__ import annotations
@@ -68,11 +77,108 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
             "cpu_ms_per_note": {k: round(v * 1000 / max(1, delivered), 2) for k, v in cpu.items()}}
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and every process under it (Ray's, Redis, the sink)."""
+    import psutil
+
+    total = 0.0
+    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def tls_run(accounts: int, seed: int, tls: bool) -> dict:
+    """One run of the pipeline on two local Ray nodes, with TLS or without."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util import get_node_ip_address
+
+    from pipeline.cluster.tls_ca import init_head
+
+    with tempfile.TemporaryDirectory(prefix="bench-tls-") as tmp:
+        work = Path(tmp)
+        write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed))
+        key, cert, root = make_test_certificate(work / "keys")
+        tls_dir = work / "tls" if tls else None
+        if tls_dir:
+            init_head(tls_dir, get_node_ip_address())
+            os.environ.update(RAY_USE_TLS="1", RAY_TLS_SERVER_CERT=str(tls_dir / "node.crt"),
+                              RAY_TLS_SERVER_KEY=str(tls_dir / "node.key"), RAY_TLS_CA_CERT=str(tls_dir / "ca.crt"))
+        redis = start_redis(work / "redis", tls_dir=tls_dir)
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"render": 1}, "include_dashboard": False,
+            "object_store_memory": 256 * 1024 * 1024})
+        cluster.add_node(num_cpus=1, resources={"signer": 1, "smtp": 1}, object_store_memory=256 * 1024 * 1024)
+        try:
+            settings = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
+                                         signer_cert=str(cert), signer_chain=str(root), signers=1, mailers=1,
+                                         store_url=str(work / "store"))
+            init_ray(settings, address=cluster.address)
+            cpu0, busy0 = tree_cpu_s(), busy_s()
+            pipe = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id="tls" if tls else "plain"))
+            cpu, busy = tree_cpu_s() - cpu0, busy_s() - busy0
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            smtp.stop()
+            redis.stop()
+    notes = pipe["delivered_now"]
+    return {"tls": tls, "delivered": notes, "notes_per_s": round(notes / pipe["elapsed_s"], 2),
+            "cpu_ms_per_note": round(cpu * 1000 / max(1, notes), 2),
+            "machine_busy_ms_per_note": round(busy * 1000 / max(1, notes), 2)}
+
+
+def busy_s() -> float:
+    """CPU seconds every core of this machine has been busy since boot (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def tls_compare(accounts: int, seed: int, runs: int) -> dict:
+    """Off and on alternately, each in a fresh process (Ray reads RAY_USE_TLS once, at start)."""
+    import statistics
+    import subprocess
+
+    runs_by = {False: [], True: []}
+    for _ in range(runs):
+        for tls in (False, True):
+            done = subprocess.run([sys.executable, __file__, "--accounts", str(accounts), "--seed", str(seed),
+                                   "--tls-run", "on" if tls else "off"], capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"the run with TLS {'on' if tls else 'off'} failed:\n{done.stderr[-3000:]}")
+            runs_by[tls].append(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def median(tls: bool, key: str) -> float:
+        return round(statistics.median(r[key] for r in runs_by[tls]), 2)
+
+    keys = ("notes_per_s", "cpu_ms_per_note", "machine_busy_ms_per_note")
+    off, on = ({k: median(t, k) for k in keys} for t in (False, True))
+    return {"accounts": accounts, "runs": runs, "nodes": 2, "tls_off": off, "tls_on": on,
+            "cpu_per_note_ratio": round(on["cpu_ms_per_note"] / off["cpu_ms_per_note"], 3),
+            "machine_busy_per_note_ratio": round(on["machine_busy_ms_per_note"] / off["machine_busy_ms_per_note"], 3),
+            "notes_per_s_ratio": round(on["notes_per_s"] / off["notes_per_s"], 3), "budget_cpu_ratio": 1.05,
+            "each_run": {"off": runs_by[False], "on": runs_by[True]}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accounts", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--tls", action="store_true", help="TLS off against on, --runs times each")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tls-run", choices=["on", "off"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tls_run:
+        print(json.dumps(tls_run(args.accounts, args.seed, args.tls_run == "on")))
+        return
+    if args.tls:
+        print(json.dumps(tls_compare(args.accounts, args.seed, args.runs)))
+        return
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         work = Path(tmp)

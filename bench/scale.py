@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from bench import measured  # noqa: E402
-from bench.e2e import sequential  # noqa: E402
+from bench.e2e import busy_s, sequential  # noqa: E402
 from pipeline.cluster.driver import init_ray  # noqa: E402
 from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
@@ -106,12 +106,6 @@ def attach() -> dict:
     a new local instance require (~/.ray/auth_token)."""
     return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address,
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-
-
-def busy_s() -> float:
-    """CPU seconds every core of this machine has been busy since boot."""
-    user, nice, system, _idle, _iowait, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def run(env: dict, day: str, run_id: str) -> dict:

@@ -192,12 +192,12 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert wire.dropped == 0, "the capture missed packets: it proves nothing"
     _the_capture_saw_the_day(streams, head_ip, strangers.ip)
     # no stranger joined Ray, though it had the token; the workers did, with their certificates
-    registered = " ".join(p.read_text(errors="replace") for p in (head_disk.parent.parent / "tmp/ray").glob(
-        "session_*/logs/gcs_server.out"))
-    assert strangers.ip not in registered and strangers.outcome == {"plain": "refused", "own CA": "refused"}, \
-        strangers.outcome
-    workers = [n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"]
-    assert workers and all(f"{ip}" in registered for ip in workers)
+    registered = {line.rsplit("node_address=", 1)[1].strip() for p in (head_disk.parent.parent / "tmp/ray").glob(
+        "session_*/logs/gcs_server.out") for line in p.read_text(errors="replace").splitlines()
+        if "Registering new node" in line}
+    assert strangers.outcome == {"plain": "refused", "own CA": "refused"}, strangers.outcome
+    workers = {n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"}
+    assert registered == {head_ip} | workers and len(workers) >= 2, (registered, strangers.ip)
     # the keys stayed on the nodes: not in the bucket, the job's output or the head's Ray logs
     _no_key_left_the_nodes(cloud, lap.log, head_disk.parent.parent / "tmp/ray")
 
@@ -286,12 +286,11 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
            "RAY_TLS_CA_CERT=~/own-ca/ca.crt")
     tries = {"plain": "", "own CA": own}
 
-    def attempt():
+    def attempt():  # joining takes a few seconds; a refused node retries the GCS until `timeout` ends it
         for name, env in tries.items():
-            code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 150 "
-                                         f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1 --block"])
-            (Path(cloud.instances[iid]["node"]) / f"ray-start-{name.replace(' ', '-')}.log").write_bytes(out)
-            thread.outcome[name] = "refused" if code not in (0, 124) else f"exit {code}"
+            code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 40 "
+                                         f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])
+            thread.outcome[name] = "refused" if code and b"Failed to connect to GCS" in out else f"exit {code}"
             cloud.exec(iid, ["bash", "-c", "~/venv/bin/ray stop --force >/dev/null 2>&1"])
         cloud.terminate(iid)
 
