@@ -77,37 +77,35 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
             "cpu_ms_per_note": {k: round(v * 1000 / max(1, delivered), 2) for k, v in cpu.items()}}
 
 
-def tree_cpu_s() -> float:
-    """CPU seconds of this process and every process under it (Ray's, Redis, the sink)."""
+def tree_cpu() -> dict[int, float]:
+    """CPU seconds of this process and of every process under it (Ray's, Redis, the sink), by
+    PID; a process's reaped children count in it, so a worker that ended is not lost."""
     import psutil
 
-    total = 0.0
+    seen = {}
     for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
+            seen[p.pid] = t.user + t.system + t.children_user + t.children_system
         except psutil.NoSuchProcess:
             continue
-    return total
+    return seen
 
 
-def tls_run(accounts: int, seed: int, tls: bool) -> dict:
-    """One run of the pipeline on two local Ray nodes, with TLS or without."""
+def cpu_since(before: dict[int, float]) -> float:
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in tree_cpu().items())
+
+
+def tls_run(accounts: int, seed: int, tls_dir: Path | None) -> dict:
+    """One run of the pipeline on two local Ray nodes; with TLS when RAY_USE_TLS came with the
+    process's environment (Ray reads it when it is imported) and `tls_dir` holds the certificates."""
     import ray
     from ray.cluster_utils import Cluster
-    from ray.util import get_node_ip_address
-
-    from pipeline.cluster.tls_ca import init_head
 
     with tempfile.TemporaryDirectory(prefix="bench-tls-") as tmp:
         work = Path(tmp)
         write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed))
         key, cert, root = make_test_certificate(work / "keys")
-        tls_dir = work / "tls" if tls else None
-        if tls_dir:
-            init_head(tls_dir, get_node_ip_address())
-            os.environ.update(RAY_USE_TLS="1", RAY_TLS_SERVER_CERT=str(tls_dir / "node.crt"),
-                              RAY_TLS_SERVER_KEY=str(tls_dir / "node.key"), RAY_TLS_CA_CERT=str(tls_dir / "ca.crt"))
         redis = start_redis(work / "redis", tls_dir=tls_dir)
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
         cluster = Cluster(initialize_head=True, head_node_args={
@@ -119,16 +117,16 @@ def tls_run(accounts: int, seed: int, tls: bool) -> dict:
                                          signer_cert=str(cert), signer_chain=str(root), signers=1, mailers=1,
                                          store_url=str(work / "store"))
             init_ray(settings, address=cluster.address)
-            cpu0, busy0 = tree_cpu_s(), busy_s()
-            pipe = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id="tls" if tls else "plain"))
-            cpu, busy = tree_cpu_s() - cpu0, busy_s() - busy0
+            cpu0, busy0 = tree_cpu(), busy_s()
+            pipe = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id="tls" if tls_dir else "plain"))
+            cpu, busy = cpu_since(cpu0), busy_s() - busy0
         finally:
             ray.shutdown()
             cluster.shutdown()
             smtp.stop()
             redis.stop()
     notes = pipe["delivered_now"]
-    return {"tls": tls, "delivered": notes, "notes_per_s": round(notes / pipe["elapsed_s"], 2),
+    return {"tls": tls_dir is not None, "delivered": notes, "notes_per_s": round(notes / pipe["elapsed_s"], 2),
             "cpu_ms_per_note": round(cpu * 1000 / max(1, notes), 2),
             "machine_busy_ms_per_note": round(busy * 1000 / max(1, notes), 2)}
 
@@ -140,18 +138,28 @@ def busy_s() -> float:
 
 
 def tls_compare(accounts: int, seed: int, runs: int) -> dict:
-    """Off and on alternately, each in a fresh process (Ray reads RAY_USE_TLS once, at start)."""
+    """Off and on alternately, each in a fresh process; the CA and the node's certificate made
+    as `ray up` makes them, for the IP Ray uses."""
     import statistics
     import subprocess
 
+    from ray.util import get_node_ip_address
+
+    from pipeline.cluster.tls_ca import init_head
+
     runs_by = {False: [], True: []}
-    for _ in range(runs):
-        for tls in (False, True):
-            done = subprocess.run([sys.executable, __file__, "--accounts", str(accounts), "--seed", str(seed),
-                                   "--tls-run", "on" if tls else "off"], capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"the run with TLS {'on' if tls else 'off'} failed:\n{done.stderr[-3000:]}")
-            runs_by[tls].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="bench-tls-ca-") as ca:
+        init_head(Path(ca), get_node_ip_address())
+        tls_env = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": f"{ca}/node.crt", "RAY_TLS_SERVER_KEY": f"{ca}/node.key",
+                   "RAY_TLS_CA_CERT": f"{ca}/ca.crt"}
+        for _ in range(runs):
+            for tls in (False, True):
+                done = subprocess.run([sys.executable, __file__, "--accounts", str(accounts), "--seed", str(seed),
+                                       "--tls-run", ca if tls else "off"], capture_output=True, text=True,
+                                      env={**os.environ, **(tls_env if tls else {})})
+                if done.returncode:
+                    raise SystemExit(f"the run with TLS {'on' if tls else 'off'} failed:\n{done.stderr[-3000:]}")
+                runs_by[tls].append(json.loads(done.stdout.strip().splitlines()[-1]))
 
     def median(tls: bool, key: str) -> float:
         return round(statistics.median(r[key] for r in runs_by[tls]), 2)
@@ -171,10 +179,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--tls", action="store_true", help="TLS off against on, --runs times each")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tls-run", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument("--tls-run", help=argparse.SUPPRESS)  # off, or the CA's folder
     args = parser.parse_args()
     if args.tls_run:
-        print(json.dumps(tls_run(args.accounts, args.seed, args.tls_run == "on")))
+        print(json.dumps(tls_run(args.accounts, args.seed, None if args.tls_run == "off" else Path(args.tls_run))))
         return
     if args.tls:
         print(json.dumps(tls_compare(args.accounts, args.seed, args.runs)))

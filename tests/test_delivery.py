@@ -266,6 +266,23 @@ def test_starttls_and_auth_are_spoken_when_the_relay_requires_them(tmp_path):
     assert len(outbox_messages(tmp_path / "tls-outbox")) == 1
 
 
+def test_with_starttls_always_a_relay_that_offers_no_tls_gets_no_mail(smtp_sink):
+    """cluster.env's CN_SMTP_STARTTLS=always: a relay without STARTTLS, or a path that strips
+    it from the EHLO reply, is never sent the message in the clear."""
+    options = PoolOptions(size=1, starttls="always", helo="notes.broker.example.com")
+
+    async def send():
+        pool = SmtpPool([parse_smtp_url(smtp_sink.url)], options)
+        try:
+            return await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        finally:
+            await pool.close()
+
+    with pytest.raises(Exception, match="(?i)starttls|tls"):
+        run(send())
+    assert outbox_messages(smtp_sink.outbox) == []
+
+
 def test_clients_without_consent_or_a_usable_address_are_listed_for_paper(ray_session, settings, day, smtp_sink):
     with (day / "clients.csv").open(newline="") as f:
         clients = list(csv.DictReader(f))

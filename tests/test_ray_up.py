@@ -134,7 +134,8 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path) -> Laptop:
     # README step 2: fill in scripts/cluster.env (the bucket); the waits are shortened for CI
     env_file = checkout / "scripts/cluster.env"
     env_file.write_text(env_file.read_text().replace("s3://YOUR-BUCKET", f"s3://{BUCKET}")
-                        + "export CN_SPOT_WAIT_S=10 CN_HEAD_GRACE_S=5 CN_CAPACITY_WAIT_S=400\n")
+                        + "export CN_SPOT_WAIT_S=10 CN_HEAD_GRACE_S=5 CN_CAPACITY_WAIT_S=400\n"
+                        + "export CN_SMTP_STARTTLS=auto  # the test's relay has no TLS\n")
     yaml_path = checkout / "cluster-local.yaml"
     yaml_path.write_text(subprocess.run([sys.executable, str(TESTS / "local_cloud.py"), "variant",
                                          str(checkout / "cluster.yaml"), cloud.api], check=True, text=True,
