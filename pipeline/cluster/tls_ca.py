@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_DAYS = 90  # a cluster lives hours (cluster.yaml's dead-man switch); a kept head, weeks
-NODE_DAYS = 30  # a head kept longer gets a new certificate at its next `ray up`
+NODE_DAYS = 30  # a cluster kept longer needs a new one (README)
 CA_FILE, CERT_FILE, KEY_FILE, CA_KEY_FILE = "ca.crt", "node.crt", "node.key", "ca.key"
 
 
