@@ -93,7 +93,13 @@ def cmd_tls(args) -> int:
         made = tls_ca.init_head(folder, ip)
         log.info("%s the cluster's CA in %s; the head's certificate for %s", "made" if made else "kept", folder, ip)
     elif args.action == "serve":
-        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port)
+        from functools import cache
+
+        from pipeline.cluster.plan import BOOTSTRAP_CONFIG, node_ips, node_provider
+
+        provider = cache(lambda: node_provider(str(BOOTSTRAP_CONFIG)))  # `ray up`'s copy on the head; made once
+        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port,
+                              members=lambda: node_ips(provider()))
         log.info("issuing node certificates on port %d", args.port)
         server.serve_forever()
     else:

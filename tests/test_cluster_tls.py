@@ -100,6 +100,26 @@ def test_a_worker_proved_with_the_token_gets_a_certificate_for_its_own_address_o
     assert "IP Address:127.0.0.1" in sans and sans.count("IP Address") == 1  # where it asked from, nothing else
 
 
+def test_a_machine_with_the_token_that_the_cloud_does_not_list_gets_nothing(tmp_path, head):
+    def cloud_says(nodes):
+        server = enroll.serve(head, TOKEN, host="127.0.0.1", port=free_port(), members=nodes)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    def unreachable():
+        raise ConnectionError("the cloud's API")
+
+    for nodes, said in ((lambda: {"10.0.0.11", "10.0.0.12"}, "not a node of this cluster"),
+                        (unreachable, "could not read the cluster's nodes")):
+        server = cloud_says(nodes)
+        try:
+            with pytest.raises(tls_ca.TlsError, match=said):
+                enroll.enroll(tmp_path / "outsider", "127.0.0.1", TOKEN, port=server.server_address[1])
+        finally:
+            server.shutdown()
+    assert not (tmp_path / "outsider").exists()
+
+
 def test_without_the_token_the_head_issues_nothing(tmp_path, service):
     with pytest.raises(tls_ca.TlsError, match="refused"):
         enroll.enroll(tmp_path / "stranger", "127.0.0.1", b"a-guess", port=service)

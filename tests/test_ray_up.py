@@ -192,11 +192,11 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
     assert found(streams, needles) == {}
     assert wire.dropped == 0, "the capture missed packets: it proves nothing"
     _the_capture_saw_the_day(streams, head_ip, strangers.ip)
-    # no stranger joined Ray, though it had the token; the workers did, with their certificates
+    # no stranger got a certificate or joined Ray, though it had the token; the workers did, with theirs
     registered = {line.rsplit("node_address=", 1)[1].strip() for p in (head_disk.parent.parent / "tmp/ray").glob(
         "session_*/logs/gcs_server.out") for line in p.read_text(errors="replace").splitlines()
         if "Registering new node" in line}
-    assert strangers.outcome == {"plain": "refused", "own CA": "refused"}, strangers.outcome
+    assert strangers.outcome == {"enroll": "refused", "plain": "refused", "own CA": "refused"}, strangers.outcome
     workers = {n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"}
     assert registered == {head_ip} | workers and len(workers) >= 2, (registered, strangers.ip)
     # the keys stayed on the nodes: not in the bucket, the job's output or the head's Ray logs
@@ -273,8 +273,9 @@ def _head_redis_refuses_strangers(head_ip: str, head_tls: Path) -> None:
 
 
 def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread:
-    """An instance in the cluster's network, with the cluster's Ray token, starts Ray against the
-    head: without TLS, then with a certificate of a CA of its own for its own address."""
+    """An instance in the cluster's network, with the cluster's Ray token, asks the head for a
+    certificate, then starts Ray against the head: without TLS, then with a certificate of a CA of
+    its own for its own address."""
     from pipeline.cluster.tls_ca import init_head
 
     iid = cloud.launch({"InstanceType": "c6a.large"}, {"purpose": "stranger"}, 1)[0]
@@ -288,6 +289,10 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     tries = {"plain": "", "own CA": own}
 
     def attempt():  # joining takes a few seconds; a refused node retries the GCS until `timeout` ends it
+        code, out = cloud.exec(iid, ["bash", "-c", f"cd {ROOT} && CN_TLS_DIR=~/asked ~/venv/bin/python -m pipeline "
+                                     f"tls enroll {head_ip}"])
+        thread.outcome["enroll"] = "refused" if code == 2 and b"not a node of this cluster" in out else \
+            f"exit {code}: {out[-500:]!r}"
         for name, env in tries.items():
             code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 40 "
                                          f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])

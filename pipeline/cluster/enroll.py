@@ -4,7 +4,8 @@ The worker makes its key, which never leaves it, and sends the head a certificat
 Both ways are proved with an HMAC keyed by the cluster's Ray token (~/.ray/auth_token, which
 `ray up` copies to every node): without it the head issues nothing, and a worker takes no CA
 it was not sent by the head. The certificate is for the IP the request came from, whatever the
-request asks, so a node cannot get one for the head's address (or another node's). The
+request asks, so a node cannot get one for the head's address (or another node's), and that IP
+must be one of the cluster's nodes by the cloud's own list. The
 exchange is plain HTTP inside the security group: a request and a certificate are public, and
 a replayed request only gets a certificate for a key the replayer does not hold.
 """
@@ -20,6 +21,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -36,8 +38,11 @@ def proof(token: bytes, what: bytes, body: bytes) -> str:
     return hmac.new(token, what + b"\n" + body, hashlib.sha256).hexdigest()
 
 
-def serve(folder: Path, token: bytes, host: str = "0.0.0.0", port: int = PORT) -> ThreadingHTTPServer:
-    """The head's side: returns the server (serve_forever it, or shut it down)."""
+def serve(folder: Path, token: bytes, host: str = "0.0.0.0", port: int = PORT,
+          members: Callable[[], set[str]] | None = None) -> ThreadingHTTPServer:
+    """The head's side: returns the server (serve_forever it, or shut it down). With `members`
+    (the cluster's node IPs, from the cloud), only a node the cloud says is the cluster's gets
+    a certificate: the token alone, on a machine the cluster did not launch, is not enough."""
     ca_key, ca = load_ca(folder)
     ca_pem = (folder / CA_FILE).read_bytes()
 
@@ -60,6 +65,14 @@ def serve(folder: Path, token: bytes, host: str = "0.0.0.0", port: int = PORT) -
                     raise ValueError("its signature does not match its key")
             except ValueError as e:
                 return self._reply(400, {"error": f"not a certificate request: {e}"})
+            try:
+                member = members is None or peer in members()
+            except Exception:  # the cloud could not say: no certificate, and the worker's setup fails
+                log.exception("refused a certificate to %s: the cluster's node list could not be read", peer)
+                return self._reply(503, {"error": "the head could not read the cluster's nodes"})
+            if not member:
+                log.warning("refused a certificate to %s: not a node of this cluster", peer)
+                return self._reply(403, {"error": f"{peer} is not a node of this cluster"})
             cert = issue(ca_key, ca, csr.public_key(), [peer])
             log.info("issued a node certificate for %s", peer)
             self._reply(200, {"cert": cert.decode(), "ca": ca_pem.decode()})

@@ -198,18 +198,29 @@ def teardown_workers(config: str | dict) -> None:
     teardown_cluster(config, workers_only=True, keep_min_workers=False)
 
 
-def terminate_head(config: str | dict) -> None:
-    """The head ends itself through its node provider, as `ray down` would; if that fails,
-    by the OS (its InstanceInitiatedShutdownBehavior is terminate)."""
+def node_provider(config: str | dict):
+    """The cluster's node provider, as `ray up` and the autoscaler use it."""
     import yaml
     from ray.autoscaler._private.commands import _bootstrap_config
     from ray.autoscaler._private.providers import _get_node_provider
+
+    cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
+    cfg = _bootstrap_config(cfg, no_config_cache=True)
+    return _get_node_provider(cfg["provider"], cfg["cluster_name"])
+
+
+def node_ips(provider) -> set[str]:
+    """The private IPs of the cluster's live nodes, by the cloud's own account."""
+    return {provider.internal_ip(n) for n in provider.non_terminated_nodes({})}
+
+
+def terminate_head(config: str | dict) -> None:
+    """The head ends itself through its node provider, as `ray down` would; if that fails,
+    by the OS (its InstanceInitiatedShutdownBehavior is terminate)."""
     from ray.autoscaler.tags import NODE_KIND_HEAD, TAG_RAY_NODE_KIND
 
     try:
-        cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
-        cfg = _bootstrap_config(cfg, no_config_cache=True)
-        provider = _get_node_provider(cfg["provider"], cfg["cluster_name"])
+        provider = node_provider(config)
         provider.terminate_nodes(provider.non_terminated_nodes({TAG_RAY_NODE_KIND: NODE_KIND_HEAD}))
     except Exception:
         if not on_cluster():

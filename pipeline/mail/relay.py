@@ -106,6 +106,7 @@ class RelayPool:
         self.target, self.options, self.pacer = target, options, pacer
         self.breaker = Breaker()
         self.throttles, self._quota_out = 0, False
+        self.last_error = ""  # why it was last unreachable: the failed mail says it
         self._idle: list[_Conn] = []
         self._slots = asyncio.Semaphore(options.size)
 
@@ -238,8 +239,9 @@ class SmtpPool:
             relay = await self._relay()
             try:
                 reply = await relay.send(sender, recipient, message)
-            except ConnectError:
+            except ConnectError as e:
                 relay.breaker.trip()
+                relay.last_error = str(e)
                 continue
             except ThrottledError as e:
                 relay.breaker.probing = False
@@ -301,7 +303,7 @@ class SmtpPool:
                 due[0].breaker.probing = True
                 return due[0]
             if self._impatient():
-                down = ", ".join(r.target.name for r in live)
+                down = "; ".join(r.last_error or r.target.name for r in live)
                 raise RelayDownError(f"no relay reachable for over {self.patience_s:.0f} s ({down})")
             await asyncio.sleep(0.1)
 
