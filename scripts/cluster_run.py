@@ -24,10 +24,6 @@ def missing_settings(env: dict[str, str]) -> str | None:
     if not store.startswith("s3://") or "YOUR-BUCKET" in store:
         return (f"CN_STORE={store!r}: set it to the day's bucket (s3://...) in scripts/cluster.env; a folder on "
                 "the head is not reachable from the workers")
-    tls = env.get("CN_TLS_DIR", "")
-    if not tls or not all(os.path.exists(os.path.join(tls, f)) for f in ("ca.crt", "node.crt", "node.key")):
-        return (f"CN_TLS_DIR={tls!r} has no certificate from the cluster's CA (scripts/cluster.env; `ray up` makes "
-                "it): the head's Redis and Ray take nothing in the clear")
     if not env.get("CN_SECRET"):
         return "CN_SECRET is not set (scripts/cluster.env): the signer nodes read the key and passwords from it"
     from pipeline.credentials import fetch, resolve
@@ -42,6 +38,10 @@ def missing_settings(env: dict[str, str]) -> str | None:
     if not fetch(env["CN_SECRET"]).get("redis_password"):
         return (f"no redis_password in the secret {env['CN_SECRET']}: the head's Redis takes no client without "
                 "one (python -m pipeline secret-json makes it; then `ray up` again)")
+    tls = env.get("CN_TLS_DIR", "")
+    if not tls or not all(os.path.exists(os.path.join(tls, f)) for f in ("ca.crt", "node.crt", "node.key")):
+        return (f"CN_TLS_DIR={tls!r} has no certificate from the cluster's CA (scripts/cluster.env; `ray up` makes "
+                "it): the head's Redis and Ray take nothing in the clear")
     return None
 
 

@@ -216,13 +216,18 @@ def cluster_run(env: dict, tmp_path) -> subprocess.CompletedProcess:
     ({"CN_STORE": "s3://notes"}, "CN_SECRET is not set"),
     ({"CN_STORE": "s3://notes", "CN_SECRET": "file:/nowhere.json"}, "CN_SECRET file:/nowhere.json: cannot read it"),
     ({"CN_STORE": "s3://notes", "CN_SECRET": "file:{secret}"}, "no relay: put smtp_url in the secret"),
+    ({"CN_STORE": "s3://notes", "CN_SECRET": "file:{full}"}, "CN_TLS_DIR='' has no certificate from the cluster's CA"),
+    ({"CN_STORE": "s3://notes", "CN_SECRET": "file:{full}", "CN_TLS_DIR": "{tmp}"}, "has no certificate"),
 ])
 def test_cluster_run_names_a_missing_setting_in_one_line_before_anything_starts(env, error, tmp_path, keys_dir):
     secret = tmp_path / "secret.json"
     secret.write_text(json.dumps({"signer_key_pem": (keys_dir / "signer.key.pem").read_text(),
                                   "signer_cert_pem": (keys_dir / "signer.cert.pem").read_text(),
                                   "owner_password": "o-7f3a"}))
-    out = cluster_run({k: v.format(secret=secret) for k, v in env.items()}, tmp_path)
+    full = tmp_path / "full.json"  # everything but the node's certificate
+    full.write_text(json.dumps({**json.loads(secret.read_text()), "smtp_url": "smtp://relay:587",
+                                "redis_password": "r-1"}))
+    out = cluster_run({k: v.format(secret=secret, full=full, tmp=tmp_path) for k, v in env.items()}, tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().startswith("error: ") and error in out.stderr and len(out.stderr.splitlines()) == 1
 
