@@ -95,14 +95,6 @@ def write_node(folder: Path, key: ec.EllipticCurvePrivateKey, cert_pem: bytes, c
     _write(folder / CA_FILE, ca_pem)
 
 
-def check_node(folder: Path) -> None:
-    """A node without its certificate must not start Ray or reach Redis in the clear: it stops."""
-    missing = [f for f in (CA_FILE, CERT_FILE, KEY_FILE) if not (folder / f).exists()]
-    if missing:
-        raise TlsError(f"{folder}: no {', '.join(missing)}: this node has no certificate from the cluster's CA "
-                       "(head: `python -m pipeline tls init`; worker: `python -m pipeline tls enroll HEAD_IP`)")
-
-
 def _key_pem(key) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
