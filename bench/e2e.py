@@ -41,7 +41,7 @@ from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.record.storage import open_store  # noqa: E402
 from pipeline.seal.sign import load_signer, make_test_certificate  # noqa: E402
-from pipeline.settings import Settings  # noqa: E402
+from pipeline.settings import Settings, tls_files  # noqa: E402
 from pipeline.stages import Batch, broker, load_shard, mail_context, mail_stage, render_stage, sign_stage  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
@@ -132,8 +132,8 @@ def tls_compare(accounts: int, seed: int, runs: int) -> dict:
     runs_by = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="bench-tls-ca-") as ca:
         init_head(Path(ca), get_node_ip_address())
-        tls_env = {"RAY_USE_TLS": "1", "RAY_TLS_SERVER_CERT": f"{ca}/node.crt", "RAY_TLS_SERVER_KEY": f"{ca}/node.key",
-                   "RAY_TLS_CA_CERT": f"{ca}/ca.crt"}
+        tls_env = dict(zip(("RAY_TLS_CA_CERT", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY"), tls_files(ca)),
+                       RAY_USE_TLS="1")
         for _ in range(runs):
             for tls in (False, True):
                 done = subprocess.run([sys.executable, __file__, "--accounts", str(accounts), "--seed", str(seed),

@@ -98,14 +98,14 @@ def cmd_tls(args) -> int:
         from pipeline.cluster.plan import BOOTSTRAP_CONFIG, node_ips, node_provider
 
         provider = cache(lambda: node_provider(str(BOOTSTRAP_CONFIG)))  # `ray up`'s copy on the head; made once
-        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port,
+        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port or enroll.PORT,
                               members=lambda: node_ips(provider()))
-        log.info("issuing node certificates on port %d", args.port)
+        log.info("issuing node certificates on port %d", server.server_address[1])
         server.serve_forever()
     else:
         if not args.head:
             raise ConfigError("tls enroll needs the head's IP ($RAY_HEAD_IP in cluster.yaml's worker commands)")
-        enroll.enroll(folder, args.head, enroll.read_token(args.token_file), port=args.port)
+        enroll.enroll(folder, args.head, enroll.read_token(args.token_file), port=args.port or enroll.PORT)
         log.info("this node's certificate from the head %s is in %s", args.head, folder)
     return 0
 
@@ -243,7 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     tl.add_argument("action", choices=["init", "serve", "enroll"])
     tl.add_argument("head", nargs="?", help="enroll: the head's IP")
     tl.add_argument("--ip", help="init: the head's IP (default: the one Ray uses)")
-    tl.add_argument("--port", type=int, default=6381, help="the head's certificate service")
+    tl.add_argument("--port", type=int, help="the head's certificate service (default 6381)")
     tl.add_argument("--token-file", type=Path, default=Path.home() / ".ray/auth_token",
                     help="the cluster's Ray token, which proves both sides")
     tl.set_defaults(func=cmd_tls)

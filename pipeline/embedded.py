@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.settings import with_tls_files
+from pipeline.settings import tls_files, with_tls_files
 
 
 class EmbeddedError(RuntimeError):
@@ -65,10 +65,12 @@ def start_redis(workdir: Path, aof: bool = True, port: int | None = None, tls_di
         raise EmbeddedError("redis-server is not on PATH (apt-get install redis-server)")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    listen = ["--port", str(port)] if tls_dir is None else [
-        "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls_dir / "node.crt"),
-        "--tls-key-file", str(tls_dir / "node.key"), "--tls-ca-cert-file", str(tls_dir / "ca.crt"),
-        "--tls-auth-clients", "yes"]
+    if tls_dir is None:
+        listen = ["--port", str(port)]
+    else:
+        ca, cert, key = tls_files(tls_dir)
+        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key,
+                  "--tls-ca-cert-file", ca, "--tls-auth-clients", "yes"]
     process = subprocess.Popen(
         [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],

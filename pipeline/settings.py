@@ -253,14 +253,22 @@ RANGES = {  # each documented in the README's settings table
 }
 
 
+TLS_CA, TLS_CERT, TLS_KEY = "ca.crt", "node.crt", "node.key"  # a node's folder (CN_TLS_DIR; cluster/tls_ca.py)
+
+
+def tls_files(folder: str | Path) -> tuple[str, str, str]:
+    """The CA's certificate, the node's certificate and its key, in a node's TLS folder."""
+    folder = Path(folder).expanduser()
+    return str(folder / TLS_CA), str(folder / TLS_CERT), str(folder / TLS_KEY)
+
+
 def with_tls_files(redis_url: str, folder: str) -> str:
     """A rediss:// URL that names no certificate gets this node's: the same path on every node of
     the cluster, so the URL the driver passes to its tasks works where they run."""
     parts = urlsplit(redis_url)
     if parts.scheme != "rediss" or "ssl_" in parts.query:
         return redis_url
-    folder = str(Path(folder).expanduser())
-    files = {"ssl_ca_certs": f"{folder}/ca.crt", "ssl_certfile": f"{folder}/node.crt", "ssl_keyfile": f"{folder}/node.key"}
+    files = dict(zip(("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"), tls_files(folder)))
     return parts._replace(query="&".join(filter(None, (parts.query, urlencode(files))))).geturl()
 
 

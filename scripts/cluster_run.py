@@ -27,7 +27,7 @@ def missing_settings(env: dict[str, str]) -> str | None:
     if not env.get("CN_SECRET"):
         return "CN_SECRET is not set (scripts/cluster.env): the signer nodes read the key and passwords from it"
     from pipeline.credentials import fetch, resolve
-    from pipeline.settings import ConfigError, Settings
+    from pipeline.settings import ConfigError, Settings, tls_files
 
     try:
         settings = resolve(Settings.from_env(env))
@@ -39,7 +39,7 @@ def missing_settings(env: dict[str, str]) -> str | None:
         return (f"no redis_password in the secret {env['CN_SECRET']}: the head's Redis takes no client without "
                 "one (python -m pipeline secret-json makes it; then `ray up` again)")
     tls = env.get("CN_TLS_DIR", "")
-    if not tls or not all(os.path.exists(os.path.join(tls, f)) for f in ("ca.crt", "node.crt", "node.key")):
+    if not tls or not all(os.path.exists(f) for f in tls_files(tls)):
         return (f"CN_TLS_DIR={tls!r} has no certificate from the cluster's CA (scripts/cluster.env; `ray up` makes "
                 "it): the head's Redis and Ray take nothing in the clear")
     return None

@@ -23,9 +23,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pipeline.settings import TLS_CA, TLS_CERT, TLS_KEY
+
 CA_DAYS = 90  # a cluster lives hours (cluster.yaml's dead-man switch); a kept head, weeks
 NODE_DAYS = 30  # a cluster kept longer needs a new one (README)
-CA_FILE, CERT_FILE, KEY_FILE, CA_KEY_FILE = "ca.crt", "node.crt", "node.key", "ca.key"
+CA_FILE, CERT_FILE, KEY_FILE, CA_KEY_FILE = TLS_CA, TLS_CERT, TLS_KEY, "ca.key"
 
 
 class TlsError(RuntimeError):
