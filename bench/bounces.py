@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import measured  # noqa: E402
-from pipeline.cluster.bounces import Tally, apply  # noqa: E402
+from pipeline.followup.bounces import Tally, apply  # noqa: E402
 from pipeline.cluster.driver import peak_rss_mb  # noqa: E402
 from pipeline.day.split import SplitResult, save_manifest  # noqa: E402
 from pipeline.embedded import start_redis  # noqa: E402

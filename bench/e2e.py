@@ -127,7 +127,7 @@ def tls_compare(accounts: int, seed: int, runs: int) -> dict:
 
     from ray.util import get_node_ip_address
 
-    from pipeline.cluster.tls_ca import init_head
+    from pipeline.tls.ca import init_head
 
     runs_by = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="bench-tls-ca-") as ca:

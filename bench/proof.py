@@ -69,7 +69,7 @@ class SlowStore:
 
 def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     """The record of a mailed, partly bounced run, as a run leaves it."""
-    from pipeline.cluster import located
+    from pipeline.followup import located
     from pipeline.day.split import SplitResult, save_manifest
     from pipeline.record import delivery_log, keys, report
     from pipeline.record.records import Outcome
@@ -114,7 +114,7 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
 
 def step(args) -> dict:
     """One of close or verify, in this process, against the slow store."""
-    from pipeline.cluster import located, proof, verify
+    from pipeline.followup import close as proof, located, verify
     from pipeline.record.storage import open_store
 
     settings = Settings(**json.loads(args.settings))

@@ -43,8 +43,8 @@ def _run_level_errors() -> tuple[type, ...]:
     import redis
 
     from pipeline.cluster.capacity import CapacityError
-    from pipeline.cluster.proof import SealBroken, WindowOpen
-    from pipeline.cluster.tls_ca import TlsError
+    from pipeline.followup.close import SealBroken, WindowOpen
+    from pipeline.tls.ca import TlsError
     from pipeline.day.dumps import InputError
     from pipeline.day.trading_calendar import CalendarError
     from pipeline.mail.mailbox import MailboxError
@@ -82,8 +82,8 @@ def cmd_redis_acl(args) -> int:
 
 
 def cmd_tls(args) -> int:
-    """The cluster's CA and certificates (pipeline/cluster/tls_ca.py, enroll.py): cluster.yaml's setup."""
-    from pipeline.cluster import enroll, tls_ca
+    """The cluster's CA and certificates (pipeline/tls/ca.py, enroll.py): cluster.yaml's setup."""
+    from pipeline.tls import ca as tls_ca, enroll
 
     folder = Path(Settings.from_env().tls_dir or Path.home() / ".cn-tls").expanduser()
     if args.action == "init":
@@ -315,7 +315,7 @@ def _exit_status(summary: dict) -> int:
 
 
 def cmd_reconcile(args) -> int:
-    from pipeline.cluster.reconcile import reconcile
+    from pipeline.followup.reconcile import reconcile
     from pipeline.record.state import RunNotFound
 
     missing = [str(p) for p in args.relay_log if not p.is_file()]
@@ -330,7 +330,7 @@ def cmd_reconcile(args) -> int:
 
 
 def cmd_bounces(args) -> int:
-    from pipeline.cluster.bounces import collect
+    from pipeline.followup.bounces import collect
     from pipeline.cluster.plan import on_cluster
 
     sources = args.imap + args.maildir + args.mbox
@@ -356,15 +356,15 @@ def cmd_bounces(args) -> int:
 
 
 def cmd_close(args) -> int:
-    from pipeline.cluster.proof import close
+    from pipeline.followup.close import close
 
     print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)))
     return 0
 
 
 def cmd_verify(args) -> int:
-    from pipeline.cluster.located import locate
-    from pipeline.cluster.verify import exit_status, verify
+    from pipeline.followup.located import locate
+    from pipeline.followup.verify import exit_status, verify
 
     cert, tsa_cert = _certificate(args.cert, "--cert"), _certificate(args.tsa_cert, "--tsa-cert")
     found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
@@ -394,8 +394,8 @@ def _certificate(path: Path | None, flag: str) -> bytes | None:
 def cmd_status(args) -> int:
     """From Redis while the run is live; from its report in storage once Redis is gone (the
     cluster's Redis ends with the cluster; the report is the record)."""
-    from pipeline.cluster.located import locate
-    from pipeline.cluster.restore import read_report
+    from pipeline.followup.located import locate
+    from pipeline.followup.restore import read_report
     from pipeline.record import rates
     from pipeline.record.keys import report_keys
     from pipeline.record.state import RunNotFound, RunState, redis_client
@@ -538,7 +538,7 @@ def cmd_demo(args) -> int:
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))
         summary["outbox"] = str(work / "outbox")
         if args.bounce_rate:
-            from pipeline.cluster.bounces import collect
+            from pipeline.followup.bounces import collect
 
             summary["bounces"] = collect(settings, summary["run_id"], [str(bounce_box)])
         print(json.dumps(summary))

@@ -253,7 +253,7 @@ RANGES = {  # each documented in the README's settings table
 }
 
 
-TLS_CA, TLS_CERT, TLS_KEY = "ca.crt", "node.crt", "node.key"  # a node's folder (CN_TLS_DIR; cluster/tls_ca.py)
+TLS_CA, TLS_CERT, TLS_KEY = "ca.crt", "node.crt", "node.key"  # a node's folder (CN_TLS_DIR; tls/ca.py)
 
 
 def tls_files(folder: str | Path) -> tuple[str, str, str]:

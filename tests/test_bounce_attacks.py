@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from pipeline.__main__ import main
-from pipeline.cluster import bounces
+from pipeline.followup import bounces
 from pipeline.day.split import SplitResult, save_manifest
 from pipeline.mail import verp
 from pipeline.mail.smtp_sink import dsn

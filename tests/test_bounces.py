@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cluster import bounces, proof
-from pipeline.cluster import verify as verifier
+from pipeline.followup import bounces, close as proof
+from pipeline.followup import verify as verifier
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.split import load_manifest
 from pipeline.mail import bounce, verp

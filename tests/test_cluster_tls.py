@@ -1,4 +1,4 @@
-"""The cluster's CA (pipeline/cluster/tls_ca.py), the workers' enrollment (enroll.py) and the
+"""The cluster's CA (pipeline/tls/ca.py), the workers' enrollment (enroll.py) and the
 head's Redis as cluster.yaml configures it, against a real redis-server, openssl and redis-cli:
 whoever has no certificate from the cluster's CA is refused. tests/test_ray_up.py does the same
 for Ray and Redis on a `ray up` cluster, with a packet capture between its nodes."""
@@ -15,7 +15,7 @@ import pytest
 import redis
 import yaml
 
-from pipeline.cluster import enroll, tls_ca
+from pipeline.tls import ca as tls_ca, enroll
 from pipeline.embedded import free_port, wait_for_port
 from pipeline.settings import ROOT, Settings
 

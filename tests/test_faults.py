@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from pipeline.cluster.driver import RunRequest, rerun, run_day
-from pipeline.cluster.reconcile import reconcile
+from pipeline.followup.reconcile import reconcile
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis
 from pipeline.mail.message import message_id

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.__main__ import main
-from pipeline.cluster import bounces, proof
+from pipeline.followup import bounces, close as proof
 from pipeline.cluster.driver import RunRequest, run_day
-from pipeline.cluster.verify import exit_status, verify
+from pipeline.followup.verify import exit_status, verify
 from pipeline.day.split import load_manifest
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink

@@ -276,7 +276,7 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     """An instance in the cluster's network, with the cluster's Ray token, asks the head for a
     certificate, then starts Ray against the head: without TLS, then with a certificate of a CA of
     its own for its own address."""
-    from pipeline.cluster.tls_ca import init_head
+    from pipeline.tls.ca import init_head
 
     iid = cloud.launch({"InstanceType": "c6a.large"}, {"purpose": "stranger"}, 1)[0]
     home = Path(cloud.instances[iid]["node"]) / "homes/ubuntu"

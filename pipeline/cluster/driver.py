@@ -30,7 +30,7 @@ from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
-from pipeline.cluster import located, restore
+from pipeline.followup import located, restore
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
@@ -312,7 +312,7 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
     account is mailed again only with force. Accounts rejected at validation cannot be rerun:
     their input must be corrected and run again. A run its Redis has lost is brought back from
-    its report and delivery log in storage first (pipeline/cluster/restore.py). It mails through
+    its report and delivery log in storage first (pipeline/followup/restore.py). It mails through
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
     unless `store` names a copy of its record (--store), and says which it uses."""
     found = located.locate(settings, run_id, store, writes=True, command="rerun")

@@ -4,7 +4,8 @@ On a cluster the pool follows the `signer` / `smtp` resources of the live nodes:
 the autoscaler adds signer/SMTP nodes, without restarting the run, and gives back actors with
 nothing in flight when nodes go (a busy actor is left to finish: killing it would fail its
 batch). CN_SIGNERS / CN_MAILERS fix the sizes instead. One actor always exists: its pending
-creation is the demand that makes the autoscaler start the first node.
+creation is the demand that makes the autoscaler start the first node. No Ray import here:
+the driver hands in how to make and kill an actor, so the sizing is tested without a cluster.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ with it, but the raylet's agents (dashboard agent, runtime-env agent) are left b
 the driver is SIGKILLed. This watcher is started by the driver with a pipe on its stdin: it
 notes the driver's descendants every second while the driver lives, and when the pipe
 closes (the driver is gone) it ends those still running. Processes are known by PID and
-start time, so a reused PID is never hit.
+start time, so a reused PID is never hit. It imports no Ray: it must outlive Ray's processes.
 
     python -m pipeline.cluster.reaper DRIVER_PID
 """

@@ -9,7 +9,7 @@ refused. Reconciling, a bounce and a client's fetch of their note each add one o
 
 Each object's first line names its run, shard and number and carries the SHA-256 of the
 object before it (a chain, as a Git commit names its parent): an object changed, removed or
-put out of order breaks the link after it, and `close` signs the heads (cluster/proof.py).
+put out of order breaks the link after it, and `close` signs the heads (followup/close.py).
 An object is created with a conditional write (S3's If-None-Match), so two writers that
 meet at the end of a chain never fork it: the second takes the next number.
 
@@ -33,7 +33,7 @@ from pipeline.record.records import Outcome
 from pipeline.record.storage import StorageError, Store
 
 MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed", "not_sent")
-AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's seal (cluster/proof.py)
+AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's seal (followup/close.py)
 STATUSES = MAIL_STATUSES + ("bounced", "deferred", "closed") + AFTER_SEAL
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
@@ -171,7 +171,7 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
     """Each account's latest mail entry (by time; a later mailing wins a tie), of `accounts`
     only when given: memory follows the shard, not the log's length. What came after the
-    mail (a bounce, a fetch) is not a mailing: cluster/bounces.py and restore.py read those."""
+    mail (a bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those."""
     found: dict[str, dict] = {}
     for e in log:
         if e["status"] not in MAIL_STATUSES or (accounts is not None and e["ucc"] not in accounts):

@@ -1,5 +1,5 @@
 """A detached CMS signature over any bytes, with the notes' own signing key: what seals a run's
-proof of delivery (pipeline/cluster/proof.py). The same SignedData shape as a note's
+proof of delivery (pipeline/followup/close.py). The same SignedData shape as a note's
 signature, so `openssl cms -verify -binary -inform DER -content FILE` checks it, as does
 `check` here, from the bytes and the signature alone.
 """

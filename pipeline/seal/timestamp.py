@@ -1,6 +1,6 @@
 """An RFC 3161 timestamp over a run's proof, from a time-stamping authority (TSA) the broker
 does not run: the seal then carries a time no one at the broker controls, and a proof made
-again later cannot be back-dated (CN_TSA_URL; cluster/proof.py). `openssl ts -verify` checks
+again later cannot be back-dated (CN_TSA_URL; followup/close.py). `openssl ts -verify` checks
 the token as `check` does here.
 """
 

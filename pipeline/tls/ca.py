@@ -4,7 +4,7 @@ Ray's gRPC (RAY_USE_TLS) and the head's Redis (tls-port, tls-auth-clients) accep
 with a certificate from this CA, so a machine that can reach the nodes' ports but was not set
 up as one of them can neither join nor read. The CA's key never leaves the head's disk: not the
 bucket, not the run's record, not Ray's objects, not a log. A worker gets its certificate from
-the head at setup (pipeline/cluster/enroll.py), for its own IP only, and the CA goes when the
+the head at setup (pipeline/tls/enroll.py), for its own IP only, and the CA goes when the
 head is terminated. Certificates name IP addresses, as gRPC checks the address it dialled.
 
 A node's folder (CN_TLS_DIR, ~/.cn-tls) holds ca.crt, node.crt and node.key; the head's also

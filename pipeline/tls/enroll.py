@@ -27,7 +27,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
-from pipeline.cluster.tls_ca import CA_FILE, TlsError, issue, load_ca, new_key, write_node
+from pipeline.tls.ca import CA_FILE, TlsError, issue, load_ca, new_key, write_node
 
 PORT = 6381  # on the head, beside Ray's GCS (6379) and Redis (6380)
 MAX_REQUEST = 16_384

@@ -24,7 +24,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.cluster.restore import read_report
+from pipeline.followup.restore import read_report
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.keys import proof_keys, timestamp_key

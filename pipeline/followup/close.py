@@ -24,8 +24,8 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.cluster import located, restore
-from pipeline.cluster.verify import verify
+from pipeline.followup import located, restore
+from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report

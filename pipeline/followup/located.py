@@ -18,14 +18,14 @@ import redis
 
 from cryptography import x509
 
-from pipeline.cluster.restore import read_report
+from pipeline.followup.restore import read_report
 from pipeline.record import keys
 from pipeline.record.state import RunNotFound, RunState, redis_client
 from pipeline.record.storage import Store, check_create_only, open_store
 from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
 
-log = logging.getLogger("pipeline.cluster.located")
+log = logging.getLogger("pipeline.followup.located")
 
 
 @dataclass(frozen=True)

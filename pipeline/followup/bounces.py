@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipeline import credentials
-from pipeline.cluster import located, restore
+from pipeline.followup import located, restore
 from pipeline.day.split import load_manifest
 from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.cluster import located, restore
+from pipeline.followup import located, restore
 from pipeline.day.split import load_manifest
 from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
