@@ -17,110 +17,44 @@ import signal
 import sys
 from pathlib import Path
 
+from pipeline.errors import CannotRun
 from pipeline.settings import DEFAULT_KEY_DIR, PLACEHOLDER_OWNER_PASSWORD, ConfigError, Settings
 
 log = logging.getLogger("pipeline")
+COMMANDS: list[tuple[str, str, tuple, object]] = []  # name, help, arguments, function: in --help's order
+
+
+def command(name: str, help: str, *arguments):
+    """A command's name, help and arguments, declared above its function: one place to read it."""
+    def register(func):
+        COMMANDS.append((name, help, arguments, func))
+        return func
+    return register
+
+
+def arg(*flags, **options) -> tuple:
+    return flags, options
+
+
+def one_of(*arguments, required: bool = True) -> tuple:
+    """Arguments of which exactly one is given."""
+    return "one_of", {"arguments": arguments, "required": required}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
     except Exception as e:
+        import redis
+
         cause = getattr(e, "cause", None) or e  # a Ray task's error carries the original as its cause
-        if not isinstance(cause, _run_level_errors()):
+        if not isinstance(cause, (CannotRun, redis.ConnectionError)):  # pipeline/errors.py; Redis unreachable
             raise
         log.debug("the run could not start", exc_info=True)
         print(f"error: {cause}", file=sys.stderr)
         return 2
-
-
-def _run_level_errors() -> tuple[type, ...]:
-    """What stops a run before it starts (exit status 2, one line): input, storage, Redis,
-    settings, calendar. Imported late: `--help` stays fast."""
-    import redis
-
-    from pipeline.cluster.capacity import CapacityError
-    from pipeline.followup.close import SealBroken, WindowOpen
-    from pipeline.tls.ca import TlsError
-    from pipeline.day.dumps import InputError
-    from pipeline.day.trading_calendar import CalendarError
-    from pipeline.mail.mailbox import MailboxError
-    from pipeline.record.guard import StateLostError
-    from pipeline.record.lease import LeaseHeldError, LeaseLostError
-    from pipeline.record.state import RunClosed, RunNotFound
-    from pipeline.record.storage import StorageError
-    from pipeline.seal.sign import SignerSetupError
-    from pipeline.settings import ConfigError
-
-    return (InputError, ConfigError, StorageError, CalendarError, StateLostError, SignerSetupError,
-            CapacityError, LeaseHeldError, LeaseLostError, redis.ConnectionError, RunClosed, WindowOpen, MailboxError,
-            RunNotFound, SealBroken, TlsError)
-
-
-def _on_redis(settings: Settings) -> Settings:
-    """With the secret's Redis password when REDIS_URL names the head's user `cn` without one."""
-    from pipeline.credentials import with_redis_password
-
-    return with_redis_password(settings)
-
-
-def cmd_redis_acl(args) -> int:
-    from pipeline.credentials import fetch
-    from pipeline.record.redis_acl import acl_file
-    from pipeline.settings import render_redis_password
-
-    settings = Settings.from_env()
-    password = fetch(settings.secret).get("redis_password") if settings.secret else None
-    if not password:
-        raise ConfigError(f"CN_SECRET={settings.secret!r}: redis-acl needs the secret's redis_password "
-                          "(python -m pipeline secret-json makes one)")
-    print(acl_file(password, render_redis_password(password)), end="")
-    return 0
-
-
-def cmd_tls(args) -> int:
-    """The cluster's CA and certificates (pipeline/tls/ca.py, enroll.py): cluster.yaml's setup."""
-    from pipeline.tls import ca as tls_ca, enroll
-
-    folder = Path(Settings.from_env().tls_dir or Path.home() / ".cn-tls").expanduser()
-    if args.action == "init":
-        from ray.util import get_node_ip_address
-
-        ip = args.ip or get_node_ip_address()
-        made = tls_ca.init_head(folder, ip)
-        log.info("%s the cluster's CA in %s; the head's certificate for %s", "made" if made else "kept", folder, ip)
-    elif args.action == "serve":
-        from functools import cache
-
-        from pipeline.cluster.plan import BOOTSTRAP_CONFIG, node_ips, node_provider
-
-        provider = cache(lambda: node_provider(str(BOOTSTRAP_CONFIG)))  # `ray up`'s copy on the head; made once
-        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port or enroll.PORT,
-                              members=lambda: node_ips(provider()))
-        log.info("issuing node certificates on port %d", server.server_address[1])
-        server.serve_forever()
-    else:
-        if not args.head:
-            raise ConfigError("tls enroll needs the head's IP ($RAY_HEAD_IP in cluster.yaml's worker commands)")
-        enroll.enroll(folder, args.head, enroll.read_token(args.token_file), port=args.port or enroll.PORT)
-        log.info("this node's certificate from the head %s is in %s", args.head, folder)
-    return 0
-
-
-def _run_id(text: str) -> str:
-    from pipeline.record.keys import check_run_id
-
-    try:
-        return check_run_id(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-STORE_HELP = ("where the run's record is, when Redis does not hold the run (default: the store the run recorded, "
-              "else CN_STORE); a store other than the recorded one is used only if it holds the run's manifest")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,140 +68,26 @@ def _parser() -> argparse.ArgumentParser:
                "not start (input, storage, Redis, settings or calendar) or had to stop (Redis lost the run's "
                "state): one line on stderr, 'error: ...'.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
-
-    s = sub.add_parser("synth", help="write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date")
-    s.add_argument("--date", required=True, type=_date)
-    s.add_argument("--accounts", required=True, type=int)
-    s.add_argument("--out", required=True, type=Path)
-    s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)")
-    s.set_defaults(func=cmd_synth)
-
-    r = sub.add_parser("run", help="the real job: one trade date's dumps to delivered contract notes")
-    r.add_argument("--date", required=True, type=_date)
-    r.add_argument("--input", required=True,
-                   help="folder or s3://bucket/prefix holding clients.csv, trades.csv and bhavcopy.csv")
-    r.add_argument("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)")
-    r.add_argument("--redis", help="redis://host:port/db (default: REDIS_URL)")
-    r.add_argument("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)")
-    r.add_argument("--run-id", type=_run_id,
-                   help="a run id to resume: delivered accounts are skipped ([A-Za-z0-9._-]{1,64})")
-    r.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-    r.add_argument("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs")
-    r.add_argument("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end")
-    r.add_argument("--test-keys", action="store_true",
-                   help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset")
-    r.add_argument("--accept-volatile-redis", action="store_true",
-                   help="run although Redis keeps nothing on disk (no AOF, no snapshots): a Redis restart then "
-                        "stops the run, and the same run id must be run again")
-    r.set_defaults(func=cmd_run)
-
-    pl = sub.add_parser("plan", help="node counts, split, report, head and expected duration for a day (the "
-                                      "driver's own sizing), from the rates in pipeline/cluster/measured.json")
-    pl.add_argument("--accounts", type=int)
-    pl.add_argument("--deadline-min", type=float, default=25.0)
-    pl.add_argument("--rows", type=int, help="the day's client and trade rows (default: accounts x the benchmark "
-                                             "day's rows per account)")
-    pl.add_argument("--render-nodes", type=int, default=1, help="at least this many render nodes (e.g. 4: 128 vCPU)")
-    pl.add_argument("--table", action="store_true", help="print the README's capacity table instead")
-    pl.set_defaults(func=cmd_plan)
-
-    rr = sub.add_parser("rerun", help="rerun the failed or the named accounts of a run, from where each stopped")
-    rr.add_argument("run_id", type=_run_id)
-    which = rr.add_mutually_exclusive_group(required=True)
-    which.add_argument("--failed", action="store_true", help="every account in the run's failed registry")
-    which.add_argument("--unconfirmed", action="store_true",
-                       help="every unconfirmed account, mailed again with the same Message-ID (reconcile first)")
-    which.add_argument("--accounts", type=_accounts,
-                       help="comma-separated client codes (UCC), or - to read them from standard input")
-    rr.add_argument("--force", action="store_true", help="mail again accounts already delivered")
-    rr.add_argument("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
-                                   "relays, as it recorded them; not SMTP_URL)")
-    rr.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-    rr.add_argument("--store", help=STORE_HELP)
-    rr.set_defaults(func=cmd_rerun)
-
-    rc = sub.add_parser("reconcile", help="mark unconfirmed accounts delivered where the relay's log shows their "
-                                           "Message-ID accepted (Postfix, Haraka, or a plain list of Message-IDs)")
-    rc.add_argument("run_id", type=_run_id)
-    rc.add_argument("--relay-log", type=Path, nargs="+", required=True, metavar="FILE")
-    rc.add_argument("--store", help=STORE_HELP)
-    rc.set_defaults(func=cmd_reconcile)
-
-    b = sub.add_parser("bounces", help="record the bounces that came back to a run's VERP addresses: bounced (paper "
-                                        "owed) or deferred; from IMAP, a maildir or an mbox")
-    b.add_argument("run_id", type=_run_id)
-    b.add_argument("--imap", action="append", default=[], metavar="URL",
-                   help="imaps://user:password@host[:port]/FOLDER (the bounce domain's mailbox)")
-    b.add_argument("--maildir", action="append", default=[], metavar="DIR")
-    b.add_argument("--mbox", action="append", default=[], metavar="FILE")
-    b.add_argument("--watch", action="store_true", help="keep reading, every --every seconds, until stopped")
-    b.add_argument("--every", type=float, default=30.0, metavar="S")
-    b.add_argument("--store", help=STORE_HELP)
-    b.set_defaults(func=cmd_bounces)
-
-    cl = sub.add_parser("close", help="once the run's bounce window has passed (CN_BOUNCE_WINDOW_H): every mailed "
-                                       "account with no bounce is delivered, final; the delivery log is sealed "
-                                       "with a signed proof")
-    cl.add_argument("run_id", type=_run_id)
-    cl.add_argument("--store", help=STORE_HELP)
-    cl.set_defaults(func=cmd_close)
-
-    ve = sub.add_parser("verify", help="check a run's delivery log, proof, signature and timestamp from storage alone, "
-                                        "and its report against the log: exit 0 sealed and whole; 1 naming the first "
-                                        "object changed, removed, out of place or disagreeing; 3 not sealed yet")
-    ve.add_argument("run_id", type=_run_id)
-    ve.add_argument("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it "
-                                             "(default: the certificate the run recorded when it started)")
-    ve.add_argument("--tsa-cert", type=Path, help="the time-stamping authority's certificate (PEM): the proof's "
-                                                 "timestamp must be signed by it")
-    ve.add_argument("--store", help=STORE_HELP)
-    ve.set_defaults(func=cmd_verify)
-
-    st = sub.add_parser("status", help="print a run's counters and metadata as JSON")
-    st.add_argument("run_id", type=_run_id)
-    st.add_argument("--store", help=STORE_HELP)
-    st.set_defaults(func=cmd_status)
-
-    sj = sub.add_parser("secret-json", help="print the cluster secret (CN_SECRET's JSON) made from CN_SIGNER_KEY, "
-                                             "CN_SIGNER_CERT, CN_SIGNER_CHAIN, CN_OWNER_PASSWORD and SMTP_URL")
-    sj.set_defaults(func=cmd_secret_json)
-
-    ra = sub.add_parser("redis-acl", help="print the head's Redis users (an aclfile) from CN_SECRET's redis_password: "
-                                          "cluster.yaml's head_setup_commands")
-    ra.set_defaults(func=cmd_redis_acl)
-
-    tl = sub.add_parser("tls", help="the cluster's own CA (cluster.yaml): `init` on the head makes it and the head's "
-                                    "certificate, `serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; "
-                                    "in CN_TLS_DIR (default ~/.cn-tls)")
-    tl.add_argument("action", choices=["init", "serve", "enroll"])
-    tl.add_argument("head", nargs="?", help="enroll: the head's IP")
-    tl.add_argument("--ip", help="init: the head's IP (default: the one Ray uses)")
-    tl.add_argument("--port", type=int, help="the head's certificate service (default 6381)")
-    tl.add_argument("--token-file", type=Path, default=Path.home() / ".ray/auth_token",
-                    help="the cluster's Ray token, which proves both sides")
-    tl.set_defaults(func=cmd_tls)
-
-    sv = sub.add_parser("serve", help="the status service and live page (FastAPI)")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--forwarded-allow-ips", default="", metavar="IPS",
-                    help="the reverse proxies whose X-Forwarded-For is believed (comma-separated; default: none, so "
-                         "each client is the address that connects, and a forged header cannot dodge the limit)")
-    sv.add_argument("--read-only", action="store_true",
-                    help="serve without CN_API_TOKEN: e-mail addresses and PANs always masked, no reruns")
-    sv.set_defaults(func=cmd_serve)
-
-    d = sub.add_parser("demo", help="the embedded default: synthesize a day and run it with local services")
-    d.add_argument("--accounts", type=int, default=500)
-    d.add_argument("--workdir", type=Path, default=Path("demo"))
-    d.add_argument("--date", type=_date, default=dt.date(2026, 11, 20))
-    d.add_argument("--seed", type=int, default=1)
-    d.add_argument("--bounce-rate", type=float, default=0.0,
-                   help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to "
-                        "the VERP addresses, and the demo reads them back with `bounces`")
-    d.set_defaults(func=cmd_demo)
+    for name, help, arguments, func in COMMANDS:
+        c = sub.add_parser(name, help=help)
+        for flags, options in arguments:
+            if flags == "one_of":
+                group = c.add_mutually_exclusive_group(required=options["required"])
+                for inner, opts in options["arguments"]:
+                    group.add_argument(*inner, **opts)
+            else:
+                c.add_argument(*flags, **options)
+        c.set_defaults(func=func)
     return p
+
+
+def _run_id(text: str) -> str:
+    from pipeline.record.keys import check_run_id
+
+    try:
+        return check_run_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _date(text: str) -> dt.date:
@@ -287,165 +107,17 @@ def _accounts(text: str) -> list[str]:
     return accounts
 
 
-def cmd_rerun(args) -> int:
-    from pipeline.cluster.driver import init_ray, rerun
-    from pipeline.record.state import RunNotFound
-
-    settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
-    try:
-        init_ray(settings, args.address)
-        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
-                        settings.relays() if args.smtp else None, args.store)
-    except RunNotFound as e:
-        return _not_found(e)
-    print(json.dumps(summary))
-    taken = summary.get("rerun_outcomes", {})
-    return max(_exit_status(summary), 1 if set(taken) - {"delivered", "physical"} else 0)
+STORE_HELP = ("where the run's record is, when Redis does not hold the run (default: the store the run recorded, "
+              "else CN_STORE); a store other than the recorded one is used only if it holds the run's manifest")
+STORE = arg("--store", help=STORE_HELP)
+RUN_ID = arg("run_id", type=_run_id)
+ADDRESS = arg("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
 
 
-def _not_found(e: Exception) -> int:
-    """One line on stderr, as every exit 2; the JSON on stdout that tools read."""
-    print(f"error: {e}", file=sys.stderr)
-    print(json.dumps({"error": str(e)}))
-    return 2
-
-
-def _exit_status(summary: dict) -> int:
-    return 0 if not (summary["failed"] or summary.get("rejected") or summary.get("unconfirmed")) else 1
-
-
-def cmd_reconcile(args) -> int:
-    from pipeline.followup.reconcile import reconcile
-    from pipeline.record.state import RunNotFound
-
-    missing = [str(p) for p in args.relay_log if not p.is_file()]
-    if missing:
-        raise ConfigError(f"relay log not found: {', '.join(missing)}")
-    try:
-        summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log, args.store)
-    except RunNotFound as e:
-        return _not_found(e)
-    print(json.dumps(summary))
-    return 0 if summary["still_unconfirmed"] == 0 else 1
-
-
-def cmd_bounces(args) -> int:
-    from pipeline.followup.bounces import collect
-    from pipeline.cluster.plan import on_cluster
-
-    sources = args.imap + args.maildir + args.mbox
-    if not sources:
-        raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
-    settings = _on_redis(Settings.from_env())
-    count = lambda kind, n: None  # noqa: E731
-    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if on_cluster():  # ray_cn_bounces_total{kind}, on the head's metrics port, beside the day's counters
-        import ray
-
-        from actors import metrics
-
-        ray.init(address="auto", log_to_driver=False)
-        count = metrics.bounces
-    try:
-        print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)))
-    finally:
-        if on_cluster():
-            metrics.wait_exported()
-    return 0
-
-
-def cmd_close(args) -> int:
-    from pipeline.followup.close import close
-
-    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)))
-    return 0
-
-
-def cmd_verify(args) -> int:
-    from pipeline.followup.located import locate
-    from pipeline.followup.verify import exit_status, verify
-
-    cert, tsa_cert = _certificate(args.cert, "--cert"), _certificate(args.tsa_cert, "--tsa-cert")
-    found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
-    result = verify(found.store, args.run_id, cert, tsa_cert)
-    print(result["summary"], file=sys.stderr)
-    print(json.dumps({**result, "store": found.store.url, "store_from": found.source}))
-    return exit_status(result)
-
-
-def _certificate(path: Path | None, flag: str) -> bytes | None:
-    """The PEM certificate a flag names, or one line saying why it is not one."""
-    from pipeline.seal import detached
-    from pipeline.seal.sign import SignError
-
-    if path is None:
-        return None
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
-    pem = path.read_bytes()
-    try:
-        detached.fingerprint(pem)
-    except SignError as e:
-        raise ConfigError(f"{flag} {path}: {e}") from None
-    return pem
-
-
-def cmd_status(args) -> int:
-    """From Redis while the run is live; from its report in storage once Redis is gone (the
-    cluster's Redis ends with the cluster; the report is the record)."""
-    from pipeline.followup.located import locate
-    from pipeline.followup.restore import read_report
-    from pipeline.record import rates
-    from pipeline.record.keys import report_keys
-    from pipeline.record.state import RunNotFound, RunState, redis_client
-
-    settings = _on_redis(Settings.from_env())
-    try:  # a status is asked now: a Redis that does not answer at once is passed over for storage
-        found = locate(settings, args.run_id, args.store, command="status", redis_optional=True)
-    except RunNotFound as e:
-        return _not_found(e)
-    where = {"store": found.store.url, "store_from": found.source}
-    if found.in_redis:
-        state = RunState(settings.redis_url, args.run_id)
-        state.r = redis_client(settings.redis_url, patience_retries=0)
-        print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
-                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}))
-        return 0
-    key = report_keys(args.run_id)[0]
-    if not found.store.exists(key):
-        return _not_found(RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report yet "
-                                      "(the run has not finished), and Redis does not hold it"))
-    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": read_report(found.store, key)}))
-    return 0
-
-
-def cmd_secret_json(args) -> int:
-    from pipeline.credentials import secret_json
-
-    settings = Settings.from_env()
-    if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD:
-        raise ConfigError("CN_OWNER_PASSWORD is not set: the secret needs the broker's own owner password")
-    print(secret_json(settings))
-    return 0
-
-
-def cmd_serve(args) -> int:
-    import uvicorn
-
-    from pipeline import credentials
-    from pipeline.api import create_app
-
-    settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the notes' links
-    settings.hmac_key()  # the clients' links are checked with it: a secret without one is said at start
-    if not settings.api_token and not args.read_only:
-        raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
-                          "else; set it, or pass --read-only (no PII, no reruns)")
-    uvicorn.run(create_app(settings, read_only=args.read_only), host=args.host, port=args.port, log_level="info",
-                proxy_headers=bool(args.forwarded_allow_ips), forwarded_allow_ips=args.forwarded_allow_ips or None)
-    return 0
-
-
+@command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
+         arg("--date", required=True, type=_date), arg("--accounts", required=True, type=int),
+         arg("--out", required=True, type=Path), arg("--seed", type=int, default=1),
+         arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"))
 def cmd_synth(args) -> int:
     from pipeline.day.synth import SynthOptions, write_dumps
 
@@ -455,6 +127,23 @@ def cmd_synth(args) -> int:
     return 0
 
 
+@command("run", "the real job: one trade date's dumps to delivered contract notes",
+         arg("--date", required=True, type=_date),
+         arg("--input", required=True, help="folder or s3://bucket/prefix holding clients.csv, trades.csv and "
+                                            "bhavcopy.csv"),
+         arg("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)"),
+         arg("--redis", help="redis://host:port/db (default: REDIS_URL)"),
+         arg("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)"),
+         arg("--run-id", type=_run_id,
+             help="a run id to resume: delivered accounts are skipped ([A-Za-z0-9._-]{1,64})"),
+         ADDRESS,
+         arg("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs"),
+         arg("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end"),
+         arg("--test-keys", action="store_true",
+             help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset"),
+         arg("--accept-volatile-redis", action="store_true",
+             help="run although Redis keeps nothing on disk (no AOF, no snapshots): a Redis restart then "
+                  "stops the run, and the same run id must be run again"))
 def cmd_run(args) -> int:
     from actors import metrics
     from pipeline import credentials
@@ -487,6 +176,31 @@ def cmd_run(args) -> int:
     return _exit_status(summary)
 
 
+def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
+    """With no signing key configured, make a clearly labelled local test certificate once."""
+    from pipeline.seal.sign import make_test_certificate
+
+    if (force or settings.uses_default_key()) and not Path(settings.signer_key).exists():
+        log.warning("no signing key configured: generating a LOCAL TEST certificate in %s "
+                    "(not valid for real contract notes; set CN_SIGNER_KEY/CN_SIGNER_CERT)", key_dir)
+        make_test_certificate(key_dir)
+    return settings
+
+
+def _on_redis(settings: Settings) -> Settings:
+    """With the secret's Redis password when REDIS_URL names the head's user `cn` without one."""
+    from pipeline.credentials import with_redis_password
+
+    return with_redis_password(settings)
+
+
+@command("plan", "node counts, split, report, head and expected duration for a day (the driver's own sizing), "
+                 "from the rates in pipeline/cluster/measured.json",
+         arg("--accounts", type=int), arg("--deadline-min", type=float, default=25.0),
+         arg("--rows", type=int, help="the day's client and trade rows (default: accounts x the benchmark "
+                                      "day's rows per account)"),
+         arg("--render-nodes", type=int, default=1, help="at least this many render nodes (e.g. 4: 128 vCPU)"),
+         arg("--table", action="store_true", help="print the capacity table of docs/aws.md instead"))
 def cmd_plan(args) -> int:
     from pipeline.cluster.plan import capacity_table, plan
 
@@ -509,6 +223,269 @@ def cmd_plan(args) -> int:
     return 0 if p["fits_deadline"] else 1
 
 
+@command("rerun", "rerun the failed or the named accounts of a run, from where each stopped",
+         RUN_ID,
+         one_of(arg("--failed", action="store_true", help="every account in the run's failed registry"),
+                arg("--unconfirmed", action="store_true",
+                    help="every unconfirmed account, mailed again with the same Message-ID (reconcile first)"),
+                arg("--accounts", type=_accounts,
+                    help="comma-separated client codes (UCC), or - to read them from standard input")),
+         arg("--force", action="store_true", help="mail again accounts already delivered"),
+         arg("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
+                            "relays, as it recorded them; not SMTP_URL)"),
+         ADDRESS, STORE)
+def cmd_rerun(args) -> int:
+    from pipeline.cluster.driver import init_ray, rerun
+    from pipeline.record.state import RunNotFound
+
+    settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
+    try:
+        init_ray(settings, args.address)
+        summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
+                        settings.relays() if args.smtp else None, args.store)
+    except RunNotFound as e:
+        return _not_found(e)
+    print(json.dumps(summary))
+    taken = summary.get("rerun_outcomes", {})
+    return max(_exit_status(summary), 1 if set(taken) - {"delivered", "physical"} else 0)
+
+
+def _not_found(e: Exception) -> int:
+    """One line on stderr, as every exit 2; the JSON on stdout that tools read."""
+    print(f"error: {e}", file=sys.stderr)
+    print(json.dumps({"error": str(e)}))
+    return 2
+
+
+def _exit_status(summary: dict) -> int:
+    return 0 if not (summary["failed"] or summary.get("rejected") or summary.get("unconfirmed")) else 1
+
+
+@command("reconcile", "mark unconfirmed accounts delivered where the relay's log shows their Message-ID "
+                      "accepted (Postfix, Haraka, or a plain list of Message-IDs)",
+         RUN_ID, arg("--relay-log", type=Path, nargs="+", required=True, metavar="FILE"), STORE)
+def cmd_reconcile(args) -> int:
+    from pipeline.followup.reconcile import reconcile
+    from pipeline.record.state import RunNotFound
+
+    missing = [str(p) for p in args.relay_log if not p.is_file()]
+    if missing:
+        raise ConfigError(f"relay log not found: {', '.join(missing)}")
+    try:
+        summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log, args.store)
+    except RunNotFound as e:
+        return _not_found(e)
+    print(json.dumps(summary))
+    return 0 if summary["still_unconfirmed"] == 0 else 1
+
+
+@command("bounces", "record the bounces that came back to a run's VERP addresses: bounced (paper owed) or "
+                    "deferred; from IMAP, a maildir or an mbox",
+         RUN_ID,
+         arg("--imap", action="append", default=[], metavar="URL",
+             help="imaps://user:password@host[:port]/FOLDER (the bounce domain's mailbox)"),
+         arg("--maildir", action="append", default=[], metavar="DIR"),
+         arg("--mbox", action="append", default=[], metavar="FILE"),
+         arg("--watch", action="store_true", help="keep reading, every --every seconds, until stopped"),
+         arg("--every", type=float, default=30.0, metavar="S"), STORE)
+def cmd_bounces(args) -> int:
+    from pipeline.followup.bounces import collect
+    from pipeline.cluster.plan import on_cluster
+
+    sources = args.imap + args.maildir + args.mbox
+    if not sources:
+        raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
+    settings = _on_redis(Settings.from_env())
+    count = lambda kind, n: None  # noqa: E731
+    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if on_cluster():  # ray_cn_bounces_total{kind}, on the head's metrics port, beside the day's counters
+        import ray
+
+        from actors import metrics
+
+        ray.init(address="auto", log_to_driver=False)
+        count = metrics.bounces
+    try:
+        print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)))
+    finally:
+        if on_cluster():
+            metrics.wait_exported()
+    return 0
+
+
+@command("close", "once the run's bounce window has passed (CN_BOUNCE_WINDOW_H): every mailed account with no "
+                  "bounce is delivered, final; the delivery log is sealed with a signed proof",
+         RUN_ID, STORE)
+def cmd_close(args) -> int:
+    from pipeline.followup.close import close
+
+    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)))
+    return 0
+
+
+@command("verify", "check a run's delivery log, proof, signature and timestamp from storage alone, and its report "
+                   "against the log: exit 0 sealed and whole; 1 naming the first object changed, removed, out of "
+                   "place or disagreeing; 3 not sealed yet",
+         RUN_ID,
+         arg("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it "
+                                       "(default: the certificate the run recorded when it started)"),
+         arg("--tsa-cert", type=Path, help="the time-stamping authority's certificate (PEM): the proof's "
+                                           "timestamp must be signed by it"),
+         STORE)
+def cmd_verify(args) -> int:
+    from pipeline.followup.located import locate
+    from pipeline.followup.verify import exit_status, verify
+
+    cert, tsa_cert = _certificate(args.cert, "--cert"), _certificate(args.tsa_cert, "--tsa-cert")
+    found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
+    result = verify(found.store, args.run_id, cert, tsa_cert)
+    print(result["summary"], file=sys.stderr)
+    print(json.dumps({**result, "store": found.store.url, "store_from": found.source}))
+    return exit_status(result)
+
+
+def _certificate(path: Path | None, flag: str) -> bytes | None:
+    """The PEM certificate a flag names, or one line saying why it is not one."""
+    from pipeline.seal import detached
+    from pipeline.seal.sign import SignError
+
+    if path is None:
+        return None
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    pem = path.read_bytes()
+    try:
+        detached.fingerprint(pem)
+    except SignError as e:
+        raise ConfigError(f"{flag} {path}: {e}") from None
+    return pem
+
+
+@command("status", "print a run's counters and metadata as JSON", RUN_ID, STORE)
+def cmd_status(args) -> int:
+    """From Redis while the run is live; from its report in storage once Redis is gone (the
+    cluster's Redis ends with the cluster; the report is the record)."""
+    from pipeline.followup.located import locate
+    from pipeline.followup.restore import read_report
+    from pipeline.record import rates
+    from pipeline.record.keys import report_keys
+    from pipeline.record.state import RunNotFound, RunState, redis_client
+
+    settings = _on_redis(Settings.from_env())
+    try:  # a status is asked now: a Redis that does not answer at once is passed over for storage
+        found = locate(settings, args.run_id, args.store, command="status", redis_optional=True)
+    except RunNotFound as e:
+        return _not_found(e)
+    where = {"store": found.store.url, "store_from": found.source}
+    if found.in_redis:
+        state = RunState(settings.redis_url, args.run_id)
+        state.r = redis_client(settings.redis_url, patience_retries=0)
+        print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
+                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}))
+        return 0
+    key = report_keys(args.run_id)[0]
+    if not found.store.exists(key):
+        return _not_found(RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report yet "
+                                      "(the run has not finished), and Redis does not hold it"))
+    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": read_report(found.store, key)}))
+    return 0
+
+
+@command("secret-json", "print the cluster secret (CN_SECRET's JSON) made from CN_SIGNER_KEY, CN_SIGNER_CERT, "
+                        "CN_SIGNER_CHAIN, CN_OWNER_PASSWORD and SMTP_URL")
+def cmd_secret_json(args) -> int:
+    from pipeline.credentials import secret_json
+
+    settings = Settings.from_env()
+    if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD:
+        raise ConfigError("CN_OWNER_PASSWORD is not set: the secret needs the broker's own owner password")
+    print(secret_json(settings))
+    return 0
+
+
+@command("redis-acl", "print the head's Redis users (an aclfile) from CN_SECRET's redis_password: "
+                      "cluster.yaml's head_setup_commands")
+def cmd_redis_acl(args) -> int:
+    from pipeline.credentials import fetch
+    from pipeline.record.redis_acl import acl_file
+    from pipeline.credentials import render_redis_password
+
+    settings = Settings.from_env()
+    password = fetch(settings.secret).get("redis_password") if settings.secret else None
+    if not password:
+        raise ConfigError(f"CN_SECRET={settings.secret!r}: redis-acl needs the secret's redis_password "
+                          "(python -m pipeline secret-json makes one)")
+    print(acl_file(password, render_redis_password(password)), end="")
+    return 0
+
+
+@command("tls", "the cluster's own CA (cluster.yaml): `init` on the head makes it and the head's certificate, "
+                "`serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; in CN_TLS_DIR (default ~/.cn-tls)",
+         arg("action", choices=["init", "serve", "enroll"]),
+         arg("head", nargs="?", help="enroll: the head's IP"),
+         arg("--ip", help="init: the head's IP (default: the one Ray uses)"),
+         arg("--port", type=int, help="the head's certificate service (default 6381)"),
+         arg("--token-file", type=Path, default=Path.home() / ".ray/auth_token",
+             help="the cluster's Ray token, which proves both sides"))
+def cmd_tls(args) -> int:
+    """The cluster's CA and certificates (pipeline/tls/ca.py, enroll.py): cluster.yaml's setup."""
+    from pipeline.tls import ca as tls_ca, enroll
+
+    folder = Path(Settings.from_env().tls_dir or Path.home() / ".cn-tls").expanduser()
+    if args.action == "init":
+        from ray.util import get_node_ip_address
+
+        ip = args.ip or get_node_ip_address()
+        made = tls_ca.init_head(folder, ip)
+        log.info("%s the cluster's CA in %s; the head's certificate for %s", "made" if made else "kept", folder, ip)
+    elif args.action == "serve":
+        from functools import cache
+
+        from pipeline.cluster.plan import BOOTSTRAP_CONFIG, node_ips, node_provider
+
+        provider = cache(lambda: node_provider(str(BOOTSTRAP_CONFIG)))  # `ray up`'s copy on the head; made once
+        server = enroll.serve(folder, enroll.read_token(args.token_file), port=args.port or enroll.PORT,
+                              members=lambda: node_ips(provider()))
+        log.info("issuing node certificates on port %d", server.server_address[1])
+        server.serve_forever()
+    else:
+        if not args.head:
+            raise ConfigError("tls enroll needs the head's IP ($RAY_HEAD_IP in cluster.yaml's worker commands)")
+        enroll.enroll(folder, args.head, enroll.read_token(args.token_file), port=args.port or enroll.PORT)
+        log.info("this node's certificate from the head %s is in %s", args.head, folder)
+    return 0
+
+
+@command("serve", "the status service and live page (FastAPI)",
+         arg("--host", default="127.0.0.1"), arg("--port", type=int, default=8000),
+         arg("--forwarded-allow-ips", default="", metavar="IPS",
+             help="the reverse proxies whose X-Forwarded-For is believed (comma-separated; default: none, so "
+                  "each client is the address that connects, and a forged header cannot dodge the limit)"),
+         arg("--read-only", action="store_true",
+             help="serve without CN_API_TOKEN: e-mail addresses and PANs always masked, no reruns"))
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from pipeline import credentials
+    from pipeline.api import create_app
+
+    settings = credentials.resolve(_on_redis(Settings.from_env()))  # the secret's token_key checks the notes' links
+    settings.hmac_key()  # the clients' links are checked with it: a secret without one is said at start
+    if not settings.api_token and not args.read_only:
+        raise ConfigError("CN_API_TOKEN is not set: without it the service cannot tell operators from anyone "
+                          "else; set it, or pass --read-only (no PII, no reruns)")
+    uvicorn.run(create_app(settings, read_only=args.read_only), host=args.host, port=args.port, log_level="info",
+                proxy_headers=bool(args.forwarded_allow_ips), forwarded_allow_ips=args.forwarded_allow_ips or None)
+    return 0
+
+
+@command("demo", "the embedded default: synthesize a day and run it with local services",
+         arg("--accounts", type=int, default=500), arg("--workdir", type=Path, default=Path("demo")),
+         arg("--date", type=_date, default=dt.date(2026, 11, 20)), arg("--seed", type=int, default=1),
+         arg("--bounce-rate", type=float, default=0.0,
+             help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "
+                  "VERP addresses, and the demo reads them back with `bounces`"))
 def cmd_demo(args) -> int:
     import ray
 
@@ -548,17 +525,6 @@ def cmd_demo(args) -> int:
             ray.shutdown()
         for service in reversed(services):
             service.stop()
-
-
-def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
-    """With no signing key configured, make a clearly labelled local test certificate once."""
-    from pipeline.seal.sign import make_test_certificate
-
-    if (force or settings.uses_default_key()) and not Path(settings.signer_key).exists():
-        log.warning("no signing key configured: generating a LOCAL TEST certificate in %s "
-                    "(not valid for real contract notes; set CN_SIGNER_KEY/CN_SIGNER_CERT)", key_dir)
-        make_test_certificate(key_dir)
-    return settings
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ secret's `redis_password`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import os
 import re
 import secrets
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
@@ -95,15 +98,52 @@ def with_redis_password(settings: Settings) -> Settings:
     return _redis(settings, fetch(settings.secret) if settings.secret else {})
 
 
+REDIS_RENDER = "render"  # the render nodes' Redis user (pipeline/record/redis_acl.py)
+
+
 def resolve(settings: Settings) -> Settings:
-    """The settings with the secret's owner password, key password and relays laid over them."""
-    return _laid_over(settings, fetch(settings.secret)) if settings.secret else settings
+    """The settings with the secret's owner password, key password and relays laid over them;
+    without a secret, on one machine, with the HMAC key file made once if it is missing."""
+    if not settings.secret:
+        _own_key_file(settings)
+        return settings
+    return _laid_over(settings, fetch(settings.secret))
+
+
+def _own_key_file(settings: Settings) -> None:
+    """A key file made once, 0600, by whichever process comes first. Never for a follow-up of a
+    run that recorded its key (token_key_id): a new key would match none of its links."""
+    path = Path(settings.token_key_file)
+    if settings.token_key or settings.token_key_id or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(path, "x", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(secrets.token_hex(32))
+    except FileExistsError:  # another process made it first: theirs is the key
+        pass
+
+
+def render_redis_password(password: str) -> str:
+    """Derived, so that the head's ACL file and the driver agree without a second secret."""
+    return hmac.new(password.encode(), b"contract-notes redis user render", hashlib.sha256).hexdigest()
+
+
+def for_render(settings: Settings) -> Settings:
+    """What render and split tasks get. With the head's Redis users (REDIS_URL names user `cn`),
+    the `render` user instead, whose password is derived from `cn`'s: the render nodes cannot
+    read the secret, and the password that could erase a mail guard never reaches them."""
+    password = unquote(urlsplit(settings.redis_url).password or "")
+    if settings.redis_user() != REDIS_ADMIN or not password:
+        return settings
+    return settings.redis_as(REDIS_RENDER, render_redis_password(password))
 
 
 def read(settings: Settings) -> tuple[Settings, Signer]:
     """The resolved settings and the signing key, from one read of the secret (or, without
     one, the settings' files)."""
     if not settings.secret:
+        _own_key_file(settings)
         try:
             return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
                                          settings.signer_chain)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import hmac
 import math
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+from pipeline.errors import CannotRun
 
 ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it goes into PYTHONPATH and cwd
 TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
@@ -44,68 +44,102 @@ class SmtpTarget:
         return f"{'smtps' if self.implicit_tls else 'smtp'}://{self.host}:{self.port}" + (f"?{query}" if query else "")
 
 
+def setting(env: str, default, what: str, low: float | None = None, high: float | None = None,
+            secret: bool = False):
+    """One setting, declared once: its environment variable, default, range and meaning (the
+    docs' settings table is made from these, tests/test_docs.py). `secret`: kept out of repr."""
+    return field(default=default, repr=not secret, metadata={"env": env, "range": (low, high), "what": what})
+
+
 @dataclass(frozen=True)
 class Settings:
-    store_url: str = "store"
-    redis_url: str = field(default="redis://127.0.0.1:6379/0", repr=False)  # URLs may hold passwords
-    smtp_url: str = field(default="smtp://127.0.0.1:1025", repr=False)
-    shard_size: int = 100
-    window: int = 0  # shards in flight; 0: two per render CPU of the cluster, at least 6
-    signers: int = 0  # signer actors; 0: one per `signer` slot of the cluster (pipeline/cluster/pools.py)
-    mailers: int = 0  # mailer actors; 0: one per `smtp` slot
-    smtp_connections: int = 4  # per relay, per mailer
-    smtp_idle_s: float = 30.0
-    smtp_wait_s: float = 30.0
-    smtp_max_per_conn: int = 1000
-    smtp_helo: str = ""
-    smtp_starttls: str = "auto"
-    smtp_ca_file: str = ""
-    smtp_attempts: int = 4
-    smtp_patience_s: float = 600.0  # how long a relay outage is waited out before its mails fail
-    domain_rates: str = ""  # gmail.com=300,outlook.com=150: messages a second to each, cluster-wide
-    signer_key: str = str(DEFAULT_KEY_DIR / "signer.key.pem")
-    signer_cert: str = str(DEFAULT_KEY_DIR / "signer.cert.pem")
-    signer_chain: str = str(DEFAULT_KEY_DIR / "root.cert.pem")
-    signer_key_password: str | None = field(default=None, repr=False)
-    owner_password: str = field(default=PLACEHOLDER_OWNER_PASSWORD, repr=False)
-    encryption: str = "aes256"
-    pdf_tags: bool = False  # tagged PDF doubles render time and grows files ~8x
-    sign_reason: str = "Contract note issued under SEBI regulations"
-    sign_location: str = "Bengaluru, India"
-    sign_contact: str = "compliance@broker.example.com"
-    mail_from: str = "Contract Notes <contract-notes@broker.example.com>"
-    mail_reply_to: str = "Client Support <support@broker.example.com>"
-    holidays_file: str = ""  # the broker's trading-holiday list, laid over pipeline/day/data/holidays.json
-    state_ttl_s: int = 14 * 24 * 3600
-    api_token: str = field(default="", repr=False)  # bearer token for reruns and unmasked PII
-    secret: str = ""  # where each signer and mailer reads the key and passwords (pipeline/credentials.py)
-    spot_wait_s: float = 120.0  # no spot render node launched by then: ask for on-demand (pipeline/cluster/capacity.py)
-    capacity_wait_s: float = 900.0  # a role still without a node by then: the run stops (exit 2)
-    lease_s: float = 30.0  # a driver that has not renewed its run's lease this long is taken over (record/lease.py)
-    head_grace_s: float = 60.0  # between the driver's exit and the head's end: the job's status and logs flush
-    token_key: str = field(default="", repr=False)  # keys the VERP and link HMACs; from the secret on a cluster
-    token_key_file: str = str(DEFAULT_KEY_DIR / "token.key")  # without either: made here once (one machine)
-    token_key_id: str = ""  # the fingerprint of the key a run recorded: a follow-up must find that key, never make one
-    bounce_local: str = "bounces"  # MAIL FROM is bounce_local+TOKEN@bounce_domain (pipeline/mail/verp.py)
-    bounce_domain: str = "bounces.broker.example.com"  # its MX receives the bounces (README)
-    bounce_window_h: float = 72.0  # no bounce within this long after the mail: delivered, final (close)
-    bounce_max_bytes: int = 5_000_000  # a bigger "bounce" is reported, never parsed
-    paper_due_days: int = 1  # a physical note is due this many days after the reason is known
-    link_base: str = "http://127.0.0.1:8000"  # the status service's public address, for the client's link
-    link_days: float = 90.0  # how long a client's link to their note works
-    tls_dir: str = ""  # this node's ca.crt, node.crt, node.key from the cluster's CA: a rediss:// REDIS_URL uses them
-    tsa_url: str = ""  # an RFC 3161 time-stamping authority: `close` timestamps the proof (pipeline/seal/timestamp.py)
+    store_url: str = setting("CN_STORE", "store", "a folder or s3://bucket[/prefix]: where the run's record is kept")
+    redis_url: str = setting("REDIS_URL", "redis://127.0.0.1:6379/0", "the run's live state", secret=True)
+    smtp_url: str = setting("SMTP_URL", "smtp://127.0.0.1:1025", "relays, comma-separated: "
+                            "smtp[s]://[user:pass@]host:port[?rate=R&daily=N]", secret=True)
+    shard_size: int = setting("CN_SHARD_SIZE", 100, "accounts a shard", 1, 100_000)
+    window: int = setting("CN_WINDOW", 0, "shards in flight; 0: two per render CPU of the cluster, at least 6",
+                          0, 100_000)
+    signers: int = setting("CN_SIGNERS", 0, "signer actors; 0: one per `signer` slot of the cluster", 0, 10_000)
+    mailers: int = setting("CN_MAILERS", 0, "mailer actors; 0: one per `smtp` slot", 0, 10_000)
+    smtp_connections: int = setting("CN_SMTP_CONNECTIONS", 4, "connections per relay, per mailer", 1, 1000)
+    smtp_idle_s: float = setting("CN_SMTP_IDLE_S", 30.0, "an idle relay connection is closed after this long",
+                                 0, 3600)
+    smtp_wait_s: float = setting("CN_SMTP_WAIT_S", 30.0, "the longest wait for one relay reply", 0.001, 3600)
+    smtp_max_per_conn: int = setting("CN_SMTP_MAX_PER_CONN", 1000, "messages a connection sends before it is "
+                                     "renewed", 1, 1_000_000)
+    smtp_helo: str = setting("CN_SMTP_HELO", "", "the name the mailers greet with (default: the host's)")
+    smtp_starttls: str = setting("CN_SMTP_STARTTLS", "auto", "auto, always (a relay without it gets no mail) or never")
+    smtp_ca_file: str = setting("CN_SMTP_CA_FILE", "", "the CA that the relays' certificates chain to")
+    smtp_attempts: int = setting("CN_SMTP_ATTEMPTS", 4, "tries of one mail on a temporary failure", 1, 100)
+    smtp_patience_s: float = setting("CN_SMTP_PATIENCE_S", 600.0, "how long a relay outage is waited out before "
+                                     "its mails fail", 0, 86_400)
+    domain_rates: str = setting("CN_DOMAIN_RATES", "", "DOMAIN=RATE,...: messages a second to each receiving "
+                                "domain, cluster-wide (each above 0)")
+    signer_key: str = setting("CN_SIGNER_KEY", str(DEFAULT_KEY_DIR / "signer.key.pem"), "the signing key (PEM)")
+    signer_cert: str = setting("CN_SIGNER_CERT", str(DEFAULT_KEY_DIR / "signer.cert.pem"),
+                               "the signing certificate (PEM)")
+    signer_chain: str = setting("CN_SIGNER_CHAIN", str(DEFAULT_KEY_DIR / "root.cert.pem"),
+                                "the certificates above it (PEM)")
+    signer_key_password: str | None = setting("CN_SIGNER_KEY_PASSWORD", None, "the signing key's password",
+                                              secret=True)
+    owner_password: str = setting("CN_OWNER_PASSWORD", PLACEHOLDER_OWNER_PASSWORD, "the PDFs' owner password "
+                                  "(`run` refuses the public placeholder but with --test-keys)", secret=True)
+    encryption: str = setting("CN_ENCRYPTION", "aes256", "aes256, or none")
+    pdf_tags: bool = setting("CN_PDF_TAGS", False, "tagged PDF: doubles render time and grows files ~8x")
+    sign_reason: str = setting("CN_SIGN_REASON", "Contract note issued under SEBI regulations", "the signature's "
+                               "reason")
+    sign_location: str = setting("CN_SIGN_LOCATION", "Bengaluru, India", "the signature's location")
+    sign_contact: str = setting("CN_SIGN_CONTACT", "compliance@broker.example.com", "the signature's contact")
+    mail_from: str = setting("CN_MAIL_FROM", "Contract Notes <contract-notes@broker.example.com>", "the From header")
+    mail_reply_to: str = setting("CN_MAIL_REPLY_TO", "Client Support <support@broker.example.com>",
+                                 "the Reply-To header")
+    holidays_file: str = setting("CN_HOLIDAYS_FILE", "", "the broker's trading-holiday list, laid over "
+                                 "pipeline/day/data/holidays.json")
+    state_ttl_s: int = setting("CN_STATE_TTL_S", 14 * 24 * 3600, "how long Redis keeps a run's state", 60,
+                               10 * 365 * 86_400)
+    api_token: str = setting("CN_API_TOKEN", "", "bearer token for reruns and unmasked PII in the status service",
+                             secret=True)
+    secret: str = setting("CN_SECRET", "", "where each signer and mailer reads the key and passwords: aws-sm:NAME "
+                          "or file:PATH (pipeline/credentials.py)")
+    spot_wait_s: float = setting("CN_SPOT_WAIT_S", 120.0, "no spot render node launched by then: on-demand is "
+                                 "asked for", 0, 86_400)
+    capacity_wait_s: float = setting("CN_CAPACITY_WAIT_S", 900.0, "a role still without a node by then: the run "
+                                     "stops (exit 2)", 0, 86_400)
+    lease_s: float = setting("CN_LEASE_S", 30.0, "seconds without a renewal before a driver's run, or a bounce "
+                             "reader, is taken over", 1, 3600)
+    head_grace_s: float = setting("CN_HEAD_GRACE_S", 60.0, "between the driver's exit and the head's end: the "
+                                  "job's status and logs flush", 0, 3600)
+    token_key: str = setting("CN_TOKEN_KEY", "", "keys the VERP and link HMACs; from the secret on a cluster",
+                             secret=True)
+    token_key_file: str = setting("CN_TOKEN_KEY_FILE", str(DEFAULT_KEY_DIR / "token.key"), "without CN_TOKEN_KEY "
+                                  "or a secret: the HMAC key's file, made once on one machine")
+    token_key_id: str = setting("CN_TOKEN_KEY_ID", "", "the fingerprint of the key a run recorded: a follow-up "
+                                "must find that key, never make one")
+    bounce_local: str = setting("CN_BOUNCE_LOCAL", "bounces", "MAIL FROM is bounce_local+TOKEN@bounce_domain")
+    bounce_domain: str = setting("CN_BOUNCE_DOMAIN", "bounces.broker.example.com", "its MX receives the bounces")
+    bounce_window_h: float = setting("CN_BOUNCE_WINDOW_H", 72.0, "hours after the run's end before `close` may "
+                                     "deem the mail delivered", 1, 720)
+    bounce_max_bytes: int = setting("CN_BOUNCE_MAX_BYTES", 5_000_000, "a bigger \"bounce\" is reported, never "
+                                    "parsed", 1, 1_000_000_000)
+    paper_due_days: int = setting("CN_PAPER_DUE_DAYS", 1, "days after the reason is known that a paper note is "
+                                  "due", 0, 30)
+    link_base: str = setting("CN_LINK_BASE", "http://127.0.0.1:8000", "the status service's public address, for "
+                             "the client's link")
+    link_days: float = setting("CN_LINK_DAYS", 90.0, "how long a client's link to their note works", 1, 3650)
+    tls_dir: str = setting("CN_TLS_DIR", "", "this node's ca.crt, node.crt, node.key from the cluster's CA: a "
+                           "rediss:// REDIS_URL uses them")
+    tsa_url: str = setting("CN_TSA_URL", "", "an RFC 3161 time-stamping authority: `close` timestamps the proof")
 
     def __post_init__(self) -> None:
         """A value outside its range stops whatever reads it, before anything is sent: a window of
         1e9 hours mailed a whole day and then crashed writing the report; one of 0 let `close`
         seal at once; links valid for 0 days went out expired."""
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            low, high = RANGES.get(f.name, (None, None))
+            value, (low, high) = getattr(self, f.name), f.metadata["range"]
             if f.type == "float" and not math.isfinite(value) or low is not None and not low <= value <= high:
                 limits = f" (from {low:g} to {high:g})" if low is not None else " (a finite number)"
-                raise ConfigError(f"{ENV_NAMES[f.name]}={value!r} is out of range{limits}")
+                raise ConfigError(f"{f.metadata['env']}={value!r} is out of range{limits}")
         self.domain_limits()
 
     @classmethod
@@ -113,9 +147,9 @@ class Settings:
         env = os.environ if env is None else env
         values = {}
         for f in dataclasses.fields(cls):
-            raw = env.get(ENV_NAMES[f.name])
+            raw = env.get(f.metadata["env"])
             if raw is not None and raw != "":
-                values[f.name] = _coerce(f.type, raw, ENV_NAMES[f.name])
+                values[f.name] = _coerce(f.type, raw, f.metadata["env"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values.get("tls_dir") and values.get("redis_url"):
             values["redis_url"] = with_tls_files(values["redis_url"], values["tls_dir"])
@@ -158,17 +192,7 @@ class Settings:
         return unquote(urlsplit(self.redis_url).username or "")
 
     def with_redis_password(self, password: str) -> "Settings":
-        return self._redis_as(self.redis_user(), password)
-
-    def for_render(self) -> "Settings":
-        """What render and split tasks get. With the head's Redis users (REDIS_URL names user
-        `cn`), the `render` user instead, whose password is derived from `cn`'s: the render
-        nodes cannot read the secret, and the password that could erase a mail guard never
-        reaches them (pipeline/record/redis_acl.py)."""
-        password = unquote(urlsplit(self.redis_url).password or "")
-        if self.redis_user() != REDIS_ADMIN or not password:
-            return self
-        return self._redis_as(REDIS_RENDER, render_redis_password(password))
+        return self.redis_as(self.redis_user(), password)
 
     def for_actors(self) -> "Settings":
         """What signer and mailer actors get: with a secret, `cn`'s password is left out (each
@@ -176,20 +200,20 @@ class Settings:
         the HMAC key read here (an actor's working folder is not the driver's)."""
         if not self.secret:
             return dataclasses.replace(self, token_key=self.hmac_key().decode())
-        return self._redis_as(REDIS_ADMIN) if self.redis_user() == REDIS_ADMIN else self
+        return self.redis_as(REDIS_ADMIN) if self.redis_user() == REDIS_ADMIN else self
 
-    def _redis_as(self, user: str, password: str = "") -> "Settings":
+    def redis_as(self, user: str, password: str = "") -> "Settings":
         parts = urlsplit(self.redis_url)
         login = quote(user, safe="") + (f":{quote(password, safe='')}" if password else "")
         return dataclasses.replace(self, redis_url=parts._replace(
             netloc=f"{login}@{parts.hostname}:{parts.port or 6379}").geturl())
 
     def hmac_key(self) -> bytes:
-        """The key of the VERP and link HMACs: CN_TOKEN_KEY, or the secret's once resolved
-        (pipeline/credentials.py), or on one machine a key file made once, so that `bounces`
-        and the status service, run later, check what the run signed. With `token_key_id`
-        (a follow-up of a run that recorded its key) the key must be that one: a new key would
-        sign what no earlier link or VERP address matches."""
+        """The key of the VERP and link HMACs: CN_TOKEN_KEY, or the secret's once resolved, or
+        on one machine the key file that credentials.resolve makes once, so that `bounces` and
+        the status service, run later, check what the run signed. With `token_key_id` (a
+        follow-up of a run that recorded its key) the key must be that one: a new key would sign
+        what no earlier link or VERP address matches."""
         key = self._hmac_key()
         if self.token_key_id and key_id(key) != self.token_key_id:
             raise ConfigError(f"the HMAC key ({self.token_key_source()}) is not the one the run signed its links "
@@ -207,16 +231,11 @@ class Settings:
         if self.secret:
             raise ConfigError(f"CN_SECRET {self.secret}: no token_key (python -m pipeline secret-json makes one)")
         path = Path(self.token_key_file)
-        if not path.exists() and self.token_key_id:
-            raise ConfigError(f"the run's HMAC key file {path} is missing (key id {self.token_key_id}): it is never "
-                              "made anew for a run that has one; restore it, or set CN_TOKEN_KEY_FILE")
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with open(path, "x", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-                    f.write(secrets.token_hex(32))
-            except FileExistsError:  # another process made it first: theirs is the key
-                pass
+            raise ConfigError(f"the run's HMAC key file {path} is missing (key id {self.token_key_id}): it is never "
+                              "made anew for a run that has one; restore it, or set CN_TOKEN_KEY_FILE"
+                              if self.token_key_id else f"the HMAC key file {path} is missing: a run makes it on one "
+                              "machine; or set CN_TOKEN_KEY, or CN_TOKEN_KEY_FILE to the run's")
         return path.read_text().strip().encode()
 
     def anchored(self) -> "Settings":
@@ -245,12 +264,6 @@ class Settings:
 
 
 KEY_FILES = ("signer_key", "signer_cert", "signer_chain", "token_key_file")
-RANGES = {  # each documented in the README's settings table
-    "bounce_window_h": (1, 720),  # an hour to 30 days: a bounce comes within days, and paper is owed after
-    "link_days": (1, 3650),
-    "paper_due_days": (0, 30),
-    "lease_s": (1, 3600),
-}
 
 
 TLS_CA, TLS_CERT, TLS_KEY = "ca.crt", "node.crt", "node.key"  # a node's folder (CN_TLS_DIR; tls/ca.py)
@@ -285,74 +298,16 @@ def key_id(key: bytes) -> str:
 
 
 def aws_region(env: dict[str, str] | None = None) -> str | None:
-    """The region boto3 is given: AWS_REGION (what the README sets), else AWS_DEFAULT_REGION
+    """The region boto3 is given: AWS_REGION (what docs/aws.md sets), else AWS_DEFAULT_REGION
     (what botocore alone reads)."""
     env = os.environ if env is None else env
     return env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
 
 
-REDIS_ADMIN, REDIS_RENDER = "cn", "render"  # the head's Redis users (pipeline/record/redis_acl.py)
+REDIS_ADMIN = "cn"  # the head's Redis user for the driver and actors (pipeline/record/redis_acl.py)
 
 
-def render_redis_password(password: str) -> str:
-    """Derived, so that the head's ACL file and the driver agree without a second secret."""
-    return hmac.new(password.encode(), b"contract-notes redis user render", hashlib.sha256).hexdigest()
-
-
-ENV_NAMES = {
-    "store_url": "CN_STORE",
-    "redis_url": "REDIS_URL",
-    "smtp_url": "SMTP_URL",
-    "shard_size": "CN_SHARD_SIZE",
-    "window": "CN_WINDOW",
-    "signers": "CN_SIGNERS",
-    "mailers": "CN_MAILERS",
-    "smtp_connections": "CN_SMTP_CONNECTIONS",
-    "smtp_idle_s": "CN_SMTP_IDLE_S",
-    "smtp_wait_s": "CN_SMTP_WAIT_S",
-    "smtp_max_per_conn": "CN_SMTP_MAX_PER_CONN",
-    "smtp_helo": "CN_SMTP_HELO",
-    "smtp_starttls": "CN_SMTP_STARTTLS",
-    "smtp_ca_file": "CN_SMTP_CA_FILE",
-    "smtp_attempts": "CN_SMTP_ATTEMPTS",
-    "smtp_patience_s": "CN_SMTP_PATIENCE_S",
-    "domain_rates": "CN_DOMAIN_RATES",
-    "signer_key": "CN_SIGNER_KEY",
-    "signer_cert": "CN_SIGNER_CERT",
-    "signer_chain": "CN_SIGNER_CHAIN",
-    "signer_key_password": "CN_SIGNER_KEY_PASSWORD",
-    "owner_password": "CN_OWNER_PASSWORD",
-    "encryption": "CN_ENCRYPTION",
-    "pdf_tags": "CN_PDF_TAGS",
-    "sign_reason": "CN_SIGN_REASON",
-    "sign_location": "CN_SIGN_LOCATION",
-    "sign_contact": "CN_SIGN_CONTACT",
-    "mail_from": "CN_MAIL_FROM",
-    "mail_reply_to": "CN_MAIL_REPLY_TO",
-    "holidays_file": "CN_HOLIDAYS_FILE",
-    "state_ttl_s": "CN_STATE_TTL_S",
-    "api_token": "CN_API_TOKEN",
-    "secret": "CN_SECRET",
-    "spot_wait_s": "CN_SPOT_WAIT_S",
-    "capacity_wait_s": "CN_CAPACITY_WAIT_S",
-    "head_grace_s": "CN_HEAD_GRACE_S",
-    "lease_s": "CN_LEASE_S",
-    "token_key": "CN_TOKEN_KEY",
-    "token_key_file": "CN_TOKEN_KEY_FILE",
-    "token_key_id": "CN_TOKEN_KEY_ID",
-    "bounce_local": "CN_BOUNCE_LOCAL",
-    "bounce_domain": "CN_BOUNCE_DOMAIN",
-    "bounce_window_h": "CN_BOUNCE_WINDOW_H",
-    "bounce_max_bytes": "CN_BOUNCE_MAX_BYTES",
-    "paper_due_days": "CN_PAPER_DUE_DAYS",
-    "link_base": "CN_LINK_BASE",
-    "link_days": "CN_LINK_DAYS",
-    "tsa_url": "CN_TSA_URL",
-    "tls_dir": "CN_TLS_DIR",
-}
-
-
-class ConfigError(ValueError):
+class ConfigError(CannotRun, ValueError):
     pass
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from pipeline import credentials
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis, start_smtp_sink
 from pipeline.seal.sign import make_test_certificate
@@ -110,6 +111,7 @@ def smtp_sink(smtp_server):
 @pytest.fixture(scope="session")
 def keys_dir(session_dir) -> Path:
     make_test_certificate(session_dir / "keys")
+    credentials.resolve(Settings(token_key_file=str(session_dir / "keys" / "token.key")))  # the HMAC key, as a run makes it
     return session_dir / "keys"
 
 

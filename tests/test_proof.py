@@ -113,6 +113,32 @@ def test_the_first_object_edited_and_every_later_link_forged_is_named(closed_run
     assert not found["ok"] and found["first_problem"].startswith(f"{objects[0].relative_to(root)}: changed"), found
 
 
+@pytest.mark.parametrize("removed", [0, 1])
+def test_an_object_removed_from_a_sealed_chain_is_named_as_removed(closed_run, tmp_path, removed):
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    assert len(objects) > removed + 1, "the shard has an object after the one removed"
+    objects[removed].unlink()
+    found = verified(root, run_id)
+    assert not found["ok"] and exit_status(found) == 1
+    assert found["first_problem"].startswith(f"{objects[removed].relative_to(root)}: removed"), found
+
+
+def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_that_could_not_run(closed_run, tmp_path,
+                                                                                                 capsys):
+    settings, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    (root / proof.proof_keys(run_id)[0]).write_bytes(b"\x00 not json at all")
+    found = verified(root, run_id)
+    assert not found["ok"] and found["sealed"] and exit_status(found) == 1, found
+    assert found["first_problem"].startswith(f"{proof.proof_keys(run_id)[0]}: changed"), found
+    (root / proof.proof_keys(run_id)[0]).write_text('{"heads": "a string"}')
+    assert exit_status(verified(root, run_id)) == 1
+    assert main(["verify", run_id, "--store", str(root)]) == 1
+    assert "changed" in capsys.readouterr().err
+
+
 def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(closed_run, tmp_path):
     _, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")

@@ -16,7 +16,8 @@ from pipeline.record import delivery_log, keys
 from pipeline.record.redis_acl import acl_file
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.settings import Settings, render_redis_password
+from pipeline.credentials import for_render, render_redis_password
+from pipeline.settings import Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 from tests.test_hostile_input import INNOCENTS, trades_for
 from tests.test_note_correctness import DATE, write_day
@@ -48,7 +49,7 @@ def test_nothing_is_answered_without_a_password(head_redis):
 
 def test_the_render_user_splits_renders_and_restores_but_cannot_erase_a_guard_or_touch_the_run(head_redis, tmp_path):
     driver = head_redis.with_redis_password(PASSWORD)
-    render = driver.for_render()
+    render = for_render(driver)
     assert render.redis_url.startswith("redis://render:") and PASSWORD not in render.redis_url
     assert driver.for_actors().redis_url == head_redis.redis_url, "actors read the password from the secret"
     run_id = f"acl-{time.time_ns()}"

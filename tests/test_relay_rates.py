@@ -26,7 +26,7 @@ from pipeline.cluster.plan import plan
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.mail.pacing import relay_wide, reply_kind
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
-from pipeline.record import rates
+from pipeline.record import keys, rates
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.settings import ConfigError, Settings, parse_smtp_url
@@ -54,7 +54,7 @@ def throttles_after_first_cut(replies: Path) -> int:
 
 def _flush(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
-    for key in r.scan_iter(rates.PREFIX + "*"):
+    for key in r.scan_iter(keys.RATE_PREFIX + "*"):
         r.delete(key)
 
 
@@ -183,7 +183,7 @@ def test_two_mailers_hold_a_relay_to_its_rate_and_every_account_is_mailed_once(r
     ids = Counter(m["Message-ID"] for m in outbox_messages(relay.outbox))
     assert len(ids) == MAILS and max(ids.values()) == 1
     assert RunState(s.redis_url, "rates-one-relay").counts()["delivered"] == MAILS
-    assert len(list(redis.Redis.from_url(s.redis_url).scan_iter(rates.PREFIX + "*"))) == 1  # no key per mail
+    assert len(list(redis.Redis.from_url(s.redis_url).scan_iter(keys.RATE_PREFIX + "*"))) == 1  # no key per mail
 
 
 def test_a_rate_set_above_what_the_relay_takes_is_cut_by_its_throttles_and_nothing_is_lost(ray_session, settings,

@@ -17,12 +17,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pipeline.errors import CannotRun
+
 log = logging.getLogger("pipeline.cluster.capacity")
 ROLES = ("render", "signer", "smtp")
 ONDEMAND = "ondemand"  # cluster.yaml: only render_ondemand offers it
 
 
-class CapacityError(RuntimeError):
+class CapacityError(CannotRun, RuntimeError):
     """No node for a role the day needs came up in time."""
 
 

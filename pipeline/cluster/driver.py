@@ -30,7 +30,7 @@ from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
-from pipeline.followup import located, restore
+from pipeline.followup import located
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
@@ -44,7 +44,7 @@ from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.rates import RedisBuckets
-from pipeline.record.state import RunClosed, RunState, redis_client
+from pipeline.record.state import RunState, redis_client
 from pipeline.record.storage import StorageError, check_create_only, open_store
 from pipeline.seal.sign import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
@@ -198,7 +198,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
-        splitting = Split.start(settings.for_render(), run_id, req.trade_date, req.input_url,
+        splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
                                 int(ray.cluster_resources().get("render", 0)), resume, watch)
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
@@ -315,22 +315,14 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     its report and delivery log in storage first (pipeline/followup/restore.py). It mails through
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
     unless `store` names a copy of its record (--store), and says which it uses."""
-    found = located.locate(settings, run_id, store, writes=True, command="rerun")
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    with held(state, settings.lease_s) as lease:
-        summary = _rerun(found.settings, state, lease, accounts, failed, force, unconfirmed, relays)
-    return {**summary, "store": found.settings.store_url, "store_from": found.source}
+    with located.open_run(settings, run_id, store, command="rerun") as run:
+        summary = _rerun(run, accounts, failed, force, unconfirmed, relays)
+    return {**summary, "store": run.settings.store_url, "store_from": run.source}
 
 
-def _rerun(settings: Settings, state: RunState, lease: Lease, accounts: list[str] | None, failed: bool, force: bool,
-           unconfirmed: bool, relays: str | None) -> dict:
-    run_id = state.run_id
-    meta = state.meta()
-    if not meta:  # its Redis is gone (a cluster's ends with the cluster): the run comes back from storage
-        meta = restore.from_storage(open_store(settings.store_url), state, run_id)
-    if meta.get("closed_at"):
-        raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed under it (its "
-                        "failed and bounced accounts are on the paper list)")
+def _rerun(run: located.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
+           relays: str | None) -> dict:
+    settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
     relays = relays or recorded or credentials.resolve(settings).relays()
@@ -448,7 +440,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
     pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
     window = _size(settings, signers, mailers)
-    render_settings = settings.for_render()
+    render_settings = credentials.for_render(settings)
     queue = list(reversed(units))
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0

@@ -165,7 +165,7 @@ def head_for(redis_gib: float) -> NodeType:
 
 
 def capacity_table(deadline_min: float = 25, sizes=(100_000, 500_000, 1_500_000, 3_000_000, 5_000_000)) -> str:
-    """The README's capacity table (`plan --table`), so the README can say what `plan` says."""
+    """docs/aws.md's capacity table (`plan --table`), so the docs can say what `plan` says."""
     lines = ["| accounts | client + trade rows | render c6a.8xlarge | signer/SMTP c6a.2xlarge | split | report "
              "| expected | cost | head (its Redis) | head kept 14 days |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     rates = Rates.measured()

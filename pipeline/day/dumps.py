@@ -17,6 +17,8 @@ from functools import lru_cache
 from operator import attrgetter
 from typing import Mapping
 
+from pipeline.errors import CannotRun
+
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
 TRADE_FIELDS = [
     "trade_date", "exchange", "segment", "settlement_no", "ucc", "order_no", "order_time",
@@ -47,7 +49,7 @@ PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}}
 STATUSES = {"11", "12", "13"}
 
 
-class InputError(ValueError):
+class InputError(CannotRun, ValueError):
     """A whole input file is unusable (missing, unreadable, a column missing): the run cannot start."""
 
 

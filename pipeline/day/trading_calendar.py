@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from pipeline.errors import CannotRun
+
 HOLIDAYS_FILE = Path(__file__).parent / "data" / "holidays.json"
 EXCHANGES = ("NSE", "BSE")
 
 
-class CalendarError(ValueError):
+class CalendarError(CannotRun, ValueError):
     pass
 
 

@@ -30,13 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipeline import credentials
-from pipeline.followup import located, restore
-from pipeline.day.split import load_manifest
+from pipeline.followup import located
 from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source
 from pipeline.record import delivery_log, keys, report
-from pipeline.record.lease import held, reader
-from pipeline.record.state import RunNotFound, RunState
+from pipeline.record.lease import reader
+from pipeline.record.state import RunState
 from pipeline.record.storage import read_json
 from pipeline.settings import Settings
 
@@ -78,15 +77,15 @@ class Found:
 def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
             on_applied=lambda kind, n: None, store_url: str | None = None) -> dict:
     """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record."""
-    found = located.locate(settings, run_id, store_url, writes=True, command="bounces")
-    settings, store = credentials.resolve(found.settings), found.store  # the secret's token_key checks the tokens
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    split = load_manifest(store, run_id)
-    if split is None:
-        raise RunNotFound(f"no run {run_id!r} in {settings.store_url}")
-    if not state.exists():  # its Redis is gone (a cluster's ends with the cluster): the record has it
-        with held(state, settings.lease_s):
-            restore.from_storage(store, state, run_id)
+    with located.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
+        return {"run_id": run_id, **run.where(), "sources": [describe(s) for s in sources],
+                **_collect(run, sources, watch, every_s, on_applied)}
+
+
+def _collect(run: located.OpenRun, sources: list[str], watch: bool, every_s: float, on_applied) -> dict:
+    """Not under the run's lease: bounces are read while a rerun mails (`reader` keeps it to one reader)."""
+    settings = credentials.resolve(run.settings)  # the secret's token_key checks the tokens
+    store, state, split, run_id = run.store, run.state, run.split, run.state.run_id
     boxes = [open_source(s, settings.bounce_max_bytes) for s in sources]
     v, tally = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key()), Tally()
     written = time.monotonic()
@@ -114,8 +113,7 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
                 box.close()
             if watch:  # stopped while watching: what was recorded reaches the report
                 _report_level(store, state, run_id, settings.paper_due_days)
-    return {"run_id": run_id, "store": store.url, "store_from": found.source,
-            "sources": [describe(s) for s in sources], "read": tally.read,
+    return {"read": tally.read,
             "bounced": tally.applied["bounced"], "deferred": tally.applied["deferred"],
             "unchanged": tally.unchanged, "refused": tally.refused, "token_mismatch": tally.token_mismatch,
             "refused_after_close": tally.refused_after_close, "left_for_other_runs": tally.left_for_other_runs,

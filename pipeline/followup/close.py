@@ -24,48 +24,38 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.followup import located, restore
+from pipeline.errors import CannotRun
+from pipeline.followup import located
 from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
-from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.keys import proof_keys, timestamp_key
-from pipeline.record.lease import held
-from pipeline.record.state import RunNotFound, RunState
 from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.settings import Settings
 
 
-class WindowOpen(RuntimeError):
+class WindowOpen(CannotRun, RuntimeError):
     pass
 
 
-class SealBroken(RuntimeError):
+class SealBroken(CannotRun, RuntimeError):
     """A sealed run whose record no longer matches its seal: named, never sealed again."""
 
 
 def close(settings: Settings, run_id: str, now: float | None = None, store_url: str | None = None) -> dict:
     """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
     and key (located.py), unless `store_url` names a copy of its record."""
-    found = located.locate(settings, run_id, store_url, writes=True, command="close")
-    settings, store = found.settings, found.store
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    split = load_manifest(store, run_id)
-    if split is None:
-        raise RunNotFound(f"no run {run_id!r} in {settings.store_url}")
     now = time.time() if now is None else now
-    where = {"run_id": run_id, "store": store.url, "store_from": found.source}
-    with held(state, settings.lease_s):
+    with located.open_run(settings, run_id, store_url, command="close", restored=False) as run:
+        settings, store, state, where = run.settings, run.store, run.state, {"run_id": run_id, **run.where()}
         if store.exists(proof_keys(run_id)[0]):  # sealed once: shown, never sealed again
             checked = verify(store, run_id)
             if not checked["ok"]:
                 raise SealBroken(f"run {run_id} was sealed, and its record no longer matches the seal: "
                                  f"{checked['first_problem']}")
             return {**where, "already_sealed": True, **_sealed(store, run_id)}
-        if not state.exists():
-            restore.from_storage(store, state, run_id)
-        meta = state.meta()
+        meta = run.meta()
         if not meta.get("finished"):
             raise WindowOpen(f"run {run_id} has not finished: its bounce window has not begun")
         hours = float(meta.get("bounce_window_h") or settings.bounce_window_h)
@@ -76,7 +66,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         if not meta.get("closed_at"):
             state.update_meta(closed_at=now, bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        seal(settings, store, run_id, _close_chains(store, run_id, split.shards, float(state.meta()["closed_at"])))
+        seal(settings, store, run_id, _close_chains(store, run_id, run.split.shards, float(state.meta()["closed_at"])))
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 
 

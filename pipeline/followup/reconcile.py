@@ -12,37 +12,22 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.followup import located, restore
-from pipeline.day.split import load_manifest
+from pipeline.followup import located
 from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
-from pipeline.record.lease import held
 from pipeline.record.records import Outcome
-from pipeline.record.state import RunClosed, RunNotFound, RunState
-from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 
 
 def reconcile(settings: Settings, run_id: str, relay_logs: list[Path], store: str | None = None) -> dict:
     """Under the run's lease: no driver mails the run while its accounts are settled. On the
     run's own store (located.py) unless `store` names a copy of its record."""
-    found = located.locate(settings, run_id, store, writes=True, command="reconcile")
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
-    with held(state, settings.lease_s):
-        return {**_reconcile(found.settings, state, relay_logs), "store": found.settings.store_url,
-                "store_from": found.source}
+    with located.open_run(settings, run_id, store, command="reconcile") as run:
+        return {**_reconcile(run, relay_logs), **run.where()}
 
 
-def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> dict:
-    run_id = state.run_id
-    store = open_store(settings.store_url)
-    split = load_manifest(store, run_id)
-    if split is None:
-        raise RunNotFound(f"no run {run_id!r} in storage")
-    if not state.exists():  # its Redis is gone (a cluster's ends with the cluster)
-        restore.from_storage(store, state, run_id)
-    if state.meta().get("closed_at"):
-        raise RunClosed(f"run {run_id} was closed and its record sealed: nothing is settled under it any more")
+def _reconcile(run: located.OpenRun, relay_logs: list[Path]) -> dict:
+    run_id, state, store, settings = run.state.run_id, run.state, run.store, run.settings
     accepted = relay_log.accepted_ids(relay_logs)
     unconfirmed = state.unconfirmed()
     records = state.accounts(unconfirmed)
@@ -53,7 +38,7 @@ def _reconcile(settings: Settings, state: RunState, relay_logs: list[Path]) -> d
                for u in unconfirmed if records.get(u, {}).get("message_id") in accepted]
     by_shard = defaultdict(list)
     for o in settled:
-        by_shard[keys.shard_of(o.ucc, split.shard_count)].append(delivery_log.entry(o))
+        by_shard[keys.shard_of(o.ucc, run.split.shard_count)].append(delivery_log.entry(o))
     for shard, entries in by_shard.items():
         delivery_log.append(store, run_id, shard, entries)
     state.record(settled)

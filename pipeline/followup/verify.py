@@ -55,12 +55,13 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
         raise RunNotFound(f"no run {run_id!r} in {store.url}")
     json_key = keys.report_keys(run_id)[0]
     run_report = read_report(store, json_key) if store.exists(json_key) else {}
-    proof, problems = _proof(store, run_id), []
+    problems: list[str] = []
+    proof, has_proof = _proof(store, run_id, problems), store.exists(proof_keys(run_id)[0])
     signer, stamped = "", {}
     if proof is not None:
         signer = _signer(store, run_id, proof["data"], cert_pem, run_report, problems)
         stamped = _timestamp(store, run_id, proof, tsa_cert_pem, problems)
-    closed = bool(proof) or bool((run_report.get("bounce_window") or {}).get("closed_at"))
+    closed = has_proof or bool((run_report.get("bounce_window") or {}).get("closed_at"))
     objects = after_seal = was_closed = 0
     with tempfile.TemporaryDirectory() as tmp:
         db = sqlite3.connect(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
@@ -70,7 +71,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             problems += [c.problem] if c.problem else []
             db.executemany("INSERT OR REPLACE INTO log VALUES (?, ?, ?)",
                            ((u, st, c.where.get(u, "")) for u, st in c.statuses.items()))
-        if proof is None and (was_closed or closed):
+        if not has_proof and (was_closed or closed):
             evidence = f"{was_closed} chains hold a closing object" if was_closed else "its report says closed_at"
             problems.insert(0, f"{proof_keys(run_id)[0]}: removed (the run was closed: {evidence})")
         if proof is not None:
@@ -83,7 +84,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     ok = not problems
     summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if proof else
                                    "not sealed: consistent so far, not yet proof")
-    return {"run_id": run_id, "sealed": proof is not None, "signed_by": signer, "timestamp": stamped,
+    return {"run_id": run_id, "sealed": has_proof, "signed_by": signer, "timestamp": stamped,
             "shards": len(split.shards), "log_objects": objects, "added_after_seal": after_seal, "ok": ok,
             "summary": summary,
             "first_problem": problems[0] if problems else None, "problems": problems[:100]}
@@ -93,7 +94,10 @@ def exit_status(result: dict) -> int:
     return 1 if not result["ok"] else 0 if result["sealed"] else 3
 
 
-def _proof(store: Store, run_id: str) -> dict | None:
+def _proof(store: Store, run_id: str, problems: list[str]) -> dict | None:
+    """The proof as the seal wrote it, or None. One that is no longer a proof is a changed
+    object of the record (exit 1), not a command that could not run: a script that retries on
+    2 must not pass over a tampered seal."""
     key = proof_keys(run_id)[0]
     if not store.exists(key):
         return None
@@ -104,9 +108,10 @@ def _proof(store: Store, run_id: str) -> dict | None:
         if not isinstance(proof["heads"], list) or not isinstance(proof["reports"], dict) \
                 or not isinstance(objects, dict):
             raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise StorageError(f"{store.url}: {key} is not a proof (edited?)") from None
-    return {**proof, "objects": {int(s): h for s, h in objects.items()}, "data": data}
+        return {**proof, "objects": {int(s): h for s, h in objects.items()}, "data": data}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        problems.append(f"{key}: changed (it is no longer a proof the seal could have written)")
+        return None
 
 
 def _signer(store: Store, run_id: str, data: bytes, cert_pem: bytes | None, run_report: dict,
@@ -156,7 +161,12 @@ def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, clos
     found, chain = delivery_log.chain_keys(store, run_id, shard), Chain(shard)
     prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
     for i, key in enumerate(found):
-        n, data = i + 1, store.get(key)
+        n = i + 1
+        if _seq(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
+            chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
+                            f"{prev_key or 'its start'} to {key})"
+            return chain
+        data = store.get(key)
         sha = hashlib.sha256(data).hexdigest()
         chain.objects = n
         if sealed is not None and n <= len(sealed) and sha != sealed[i]:
@@ -200,10 +210,12 @@ def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, clos
     return chain
 
 
+def _seq(key: str) -> int:
+    """The number a chained object's name gives it (delivery_log.object_key)."""
+    return int(key.rsplit("/", 1)[1][:8])
+
+
 def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:
-    if header["seq"] > n and key == delivery_log.object_key(run_id, shard, header["seq"]):
-        return f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
-               f"{prev_key or 'its start'} to {key})"
     return f"{key}: out of place (it says run {header['run']} shard {header['shard']} number {header['seq']}; " \
            f"number {n} of shard {shard} belongs here)"
 

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
+from pipeline.errors import CannotRun
 
-class MailboxError(RuntimeError):
+
+class MailboxError(CannotRun, RuntimeError):
     pass
 
 

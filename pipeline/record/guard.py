@@ -10,11 +10,12 @@ from typing import Iterable
 
 import redis
 
+from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.lease import LeaseLostError
 
 
-class StateLostError(RuntimeError):
+class StateLostError(CannotRun, RuntimeError):
     """Redis no longer holds this run (flushed, or restarted without persistence): mailing
     on would resend what the lost mail guard was protecting."""
 

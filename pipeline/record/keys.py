@@ -14,6 +14,8 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:bounce-reader string the one `bounces` reader of the run (JSON), while it renews
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
+  cn:rate:relay:{host}:{port} hash  a relay's send rate, shared by every mailer of every run (rates.py)
+  cn:rate:domain:{domain}    hash   a receiving domain's send rate (CN_DOMAIN_RATES), likewise
 
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
   {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
@@ -95,6 +97,14 @@ def note_sequence_lock(fy: str) -> str:
 
 def note_sequence(fy: str) -> str:
     return f"cn:noteseq:{fy}"
+
+
+RATE_PREFIX = "cn:rate:"
+
+
+def rate_bucket(name: str) -> str:
+    """A rate bucket's hash: `name` is relay:HOST:PORT or domain:DOMAIN (pipeline/mail/relay.py)."""
+    return RATE_PREFIX + name
 
 
 def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-notes.invalid") -> str:

@@ -22,16 +22,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from pipeline.errors import CannotRun
 from pipeline.record import keys
 
 log = logging.getLogger("pipeline.record.lease")
 
 
-class LeaseHeldError(RuntimeError):
+class LeaseHeldError(CannotRun, RuntimeError):
     """Another live driver holds the run: this one must not start (exit status 2)."""
 
 
-class LeaseLostError(RuntimeError):
+class LeaseLostError(CannotRun, RuntimeError):
     """This driver stopped renewing for longer than the lease and another took the run over."""
 
 

@@ -1,7 +1,7 @@
 """Send rates shared by every mailer of every run on one Redis: a relay's or a receiving
 domain's messages a second, its throttle replies and its daily quota.
 
-Each bucket is one hash, `cn:rate:relay:HOST:PORT` or `cn:rate:domain:DOMAIN`, moved by one Lua
+Each bucket is one hash (record/keys.py: `cn:rate:relay:HOST:PORT`, `cn:rate:domain:DOMAIN`), moved by one Lua
 call. A mailer reserves a batch of send times at once (GCRA: the hash holds the theoretical
 arrival time, `tat`), so Redis is asked once per batch, not once per mail, and the times the
 cluster reserves never come closer together than the rate allows. The clock is Redis's, so
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import redis
 
+from pipeline.record.keys import RATE_PREFIX, rate_bucket
 from pipeline.record.state import redis_client
 
-PREFIX = "cn:rate:"
 RECOVERY = 0.05  # of the ceiling, a second
 FLOOR = 0.02  # of the ceiling: the lowest a cut may take a rate
 KEEP_S = 2 * 86400
@@ -90,27 +90,27 @@ class RedisBuckets:
 
     def take(self, name: str, want: int, ceiling: float, daily: int, horizon_s: float,
              unused: int = 0) -> tuple[int, float, float]:
-        n, start_in, rate = self._take(keys=[PREFIX + name], args=[want, repr(float(ceiling)), daily,
+        n, start_in, rate = self._take(keys=[rate_bucket(name)], args=[want, repr(float(ceiling)), daily,
                                                                   repr(float(horizon_s)), unused])
         return int(n), float(start_in), float(rate)
 
     def throttled(self, name: str, ceiling: float, pause_s: float) -> float:
-        return float(self._throttled(keys=[PREFIX + name], args=[repr(float(ceiling)), repr(float(pause_s))]))
+        return float(self._throttled(keys=[rate_bucket(name)], args=[repr(float(ceiling)), repr(float(pause_s))]))
 
     def stop_for_day(self, name: str) -> None:
-        self._stop(keys=[PREFIX + name])
+        self._stop(keys=[rate_bucket(name)])
 
     def resume(self, names: list[str]) -> list[str]:
         """Lifts the day's quota stop of these buckets (a rerun probes its relays again): the
         names that were stopped."""
-        return [n for n in names if self.r.hdel(PREFIX + n, "stopped")]
+        return [n for n in names if self.r.hdel(rate_bucket(n), "stopped")]
 
 
 def snapshot(r: redis.Redis, limit: int = 200) -> dict[str, dict]:
     """Every relay's and domain's rate now, its ceiling, throttle replies and quota state on this
     Redis (status, the live page): a few keys, one per relay and per paced domain. `r` decodes
     its replies (redis_client)."""
-    names = sorted(r.scan_iter(PREFIX + "*", count=100))[:limit]
+    names = sorted(r.scan_iter(RATE_PREFIX + "*", count=100))[:limit]
     seconds, micros = r.time()
     now, day = seconds + micros / 1e6, str(seconds // 86400)
     pipe = r.pipeline(transaction=False)
@@ -120,7 +120,7 @@ def snapshot(r: redis.Redis, limit: int = 200) -> dict[str, dict]:
     for name, h in zip(names, pipe.execute()):
         ceiling = float(h.get("ceiling", 0))
         rate = min(ceiling, float(h.get("rate", 0)) + (now - float(h.get("at", now))) * ceiling * RECOVERY)
-        shown[name.removeprefix(PREFIX)] = {
+        shown[name.removeprefix(RATE_PREFIX)] = {
             "rate_now": round(rate, 1), "ceiling": ceiling,
             "throttles": int(h.get("throttles", 0)), "cuts": int(h.get("cuts", 0)),
             "sent_today": int(h.get("sent", 0)) if h.get("day") == day else 0,

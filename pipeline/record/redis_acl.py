@@ -4,7 +4,7 @@
 driver, the signer and mailer actors, the operator's commands on the head) may do anything; its
 password is the secret's `redis_password`. `render` is for the render and split tasks, which
 run on the spot nodes that parse untrusted dumps and cannot read the secret: its password is
-derived from the secret's (settings.render_redis_password) and reaches them with their tasks.
+derived from the secret's (credentials.render_redis_password) and reaches them with their tasks.
 It may write account records and reserve note numbers, and add a mail guard, but never remove
 or expire one, nor touch a run's meta, epoch or lease, nor run an admin command: a render node
 cannot make a note go out twice. `python -m pipeline redis-acl` prints the file for `aclfile`.

@@ -15,17 +15,18 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.guard import MailGuard
 from pipeline.record.lease import RunLease
 from pipeline.record.records import STAGES, Records
 
 
-class RunNotFound(LookupError):
+class RunNotFound(CannotRun, LookupError):
     pass
 
 
-class RunClosed(RuntimeError):
+class RunClosed(CannotRun, RuntimeError):
     """The run was closed and its record sealed: nothing is mailed or settled under it again."""
 
 

@@ -18,13 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from pipeline.errors import CannotRun
 from pipeline.settings import aws_region
 
 
 IN_FLIGHT = 64  # requests a command keeps in flight (close, verify), and the S3 client's pool holds
 
 
-class StorageError(RuntimeError):
+class StorageError(CannotRun, RuntimeError):
     pass
 
 

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
 
+from pipeline.errors import CannotRun
 from pipeline.seal.pdfcrypt import PRINT_ONLY_P, attach_encryption, encrypt_objects, mark_encrypted, r6_keys
 
 TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
@@ -41,7 +42,7 @@ SAVE_OPTIONS = dict(object_stream_mode=pikepdf.ObjectStreamMode.disable, fix_met
 ENCRYPTIONS = ("aes256", "aes128", "none")
 
 
-class SignerSetupError(RuntimeError):
+class SignerSetupError(CannotRun, RuntimeError):
     """The key or certificate cannot be used: raised when an actor starts, not per note."""
 
 

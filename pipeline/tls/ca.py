@@ -23,14 +23,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pipeline.errors import CannotRun
 from pipeline.settings import TLS_CA, TLS_CERT, TLS_KEY
 
 CA_DAYS = 90  # a cluster lives hours (cluster.yaml's dead-man switch); a kept head, weeks
-NODE_DAYS = 30  # a cluster kept longer needs a new one (README)
+NODE_DAYS = 30  # a cluster kept longer needs a new one (docs/aws.md)
 CA_FILE, CERT_FILE, KEY_FILE, CA_KEY_FILE = TLS_CA, TLS_CERT, TLS_KEY, "ca.key"
 
 
-class TlsError(RuntimeError):
+class TlsError(CannotRun, RuntimeError):
     pass
 
 

@@ -1,0 +1,12 @@
+"""The error every package's "this command cannot start, or must stop" derives from.
+
+`python -m pipeline` answers each with exit status 2 and one line, `error: ...` (the cause
+named: a file and row, a setting, a store, a run). Each concrete error also keeps the builtin
+it always was (InputError is a ValueError), so a caller catches one type or a familiar one,
+as aiosmtplib's errors do. The lowest layer: it imports nothing.
+"""
+
+
+class CannotRun(Exception):
+    """The command cannot start (input, settings, storage, signer, calendar) or must stop
+    (the run's state lost, its lease taken, its record sealed)."""

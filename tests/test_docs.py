@@ -1,0 +1,74 @@
+"""The docs agree with the code: every setting has its row in docs/settings.md, made from its
+one declaration in pipeline/settings.py, and every link in the README and docs/ leads somewhere.
+
+    python -m tests.test_docs    prints the settings table, to paste after adding a setting
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from pipeline.settings import ROOT, Settings
+
+DOCS = sorted((Path(ROOT) / "docs").glob("*.md"))
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def settings_table() -> str:
+    rows = ["| setting | default | range | what |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Settings):
+        low, high = f.metadata["range"]
+        default = "none" if f.default in ("", None) else f"`{f.default}`"
+        limits = f"{low:g} to {high:g}" if low is not None else "a finite number" if f.type == "float" else ""
+        rows.append(f"| `{f.metadata['env']}` | {default} | {limits} | {f.metadata['what']} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_every_setting_has_its_row_as_declared():
+    page = (Path(ROOT) / "docs" / "settings.md").read_text()
+    assert settings_table() in page, "docs/settings.md's table differs from pipeline/settings.py: " \
+                                     "paste the output of `python -m tests.test_docs`"
+
+
+def test_a_setting_added_without_its_row_fails(monkeypatch):
+    added = dataclasses.make_dataclass("Added", [("extra", int, dataclasses.field(
+        default=1, metadata={"env": "CN_EXTRA", "range": (None, None), "what": "new"}))], bases=(Settings,), frozen=True)
+    monkeypatch.setattr("tests.test_docs.Settings", added)
+    assert settings_table() not in (Path(ROOT) / "docs" / "settings.md").read_text()
+
+
+def links(page: Path) -> list[str]:
+    return [m for m in LINK.findall(page.read_text()) if not m.startswith(("http://", "https://", "mailto:"))]
+
+
+def test_every_link_in_the_readme_and_docs_leads_to_a_file_and_heading_that_exist():
+    pages = [Path(ROOT) / "README.md", *DOCS]
+    broken = []
+    for page in pages:
+        for link in links(page):
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+                broken.append(f"{page.name}: {link} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_readme_links_every_docs_page_and_fits_on_a_screen():
+    readme = (Path(ROOT) / "README.md").read_text()
+    linked = {(Path(ROOT) / link.partition("#")[0]).resolve() for link in links(Path(ROOT) / "README.md")}
+    assert {p.resolve() for p in DOCS} <= linked, "a docs page the README does not link"
+    assert len(readme.splitlines()) <= 200
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors: a heading lower-cased, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)}
+
+
+if __name__ == "__main__":
+    print(settings_table(), end="")
