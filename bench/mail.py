@@ -9,7 +9,7 @@ pooling would look useless):
 Client CPU is the sending process's CPU time per mail. (b) runs twice: as today (no rate) and
 with the relay given a rate (?rate=, above what one mailer sends, so the figures compare like
 with like). The limiter alone (pipeline/mail/pacing.py against the real Redis: two mailers'
-pacers on one bucket, 4 sends each at a time, at 200 a second: SES's rate in the README, a
+pacers on one bucket, 4 sends each at a time, at 200 a second: SES's rate in docs/operations.md, a
 batch of 40 send times) gives its CPU and Redis calls per mail. Its CPU is mostly the event
 loop's timer wake-ups (20 a second at most, ~0.2 ms each on this VM), so per mail it falls
 as the rate rises.

@@ -200,7 +200,7 @@ def test_the_plan_command_prints_the_plan_from_the_benchmarks_own_figures():
 def test_the_readmes_capacity_table_is_what_plan_prints():
     table = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--table"], capture_output=True, text=True,
                            cwd=ROOT, check=True).stdout.strip()
-    assert table.count("\n") == 6 and table in (Path(ROOT) / "README.md").read_text()
+    assert table.count("\n") == 6 and table in (Path(ROOT) / "docs" / "aws.md").read_text()
 
 
 def cluster_run(env: dict, tmp_path) -> subprocess.CompletedProcess:
