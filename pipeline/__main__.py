@@ -112,6 +112,8 @@ STORE_HELP = ("where the run's record is, when Redis does not hold the run (defa
 STORE = arg("--store", help=STORE_HELP)
 RUN_ID = arg("run_id", type=_run_id)
 ADDRESS = arg("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+PIN_CORRECTED = arg("--pin-corrected", action="store_true",
+                    help="the HSM refused the PIN before and it has been corrected: offer it once more")
 
 
 @command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
@@ -143,7 +145,8 @@ def cmd_synth(args) -> int:
              help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset"),
          arg("--accept-volatile-redis", action="store_true",
              help="run although Redis keeps nothing on disk (no AOF, no snapshots): a Redis restart then "
-                  "stops the run, and the same run id must be run again"))
+                  "stops the run, and the same run id must be run again"),
+         PIN_CORRECTED)
 def cmd_run(args) -> int:
     from actors import metrics
     from pipeline import credentials
@@ -156,13 +159,14 @@ def cmd_run(args) -> int:
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
         settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
                                                                          smtp_url=args.smtp), DEFAULT_KEY_DIR))
+        _pin_corrected(settings, args.pin_corrected)
         # The secret's values are checked here and read again by each actor: they never travel through Ray
         resolved = credentials.resolve(settings)
         if resolved.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
             raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                               "could lift the notes' permissions; set it, or pass --test-keys for a test run")
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
-        current.relay_rate = resolved.relay_rate()
+        current.relay_rate, current.hsm_rate = resolved.relay_rate(), resolved.hsm_ops_s
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
         preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
@@ -185,6 +189,14 @@ def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = F
                     "(not valid for real contract notes; set CN_SIGNER_KEY/CN_SIGNER_CERT)", key_dir)
         make_test_certificate(key_dir)
     return settings
+
+
+def _pin_corrected(settings: Settings, corrected: bool) -> None:
+    from pipeline import credentials
+
+    if corrected and settings.pkcs11_module and credentials.pin_corrected(settings):
+        log.info("the HSM's refusal of the PIN for token %r is forgotten: the PIN is offered once more",
+                 settings.pkcs11_token)
 
 
 def _on_redis(settings: Settings) -> Settings:
@@ -211,7 +223,8 @@ def cmd_plan(args) -> int:
         raise SystemExit("error: plan needs --accounts N (or --table)")
     settings = Settings.from_env()
     p = plan(args.accounts, args.deadline_min, rows=args.rows, retention_days=settings.state_ttl_s / 86400,
-             min_render_nodes=args.render_nodes, relay_rate=settings.relay_rate()).as_dict()
+             min_render_nodes=args.render_nodes, relay_rate=settings.relay_rate(),
+             hsm_rate=settings.hsm_ops_s).as_dict()
     print(f"{p['render_nodes']} x {p['render_instance']} (render) + {p['signer_smtp_nodes']} x "
           f"{p['signer_smtp_instance']} (signer/SMTP), head {p['head_instance']} ({p['head_kept_instance']} if "
           f"kept for the retention): the split of {p['rows']:,} rows {p['split_min']} min, about "
@@ -233,12 +246,13 @@ def cmd_plan(args) -> int:
          arg("--force", action="store_true", help="mail again accounts already delivered"),
          arg("--smtp", help="mail through this relay, smtp://[user:pass@]host:port (default: the run's own "
                             "relays, as it recorded them; not SMTP_URL)"),
-         ADDRESS, STORE)
+         ADDRESS, STORE, PIN_CORRECTED)
 def cmd_rerun(args) -> int:
     from pipeline.cluster.driver import init_ray, rerun
     from pipeline.record.state import RunNotFound
 
     settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
+    _pin_corrected(settings, args.pin_corrected)
     try:
         init_ray(settings, args.address)
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
@@ -485,7 +499,9 @@ def cmd_serve(args) -> int:
          arg("--date", type=_date, default=dt.date(2026, 11, 20)), arg("--seed", type=int, default=1),
          arg("--bounce-rate", type=float, default=0.0,
              help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "
-                  "VERP addresses, and the demo reads them back with `bounces`"))
+                  "VERP addresses, and the demo reads them back with `bounces`"),
+         arg("--file-key", action="store_true",
+             help="sign with a test key file instead of the key on a SoftHSM2 token the demo makes"))
 def cmd_demo(args) -> int:
     import ray
 
@@ -502,15 +518,10 @@ def cmd_demo(args) -> int:
         services.append(start_smtp_sink(work / "outbox", work / "smtp.log", [
             "--bounce-rate", str(args.bounce_rate), "--bounces", str(bounce_box)] if args.bounce_rate else []))
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
-                                     smtp_url=services[1].url,
-                                     signer_key=str(work / "keys" / "signer.key.pem"),
-                                     signer_cert=str(work / "keys" / "signer.cert.pem"),
-                                     signer_chain=str(work / "keys" / "root.cert.pem"),
-                                     token_key_file=str(work / "keys" / "token.key"),
+                                     smtp_url=services[1].url, token_key_file=str(work / "keys" / "token.key"),
                                      # unless one is set, a fresh owner password: the placeholder is public
                                      owner_password=None if os.environ.get("CN_OWNER_PASSWORD") else
-                                     secrets.token_urlsafe(24))
-        _with_test_key_if_default(settings, work / "keys", force=True)
+                                     secrets.token_urlsafe(24), **_demo_key(work, args.file_key))
         init_ray(settings)
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))
         summary["outbox"] = str(work / "outbox")
@@ -525,6 +536,26 @@ def cmd_demo(args) -> int:
             ray.shutdown()
         for service in reversed(services):
             service.stop()
+
+
+def _demo_key(work: Path, file_key: bool) -> dict:
+    """The demo signs as production does, with a key on a token: a SoftHSM2 token made once in
+    the workdir, its key and certificate labelled LOCAL TEST (SOFTHSM2_CONF set before Ray starts,
+    so the signer actors find it); with --file-key, a test key file as before."""
+    if file_key:
+        files = {"signer_key": "signer.key.pem", "signer_cert": "signer.cert.pem", "signer_chain": "root.cert.pem"}
+        settings = {k: str(work / "keys" / name) for k, name in files.items()}
+        _with_test_key_if_default(Settings(**settings), work / "keys", force=True)
+        return settings
+    from pipeline.seal.token import SOFTHSM, make_test_token
+
+    made = (work / "hsm" / "cn-demo.cert.pem").exists()
+    token = make_test_token(work / "hsm", label="cn-demo")
+    if not made:
+        log.warning("signing with a LOCAL TEST key made on a SoftHSM2 token in %s (not valid for real contract notes; "
+                    "a broker's key is on its HSM: docs/aws.md)", token.conf.parent)
+    return {"pkcs11_module": SOFTHSM, "pkcs11_token": token.label, "pkcs11_key": token.key_label,
+            "pkcs11_pin_file": str(token.pin_file), "signer_cert": str(token.cert), "signer_chain": str(token.chain)}
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ with its node's instance profile:
 
 The secret is one JSON object (make it with `python -m pipeline secret-json`):
 
-  signer_key_pem       PEM private key (RSA)                                  required
-  signer_cert_pem      PEM certificate of that key                            required
+  signer_key_pem       PEM private key (RSA or ECDSA P-256)                   required, unless pkcs11_pin
+  signer_cert_pem      PEM certificate of that key                            required, unless pkcs11_pin
+  pkcs11_pin           the HSM user's PIN (CN_PKCS11_MODULE: the key stays on the token; its
+                       certificate from signer_cert_pem, else from the token)    optional
   signer_chain_pem     PEM intermediate and root certificates                 optional
   signer_key_password  the key's password, when it is encrypted               optional
   owner_password       the PDFs' owner (permissions) password                 required
@@ -28,20 +30,30 @@ secret's `redis_password`.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from cryptography import x509
+
+from pipeline.record import keys
+from pipeline.record.state import redis_client
 from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
+from pipeline.seal.token import PinRefused, TokenConfig, TokenKey
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
 
-REQUIRED = ("signer_key_pem", "signer_cert_pem", "owner_password")
-OPTIONAL = ("signer_chain_pem", "signer_key_password", "smtp_url", "redis_password", "token_key")
+REQUIRED = ("owner_password",)
+KEY_FILE = ("signer_key_pem", "signer_cert_pem")  # required, but with a token (pkcs11_pin): then none of the key
+OPTIONAL = ("signer_key_pem", "signer_cert_pem", "signer_chain_pem", "signer_key_password", "smtp_url",
+            "redis_password", "token_key", "pkcs11_pin")
+log = logging.getLogger("pipeline.credentials")
 _ARN_REGION = re.compile(r"^arn:aws[\w-]*:secretsmanager:([a-z0-9-]+):")
 
 
@@ -63,7 +75,7 @@ def fetch(ref: str) -> dict[str, str]:
         raise ConfigError(f"CN_SECRET {ref}: not a JSON object") from None
     if not isinstance(secret, dict):
         raise ConfigError(f"CN_SECRET {ref}: not a JSON object")
-    missing = [k for k in REQUIRED if not secret.get(k)]
+    missing = [k for k in REQUIRED + (() if secret.get("pkcs11_pin") else KEY_FILE) if not secret.get(k)]
     if missing:
         raise ConfigError(f"CN_SECRET {ref}: missing {', '.join(missing)}")
     wrong = [k for k in (*REQUIRED, *OPTIONAL) if k in secret and not isinstance(secret[k], str)]
@@ -141,7 +153,9 @@ def for_render(settings: Settings) -> Settings:
 
 def read(settings: Settings) -> tuple[Settings, Signer]:
     """The resolved settings and the signing key, from one read of the secret (or, without
-    one, the settings' files)."""
+    one, the settings' files); with CN_PKCS11_MODULE, the key on the token."""
+    if settings.pkcs11_module:
+        return _from_token(settings, fetch(settings.secret) if settings.secret else {})
     if not settings.secret:
         _own_key_file(settings)
         try:
@@ -153,9 +167,88 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
             raise SignerSetupError(f"{e}: set CN_SECRET to the cluster's secret (aws-sm:NAME with AWS_REGION, or "
                                    "file:PATH), or CN_SIGNER_KEY and CN_SIGNER_CERT to the key's files") from None
     secret = fetch(settings.secret)
+    if not secret.get("signer_key_pem"):
+        raise ConfigError(f"CN_SECRET {settings.secret} holds a pkcs11_pin and no key: set CN_PKCS11_MODULE, "
+                          "CN_PKCS11_TOKEN and CN_PKCS11_KEY to sign with the token")
     return _laid_over(settings, secret), signer_from_pem(
         secret["signer_key_pem"].encode(), secret["signer_cert_pem"].encode(), secret.get("signer_key_password"),
         secret.get("signer_chain_pem", "").encode(), f"the signing key in {settings.secret}")
+
+
+def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, Signer]:
+    """The signer of a key that stays on its HSM: one login, never with a PIN the token refused
+    before (hsm_refusal), the certificate checked against the key by a probe signature."""
+    if secret.get("signer_key_pem") or settings.signer_key != Settings.signer_key:
+        raise ConfigError("CN_PKCS11_MODULE and a key file (" + ("the secret's signer_key_pem" if secret.get(
+            "signer_key_pem") else f"CN_SIGNER_KEY={settings.signer_key}") + ") are both set: a run signs with one "
+            "key; unset one")
+    config = TokenConfig(settings.pkcs11_module, settings.pkcs11_token, settings.pkcs11_key, settings.pkcs11_key_id,
+                         _pin(settings, secret), settings.pkcs11_sessions, settings.hsm_patience_s)
+    key = _logged_in.get(config)
+    if key is not None and not key.alive():  # the HSM was lost since (a rerun in the same process): log in anew
+        key.close()
+        key = None
+    key = key or _log_in(config, redis_client(settings.redis_url, patience_retries=0))
+    cert, chain = _token_certificate(settings, secret, key)
+    key.check_certificate(cert)
+    if key.extractable:
+        log.warning("the signing key on token %r is marked extractable: it can leave the HSM (CKA_EXTRACTABLE)",
+                    config.token)
+    about = {"key": "pkcs11", "token": config.token, "module": config.module, "extractable": key.extractable,
+             "sessions": key.sessions, "round_trip_ms": round(key.round_trip_s * 1000, 2)}
+    return _laid_over(settings, secret), Signer(key.sign, key.algorithm, cert, chain, key.sessions, about)
+
+
+_logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver's preflight, its run, its close
+
+
+def _log_in(config: TokenConfig, r) -> TokenKey:
+    refused = r.get(keys.hsm_pin_refused(config.token))
+    if refused:
+        raise PinRefused(f"the HSM refused the PIN for token {config.token!r} at {refused}: it is not "
+                         "offered again (an HSM locks its user after a few failures); once the PIN is corrected, run "
+                         "again with --pin-corrected")
+    try:
+        key = TokenKey(config)
+    except PinRefused:
+        r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        raise
+    _logged_in[config] = key
+    return key
+
+
+def pin_corrected(settings: Settings) -> bool:
+    """Forgets the token's refusal of a PIN (`--pin-corrected`): the next login may try once."""
+    return bool(redis_client(settings.redis_url, patience_retries=0).delete(keys.hsm_pin_refused(settings.pkcs11_token)))
+
+
+def _pin(settings: Settings, secret: dict[str, str]) -> str:
+    if secret.get("pkcs11_pin"):
+        return secret["pkcs11_pin"]
+    if settings.pkcs11_pin:
+        return settings.pkcs11_pin
+    if settings.pkcs11_pin_file:
+        try:
+            return Path(settings.pkcs11_pin_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"CN_PKCS11_PIN_FILE {settings.pkcs11_pin_file}: cannot read it ({e.strerror})") \
+                from None
+    raise ConfigError("CN_PKCS11_MODULE is set, but no PIN: the secret's pkcs11_pin, CN_PKCS11_PIN or "
+                      "CN_PKCS11_PIN_FILE")
+
+
+def _token_certificate(settings: Settings, secret: dict[str, str], key: TokenKey):
+    """The certificate and chain given (the secret's, or CN_SIGNER_CERT/CHAIN's files), else the token's."""
+    if secret.get("signer_cert_pem"):
+        return (x509.load_pem_x509_certificate(secret["signer_cert_pem"].encode()),
+                x509.load_pem_x509_certificates(secret["signer_chain_pem"].encode())
+                if secret.get("signer_chain_pem", "").strip() else [])
+    if Path(settings.signer_cert).is_file():
+        chain = Path(settings.signer_chain).read_bytes() if settings.signer_chain and \
+            Path(settings.signer_chain).is_file() else b""
+        return x509.load_pem_x509_certificate(Path(settings.signer_cert).read_bytes()), \
+            x509.load_pem_x509_certificates(chain) if chain.strip() else []
+    return key.certificate()
 
 
 def _laid_over(settings: Settings, secret: dict[str, str]) -> Settings:
@@ -181,9 +274,14 @@ def secret_json(settings: Settings) -> str:
         except OSError as e:
             raise ConfigError(f"cannot read {path}: {e.strerror}") from None
 
-    secret = {"signer_key_pem": read(settings.signer_key), "signer_cert_pem": read(settings.signer_cert),
-              "owner_password": settings.owner_password}
-    if settings.signer_chain:
+    if settings.pkcs11_module:  # the key stays on the HSM: its user's PIN instead, and the certificate if given
+        secret = {"pkcs11_pin": _pin(settings, {}), "owner_password": settings.owner_password}
+        if Path(settings.signer_cert).is_file():
+            secret["signer_cert_pem"] = read(settings.signer_cert)
+    else:
+        secret = {"signer_key_pem": read(settings.signer_key), "signer_cert_pem": read(settings.signer_cert),
+                  "owner_password": settings.owner_password}
+    if settings.signer_chain and (not settings.pkcs11_module or Path(settings.signer_chain).is_file()):
         secret["signer_chain_pem"] = read(settings.signer_chain)
     if settings.signer_key_password:
         secret["signer_key_password"] = settings.signer_key_password

@@ -81,6 +81,20 @@ class Settings:
                                "the signing certificate (PEM)")
     signer_chain: str = setting("CN_SIGNER_CHAIN", str(DEFAULT_KEY_DIR / "root.cert.pem"),
                                 "the certificates above it (PEM)")
+    pkcs11_module: str = setting("CN_PKCS11_MODULE", "", "the HSM's PKCS#11 library: with it, the notes are signed by "
+                                 "the key on the token and no key file is read (docs/aws.md)")
+    pkcs11_token: str = setting("CN_PKCS11_TOKEN", "", "the token's label")
+    pkcs11_key: str = setting("CN_PKCS11_KEY", "", "the private key's label on the token")
+    pkcs11_key_id: str = setting("CN_PKCS11_KEY_ID", "", "the private key's id (hex), instead of its label")
+    pkcs11_pin: str = setting("CN_PKCS11_PIN", "", "the token user's PIN (on a cluster: the secret's pkcs11_pin)",
+                              secret=True)
+    pkcs11_pin_file: str = setting("CN_PKCS11_PIN_FILE", "", "a file holding the PIN")
+    pkcs11_sessions: int = setting("CN_PKCS11_SESSIONS", 0, "signatures in flight per signer actor; 0: sized from "
+                                   "the HSM's measured round trip", 0, 64)
+    hsm_patience_s: float = setting("CN_HSM_PATIENCE_S", 60.0, "how long a signer tries to reconnect to a lost HSM "
+                                    "before it gives up (its notes fail; a rerun signs them)", 1, 3600)
+    hsm_ops_s: float = setting("CN_HSM_OPS_S", 0.0, "the HSM's signatures a second, for `plan` (CloudHSM publishes "
+                               "2,000 RSA-2048 a second for a cluster of two HSMs); 0: not known", 0, 1_000_000)
     signer_key_password: str | None = setting("CN_SIGNER_KEY_PASSWORD", None, "the signing key's password",
                                               secret=True)
     owner_password: str = setting("CN_OWNER_PASSWORD", PLACEHOLDER_OWNER_PASSWORD, "the PDFs' owner password "
@@ -242,11 +256,14 @@ class Settings:
         """These settings with every folder and file made absolute: what a run records and
         passes on, so that a command typed later, elsewhere, or a worker with another working
         folder, finds the same store and keys."""
-        files = {f: str(Path(getattr(self, f)).resolve()) for f in KEY_FILES + ("holidays_file",) if getattr(self, f)}
+        names = KEY_FILES + ("holidays_file", "pkcs11_pin_file")
+        files = {f: str(Path(getattr(self, f)).resolve()) for f in names if getattr(self, f)
+                 and not (self.pkcs11_module and f == "signer_key")}  # with a token, only a key named is a key
         return dataclasses.replace(self, store_url=absolute_store(self.store_url), **files)
 
     def uses_default_key(self) -> bool:
-        return not self.secret and self.signer_key == Settings.signer_key and self.signer_cert == Settings.signer_cert
+        return not self.secret and not self.pkcs11_module and self.signer_key == Settings.signer_key \
+            and self.signer_cert == Settings.signer_cert
 
     def summary(self) -> dict[str, str]:
         """What a run records about its configuration: no secrets, no credentials."""

@@ -168,18 +168,21 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
         raise LeaseLostError(f"run {batch.run_id}: the driver of shard {batch.shard} no longer holds the run: "
                              "nothing signed or archived")
     claimed = state.claimed([i["ucc"] for i in batch.items if i["pdf"] is not None])
+    for item in batch.items:
+        if item["ucc"] in claimed:
+            item["pdf"] = None  # mailed, or being mailed, from the archive
+    todo = [item for item in batch.items if item["pdf"] is not None]  # signed `signer.workers` at a time
+    signed = dict(zip(map(id, todo), signer.each(
+        lambda item: protect(item["pdf"], item["pan"], owner_password, signer, info, encryption), todo)))
     kept = []
     with StateWriter(state) as writer:
         for item in batch.items:
-            if item["ucc"] in claimed:
-                item["pdf"] = None  # mailed, or being mailed, from the archive
             if item["pdf"] is None:
                 kept.append(item)
                 continue
-            try:
-                item["pdf"] = protect(item["pdf"], item["pan"], owner_password, signer, info, encryption)
-            except SignError as e:
-                writer.add(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {e}"))
+            item["pdf"] = signed[id(item)]
+            if isinstance(item["pdf"], SignError):
+                writer.add(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {item['pdf']}"))
                 batch.drop("failed")
                 continue
             writer.add(Outcome(item["ucc"], "signed"))

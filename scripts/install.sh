@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# dovecot-imapd and postfix: the tests' bounce mailbox and bouncing relay (each test starts its own)
+# dovecot-imapd and postfix: the tests' bounce mailbox and bouncing relay (each test starts its own);
+# softhsm2 and p11-kit: the embedded default's and the tests' HSM token, in process and behind `p11-kit server`
 APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium
-              dovecot-imapd postfix)
+              dovecot-imapd postfix softhsm2 p11-kit p11-kit-modules)
 VERSITYGW_VERSION=v1.8.0
 TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
 

@@ -17,6 +17,7 @@ from pipeline import credentials
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis, start_smtp_sink
 from pipeline.seal.sign import make_test_certificate
+from pipeline.seal.token import LocalToken, make_test_token
 from pipeline.settings import Settings
 from tests import servers
 
@@ -125,9 +126,24 @@ def settings(tmp_path, redis_url, smtp_sink, keys_dir) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def ray_session(s3_endpoint, secrets_endpoint):
+def hsm(session_dir) -> LocalToken:
+    """A SoftHSM2 token for the session (its key made on the token, not extractable), found by
+    every process through SOFTHSM2_CONF; a network HSM's client module finds `p11-kit server`
+    at HSM_SOCKET (tests/servers.py starts it where a test wants one)."""
+    token = make_test_token(session_dir / "hsm")
+    make_test_token(session_dir / "hsm", label="cn-ec", key_type="ec")  # made before any process logs in to the store
+    os.environ["P11_KIT_SERVER_ADDRESS"] = f"unix:path={session_dir / 'hsm' / HSM_SOCKET}"
+    return token
+
+
+HSM_SOCKET = "p11-kit.sock"
+
+
+@pytest.fixture(scope="session")
+def ray_session(s3_endpoint, secrets_endpoint, hsm):
     """One local Ray for the whole session, with the role resources a cluster advertises.
-    Started after the S3 and Secrets Manager servers, so its workers inherit their endpoints."""
+    Started after the S3 and Secrets Manager servers and the HSM, so its workers inherit their
+    endpoints."""
     import ray
 
     from pipeline.settings import ROOT

@@ -336,3 +336,94 @@ class RatePolicy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def start_p11kit_server(socket_path: Path, provider: str, token_label: str) -> "HsmService":
+    """p11-kit server: the token behind a socket, as a network HSM is behind its client module
+    (p11-kit-client.so, with P11_KIT_SERVER_ADDRESS=unix:path=SOCKET). Needs SOFTHSM2_CONF."""
+    socket_path.unlink(missing_ok=True)
+    process = subprocess.Popen(["p11-kit", "server", "-f", "-n", str(socket_path), "--provider", provider,
+                                f"pkcs11:token={token_label}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)  # a connection is served by a child: the group is the HSM
+    deadline = time.monotonic() + 20
+    while not socket_path.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"p11-kit server did not start: {process.stderr.read().decode()[-500:]}")
+        time.sleep(0.05)
+    return HsmService("p11-kit server", process, f"unix:path={socket_path}")
+
+
+class HsmService(Service):
+    def kill(self) -> None:
+        """The HSM gone at once: the server and the children serving each connection."""
+        import signal
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def stop(self) -> None:
+        self.kill()
+
+
+class DelayingProxy:
+    """A socket in front of another that holds each request `delay_s` before passing it on:
+    a network HSM's round trip, on one machine. Replies pass at once."""
+
+    def __init__(self, listen: Path, target: Path, delay_s: float):
+        import socket as sk
+        import threading
+
+        self.listen, self.target, self.delay_s = listen, target, delay_s
+        listen.unlink(missing_ok=True)
+        self.server = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+        self.server.bind(str(listen))
+        self.server.listen(64)
+        self.requests = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"unix:path={self.listen}"
+
+    def _accept(self) -> None:
+        import socket as sk
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+            upstream.connect(str(self.target))
+            answered = threading.Event()  # a request after an answer is a new round trip: it waits
+            answered.set()
+            threading.Thread(target=self._pipe, args=(client, upstream, answered, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, answered, False), daemon=True).start()
+
+    def _pipe(self, src, dst, answered, requests: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if requests and answered.is_set():
+                    answered.clear()
+                    self.requests += 1
+                    time.sleep(self.delay_s)
+                elif not requests:
+                    answered.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.server.close()
+        self.listen.unlink(missing_ok=True)

@@ -197,6 +197,8 @@ def test_the_readme_aws_path_delivers_the_day_falls_back_from_spot_and_leaves_no
         "session_*/logs/gcs_server.out") for line in p.read_text(errors="replace").splitlines()
         if "Registering new node" in line}
     assert strangers.outcome == {"enroll": "refused", "plain": "refused", "own CA": "refused"}, strangers.outcome
+    (tmp_path / "ports.json").write_text(json.dumps(strangers.ports))
+    _every_plaintext_port_is_documented(strangers.ports)
     workers = {n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"}
     assert registered == {head_ip} | workers and len(workers) >= 2, (registered, strangers.ip)
     # the keys stayed on the nodes: not in the bucket, the job's output or the head's Ray logs
@@ -282,6 +284,11 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     home = Path(cloud.instances[iid]["node"]) / "homes/ubuntu"
     (home / ".ray").mkdir()
     shutil.copy(token, home / ".ray/auth_token")
+    # the project's code as `ray up` puts it on a node (cluster.yaml's file_mounts), never a path of the host:
+    # the instance has its own /tmp, and a checkout may live anywhere
+    for part in ("pipeline", "actors", "templates", "scripts"):
+        shutil.copytree(Path(ROOT) / part, home / "contract_notes" / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(TESTS / "port_scan.py", home / "port_scan.py")
     ip = cloud.instances[iid]["ip"]
     init_head(home / "own-ca", ip)
     own = ("RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=~/own-ca/node.crt RAY_TLS_SERVER_KEY=~/own-ca/node.key "
@@ -289,8 +296,8 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     tries = {"plain": "", "own CA": own}
 
     def attempt():  # joining takes a few seconds; a refused node retries the GCS until `timeout` ends it
-        code, out = cloud.exec(iid, ["bash", "-c", f"cd {ROOT} && CN_TLS_DIR=~/asked ~/venv/bin/python -m pipeline "
-                                     f"tls enroll {head_ip}"])
+        code, out = cloud.exec(iid, ["bash", "-c", f"cd ~/contract_notes && CN_TLS_DIR=~/asked ~/venv/bin/python -m "
+                                     f"pipeline tls enroll {head_ip}"])
         thread.outcome["enroll"] = "refused" if code == 2 and b"not a node of this cluster" in out else \
             f"exit {code}: {out[-500:]!r}"
         for name, env in tries.items():
@@ -298,12 +305,48 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
                                          f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])
             thread.outcome[name] = "refused" if code and b"Failed to connect to GCS" in out else f"exit {code}"
             cloud.exec(iid, ["bash", "-c", "~/venv/bin/ray stop --force >/dev/null 2>&1"])
+        thread.ports = _scan_from(cloud, iid, head_ip)
         cloud.terminate(iid)
 
     thread = threading.Thread(target=attempt, daemon=True)
-    thread.ip, thread.outcome = ip, {}
+    thread.ip, thread.outcome, thread.ports = ip, {}, {}
     thread.start()
     return thread
+
+
+def _scan_from(cloud, iid: str, head_ip: str, within_s: float = 240) -> dict[str, dict[str, str]]:
+    """Every TCP port of the head and of each worker of the day, as the stranger finds them:
+    {role: {port: "tls" | "plain"}}, once both worker types run (or `within_s` has passed)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        workers = {n["tags"].get("ray-user-node-type"): n["ip"] for n in cloud.listing()
+                   if n["tags"].get("ray-node-type") == "worker" and n["state"] == "running"}
+        if len(workers) >= 2:
+            break
+        time.sleep(2)
+    time.sleep(10)  # a worker's Ray has started its agents
+    roles = {"head": head_ip, **workers}
+    code, out = cloud.exec(iid, ["bash", "-c", f"~/venv/bin/python ~/port_scan.py {' '.join(roles.values())}"])
+    assert code == 0, out[-2000:]
+    found = json.loads(out.decode().strip().splitlines()[-1])
+    return {role: found[ip] for role, ip in roles.items()}
+
+
+def plaintext_ports_documented() -> dict[int, str]:
+    """docs/aws.md's table of the ports that stay plaintext: {port: the row}."""
+    page = (Path(ROOT) / "docs" / "aws.md").read_text()
+    table = page.split("<!-- plaintext ports -->", 2)[1]
+    return {int(row.split("|")[1].strip(" `")): row for row in table.splitlines()
+            if row.startswith("| `") and row.split("|")[1].strip(" `").isdigit()}
+
+
+def _every_plaintext_port_is_documented(ports: dict[str, dict[str, str]]) -> None:
+    documented = plaintext_ports_documented()
+    plain = {(role, int(p)) for role, found in ports.items() for p, kind in found.items() if kind == "plain"}
+    assert ports.get("head") and len(ports) >= 3, ports
+    assert {p for _, p in plain} <= set(documented), (sorted(plain), sorted(documented))
+    for role, port in plain:  # the row names where it listens: on the head, or on every node
+        assert "every node" in documented[port] or role in documented[port], (role, port, documented[port])
 
 
 def _the_capture_saw_the_day(streams: dict, head_ip: str, stranger: str) -> None:

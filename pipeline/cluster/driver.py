@@ -191,9 +191,13 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
     record = located.recorded(settings, resolved, signer.cert)
+    if signer.about.get("extractable"):
+        log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
+                    run_id, signer.about["token"])
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
-                         "message_ids": "keyed"})  # by the run's HMAC key (a run from before: unkeyed)
+                         "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
+                         "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None

@@ -98,8 +98,17 @@ class Plan:
     relay_rate: float = 0.0  # the relays' messages a second together (0: not known)
     mail_s: float = 0.0  # the accounts at that rate
     mail_bound: bool = False  # the relays, not the nodes, decide when the day ends: more nodes would not help
+    hsm_rate: float = 0.0  # the HSM's signatures a second (CN_HSM_OPS_S; 0: not known)
+    hsm_s: float = 0.0  # a signature an account at that rate
+    hsm_bound: bool = False  # the HSM decides when the day ends
 
     def advice(self) -> str:
+        if self.hsm_bound:
+            need = self.accounts / max(1.0, self.deadline_s - (self.expected_s - self.hsm_s))
+            return (f"HSM-bound: {_count(self.accounts)} signatures at {self.hsm_rate:g}/s = {self.hsm_s / 60:.3g} min; "
+                    + (f"add HSMs to its cluster (CloudHSM spreads signatures over them) for {need:,.0f}/s to meet "
+                       f"{self.deadline_s / 60:g} min" if self.expected_s > self.deadline_s else
+                       f"it still meets {self.deadline_s / 60:g} min"))
         if not self.mail_bound:
             return ""
         need = self.accounts / max(1.0, self.deadline_s - (self.expected_s - self.mail_s))
@@ -118,16 +127,18 @@ class Plan:
                 "head_kept_instance": self.head_kept.instance,
                 "head_kept_redis_gib": round(self.head_kept_redis_gib, 1),
                 "est_cost_usd_on_demand": round(self.usd, 2), "relay_rate": self.relay_rate,
-                "mail_min": round(self.mail_s / 60, 1), "mail_bound": self.mail_bound, "advice": self.advice()}
+                "mail_min": round(self.mail_s / 60, 1), "mail_bound": self.mail_bound, "hsm_rate": self.hsm_rate,
+                "hsm_min": round(self.hsm_s / 60, 1), "hsm_bound": self.hsm_bound, "advice": self.advice()}
 
 
 def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: int | None = None,
-         retention_days: float = 14, min_render_nodes: int = 1, relay_rate: float = 0.0) -> Plan:
+         retention_days: float = 14, min_render_nodes: int = 1, relay_rate: float = 0.0, hsm_rate: float = 0.0) -> Plan:
     """The fewest nodes that finish inside the deadline less its margin. Stages overlap (a
     pipeline), so the run lasts as long as its slowest stage after start-up; the split runs
     on the render cores and no note can finish before it; the report follows the last note.
     The relays are a stage too: at `relay_rate` (their rates together), the mail takes
-    accounts / relay_rate whatever the nodes. The head holds Redis: the run's accounts, or
+    accounts / relay_rate whatever the nodes; so is the HSM, at `hsm_rate` signatures a second
+    (one a note: the proof's is one more). The head holds Redis: the run's accounts, or
     every run's of the retention if it is kept."""
     rates = rates or Rates.measured()
     rows = rows if rows is not None else round(accounts * rates.rows_per_account)
@@ -143,7 +154,8 @@ def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: i
     nodes_s = max(render_core_s / (render_nodes * RENDER.vcpus), sign_core_s / (signer_nodes * SIGNER_SMTP.vcpus),
                   accounts / (signer_nodes * node_mails_per_s))
     mail_s = accounts / relay_rate if relay_rate else 0.0
-    stage_s = max(nodes_s, mail_s)
+    hsm_s = accounts / hsm_rate if hsm_rate else 0.0
+    stage_s = max(nodes_s, mail_s, hsm_s)
     expected = rates.startup_s + stage_s + report_s
     redis_gib = accounts * rates.redis_bytes_per_account / 2**30
     kept_gib = redis_gib * math.ceil(retention_days)
@@ -152,7 +164,7 @@ def plan(accounts: int, deadline_min: float, rates: Rates | None = None, rows: i
                + [{"CPU": SIGNER_SMTP.vcpus, "signer": 8, "smtp": rates.mailers_per_node}] * signer_nodes)
     return Plan(accounts, rows, deadline_min * 60, render_nodes, signer_nodes, split_s, report_s, expected, usd,
                 head_for(redis_gib), redis_gib, head_for(kept_gib), kept_gib, bundles, relay_rate, mail_s,
-                mail_s > nodes_s)
+                mail_s > nodes_s and mail_s >= hsm_s, hsm_rate, hsm_s, hsm_s > max(nodes_s, mail_s))
 
 
 def _count(n: int) -> str:
@@ -248,12 +260,13 @@ class ClusterSession:
     request: Callable[[list[dict]], None] = request_capacity
     capacity: CapacityWatch | None = None
     relay_rate: float = 0.0  # the run's relays' rates together (settings.relay_rate()): the plan's mail stage
+    hsm_rate: float = 0.0  # CN_HSM_OPS_S: the plan's signing stage when the key is on an HSM
 
     def size_for(self, accounts: int) -> None:
         """Called by the driver once the split has counted the day's accounts."""
         if self.deadline_min is None:
             return
-        p = plan(accounts, self.deadline_min, relay_rate=self.relay_rate)
+        p = plan(accounts, self.deadline_min, relay_rate=self.relay_rate, hsm_rate=self.hsm_rate)
         log.info("capacity for %d accounts in %s min: %s", accounts, self.deadline_min, p.as_dict())
         if p.mail_bound:
             (log.warning if not p.expected_s <= p.deadline_s else log.info)("capacity: %s", p.advice())

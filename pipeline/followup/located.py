@@ -93,7 +93,10 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
     return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
             "secret": settings.secret, **{f: getattr(settings, f) if own else "" for f in KEY_FILES},
             "token_key_id": key_id(resolved.hmac_key()),
-            "signer_cert_sha256": detached.cert_fingerprint(cert)}
+            "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS}}
+
+
+TOKEN_FIELDS = ("pkcs11_module", "pkcs11_token", "pkcs11_key", "pkcs11_key_id", "pkcs11_pin_file")  # never the PIN
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
@@ -154,4 +157,6 @@ def _with_keys(settings: Settings, found: dict) -> Settings:
         changes.update({f: found[f] for f in KEY_FILES if found.get(f) and getattr(settings, f) == getattr(Settings, f)})
     if found.get("token_key_id"):
         changes["token_key_id"] = found["token_key_id"]
+    if found.get("pkcs11_module") and not settings.pkcs11_module:  # `close` signs with the run's token
+        changes.update({f: found[f] for f in TOKEN_FIELDS if found.get(f)})
     return replace(settings, **changes)

@@ -16,6 +16,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
   cn:rate:relay:{host}:{port} hash  a relay's send rate, shared by every mailer of every run (rates.py)
   cn:rate:domain:{domain}    hash   a receiving domain's send rate (CN_DOMAIN_RATES), likewise
+  cn:hsm:{token}:pin-refused string when the HSM refused the PIN: never offered again (credentials.py)
 
 Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the load):
   {p}-contract-notes-data/{run}/shard-{k}.jsonl   accounts of shard k (k % 10 == p)
@@ -43,7 +44,8 @@ PARTITIONS = 10
 # Where a run's record and keys are, absolute (locations and a key's fingerprint, never key
 # material): in its meta and its report, so a command typed later, anywhere, finds them
 RECORD_FIELDS = ("store_url", "key_dir", "secret", "signer_key", "signer_cert", "signer_chain", "token_key_file",
-                 "token_key_id", "signer_cert_sha256")
+                 "token_key_id", "signer_cert_sha256", "pkcs11_module", "pkcs11_token", "pkcs11_key", "pkcs11_key_id",
+                 "pkcs11_pin_file")
 RUNS = "cn:runs"
 # A run id goes into Redis keys, storage keys and the status page: nothing else gets through
 RUN_ID = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}\Z")  # \Z: "$" would take a final newline
@@ -97,6 +99,10 @@ def note_sequence_lock(fy: str) -> str:
 
 def note_sequence(fy: str) -> str:
     return f"cn:noteseq:{fy}"
+
+
+def hsm_pin_refused(token: str) -> str:
+    return f"cn:hsm:{token}:pin-refused"
 
 
 RATE_PREFIX = "cn:rate:"

@@ -1,9 +1,10 @@
-"""Sign and encrypt a PDF: pure functions over bytes; the signer actor keeps the key warm.
+"""Sign and encrypt a PDF: pure functions over bytes; the signer actor keeps the key warm (a key
+file's, or a logged-in session with the HSM that holds it: token.py).
 
 One pass of qpdf (via pikepdf) adds the signature field with a fixed-size placeholder and
 writes the file (encrypted by us for AES-256, see pdfcrypt.py; by qpdf for AES-128). The
 signature is then patched into the placeholder: SHA-256 over the file outside /Contents,
-one RSA signature over a CMS signed-attributes block, both written into a CMS SignedData
+one signature (RSA, or ECDSA P-256) over a CMS signed-attributes block, both written into a CMS SignedData
 template that was DER-encoded once, when the key was loaded. Every length is fixed, so the
 template stays valid DER. The result is PAdES baseline B (ETSI.CAdES.detached, SHA-256,
 ESS signing-certificate-v2, the signing time in /M) covering the whole file.
@@ -13,16 +14,18 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
+from typing import Callable
 
 import pikepdf
 from asn1crypto import algos, cms, tsp
 from asn1crypto import x509 as ax509
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
@@ -40,6 +43,8 @@ PRINT_ONLY = pikepdf.Permissions(
 )
 SAVE_OPTIONS = dict(object_stream_mode=pikepdf.ObjectStreamMode.disable, fix_metadata_version=False)
 ENCRYPTIONS = ("aes256", "aes128", "none")
+RSA, ECDSA = "rsassa_pkcs1v15", "sha256_ecdsa"  # the CMS signature algorithms a note may carry
+ECDSA_P256_MAX = 72  # the longest DER of an ECDSA P-256 signature
 
 
 class SignerSetupError(CannotRun, RuntimeError):
@@ -58,29 +63,47 @@ class SignatureInfo:
 
 
 class Signer:
-    """A private key and a CMS SignedData template with fixed-size holes for the digest
-    and the signature: per note, two slices are replaced and nothing is re-encoded."""
+    """A signing function and a CMS SignedData template with holes for the digest and the
+    signature: per note, two slices are replaced and nothing is re-encoded. `sign` takes the
+    signed attributes and returns the signature (a key file's, or a token's: token.py); an
+    ECDSA signature's DER length varies by a byte or two, so there is a template a length.
+    `workers`: notes signed at once (a network HSM's round trip hidden behind other notes)."""
 
-    def __init__(self, key: rsa.RSAPrivateKey, cert: x509.Certificate, chain: list[x509.Certificate]):
-        self.key, self.cert = key, cert
-        self._sig_mark = b"\x5a\xa5" * (key.key_size // 16)
+    def __init__(self, sign: Callable[[bytes], bytes], algorithm: str, cert: x509.Certificate,
+                 chain: list[x509.Certificate], workers: int = 1, about: dict | None = None):
+        self.sign, self.algorithm, self.cert, self.chain, self.workers = sign, algorithm, cert, chain, workers
+        self.about = about or {"key": "file"}  # what the run records of its key (never the key)
         attrs = _signed_attributes(cert)
         self._attrs = attrs.dump()
-        der = _signed_data(cert, chain, attrs, self._sig_mark).dump()
-        for mark in (DIGEST_MARK, self._sig_mark):
-            if der.count(mark) != 1 or (mark is DIGEST_MARK and self._attrs.count(mark) != 1):
-                raise SignerSetupError("could not build the CMS template (marker not unique)")
-        self._template = der
-        self._digest_at = der.index(DIGEST_MARK)
-        self._sig_at = der.index(self._sig_mark)
         self._attr_digest_at = self._attrs.index(DIGEST_MARK)
-        self.size = len(der)
+        self._templates: dict[int, tuple[bytes, int, int]] = {}
+        longest = cert.public_key().key_size // 8 if algorithm == RSA else ECDSA_P256_MAX
+        self.size = len(self._template(longest)[0])
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sign") if workers > 1 else None
 
     def cms(self, digest: bytes) -> bytes:
         a = self._attr_digest_at
-        signature = self.key.sign(self._attrs[:a] + digest + self._attrs[a + 32:], padding.PKCS1v15(), hashes.SHA256())
-        d, s, t = self._digest_at, self._sig_at, self._template
+        signature = self.sign(self._attrs[:a] + digest + self._attrs[a + 32:])
+        t, d, s = self._template(len(signature))
         return t[:d] + digest + t[d + 32:s] + signature + t[s + len(signature):]
+
+    def each(self, fn: Callable, items: list) -> list:
+        """fn over items, `workers` at a time: each result, or the SignError it raised."""
+        def one(item):
+            try:
+                return fn(item)
+            except SignError as e:
+                return e
+        return list(self._pool.map(one, items)) if self._pool and len(items) > 1 else [one(i) for i in items]
+
+    def _template(self, length: int) -> tuple[bytes, int, int]:
+        if length not in self._templates:
+            mark = (b"\x5a\xa5" * length)[:length]
+            der = _signed_data(self.cert, self.chain, _signed_attributes(self.cert), mark, self.algorithm).dump()
+            if der.count(DIGEST_MARK) != 1 or der.count(mark) != 1 or self._attrs.count(DIGEST_MARK) != 1:
+                raise SignerSetupError("could not build the CMS template (marker not unique)")
+            self._templates[length] = der, der.index(DIGEST_MARK), der.index(mark)
+        return self._templates[length]
 
 
 def load_signer(key_path: str, cert_path: str, password: str | None, chain_path: str = "") -> Signer:
@@ -116,11 +139,14 @@ def signer_from_pkcs12(bundle: bytes, password: str | None, name: str) -> Signer
 
 
 def _signer(key, cert: x509.Certificate, chain: list[x509.Certificate], name: str) -> Signer:
-    if not isinstance(key, rsa.RSAPrivateKey):
-        raise SignerSetupError(f"{name}: only RSA signing keys are supported")
+    if not isinstance(key, (rsa.RSAPrivateKey, ec.EllipticCurvePrivateKey)) or \
+            isinstance(key, ec.EllipticCurvePrivateKey) and not isinstance(key.curve, ec.SECP256R1):
+        raise SignerSetupError(f"{name}: notes are signed with RSA or ECDSA P-256 keys, not {type(key).__name__}")
     if key.public_key().public_numbers() != cert.public_key().public_numbers():
         raise SignerSetupError(f"the certificate does not belong to {name}")
-    return Signer(key, cert, chain)
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return Signer(lambda data: key.sign(data, ec.ECDSA(hashes.SHA256())), ECDSA, cert, chain)
+    return Signer(lambda data: key.sign(data, padding.PKCS1v15(), hashes.SHA256()), RSA, cert, chain)
 
 
 def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
@@ -210,7 +236,7 @@ def _signed_attributes(cert: x509.Certificate) -> cms.CMSAttributes:
     ])
 
 
-def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes) -> cms.ContentInfo:
+def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes, algorithm: str) -> cms.ContentInfo:
     certs = [ax509.Certificate.load(c.public_bytes(serialization.Encoding.DER)) for c in [cert, *chain]]
     sha256 = algos.DigestAlgorithm({"algorithm": "sha256"})
     signer_info = cms.SignerInfo({
@@ -219,7 +245,7 @@ def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes) -> cms.
             "issuer": certs[0].issuer, "serial_number": certs[0].serial_number})}),
         "digest_algorithm": sha256,
         "signed_attrs": attrs,
-        "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": "rsassa_pkcs1v15"}),
+        "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": algorithm}),
         "signature": sig_mark,
     })
     return cms.ContentInfo({"content_type": "signed_data", "content": cms.SignedData({

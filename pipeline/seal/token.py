@@ -1,0 +1,349 @@
+"""Signing with a key that never leaves its HSM: a PKCS#11 token, through python-pkcs11.
+
+A broker's Class 3 DSC is generated on a hardware module and cannot be exported, so the notes'
+signature is made there: only the signed attributes (about 200 bytes) cross into the module,
+and only the raw signature comes back. Everything else of a note (the PDF, its encryption, the
+CMS around the signature) stays ours (sign.py). The key's value is never asked for: nothing
+here reads CKA_VALUE of a private key; a key the token marks extractable is used, and said.
+
+One login per process: the first session logs in, the others share its login, as PKCS#11
+defines. A refused PIN is never offered again by this process (HSMs lock a user after a few
+failures); credentials.py keeps the refusal for every other process. A network HSM
+answers each signature after a round trip, so the key holds several sessions, sized from the
+round trip it measures when it opens, and the signer signs that many notes at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pkcs11
+from asn1crypto import algos
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
+from pkcs11 import exceptions as p11
+
+from pipeline.seal.sign import SignError, SignerSetupError
+
+P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its OID, DER)
+PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
+NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
+MAX_SESSIONS = 32
+
+
+class PinRefused(SignerSetupError):
+    """The token refused the PIN: never offered again (credentials.py records the refusal)."""
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    module: str  # the PKCS#11 library (CN_PKCS11_MODULE)
+    token: str  # its label (CN_PKCS11_TOKEN)
+    key_label: str = ""  # CN_PKCS11_KEY
+    key_id: str = ""  # CN_PKCS11_KEY_ID, hex
+    pin: str = field(default="", repr=False)
+    sessions: int = 0  # signatures in flight; 0: sized from the measured round trip
+    patience_s: float = 60.0  # how long a lost HSM is tried again before its signatures fail at once
+
+    def names(self) -> str:
+        key = f"label {self.key_label!r}" if self.key_label else f"id {self.key_id}"
+        return f"key {key} on token {self.token!r} ({self.module})"
+
+
+class TokenKey:
+    """The token's private key as a signing function for sign.Signer: `sign(data)` returns the
+    signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER). Safe from
+    `sessions` threads at once; an HSM lost mid-run fails each signature with "HSM unreachable"
+    at once, and is reconnected with backoff, at most every few seconds, for `patience_s`."""
+
+    def __init__(self, config: TokenConfig):
+        self.config = config
+        self.lib = _load(config.module)
+        self._lock = threading.Lock()
+        self._free: queue.Queue = queue.Queue()
+        self._sessions: list = []
+        self.extractable = False
+        self.kind = ""
+        self._down_since = 0.0
+        self._next_try = 0.0
+        self._connect()
+        self.round_trip_s, self.wait_s = self._measure()
+        waiting = math.ceil(self.wait_s / NOTE_CPU_S) if self.wait_s > NOTE_CPU_S / 4 else 0  # in-process: none
+        self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
+        self._open_more(self.sessions - 1)
+
+    @property
+    def algorithm(self) -> str:
+        return "sha256_ecdsa" if self.kind == "ec" else "rsassa_pkcs1v15"
+
+    def sign(self, data: bytes) -> bytes:
+        self._reconnect_if_due()
+        try:
+            session, key = self._free.get(timeout=self.config.patience_s)
+        except queue.Empty:
+            raise SignError(f"HSM unreachable: no session free for {self.config.patience_s:g} s") from None
+        try:
+            raw = key.sign(hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA) if self.kind == "ec" else \
+                key.sign(data, mechanism=Mechanism.SHA256_RSA_PKCS)  # CKM_ECDSA_SHA256 is not in every module
+        except PIN_REFUSALS + (p11.UserNotLoggedIn,) as e:
+            self._free.put((session, key))
+            raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
+        except p11.PKCS11Error as e:
+            self._lost(e)
+            raise SignError(f"HSM unreachable: {type(e).__name__} from {self.config.module}") from None
+        self._free.put((session, key))
+        return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
+
+    def alive(self) -> bool:
+        """Whether the HSM still signs for this key (one probe signature)."""
+        try:
+            self.sign(b"contract-notes: is the HSM there?")
+            return True
+        except SignError:
+            return False
+
+    def check_certificate(self, cert: x509.Certificate) -> None:
+        """Refuses a certificate that is not this key's: a probe signature must verify with it."""
+        probe = b"contract-notes: is this certificate the token key's?"
+        signature, public = self.sign(probe), cert.public_key()
+        try:
+            if self.kind == "ec" and isinstance(public, ec.EllipticCurvePublicKey):
+                public.verify(signature, probe, ec.ECDSA(_sha256()))
+            elif self.kind == "rsa" and isinstance(public, rsa.RSAPublicKey):
+                from cryptography.hazmat.primitives.asymmetric import padding
+
+                public.verify(signature, probe, padding.PKCS1v15(), _sha256())
+            else:
+                raise ValueError
+        except Exception:
+            raise SignerSetupError(f"the certificate ({cert.subject.rfc4514_string()}) is not the token key's: "
+                                   f"{self.config.names()}") from None
+
+    def certificate(self) -> tuple[x509.Certificate, list[x509.Certificate]]:
+        """The key's certificate from the token (same label or id), and the others it holds."""
+        session, key = self._free.get()
+        try:
+            found = [x509.load_der_x509_certificate(c[Attribute.VALUE])
+                     for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE})]
+            mine = [c for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE, **self._which()})]
+        finally:
+            self._free.put((session, key))
+        if not mine:
+            raise SignerSetupError(f"no certificate on the token for the {self.config.names()}: set CN_SIGNER_CERT, "
+                                   "or put the CA's certificate on the token beside the key")
+        cert = x509.load_der_x509_certificate(mine[0][Attribute.VALUE])
+        return cert, [c for c in found if c != cert]
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_sessions()
+
+    def _which(self) -> dict:
+        return {Attribute.LABEL: self.config.key_label} if self.config.key_label else \
+            {Attribute.ID: bytes.fromhex(self.config.key_id)}
+
+    def _connect(self) -> None:
+        """Find the token, log in once, find the key; each failure one line naming what."""
+        try:
+            token = self._token_once_more()
+        except p11.NoSuchToken:
+            labels = sorted(t.label for t in self.lib.get_tokens())
+            raise SignerSetupError(f"CN_PKCS11_TOKEN: no token labelled {self.config.token!r} in "
+                                   f"{self.config.module} (it has: {', '.join(labels) or 'none'})") from None
+        except p11.PKCS11Error as e:
+            raise SignerSetupError(f"CN_PKCS11_MODULE {self.config.module}: cannot list its tokens "
+                                   f"({type(e).__name__})") from None
+        try:
+            session = token.open(user_pin=self.config.pin)
+        except p11.UserAlreadyLoggedIn:  # another key of this process logged in to the token: its login is ours
+            session = token.open()
+        except PIN_REFUSALS as e:
+            raise PinRefused(f"the HSM refused the PIN for token {self.config.token!r} ({type(e).__name__}): "
+                             "it is not offered again") from None
+        self._token = token
+        key = self._find_key(session)
+        self.kind = {KeyType.RSA: "rsa", KeyType.EC: "ec"}.get(key.key_type, "")
+        if not self.kind or self.kind == "ec" and key[Attribute.EC_PARAMS] != P256:
+            what = key.key_type.name if not self.kind else "EC on a curve other than P-256"
+            session.close()
+            raise SignerSetupError(f"the {self.config.names()} is {what}: notes are signed with RSA or ECDSA P-256")
+        self.extractable = bool(key[Attribute.EXTRACTABLE])
+        self._sessions.append(session)
+        self._free.put((session, key))
+
+    def _token_once_more(self):
+        """The token; the module started again once if it lost its HSM (a process that signed for
+        an earlier run: Ray reuses its workers)."""
+        try:
+            return self.lib.get_token(token_label=self.config.token)
+        except (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresent):
+            self.lib.reinitialize()
+            return self.lib.get_token(token_label=self.config.token)
+
+    def _find_key(self, session):
+        try:
+            return session.get_key(object_class=ObjectClass.PRIVATE_KEY, **(
+                {"label": self.config.key_label} if self.config.key_label else {"id": bytes.fromhex(self.config.key_id)}))
+        except (p11.NoSuchKey, p11.MultipleObjectsReturned) as e:
+            session.close()
+            why = "not found" if isinstance(e, p11.NoSuchKey) else "matches more than one key"
+            raise SignerSetupError(f"CN_PKCS11_{'KEY' if self.config.key_label else 'KEY_ID'}: the private "
+                                   f"{self.config.names()} {why}") from None
+
+    def _open_more(self, count: int) -> None:
+        """Sessions that share the first one's login: no PIN crosses again."""
+        for _ in range(count):
+            session = self._token.open()
+            self._sessions.append(session)
+            self._free.put((session, self._find_key(session)))
+
+    def _measure(self, probes: int = 5) -> tuple[float, float]:
+        """The round trip of one signature, and the part of it spent waiting (not this CPU)."""
+        walls, waits = [], []
+        for _ in range(probes):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            self.sign(b"contract-notes: the HSM's round trip")
+            walls.append(time.perf_counter() - wall)
+            waits.append(walls[-1] - (time.thread_time() - cpu))
+        return statistics.median(walls), max(0.0, statistics.median(waits))
+
+    def _lost(self, error: Exception) -> None:
+        with self._lock:
+            if not self._down_since:
+                self._down_since, self._next_try = time.monotonic(), time.monotonic() + 1
+                self._close_sessions()
+
+    def _reconnect_if_due(self) -> None:
+        """While the HSM is lost a signature fails at once, but for a reconnection tried with
+        backoff (1, 2, 4 ... 30 s apart) for `patience_s`; after that this key gives up."""
+        if not self._down_since:
+            return
+        with self._lock:
+            if not self._down_since:
+                return
+            now = time.monotonic()
+            if now - self._down_since > self.config.patience_s:
+                raise SignError(f"HSM unreachable for over {self.config.patience_s:g} s: this signer gave up; a "
+                                "rerun signs the failed accounts with a new one")
+            if now < self._next_try:
+                raise SignError(f"HSM unreachable since {now - self._down_since:.0f} s ({self.config.module})")
+            try:
+                self.lib.reinitialize()
+                self._connect()
+                self._open_more(self.sessions - 1)
+                self._down_since = 0.0
+            except PinRefused:
+                raise
+            except Exception as e:
+                self._close_sessions()
+                gap = min(30.0, 2 * max(1.0, self._next_try - self._down_since))
+                self._next_try = now + gap
+                raise SignError(f"HSM unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") \
+                    from None
+
+    def _close_sessions(self) -> None:
+        while not self._free.empty():
+            self._free.get_nowait()
+        for session in self._sessions:
+            try:
+                session.close()
+            except Exception:  # the HSM is gone: its sessions are too
+                pass
+        self._sessions = []
+
+
+def _load(module: str):
+    try:
+        return pkcs11.lib(module)
+    except Exception as e:
+        raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
+            from None
+
+
+def _sha256():
+    from cryptography.hazmat.primitives import hashes
+
+    return hashes.SHA256()
+
+
+SOFTHSM = "/usr/lib/softhsm/libsofthsm2.so"  # Debian's softhsm2 (scripts/install.sh)
+P11_KIT_CLIENT = "/usr/lib/x86_64-linux-gnu/pkcs11/p11-kit-client.so"  # a network HSM's module: p11-kit server's
+
+
+@dataclass(frozen=True)
+class LocalToken:
+    conf: Path  # SOFTHSM2_CONF: the module finds the token through it
+    label: str
+    key_label: str
+    pin_file: Path
+    cert: Path  # also on the token, beside the key
+    chain: Path
+
+
+def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "signer",
+                    key_type: str = "rsa") -> LocalToken:
+    """A SoftHSM2 token for the embedded default and the tests, made once a label in `directory`'s
+    store: the key generated on the token, sensitive and not extractable, and a LOCAL TEST
+    certificate for it from a test root, stored on the token too. SOFTHSM2_CONF must name `conf` in every process
+    that loads the module (the caller sets it before Ray starts, so the workers inherit it)."""
+    import os
+    import secrets
+    import subprocess
+
+    from cryptography.hazmat.primitives import serialization
+
+    from pipeline.seal.sign import TEST_LABEL, _certificate, _name
+
+    directory = directory.resolve()
+    made = LocalToken(directory / "softhsm2.conf", label, key_label, directory / f"{label}.pin",
+                      directory / f"{label}.cert.pem", directory / f"{label}.root.pem")
+    os.environ["SOFTHSM2_CONF"] = str(made.conf)  # this process's module too
+    if made.cert.exists():
+        return made
+    (directory / "tokens").mkdir(parents=True, exist_ok=True)
+    if not made.conf.exists():  # one store, as many tokens as labels
+        made.conf.write_text(f"directories.tokendir = {directory / 'tokens'}\nobjectstore.backend = file\n"
+                             "log.level = ERROR\n")
+    made.pin_file.write_text(secrets.token_hex(8))
+    made.pin_file.chmod(0o600)
+    env = dict(os.environ)
+    subprocess.run(["softhsm2-util", "--init-token", "--free", "--label", label, "--pin", made.pin_file.read_text(),
+                    "--so-pin", secrets.token_hex(8)], env=env, check=True, capture_output=True)
+    lib = pkcs11.lib(SOFTHSM)
+    lib.reinitialize()  # the library read its configuration when first loaded: this token is new
+    private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.ID: b"\x01"}
+    with lib.get_token(token_label=label).open(user_pin=made.pin_file.read_text(), rw=True) as session:
+        if key_type == "ec":
+            params = session.create_domain_parameters(KeyType.EC, {Attribute.EC_PARAMS: P256}, local=True)
+            public, _ = params.generate_keypair(store=True, label=key_label, private_template=private,
+                                                public_template={Attribute.ID: b"\x01"})
+            from cryptography.hazmat.primitives.asymmetric import ec as _ec
+
+            point = public[Attribute.EC_POINT]  # DER OCTET STRING around the uncompressed point
+            public_key = _ec.EllipticCurvePublicKey.from_encoded_point(_ec.SECP256R1(), point[2:])
+        else:
+            public, _ = session.generate_keypair(KeyType.RSA, 2048, store=True, label=key_label,
+                                                 private_template=private, public_template={Attribute.ID: b"\x01"})
+            public_key = rsa.RSAPublicNumbers(int.from_bytes(public[Attribute.PUBLIC_EXPONENT], "big"),
+                                              int.from_bytes(public[Attribute.MODULUS], "big")).public_key()
+        now = __import__("datetime").datetime.now(__import__("datetime").timezone.utc)
+        root_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        root_name = _name(f"Test Root CA ({TEST_LABEL})")
+        root = _certificate(root_name, root_name, root_key.public_key(), root_key, now, ca=True)
+        cert = _certificate(_name(f"Signatory on an HSM ({TEST_LABEL})"), root_name, public_key, root_key, now,
+                            ca=False, issuer_key_id=root)
+        der = cert.public_bytes(serialization.Encoding.DER)
+        session.create_object({Attribute.CLASS: ObjectClass.CERTIFICATE, Attribute.CERTIFICATE_TYPE: 0,
+                               Attribute.TOKEN: True, Attribute.LABEL: key_label, Attribute.ID: b"\x01",
+                               Attribute.VALUE: der, Attribute.SUBJECT: cert.subject.public_bytes()})
+    made.chain.write_bytes(root.public_bytes(serialization.Encoding.PEM))
+    made.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return made

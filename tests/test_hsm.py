@@ -1,0 +1,281 @@
+"""Signing with a key that never leaves its HSM (issue 41): SoftHSM2 in the process, and behind
+`p11-kit server` as a network HSM is behind its client module. Every note and the proof are
+checked by pdfsig, qpdf and pyHanko's validator with the token's test root as the only trust
+anchor; each failure is one line and exit 2 before the day is split; a refused PIN is never
+offered again; an HSM lost mid-run fails its notes, mails none unsigned, and a rerun mails each
+once."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+import redis
+from cryptography import x509
+from pyhanko.keys import load_cert_from_pemder
+from pyhanko.pdf_utils.reader import PdfFileReader
+from pyhanko.sign.validation import validate_pdf_signature
+from pyhanko_certvalidator import ValidationContext
+
+from pipeline import credentials
+from pipeline.__main__ import main
+from pipeline.cluster.driver import RunRequest, rerun, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.followup import close as closing
+from pipeline.followup.verify import verify
+from pipeline.note.render import render
+from pipeline.record import keys
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.seal import detached
+from pipeline.seal.sign import SignatureInfo, protect
+from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, make_test_token
+from pipeline.settings import Settings
+from tests import servers
+from tests.conftest import HSM_SOCKET, TRADE_DATE
+from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
+
+
+def on_token(settings: Settings, hsm, module: str = SOFTHSM, **changes) -> Settings:
+    """The settings fixture signing with the session's token: no key file at all."""
+    return dataclasses.replace(settings, **{
+        "pkcs11_module": module, "pkcs11_token": hsm.label, "pkcs11_key": hsm.key_label,
+        "pkcs11_pin_file": str(hsm.pin_file), "signer_key": Settings.signer_key, "signer_cert": str(hsm.cert),
+        "signer_chain": str(hsm.chain), **changes})
+
+
+def pyhanko_accepts(pdf: bytes, pan: str, root: Path) -> None:
+    reader = PdfFileReader(BytesIO(pdf))
+    assert reader.decrypt(pan).status.name == "USER"
+    status = validate_pdf_signature(reader.embedded_signatures[0], ValidationContext(
+        trust_roots=[load_cert_from_pemder(str(root))]))
+    assert status.bottom_line and status.intact and status.trusted and status.coverage.name == "ENTIRE_FILE"
+
+
+def every_note_verifies(store_root: Path, day: Path, root: Path, tmp_path: Path) -> int:
+    """pdfsig and qpdf on every archived note, pyHanko on some; the count checked."""
+    pans = {u: r["pan"] for u, r in client_rows(day).items()}
+    notes = sorted(store_root.glob(f"*-signed-pdf/{TRADE_DATE}/*.pdf"))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: assert_signed_and_encrypted(p, pans[p.stem]), notes))
+    for p in notes[:: max(1, len(notes) // 10)]:
+        pyhanko_accepts(p.read_bytes(), pans[p.stem], root)
+    return len(notes)
+
+
+def test_a_day_signed_on_the_token_verifies_and_close_seals_with_it(ray_session, settings, day, smtp_sink, hsm,
+                                                                    tmp_path):
+    s = on_token(settings, hsm, signer_cert="", signer_chain="")  # the certificate from the token itself
+    summary = run_day(s, RunRequest(TRADE_DATE, str(day)))
+    assert summary["delivered"] == summary["accounts"] > 0, summary
+    meta = RunState(s.redis_url, summary["run_id"]).meta()
+    about = json.loads(meta["signing_key"])
+    assert about["key"] == "pkcs11" and about["token"] == hsm.label and about["extractable"] is False, about
+    token_cert = x509.load_pem_x509_certificate(hsm.cert.read_bytes())
+    assert meta["signer_cert_sha256"] == detached.cert_fingerprint(token_cert)
+    assert every_note_verifies(Path(s.store_url), day, hsm.chain, tmp_path) == summary["delivered"]
+    finished = float(meta["finished"])
+    sealed = closing.close(s, summary["run_id"], now=finished + 72 * 3600 + 1)
+    assert not sealed["already_sealed"]
+    checked = verify(open_store(s.store_url), summary["run_id"])
+    assert checked["ok"] and checked["sealed"] and "Signatory on an HSM" in checked["signed_by"], checked
+
+
+def test_an_ecdsa_p256_key_on_a_token_signs_notes_pdfsig_and_pyhanko_accept(hsm, settings, tmp_path):
+    ec_token = make_test_token(hsm.conf.parent, label="cn-ec", key_type="ec")
+    s = on_token(settings, ec_token)
+    _, signer = credentials.read(s)
+    assert signer.algorithm == "sha256_ecdsa"
+    pdf = protect(render(__import__("tests.test_render", fromlist=["x"]).sample_note(trades=8)), "ABCPD1234E",
+                  "owner-secret", signer, SignatureInfo())
+    (tmp_path / "ec.pdf").write_bytes(pdf)
+    assert_signed_and_encrypted(tmp_path / "ec.pdf", "ABCPD1234E")
+    pyhanko_accepts(pdf, "ABCPD1234E", ec_token.chain)
+
+
+@pytest.fixture
+def run_env(monkeypatch, settings, hsm, tmp_path, day):
+    """The `run` command's environment: the session's Redis, relay and token, a store of its own."""
+    env = {"REDIS_URL": settings.redis_url, "SMTP_URL": settings.smtp_url, "CN_STORE": str(tmp_path / "cmd-store"),
+           "CN_OWNER_PASSWORD": "hsm-owner-secret", "CN_TOKEN_KEY_FILE": settings.token_key_file,
+           "CN_PKCS11_MODULE": SOFTHSM, "CN_PKCS11_TOKEN": hsm.label, "CN_PKCS11_KEY": hsm.key_label,
+           "CN_PKCS11_PIN_FILE": str(hsm.pin_file), "CN_SIGNER_CERT": str(hsm.cert),
+           "CN_SIGNER_CHAIN": str(hsm.chain)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return ["run", "--date", TRADE_DATE, "--input", str(day)]
+
+
+def nothing_split(store: Path) -> bool:
+    return not list(store.rglob("*manifest*")) and not list(store.rglob("shard-*"))
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"CN_PKCS11_MODULE": "/usr/lib/no-such-pkcs11.so"}, "CN_PKCS11_MODULE /usr/lib/no-such-pkcs11.so: cannot load"),
+    ({"CN_PKCS11_TOKEN": "not-ours"}, "no token labelled 'not-ours'"),
+    ({"CN_PKCS11_KEY": "not-the-key"}, "CN_PKCS11_KEY: the private key label 'not-the-key'"),
+    ({"CN_SIGNER_CERT": "FILE_KEY_CERT"}, "is not the token key's"),
+    ({"CN_SIGNER_KEY": "FILE_KEY"}, "CN_PKCS11_MODULE and a key file (CN_SIGNER_KEY="),
+    ({"CN_PKCS11_PIN_FILE": ""}, "no PIN"),
+])
+def test_each_setup_failure_is_one_line_exit_2_before_the_day_is_split(run_env, monkeypatch, keys_dir, tmp_path, capsys,
+                                                                       env, said):
+    for k, v in env.items():
+        v = {"FILE_KEY_CERT": str(keys_dir / "signer.cert.pem"), "FILE_KEY": str(keys_dir / "signer.key.pem")}.get(v, v)
+        monkeypatch.setenv(k, v)
+    assert main(run_env) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and said in err[0], err
+    assert nothing_split(tmp_path / "cmd-store")
+
+
+COUNTED_RUN = """
+import sys, pkcs11
+from pipeline.__main__ import main
+real, offered = pkcs11.lib, []
+class Token:  # the module's token, every PIN it is offered noted
+    def __init__(self, token): self.token = token
+    def open(self, *a, **kw):
+        if kw.get("user_pin"):
+            offered.append(kw["user_pin"])
+        return self.token.open(*a, **kw)
+    def __getattr__(self, name): return getattr(self.token, name)
+class Lib:
+    def __init__(self, path): self.lib = real(path)
+    def get_token(self, **kw): return Token(self.lib.get_token(**kw))
+    def __getattr__(self, name): return getattr(self.lib, name)
+pkcs11.lib = Lib
+try:
+    code = main(sys.argv[1:])
+finally:
+    print("PINS OFFERED", offered, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def run_counted(argv: list[str]) -> tuple[int, str, list[str]]:
+    """`python -m pipeline ARGV` in a process of its own (a login is a process's), counting the
+    PINs its module was offered."""
+    out = subprocess.run([os.sys.executable, "-c", COUNTED_RUN, *argv], capture_output=True, text=True, timeout=300)
+    assert "PINS OFFERED " in out.stderr, out.stderr[-3000:]
+    offered = eval(out.stderr.rsplit("PINS OFFERED ", 1)[1].splitlines()[0])  # noqa: S307 (our own print)
+    return out.returncode, out.stderr, offered
+
+
+def test_a_refused_pin_is_offered_once_and_never_again_until_corrected(run_env, monkeypatch, hsm, tmp_path, settings,
+                                                                       ray_session):
+    wrong = tmp_path / "wrong.pin"
+    wrong.write_text("000000")
+    monkeypatch.setenv("CN_PKCS11_PIN_FILE", str(wrong))
+    monkeypatch.setenv("RAY_ADDRESS", ray_session.address_info["address"])
+    try:
+        code, err, offered = run_counted(run_env)
+        assert code == 2 and "error: the HSM refused the PIN" in err and offered == ["000000"], err[-2000:]
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+        code, err, offered = run_counted(run_env)
+        assert code == 2 and "not offered again" in err and offered == [], err[-3000:]
+        assert nothing_split(tmp_path / "cmd-store")
+        monkeypatch.setenv("CN_PKCS11_PIN_FILE", str(hsm.pin_file))
+        code, err, offered = run_counted(run_env)
+        assert code == 2 and offered == [], "corrected, but not said so"
+        code, err, offered = run_counted([*run_env, "--pin-corrected"])
+        assert code == 0 and offered == [hsm.pin_file.read_text()], err[-3000:]
+    finally:
+        redis.Redis.from_url(settings.redis_url).delete(keys.hsm_pin_refused(hsm.label))
+
+
+@pytest.fixture
+def network_hsm(hsm, session_dir):
+    """The session's token behind p11-kit server, where P11_KIT_SERVER_ADDRESS points."""
+    server = servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label)
+    yield server
+    server.stop()
+
+
+def test_2000_accounts_through_a_network_hsm_all_delivered_signed_and_the_pin_nowhere(
+        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path):
+    day = tmp_path / "day"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 2000, seed=41))
+    pin = hsm.pin_file.read_text()
+    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=50, window=6)
+    summary = run_day(s, RunRequest(TRADE_DATE, str(day)))
+    assert summary["delivered"] == summary["accounts"] == 2000, summary
+    messages = outbox_messages(smtp_sink.outbox)
+    assert len(messages) == 2000 == len({m["Message-ID"] for m in messages})
+    assert every_note_verifies(Path(s.store_url), day, hsm.chain, tmp_path) == 2000
+    about = json.loads(RunState(s.redis_url, summary["run_id"]).meta()["signing_key"])
+    assert about["module"] == P11_KIT_CLIENT and about["sessions"] >= 2, about
+    # the PIN: not in the store, Redis, Ray's logs, the summary or the status command's answer
+    places = {str(p): p.read_bytes() for p in Path(s.store_url).rglob("*") if p.is_file()}
+    places.update({str(p): p.read_bytes() for p in Path("/tmp/ray/session_latest/logs").rglob("*") if p.is_file()})
+    r = redis.Redis.from_url(s.redis_url)
+    places["redis"] = b"".join(r.dump(k) or b"" for k in r.scan_iter(f"cn:run:{summary['run_id']}:*"))
+    places["summary"] = json.dumps(summary).encode()
+    status = subprocess.run([os.sys.executable, "-m", "pipeline", "status", summary["run_id"]], capture_output=True,
+                            env={**os.environ, "REDIS_URL": s.redis_url, "CN_STORE": s.store_url})
+    places["status"] = status.stdout + status.stderr
+    assert [where for where, data in places.items() if pin.encode() in data] == []
+
+
+def test_the_hsm_lost_mid_run_fails_its_notes_mails_none_unsigned_and_a_rerun_mails_each_once(
+        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir):
+    day = tmp_path / "day"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 240, seed=43))
+    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=10, window=4, hsm_patience_s=3.0)
+    run_id = f"hsm-lost-{os.urandom(3).hex()}"
+    state = RunState(s.redis_url, run_id)
+    killed = threading.Event()
+
+    def kill_when_some_are_signed():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and int(state.counts().get("signed", 0) or 0) < 40:
+            time.sleep(0.05)
+        network_hsm.kill()  # the HSM is gone, mid-run
+        killed.set()
+
+    threading.Thread(target=kill_when_some_are_signed, daemon=True).start()
+    first = run_day(s, RunRequest(TRADE_DATE, str(day), run_id))
+    assert killed.is_set()
+    failed = RunState(s.redis_url, run_id).failed()
+    assert first["delivered"] >= 40 and failed and first["delivered"] + len(failed) == first["accounts"], first
+    reasons = {r.get("reason", "") for r in RunState(s.redis_url, run_id).accounts(failed).values()}
+    assert all("HSM unreachable" in why for why in reasons), reasons
+    assert len(outbox_messages(smtp_sink.outbox)) == first["delivered"], "nothing mailed unsigned, or twice"
+
+    restarted = servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label)
+    try:
+        again = rerun(s, run_id, None, True, False, False)
+    finally:
+        restarted.stop()
+    assert set(again["rerun_outcomes"]) == {"delivered"}, again
+    messages = outbox_messages(smtp_sink.outbox)
+    to = [m["To"] for m in messages]
+    assert len(to) == len(set(to)) == first["accounts"], "every account mailed exactly once"
+    pans = {r["email"]: r["pan"] for r in client_rows(day).values()}
+    for m in messages:  # what the clients got: each a signed note, none unsigned
+        _, pdf = attachment(m)
+        path = tmp_path / "got.pdf"
+        path.write_bytes(pdf)
+        assert_signed_and_encrypted(path, pans[m["To"].addresses[0].addr_spec])
+
+
+def test_plan_says_when_a_day_is_hsm_bound():
+    from pipeline.cluster.plan import plan
+
+    # CloudHSM's published rates: EC P-256 on two hsm1.medium, 500 a second; RSA-2048 on two, 2,000
+    slow = plan(1_500_000, 25, hsm_rate=500)
+    assert slow.hsm_bound and slow.hsm_s == pytest.approx(1_500_000 / 500) and slow.expected_s > slow.deadline_s
+    assert slow.advice().startswith("HSM-bound: 1.5M signatures at 500/s") and "add HSMs" in slow.advice()
+    two_rsa = plan(1_500_000, 25, hsm_rate=2000)
+    assert two_rsa.hsm_bound and two_rsa.expected_s <= two_rsa.deadline_s and "still meets" in two_rsa.advice()
+    assert not plan(1_500_000, 25, hsm_rate=50_000).hsm_bound
+    assert not plan(1_500_000, 25).hsm_bound
