@@ -1,10 +1,11 @@
 """What a stranger inside the cluster's network finds open on a node, and whether it speaks TLS.
 
-    python port_scan.py IP [IP ...]     one JSON object: {ip: {port: "tls" | "plain"}}
+    python port_scan.py IP [IP ...]     one JSON object: {ip: {port: "tls" | "plain" | "silent"}}
 
 Every TCP port is tried (a closed one answers at once on the cluster's network); each open one
 is offered a TLS ClientHello. A server that answers with a ServerHello or a TLS alert speaks
-TLS; anything else (an HTTP error, a close, silence) is counted plain. Stdlib only: it runs on
+TLS; one that answers otherwise (an HTTP error, a close) is plain; one that does not answer
+even when asked again is silent; a port closed since (a worker's) is left out. Stdlib only: it runs on
 an instance with nothing of the project's installed.
 """
 
@@ -25,23 +26,31 @@ def is_open(ip: str, port: int) -> bool:
         return False
 
 
-def speaks_tls(ip: str, port: int) -> bool:
+def kind(ip: str, port: int, timeout_s: float = 5) -> str:
+    """tls, plain, silent (no answer in time: a busy node), or gone (closed since: a worker's port)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
-        with socket.create_connection((ip, port), timeout=3) as raw, context.wrap_socket(raw) as tls:
+        with socket.create_connection((ip, port), timeout=timeout_s) as raw, context.wrap_socket(raw) as tls:
             tls.do_handshake()
-            return True
+            return "tls"
     except ssl.SSLError as e:  # an alert (a client certificate required) is TLS; a wrong version is not
-        return "alert" in str(e).lower()
-    except OSError:
-        return False
+        return "tls" if "alert" in str(e).lower() else "plain"
+    except (socket.timeout, TimeoutError):
+        return "silent"
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:  # closed on a ClientHello without a word of TLS
+        return "plain"
 
 
 def scan(ip: str) -> dict[str, str]:
     with ThreadPoolExecutor(256) as pool:
         found = [p for p, up in zip(range(1, 65536), pool.map(lambda p: is_open(ip, p), range(1, 65536))) if up]
-    return {str(p): "tls" if speaks_tls(ip, p) else "plain" for p in found}
+    kinds = {p: kind(ip, p) for p in found}
+    for _ in range(3):  # a busy node answers late: asked again, with more patience
+        kinds.update({p: kind(ip, p, 15) for p, k in kinds.items() if k == "silent"})
+    return {str(p): k for p, k in kinds.items() if k != "gone"}
 
 
 if __name__ == "__main__":

@@ -316,7 +316,7 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
 
 def _scan_from(cloud, iid: str, head_ip: str, within_s: float = 240) -> dict[str, dict[str, str]]:
     """Every TCP port of the head and of each worker of the day, as the stranger finds them:
-    {role: {port: "tls" | "plain"}}, once both worker types run (or `within_s` has passed)."""
+    {role: {port: "tls" | "plain" | "silent"}}, once both worker types run (or `within_s` has passed)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         workers = {n["tags"].get("ray-user-node-type"): n["ip"] for n in cloud.listing()
