@@ -6,16 +6,17 @@
   sign_aes128_ms  ours, AES-128 (R4) encryption + signature
   floor_ms        SHA-256 over the file + one RSA-2048 signature: nothing can go below this
 All are CPU milliseconds per note (process time). Then the key on an HSM (issue 41), each row a
-signer actor's work (sign + AES-256, `Signer.each`, as many at once as the key has sessions):
+signer actor's work (sign + AES-256, `protect_all`: signatures in flight while the next notes are prepared):
   hsm.file          the key file (the baseline of the rows below)
   hsm.softhsm       SoftHSM2 in this process (CPU ratio to the file key: the target is <= 1.10)
   hsm.p11kit        SoftHSM2 behind `p11-kit server`, through p11-kit-client.so: a network HSM
   hsm.p11kit_5ms    the same with 5 ms added to every round trip by a delaying proxy (notes/s
                     ratio to the file key: the target is >= 0.95)
-each with notes/s (wall), CPU ms a note (this process; the server's is the HSM's), sessions and
-the measured round trip of one signature. Prints one JSON object as its last line.
+each in a process of its own, the four in turn, `--runs` rounds: the medians of notes/s (wall),
+CPU ms a note (that process; the server's is the HSM's), the round trip of one signature and the
+sessions, and each round's ratio to the file key of the same round (median and spread).
 
-    python bench/sign.py [--notes 200]
+    python bench/sign.py [--notes 200] [--runs 3]
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cryptography.hazmat.primitives import hashes  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import padding  # noqa: E402
 from pyhanko.pdf_utils.incremental_writer import IncrementalPdfFileWriter  # noqa: E402
 from pyhanko.sign import fields, signers  # noqa: E402
 
 from pipeline.note.render import render  # noqa: E402
-from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
+from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect, protect_all  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 OWNER = "broker-owner-secret"
@@ -54,7 +53,12 @@ def cpu_ms(fn, items) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--notes", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3, help="rounds of the HSM rows, each row in turn")
+    for hidden in ("--row", "--key", "--cert", "--root", "--token"):  # one HSM row, in a process of its own
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.row:
+        return one_row(args)
     notes = [render(sample_note(trades=5 + i % 15)) for i in range(args.notes)]
     pans = [f"ABCPD{i % 10000:04d}E" for i in range(args.notes)]
     items = list(zip(notes, pans))
@@ -70,7 +74,7 @@ def main() -> None:
             signers.sign_pdf(IncrementalPdfFileWriter(BytesIO(item[0])), meta, signer=s)
 
         def floor(item):
-            signer.key.sign(hashlib.sha256(item[0]).digest(), padding.PKCS1v15(), hashes.SHA256())
+            signer.sign(hashlib.sha256(item[0]).digest())
 
         result = {
             "notes": args.notes,
@@ -81,60 +85,102 @@ def main() -> None:
             "sign_aes128_ms": round(cpu_ms(lambda i: protect(i[0], i[1], OWNER, signer, info, "aes128"), items), 2),
             "floor_ms": round(cpu_ms(floor, items), 3),
         }
-        result["hsm"] = hsm_rows(items, signer, info, Path(tmp), args.notes)
+        result["hsm"] = hsm_rows(Path(tmp), key, cert, root, args.notes, args.runs)
     result["naive_over_ours"] = round(result["naive_ms"] / result["sign_ms"], 1)
-    file_row, rows = result["hsm"]["file"], result["hsm"]
-    result["softhsm_cpu_over_file"] = round(rows["softhsm"]["cpu_ms"] / file_row["cpu_ms"], 3)
-    result["p11kit_5ms_notes_per_s_over_file"] = round(rows["p11kit_5ms"]["notes_per_s"] / file_row["notes_per_s"], 3)
+    rows = result["hsm"]
+    result["softhsm_cpu_over_file"] = rows["softhsm"]["cpu_over_file"]
+    result["p11kit_5ms_notes_per_s_over_file"] = rows["p11kit_5ms"]["notes_per_s_over_file"]
     print(json.dumps(result))
 
 
-def hsm_rows(items, file_signer, info, tmp: Path, notes: int) -> dict:
-    """The same notes signed with the key file, then on a SoftHSM2 token three ways."""
+ROWS = ("softhsm", "p11kit", "p11kit_5ms")
+CHUNK = 25  # notes signed one way, then the other: both see the same moments of this noisy VM
+
+
+def hsm_rows(tmp: Path, key: Path, cert: Path, root: Path, notes: int, runs: int) -> dict:
+    """Each HSM row in a process of its own (a PKCS#11 client module reads its server's address
+    once), there interleaved with the key file, CHUNK notes at a time: the row's ratios to the
+    file key come from the same moments. `runs` rounds; medians and spreads."""
     import os
+    import statistics
+    import subprocess
 
-    import pkcs11
-
-    from pipeline.seal.sign import Signer
-    from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, TokenConfig, TokenKey, make_test_token
+    from pipeline.seal.token import SOFTHSM, make_test_token
     from tests.servers import DelayingProxy, start_p11kit_server
 
     token = make_test_token(tmp / "hsm")
     server = start_p11kit_server(tmp / "p11-kit.sock", SOFTHSM, token.label)
     proxy = DelayingProxy(tmp / "slow.sock", tmp / "p11-kit.sock", 0.005)
-    from cryptography import x509
-
-    token_cert = x509.load_pem_x509_certificate(token.cert.read_bytes())
-    rows = {"file": actor_row(file_signer, items, info, {"sessions": 1, "round_trip_ms": 0.0})}
+    address = {"p11kit": server.url, "p11kit_5ms": proxy.address}
+    rounds: dict[str, list[dict]] = {r: [] for r in ROWS}
     try:
-        for name, module, address in (("softhsm", SOFTHSM, ""), ("p11kit", P11_KIT_CLIENT, server.url),
-                                      ("p11kit_5ms", P11_KIT_CLIENT, proxy.address)):
-            os.environ["P11_KIT_SERVER_ADDRESS"] = address
-            if address:
-                pkcs11.lib(module).reinitialize()  # the client module reads the address when it starts
-            key = TokenKey(TokenConfig(module, token.label, token.key_label, pin=token.pin_file.read_text()))
-            try:
-                signer = Signer(key.sign, key.algorithm, token_cert, [], key.sessions)
-                rows[name] = actor_row(signer, items, info, {"sessions": key.sessions,
-                                                             "round_trip_ms": round(key.round_trip_s * 1000, 2)})
-            finally:
-                key.close()
+        for _ in range(runs):
+            for row in ROWS:
+                out = subprocess.run([sys.executable, __file__, "--row", row, "--notes", str(notes), "--key", str(key),
+                                      "--cert", str(cert), "--root", str(root), "--token", str(tmp / "hsm")],
+                                     env={**os.environ, "P11_KIT_SERVER_ADDRESS": address.get(row, "")},
+                                     capture_output=True, text=True, check=True)
+                rounds[row].append(json.loads(out.stdout.splitlines()[-1]))
     finally:
         proxy.stop()
         server.stop()
-    return rows
+    files = [r["file"] for row in ROWS for r in rounds[row]]
+    result = {"file": {k: statistics.median(f[k] for f in files) for k in ("notes_per_s", "cpu_ms")}}
+    for row in ROWS:
+        measured = [r[row] for r in rounds[row]]
+        cpu = [r[row]["cpu_ms"] / r["file"]["cpu_ms"] for r in rounds[row]]
+        speed = [r[row]["notes_per_s"] / r["file"]["notes_per_s"] for r in rounds[row]]
+        result[row] = {**{k: statistics.median(m[k] for m in measured) for k in ("notes_per_s", "cpu_ms",
+                                                                                 "round_trip_ms")},
+                       "sessions": measured[-1]["sessions"],
+                       "cpu_over_file": round(statistics.median(cpu), 3), "cpu_spread": [round(min(cpu), 3),
+                                                                                         round(max(cpu), 3)],
+                       "notes_per_s_over_file": round(statistics.median(speed), 3),
+                       "notes_per_s_spread": [round(min(speed), 3), round(max(speed), 3)],
+                       **{k: statistics.median(m[k] for m in measured) for k in ("module_sign_ms", "wrapped_sign_ms",
+                                                                                 "file_sign_ms") if k in measured[0]}}
+    return result
 
 
-def actor_row(signer, items, info, about: dict) -> dict:
-    """What a signer actor does with a batch: sign + AES-256 `signer.workers` notes at a time."""
-    work = lambda i: protect(i[0], i[1], OWNER, signer, info, "aes256")  # noqa: E731
-    signer.each(work, items[:4])  # warm
-    wall, cpu = time.perf_counter(), time.process_time()
-    done = signer.each(work, items)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    assert all(isinstance(d, bytes) for d in done), [d for d in done if not isinstance(d, bytes)][:1]
-    return {"notes_per_s": round(len(items) / wall, 1), "cpu_ms": round(cpu * 1000 / len(items), 2), **about}
+def one_row(args) -> None:
+    """One row against the key file, in this process: a signer actor's work (sign + AES-256,
+    protect_all), CHUNK notes one way, then CHUNK the other, alternating which goes first."""
+    import pkcs11
+    from cryptography import x509
 
+    from pipeline.seal.sign import Signer
+    from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, TokenConfig, TokenKey, make_test_token
+
+    notes = [render(sample_note(trades=5 + i % 15)) for i in range(args.notes)]
+    items = list(zip(notes, [f"ABCPD{i % 10000:04d}E" for i in range(args.notes)]))
+    token = make_test_token(Path(args.token))
+    key = TokenKey(TokenConfig(SOFTHSM if args.row == "softhsm" else P11_KIT_CLIENT, token.label, token.key_label,
+                               pin=token.pin_file.read_text()))
+    signers = {"file": load_signer(args.key, args.cert, None, args.root),
+               args.row: Signer(key.sign, key.algorithm, x509.load_pem_x509_certificate(token.cert.read_bytes()), [],
+                                key.sessions)}
+    info, spent = SignatureInfo(), {name: [0.0, 0.0] for name in signers}
+    for signer in signers.values():
+        protect_all(items[:4], OWNER, signer, info)  # warm
+    for i in range(0, len(items), CHUNK):
+        for name in (list(signers) if i // CHUNK % 2 else list(signers)[::-1]):
+            wall, cpu = time.perf_counter(), time.process_time()
+            done = protect_all(items[i:i + CHUNK], OWNER, signers[name], info)
+            spent[name][0] += time.perf_counter() - wall
+            spent[name][1] += time.process_time() - cpu
+            assert all(isinstance(d, bytes) for d in done), [d for d in done if not isinstance(d, bytes)][:1]
+    rows = {name: {"notes_per_s": round(len(items) / w, 1), "cpu_ms": round(c * 1000 / len(items), 2),
+                   "sessions": signers[name].workers,
+                   "round_trip_ms": round(key.round_trip_s * 1000, 2) if name != "file" else 0.0}
+            for name, (w, c) in spent.items()}
+    if args.row == "softhsm":  # where a signature's CPU goes: the module's own work, against the key file's
+        attrs = signers["file"].signed_attributes(b"\0" * 32)
+        session, raw = key._free.get()
+        module = cpu_ms(lambda _: raw.sign(attrs, mechanism=pkcs11.Mechanism.SHA256_RSA_PKCS), range(300))
+        key._free.put((session, raw))
+        rows[args.row].update(module_sign_ms=round(module, 3), wrapped_sign_ms=round(cpu_ms(key.sign, [attrs] * 300), 3),
+                              file_sign_ms=round(cpu_ms(signers["file"].sign, [attrs] * 300), 3))
+    print(json.dumps(rows))
 
 if __name__ == "__main__":
     main()

@@ -154,10 +154,11 @@ def for_render(settings: Settings) -> Settings:
 def read(settings: Settings) -> tuple[Settings, Signer]:
     """The resolved settings and the signing key, from one read of the secret (or, without
     one, the settings' files); with CN_PKCS11_MODULE, the key on the token."""
+    if not settings.secret:
+        _own_key_file(settings)
     if settings.pkcs11_module:
         return _from_token(settings, fetch(settings.secret) if settings.secret else {})
     if not settings.secret:
-        _own_key_file(settings)
         try:
             return settings, load_signer(settings.signer_key, settings.signer_cert, settings.signer_key_password,
                                          settings.signer_chain)

@@ -39,7 +39,7 @@ from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
-from pipeline.seal.sign import SignatureInfo, SignError, protect
+from pipeline.seal.sign import SignatureInfo, SignError, protect_all
 from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")
@@ -171,9 +171,9 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
     for item in batch.items:
         if item["ucc"] in claimed:
             item["pdf"] = None  # mailed, or being mailed, from the archive
-    todo = [item for item in batch.items if item["pdf"] is not None]  # signed `signer.workers` at a time
-    signed = dict(zip(map(id, todo), signer.each(
-        lambda item: protect(item["pdf"], item["pan"], owner_password, signer, info, encryption), todo)))
+    todo = [item for item in batch.items if item["pdf"] is not None]
+    signed = dict(zip(map(id, todo), protect_all([(i["pdf"], i["pan"]) for i in todo], owner_password, signer, info,
+                                                 encryption)))
     kept = []
     with StateWriter(state) as writer:
         for item in batch.items:

@@ -132,6 +132,7 @@ def hsm(session_dir) -> LocalToken:
     at HSM_SOCKET (tests/servers.py starts it where a test wants one)."""
     token = make_test_token(session_dir / "hsm")
     make_test_token(session_dir / "hsm", label="cn-ec", key_type="ec")  # made before any process logs in to the store
+    make_test_token(session_dir / "hsm", label="cn-extractable", extractable=True)
     os.environ["P11_KIT_SERVER_ADDRESS"] = f"unix:path={session_dir / 'hsm' / HSM_SOCKET}"
     return token
 

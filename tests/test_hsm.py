@@ -102,6 +102,15 @@ def test_an_ecdsa_p256_key_on_a_token_signs_notes_pdfsig_and_pyhanko_accept(hsm,
     pyhanko_accepts(pdf, "ABCPD1234E", ec_token.chain)
 
 
+def test_a_key_the_token_marks_extractable_is_used_and_said(hsm, settings, caplog):
+    loose = make_test_token(hsm.conf.parent, label="cn-extractable", extractable=True)
+    _, signer = credentials.read(on_token(settings, loose))
+    assert signer.about["extractable"] is True and signer.about["key"] == "pkcs11"
+    assert "marked extractable" in caplog.text
+    _, tight = credentials.read(on_token(settings, hsm))
+    assert tight.about["extractable"] is False
+
+
 @pytest.fixture
 def run_env(monkeypatch, settings, hsm, tmp_path, day):
     """The `run` command's environment: the session's Redis, relay and token, a store of its own."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
@@ -81,20 +81,20 @@ class Signer:
         self.size = len(self._template(longest)[0])
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sign") if workers > 1 else None
 
-    def cms(self, digest: bytes) -> bytes:
+    def signed_attributes(self, digest: bytes) -> bytes:
+        """What is signed: the CMS signed attributes holding the document's digest."""
         a = self._attr_digest_at
-        signature = self.sign(self._attrs[:a] + digest + self._attrs[a + 32:])
+        return self._attrs[:a] + digest + self._attrs[a + 32:]
+
+    def cms(self, digest: bytes, signature: bytes | None = None) -> bytes:
+        signature = self.sign(self.signed_attributes(digest)) if signature is None else signature
         t, d, s = self._template(len(signature))
         return t[:d] + digest + t[d + 32:s] + signature + t[s + len(signature):]
 
-    def each(self, fn: Callable, items: list) -> list:
-        """fn over items, `workers` at a time: each result, or the SignError it raised."""
-        def one(item):
-            try:
-                return fn(item)
-            except SignError as e:
-                return e
-        return list(self._pool.map(one, items)) if self._pool and len(items) > 1 else [one(i) for i in items]
+    def signing(self, digest: bytes) -> Future:
+        """The signature of a digest, made by one of `workers` threads: only the wait for the HSM
+        is spent there (its module releases the GIL), the notes' own work stays in the caller's."""
+        return self._pool.submit(self.sign, self.signed_attributes(digest))
 
     def _template(self, length: int) -> tuple[bytes, int, int]:
         if length not in self._templates:
@@ -152,6 +152,39 @@ def _signer(key, cert: x509.Certificate, chain: list[x509.Certificate], name: st
 def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
             algorithm: str = "aes256") -> bytes:
     """The whole treatment of one note: encrypt with the client's PAN (upper case), then sign."""
+    data, start, end, digest = _prepare(pdf, pan, owner_password, signer, info, algorithm)
+    return _place(data, start, end, signer.cms(digest))
+
+
+def protect_all(notes: list[tuple[bytes, str]], owner_password: str, signer: Signer, info: SignatureInfo,
+                algorithm: str = "aes256") -> list[bytes | SignError]:
+    """protect() over (pdf, pan) pairs, each result or the SignError it raised. With a key of
+    several sessions (an HSM across a network), each note is prepared here while the signatures
+    of those before it are on their way: the round trip is hidden behind the notes' own work."""
+    if signer.workers == 1:
+        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm) for pdf, pan in notes]
+    pending = []
+    for pdf, pan in notes:
+        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm)
+        pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
+    return [p if isinstance(p, SignError) else _or_error(_finish, signer, *p) for p in pending]
+
+
+def _finish(signer: Signer, prepared: tuple, signature: Future) -> bytes:
+    data, start, end, digest = prepared
+    return _place(data, start, end, signer.cms(digest, signature.result()))
+
+
+def _or_error(fn, *args):
+    try:
+        return fn(*args)
+    except SignError as e:
+        return e
+
+
+def _prepare(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
+             algorithm: str) -> tuple[bytes, int, int, bytes]:
+    """The note encrypted and written with its signature's place, and the digest to sign."""
     if algorithm not in ENCRYPTIONS:
         raise SignError(f"unknown encryption {algorithm!r} (one of {', '.join(ENCRYPTIONS)})")
     user = pan.upper()
@@ -166,7 +199,7 @@ def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: Sig
             data = _write(doc, user, owner_password, algorithm, info, signer.size)
     except pikepdf.PdfError as e:
         raise SignError(f"cannot rewrite the PDF: {e}") from None
-    return _fill_signature(data, signer)
+    return _digest(data, signer)
 
 
 def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int) -> bytes:
@@ -205,7 +238,7 @@ def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> pi
     return sig
 
 
-def _fill_signature(data: bytes, signer: Signer) -> bytes:
+def _digest(data: bytes, signer: Signer) -> tuple[bytes, int, int, bytes]:
     """ByteRange first (it is signed), then the digest of everything but /Contents."""
     br = data.find(BYTE_RANGE_PLACEHOLDER)
     start = data.find(b"/Contents <", br) + len(b"/Contents ")
@@ -217,7 +250,12 @@ def _fill_signature(data: bytes, signer: Signer) -> bytes:
     digest = hashlib.sha256()
     digest.update(memoryview(data)[:start])
     digest.update(memoryview(data)[end:])
-    contents = signer.cms(digest.digest()).hex().encode().ljust(end - start - 2, b"0")
+    return data, start, end, digest.digest()
+
+
+def _place(data: bytes, start: int, end: int, signed: bytes) -> bytes:
+    """The CMS signature into /Contents, hex, padded to its fixed size."""
+    contents = signed.hex().encode().ljust(end - start - 2, b"0")
     return data[:start + 1] + contents + data[end - 1:]
 
 
@@ -260,10 +298,10 @@ def make_test_certificate(directory: Path) -> tuple[Path, Path, Path]:
     key_path, cert_path, root_path = (directory / n for n in ("signer.key.pem", "signer.cert.pem", "root.cert.pem"))
     now = dt.datetime.now(dt.timezone.utc)
     root_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    root_name = _name(f"Test Root CA ({TEST_LABEL})")
-    root = _certificate(root_name, root_name, root_key.public_key(), root_key, now, ca=True)
+    root_name = labelled_name(f"Test Root CA ({TEST_LABEL})")
+    root = issue_certificate(root_name, root_name, root_key.public_key(), root_key, now, ca=True)
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    cert = _certificate(_name(f"Signatory ({TEST_LABEL})"), root_name, key.public_key(),
+    cert = issue_certificate(labelled_name(f"Signatory ({TEST_LABEL})"), root_name, key.public_key(),
                         root_key, now, ca=False, issuer_key_id=root)
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
@@ -273,7 +311,7 @@ def make_test_certificate(directory: Path) -> tuple[Path, Path, Path]:
     return key_path, cert_path, root_path
 
 
-def _name(common_name: str) -> x509.Name:
+def labelled_name(common_name: str) -> x509.Name:
     return x509.Name([
         x509.NameAttribute(NameOID.COUNTRY_NAME, "IN"),
         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Example Securities (test)"),
@@ -281,7 +319,7 @@ def _name(common_name: str) -> x509.Name:
     ])
 
 
-def _certificate(subject, issuer, public_key, signing_key, now, ca: bool, issuer_key_id=None):
+def issue_certificate(subject, issuer, public_key, signing_key, now, ca: bool, issuer_key_id=None):
     usage = dict(digital_signature=not ca, content_commitment=not ca, key_encipherment=False,
                  data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
                  encipher_only=False, decipher_only=False)

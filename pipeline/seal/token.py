@@ -15,10 +15,14 @@ round trip it measures when it opens, and the signer signs that many notes at on
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import math
+import os
 import queue
+import secrets
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,11 +31,12 @@ from pathlib import Path
 import pkcs11
 from asn1crypto import algos
 from cryptography import x509
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
-from pipeline.seal.sign import SignError, SignerSetupError
+from pipeline.seal.sign import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
 
 P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its OID, DER)
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
@@ -60,9 +65,9 @@ class TokenConfig:
 
 class TokenKey:
     """The token's private key as a signing function for sign.Signer: `sign(data)` returns the
-    signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER). Safe from
-    `sessions` threads at once; an HSM lost mid-run fails each signature with "HSM unreachable"
-    at once, and is reconnected with backoff, at most every few seconds, for `patience_s`."""
+    signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER).
+    Safe from `sessions` threads at once; an HSM lost mid-run fails each signature with "HSM
+    unreachable" at once, and is reconnected with backoff for `patience_s`."""
 
     def __init__(self, config: TokenConfig):
         self.config = config
@@ -97,7 +102,7 @@ class TokenKey:
             self._free.put((session, key))
             raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
         except p11.PKCS11Error as e:
-            self._lost(e)
+            self._lost()
             raise SignError(f"HSM unreachable: {type(e).__name__} from {self.config.module}") from None
         self._free.put((session, key))
         return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
@@ -116,11 +121,9 @@ class TokenKey:
         signature, public = self.sign(probe), cert.public_key()
         try:
             if self.kind == "ec" and isinstance(public, ec.EllipticCurvePublicKey):
-                public.verify(signature, probe, ec.ECDSA(_sha256()))
+                public.verify(signature, probe, ec.ECDSA(hashes.SHA256()))
             elif self.kind == "rsa" and isinstance(public, rsa.RSAPublicKey):
-                from cryptography.hazmat.primitives.asymmetric import padding
-
-                public.verify(signature, probe, padding.PKCS1v15(), _sha256())
+                public.verify(signature, probe, padding.PKCS1v15(), hashes.SHA256())
             else:
                 raise ValueError
         except Exception:
@@ -215,7 +218,7 @@ class TokenKey:
             waits.append(walls[-1] - (time.thread_time() - cpu))
         return statistics.median(walls), max(0.0, statistics.median(waits))
 
-    def _lost(self, error: Exception) -> None:
+    def _lost(self) -> None:
         with self._lock:
             if not self._down_since:
                 self._down_since, self._next_try = time.monotonic(), time.monotonic() + 1
@@ -268,11 +271,6 @@ def _load(module: str):
             from None
 
 
-def _sha256():
-    from cryptography.hazmat.primitives import hashes
-
-    return hashes.SHA256()
-
 
 SOFTHSM = "/usr/lib/softhsm/libsofthsm2.so"  # Debian's softhsm2 (scripts/install.sh)
 P11_KIT_CLIENT = "/usr/lib/x86_64-linux-gnu/pkcs11/p11-kit-client.so"  # a network HSM's module: p11-kit server's
@@ -289,19 +287,11 @@ class LocalToken:
 
 
 def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "signer",
-                    key_type: str = "rsa") -> LocalToken:
+                    key_type: str = "rsa", extractable: bool = False) -> LocalToken:
     """A SoftHSM2 token for the embedded default and the tests, made once a label in `directory`'s
     store: the key generated on the token, sensitive and not extractable, and a LOCAL TEST
     certificate for it from a test root, stored on the token too. SOFTHSM2_CONF must name `conf` in every process
     that loads the module (the caller sets it before Ray starts, so the workers inherit it)."""
-    import os
-    import secrets
-    import subprocess
-
-    from cryptography.hazmat.primitives import serialization
-
-    from pipeline.seal.sign import TEST_LABEL, _certificate, _name
-
     directory = directory.resolve()
     made = LocalToken(directory / "softhsm2.conf", label, key_label, directory / f"{label}.pin",
                       directory / f"{label}.cert.pem", directory / f"{label}.root.pem")
@@ -319,26 +309,24 @@ def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "s
                     "--so-pin", secrets.token_hex(8)], env=env, check=True, capture_output=True)
     lib = pkcs11.lib(SOFTHSM)
     lib.reinitialize()  # the library read its configuration when first loaded: this token is new
-    private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.ID: b"\x01"}
+    private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: extractable, Attribute.ID: b"\x01"}
     with lib.get_token(token_label=label).open(user_pin=made.pin_file.read_text(), rw=True) as session:
         if key_type == "ec":
             params = session.create_domain_parameters(KeyType.EC, {Attribute.EC_PARAMS: P256}, local=True)
             public, _ = params.generate_keypair(store=True, label=key_label, private_template=private,
                                                 public_template={Attribute.ID: b"\x01"})
-            from cryptography.hazmat.primitives.asymmetric import ec as _ec
-
             point = public[Attribute.EC_POINT]  # DER OCTET STRING around the uncompressed point
-            public_key = _ec.EllipticCurvePublicKey.from_encoded_point(_ec.SECP256R1(), point[2:])
+            public_key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), point[2:])
         else:
             public, _ = session.generate_keypair(KeyType.RSA, 2048, store=True, label=key_label,
                                                  private_template=private, public_template={Attribute.ID: b"\x01"})
             public_key = rsa.RSAPublicNumbers(int.from_bytes(public[Attribute.PUBLIC_EXPONENT], "big"),
                                               int.from_bytes(public[Attribute.MODULUS], "big")).public_key()
-        now = __import__("datetime").datetime.now(__import__("datetime").timezone.utc)
+        now = dt.datetime.now(dt.timezone.utc)
         root_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        root_name = _name(f"Test Root CA ({TEST_LABEL})")
-        root = _certificate(root_name, root_name, root_key.public_key(), root_key, now, ca=True)
-        cert = _certificate(_name(f"Signatory on an HSM ({TEST_LABEL})"), root_name, public_key, root_key, now,
+        root_name = labelled_name(f"Test Root CA ({TEST_LABEL})")
+        root = issue_certificate(root_name, root_name, root_key.public_key(), root_key, now, ca=True)
+        cert = issue_certificate(labelled_name(f"Signatory on an HSM ({TEST_LABEL})"), root_name, public_key, root_key, now,
                             ca=False, issuer_key_id=root)
         der = cert.public_bytes(serialization.Encoding.DER)
         session.create_object({Attribute.CLASS: ObjectClass.CERTIFICATE, Attribute.CERTIFICATE_TYPE: 0,
