@@ -178,7 +178,8 @@ def one_row(args) -> None:
         session, raw = key._free.get()
         module = cpu_ms(lambda _: raw.sign(attrs, mechanism=pkcs11.Mechanism.SHA256_RSA_PKCS), range(300))
         key._free.put((session, raw))
-        rows[args.row].update(module_sign_ms=round(module, 3), wrapped_sign_ms=round(cpu_ms(key.sign, [attrs] * 300), 3),
+        rows[args.row].update(module_sign_ms=round(module, 3),
+                              wrapped_sign_ms=round(cpu_ms(key.sign, [attrs] * 300), 3),
                               file_sign_ms=round(cpu_ms(signers["file"].sign, [attrs] * 300), 3))
     print(json.dumps(rows))
 

@@ -435,7 +435,8 @@ def cmd_redis_acl(args) -> int:
 
 
 @command("tls", "the cluster's own CA (cluster.yaml): `init` on the head makes it and the head's certificate, "
-                "`serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; in CN_TLS_DIR (default ~/.cn-tls)",
+                "`serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; in CN_TLS_DIR "
+                "(default ~/.cn-tls)",
          arg("action", choices=["init", "serve", "enroll"]),
          arg("head", nargs="?", help="enroll: the head's IP"),
          arg("--ip", help="init: the head's IP (default: the one Ray uses)"),

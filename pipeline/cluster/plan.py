@@ -105,7 +105,8 @@ class Plan:
     def advice(self) -> str:
         if self.hsm_bound:
             need = self.accounts / max(1.0, self.deadline_s - (self.expected_s - self.hsm_s))
-            return (f"HSM-bound: {_count(self.accounts)} signatures at {self.hsm_rate:g}/s = {self.hsm_s / 60:.3g} min; "
+            return (f"HSM-bound: {_count(self.accounts)} signatures at {self.hsm_rate:g}/s = "
+                    f"{self.hsm_s / 60:.3g} min; "
                     + (f"add HSMs to its cluster (CloudHSM spreads signatures over them) for {need:,.0f}/s to meet "
                        f"{self.deadline_s / 60:g} min" if self.expected_s > self.deadline_s else
                        f"it still meets {self.deadline_s / 60:g} min"))

@@ -4,8 +4,9 @@ A run records its store (an absolute folder or an s3:// URL) and where its keys 
 meta in Redis and in its report. `rerun`, `reconcile`, `bounces` and `close` open the run with
 `open_run`, `verify` and `status` find it with `locate`: from what the run recorded, not from
 whatever the current folder or CN_STORE implies. A rerun typed in another folder once opened
-./store, split the day again there, made a new HMAC key and appended to a second delivery log. A store that does not hold the run is refused before
-anything is written, naming the run, the store tried and the one the run recorded.
+./store, split the day again there, made a new HMAC key and appended to a second delivery log.
+A store that does not hold the run is refused before anything is written, naming the run, the
+store tried and the one the run recorded.
 """
 
 from __future__ import annotations
