@@ -50,7 +50,7 @@ from pipeline.seal.token import PinRefused, TokenConfig, TokenKey
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
 
 REQUIRED = ("owner_password",)
-KEY_FILE = ("signer_key_pem", "signer_cert_pem")  # required, but with a token (pkcs11_pin): then none of the key
+KEY_FILE = ("signer_key_pem", "signer_cert_pem")  # required unless the key is on a token (pkcs11_pin)
 OPTIONAL = ("signer_key_pem", "signer_cert_pem", "signer_chain_pem", "signer_key_password", "smtp_url",
             "redis_password", "token_key", "pkcs11_pin")
 log = logging.getLogger("pipeline.credentials")
@@ -177,8 +177,9 @@ def read(settings: Settings) -> tuple[Settings, Signer]:
 
 
 def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, Signer]:
-    """The signer of a key that stays on its HSM: one login, never with a PIN the token refused
-    before (hsm_refusal), the certificate checked against the key by a probe signature."""
+    """The signer of a key that stays on its HSM: one login a process, never with a PIN the
+    token refused before (the refusal is kept in Redis: keys.hsm_pin_refused), the certificate
+    checked against the key by a probe signature."""
     if secret.get("signer_key_pem") or settings.signer_key != Settings.signer_key:
         raise ConfigError("CN_PKCS11_MODULE and a key file (" + ("the secret's signer_key_pem" if secret.get(
             "signer_key_pem") else f"CN_SIGNER_KEY={settings.signer_key}") + ") are both set: a run signs with one "
