@@ -1,11 +1,12 @@
 """What a stranger inside the cluster's network finds open on a node, and whether it speaks TLS.
 
-    python port_scan.py IP [IP ...]     one JSON object: {ip: {port: "tls" | "plain" | "silent"}}
+    python port_scan.py IP [IP ...]     one JSON object: {ip: {port: "tls" | "plain" | "silent" | "closed"}}
 
 Every TCP port is tried (a closed one answers at once on the cluster's network); each open one
 is offered a TLS ClientHello. A server that answers with a ServerHello or a TLS alert speaks
-TLS; one that answers otherwise (an HTTP error, a close) is plain; one that does not answer
-even when asked again is silent; a port closed since (a worker's) is left out. Stdlib only: it runs on
+TLS; one that answers with bytes that are not TLS (an HTTP error) is plain, and so is one that
+hangs up on the hello but answers a plain HTTP request; one that does neither, even when asked
+again, is silent or closed; a port closed since (a worker's) is left out. Stdlib only: it runs on
 an instance with nothing of the project's installed.
 """
 
@@ -27,21 +28,36 @@ def is_open(ip: str, port: int) -> bool:
 
 
 def kind(ip: str, port: int, timeout_s: float = 5) -> str:
-    """tls, plain, silent (no answer in time: a busy node), or gone (closed since: a worker's port)."""
+    """tls, plain, silent (no answer in time: a busy node) or closed (it hung up without a word:
+    a worker's port going away, or a server under load; asked again later)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
         with socket.create_connection((ip, port), timeout=timeout_s) as raw, context.wrap_socket(raw) as tls:
             tls.do_handshake()
             return "tls"
-    except ssl.SSLError as e:  # an alert (a client certificate required) is TLS; a wrong version is not
-        return "tls" if "alert" in str(e).lower() else "plain"
+    except ssl.SSLError as e:  # an alert (a client certificate required) is TLS; bytes that are not TLS are plain
+        said = str(e).lower()
+        return "tls" if "alert" in said else "plain" if "wrong version" in said or "http" in said else \
+            _http(ip, port, timeout_s)
     except (socket.timeout, TimeoutError):
         return "silent"
     except ConnectionRefusedError:
         return "gone"
-    except OSError:  # closed on a ClientHello without a word of TLS
-        return "plain"
+    except OSError:
+        return _http(ip, port, timeout_s)
+
+
+def _http(ip: str, port: int, timeout_s: float) -> str:
+    """A port that hung up on a TLS hello: plain if it answers a plain HTTP request."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout_s) as raw:
+            raw.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return "plain" if raw.recv(5) == b"HTTP/" else "closed"
+    except (socket.timeout, TimeoutError):
+        return "silent"
+    except OSError:
+        return "closed"
 
 
 def scan(ip: str) -> dict[str, str]:
@@ -49,7 +65,7 @@ def scan(ip: str) -> dict[str, str]:
         found = [p for p, up in zip(range(1, 65536), pool.map(lambda p: is_open(ip, p), range(1, 65536))) if up]
     kinds = {p: kind(ip, p) for p in found}
     for _ in range(3):  # a busy node answers late: asked again, with more patience
-        kinds.update({p: kind(ip, p, 15) for p, k in kinds.items() if k == "silent"})
+        kinds.update({p: kind(ip, p, 15) for p, k in kinds.items() if k in ("silent", "closed")})
     return {str(p): k for p, k in kinds.items() if k != "gone"}
 
 
