@@ -172,15 +172,15 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
         if item["ucc"] in claimed:
             item["pdf"] = None  # mailed, or being mailed, from the archive
     todo = [item for item in batch.items if item["pdf"] is not None]
-    signed = dict(zip(map(id, todo), protect_all([(i["pdf"], i["pan"]) for i in todo], owner_password, signer, info,
-                                                 encryption)))
+    for item, signed in zip(todo, protect_all([(i["pdf"], i["pan"]) for i in todo], owner_password, signer, info,
+                                              encryption)):
+        item["pdf"] = signed  # the signed note, or why it could not be signed
     kept = []
     with StateWriter(state) as writer:
         for item in batch.items:
             if item["pdf"] is None:
                 kept.append(item)
                 continue
-            item["pdf"] = signed[id(item)]
             if isinstance(item["pdf"], SignError):
                 writer.add(Outcome(item["ucc"], "signed", "failed", reason=f"sign: {item['pdf']}"))
                 batch.drop("failed")

@@ -86,6 +86,9 @@ def open_run(settings: Settings, run_id: str, store_url: str | None = None, comm
         yield run
 
 
+TOKEN_FIELDS = ("pkcs11_module", "pkcs11_token", "pkcs11_key", "pkcs11_key_id", "pkcs11_pin_file")  # never the PIN
+
+
 def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> dict[str, str]:
     """What a run records about where its record and keys are (`settings` anchored, `resolved`
     with the secret laid over, `cert` the notes' signing certificate): locations and
@@ -96,8 +99,6 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
             "token_key_id": key_id(resolved.hmac_key()),
             "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS}}
 
-
-TOKEN_FIELDS = ("pkcs11_module", "pkcs11_token", "pkcs11_key", "pkcs11_key_id", "pkcs11_pin_file")  # never the PIN
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
