@@ -6,7 +6,13 @@ import csv
 import email
 import subprocess
 from email import policy
+from io import BytesIO
 from pathlib import Path
+
+from pyhanko.keys import load_cert_from_pemder
+from pyhanko.pdf_utils.reader import PdfFileReader
+from pyhanko.sign.validation import validate_pdf_signature
+from pyhanko_certvalidator import ValidationContext
 
 
 def client_rows(day: Path) -> dict[str, dict]:
@@ -20,6 +26,15 @@ def assert_signed_and_encrypted(pdf: Path, pan: str) -> None:
     assert "Signature Validation: Signature is Valid." in out.stdout, out.stdout + out.stderr
     assert "Total document signed" in out.stdout, out.stdout
     assert subprocess.run(["qpdf", "--requires-password", str(pdf)]).returncode == 0, f"{pdf} is not encrypted"
+
+
+def pyhanko_accepts(pdf: bytes, pan: str, root: Path) -> None:
+    """pyHanko's validator, with `root` the only trust anchor, opens the note with its PAN."""
+    reader = PdfFileReader(BytesIO(pdf))
+    assert reader.decrypt(pan).status.name == "USER"
+    status = validate_pdf_signature(reader.embedded_signatures[0], ValidationContext(
+        trust_roots=[load_cert_from_pemder(str(root))]))
+    assert status.bottom_line and status.intact and status.trusted and status.coverage.name == "ENTIRE_FILE"
 
 
 def outbox_messages(outbox: Path) -> list[email.message.EmailMessage]:

@@ -15,16 +15,11 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from io import BytesIO
 from pathlib import Path
 
 import pytest
 import redis
 from cryptography import x509
-from pyhanko.keys import load_cert_from_pemder
-from pyhanko.pdf_utils.reader import PdfFileReader
-from pyhanko.sign.validation import validate_pdf_signature
-from pyhanko_certvalidator import ValidationContext
 
 from pipeline import credentials
 from pipeline.__main__ import main
@@ -42,7 +37,7 @@ from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, make_test_token
 from pipeline.settings import Settings
 from tests import servers
 from tests.conftest import HSM_SOCKET, TRADE_DATE
-from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
+from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages, pyhanko_accepts
 
 
 def on_token(settings: Settings, hsm, module: str = SOFTHSM, **changes) -> Settings:
@@ -51,14 +46,6 @@ def on_token(settings: Settings, hsm, module: str = SOFTHSM, **changes) -> Setti
         "pkcs11_module": module, "pkcs11_token": hsm.label, "pkcs11_key": hsm.key_label,
         "pkcs11_pin_file": str(hsm.pin_file), "signer_key": Settings.signer_key, "signer_cert": str(hsm.cert),
         "signer_chain": str(hsm.chain), **changes})
-
-
-def pyhanko_accepts(pdf: bytes, pan: str, root: Path) -> None:
-    reader = PdfFileReader(BytesIO(pdf))
-    assert reader.decrypt(pan).status.name == "USER"
-    status = validate_pdf_signature(reader.embedded_signatures[0], ValidationContext(
-        trust_roots=[load_cert_from_pemder(str(root))]))
-    assert status.bottom_line and status.intact and status.trusted and status.coverage.name == "ENTIRE_FILE"
 
 
 def every_note_verifies(store_root: Path, day: Path, root: Path, tmp_path: Path) -> int:
