@@ -11,6 +11,7 @@ encrypted (ISO 32000-2, 7.6.2).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import struct
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import pikepdf
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from pyhanko.pdf_utils.crypt._saslprep import saslprep
+
+from pipeline.seal import compiled
 
 HASHES = (hashlib.sha256, hashlib.sha384, hashlib.sha512)
 # print (bit 3) and high-quality print (bit 12), accessibility extraction (bit 10);
@@ -43,7 +46,20 @@ def password_bytes(password: str) -> bytes:
 
 
 def hash_2b(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
-    """ISO 32000-2 algorithm 2.B: at least 64 rounds of AES-128-CBC and SHA-2."""
+    """ISO 32000-2 algorithm 2.B, in C over OpenSSL (compiled.py) where it could be built."""
+    fn = compiled.hash_2b()
+    if fn is None:
+        return hash_2b_reference(password, salt, udata)
+    out = ctypes.create_string_buffer(32)
+    if len(salt) != 8 or fn(password, len(password), salt, udata, len(udata), out) != 0:
+        raise ValueError(f"hash_2b: password {len(password)} bytes (at most 127), salt {len(salt)} (8), "
+                         f"udata {len(udata)} (0 or 48), or OpenSSL failed")
+    return out.raw
+
+
+def hash_2b_reference(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
+    """ISO 32000-2 algorithm 2.B: at least 64 rounds of AES-128-CBC and SHA-2. The C version's
+    reference (tests hold them together) and its stand-in where it cannot be built."""
     k = hashlib.sha256(password + salt + udata).digest()
     rounds = last = 0
     while rounds < 64 or last > rounds - 32:
