@@ -4,6 +4,8 @@ that could send a note twice or stop a run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import time
 
@@ -92,3 +94,29 @@ def test_the_render_user_splits_renders_and_restores_but_cannot_erase_a_guard_or
     assert admin.claimed([accounts[0]["ucc"], other]) == {accounts[0]["ucc"]}
     assert admin.epoch() == epoch and admin.holds_lease(lease)
     assert admin.claim_mail(other, "<m1>", epoch, lease), "the driver's user may"
+
+
+def test_a_signer_on_an_hsm_asks_the_head_s_redis_with_the_secret_s_password(head_redis, hsm, tmp_path, monkeypatch):
+    """A signer actor's settings name Redis's user but not its password (each actor reads the
+    secret itself): whether the token refused the PIN before is asked with the secret's password,
+    and a refusal is kept where the next process looks."""
+    from pipeline import credentials
+    from pipeline.seal.token import SOFTHSM, PinRefused
+
+    logged_in = {}
+    monkeypatch.setattr(credentials, "_logged_in", logged_in)  # a fresh process: it logs in
+    secret = tmp_path / "secret.json"
+    given = {"pkcs11_pin": hsm.pin_file.read_text(), "owner_password": "owner", "redis_password": PASSWORD}
+    secret.write_text(json.dumps(given))
+    actor = dataclasses.replace(head_redis, secret=f"file:{secret}", pkcs11_module=SOFTHSM, pkcs11_token=hsm.label,
+                                pkcs11_key=hsm.key_label, signer_cert=str(hsm.cert), signer_chain=str(hsm.chain))
+    resolved, signer = credentials.read(actor)
+    assert signer.about["key"] == "pkcs11" and resolved.redis_user() == "cn"
+
+    secret.write_text(json.dumps({**given, "pkcs11_pin": "not-the-pin"}))
+    logged_in.popitem()[1].close()  # its sessions closed: logged out, as a new process is
+    with pytest.raises(PinRefused):
+        credentials.read(actor)
+    driver = redis.Redis.from_url(head_redis.with_redis_password(PASSWORD).redis_url)
+    assert driver.get(keys.hsm_pin_refused(hsm.label))
+    driver.delete(keys.hsm_pin_refused(hsm.label))
