@@ -208,9 +208,9 @@ class Cloud:
             raise CloudError(f"instance {iid} is not running")
         return inst
 
-    def leftovers(self) -> list[int]:
-        """Host PIDs of anything still running in any instance this cloud ever started."""
-        return self._alive(*{i["pidns"] for i in self.instances.values()})
+    def leftovers(self, but: str = "") -> list[int]:
+        """Host PIDs of anything still running in any instance this cloud ever started (`but` one)."""
+        return self._alive(*{i["pidns"] for i in self.instances.values() if i["id"] != but})
 
     @staticmethod
     def _alive(*spaces: str) -> list[int]:
