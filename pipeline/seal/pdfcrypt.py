@@ -98,11 +98,22 @@ def encrypt_objects(pdf: pikepdf.Pdf, file_key: bytes, skip: pikepdf.Object | No
         if isinstance(obj, pikepdf.Stream):
             obj.write(_aes(file_key, obj.read_raw_bytes()), filter=obj.get("/Filter"),
                       decode_parms=obj.get("/DecodeParms"), type_check=False)
-            _encrypt_strings(obj.stream_dict, file_key, None)
+            if _holds_strings(obj.stream_dict):
+                _encrypt_strings(obj.stream_dict, file_key, None)
         elif isinstance(obj, (pikepdf.Dictionary, pikepdf.Array)):
-            _encrypt_strings(obj, file_key, skip)
+            if _holds_strings(obj):
+                _encrypt_strings(obj, file_key, skip)
         elif isinstance(obj, pikepdf.String):
             raise ValueError(f"indirect string object {obj.objgen} is not supported")
+
+
+def _holds_strings(obj) -> bool:
+    """Whether a direct string is anywhere in `obj`, from its serialisation in one call: a
+    string is written "(...)" or "<hex>" and nothing else writes "(" or a lone "<" (names
+    escape them). Walking every value instead (a font's /W array has hundreds) cost ~2 ms a
+    note, most of the encryption's time but the password hashes."""
+    text = obj.unparse(resolved=True)  # its content, not "N 0 R"
+    return b"(" in text or b"<" in text.replace(b"<<", b"")
 
 
 def attach_encryption(pdf: pikepdf.Pdf, keys: R6Keys) -> None:
