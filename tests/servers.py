@@ -371,13 +371,14 @@ class HsmService(Service):
 
 class DelayingProxy:
     """A socket in front of another that holds each request `delay_s` before passing it on:
-    a network HSM's round trip, on one machine. Replies pass at once."""
+    a network HSM's round trip, on one machine. Replies pass at once. The first `drop_first`
+    connections are closed unanswered: an HSM that misses a first contact."""
 
-    def __init__(self, listen: Path, target: Path, delay_s: float):
+    def __init__(self, listen: Path, target: Path, delay_s: float, drop_first: int = 0):
         import socket as sk
         import threading
 
-        self.listen, self.target, self.delay_s = listen, target, delay_s
+        self.listen, self.target, self.delay_s, self.drop_first = listen, target, delay_s, drop_first
         listen.unlink(missing_ok=True)
         self.server = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
         self.server.bind(str(listen))
@@ -398,6 +399,10 @@ class DelayingProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return
+            if self.drop_first:
+                self.drop_first -= 1
+                client.close()
+                continue
             upstream = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
             upstream.connect(str(self.target))
             answered = threading.Event()  # a request after an answer is a new round trip: it waits

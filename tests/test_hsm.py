@@ -275,3 +275,21 @@ def test_plan_says_when_a_day_is_hsm_bound():
     assert two_rsa.hsm_bound and two_rsa.expected_s <= two_rsa.deadline_s and "still meets" in two_rsa.advice()
     assert not plan(1_500_000, 25, hsm_rate=50_000).hsm_bound
     assert not plan(1_500_000, 25).hsm_bound
+
+
+def test_a_network_hsm_that_misses_a_signer_s_first_contact_is_asked_again(hsm, network_hsm, session_dir):
+    """Eight signer actors start together on a node: a network HSM that drops the first contact
+    must not fail the run with "no token" (the ray up test's signer node saw "(it has: none)")."""
+    proxy = servers.DelayingProxy(session_dir / "hsm" / "flaky.sock", session_dir / "hsm" / HSM_SOCKET, 0.0,
+                                  drop_first=1)
+    code = ("from pipeline.seal.token import TokenConfig, TokenKey; import sys; "
+            "k = TokenKey(TokenConfig(sys.argv[1], sys.argv[2], sys.argv[3], '', sys.stdin.read(), 0, 20)); "
+            "print('signed', len(k.sign(b'x')))")
+    try:
+        done = subprocess.run([os.sys.executable, "-c", code, P11_KIT_CLIENT, hsm.label, hsm.key_label],
+                              input=hsm.pin_file.read_text(), capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": proxy.address})
+    finally:
+        proxy.stop()
+    assert done.stdout.strip() == "signed 256", done.stderr[-1500:]
+    assert proxy.drop_first == 0, "the first contact was dropped"

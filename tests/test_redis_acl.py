@@ -4,9 +4,10 @@ that could send a note twice or stop a run."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from pipeline.record.redis_acl import acl_file
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.credentials import for_render, render_redis_password
-from pipeline.settings import Settings
+from pipeline.settings import ROOT, Settings
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 from tests.test_hostile_input import INNOCENTS, trades_for
 from tests.test_note_correctness import DATE, write_day
@@ -99,24 +100,26 @@ def test_the_render_user_splits_renders_and_restores_but_cannot_erase_a_guard_or
 def test_a_signer_on_an_hsm_asks_the_head_s_redis_with_the_secret_s_password(head_redis, hsm, tmp_path, monkeypatch):
     """A signer actor's settings name Redis's user but not its password (each actor reads the
     secret itself): whether the token refused the PIN before is asked with the secret's password,
-    and a refusal is kept where the next process looks."""
+    and a refusal is kept where the next process looks. A wrong PIN in a process of its own: a
+    process that logged in to the token stays logged in, and its next login is not judged."""
     from pipeline import credentials
-    from pipeline.seal.token import SOFTHSM, PinRefused
+    from pipeline.seal.token import SOFTHSM
 
-    logged_in = {}
-    monkeypatch.setattr(credentials, "_logged_in", logged_in)  # a fresh process: it logs in
+    monkeypatch.setattr(credentials, "_logged_in", {})  # a fresh process: it logs in
     secret = tmp_path / "secret.json"
     given = {"pkcs11_pin": hsm.pin_file.read_text(), "owner_password": "owner", "redis_password": PASSWORD}
     secret.write_text(json.dumps(given))
-    actor = dataclasses.replace(head_redis, secret=f"file:{secret}", pkcs11_module=SOFTHSM, pkcs11_token=hsm.label,
-                                pkcs11_key=hsm.key_label, signer_cert=str(hsm.cert), signer_chain=str(hsm.chain))
-    resolved, signer = credentials.read(actor)
+    token = {"CN_PKCS11_MODULE": SOFTHSM, "CN_PKCS11_TOKEN": hsm.label, "CN_PKCS11_KEY": hsm.key_label,
+             "CN_SIGNER_CERT": str(hsm.cert), "CN_SIGNER_CHAIN": str(hsm.chain), "CN_SECRET": f"file:{secret}",
+             "REDIS_URL": head_redis.redis_url}
+    resolved, signer = credentials.read(Settings.from_env(token))
     assert signer.about["key"] == "pkcs11" and resolved.redis_user() == "cn"
 
     secret.write_text(json.dumps({**given, "pkcs11_pin": "not-the-pin"}))
-    logged_in.popitem()[1].close()  # its sessions closed: logged out, as a new process is
-    with pytest.raises(PinRefused):
-        credentials.read(actor)
+    refused = subprocess.run([sys.executable, "-c", "from pipeline import credentials; from pipeline.settings import "
+                              "Settings; credentials.read(Settings.from_env())"], capture_output=True, text=True,
+                             cwd=ROOT, env={**os.environ, **token}, timeout=60)
+    assert "PinRefused" in refused.stderr and "AuthenticationError" not in refused.stderr, refused.stderr[-1500:]
     driver = redis.Redis.from_url(head_redis.with_redis_password(PASSWORD).redis_url)
     assert driver.get(keys.hsm_pin_refused(hsm.label))
     driver.delete(keys.hsm_pin_refused(hsm.label))

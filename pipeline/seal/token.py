@@ -15,6 +15,7 @@ round trip it measures when it opens, and the signer signs that many notes at on
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import hashlib
 import math
@@ -63,6 +64,10 @@ class TokenConfig:
         return f"key {key} on token {self.token!r} ({self.module})"
 
 
+class _NotReached(Exception):
+    """The module did not reach its HSM this time; the PIN was not judged."""
+
+
 class TokenKey:
     """The token's private key as a signing function for sign.Signer: `sign(data)` returns the
     signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER).
@@ -71,7 +76,7 @@ class TokenKey:
 
     def __init__(self, config: TokenConfig):
         self.config = config
-        self.lib = _load(config.module)
+        self.lib = None
         self._lock = threading.Lock()
         self._free: queue.Queue = queue.Queue()
         self._sessions: list = []
@@ -154,16 +159,35 @@ class TokenKey:
             {Attribute.ID: bytes.fromhex(self.config.key_id)}
 
     def _connect(self) -> None:
-        """Find the token, log in once, find the key; each failure one line naming what."""
+        """Find the token, log in once, find the key; each failure one line naming what. A module
+        that sees no token at all, or fails before the PIN is judged, is asked again with backoff
+        for the HSM's patience: a network HSM's first contact fails now and then when signers
+        start together (`p11-kit server` failed 1 of 9 simultaneous first contacts here). A
+        token listed under other labels, or a refused PIN, is answered at once."""
+        deadline, delay = time.monotonic() + self.config.patience_s, 0.25
+        while True:
+            try:
+                self.lib = self.lib or _load(self.config.module)
+                return self._connect_once()
+            except _NotReached as e:
+                if time.monotonic() + delay > deadline:
+                    raise SignerSetupError(f"{e} for {self.config.patience_s:g} s") from None
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                if self.lib is not None:
+                    self.lib.reinitialize()
+
+    def _connect_once(self) -> None:
         try:
             token = self._token_once_more()
         except p11.NoSuchToken:
             labels = sorted(t.label for t in self.lib.get_tokens())
-            raise SignerSetupError(f"CN_PKCS11_TOKEN: no token labelled {self.config.token!r} in "
-                                   f"{self.config.module} (it has: {', '.join(labels) or 'none'})") from None
+            said = (f"CN_PKCS11_TOKEN: no token labelled {self.config.token!r} in {self.config.module} "
+                    f"(it has: {', '.join(labels) or 'none'})")
+            raise (SignerSetupError(said) if labels else _NotReached(said + ": the HSM did not answer")) from None
         except p11.PKCS11Error as e:
-            raise SignerSetupError(f"CN_PKCS11_MODULE {self.config.module}: cannot list its tokens "
-                                   f"({type(e).__name__})") from None
+            raise _NotReached(f"CN_PKCS11_MODULE {self.config.module}: cannot list its tokens "
+                              f"({type(e).__name__})") from None
         try:
             session = token.open(user_pin=self.config.pin)
         except p11.UserAlreadyLoggedIn:  # another key of this process logged in to the token: its login is ours
@@ -171,6 +195,9 @@ class TokenKey:
         except PIN_REFUSALS as e:
             raise PinRefused(f"the HSM refused the PIN for token {self.config.token!r} ({type(e).__name__}): "
                              "it is not offered again") from None
+        except (p11.GeneralError, p11.DeviceError, p11.DeviceRemoved, p11.TokenNotPresent) as e:
+            raise _NotReached(f"token {self.config.token!r} in {self.config.module}: no session "
+                              f"({type(e).__name__})") from None
         self._token = token
         key = self._find_key(session)
         self.kind = {KeyType.RSA: "rsa", KeyType.EC: "ec"}.get(key.key_type, "")
@@ -264,11 +291,17 @@ class TokenKey:
 
 
 def _load(module: str):
+    """The module, started. A library that cannot be opened is said at once; one that opens but
+    does not start (C_Initialize: a network module that did not reach its HSM) may be tried again."""
+    try:
+        ctypes.CDLL(module)
+    except OSError as e:
+        raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
+            from None
     try:
         return pkcs11.lib(module)
     except Exception as e:
-        raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
-            from None
+        raise _NotReached(f"CN_PKCS11_MODULE {module}: it did not start ({type(e).__name__})") from None
 
 
 
