@@ -2,7 +2,7 @@
 against OpenSSL's libcrypto, once per machine and version of the source, and called through
 ctypes: no Python headers, no wheel to publish, and ctypes lets go of the GIL for the call, so
 signer threads hash in parallel. `scripts/install.sh` and cluster.yaml's setup build it ahead
-of the day; a machine that cannot build it hashes in Python, ~2x slower a note, and says so.
+of the day; a machine that cannot build it hashes in Python (each hash ~1.5x the CPU) and says so.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def hash_2b():
     if not target.exists():
         problem = build(target)
         if problem:
-            log.warning("the R6 password hash runs in Python (about twice the CPU a note): %s", problem)
+            log.warning("the R6 password hash runs in Python (~1.5x the CPU of each hash): %s", problem)
             return None
     fn = ctypes.CDLL(str(target)).cn_hash_2b
     fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,

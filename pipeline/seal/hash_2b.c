@@ -3,7 +3,7 @@
  * each of AES-128-CBC over up to 15 KB and a SHA-2 of the result. In Python each round paid
  * for a cipher object, a 64-fold concatenation and a sum in the interpreter; here a round is
  * the two primitives and nothing else. pdfcrypt.hash_2b_reference is the same algorithm in
- * Python, and tests/test_sign.py holds the two and a published vector together.
+ * Python, and tests/test_r6_hash.py holds the two and a published vector together.
  */
 #include <openssl/evp.h>
 #include <string.h>
