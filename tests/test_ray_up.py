@@ -176,8 +176,7 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
     _clone(checkout)
     laptop.mkdir()
     # README step 1: the bucket, the dumps, the secret
-    s3 = boto3.client("s3", endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3 = _aws(cloud, "s3")
     s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "ap-south-1"})
     day = tmp_path / "day"
     subprocess.run([sys.executable, "-m", "pipeline", "synth", "--out", str(day), "--date", TRADE_DATE,
@@ -192,9 +191,7 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
                             capture_output=True, env={**os.environ, **key, "CN_OWNER_PASSWORD": "owner-secret-1",
                                                       "SMTP_URL": cloud.smtp_url}).stdout
     assert ("signer_key_pem" in json.loads(secret)) is not bool(hsm)
-    boto3.client("secretsmanager", endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_secret(
-        Name="contract-notes/signing", SecretString=secret)
+    _aws(cloud, "secretsmanager").create_secret(Name="contract-notes/signing", SecretString=secret)
     # README step 2: fill in scripts/cluster.env (the bucket); the waits are shortened for CI (the head's grace
     # keeps one report of Ray's metrics agent, every 10 s, after the last mail)
     env_file = checkout / "scripts/cluster.env"
@@ -218,6 +215,12 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
                   "PYTHONPATH": str(TESTS), "RAY_AUTH_MODE": "token", "LANG": "C.UTF-8",
                   "RAY_UP_enable_autoscaler_v2": "1"}
     return Laptop(checkout, laptop, yaml_path, laptop_env, tmp_path / "laptop.log")
+
+
+def _aws(cloud, service: str):
+    """A client of the cloud's AWS (moto), as the laptop's credentials reach it."""
+    return boto3.client(service, endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
 def _all_terminated(cloud, within_s: float = 180) -> list[str]:
@@ -457,8 +460,7 @@ def _the_notes_were_signed_on_the_hsm(cloud, streams: dict, hsm: NetworkHsm, hea
               and data[:2] == b"\x16\x03"}
     plain = [f for f, data in streams.items() if f[2] == hsm.ip and data and data[:2] != b"\x16\x03"]
     assert {head_ip} | signer <= to_hsm and not plain, (to_hsm, signer, plain)
-    s3 = boto3.client("s3", endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3 = _aws(cloud, "s3")
     pans = {u: r["pan"] for u, r in client_rows(tmp_path / "day").items()}
     notes = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
              for o in page.get("Contents", []) if "-signed-pdf/" in o["Key"]]
@@ -481,8 +483,7 @@ def _no_key_left_the_nodes(cloud, laptop_log: Path, head_ray: Path, hsm: Network
             if path.exists():
                 keys.append(b"".join(path.read_bytes().splitlines()[1:-1]))  # the key's base64, one line
     assert len(keys) >= 3, "the head's CA and node keys, and at least one worker's"
-    s3 = boto3.client("s3", endpoint_url=cloud.aws["AWS_ENDPOINT_URL"], region_name="ap-south-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    s3 = _aws(cloud, "s3")
     places = {f"s3://{BUCKET}/{o['Key']}": s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
               for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET) for o in page.get("Contents", [])}
     places["the laptop's log"] = laptop_log.read_bytes()

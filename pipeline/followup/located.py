@@ -100,7 +100,6 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
             "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS}}
 
 
-
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
            command: str = "", redis_optional: bool = False) -> Located:
     """The run's store and key locations: Redis's record of the run, else `store_url` (--store),

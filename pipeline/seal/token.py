@@ -167,7 +167,8 @@ class TokenKey:
         deadline, delay = time.monotonic() + self.config.patience_s, 0.25
         while True:
             try:
-                self.lib = self.lib or _load(self.config.module)
+                if self.lib is None:
+                    self.lib = _load(self.config.module)
                 return self._connect_once()
             except _NotReached as e:
                 if time.monotonic() + delay > deadline:
@@ -302,7 +303,6 @@ def _load(module: str):
         return pkcs11.lib(module)
     except Exception as e:
         raise _NotReached(f"CN_PKCS11_MODULE {module}: it did not start ({type(e).__name__})") from None
-
 
 
 SOFTHSM = "/usr/lib/softhsm/libsofthsm2.so"  # Debian's softhsm2 (scripts/install.sh)
