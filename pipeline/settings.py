@@ -23,6 +23,11 @@ DEFAULT_KEY_DIR = Path(".keys")
 PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this repository
 
 
+def cache_dir() -> Path:
+    """Where a machine keeps what it builds once for the job (the C hash, the lean fonts)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "contract-notes"
+
+
 @dataclass(frozen=True)
 class SmtpTarget:
     host: str

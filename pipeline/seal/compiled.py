@@ -17,13 +17,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pipeline.settings import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("hash_2b.c")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "contract-notes"
 
 
 @functools.cache
