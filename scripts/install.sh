@@ -38,6 +38,7 @@ if [[ ! -x .venv/bin/python || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   echo "$want" > "$stamp"
 fi
 .venv/bin/python -m pipeline.seal.compiled  # built once per version of its source, in ~/.cache/contract-notes
+.venv/bin/python -m pipeline.note.fonts  # the note's lean font faces, made once, beside it
 
 if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
   echo "building versitygw $VERSITYGW_VERSION (S3-compatible server for the tests; once per machine)" >&2

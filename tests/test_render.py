@@ -13,7 +13,8 @@ from pipeline.day import synth
 from pipeline.day.dumps import Client, effective_trades, parse_trade
 from pipeline.note.charges import compute
 from pipeline.note.content import build_note, money
-from pipeline.note.render import merge, render
+from pipeline.note import fonts
+from pipeline.note.render import _Compiler, compiler, merge, render
 from pipeline.stages import broker
 
 TRADE_DATE = "2026-11-20"
@@ -58,6 +59,7 @@ def page_count(pdf: bytes, tmp_path: Path) -> int:
     "#set text(red)",
     "राहुल वर्मा",
     "கார்த்திக் சுப்ரமணியன்",
+    "Ελένη Παπαδοπούλου Łukasz Żółć",  # Greek outside the lean faces, Latin Extended-A inside
 ])
 def test_names_and_symbols_with_typst_syntax_or_other_scripts_render_literally(tmp_path, name):
     note = sample_note(5, sample_client(name=name), symbol="A#B*[C]")
@@ -113,3 +115,67 @@ def test_money_uses_indian_grouping_and_brackets_what_the_client_pays():
     assert money(Decimal("-999.5")) == "(999.50)"
     assert money(Decimal("0")) == "0.00"
     assert money(Decimal("12.5"), 4) == "12.5000"
+
+
+def embedded_faces(pdf: bytes) -> dict[str, set[str]]:
+    """Each embedded font's PostScript name (subset tag dropped) and the tables of its program."""
+    import io
+
+    import pikepdf
+    from fontTools.ttLib import TTFont
+
+    faces = {}
+    with pikepdf.open(io.BytesIO(pdf)) as doc:
+        for obj in doc.objects:
+            if isinstance(obj, pikepdf.Dictionary) and "/FontFile2" in obj:
+                program = TTFont(io.BytesIO(obj.FontFile2.read_bytes()))
+                faces[str(obj.FontName).split("+")[-1]] = set(program.keys())
+    return faces
+
+
+def test_notes_embed_the_lean_faces_without_hinting_and_fall_back_for_other_scripts(tmp_path):
+    faces = embedded_faces(render(sample_note(12)))
+    assert {"NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular"} <= set(faces)
+    assert all("fpgm" not in tables and "prep" not in tables for tables in faces.values()), faces
+    note = sample_note(5, sample_client(name="राहुल Ελένη"))
+    faces = embedded_faces(render(note))
+    assert "NotoSansDevanagari-Regular" in faces and "NotoSans-Regular" in faces
+    assert "राहुल Ελένη" in pdf_text(render(note), tmp_path)
+
+
+def test_the_lean_faces_are_made_from_the_system_fonts_and_named_apart(tmp_path, monkeypatch):
+    from fontTools.ttLib import TTFont
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fonts.lean_font_dir.cache_clear()
+    try:
+        made = fonts.lean_font_dir()
+        assert made is not None and made.parent == tmp_path / "contract-notes"
+        for face in fonts.FACES:
+            font = TTFont(made / f"{face}.ttf")
+            assert font["name"].getDebugName(1).startswith("CN Noto Sans")
+            assert font["name"].getDebugName(6) == face  # the name a PDF shows
+            assert "fpgm" not in font and 0x20B9 in font.getBestCmap()
+    finally:
+        fonts.lean_font_dir.cache_clear()
+
+
+def test_without_the_system_faces_to_make_them_from_notes_render_with_the_system_fonts(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(fonts, "SYSTEM_FONTS", tmp_path / "nowhere")
+    fonts.lean_font_dir.cache_clear()
+    try:
+        assert fonts.lean_font_dir() is None
+        assert "render with the system's fonts" in caplog.text
+        faces = embedded_faces(_Compiler().compile(sample_note(3), tagged=False))
+        assert "fpgm" in faces["NotoSans-Regular"]  # the system's own, hinted
+    finally:
+        fonts.lean_font_dir.cache_clear()
+
+
+def test_the_note_file_lives_only_for_its_compile_in_a_directory_of_the_process_own(tmp_path):
+    render(sample_note(3))
+    private = compiler().dir
+    assert private.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in private.iterdir()) == ["contract_note.typ"]

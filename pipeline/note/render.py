@@ -3,34 +3,70 @@
 Creating a compiler scans the fonts (tens of ms); compiling a typical note is a few ms.
 Tagged PDF is off by default: it doubled compile time and grew files ~8x here, and the
 archive of record is the signed PDF, not an accessibility edition.
+
+The note reaches Typst as a file, not as `sys.inputs`: typst-py rebuilds and rehashes the
+whole standard library whenever `sys.inputs` changes, a tenth of a typical note's compile.
+The file lives only for its compile, in a directory of this process's own (mode 0700, in
+memory where /dev/shm exists): it holds the client's PAN before the note is encrypted.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+import tempfile
+import threading
 from functools import lru_cache
 from io import BytesIO
+from pathlib import Path
 
 import pikepdf
 import typst
 
+from pipeline.note.fonts import lean_font_dir
 from pipeline.settings import TEMPLATES
 
 TEMPLATE = TEMPLATES / "contract_note.typ"
+NOTE_FILE = "note.json"  # the name the template reads, beside it
 
 
 class RenderError(RuntimeError):
     pass
 
 
+class _Compiler:
+    """The template copied into a private directory, with the compiler that reads it there."""
+
+    def __init__(self) -> None:
+        shm = Path("/dev/shm")
+        self.dir = Path(tempfile.mkdtemp(prefix="cn-render-", dir=shm if shm.is_dir() else None))
+        atexit.register(shutil.rmtree, self.dir, True)
+        shutil.copy(TEMPLATE, self.dir / TEMPLATE.name)
+        fonts = lean_font_dir()
+        self.typst = typst.Compiler(str(self.dir / TEMPLATE.name), root=str(self.dir),
+                                    font_paths=[str(fonts)] if fonts else [])
+        self.lock = threading.Lock()  # one note file, and typst-py's compiler is not re-entrant
+
+    def compile(self, note: dict, tagged: bool) -> bytes:
+        path = self.dir / NOTE_FILE
+        with self.lock:
+            path.write_text(json.dumps(note))
+            try:
+                return self.typst.compile(format="pdf", pdf_tags=tagged)
+            finally:
+                os.unlink(path)
+
+
 @lru_cache(maxsize=1)
-def compiler() -> typst.Compiler:
-    return typst.Compiler(str(TEMPLATE), root=str(TEMPLATES))
+def compiler() -> _Compiler:
+    return _Compiler()
 
 
 def render(note: dict, tagged: bool = False) -> bytes:
     try:
-        return compiler().compile(format="pdf", sys_inputs={"note": json.dumps(note)}, pdf_tags=tagged)
+        return compiler().compile(note, tagged)
     except typst.TypstError as e:
         raise RenderError(f"note {note['note']['number']}: {e.message}") from None
 

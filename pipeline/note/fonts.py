@@ -1,0 +1,87 @@
+"""Lean copies of the note's Noto faces, made once per machine from the system's fonts.
+
+Every compile subsets and deflates each face it used into the PDF, and shapes every glyph
+through the face's tables: with a face cut to the Latin script and stripped of TrueType
+hinting (which PDF viewers at these sizes do not run) that work is a third smaller and so is
+the PDF. The copies are named "CN Noto Sans" and "CN Noto Sans Mono" (the PostScript names are
+kept), so the template's font lists can name them first and fall back to the full system faces
+for any character a client's name brings from outside them. A machine that cannot make them
+renders with the system faces, the same notes a little slower, and says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from pipeline.settings import cache_dir
+
+log = logging.getLogger(__name__)
+
+SYSTEM_FONTS = Path("/usr/share/fonts/truetype/noto")
+FACES = ["NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular", "NotoSansMono-Bold"]
+# Basic Latin, Latin-1, Latin Extended-A, general punctuation, the rupee and minus signs, and
+# the dotted circle that shaping inserts before a stray combining mark.
+UNICODES = "U+0020-007E,U+00A0-017F,U+2000-206F,U+20B9,U+2212,U+25CC"
+RECIPE = f"v1 {UNICODES} no-hinting all-layout-features"  # a new recipe makes a new directory
+
+
+@functools.cache
+def lean_font_dir() -> Path | None:
+    """The directory of lean faces, made now if this machine has none; None if it cannot."""
+    sources = [SYSTEM_FONTS / f"{face}.ttf" for face in FACES]
+    missing = [str(s) for s in sources if not s.exists()]
+    if missing:
+        log.warning("notes render with the system's fonts, a little slower: %s missing", ", ".join(missing))
+        return None
+    digest = hashlib.sha256(RECIPE.encode() + b"".join(s.read_bytes()[:4096] for s in sources)).hexdigest()[:16]
+    target = cache_dir() / f"fonts-{digest}"
+    if not target.is_dir():
+        try:
+            _make(sources, target)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the system's fonts, said once
+            log.warning("notes render with the system's fonts, a little slower: cannot make lean faces (%s)", e)
+            return None
+    return target
+
+
+def _make(sources: list[Path], target: Path) -> None:
+    """Builds into a fresh directory renamed into place: render workers may start at once."""
+    from fontTools import subset
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=".fonts-"))
+    options = subset.Options(layout_features=["*"], hinting=False, name_IDs=["*"], name_languages=["*"],
+                             notdef_outline=True, glyph_names=False)
+    for source in sources:
+        font = subset.load_font(str(source), options)
+        subsetter = subset.Subsetter(options)
+        subsetter.populate(unicodes=subset.parse_unicodes(UNICODES))
+        subsetter.subset(font)
+        _rename_family(font)
+        subset.save_font(font, str(partial / source.name), options)
+    try:
+        os.rename(partial, target)
+    except OSError:  # another worker finished first
+        for made in partial.iterdir():
+            made.unlink()
+        partial.rmdir()
+
+
+def _rename_family(font) -> None:
+    """"Noto Sans" -> "CN Noto Sans" in the family names (1 and 16) and full name (4)."""
+    for record in font["name"].names:
+        if record.nameID in (1, 4, 16):
+            text = record.toUnicode()
+            if text.startswith("Noto Sans"):
+                record.string = "CN " + text
+
+
+if __name__ == "__main__":  # `python -m pipeline.note.fonts`: make them now (install, node setup)
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("fontTools").setLevel(logging.WARNING)
+    raise SystemExit(0 if lean_font_dir() else 1)
