@@ -9,9 +9,13 @@
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
                           the same notes through bench/baseline_table.typ
+  typical_speedup, dense_speedup
+                          the baseline's CPU over ours, the median of the turns (each turn
+                          ours beside the baseline, each row in a process of its own), and
+                          the spread of the turns
 Prints one JSON object as its last line.
 
-    python bench/render.py [--pages 2000]
+    python bench/render.py [--pages 2000] [--turns 5]  # --pages 0: the ratios only
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -72,49 +77,86 @@ def baseline_data(note: dict, ts) -> dict:
     }
 
 
-def cpu_ms_per(fn, items, warm, repeats: int = 3) -> float:
-    """Median of repeats (this VM is noisy). Each repeat first renders `warm`, notes it does not
-    time: Typst memoises the last 10 compiles, and a note seen in them renders almost for
-    free, so warm must hold more than 10 other notes."""
-    runs = []
-    for _ in range(repeats):
-        for item in warm:
-            fn(item)
-        started = time.process_time()
-        for item in items:
-            fn(item)
-        runs.append((time.process_time() - started) * 1000 / len(items))
-    return statistics.median(runs)
+ROWS = ["typical_note_ms", "baseline_typical_note_ms", "dense_note_ms", "baseline_dense_note_ms"]
+
+
+def in_turns(turns: int) -> dict[str, list[float]]:
+    """Each row's CPU ms a note in each turn, the rows taking turns, each in a process of its
+    own. This VM's speed drifts by tens of percent within a minute: rows timed one after the
+    other gave ratios that moved with it, so a ratio is taken within a turn, ours beside its
+    baseline. In one process, a row timed after another ran 20-30% off its own pace (Typst's
+    memo cache, the heap of the other's compiles), which a render worker never is."""
+    runs: dict[str, list[float]] = {row: [] for row in ROWS}
+    for _ in range(turns):
+        for row in ROWS:
+            done = subprocess.run([sys.executable, __file__, "--row", row], capture_output=True, text=True,
+                                  check=True)
+            runs[row].append(float(done.stdout.split()[-1]))
+    return runs
+
+
+def one_row(row: str) -> float:
+    """CPU ms a note of one row. It first renders 20 typical notes it does not time: Typst
+    memoises the last 10 compiles, and a note seen in them renders almost for free."""
+    typical_trades, typical = corpus(120)
+    timed_trades, timed = (typical_trades[20:], typical[20:]) if "typical" in row else dense_corpus()
+    if row.startswith("baseline"):
+        baseline = typst.Compiler(str(ROOT / "bench" / "baseline_table.typ"), root=str(ROOT))
+        fn = lambda data: baseline.compile(format="pdf", sys_inputs={"note": json.dumps(data)},  # noqa: E731
+                                           pdf_tags=False)
+        typical = [baseline_data(n, ts) for n, ts in zip(typical, typical_trades)]
+        timed = [baseline_data(n, ts) for n, ts in zip(timed, timed_trades)]
+    else:
+        fn = render
+    for item in typical[:20]:
+        fn(item)
+    started = time.process_time()
+    for item in timed:
+        fn(item)
+    return (time.process_time() - started) * 1000 / len(timed)
+
+
+def corpus(n: int) -> tuple[list, list]:
+    """Typical notes: 3 to 20 trades."""
+    typical_trades = [trades(3 + i % 18, seed=i) for i in range(n)]
+    return typical_trades, [note_for(ts, i) for i, ts in enumerate(typical_trades)]
+
+
+def dense_corpus() -> tuple[list, list]:
+    """Three notes of eight full pages of trades (nine pages with the levies)."""
+    dense_trades = [trades(ROWS_PER_PAGE * 8, seed=1002 + i) for i in range(3)]
+    return dense_trades, [note_for(ts, i) for i, ts in enumerate(dense_trades)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pages", type=int, default=2000)
+    parser.add_argument("--pages", type=int, default=2000, help="the huge note's pages (0: not rendered)")
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # one row, in a process of its own
     args = parser.parse_args()
+    if args.row:
+        print(one_row(args.row))
+        return
 
-    typical_trades = [trades(3 + i % 18, seed=i) for i in range(170)]
-    typical = [note_for(ts, i) for i, ts in enumerate(typical_trades)]
-    dense_trades = [trades(ROWS_PER_PAGE * 8, seed=1000 + i) for i in range(5)]
-    dense = [note_for(ts, i) for i, ts in enumerate(dense_trades)]
-    dense_pages = sum(n["total_pages"] for n in dense[2:])
-
+    _, typical = corpus(120)
+    dense_trades, dense = dense_corpus()
     baseline = typst.Compiler(str(ROOT / "bench" / "baseline_table.typ"), root=str(ROOT))
-    run_baseline = lambda data: baseline.compile(format="pdf", sys_inputs={"note": json.dumps(data)},  # noqa: E731
-                                                 pdf_tags=False)
-    result = {  # ours first: Typst's memo cache is process-wide, and the baseline's pages fill it
-        "typical_note_ms": round(cpu_ms_per(render, typical[20:], typical[:20]), 2),
-        "dense_page_ms": round(cpu_ms_per(render, dense[2:], typical[:20]) * 3 / dense_pages, 2),
-        "typical_pdf_kb": round(sum(len(render(n)) for n in typical) / len(typical) / 1024, 1),
-    }
-    base_typical = [baseline_data(n, ts) for n, ts in zip(typical, typical_trades)]
-    base_dense = [baseline_data(n, ts) for n, ts in zip(dense, dense_trades)]
-    base_pages = sum(_pages(run_baseline(d)) for d in base_dense[2:])
-    result["baseline_typical_note_ms"] = round(cpu_ms_per(run_baseline, base_typical[20:], base_typical[:20]), 2)
-    result["baseline_dense_page_ms"] = round(
-        cpu_ms_per(run_baseline, base_dense[2:], base_typical[:20]) * 3 / base_pages, 2)
-    result.update(huge(args.pages))
-    result["typical_speedup"] = round(result["baseline_typical_note_ms"] / result["typical_note_ms"], 1)
-    result["dense_speedup"] = round(result["baseline_dense_page_ms"] / result["dense_page_ms"], 1)
+    pages = sum(n["total_pages"] for n in dense)
+    base_pages = sum(_pages(baseline.compile(format="pdf", sys_inputs={"note": json.dumps(baseline_data(n, ts))},
+                                             pdf_tags=False)) for n, ts in zip(dense, dense_trades))
+    runs = in_turns(args.turns)
+    per_page = {"dense_note_ms": len(dense) / pages, "baseline_dense_note_ms": len(dense) / base_pages}
+    for row, factor in per_page.items():
+        runs[row.replace("note", "page")] = [ms * factor for ms in runs.pop(row)]
+    result = {row: round(statistics.median(ms), 2) for row, ms in runs.items()}
+    result["typical_pdf_kb"] = round(sum(len(render(n)) for n in typical) / len(typical) / 1024, 1)
+    for kind in ("typical_note", "dense_page"):
+        ratios = [b / o for b, o in zip(runs[f"baseline_{kind}_ms"], runs[f"{kind}_ms"])]
+        speedup = kind.split("_")[0] + "_speedup"
+        result[speedup] = round(statistics.median(ratios), 1)
+        result[speedup + "_spread"] = [round(min(ratios), 1), round(max(ratios), 1)]
+    if args.pages:
+        result.update(huge(args.pages))
     print(json.dumps(result))
 
 
