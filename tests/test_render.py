@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -179,3 +180,17 @@ def test_the_note_file_lives_only_for_its_compile_in_a_directory_of_the_process_
     private = compiler().dir
     assert private.stat().st_mode & 0o777 == 0o700
     assert sorted(p.name for p in private.iterdir()) == ["contract_note.typ"]
+
+
+def test_a_render_process_clears_what_a_dead_one_left_and_keeps_a_live_one_s(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = tmp_path / f"cn-render-{gone.pid}-abc"
+    left.mkdir()
+    (left / "note.json").write_text('{"client": {"pan": "ABCPD1234E"}}')
+    live = tmp_path / f"cn-render-{os.getppid()}-def"  # this test's parent: alive
+    live.mkdir()
+    made = _Compiler(parent=tmp_path)
+    assert not left.exists() and live.exists() and made.dir.parent == tmp_path
+    assert made.dir.name.startswith(f"cn-render-{os.getpid()}-")
+    assert b"%PDF" in made.compile(sample_note(3), tagged=False)[:8]

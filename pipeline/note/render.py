@@ -39,9 +39,11 @@ class RenderError(RuntimeError):
 class _Compiler:
     """The template copied into a private directory, with the compiler that reads it there."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: Path | None = None) -> None:
         shm = Path("/dev/shm")
-        self.dir = Path(tempfile.mkdtemp(prefix="cn-render-", dir=shm if shm.is_dir() else None))
+        parent = parent or (shm if shm.is_dir() else Path(tempfile.gettempdir()))
+        _sweep(parent)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"cn-render-{os.getpid()}-", dir=parent))
         atexit.register(shutil.rmtree, self.dir, True)
         shutil.copy(TEMPLATE, self.dir / TEMPLATE.name)
         fonts = lean_font_dir()
@@ -57,6 +59,21 @@ class _Compiler:
                 return self.typst.compile(format="pdf", pdf_tags=tagged)
             finally:
                 os.unlink(path)
+
+
+def _sweep(parent: Path) -> None:
+    """Removes what render processes that are gone left behind: one killed mid-compile (OOM,
+    a lost node's worker) leaves its last note's data in its directory."""
+    for left in parent.glob("cn-render-*-*"):
+        pid = left.name.split("-")[2]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(left, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 @lru_cache(maxsize=1)
