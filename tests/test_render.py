@@ -182,7 +182,7 @@ def test_the_note_file_lives_only_for_its_compile_in_a_directory_of_the_process_
     assert sorted(p.name for p in private.iterdir()) == ["contract_note.typ"]
 
 
-def test_a_render_process_clears_what_a_dead_one_left_and_keeps_a_live_one_s(tmp_path):
+def test_a_render_process_clears_what_dead_ones_left_and_not_what_live_ones_hold(tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()
     left = tmp_path / f"cn-render-{gone.pid}-abc"

