@@ -70,6 +70,38 @@ def test_signed_notes_verify_independently_with_the_intended_encryption(
     assert status.coverage.name == "ENTIRE_FILE" and status.md_algorithm == "sha256"
 
 
+def test_every_string_nested_or_not_reads_back_as_it_was_written(tmp_path, note_pdf, signer):
+    """qpdf decrypts the note: the font's nested /CIDSystemInfo, the docinfo and the catalog's
+    /Lang come back as Typst wrote them, so each string was encrypted once, none skipped."""
+    import pikepdf
+
+    def strings(pdf: pikepdf.Pdf) -> list[bytes]:
+        found = []
+
+        def walk(obj, seen):
+            if isinstance(obj, pikepdf.String):
+                found.append(bytes(obj))
+            elif isinstance(obj, (pikepdf.Dictionary, pikepdf.Array)):
+                if obj.is_indirect:
+                    if obj.objgen in seen:
+                        return
+                    seen.add(obj.objgen)
+                for v in (obj.values() if isinstance(obj, pikepdf.Dictionary) else obj):
+                    walk(v, seen)
+
+        walk(pdf.Root, set())
+        walk(pdf.trailer.Info, set())
+        return found
+
+    path = tmp_path / "note.pdf"
+    path.write_bytes(protect(note_pdf, PAN, OWNER, signer, SignatureInfo()))
+    with pikepdf.open(BytesIO(note_pdf)) as plain, pikepdf.open(path, password=PAN) as sealed:
+        before = strings(plain)
+        after = strings(sealed)
+    assert b"Identity" in before and b"Adobe" in before and b"en" in before
+    assert set(before) <= set(after), set(before) - set(after)
+
+
 def test_the_signature_names_the_pades_subfilter_and_config_reason(tmp_path, note_pdf, signer):
     path = tmp_path / "note.pdf"
     info = SignatureInfo(reason="Contract note for 20-11-2026", location="Mumbai", contact="desk@example.com")
