@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,18 +179,28 @@ def test_the_note_file_lives_only_for_its_compile_in_a_directory_of_the_process_
     render(sample_note(3))
     private = compiler().dir
     assert private.stat().st_mode & 0o777 == 0o700
-    assert sorted(p.name for p in private.iterdir()) == ["contract_note.typ"]
+    assert sorted(p.name for p in private.iterdir()) == [".held", "contract_note.typ"]
 
 
 def test_a_render_process_clears_what_dead_ones_left_and_not_what_live_ones_hold(tmp_path):
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    left = tmp_path / f"cn-render-{gone.pid}-abc"
-    left.mkdir()
-    (left / "note.json").write_text('{"client": {"pan": "ABCPD1234E"}}')
-    live = tmp_path / f"cn-render-{os.getppid()}-def"  # this test's parent: alive
-    live.mkdir()
-    made = _Compiler(parent=tmp_path)
-    assert not left.exists() and live.exists() and made.dir.parent == tmp_path
-    assert made.dir.name.startswith(f"cn-render-{os.getpid()}-")
-    assert b"%PDF" in made.compile(sample_note(3), tagged=False)[:8]
+    """Judged by the directory's lock, not by PID: in the ray up test, render workers in the
+    simulated instances' PID namespaces removed the host's live directories (they share
+    /dev/shm and cannot see its PIDs)."""
+    dead = _Compiler(parent=tmp_path)  # its lock let go, as a dead process's is
+    dead._held.close()
+    (dead.dir / "note.json").write_text('{"client": {"pan": "ABCPD1234E"}}')
+    holder = subprocess.Popen(  # another process, alive, holding its own directory
+        [sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.note.render import _Compiler; "
+         "c = _Compiler(parent=Path(sys.argv[1])); print(c.dir.name, flush=True); sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        live = tmp_path / holder.stdout.readline().strip()
+        assert live.is_dir() and not dead.dir.exists()  # the holder's sweep took the dead one
+        being_made = tmp_path / "cn-render-new"  # made, its lock not yet taken
+        being_made.mkdir()
+        made = _Compiler(parent=tmp_path)
+        assert live.is_dir() and being_made.is_dir() and made.dir.is_dir()
+        assert b"%PDF" in made.compile(sample_note(3), tagged=False)[:8]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)

@@ -13,6 +13,7 @@ memory where /dev/shm exists): it holds the client's PAN before the note is encr
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from pipeline.settings import TEMPLATES
 
 TEMPLATE = TEMPLATES / "contract_note.typ"
 NOTE_FILE = "note.json"  # the name the template reads, beside it
+LOCK = ".held"  # locked by the process that renders in the directory
 
 
 class RenderError(RuntimeError):
@@ -43,7 +45,9 @@ class _Compiler:
         shm = Path("/dev/shm")
         parent = parent or (shm if shm.is_dir() else Path(tempfile.gettempdir()))
         _sweep(parent)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"cn-render-{os.getpid()}-", dir=parent))
+        self.dir = Path(tempfile.mkdtemp(prefix="cn-render-", dir=parent))
+        self._held = open(self.dir / LOCK, "w")  # noqa: SIM115 - held for the process's life
+        fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         atexit.register(shutil.rmtree, self.dir, True)
         shutil.copy(TEMPLATE, self.dir / TEMPLATE.name)
         fonts = lean_font_dir()
@@ -62,18 +66,23 @@ class _Compiler:
 
 
 def _sweep(parent: Path) -> None:
-    """Removes what render processes that are gone left behind: one killed mid-compile (OOM,
-    a lost node's worker) leaves its last note's data in its directory."""
-    for left in parent.glob("cn-render-*-*"):
-        pid = left.name.split("-")[2]
-        if not pid.isdigit() or int(pid) == os.getpid():
+    """Removes what render processes that are gone left behind: Ray's workers exit without
+    running atexit, and one killed mid-compile leaves its last note's data. A directory is
+    gone when nobody holds its lock: the kernel lets go of a dead process's locks, whatever
+    PID namespace it ran in (a container, or the tests' simulated instances, may share
+    /dev/shm with processes whose PIDs it cannot see). One without a lock is being made."""
+    for left in parent.glob("cn-render-*"):
+        try:
+            lock = os.open(left / LOCK, os.O_RDONLY)  # never made here: no lock yet, not judged
+        except OSError:
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(left, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # held: its process is alive
+        finally:
+            os.close(lock)
+        shutil.rmtree(left, ignore_errors=True)
 
 
 @lru_cache(maxsize=1)
