@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -57,19 +58,22 @@ def _make(sources: list[Path], target: Path) -> None:
     partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=".fonts-"))
     options = subset.Options(layout_features=["*"], hinting=False, name_IDs=["*"], name_languages=["*"],
                              notdef_outline=True, glyph_names=False)
-    for source in sources:
-        font = subset.load_font(str(source), options)
-        subsetter = subset.Subsetter(options)
-        subsetter.populate(unicodes=subset.parse_unicodes(UNICODES))
-        subsetter.subset(font)
-        _rename_family(font)
-        subset.save_font(font, str(partial / source.name), options)
     try:
-        os.rename(partial, target)
-    except OSError:  # another worker finished first
-        for made in partial.iterdir():
-            made.unlink()
-        partial.rmdir()
+        for source in sources:
+            font = subset.load_font(str(source), options)
+            subsetter = subset.Subsetter(options)
+            subsetter.populate(unicodes=subset.parse_unicodes(UNICODES))
+            subsetter.subset(font)
+            _rename_family(font)
+            subset.save_font(font, str(partial / source.name), options)
+        try:
+            os.rename(partial, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            # another worker finished first: its faces are the same
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed or beaten build leaves nothing
 
 
 def _rename_family(font) -> None:
