@@ -43,6 +43,7 @@ from pipeline.seal.sign import SignatureInfo, SignError, protect_all
 from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")
+RECORD_WAIT_S = 0.005  # longest a relay's reply waits for a claim to ride to Redis with
 
 
 @dataclass
@@ -214,6 +215,8 @@ class MailContext:
     link_base: str = ""  # the client's link to their note, in the e-mail's text ("": none)
     link_s: float = 90 * 86400
     key: bytes = b""  # the HMAC key of the links and the Message-IDs
+    unrecorded: list[Outcome] = field(default_factory=list)  # relays' replies not yet in Redis (_record)
+    record_timer: asyncio.TimerHandle | None = None
 
     def mail_from(self, run_id: str, ucc: str) -> str:
         return self.verp.address(run_id, ucc) if self.verp else _envelope_sender(self.letter.sender)
@@ -262,6 +265,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"]) for i in mailable]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
+    _flush_records(ctx)
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
         senders = {i["ucc"]: i["mail_from"] for i in mailable}
@@ -303,22 +307,38 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         resend = ctx.force or (ctx.resend_unconfirmed and _is_unconfirmed(ucc, ctx))
         if resend:
             ctx.state.release_mail(ucc)
-        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch, batch.lease)
+        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx))
         outcome = await _send(item, ctx, mid, message) if claimed else _already_claimed(ucc, ctx)
         if resend and not ctx.force:  # the first mail may have reached the client: kept from now on
             outcome.extra["possible_duplicate"] = True
         if outcome.status != "skipped":
-            _record(ctx, outcome)  # right after the relay's answer
+            _record(ctx, outcome)
     return outcome
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:
-    """A mail's outcome goes to Redis at once; if Redis fails here, the delivery log still
-    gets it at the end of the batch, and a resumed run restores it from there."""
+    """A relay's reply goes to Redis with the next claim, in its round trip (one a mail, not
+    two), or RECORD_WAIT_S later if no claim comes first; if Redis fails then, the delivery
+    log still gets it at the end of the batch, and a resumed run restores it from there."""
+    ctx.unrecorded.append(outcome)
+    if ctx.record_timer is None:
+        ctx.record_timer = asyncio.get_running_loop().call_later(RECORD_WAIT_S, _flush_records, ctx)
+
+
+def _unrecorded(ctx: MailContext) -> list[Outcome]:
+    if ctx.record_timer is not None:
+        ctx.record_timer.cancel()
+        ctx.record_timer = None
+    outcomes, ctx.unrecorded = ctx.unrecorded, []
+    return outcomes
+
+
+def _flush_records(ctx: MailContext) -> None:
+    outcomes = _unrecorded(ctx)
     try:
-        ctx.state.record([outcome])
-    except Exception as e:  # redis errors of every kind: the outcome is not lost, it is in the batch's log
-        log.warning("outcome of %s not recorded in Redis (kept in the delivery log): %s", outcome.ucc, e)
+        ctx.state.record(outcomes)
+    except Exception as e:  # redis errors of every kind: the outcomes are not lost, they are in the batch's log
+        log.warning("%d outcomes not recorded in Redis (kept in the delivery log): %s", len(outcomes), e)
 
 
 def _is_unconfirmed(ucc: str, ctx: MailContext) -> bool:

@@ -51,6 +51,22 @@ def test_the_mail_guard_admits_exactly_one_claim(state):
     assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
 
 
+def test_replies_ride_to_redis_with_the_next_claim_even_after_redis_lost_its_scripts(state):
+    """A mailer records a relay's reply in its next claim's round trip (stages._record): the
+    reply must land whether or not Redis still has the scripts cached (a restart drops them),
+    exactly once (a second write would add an event), and the claim must still hold."""
+    epoch, lease = state.start({}), state.take_lease(30).token
+    for ucc in "ABC":
+        state.record([Outcome(ucc, "archived")])
+    assert state.claim_mail("B", "<b>", epoch, lease, [Outcome("A", "delivered", message_id="<a>", reply="250 ok")])
+    state.r.script_flush()
+    assert state.claim_mail("C", "<c>", epoch, lease, [Outcome("B", "delivered", message_id="<b>", reply="250 ok")])
+    assert not state.claim_mail("C", "<c>", epoch, lease)
+    records = state.accounts(["A", "B"])
+    assert [(r["stage"], r["reply"], r["events"]) for r in records.values()] == [("delivered", "250 ok", [])] * 2
+    assert state.counts()["delivered"] == 2 and state.claimed(["B", "C"]) == {"B", "C"}
+
+
 def test_a_redis_that_lost_the_run_refuses_claims_instead_of_forgetting_them(state):
     epoch, lease = state.start({}), state.take_lease(30).token
     assert state.claim_mail("A", "<m1>", epoch, lease)

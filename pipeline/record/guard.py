@@ -5,6 +5,7 @@ account is mailed at most once per run, whatever Ray retries.
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid
 from typing import Iterable
 
@@ -13,6 +14,8 @@ import redis
 from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.lease import LeaseLostError
+
+log = logging.getLogger("pipeline.record.guard")
 
 
 class StateLostError(CannotRun, RuntimeError):
@@ -43,17 +46,34 @@ _CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
 class MailGuard:
     """The mail-guard part of a RunState (which gives it `r`, `run_id` and `ttl_s`)."""
 
-    def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str) -> bool:
+    def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str, recording: list = ()) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch, and
-        LeaseLostError if the run's lease is not `lease` (another driver holds the run)."""
+        LeaseLostError if the run's lease is not `lease` (another driver holds the run).
+        `recording`: outcomes written in the same round trip, before the claim (a mailer's
+        replies since its last claim: one round trip a mail, not two). If they cannot be
+        written the claim still stands: the delivery log keeps them (stages.mail_stage)."""
         token = uuid.uuid4().hex[:16]
         args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id), ucc, epoch,
                 self.ttl_s, token, lease]
-        try:
-            claimed = self.r.evalsha(_CLAIM_SHA, 3, *args)
-        except redis.exceptions.NoScriptError:
+        with self.r.pipeline(transaction=False) as p:
+            if recording:
+                self._queue_records(p, recording)  # Records, beside it in RunState
+            p.evalsha(_CLAIM_SHA, 3, *args)
+            *recorded, claimed = p.execute(raise_on_error=False)
+        unwritten = [r for r in recorded if isinstance(r, Exception)]
+        if any(isinstance(r, redis.exceptions.NoScriptError) for r in unwritten):  # a restarted Redis
+            try:
+                self.record(recording)  # loads the script
+                unwritten = []
+            except redis.exceptions.RedisError as e:
+                unwritten = [e]
+        for e in unwritten:
+            log.warning("outcomes not recorded in Redis (kept in the delivery log): %s", e)
+        if isinstance(claimed, redis.exceptions.NoScriptError):
             claimed = self.r.eval(_CLAIM, 3, *args)
+        elif isinstance(claimed, Exception):
+            raise claimed
         if claimed == -2:
             raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: not mailed")
         if claimed == -1:

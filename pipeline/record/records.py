@@ -179,24 +179,29 @@ class Records:
     def record(self, outcomes: Iterable[Outcome]) -> None:
         """One round trip for the lot, one script call per RECORD_BATCH accounts (EVALSHA in a
         pipeline; the script is loaded again only if the server lost it, e.g. after a restart)."""
-        now = round(time.time(), 3)
-        args = list(self._record_args(outcomes, now))
-        if not args:
+        outcomes = list(outcomes)
+        if not outcomes:
             return
         try:
-            self._eval_all(args, now)
+            self._eval_all(outcomes)
         except redis.exceptions.NoScriptError:
             self.r.script_load(_RECORD)
-            self._eval_all(args, now)
+            self._eval_all(outcomes)
 
-    def _eval_all(self, args: list, now: float) -> None:
+    def _eval_all(self, outcomes: list[Outcome]) -> None:
+        with self.r.pipeline(transaction=False) as p:
+            self._queue_records(p, outcomes)
+            p.execute()
+
+    def _queue_records(self, p: redis.client.Pipeline, outcomes: list[Outcome]) -> None:
+        """Queues the script calls that write `outcomes` on pipeline `p` (the script must be loaded)."""
+        now = round(time.time(), 3)
+        args = list(self._record_args(outcomes, now))
         ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
               keys.run_unconfirmed(self.run_id)]
         step = 5 * RECORD_BATCH
-        with self.r.pipeline(transaction=False) as p:
-            for i in range(0, len(args), step):
-                p.evalsha(_RECORD_SHA, 4, *ks, now, self.ttl_s, *args[i:i + step])
-            p.execute()
+        for i in range(0, len(args), step):
+            p.evalsha(_RECORD_SHA, 4, *ks, now, self.ttl_s, *args[i:i + step])
 
     def _record_args(self, outcomes: Iterable[Outcome], now: float) -> Iterator:
         for o in outcomes:
@@ -312,7 +317,8 @@ def _full_mid(run_id: str, ucc: str, kept: str | int) -> str:
 class StateWriter:
     """Batches outcome writes: flushed at `size` outcomes, or `max_age_s` after the first one
     still waiting, so a slow trickle (a shard with a 2000-page note) is never stuck in a
-    buffer. A delivered mark does not come through here: it is written at once."""
+    buffer. A relay's reply does not come through here: it rides with the mailer's next claim
+    (stages._record), 5 ms at most after it came."""
 
     def __init__(self, state: Records, size: int = 200, max_age_s: float = 0.5):
         self.state, self.size, self.max_age_s = state, size, max_age_s
