@@ -1,3 +1,4 @@
+import base64
 import email
 from email import policy
 
@@ -23,6 +24,18 @@ def test_message_has_crlf_only_and_parses_back_with_the_pdf():
     assert msg["Message-ID"] == message_id("run1", "C1")
     [part] = list(msg.iter_attachments())
     assert part.get_filename() == "ContractNote_C1_20261120.pdf"
+    assert part.get_content() == pdf
+
+
+@pytest.mark.parametrize("size", [0, 1, 56, 57, 58, 57 * 32 - 1, 57 * 32, 57 * 32 + 1, 57 * 64, 35_999])
+def test_attachments_of_every_length_are_cut_into_base64_lines_of_76(size):
+    """The lines are cut 32 at a time (message._b64): a PDF that ends inside, at or just
+    after a block keeps every byte, with lines as the standard library's encoder cuts them."""
+    pdf = bytes((i * 131 + 7) % 256 for i in range(size))
+    raw = build_message(LETTER, "A", "c1@example.com", "2026-11-20", "C1", message_id("run1", "C1"), pdf)
+    body = raw.split(b'filename="ContractNote_C1_20261120.pdf"\r\n\r\n')[1].rsplit(b"\r\n--", 1)[0]
+    assert body == base64.encodebytes(pdf).replace(b"\n", b"\r\n").removesuffix(b"\r\n")
+    [part] = list(parse(raw).iter_attachments())
     assert part.get_content() == pdf
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import html
 import re
+import struct
 from dataclasses import dataclass
 from email.header import Header
 from email.utils import formataddr, formatdate
 from functools import lru_cache
+from itertools import chain
 
 from pipeline.record.keys import message_id  # noqa: F401  (derived from run and account, as record keys are)
 from pipeline.settings import TEMPLATES
@@ -35,9 +37,8 @@ SKELETON = (
     f"--{ALT}--\r\n"
     f"--{MIXED}\r\nContent-Type: application/pdf; name=\"{{filename}}\"\r\n"
     "Content-Transfer-Encoding: base64\r\nContent-Disposition: attachment; filename=\"{filename}\"\r\n\r\n"
-    "{attachment}\r\n"
-    f"--{MIXED}--\r\n"
 )
+END = f"\r\n--{MIXED}--\r\n".encode("ascii")  # after the attachment
 
 
 class PermanentMailError(RuntimeError):
@@ -107,19 +108,27 @@ def build_message(letter: Letter, to_name: str, to_addr: str, trade_date: str, u
     values = dict(name=name, date=trade_date, ucc=code, broker=letter.broker, support=letter.support, link=link,
                   online=online)
     safe_values = {k: html.escape(v) for k, v in values.items()}
-    return SKELETON.format(
+    head = SKELETON.format(
         sender=letter.sender, reply_to=letter.reply_to,
         to=formataddr((name, _safe_addr(to_addr)), charset="utf-8"),
         subject=_encoded(subject.format(**values)), date=formatdate(localtime=False), message_id=msg_id,
-        text=_b64(text.format(**values).encode()), html=_b64(page.format(**safe_values).encode()),
-        filename=attachment_name(ucc, trade_date), attachment=_b64(pdf),
-    ).encode("ascii")
+        text=_b64(text.format(**values).encode()).decode("ascii"),
+        html=_b64(page.format(**safe_values).encode()).decode("ascii"), filename=attachment_name(ucc, trade_date),
+    )
+    return b"".join((head.encode("ascii"), _b64(pdf), END))
 
 
-def _b64(data: bytes) -> str:
-    """76-character lines joined by CRLF; twice as fast as base64.encodebytes."""
-    b = base64.b64encode(data).decode("ascii")
-    return "\r\n".join([b[i:i + 76] for i in range(0, len(b), 76)])
+_LINES = struct.Struct("76s" * 32)  # a block of base64 lines, cut by one C call
+
+
+def _b64(data: bytes) -> bytes:
+    """76-character lines joined by CRLF. The lines are cut by struct, 32 at a time: a slice
+    each in Python cost 0.14 ms a note, a third of building its message (base64.encodebytes
+    is slower still)."""
+    b = base64.b64encode(data)
+    whole = len(b) - len(b) % _LINES.size
+    blocks = chain.from_iterable(_LINES.iter_unpack(memoryview(b)[:whole]))
+    return b"\r\n".join(chain(blocks, [b[i:i + 76] for i in range(whole, len(b), 76)]))
 
 
 def _encoded(text: str) -> str:
