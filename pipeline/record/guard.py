@@ -5,7 +5,7 @@ account is mailed at most once per run, whatever Ray retries.
 from __future__ import annotations
 
 import hashlib
-import logging
+import time
 import uuid
 from typing import Iterable
 
@@ -14,8 +14,7 @@ import redis
 from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.lease import LeaseLostError
-
-log = logging.getLogger("pipeline.record.guard")
+from pipeline.record.records import _RECORD_FN
 
 
 class StateLostError(CannotRun, RuntimeError):
@@ -27,9 +26,12 @@ class StateLostError(CannotRun, RuntimeError):
 # restart) still finds it its own. It is taken only while the run's epoch (set when the run
 # first starts) is in Redis: a Redis that lost the run answers -1 instead of handing out
 # claims it forgot. Only the driver holding the run's lease claims (lease.py): a second driver,
-# or the leftover work of one that was taken over, answers -2. KEYS: meta, guard, lease. ARGV:
-# ucc, epoch, ttl, token, lease token
-_CLAIM = """
+# or the leftover work of one that was taken over, answers -2. The call first records the
+# mailer's outcomes since its last claim (records.py), so that a mail costs one round trip.
+# KEYS: meta, guard, lease, then the record's four. ARGV: ucc, epoch, ttl, token, lease token,
+# now, then the record's five per account
+_CLAIM = _RECORD_FN + """
+record({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[3], ARGV, 7)
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
 if redis.call('HGET', KEYS[3], 'token') ~= ARGV[5] then return -2 end
 local held = redis.call('HGET', KEYS[2], ARGV[1])
@@ -44,36 +46,23 @@ _CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
 
 
 class MailGuard:
-    """The mail-guard part of a RunState (which gives it `r`, `run_id` and `ttl_s`)."""
+    """The mail-guard part of a RunState (which gives it `r`, `run_id`, `ttl_s` and, from
+    Records, the record's keys and arguments)."""
 
     def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str, recording: list = ()) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch, and
         LeaseLostError if the run's lease is not `lease` (another driver holds the run).
-        `recording`: outcomes written in the same round trip, before the claim (a mailer's
-        replies since its last claim: one round trip a mail, not two). If they cannot be
-        written the claim still stands: the delivery log keeps them (stages.mail_stage)."""
-        token = uuid.uuid4().hex[:16]
-        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id), ucc, epoch,
-                self.ttl_s, token, lease]
-        with self.r.pipeline(transaction=False) as p:
-            if recording:
-                self._queue_records(p, recording)  # Records, beside it in RunState
-            p.evalsha(_CLAIM_SHA, 3, *args)
-            *recorded, claimed = p.execute(raise_on_error=False)
-        unwritten = [r for r in recorded if isinstance(r, Exception)]
-        if any(isinstance(r, redis.exceptions.NoScriptError) for r in unwritten):  # a restarted Redis
-            try:
-                self.record(recording)  # loads the script
-                unwritten = []
-            except redis.exceptions.RedisError as e:
-                unwritten = [e]
-        for e in unwritten:
-            log.warning("outcomes not recorded in Redis (kept in the delivery log): %s", e)
-        if isinstance(claimed, redis.exceptions.NoScriptError):
-            claimed = self.r.eval(_CLAIM, 3, *args)
-        elif isinstance(claimed, Exception):
-            raise claimed
+        `recording`: outcomes written by the same call, first (a mailer's replies since its
+        last claim: one round trip a mail, not two)."""
+        token, now = uuid.uuid4().hex[:16], round(time.time(), 3)
+        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
+                *self._record_keys(), ucc, epoch, self.ttl_s, token, lease, now,
+                *self._record_args(recording, now)]  # Records, beside it in RunState
+        try:
+            claimed = self.r.evalsha(_CLAIM_SHA, 7, *args)
+        except redis.exceptions.NoScriptError:
+            claimed = self.r.eval(_CLAIM, 7, *args)
         if claimed == -2:
             raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: not mailed")
         if claimed == -1:

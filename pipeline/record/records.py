@@ -78,12 +78,13 @@ local function moved(counts, before, after)
   redis.call('HINCRBY', counts, 'st:' .. after, 1)
 end
 """
-_RECORD = _FINAL + """
-local now = ARGV[1]
-for i = 3, #ARGV, 5 do
-  local ucc = ARGV[i]
-  local prev = redis.call('HGET', KEYS[1], ucc)
-  local rec = cjson.decode(ARGV[i + 1])
+_RECORD_FN = _FINAL + """
+local function record(K, now, ttl, A, first)
+if #A < first then return end
+for i = first, #A, 5 do
+  local ucc = A[i]
+  local prev = redis.call('HGET', K[1], ucc)
+  local rec = cjson.decode(A[i + 1])
   local g = rec['g']
   rec['g'] = nil
   local prev_rank, h, n, before = 0, nil, 0, nil
@@ -105,15 +106,17 @@ for i = 3, #ARGV, 5 do
   rec['n'] = n + (rec['n'] or 0)
   if rec['n'] == 0 then rec['n'] = nil end
   if prev_rank > rec['r'] then rec['r'] = prev_rank end
-  redis.call('HSET', KEYS[1], ucc, cjson.encode(rec))
-  moved(KEYS[2], before, final(rec))
-  if tonumber(ARGV[i + 2]) > prev_rank then redis.call('HINCRBY', KEYS[2], ARGV[i + 3], 1) end
-  local registry = ARGV[i + 4]
-  if registry == 'f' then redis.call('ZADD', KEYS[3], now, ucc) else redis.call('ZREM', KEYS[3], ucc) end
-  if registry == 'u' then redis.call('ZADD', KEYS[4], now, ucc) else redis.call('ZREM', KEYS[4], ucc) end
+  redis.call('HSET', K[1], ucc, cjson.encode(rec))
+  moved(K[2], before, final(rec))
+  if tonumber(A[i + 2]) > prev_rank then redis.call('HINCRBY', K[2], A[i + 3], 1) end
+  local registry = A[i + 4]
+  if registry == 'f' then redis.call('ZADD', K[3], now, ucc) else redis.call('ZREM', K[3], ucc) end
+  if registry == 'u' then redis.call('ZADD', K[4], now, ucc) else redis.call('ZREM', K[4], ucc) end
 end
-for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+for i = 1, 4 do redis.call('EXPIRE', K[i], ttl) end
+end
 """
+_RECORD = _RECORD_FN + "record(KEYS, ARGV[1], ARGV[2], ARGV, 3)\n"
 # A bounce lands on a mailed account only (delivered or unconfirmed), once: the same again
 # changes nothing, a delay never replaces a permanent failure. KEYS: accounts, counts.
 # ARGV: ttl, then per account: ucc, kind, status, reason, time. Returns a code per account:
@@ -179,29 +182,26 @@ class Records:
     def record(self, outcomes: Iterable[Outcome]) -> None:
         """One round trip for the lot, one script call per RECORD_BATCH accounts (EVALSHA in a
         pipeline; the script is loaded again only if the server lost it, e.g. after a restart)."""
-        outcomes = list(outcomes)
-        if not outcomes:
-            return
-        try:
-            self._eval_all(outcomes)
-        except redis.exceptions.NoScriptError:
-            self.r.script_load(_RECORD)
-            self._eval_all(outcomes)
-
-    def _eval_all(self, outcomes: list[Outcome]) -> None:
-        with self.r.pipeline(transaction=False) as p:
-            self._queue_records(p, outcomes)
-            p.execute()
-
-    def _queue_records(self, p: redis.client.Pipeline, outcomes: list[Outcome]) -> None:
-        """Queues the script calls that write `outcomes` on pipeline `p` (the script must be loaded)."""
         now = round(time.time(), 3)
         args = list(self._record_args(outcomes, now))
-        ks = [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
-              keys.run_unconfirmed(self.run_id)]
+        if not args:
+            return
+        try:
+            self._eval_all(args, now)
+        except redis.exceptions.NoScriptError:
+            self.r.script_load(_RECORD)
+            self._eval_all(args, now)
+
+    def _eval_all(self, args: list, now: float) -> None:
         step = 5 * RECORD_BATCH
-        for i in range(0, len(args), step):
-            p.evalsha(_RECORD_SHA, 4, *ks, now, self.ttl_s, *args[i:i + step])
+        with self.r.pipeline(transaction=False) as p:
+            for i in range(0, len(args), step):
+                p.evalsha(_RECORD_SHA, 4, *self._record_keys(), now, self.ttl_s, *args[i:i + step])
+            p.execute()
+
+    def _record_keys(self) -> list[str]:
+        return [keys.run_accounts(self.run_id), keys.run_counts(self.run_id), keys.run_failed(self.run_id),
+                keys.run_unconfirmed(self.run_id)]
 
     def _record_args(self, outcomes: Iterable[Outcome], now: float) -> Iterator:
         for o in outcomes:
