@@ -136,7 +136,7 @@ def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, set
          "--store", settings.store_url, "--smtp", settings.smtp_url],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]  # the summary says which accounts
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"run_id", "accounts", "delivered", "failed", "elapsed_s", "notes_per_s"} <= summary.keys()
     assert summary["delivered"] == summary["accounts"] == len(traded_accounts(day))
