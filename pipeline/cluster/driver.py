@@ -81,16 +81,19 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS") or ("auto" if on_cluster() else None)
     _few_malloc_arenas()
-    env = {"env_vars": {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))}}
+    env = {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
         return
+    # A local Ray's workers inherit this process's environment: set here, the workers Ray
+    # starts with it take the first tasks. Given as a runtime_env instead, the first tasks
+    # waited for new workers with that environment (two empty tasks: 2.1 s, not 0.4 s).
+    os.environ.update({**env, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
     # One signer slot, not one per core: a second signer's start delayed the first note by
     # 0.5-1.6 s and cost 4-7 CPU-s a run, as much as the idle end it saved (2,000 accounts).
     cores = os.cpu_count() or 1
     ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
-             include_dashboard=False, runtime_env=env, log_to_driver=False,
-             object_store_memory=512 * 1024 * 1024)
+             include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
     _start_reaper()
 
 
