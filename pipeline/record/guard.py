@@ -14,7 +14,7 @@ import redis
 from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.lease import LeaseLostError
-from pipeline.record.records import _RECORD_FN
+from pipeline.record.records import RECORD_FN, Outcome
 
 
 class StateLostError(CannotRun, RuntimeError):
@@ -30,7 +30,7 @@ class StateLostError(CannotRun, RuntimeError):
 # mailer's outcomes since its last claim (records.py), so that a mail costs one round trip.
 # KEYS: meta, guard, lease, then the record's four. ARGV: ucc, epoch, ttl, token, lease token,
 # now, then the record's five per account
-_CLAIM = _RECORD_FN + """
+_CLAIM = RECORD_FN + """
 record({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[3], ARGV, 7)
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
 if redis.call('HGET', KEYS[3], 'token') ~= ARGV[5] then return -2 end
@@ -49,7 +49,8 @@ class MailGuard:
     """The mail-guard part of a RunState (which gives it `r`, `run_id`, `ttl_s` and, from
     Records, the record's keys and arguments)."""
 
-    def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str, recording: list = ()) -> bool:
+    def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str,
+                   recording: Iterable[Outcome] = ()) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch, and
         LeaseLostError if the run's lease is not `lease` (another driver holds the run).

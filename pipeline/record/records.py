@@ -78,7 +78,7 @@ local function moved(counts, before, after)
   redis.call('HINCRBY', counts, 'st:' .. after, 1)
 end
 """
-_RECORD_FN = _FINAL + """
+RECORD_FN = _FINAL + """
 local function record(K, now, ttl, A, first)
 if #A < first then return end
 for i = first, #A, 5 do
@@ -116,7 +116,7 @@ end
 for i = 1, 4 do redis.call('EXPIRE', K[i], ttl) end
 end
 """
-_RECORD = _RECORD_FN + "record(KEYS, ARGV[1], ARGV[2], ARGV, 3)\n"
+_RECORD = RECORD_FN + "record(KEYS, ARGV[1], ARGV[2], ARGV, 3)\n"
 # A bounce lands on a mailed account only (delivered or unconfirmed), once: the same again
 # changes nothing, a delay never replaces a permanent failure. KEYS: accounts, counts.
 # ARGV: ttl, then per account: ucc, kind, status, reason, time. Returns a code per account:
