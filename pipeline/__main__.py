@@ -1,8 +1,8 @@
 """python -m pipeline: the commands. Run `python -m pipeline --help`.
 
 Every command reads the same settings (pipeline/settings.py, from environment variables);
-command-line flags override them. Commands that run the job print one JSON object as the
-last line of stdout.
+command-line flags override them. Commands that run the job print one JSON object on stdout,
+and nothing else: logs, progress and what Ray prints go to stderr.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def one_of(*arguments, required: bool = True) -> tuple:
     return "one_of", {"arguments": arguments, "required": required}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stdout=None) -> int:
     args = _parser().parse_args(argv)
+    args.stdout = stdout or sys.stdout
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.func(args)
@@ -125,7 +126,7 @@ def cmd_synth(args) -> int:
 
     clients, trades = write_dumps(args.out, SynthOptions(args.date, args.accounts, args.seed, args.volatile))
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
-                      "accounts": args.accounts}))
+                      "accounts": args.accounts}), file=args.stdout)
     return 0
 
 
@@ -176,7 +177,7 @@ def cmd_run(args) -> int:
             summary = run_day(settings, request, current.size_for, current.watch, lease=lease)
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
-    print(json.dumps(summary))
+    print(json.dumps(summary), file=args.stdout)
     return _exit_status(summary)
 
 
@@ -217,7 +218,7 @@ def cmd_plan(args) -> int:
     from pipeline.cluster.plan import capacity_table, plan
 
     if args.table:
-        print(capacity_table(args.deadline_min))
+        print(capacity_table(args.deadline_min), file=args.stdout)
         return 0
     if args.accounts is None:
         raise SystemExit("error: plan needs --accounts N (or --table)")
@@ -232,7 +233,7 @@ def cmd_plan(args) -> int:
           file=sys.stderr)
     print(p["advice"] or ("the relays' rate: " + (f"{p['relay_rate']:g}/s, not the bottleneck" if p["relay_rate"] else
                           "not known (give each relay in SMTP_URL a ?rate=)")), file=sys.stderr)
-    print(json.dumps(p))
+    print(json.dumps(p), file=args.stdout)
     return 0 if p["fits_deadline"] else 1
 
 
@@ -258,16 +259,16 @@ def cmd_rerun(args) -> int:
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
                         settings.relays() if args.smtp else None, args.store)
     except RunNotFound as e:
-        return _not_found(e)
-    print(json.dumps(summary))
+        return _not_found(args, e)
+    print(json.dumps(summary), file=args.stdout)
     taken = summary.get("rerun_outcomes", {})
     return max(_exit_status(summary), 1 if set(taken) - {"delivered", "physical"} else 0)
 
 
-def _not_found(e: Exception) -> int:
+def _not_found(args, e: Exception) -> int:
     """One line on stderr, as every exit 2; the JSON on stdout that tools read."""
     print(f"error: {e}", file=sys.stderr)
-    print(json.dumps({"error": str(e)}))
+    print(json.dumps({"error": str(e)}), file=args.stdout)
     return 2
 
 
@@ -288,8 +289,8 @@ def cmd_reconcile(args) -> int:
     try:
         summary = reconcile(_on_redis(Settings.from_env()), args.run_id, args.relay_log, args.store)
     except RunNotFound as e:
-        return _not_found(e)
-    print(json.dumps(summary))
+        return _not_found(args, e)
+    print(json.dumps(summary), file=args.stdout)
     return 0 if summary["still_unconfirmed"] == 0 else 1
 
 
@@ -321,7 +322,8 @@ def cmd_bounces(args) -> int:
         ray.init(address="auto", log_to_driver=False)
         count = metrics.bounces
     try:
-        print(json.dumps(collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)))
+        summary = collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)
+        print(json.dumps(summary), file=args.stdout)
     finally:
         if on_cluster():
             metrics.wait_exported()
@@ -334,7 +336,7 @@ def cmd_bounces(args) -> int:
 def cmd_close(args) -> int:
     from pipeline.followup.close import close
 
-    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)))
+    print(json.dumps(close(_on_redis(Settings.from_env()), args.run_id, store_url=args.store)), file=args.stdout)
     return 0
 
 
@@ -355,7 +357,7 @@ def cmd_verify(args) -> int:
     found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
     result = verify(found.store, args.run_id, cert, tsa_cert)
     print(result["summary"], file=sys.stderr)
-    print(json.dumps({**result, "store": found.store.url, "store_from": found.source}))
+    print(json.dumps({**result, "store": found.store.url, "store_from": found.source}), file=args.stdout)
     return exit_status(result)
 
 
@@ -390,19 +392,21 @@ def cmd_status(args) -> int:
     try:  # a status is asked now: a Redis that does not answer at once is passed over for storage
         found = locate(settings, args.run_id, args.store, command="status", redis_optional=True)
     except RunNotFound as e:
-        return _not_found(e)
+        return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id)
         state.r = redis_client(settings.redis_url, patience_retries=0)
         print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
-                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}))
+                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}),
+              file=args.stdout)
         return 0
     key = report_keys(args.run_id)[0]
     if not found.store.exists(key):
-        return _not_found(RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report yet "
-                                      "(the run has not finished), and Redis does not hold it"))
-    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": read_report(found.store, key)}))
+        return _not_found(args, RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report "
+                                            "yet (the run has not finished), and Redis does not hold it"))
+    report = read_report(found.store, key)
+    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": report}), file=args.stdout)
     return 0
 
 
@@ -414,7 +418,7 @@ def cmd_secret_json(args) -> int:
     settings = Settings.from_env()
     if settings.owner_password == PLACEHOLDER_OWNER_PASSWORD:
         raise ConfigError("CN_OWNER_PASSWORD is not set: the secret needs the broker's own owner password")
-    print(secret_json(settings))
+    print(secret_json(settings), file=args.stdout)
     return 0
 
 
@@ -430,7 +434,7 @@ def cmd_redis_acl(args) -> int:
     if not password:
         raise ConfigError(f"CN_SECRET={settings.secret!r}: redis-acl needs the secret's redis_password "
                           "(python -m pipeline secret-json makes one)")
-    print(acl_file(password, render_redis_password(password)), end="")
+    print(acl_file(password, render_redis_password(password)), end="", file=args.stdout)
     return 0
 
 
@@ -530,7 +534,7 @@ def cmd_demo(args) -> int:
             from pipeline.followup.bounces import collect
 
             summary["bounces"] = collect(settings, summary["run_id"], [str(bounce_box)])
-        print(json.dumps(summary))
+        print(json.dumps(summary), file=args.stdout)
         return 0 if summary["delivered"] == summary["accounts"] else 1
     finally:
         if ray.is_initialized():
@@ -560,4 +564,8 @@ def _demo_key(work: Path, file_key: bool) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # stdout carries the command's result alone, for the tools that read its last line; what Ray
+    # prints on its own (a retried task's error, from a thread, until the process exits) goes to
+    # stderr with the logs
+    result, sys.stdout = sys.stdout, sys.stderr
+    sys.exit(main(stdout=result))

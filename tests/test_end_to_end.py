@@ -7,11 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import boto3
 import pytest
+import ray
+from ray._private.utils import publish_error_to_driver
 
 from pipeline.cluster.driver import FIRST_NOTES, RunRequest, _units, run_day
 from pipeline.record import keys
@@ -126,18 +129,26 @@ def test_a_day_on_s3_uses_fixed_partition_prefixes(settings, day, smtp_sink, s3_
     assert_signed_and_encrypted(local, client_rows(day)[ucc]["pan"])
 
 
-def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, settings, day, smtp_sink):
+def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, settings, day, smtp_sink, tmp_path):
     env = {**os.environ, "RAY_ADDRESS": ray_session.address_info["address"], "REDIS_URL": settings.redis_url,
            "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_SHARD_SIZE": "10", "PYTHONPATH": ROOT,
            "CN_OWNER_PASSWORD": settings.owner_password}
-    out = subprocess.run(
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    run = subprocess.Popen(
         [sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(day),
          "--store", settings.store_url, "--smtp", settings.smtp_url],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        stdout=stdout.open("w"), stderr=stderr.open("w"), env=env, cwd=ROOT)
+    while run.poll() is None:  # what Ray prints to every driver, from a thread of its own, as a retried task's error
+        publish_error_to_driver("test", "Task SignerActor.sign failed. There are 3 retries remaining",
+                                ray._private.worker.global_worker.gcs_client)
+        time.sleep(0.2)
+    out, err = stdout.read_text(), stderr.read_text()
 
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]  # the summary says which accounts
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run.returncode == 0, out[-3000:] + err[-3000:]  # the summary says which accounts
+    assert "retries remaining" in err
+    assert len(out.splitlines()) == 1, out[-3000:]  # the summary alone: tools read the last line
+    summary = json.loads(out)
     assert {"run_id", "accounts", "delivered", "failed", "elapsed_s", "notes_per_s"} <= summary.keys()
     assert summary["delivered"] == summary["accounts"] == len(traded_accounts(day))
     assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]
