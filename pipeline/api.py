@@ -46,6 +46,7 @@ PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
 MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
+ASKED_RETRIES = 1  # a request in a Redis outage is a 503 at once (the page asks again), not after the run's 30 s
 NOTE_FETCHES = (20, 60.0)  # per client address: this many requests to /notes/ in this many seconds, then 429
 
 
@@ -110,8 +111,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         token = "" if read_only else settings.api_token
         return bool(token and creds and hmac.compare_digest(creds.credentials.encode(), token.encode()))
 
+    def state_of(run_id: str) -> RunState:
+        return RunState(settings.redis_url, run_id, settings.state_ttl_s, ASKED_RETRIES)
+
     def run_state(run_id: str) -> RunState:
-        state = RunState(settings.redis_url, run_id, settings.state_ttl_s) if keys.RUN_ID.match(run_id) else None
+        state = state_of(run_id) if keys.RUN_ID.match(run_id) else None
         if state is None or not state.exists():
             raise HTTPException(404, f"no run {run_id!r}")
         return state
@@ -137,8 +141,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/runs")
     def runs(limit: int = Query(20, ge=1, le=500)):
-        ids = redis_client(settings.redis_url).zrevrange(keys.RUNS, 0, limit - 1)
-        states = [RunState(settings.redis_url, i, settings.state_ttl_s) for i in ids]
+        ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
+        states = [state_of(i) for i in ids]
         return {"runs": [summary(s) for s in states if s.exists()]}
 
     @app.get("/runs/{run_id}")
@@ -173,7 +177,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     def report_csv(run_id: str, full: bool = Depends(authorised)):
         if not keys.RUN_ID.match(run_id):
             raise HTTPException(404, f"no run {run_id!r}")
-        state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+        state = state_of(run_id)
         if state.exists():  # live, also while the run goes on
             chunks = report.csv_chunks(state, trade_date=state.meta().get("date", ""), due_days=settings.paper_due_days)
         else:

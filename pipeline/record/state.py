@@ -30,8 +30,11 @@ class RunClosed(CannotRun, RuntimeError):
     """The run was closed and its record sealed: nothing is mailed or settled under it again."""
 
 
+PATIENCE_RETRIES = 40
+
+
 @lru_cache(maxsize=16)
-def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
+def redis_client(url: str, patience_retries: int = PATIENCE_RETRIES) -> redis.Redis:
     """One client (one connection pool) per URL and process, shared by every RunState. A
     lost connection is retried for about 30 s, so a Redis restart (a failover, an AOF reload)
     pauses the run instead of failing the accounts in flight."""
@@ -41,9 +44,10 @@ def redis_client(url: str, patience_retries: int = 40) -> redis.Redis:
 
 
 class RunState(Records, MailGuard, RunLease):
-    def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600):
+    def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600,
+                 patience_retries: int = PATIENCE_RETRIES):
         self.run_id, self.ttl_s = run_id, ttl_s
-        self.r = redis_client(redis_url)
+        self.r = redis_client(redis_url, patience_retries)
 
     def start(self, meta: dict) -> str:
         """A rerun of the run keeps its first start time (rates and ETA are about the run)
