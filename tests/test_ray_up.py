@@ -514,23 +514,28 @@ def _site_packages() -> list[Path]:
 
 
 def _scrape_while_up(url: str) -> dict:
-    """The head's metrics, read every second until it is gone; the last reading is kept."""
+    """The head's metrics, read every second until it is gone (five reads in a row fail: one
+    slow answer is not the end of the head); the last reading is kept, each status summed over
+    the processes that counted it."""
     seen: dict = {}
 
     def scrape():
-        while True:
+        failed = 0
+        while failed < 5 or not seen:
             try:
                 text = urllib.request.urlopen(url, timeout=2).read().decode()
             except OSError:
-                if seen:
-                    return
+                failed += 1
                 time.sleep(1)
                 continue
+            failed, reading = 0, {}
             for line in text.splitlines():
                 if line.startswith("ray_cn_day_accounts_total{"):
                     name, value = line.rsplit(" ", 1)
                     labels = dict(kv.split("=", 1) for kv in name[name.index("{") + 1:-1].split(","))
-                    seen[f'ray_cn_day_accounts_total{{status={labels["status"]}}}'] = float(value)
+                    key = f'ray_cn_day_accounts_total{{status={labels["status"]}}}'
+                    reading[key] = reading.get(key, 0.0) + float(value)
+            seen.update(reading)
             time.sleep(1)
 
     threading.Thread(target=scrape, daemon=True).start()
