@@ -23,6 +23,7 @@ from pipeline.mail.message import (
     PermanentMailError,
     RelayDownError,
     TransientMailError,
+    UnconfirmedMailError,
     build_message,
 )
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
@@ -198,6 +199,43 @@ def test_a_relay_that_never_greets_fails_its_mails_after_the_patience_not_per_ma
     assert all(isinstance(r, RelayDownError) for r in results), results
     assert "no relay reachable" in str(results[0])
     assert took < 6, f"8 mails to a silent relay took {took:.1f} s: bounded by the patience, not linear"
+
+
+@pytest.mark.parametrize("silent_at, error", [(b"DATA", TransientMailError), (b".", UnconfirmedMailError)])
+def test_a_relay_silent_mid_transaction_is_given_up_at_the_deadline_and_its_connection_closed(silent_at, error):
+    """One deadline a transaction (timeout_s): a relay that stops answering at DATA leaves the
+    mail transient (resent on a new connection); one silent after the message's dot leaves it
+    unconfirmed: it may have the message, so it is never resent blindly."""
+    sessions = []
+
+    async def session(reader, writer):
+        sessions.append(writer)
+        writer.write(b"220 relay\r\n")
+        while line := await reader.readline():
+            verb = line.split()[0].upper()
+            if verb == b"DATA" and silent_at != b"DATA":
+                writer.write(b"354 go on\r\n")
+                while await reader.readline() not in (b".\r\n", b""):
+                    pass
+                if silent_at != b".":
+                    writer.write(b"250 queued\r\n")
+            elif verb != b"DATA":
+                writer.write(b"250 ok\r\n")
+
+    async def go():
+        server = await asyncio.start_server(session, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{port}")], PoolOptions(size=1, timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(error):
+            await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        took, idle = time.monotonic() - started, list(pool.relays[0]._idle)
+        await pool.close()
+        server.close()
+        return took, idle
+
+    took, idle = run(go())
+    assert 0.5 <= took < 3 and idle == [] and len(sessions) == 1
 
 
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):

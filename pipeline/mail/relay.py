@@ -20,6 +20,7 @@ import itertools
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.settings import SmtpTarget
 
 log = logging.getLogger("pipeline.mail.relay")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # aiosmtplib's own check: no command smuggled in an address
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class PoolOptions:
     helo: str | None = None  # HELO/EHLO name; None: the machine's FQDN
     starttls: str = "auto"  # auto (if offered) | always | never; smtps:// is implicit TLS
     ca_file: str | None = None  # CA bundle to verify the relay's certificate (None: the system's)
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # a transaction's deadline (MAIL to the reply after the message); a reply's when connecting
     connect_timeout_s: float = 10.0  # a relay that accepts TCP but never greets trips the breaker
     patience_s: float = 600.0  # how long sends wait out a relay outage before failing
 
@@ -333,32 +335,38 @@ class SmtpPool:
 
 
 async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes) -> str:
-    """MAIL, RCPT and DATA with aiosmtplib's execute_command; the body then goes out with the
-    protocol's write/read_response as it is. It is built CRLF-only with no line starting
-    with "." (headers, base64 bodies, "--" boundaries), so aiosmtplib's regular-expression
-    pass over every 50 KB message (~0.6 ms) is skipped. The pool gives a connection to one
-    coroutine at a time, so nothing else speaks on it meanwhile. A failure after MAIL
-    leaves the transaction open: RSET before reuse; a 421 closes it (aiosmtplib does)."""
-    smtp = conn.smtp
-    for command, expected in (((b"MAIL", b"FROM:<" + sender.encode() + b">"), (250,)),
-                              ((b"RCPT", b"TO:<" + recipient.encode() + b">"), (250, 251)),
-                              ((b"DATA",), (354,)), (None, (250,))):
-        if command is None:
-            protocol = smtp.protocol
-            if protocol is None or not smtp.is_connected:
-                conn.dirty = None
-                raise TransientMailError("connection lost before the message was sent")
-            try:
-                protocol.write(message + b".\r\n")
-                response = await protocol.read_response(timeout=smtp.timeout)
-            except (aiosmtplib.SMTPException, OSError, asyncio.TimeoutError) as e:
-                conn.dirty = None
-                raise UnconfirmedMailError(f"connection lost after the message was sent: {type(e).__name__}") from None
-        else:
-            response = await smtp.execute_command(*command)
-        if response.code not in expected:
-            conn.dirty = None if response.code == 421 or not smtp.is_connected else True
-            raise _classify(response.code, response.message)
+    """MAIL, RCPT, DATA and the message on the protocol aiosmtplib connected, each reply awaited
+    under one deadline for the transaction (`timeout_s`), not a timer, a lock and a parse of
+    the arguments per command: a relay without PIPELINING (SES) answers each in turn, and
+    that wait was most of a mail's client CPU. The pool gives a connection to one coroutine
+    at a time, so nothing else speaks on it meanwhile. The message is built CRLF-only with no
+    line starting with "." (headers, base64 bodies, "--" boundaries), so it goes out as it
+    is. A failure after MAIL leaves the transaction open: RSET before reuse; a 421, a lost
+    connection or a deadline passed closes it; one lost after the message is unconfirmed."""
+    smtp, protocol = conn.smtp, conn.smtp.protocol
+    if protocol is None or not smtp.is_connected:
+        conn.dirty = None
+        raise TransientMailError("connection lost before the transaction")
+    if _CONTROL.search(sender) or _CONTROL.search(recipient):
+        raise PermanentMailError(501, "a control character in an envelope address")
+    steps = ((b"MAIL FROM:<" + sender.encode() + b">\r\n", (250,)),
+             (b"RCPT TO:<" + recipient.encode() + b">\r\n", (250, 251)),
+             (b"DATA\r\n", (354,)), (message + b".\r\n", (250,)))
+    sent = False  # the message itself went out: a reply lost now leaves it unconfirmed
+    try:
+        async with asyncio.timeout(smtp.timeout):
+            for n, (data, expected) in enumerate(steps, 1):
+                sent = n == len(steps)
+                protocol.write(data)
+                response = await protocol.read_response()
+                if response.code not in expected:
+                    conn.dirty = None if response.code == 421 or not smtp.is_connected else True
+                    raise _classify(response.code, response.message)
+    except (aiosmtplib.SMTPException, OSError, TimeoutError) as e:
+        conn.dirty = None
+        if sent:
+            raise UnconfirmedMailError(f"connection lost after the message was sent: {type(e).__name__}") from None
+        raise TransientMailError(f"{type(e).__name__}: {e}") from None
     return response.message
 
 
