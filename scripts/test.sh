@@ -5,6 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/ruff check pipeline actors bench tests scripts
 .venv/bin/lint-imports --no-cache  # the layers of pipeline/ (pyproject.toml, [tool.importlinter])
-# two workers, one per core, each taking whole files (their module fixtures made once): the suite's
-# waits (paced relays, a cluster's nodes coming up) overlap the other worker's work
-exec .venv/bin/python -m pytest -n "${CN_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest "$@"

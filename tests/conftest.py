@@ -22,15 +22,6 @@ from pipeline.settings import Settings
 from tests import servers
 
 TRADE_DATE = "2026-11-20"
-# the files whose tests take minutes (a cluster on this machine, thousands of accounts, paced relays):
-# scripts/test.sh runs the suite on two workers, each file on one, and these go first so both end together
-LONGEST_FIRST = ("test_ray_up.py", "test_hsm.py", "test_relay_rates.py", "test_faults.py", "test_autoscaler.py",
-                 "test_bounces.py", "test_api.py", "test_cluster.py", "test_browser.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
