@@ -386,7 +386,7 @@ def cmd_status(args) -> int:
     from pipeline.followup.restore import read_report
     from pipeline.record import rates
     from pipeline.record.keys import report_keys
-    from pipeline.record.state import RunNotFound, RunState, redis_client
+    from pipeline.record.state import RunNotFound, RunState
 
     settings = _on_redis(Settings.from_env())
     try:  # a status is asked now: a Redis that does not answer at once is passed over for storage
@@ -395,8 +395,7 @@ def cmd_status(args) -> int:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
     if found.in_redis:
-        state = RunState(settings.redis_url, args.run_id)
-        state.r = redis_client(settings.redis_url, patience_retries=0)
+        state = RunState(settings.redis_url, args.run_id, patience_retries=0)
         print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
                           "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}),
               file=args.stdout)
