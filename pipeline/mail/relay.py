@@ -20,11 +20,11 @@ import itertools
 import logging
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 
 import aiosmtplib
+from aiosmtplib.protocol import COMMAND_INJECTION_REGEX
 
 from pipeline.mail.message import (
     ConnectError,
@@ -39,7 +39,6 @@ from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.settings import SmtpTarget
 
 log = logging.getLogger("pipeline.mail.relay")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # aiosmtplib's own check: no command smuggled in an address
 
 
 @dataclass(frozen=True)
@@ -347,10 +346,10 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
     if protocol is None or not smtp.is_connected:
         conn.dirty = None
         raise TransientMailError("connection lost before the transaction")
-    if _CONTROL.search(sender) or _CONTROL.search(recipient):
+    mail_from, rcpt_to = sender.encode(), recipient.encode()
+    if COMMAND_INJECTION_REGEX.search(mail_from) or COMMAND_INJECTION_REGEX.search(rcpt_to):
         raise PermanentMailError(501, "a control character in an envelope address")
-    steps = ((b"MAIL FROM:<" + sender.encode() + b">\r\n", (250,)),
-             (b"RCPT TO:<" + recipient.encode() + b">\r\n", (250, 251)),
+    steps = ((b"MAIL FROM:<" + mail_from + b">\r\n", (250,)), (b"RCPT TO:<" + rcpt_to + b">\r\n", (250, 251)),
              (b"DATA\r\n", (354,)), (message + b".\r\n", (250,)))
     sent = False  # the message itself went out: a reply lost now leaves it unconfirmed
     try:
