@@ -15,7 +15,8 @@ from pipeline.day.dumps import Client, effective_trades, parse_trade
 from pipeline.note.charges import compute
 from pipeline.note.content import build_note, money
 from pipeline.note import fonts
-from pipeline.note.render import _Compiler, compiler, merge, render
+from pipeline.note.assemble import merge
+from pipeline.note.render import _Compiler, compiler, render
 from pipeline.stages import broker
 
 TRADE_DATE = "2026-11-20"

@@ -38,7 +38,8 @@ from pipeline.day import trading_calendar
 from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_manifest
 from pipeline.mail.message import message_id
 from pipeline.note.content import page_range
-from pipeline.note.render import merge, render
+from pipeline.note.assemble import merge
+from pipeline.note.render import render
 from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held

@@ -20,10 +20,8 @@ import shutil
 import tempfile
 import threading
 from functools import lru_cache
-from io import BytesIO
 from pathlib import Path
 
-import pikepdf
 import typst
 
 from pipeline.note.fonts import lean_font_dir
@@ -95,22 +93,3 @@ def render(note: dict, tagged: bool = False) -> bytes:
         return compiler().compile(note, tagged)
     except typst.TypstError as e:
         raise RenderError(f"note {note['note']['number']}: {e.message}") from None
-
-
-def merge(parts: list[bytes]) -> bytes:
-    """Join page ranges rendered separately into one PDF, pages in order, keeping the
-    document's metadata (Title, Author, Subject, Keywords; the XMP stream) from the first."""
-    with pikepdf.Pdf.new() as out:
-        sources = [pikepdf.Pdf.open(BytesIO(p)) for p in parts]
-        for src in sources:
-            out.pages.extend(src.pages)
-        first = sources[0]
-        for name, value in first.docinfo.items():
-            out.docinfo[name] = value
-        if "/Metadata" in first.Root:
-            out.Root.Metadata = out.copy_foreign(first.Root.Metadata)
-        buf = BytesIO()
-        out.save(buf)
-        for src in sources:
-            src.close()
-        return buf.getvalue()
