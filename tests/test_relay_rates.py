@@ -186,6 +186,35 @@ def test_two_mailers_hold_a_relay_to_its_rate_and_every_account_is_mailed_once(r
     assert len(list(redis.Redis.from_url(s.redis_url).scan_iter(keys.RATE_PREFIX + "*"))) == 1  # no key per mail
 
 
+def test_mail_that_arrives_a_little_at_a_time_leaves_at_the_rate_not_behind_times_another_mailer_holds(
+        ray_session, settings, smtp_server):
+    """A day whose notes come from the signers a few at a time, at a slow relay (2 a second):
+    eight batches of three, one every 1.5 s, to two mailers in turn. Each mail can leave as
+    it comes; a mailer holding send times it has no mail for must not make the other wait."""
+    from actors.mailer import MailerActor
+
+    _flush(settings.redis_url)
+    relay = smtp_server("slow-day", rate=2)
+    s = Settings(**{**settings.__dict__, "smtp_url": relay.url + "?rate=2"})
+    state = RunState(s.redis_url, "rates-trickle")
+    state.start({"accounts": 24})
+    lease = state.take_lease(3600).token
+    mailers = [MailerActor.remote(s, "rates-trickle") for _ in range(2)]
+    ray.get([m.cpu_seconds.remote() for m in mailers])  # both up before the first batch comes
+    refs, started = [], time.monotonic()
+    for k in range(8):
+        time.sleep(max(0.0, started + 1.5 * k - time.monotonic()))
+        items = [{"ucc": f"T{k}{i}", "name": "Client", "email": f"t{k}{i}@example.com", "pan": "ABCPD1234E",
+                  "ecn": True, "pdf": b"%PDF-1.7\n%%EOF\n"} for i in range(3)]
+        refs.append(mailers[k % 2].send.remote(Batch("rates-trickle", TRADE_DATE, k, items, lease=lease)))
+    assert sum(r["tally"].get("ok", 0) for r in ray.get(refs, timeout=120)) == 24
+    accepted = [float(t) for t, kind in (line.split() for line in relay.outbox.with_name("slow-day.replies")
+                                         .read_text().splitlines()) if kind == "accepted"]
+    # the last batch comes at 10.5 s; its three mails take 1 s at 2 a second
+    assert len(accepted) == 24 and max(accepted) - min(accepted) <= 14, sorted(round(t - min(accepted), 1)
+                                                                             for t in accepted)
+
+
 def test_a_rate_set_above_what_the_relay_takes_is_cut_by_its_throttles_and_nothing_is_lost(ray_session, settings,
                                                                                            smtp_server):
     _flush(settings.redis_url)

@@ -17,8 +17,9 @@ from typing import Protocol
 
 TICK_S = 0.05
 STALE_S = 0.05
-BATCH_S = 0.2  # a batch is at least this much of the rate's time, and at least MIN_BATCH sends
+BATCH_S = 0.2  # a batch is at least this much of the rate's time, and at least MIN_BATCH sends,
 MIN_BATCH = 20
+HOLD_S = 1.0  # but never more than this much: times a mailer holds and has no mail for are lost to all
 
 # Amazon SES's "454 Throttling failure: Maximum sending rate exceeded", Gmail's "421 4.7.28 ...
 # unusual rate", "421 4.7.0 ... try again later", Outlook's "451 4.7.650 ... rate limited",
@@ -69,7 +70,7 @@ class Pacer:
 
     def __init__(self, name: str, ceiling: float, buckets: Buckets, daily: int = 0):
         self.name, self.ceiling, self.daily, self.buckets = name, ceiling, daily, buckets
-        self.batch = max(MIN_BATCH, math.ceil(ceiling * BATCH_S))
+        self.batch = min(max(MIN_BATCH, math.ceil(ceiling * BATCH_S)), math.ceil(ceiling * HOLD_S))
         self.horizon_s = max(1.0, 2 * self.batch / ceiling)  # how far ahead the cluster may reserve
         self.rate, self.quota_out, self.throttles = ceiling, False, 0
         self.calls = 0  # Redis calls, for bench/mail.py
