@@ -1,10 +1,11 @@
 """Rendering speed and size, ours against a naive per-cell table() template, one run.
 
-  typical_note_ms         CPU ms per note of 3-20 trades (different notes, warm compiler)
+  typical_note_ms         CPU ms per note of 3-20 trades (different notes, warm compiler), rendered
+                          as a render task does a shard's (render_all: compiled together, cut apart)
   dense_page_ms           CPU ms per full page of trades
   pages_2000_wall_s       wall seconds from a shard's trade rows to one merged PDF of about
                           2000 pages: parsing, charges, note data, page ranges rendered in
-                          parallel on local Ray, merge
+                          parallel on local Ray, merge (the render task's render_notes)
   pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
@@ -41,7 +42,7 @@ from pipeline.day import synth  # noqa: E402
 from pipeline.day.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
 from pipeline.note.charges import compute, net_totals  # noqa: E402
 from pipeline.note.content import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
-from pipeline.note.render import render  # noqa: E402
+from pipeline.note.render import render, render_all  # noqa: E402
 from pipeline.stages import broker  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
@@ -106,13 +107,15 @@ def one_row(row: str) -> float:
                                            pdf_tags=False)
         typical = [baseline_data(n, ts) for n, ts in zip(typical, typical_trades)]
         timed = [baseline_data(n, ts) for n, ts in zip(timed, timed_trades)]
+        for item in typical[:20]:
+            fn(item)
+        started = time.process_time()
+        for item in timed:
+            fn(item)
     else:
-        fn = render
-    for item in typical[:20]:
-        fn(item)
-    started = time.process_time()
-    for item in timed:
-        fn(item)
+        render_all(typical[:20])
+        started = time.process_time()
+        render_all(timed)
     return (time.process_time() - started) * 1000 / len(timed)
 
 
@@ -149,7 +152,7 @@ def main() -> None:
     for row, factor in per_page.items():
         runs[row.replace("note", "page")] = [ms * factor for ms in runs.pop(row)]
     result = {row: round(statistics.median(ms), 2) for row, ms in runs.items()}
-    result["typical_pdf_kb"] = round(sum(len(render(n)) for n in typical) / len(typical) / 1024, 1)
+    result["typical_pdf_kb"] = round(sum(map(len, render_all(typical))) / len(typical) / 1024, 1)
     for kind in ("typical_note", "dense_page"):
         ratios = [b / o for b, o in zip(runs[f"baseline_{kind}_ms"], runs[f"{kind}_ms"])]
         speedup = kind.split("_")[0] + "_speedup"
@@ -161,12 +164,12 @@ def main() -> None:
 
 
 def huge(pages: int) -> dict:
-    """Trades to a merged PDF through the product's own render_any_size, on a local Ray;
+    """Trades to a merged PDF through the product's own render_notes, on a local Ray;
     a sampler thread records the peak RSS of every process under this one."""
     import psutil
     import ray
 
-    from pipeline.cluster.driver import render_any_size
+    from pipeline.cluster.driver import render_notes
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
@@ -192,7 +195,7 @@ def huge(pages: int) -> dict:
     started = time.perf_counter()
     note = note_for([Trade.from_row(r) for r in rows], 1)
     built = time.perf_counter()
-    pdf = render_any_size(note)
+    [pdf] = render_notes([note])
     finished = time.perf_counter()
     stop.set()
     sampler.join()

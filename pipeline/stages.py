@@ -31,7 +31,7 @@ from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_re
 from pipeline.mail.verp import Verp
 from pipeline.note.charges import compute
 from pipeline.note.content import build_note
-from pipeline.note.render import RenderError, render
+from pipeline.note.render import RenderError, render_all
 from pipeline.record import delivery_log, keys
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import LeaseLostError
@@ -111,17 +111,24 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
-                 render_note: Callable[[dict], bytes] = render, force: bool = False,
+                 render_notes: Callable[[list[dict]], list[bytes | Exception]] = render_all, force: bool = False,
                  in_archive: Callable[[str], bool] = lambda ucc: True) -> Batch:
     """Render every account of the shard that still needs it; an account already archived is
     passed on to be mailed from the archive, one already delivered is left alone (unless
     `force`: then it is mailed again, from the archive). `only` limits a targeted rerun.
-    `render_note` lets the Ray task render a huge note as page ranges in parallel. An archived
+    The shard's notes are rendered in one call (`render_notes`: compiled together; the Ray task
+    renders a huge note as page ranges in parallel), each note's PDF or why it failed. An archived
     note the store has lost (`in_archive` says no) is rendered again, with its note number: the
     signer archives it anew unless its mail was claimed, and a mailed note is never rebuilt."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
+    todo: list[tuple[dict, dict]] = []  # (item, its note's data)
     with StateWriter(state) as writer:
+        def failed(ucc: str, e: Exception) -> None:  # one account's bad data fails that account, never its shard-mates
+            why = str(e) if isinstance(e, RenderError) else f"{type(e).__name__}: {e}"
+            writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {why}"[:300]))
+            batch.drop("failed")
+
         for account in accounts:
             ucc = account["ucc"]
             reached = records.get(ucc, {}).get("rank", 0)
@@ -137,14 +144,16 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 batch.items.append(item)
                 continue
             try:
-                item["pdf"] = render_note(_note(account, client, batch.trade_date, batch.settles))
-            except Exception as e:  # one account's bad data fails that account, never its shard-mates
-                why = str(e) if isinstance(e, RenderError) else f"{type(e).__name__}: {e}"
-                writer.add(Outcome(ucc, "rendered", "failed", reason=f"render: {why}"[:300]))
-                batch.drop("failed")
+                todo.append((item, _note(account, client, batch.trade_date, batch.settles)))
+            except Exception as e:
+                failed(ucc, e)
+        for (item, _), pdf in zip(todo, render_notes([note for _, note in todo])):
+            if isinstance(pdf, Exception):
+                failed(item["ucc"], pdf)
                 continue
+            item["pdf"] = pdf
             batch.items.append(item)
-            writer.add(Outcome(ucc, "rendered"))
+            writer.add(Outcome(item["ucc"], "rendered"))
     batch.timed("render", started)
     return batch
 

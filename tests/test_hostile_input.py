@@ -264,15 +264,14 @@ def test_an_account_whose_rendering_raises_fails_alone_and_its_shard_mates_rende
     state = RunState(redis_url, run_id)
     save_manifest(store, run_id, split_day(open_store(str(folder)), store, state, run_id, DATE, 100, "CNT"))
 
-    def render_note(note: dict) -> bytes:
-        if note["client"]["ucc"] == "BAD1":
-            raise InvalidOperation("[<class 'decimal.InvalidOperation'>]")
-        return b"%PDF-1.7"
+    def render_notes(notes: list[dict]) -> list[bytes | Exception]:
+        return [InvalidOperation("[<class 'decimal.InvalidOperation'>]") if n["client"]["ucc"] == "BAD1"
+                else b"%PDF-1.7" for n in notes]
 
     shard = next(s for s in load_manifest(store, run_id).shards
                  if "BAD1" in {a["ucc"] for a in load_shard(store, run_id, s)})
     accounts = load_shard(store, run_id, shard)
-    batch = render_stage(Batch(run_id, DATE, shard), accounts, state, render_note=render_note)
+    batch = render_stage(Batch(run_id, DATE, shard), accounts, state, render_notes=render_notes)
     assert [i["ucc"] for i in batch.items] == [a["ucc"] for a in accounts if a["ucc"] != "BAD1"]
     assert len(accounts) > 1 and batch.dropped == {"failed": 1}
     assert state.accounts(["BAD1"])["BAD1"]["reason"].startswith("render: InvalidOperation")

@@ -70,7 +70,7 @@ def test_the_render_user_splits_renders_and_restores_but_cannot_erase_a_guard_or
     delivery_log.append(store, run_id, shard, [
         {"ucc": accounts[0]["ucc"], "status": "delivered", "message_id": "<m>", "at": time.time() + 60, "attempts": 1}])
     assert restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts}) == 1
-    batch = render_stage(Batch(run_id, DATE, shard, lease=lease), accounts, state, render_note=lambda note: b"%PDF")
+    batch = render_stage(Batch(run_id, DATE, shard, lease=lease), accounts, state, render_notes=lambda notes: [b"%PDF"] * len(notes))
     assert len(batch.items) == len(accounts) - 1 and batch.dropped == {"skipped": 1}
     # what only the driver, the signers and the mailers may do
     r, guard = state.r, keys.run_mailguard(run_id)

@@ -16,7 +16,7 @@ from pipeline.note.charges import compute
 from pipeline.note.content import build_note, money
 from pipeline.note import fonts
 from pipeline.note.assemble import merge
-from pipeline.note.render import _Compiler, compiler, render
+from pipeline.note.render import RenderError, _Compiler, compiler, render, render_all
 from pipeline.stages import broker
 
 TRADE_DATE = "2026-11-20"
@@ -103,6 +103,59 @@ def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
     assert "SAC 997152" in info["Keywords"] and "CNT-26/27-0000042" in info["Keywords"]
 
 
+def client_note(i: int, trades: int) -> dict:
+    client = Client(f"C00001{i:02d}", f"Client Number{i}", f"ABCPD{i:04d}E", f"c{i}@example.com", f"{i}, MG Road",
+                    "Maharashtra", "27", True)
+    ts = sample_trades(trades, client.ucc, seed=i)
+    charges = compute(ts, TRADE_DATE, False, broker()["tariff"])
+    return build_note(client, ts, charges, broker(), TRADE_DATE, f"CNT-26/27-00001{i:02d}")
+
+
+def assert_only_its_own(pdf: bytes, note: dict, others: list[dict], tmp_path: Path) -> None:
+    """Every page of the note, and nothing of another client's: read back by poppler."""
+    total, ucc, number = note["total_pages"], note["client"]["ucc"], note["note"]["number"]
+    text = pdf_text(pdf, tmp_path)
+    assert page_count(pdf, tmp_path) == total
+    assert all(f"Page {p} of {total}" in text for p in range(1, total + 1))
+    assert text.count(f"{number} · {ucc}") == total and note["client"]["pan"] in text  # each page's footer
+    for other in others:
+        assert other["client"]["ucc"] not in text and other["client"]["pan"] not in text
+    info = pdf_info(pdf, tmp_path)
+    assert info["Title"] == f"Contract Note {number}"
+    assert info["Subject"] == f"Contract note cum tax invoice for trade date 20-11-2026, client {ucc}"
+
+
+def test_a_shard_compiled_together_is_cut_into_each_client_own_note(tmp_path):
+    notes = [client_note(i, trades) for i, trades in enumerate([3, 70, 12, 1, 130, 20])]
+    pdfs = render_all(notes)
+    assert all(isinstance(p, bytes) for p in pdfs)
+    for note, pdf in zip(notes, pdfs):
+        assert_only_its_own(pdf, note, [n for n in notes if n is not note], tmp_path)
+        assert set(embedded_faces(pdf)) == {"NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular"}
+
+
+def test_a_note_that_outgrows_its_pages_in_a_compile_leaves_no_page_in_another_note(tmp_path):
+    """Cut by the promised page counts, an extra page would shift every later note's pages
+    into its neighbour's file: the compile's page count is checked, and the notes compiled alone."""
+    notes = [client_note(i, 20) for i in range(3)]
+    group = notes[1]["pages"][0]["groups"][0]
+    group["lines"] = group["lines"] * 40  # more than a page holds
+    pdfs = render_all(notes)
+    for i in (0, 2):
+        assert_only_its_own(pdfs[i], notes[i], [n for n in notes if n is not notes[i]], tmp_path)
+    assert page_count(pdfs[1], tmp_path) > notes[1]["total_pages"]  # as a lone compile printed it before
+    assert notes[0]["client"]["ucc"] not in pdf_text(pdfs[1], tmp_path)
+
+
+def test_a_note_typst_cannot_compile_fails_alone_and_its_compile_mates_render(tmp_path):
+    notes = [client_note(i, 5) for i in range(3)]
+    notes[1]["pages"][0]["groups"][0]["lines"] = 7  # not lines: the template cannot join them
+    pdfs = render_all(notes)
+    assert isinstance(pdfs[1], RenderError) and notes[1]["note"]["number"] in str(pdfs[1])
+    for i in (0, 2):
+        assert_only_its_own(pdfs[i], notes[i], [n for n in notes if n is not notes[i]], tmp_path)
+
+
 def pdf_info(pdf: bytes, tmp_path: Path) -> dict[str, str]:
     path = tmp_path / "info.pdf"
     path.write_bytes(pdf)
@@ -170,7 +223,7 @@ def test_without_the_system_faces_to_make_them_from_notes_render_with_the_system
     try:
         assert fonts.lean_font_dir() is None
         assert "render with the system's fonts" in caplog.text
-        faces = embedded_faces(_Compiler().compile(sample_note(3), tagged=False))
+        faces = embedded_faces(_Compiler().compile([sample_note(3)], tagged=False))
         assert "fpgm" in faces["NotoSans-Regular"]  # the system's own, hinted
     finally:
         fonts.lean_font_dir.cache_clear()
@@ -189,7 +242,7 @@ def test_a_render_process_clears_what_dead_ones_left_and_not_what_live_ones_hold
     /dev/shm and cannot see its PIDs)."""
     dead = _Compiler(parent=tmp_path)  # its lock let go, as a dead process's is
     dead._held.close()
-    (dead.dir / "note.json").write_text('{"client": {"pan": "ABCPD1234E"}}')
+    (dead.dir / "notes.json").write_text('[{"client": {"pan": "ABCPD1234E"}}]')
     holder = subprocess.Popen(  # another process, alive, holding its own directory
         [sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.note.render import _Compiler; "
          "c = _Compiler(parent=Path(sys.argv[1])); print(c.dir.name, flush=True); sys.stdin.read()", str(tmp_path)],
@@ -201,7 +254,7 @@ def test_a_render_process_clears_what_dead_ones_left_and_not_what_live_ones_hold
         being_made.mkdir()
         made = _Compiler(parent=tmp_path)
         assert live.is_dir() and being_made.is_dir() and made.dir.is_dir()
-        assert b"%PDF" in made.compile(sample_note(3), tagged=False)[:8]
+        assert b"%PDF" in made.compile([sample_note(3)], tagged=False)[:8]
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)

@@ -39,7 +39,7 @@ from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_ma
 from pipeline.mail.message import message_id
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
-from pipeline.note.render import render
+from pipeline.note.render import render, render_all
 from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
@@ -143,7 +143,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
         accounts = accounts[part[0]:part[1]]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
-                         set(only) if only else None, partial(render_any_size, tagged=settings.pdf_tags), force,
+                         set(only) if only else None, partial(render_notes, tagged=settings.pdf_tags), force,
                          lambda ucc: store.exists(keys.signed_pdf_key(trade_date, ucc)))
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
@@ -155,16 +155,23 @@ def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
     return render(part, tagged), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def render_any_size(note: dict, tagged: bool = False) -> bytes:
-    """A note of a few pages renders here; a huge one (a volatile day's 2000 pages) is cut
-    into page ranges rendered in parallel, then merged with continuous page numbers. While
-    this task waits on them, Ray lends its CPU to the range tasks."""
-    total = note["total_pages"]
-    if total <= PARALLEL_FROM_PAGES:
-        return render(note, tagged)
-    refs = [render_pages_task.options(name=f"render pages {a + 1}-{min(a + RANGE_PAGES, total)}").remote(
-        page_range(note, a, min(a + RANGE_PAGES, total)), tagged) for a in range(0, total, RANGE_PAGES)]
-    return merge([pdf for pdf, _ in ray.get(refs)])
+def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Exception]:
+    """A shard's notes: those of a few pages compiled together here; each huge one (a volatile
+    day's 2000 pages) cut into page ranges rendered in parallel, then merged with continuous page
+    numbers. The ranges are asked for first, so they run while this task compiles the rest; while
+    it then waits on them, Ray lends its CPU to the range tasks. Each note's PDF, or its error."""
+    huge = {i: [render_pages_task.options(name=f"render pages {a + 1}-{min(a + RANGE_PAGES, n)}").remote(
+                page_range(note, a, min(a + RANGE_PAGES, n)), tagged) for a in range(0, n, RANGE_PAGES)]
+            for i, note in enumerate(notes) if (n := note["total_pages"]) > PARALLEL_FROM_PAGES}
+    small = iter(render_all([note for i, note in enumerate(notes) if i not in huge], tagged))
+    return [_merged(huge[i]) if i in huge else next(small) for i in range(len(notes))]
+
+
+def _merged(refs: list) -> bytes | Exception:
+    try:
+        return merge([pdf for pdf, _ in ray.get(refs)])
+    except Exception as e:  # a range that failed (its own retries spent) fails its note only
+        return e
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,

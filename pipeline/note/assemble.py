@@ -1,10 +1,96 @@
-"""PDFs of notes rendered apart, put together."""
+"""PDFs of notes: cut out of one compile, or put together from page ranges rendered apart.
+
+The template leaves the document's metadata to this module: a compile holds several
+clients' notes, so Title, Subject and Keywords are each note's own only once it is cut out.
+"""
 
 from __future__ import annotations
 
 from io import BytesIO
+from xml.sax.saxutils import escape
 
 import pikepdf
+
+
+class PaginationError(RuntimeError):
+    """A compile's pages are not what its notes' pagination promised: cut by those counts, a
+    page would land in another client's note, so nothing of that compile is kept."""
+
+
+def split(pdf: bytes, notes: list[dict]) -> list[bytes]:
+    """One file a note, with its own metadata, out of a compile of `notes` in order. Each
+    note's pages are its `pages`; pagination can only add pages (a page that overflows),
+    so a total that matches means each note has exactly its own. A lone note keeps the whole
+    compile (a tagged PDF keeps its structure tree, which cutting pages out would drop)."""
+    with pikepdf.open(BytesIO(pdf)) as whole:
+        made = {name: str(whole.docinfo[name]) for name in ("/Creator", "/CreationDate", "/ModDate")}
+        if len(notes) == 1:
+            describe(whole, notes[0], made)
+            return [_saved(whole)]
+        promised = sum(len(n["pages"]) for n in notes)
+        if len(whole.pages) != promised:
+            raise PaginationError(f"{len(notes)} notes compiled to {len(whole.pages)} pages, {promised} promised")
+        out, at = [], 0
+        for note in notes:
+            with pikepdf.new() as one:
+                one.pages.extend(whole.pages[at:at + len(note["pages"])])
+                at += len(note["pages"])
+                one.Root.Lang = whole.Root.Lang
+                one.Root.ViewerPreferences = pikepdf.Dictionary(whole.Root.ViewerPreferences)
+                describe(one, note, made)
+                out.append(_saved(one))
+        return out
+
+
+def describe(doc: pikepdf.Pdf, note: dict, made: dict[str, str]) -> None:
+    """The note's metadata, in the document information and in XMP, as Typst wrote it when a
+    compile was one note: what a reader's Properties dialog and a search index show. `made`:
+    the compile's Creator, CreationDate and ModDate."""
+    number, ucc, date = note["note"]["number"], note["client"]["ucc"], note["note"]["trade_date"]
+    broker = note["broker"]
+    meta = {
+        "/Title": f"Contract Note {number}",
+        "/Author": broker["name"],
+        "/Subject": f"Contract note cum tax invoice for trade date {date}, client {ucc}",
+        "/Keywords": ", ".join(("contract note", "tax invoice", f"SAC {broker['sac_code']}", number)),
+    }
+    doc.trailer.Info = doc.make_indirect(pikepdf.Dictionary({**made, **meta}))
+    doc.Root.Metadata = doc.make_stream(_xmp(meta, made), Type=pikepdf.Name.Metadata, Subtype=pikepdf.Name.XML)
+
+
+def _xmp(meta: dict[str, str], made: dict[str, str]) -> bytes:
+    """What a reader or an index uses: title, description, keywords, author, tool and dates
+    (not Typst's page count, rendition class and document ids: the note's number says which;
+    nor its language, which the catalog's /Lang holds)."""
+    e = {k: escape(v) for k, v in {**made, **meta}.items()}
+    created = _iso(made["/CreationDate"])
+    alt = '<rdf:Alt><rdf:li xml:lang="x-default">{}</rdf:li></rdf:Alt>'
+    return (
+        '<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?><x:xmpmeta xmlns:x="adobe:ns:meta/">'
+        '<rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:Description rdf:about="" '
+        'xmlns:dc="http://purl.org/dc/elements/1.1/" xmlns:xmp="http://ns.adobe.com/xap/1.0/" '
+        'xmlns:pdf="http://ns.adobe.com/pdf/1.3/">'
+        f'<dc:title>{alt.format(e["/Title"])}</dc:title>'
+        f'<dc:description>{alt.format(e["/Subject"])}</dc:description>'
+        f'<pdf:Keywords>{e["/Keywords"]}</pdf:Keywords>'
+        f'<dc:creator><rdf:Seq><rdf:li>{e["/Author"]}</rdf:li></rdf:Seq></dc:creator>'
+        f'<xmp:CreatorTool>{e["/Creator"]}</xmp:CreatorTool>'
+        f'<xmp:ModifyDate>{created}</xmp:ModifyDate><xmp:CreateDate>{created}</xmp:CreateDate>'
+        '</rdf:Description></rdf:RDF></x:xmpmeta><?xpacket end="r"?>'
+    ).encode()
+
+
+def _iso(pdf_date: str) -> str:
+    """D:20261126165941Z -> 2026-11-26T16:59:41+00:00 (Typst writes UTC)."""
+    d = pdf_date.removeprefix("D:")
+    return f"{d[0:4]}-{d[4:6]}-{d[6:8]}T{d[8:10]}:{d[10:12]}:{d[12:14]}+00:00" if len(d) >= 14 else ""
+
+
+def _saved(doc: pikepdf.Pdf) -> bytes:
+    buf = BytesIO()
+    doc.save(buf, stream_decode_level=pikepdf.StreamDecodeLevel.none, fix_metadata_version=False,
+             object_stream_mode=pikepdf.ObjectStreamMode.generate)
+    return buf.getvalue()
 
 
 def merge(parts: list[bytes]) -> bytes:

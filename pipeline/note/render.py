@@ -1,10 +1,13 @@
 """Note data -> PDF bytes with Typst; one compiler per process, reused for every note.
 
 Creating a compiler scans the fonts (tens of ms); compiling a typical note is a few ms.
+Notes are compiled together, up to BATCH_PAGES pages at a time, and cut apart
+(pipeline/note/assemble.py): a lone note's compile spent about a third of its time subsetting
+and compressing the fonts it embeds, which a compile of many does once for all of them.
 Tagged PDF is off by default: it doubled compile time and grew files ~8x here, and the
 archive of record is the signed PDF, not an accessibility edition.
 
-The note reaches Typst as a file, not as `sys.inputs`: typst-py rebuilds and rehashes the
+The notes reach Typst as a file, not as `sys.inputs`: typst-py rebuilds and rehashes the
 whole standard library whenever `sys.inputs` changes, a tenth of a typical note's compile.
 The file lives only for its compile, in a directory of this process's own (mode 0700, in
 memory where /dev/shm exists): it holds the client's PAN before the note is encrypted.
@@ -24,11 +27,14 @@ from pathlib import Path
 
 import typst
 
+from pipeline.note.assemble import PaginationError, split
 from pipeline.note.fonts import lean_font_dir
 from pipeline.settings import TEMPLATES
 
 TEMPLATE = TEMPLATES / "contract_note.typ"
-NOTE_FILE = "note.json"  # the name the template reads, beside it
+NOTES_FILE = "notes.json"  # the name the template reads, beside it
+BATCH_PAGES = 30  # pages a compile, at most (unless one note has more): 15 saves as much CPU; Typst keeps
+# its last compiles memoised, so a worker peaked at 330 MB with 30 (470 MB with 60, 170 MB a note a compile)
 LOCK = ".held"  # locked by the process that renders in the directory
 
 
@@ -53,10 +59,10 @@ class _Compiler:
                                     font_paths=[str(fonts)] if fonts else [])
         self.lock = threading.Lock()  # one note file, and typst-py's compiler is not re-entrant
 
-    def compile(self, note: dict, tagged: bool) -> bytes:
-        path = self.dir / NOTE_FILE
+    def compile(self, notes: list[dict], tagged: bool) -> bytes:
+        path = self.dir / NOTES_FILE
         with self.lock:
-            path.write_text(json.dumps(note))
+            path.write_text(json.dumps(notes))
             try:
                 return self.typst.compile(format="pdf", pdf_tags=tagged)
             finally:
@@ -89,7 +95,37 @@ def compiler() -> _Compiler:
 
 
 def render(note: dict, tagged: bool = False) -> bytes:
-    try:
-        return compiler().compile(note, tagged)
-    except typst.TypstError as e:
-        raise RenderError(f"note {note['note']['number']}: {e.message}") from None
+    [pdf] = render_all([note], tagged)
+    if isinstance(pdf, RenderError):
+        raise pdf
+    return pdf
+
+
+def render_all(notes: list[dict], tagged: bool = False) -> list[bytes | RenderError]:
+    """Each note's PDF, or why it could not be rendered, in order. A compile that fails is
+    compiled again note by note, so one note's bad data fails only that note. Tagged notes
+    are compiled one at a time: cutting pages out of a compile would drop its structure tree."""
+    out: list[bytes | RenderError] = []
+    for group in _groups(notes, 1 if tagged else BATCH_PAGES):
+        try:
+            out += split(compiler().compile(group, tagged), group)
+        except (typst.TypstError, PaginationError) as e:
+            if len(group) > 1:
+                out += [pdf for note in group for pdf in render_all([note], tagged)]
+            else:
+                out.append(RenderError(f"note {group[0]['note']['number']}: {getattr(e, 'message', e)}"))
+    return out
+
+
+def _groups(notes: list[dict], pages: int) -> list[list[dict]]:
+    """Consecutive notes, at most `pages` pages a group (a longer note is a group alone)."""
+    groups: list[list[dict]] = []
+    size = pages
+    for note in notes:
+        n = len(note["pages"])
+        if size + n > pages:
+            groups.append([])
+            size = 0
+        groups[-1].append(note)
+        size += n
+    return groups
