@@ -197,6 +197,9 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
     env_file = checkout / "scripts/cluster.env"
     env_file.write_text(env_file.read_text().replace("s3://YOUR-BUCKET", f"s3://{BUCKET}")
                         + "export CN_SPOT_WAIT_S=10 CN_HEAD_GRACE_S=15 CN_CAPACITY_WAIT_S=400\n"
+                        # this machine's two cores play a 32-vCPU render node: four shards in flight, not a
+                        # render worker process started for each of the day's 20 shards at once
+                        + "export CN_WINDOW=4\n"
                         + "export CN_SMTP_STARTTLS=auto  # the test's relay has no TLS\n")
     yaml_path = checkout / "cluster-local.yaml"
     yaml_path.write_text(subprocess.run([sys.executable, str(TESTS / "local_cloud.py"), "variant",
