@@ -2,8 +2,8 @@
 
 Creating a compiler scans the fonts (tens of ms); compiling a typical note is a few ms.
 Notes are compiled together, up to BATCH_PAGES pages at a time, and cut apart
-(pipeline/note/assemble.py): a lone note's compile spent about a third of its time subsetting
-and compressing the fonts it embeds, which a compile of many does once for all of them.
+(pipeline/note/assemble.py): a lone note's compile spent about a quarter of its instructions
+subsetting and compressing the fonts it embeds, which a compile of many does once for all.
 Tagged PDF is off by default: it doubled compile time and grew files ~8x here, and the
 archive of record is the signed PDF, not an accessibility edition.
 
@@ -120,10 +120,10 @@ def render_all(notes: list[dict], tagged: bool = False) -> list[bytes | RenderEr
 def _groups(notes: list[dict], pages: int) -> list[list[dict]]:
     """Consecutive notes, at most `pages` pages a group (a longer note is a group alone)."""
     groups: list[list[dict]] = []
-    size = pages
+    size = 0
     for note in notes:
         n = len(note["pages"])
-        if size + n > pages:
+        if not groups or size + n > pages:
             groups.append([])
             size = 0
         groups[-1].append(note)
