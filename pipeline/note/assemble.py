@@ -43,8 +43,8 @@ def split(pdf: bytes, notes: list[dict]) -> list[bytes]:
 
 
 def describe(doc: pikepdf.Pdf, note: dict, made: dict[str, str]) -> None:
-    """The note's metadata, in the document information and in XMP, as Typst wrote it when a
-    compile was one note: what a reader's Properties dialog and a search index show. `made`:
+    """The note's metadata, in the document information and in XMP (the fields Typst wrote when a
+    compile was one note): what a reader's Properties dialog and a search index show. `made`:
     the compile's Creator, CreationDate and ModDate."""
     number, ucc, date = note["note"]["number"], note["client"]["ucc"], note["note"]["trade_date"]
     broker = note["broker"]
@@ -105,8 +105,7 @@ def merge(parts: list[bytes]) -> bytes:
             out.docinfo[name] = value
         if "/Metadata" in first.Root:
             out.Root.Metadata = out.copy_foreign(first.Root.Metadata)
-        buf = BytesIO()
-        out.save(buf)
+        merged = _saved(out)
         for src in sources:
             src.close()
-        return buf.getvalue()
+        return merged
