@@ -4,8 +4,10 @@
 with it, but the raylet's agents (dashboard agent, runtime-env agent) are left behind when
 the driver is SIGKILLed. This watcher is started by the driver with a pipe on its stdin: it
 notes the driver's descendants every second while the driver lives, and when the pipe
-closes (the driver is gone) it ends those still running. Processes are known by PID and
-start time, so a reused PID is never hit. It imports no Ray: it must outlive Ray's processes.
+closes (the driver is gone) it ends those still running. Processes are known as psutil knows
+them, by PID and start in ticks since boot, so a reused PID is never hit. Not by start time as
+a date: that moves when the clock is stepped, and after one step CI's reaper ended nothing.
+It imports no Ray: it must outlive Ray's processes.
 
     python -m pipeline.cluster.reaper DRIVER_PID
 """
@@ -19,27 +21,26 @@ import sys
 import psutil
 
 
-def _tree(root: psutil.Process) -> set[tuple[int, float]]:
+def _tree(root: psutil.Process) -> set[psutil.Process]:
     try:
-        return {(p.pid, p.create_time()) for p in root.children(recursive=True)}
+        return set(root.children(recursive=True))
     except psutil.Error:
         return set()
 
 
-def watch(driver_pid: int, grace_s: float = 3.0) -> None:
+def watch(driver_pid: int, pipe_fd: int = 0, grace_s: float = 3.0) -> None:
     me = os.getpid()
     root = psutil.Process(driver_pid)
-    seen: set[tuple[int, float]] = set()
+    seen: set[psutil.Process] = set()
     while True:
-        seen |= {p for p in _tree(root) if p[0] != me}
-        ready, _, _ = select.select([sys.stdin], [], [], 1.0)
-        if ready and not os.read(sys.stdin.fileno(), 4096):
+        seen |= {p for p in _tree(root) if p.pid != me}
+        ready, _, _ = select.select([pipe_fd], [], [], 1.0)
+        if ready and not os.read(pipe_fd, 4096):
             break  # EOF: the driver has exited or been killed
     left = []
-    for pid, started in seen:
+    for p in seen:
         try:
-            p = psutil.Process(pid)
-            if p.create_time() == started:
+            if p.is_running():
                 p.terminate()
                 left.append(p)
         except psutil.Error:
