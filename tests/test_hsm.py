@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from pipeline.note.render import render
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.seal import detached
+from pipeline.seal import detached, token
 from pipeline.seal.sign import SignatureInfo, protect
 from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, make_test_token
 from pipeline.settings import Settings
@@ -96,6 +97,37 @@ def test_a_key_the_token_marks_extractable_is_used_and_said(hsm, settings, caplo
     assert "marked extractable" in caplog.text
     _, tight = credentials.read(on_token(settings, hsm))
     assert tight.about["extractable"] is False
+
+
+def test_a_signature_queued_for_a_busy_cpu_is_not_taken_for_one_waiting_on_the_hsm():
+    """A key's sessions are sized from the time a signature waits, neither on a CPU nor queued
+    for one. Queued time counted as waiting took SoftHSM, opened in this process while the
+    machine was busy, for a network HSM: its extra sessions signed from several threads at
+    once, which SoftHSM started without locking (python-pkcs11's C_Initialize) does not
+    survive: GeneralError for 45 notes of a demo run beside the ray up tests, a crash alone."""
+    cpu = min(os.sched_getaffinity(0))
+    busy = [subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+            for _ in range(3)]
+    spent = {}
+
+    def spin() -> None:  # 40 ms of CPU on the CPU the three loops share
+        os.sched_setaffinity(0, {cpu})
+        wall, busy_s, cpu_s = time.perf_counter(), token._thread_busy_s(), time.thread_time()
+        while time.thread_time() - cpu_s < 0.04:
+            pass
+        spent.update(wall=time.perf_counter() - wall, busy=token._thread_busy_s() - busy_s)
+
+    try:
+        time.sleep(0.3)
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        spinner.join()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert spent["wall"] > 0.08, f"the CPU was not contended: {spent}"
+    assert spent["wall"] - spent["busy"] < 0.1 * spent["wall"], spent
 
 
 @pytest.fixture
