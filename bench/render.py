@@ -5,7 +5,7 @@
   dense_page_ms           CPU ms per full page of trades
   pages_2000_wall_s       wall seconds from a shard's trade rows to one merged PDF of about
                           2000 pages: parsing, charges, note data, page ranges rendered in
-                          parallel on local Ray, merge (the render task's render_notes)
+                          parallel on local Ray, merge (the render task's note_data and render_notes)
   pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
@@ -38,12 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 import typst  # noqa: E402
 
-from pipeline.day import synth  # noqa: E402
-from pipeline.day.dumps import Client, Trade, effective_trades, parse_trade  # noqa: E402
+from pipeline.day import synth, trading_calendar  # noqa: E402
+from pipeline.day.dumps import Client, effective_trades, parse_trade  # noqa: E402
 from pipeline.note.charges import compute, net_totals  # noqa: E402
 from pipeline.note.content import ROWS_PER_PAGE, _cells, build_note  # noqa: E402
 from pipeline.note.render import render, render_all  # noqa: E402
-from pipeline.stages import broker  # noqa: E402
+from pipeline.stages import broker, note_data  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
 CLIENT = Client("C0000042", "Aarav Iyer", "ABCPD1234E", "c42@example.com", "12, MG Road, Mumbai",
@@ -193,7 +193,8 @@ def huge(pages: int) -> dict:
     sampler.start()
     rows = [t.as_row() for t in trades(pages * ROWS_PER_PAGE, seed=7)]  # as a shard file holds them
     started = time.perf_counter()
-    note = note_for([Trade.from_row(r) for r in rows], 1)
+    note = note_data({"trades": rows, "note_no": "CNT-26/27-0000001"}, CLIENT, TRADE_DATE,
+                     trading_calendar.settlement_dates(TRADE_DATE))
     built = time.perf_counter()
     [pdf] = render_notes([note])
     finished = time.perf_counter()

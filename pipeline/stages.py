@@ -8,9 +8,11 @@ same functions run inside Ray tasks and actors and in the benchmark's sequential
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache
@@ -144,7 +146,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 batch.items.append(item)
                 continue
             try:
-                todo.append((item, _note(account, client, batch.trade_date, batch.settles)))
+                todo.append((item, note_data(account, client, batch.trade_date, batch.settles)))
             except Exception as e:
                 failed(ucc, e)
         for (item, _), pdf in zip(todo, render_notes([note for _, note in todo])):
@@ -158,11 +160,27 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
     return batch
 
 
-def _note(account: dict, client: Client, trade_date: str, settles: dict[str, str]) -> dict:
-    trades = [Trade.from_row(r) for r in account["trades"]]
-    b = broker()
-    charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
-    return build_note(client, trades, charges, b, trade_date, account["note_no"], settles)
+def note_data(account: dict, client: Client, trade_date: str, settles: dict[str, str]) -> dict:
+    """An account of a shard file to its note's data, with the cycle collector paused: a huge
+    note's trades and rows live until the note is built, and the collections their allocation
+    set off scanned them again and again, 40% of a 125,000-trade note's build (10.8 -> 6.3 s).
+    Nothing here makes a cycle; what is freed is freed by reference counts."""
+    with _collector_paused():
+        trades = [Trade.from_row(r) for r in account["trades"]]
+        b = broker()
+        charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
+        return build_note(client, trades, charges, b, trade_date, account["note_no"], settles)
+
+
+@contextmanager
+def _collector_paused():
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,

@@ -2,7 +2,7 @@ from decimal import Decimal
 
 import pytest
 
-from pipeline.day.dumps import RowError, effective_trades, parse_client, parse_trade
+from pipeline.day.dumps import Trade, RowError, effective_trades, parse_client, parse_trade
 from pipeline.day.split import shard_count
 from pipeline.record import keys
 
@@ -19,6 +19,13 @@ def test_a_good_trade_keeps_identifiers_as_strings_and_money_as_decimal():
     t = parse_trade("trades.csv", 1, GOOD, "2026-11-20")
     assert t.order_no == "0000000000000042"
     assert t.price == Decimal("1800.05") and t.turnover == Decimal("18000.50")
+
+
+def test_a_trade_comes_back_from_its_shard_row_field_for_field_with_and_without_a_closing_price():
+    """from_row builds a Trade by position: a field added out of TRADE_FIELDS' order fails here."""
+    for close in (None, Decimal("1799.4")):
+        t = Trade(**{**parse_trade("trades.csv", 1, GOOD, "2026-11-20").__dict__, "close": close})
+        assert Trade.from_row(t.as_row()) == t
 
 
 @pytest.mark.parametrize("field,value,problem", [

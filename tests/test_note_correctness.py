@@ -102,7 +102,7 @@ def split_and_render(tmp_path: Path, redis_url: str, run_id: str) -> tuple[str, 
     assert split.accounts == 1 and split.rejected == 0, split
     save_manifest(store, run_id, split)
     account = find_account(store, run_id, "H1")
-    note = stages._note(account, Client(**account["client"]), DATE, {})
+    note = stages.note_data(account, Client(**account["client"]), DATE, {})
     return pdftotext(render(note), tmp_path), note
 
 

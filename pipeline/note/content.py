@@ -53,16 +53,21 @@ LEVY_LINES = [
 
 
 def money(amount: Decimal, places: int = 2) -> str:
-    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets."""
-    text = f"{abs(amount).quantize(_STEPS[places], rounding=ROUND_HALF_UP):f}"
-    whole, dot, frac = text.partition(".")
-    if len(whole) > 3:
+    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. Below a
+    lakh it is the grouping Python's format gives, in one C call: the rows' amounts mostly are,
+    and this runs four times a trade."""
+    exact = abs(amount).quantize(_STEPS[places], rounding=ROUND_HALF_UP)
+    if exact < _LAKH:
+        text = f"{exact:,f}"
+    else:
+        whole, dot, frac = f"{exact:f}".partition(".")
         head, odd = whole[:-3], (len(whole) - 3) % 2
         groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
         text = ",".join(groups) + "," + whole[-3:] + dot + frac
     return f"({text})" if amount < 0 else text
 
 
+_LAKH = Decimal(100_000)
 _STEPS = {places: Decimal(1).scaleb(-places) for places in range(5)}
 
 
