@@ -176,8 +176,9 @@ def main() -> None:
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
         try:
+            # the signers a local run has (one, unless CN_SIGNERS says), as the loop has one
             base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
-                                     signer_cert=str(cert), signer_chain=str(root), signers=cores)
+                                     signer_cert=str(cert), signer_chain=str(root))
             seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / "seq")}), work / "input", "seq")
             init_ray(base)
             pipe = run_day(Settings(**{**base.__dict__, "store_url": str(work / "ray")}),
