@@ -24,4 +24,5 @@ trap - EXIT
 echo "=== tests/test_ray_up.py, in its own session beside the rest ==="
 cat "$cloud_log"
 rm -f "$cloud_log"
+echo "=== pytest exit status: the rest $rest, tests/test_ray_up.py $cloud_rc ==="
 ((rest == 0 && cloud_rc == 0)) || exit $((rest ? rest : cloud_rc))

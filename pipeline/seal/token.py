@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import datetime as dt
 import hashlib
+import logging
 import math
 import os
 import queue
@@ -43,6 +44,7 @@ P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its 
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
+log = logging.getLogger(__name__)
 
 
 class PinRefused(SignerSetupError):
@@ -107,6 +109,7 @@ class TokenKey:
             self._free.put((session, key))
             raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
         except p11.PKCS11Error as e:
+            log.warning("the HSM is taken as lost: %s from %s", type(e).__name__, self.config.module)
             self._lost()
             raise SignError(f"HSM unreachable: {type(e).__name__} from {self.config.module}") from None
         self._free.put((session, key))
