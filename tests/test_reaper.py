@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import psutil._pslinux
@@ -33,12 +34,12 @@ def test_a_killed_parents_descendants_are_ended_though_the_clock_was_stepped_whi
             if kids:
                 grandchild = kids[0]
                 break
-            threading.Event().wait(0.05)
+            time.sleep(0.05)
         assert grandchild is not None, "the parent never started its child"
         read_end, write_end = os.pipe()
         watcher = threading.Thread(target=reaper.watch, args=(parent.pid, read_end, 2.0), daemon=True)
         watcher.start()
-        threading.Event().wait(1.5)  # the watcher has noted the grandchild
+        time.sleep(1.5)  # the watcher has noted the grandchild
 
         booted = psutil._pslinux.boot_time()
         monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: booted + 1.0)  # the clock stepped a second
@@ -47,6 +48,7 @@ def test_a_killed_parents_descendants_are_ended_though_the_clock_was_stepped_whi
         os.close(write_end)
         watcher.join(timeout=10)
         assert not watcher.is_alive()
+        os.close(read_end)
         _, alive = psutil.wait_procs([grandchild], timeout=5)
         assert not alive, "the killed parent's child was left running"
     finally:
