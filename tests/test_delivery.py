@@ -238,6 +238,111 @@ def test_a_relay_silent_mid_transaction_is_given_up_at_the_deadline_and_its_conn
     assert 0.5 <= took < 3 and idle == [] and len(sessions) == 1
 
 
+def pipelining_relay(sessions: list, reads: list, cut: int = 1000, after_refused_rcpt: bytes = b"554 no valid recipients"):
+    """A relay offering PIPELINING (RFC 2920) that answers what each read brought in one write,
+    as Postfix's smtpd flushes its replies, cut into pieces of `cut` bytes. It refuses c1@."""
+
+    async def session(reader, writer):
+        sessions.append(writer)
+        writer.write(b"220 relay\r\n")
+        buffered, refused, in_data = b"", False, False
+        while chunk := await reader.read(65536):
+            reads.append(chunk)
+            buffered += chunk
+            replies = b""
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                if in_data:
+                    if line == b".\r":
+                        in_data, replies = False, replies + b"250 2.0.0 queued as 7\r\n"
+                    continue
+                verb = line[:4].upper()
+                if verb == b"EHLO":
+                    replies += b"250-relay\r\n250-PIPELINING\r\n250 HELP\r\n"
+                elif verb == b"RCPT":
+                    refused = b"c1@" in line
+                    replies += b"550 5.1.1 user unknown\r\n" if refused else b"250-2.1.5 recipient\r\n250 2.1.5 ok\r\n"
+                elif verb == b"DATA":
+                    reply = after_refused_rcpt if refused else b"354 go on"
+                    in_data, replies = reply.startswith(b"354"), replies + reply + b"\r\n"
+                else:
+                    replies += b"250 2.0.0 ok\r\n"
+            for i in range(0, len(replies), cut):
+                writer.write(replies[i:i + cut])
+                await writer.drain()
+                await asyncio.sleep(0.002)
+
+    return session
+
+
+@pytest.mark.parametrize("cut", [1, 7, 1000])
+def test_a_relay_offering_pipelining_gets_mail_rcpt_and_data_in_one_write_and_its_replies_read_however_cut(cut):
+    """Two round trips a mail, not four. The relay's replies to the group come back in one
+    write, or cut into pieces (a multi-line reply among them): all are read, and the
+    connection carries the next mail."""
+    sessions, reads = [], []
+
+    async def go():
+        server = await asyncio.start_server(pipelining_relay(sessions, reads, cut), "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=5))
+        replies = [await pool.send("n@broker.example.com", f"c{i}@example.com", message(i)) for i in (2, 3)]
+        await pool.close()
+        server.close()
+        return replies
+
+    assert run(go()) == ["2.0.0 queued as 7"] * 2
+    groups = [r for r in reads if r.startswith(b"MAIL")]
+    assert groups == [b"MAIL FROM:<n@broker.example.com>\r\nRCPT TO:<c%d@example.com>\r\nDATA\r\n" % i
+                      for i in (2, 3)]
+    assert len(sessions) == 1
+
+
+@pytest.mark.parametrize("data_reply, sessions_after", [(b"554 5.5.1 no valid recipients", 1), (b"354 go on", 2)])
+def test_a_refused_recipient_in_a_pipelined_group_fails_on_its_own_reply(data_reply, sessions_after):
+    """The mail fails on the RCPT's 550, not on DATA's answer after it. A DATA refused too
+    leaves the connection reset and reused; a relay that said 354 all the same waits for data
+    nobody will send: that connection is closed, and the next mail takes a new one."""
+    sessions, reads = [], []
+
+    async def go():
+        server = await asyncio.start_server(pipelining_relay(sessions, reads, after_refused_rcpt=data_reply),
+                                            "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=5))
+        with pytest.raises(PermanentMailError, match="550 5.1.1 user unknown"):
+            await pool.send("n@broker.example.com", "c1@example.com", message(1))
+        reply = await pool.send("n@broker.example.com", "c2@example.com", message(2))
+        await pool.close()
+        server.close()
+        return reply
+
+    assert run(go()) == "2.0.0 queued as 7"
+    assert len(sessions) == sessions_after
+    assert (b"RSET\r\n" in reads) == (sessions_after == 1)
+
+
+def test_the_sink_offers_pipelining_and_answers_a_group_in_one_write_unless_told_not_to(smtp_server):
+    """Its replies to a pipelined group come back together, after one delay (a round trip);
+    with "pipelining": false it offers none, as SES does not."""
+    import socket
+
+    for offered in (True, False):
+        server = smtp_server(f"o{offered}", delay_ms=20, pipelining=offered)
+        host, port = server.url.removeprefix("smtp://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.recv(1024)
+            s.sendall(b"EHLO client\r\n")
+            time.sleep(0.3)
+            assert (b"250-PIPELINING" in s.recv(4096)) == offered
+            if offered:
+                s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nDATA\r\n")
+                started = time.monotonic()
+                first = s.recv(4096)
+                assert [line[:3] for line in first.splitlines()] == [b"250", b"250", b"354"]
+                assert time.monotonic() - started < 0.2  # one delay of 20 ms, not three waits one after another
+
+
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):
     server = smtp_server(delay_ms=20)
 

@@ -6,7 +6,9 @@ so a double delivery is visible, never hidden. A message counts as received only
 server has answered 250 to it.
 
 It can misbehave on purpose (--faults FILE, JSON), the way relays do:
-  delay_ms            wait before every reply (a relay on the LAN, not loopback)
+  delay_ms            wait before every reply it sends (a relay on the LAN, not loopback);
+                      replies to pipelined commands go back together, after one wait
+  pipelining          false: not offered in the EHLO reply (SES does not offer it)
   refuse_connections  answer this many connections with 421 and hang up
   throttle_connections  greet this many connections as Gmail does a sender it throttles:
                       "421 4.7.0 Try again later, closing connection."
@@ -68,6 +70,7 @@ class Faults:
     rate: float = 0.0
     daily_quota: int = 0
     throttle_connections: int = 0
+    pipelining: bool = True
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -77,7 +80,8 @@ class Faults:
         return cls(raw.get("delay_ms", 0), raw.get("refuse_connections", 0),
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
                    raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None,
-                   raw.get("rate", 0.0), raw.get("daily_quota", 0), raw.get("throttle_connections", 0))
+                   raw.get("rate", 0.0), raw.get("daily_quota", 0), raw.get("throttle_connections", 0),
+                   raw.get("pipelining", True))
 
 
 class OutboxHandler:
@@ -110,6 +114,13 @@ class OutboxHandler:
         if self.replies:
             self.replies.write(f"{time.time():.6f} {kind}\n")
         return reply
+
+    async def handle_EHLO(self, server, session, envelope, hostname, responses) -> list[str]:
+        """PIPELINING (RFC 2920), as Postfix and Haraka offer it; FaultySMTP.push answers that way."""
+        session.host_name = hostname
+        if self.faults.pipelining:
+            responses.insert(-1, "250-PIPELINING")
+        return responses
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
         if address in self.faults.reject:
@@ -211,6 +222,7 @@ def dsn(kind: str, mail_from: str, rcpt: str, original: bytes) -> bytes:
 
 class FaultySMTP(SMTP):
     faults: Faults
+    _held: list[str]  # replies waiting for the rest of a pipelined group (push)
     line_length_limit = DATA_LIMIT + 5  # the stream's limit: smtp_DATA reads to the end mark, not by line
 
     @syntax("DATA")
@@ -251,15 +263,26 @@ class FaultySMTP(SMTP):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._held = []
         self.event_handler.sessions.add(self)
 
     def connection_lost(self, error) -> None:
         self.event_handler.sessions.discard(self)
         super().connection_lost(error)
 
-    async def push(self, status: str) -> None:
+    async def push(self, status: str | bytes) -> None:
+        """A reply waits while more commands are already in (a client pipelining), then goes
+        back with theirs, after one delay: a round trip each group, as Postfix's smtpd flushes
+        its replies only once it has read all it was sent."""
+        if self._reader._buffer:  # StreamReader's unread bytes: a pipelined command is waiting
+            self._held.append(status)
+            return
         if self.faults.delay_ms:
             await asyncio.sleep(self.faults.delay_ms / 1000)
+        if self._held:
+            codec = "utf-8" if self.enable_SMTPUTF8 else "ascii"
+            status = b"\r\n".join(r.encode(codec) if isinstance(r, str) else r for r in [*self._held, status])
+            self._held = []
         await super().push(status)
 
     async def _handle_client(self) -> None:
