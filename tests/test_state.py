@@ -51,6 +51,20 @@ def test_the_mail_guard_admits_exactly_one_claim(state):
     assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
 
 
+def test_a_claim_whose_kept_connection_redis_cut_claims_once_through_the_client(state):
+    """Claims go on a connection of their own (guard._evalsha); when Redis cuts it (a restart,
+    CLIENT KILL), the claim falls back to the client and its retries, and the guard still
+    admits exactly one claim an account."""
+    epoch, lease = state.start({}), state.take_lease(30).token
+    assert state.claim_mail("A", "<a>", epoch, lease)
+    killed = state.r.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1, "the claims' connection was open to be cut"
+    assert state.claim_mail("B", "<b>", epoch, lease)
+    assert not state.claim_mail("A", "<a>", epoch, lease)
+    assert state.claim_mail("C", "<c>", epoch, lease), "the connection is usable again"
+    assert state.claimed(["A", "B", "C"]) == {"A", "B", "C"}
+
+
 def test_replies_ride_to_redis_with_the_next_claim_even_after_redis_lost_its_scripts(state):
     """A mailer records a relay's reply in its next claim's round trip (stages._record): the
     reply must land whether or not Redis still has the scripts cached (a restart drops them),
