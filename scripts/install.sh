@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 # dovecot-imapd and postfix: the tests' bounce mailbox and bouncing relay (each test starts its own);
 # softhsm2 and p11-kit: the embedded default's and the tests' HSM token, in process and behind `p11-kit server`;
-# gcc and libssl-dev: the R6 password hash in C (pipeline/seal/compiled.py)
+# gcc and libssl-dev: the C functions (pipeline/native.py: the R6 password hash, MIME base64)
 APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium
               dovecot-imapd postfix softhsm2 p11-kit p11-kit-modules gcc libc6-dev libssl-dev)
 VERSITYGW_VERSION=v1.8.0
@@ -37,7 +37,7 @@ if [[ ! -x .venv/bin/python || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   .venv/bin/pip install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
-.venv/bin/python -m pipeline.seal.compiled  # built once per version of its source, in ~/.cache/contract-notes
+.venv/bin/python -m pipeline.native  # built once per version of their source, in ~/.cache/contract-notes
 .venv/bin/python -m pipeline.note.fonts  # the note's lean font faces, made once, beside it
 
 if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then

@@ -4,7 +4,7 @@ from email import policy
 
 import pytest
 
-from pipeline.mail.message import Letter, PermanentMailError, build_message, message_id
+from pipeline.mail.message import Letter, PermanentMailError, _b64, _b64_python, _encoder, build_message, message_id
 from pipeline.mail.relay import RetryPolicy
 
 LETTER = Letter("Notes <n@broker.example.com>", "Desk <desk@broker.example.com>")
@@ -27,16 +27,24 @@ def test_message_has_crlf_only_and_parses_back_with_the_pdf():
     assert part.get_content() == pdf
 
 
-@pytest.mark.parametrize("size", [0, 1, 56, 57, 58, 57 * 32 - 1, 57 * 32, 57 * 32 + 1, 57 * 64, 35_999])
+@pytest.mark.parametrize("size", [0, 1, 2, 56, 57, 58, 59, 57 * 32 - 1, 57 * 32, 57 * 32 + 1, 57 * 64, 35_999])
 def test_attachments_of_every_length_are_cut_into_base64_lines_of_76(size):
-    """The lines are cut 32 at a time (message._b64): a PDF that ends inside, at or just
-    after a block keeps every byte, with lines as the standard library's encoder cuts them."""
+    """In C (mime_b64.c) and in Python (cut 32 lines at a time): a PDF that ends inside, at or
+    just after a line or a block keeps every byte, with lines as the standard library cuts them."""
     pdf = bytes((i * 131 + 7) % 256 for i in range(size))
     raw = build_message(LETTER, "A", "c1@example.com", "2026-11-20", "C1", message_id("run1", "C1"), pdf)
     body = raw.split(b'filename="ContractNote_C1_20261120.pdf"\r\n\r\n')[1].rsplit(b"\r\n--", 1)[0]
-    assert body == base64.encodebytes(pdf).replace(b"\n", b"\r\n").removesuffix(b"\r\n")
+    expected = base64.encodebytes(pdf).replace(b"\n", b"\r\n").removesuffix(b"\r\n")
+    assert body == expected == _b64_python(pdf)
     [part] = list(parse(raw).iter_attachments())
     assert part.get_content() == pdf
+
+
+def test_the_compiled_base64_is_the_one_in_use_and_agrees_on_every_short_length():
+    assert _encoder() is not None, "built on first use: gcc (scripts/install.sh)"
+    for size in range(0, 300):
+        data = bytes((i * 67 + size) % 256 for i in range(size))
+        assert bytes(_b64(data)) == _b64_python(data), size
 
 
 def test_message_ids_are_derived_from_run_and_account():

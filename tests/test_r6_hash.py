@@ -9,6 +9,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline import native
 from pipeline.seal import compiled, pdfcrypt
 
 # pdf.js, test/unit/crypto_spec.js, "PDF20Algorithm": a revision 6 file made by Acrobat
@@ -65,8 +66,8 @@ def test_out_of_range_input_is_refused_not_truncated():
 
 def test_a_machine_that_cannot_build_it_is_told_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "/bin/false")
-    assert "failed" in compiled.build(tmp_path / "x.so") and not (tmp_path / "x.so").exists()
+    assert "failed" in native.build(compiled.SOURCE, tmp_path / "x.so") and not (tmp_path / "x.so").exists()
     assert list(tmp_path.iterdir()) == [], "no half-built library left behind"
     monkeypatch.setenv("CC", "")
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert "no C compiler" in compiled.build(tmp_path / "x.so")
+    assert "no C compiler" in native.build(compiled.SOURCE, tmp_path / "x.so")
