@@ -2,13 +2,14 @@
 machine's C compiler, once per machine and version of the source, and called through ctypes:
 no Python headers, no wheel to publish, and ctypes lets go of the GIL for the call.
 cluster.yaml's setup builds them ahead of the day (`python -m pipeline.native`); a machine
-that cannot build one runs its Python twin, and the module using it says so.
+that cannot build one runs its Python twin, and says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -17,8 +18,25 @@ from pathlib import Path
 
 from pipeline.settings import cache_dir
 
+log = logging.getLogger(__name__)
+
 PACKAGE = Path(__file__).parent
 LINKED = {"hash_2b": ("-lcrypto",)}  # the libraries a source needs, by its name
+
+
+def functions(source: Path, signatures: dict[str, tuple[list, type]], instead: str) -> list | None:
+    """The source's functions, typed by `signatures` (name: argtypes, restype); None when it
+    cannot be built, logged with `instead` (what runs in their place)."""
+    lib = load(source)
+    if isinstance(lib, str):
+        log.warning("%s: %s", instead, lib)
+        return None
+    typed = []
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        typed.append(fn)
+    return typed
 
 
 def load(source: Path) -> ctypes.CDLL | str:
@@ -43,7 +61,8 @@ def build(source: Path, target: Path) -> str:
                           capture_output=True, text=True)
     if done.returncode:
         os.unlink(partial)
-        return f"{cc} failed: {done.stderr.strip()[-300:]} (libssl-dev installed?)"
+        hint = " (libssl-dev installed?)" if "-lcrypto" in LINKED.get(source.stem, ()) else ""
+        return f"{cc} failed: {done.stderr.strip()[-300:]}{hint}"
     os.replace(partial, target)
     return ""
 

@@ -24,7 +24,7 @@ PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this 
 
 
 def cache_dir() -> Path:
-    """Where a machine keeps what it builds once for the job (the C hash, the lean fonts)."""
+    """Where a machine keeps what it builds once for the job (the C functions, the lean fonts)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "contract-notes"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import ctypes
 import html
-import logging
 import re
 import struct
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from pathlib import Path
 from pipeline import native
 from pipeline.record.keys import message_id  # noqa: F401  (derived from run and account, as record keys are)
 from pipeline.settings import TEMPLATES
-
-log = logging.getLogger(__name__)
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MIXED = "=_cn-mixed-7f3a9c"
@@ -150,14 +147,11 @@ def _b64_python(data: bytes) -> bytes:
 
 @lru_cache(maxsize=1)
 def _encoder():
-    lib = native.load(Path(__file__).with_name("mime_b64.c"))
-    if isinstance(lib, str):
-        log.warning("the attachments' base64 runs in Python (~0.1 ms more a mail): %s", lib)
-        return None
-    size, encode = lib.cn_mime_b64_size, lib.cn_mime_b64
-    size.argtypes, size.restype = [ctypes.c_size_t], ctypes.c_size_t
-    encode.argtypes, encode.restype = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_size_t
-    return size, encode
+    """(cn_mime_b64_size, cn_mime_b64), or None when mime_b64.c cannot be built."""
+    return native.functions(Path(__file__).with_name("mime_b64.c"), {
+        "cn_mime_b64_size": ([ctypes.c_size_t], ctypes.c_size_t),
+        "cn_mime_b64": ([ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_size_t),
+    }, "the attachments' base64 runs in Python (~0.1 ms more a mail)")
 
 
 def _encoded(text: str) -> str:
