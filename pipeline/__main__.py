@@ -151,7 +151,7 @@ def cmd_synth(args) -> int:
 def cmd_run(args) -> int:
     from actors import metrics
     from pipeline import credentials
-    from pipeline.cluster.driver import RunRequest, init_ray, new_run_id, preflight, run_day
+    from pipeline.cluster.driver import RunRequest, new_run_id, preflight, run_day
     from pipeline.cluster.plan import on_cluster, session
     from pipeline.record.lease import held
     from pipeline.record.state import RunState
@@ -172,9 +172,8 @@ def cmd_run(args) -> int:
         preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
         # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first
-        with held(state, settings.lease_s) as lease:
-            init_ray(settings, args.address)
-            summary = run_day(settings, request, current.size_for, current.watch, lease=lease)
+        with held(state, settings.lease_s) as lease:  # Ray starts in run_day, while its first notes are made
+            summary = run_day(settings, request, current.size_for, current.watch, lease=lease, address=args.address)
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary), file=args.stdout)
@@ -509,7 +508,7 @@ def cmd_serve(args) -> int:
 def cmd_demo(args) -> int:
     import ray
 
-    from pipeline.cluster.driver import RunRequest, init_ray, run_day
+    from pipeline.cluster.driver import RunRequest, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import start_redis, start_smtp_sink
 
@@ -526,8 +525,7 @@ def cmd_demo(args) -> int:
                                      # unless one is set, a fresh owner password: the placeholder is public
                                      owner_password=None if os.environ.get("CN_OWNER_PASSWORD") else
                                      secrets.token_urlsafe(24), **_demo_key(work, args.file_key))
-        init_ray(settings)
-        summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))
+        summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))  # Ray starts in it
         summary["outbox"] = str(work / "outbox")
         if args.bounce_rate:
             from pipeline.followup.bounces import collect

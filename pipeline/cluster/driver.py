@@ -30,6 +30,7 @@ from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
+from pipeline.cluster import first_notes
 from pipeline.followup import located
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
@@ -80,7 +81,7 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     cluster's node types advertise."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS") or ("auto" if on_cluster() else None)
+    address = _ray_address(address)
     _few_malloc_arenas()
     env = {"PYTHONPATH": ROOT, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))}
     if address:
@@ -97,6 +98,11 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
              include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
     _start_reaper()
+
+
+def _ray_address(address: str | None) -> str | None:
+    """The cluster to join; None: Ray is started on this machine."""
+    return address or os.environ.get("RAY_ADDRESS") or ("auto" if on_cluster() else None)
 
 
 def _few_malloc_arenas() -> None:
@@ -127,10 +133,11 @@ def _start_reaper() -> None:
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None,
-                part: tuple[int, int | None] | None = None, lease: str = "") -> Batch:
+                part: tuple[int, int | None] | None = None, lease: str = "", skip: frozenset[str] = frozenset()) -> Batch:
     """`assembled`: the ref of the split task writing this shard; Ray starts this task once it is
     done, with what it wrote. `part`: just these of the shard's accounts (start, stop), as a slice. `lease`: the
-    token of the run's lease, which the batch carries to the signer and the mailer."""
+    token of the run's lease, which the batch carries to the signer and the mailer. `skip`: accounts
+    the driver mails itself (its first notes)."""
     started = time.perf_counter()
     if assembled is not None and shard not in assembled["shards"]:  # its every account was rejected: no file
         return Batch(run_id, trade_date, shard, lease=lease)
@@ -141,6 +148,8 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts})
     if part is not None:
         accounts = accounts[part[0]:part[1]]
+    if skip:
+        accounts = [a for a in accounts if a["ucc"] not in skip]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
                          set(only) if only else None, partial(render_notes, tagged=settings.pdf_tags), force,
@@ -175,21 +184,23 @@ def _merged(refs: list) -> bytes | Exception:
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,
-            watch: Callable[[], None] = lambda: None, lease: Lease | None = None) -> dict:
+            watch: Callable[[], None] = lambda: None, lease: Lease | None = None, address: str | None = None) -> dict:
     """One run, end to end. `on_accounts` hears the day's account count once the split has
     counted it (on a cluster: to ask the autoscaler for the capacity the day needs); `watch` is
     called about once a second while the driver waits (on a cluster: that capacity arrives).
     The run's lease is taken first (LeaseHeldError if a live driver has it), unless `lease`
-    is one this process already holds (a rerun that brought the run back from storage)."""
+    is one this process already holds (a rerun that brought the run back from storage).
+    Ray is started (or `address` joined, as init_ray does) unless it is already: a fresh run's
+    first notes are made meanwhile."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
-        return _run_day(settings, req, run_id, state, lease, on_accounts, watch)
+        return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address)
 
 
 def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, lease: Lease,
-             on_accounts: Callable[[int], None] | None, watch: Callable[[], None]) -> dict:
+             on_accounts: Callable[[int], None] | None, watch: Callable[[], None], address: str | None) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
     resolved, signer = preflight(settings, req, run_id)
@@ -197,8 +208,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
-    manifest = load_manifest(store, run_id)
-    resume = manifest is not None  # mail may have gone out: each shard restores its delivery log first
+    manifest, made = load_manifest(store, run_id), first_notes.recorded(store, run_id)
+    resume = manifest is not None or made is not None  # mail may have gone out: each shard restores its delivery log first
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
@@ -210,12 +221,20 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
+    early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
+    if not resume and req.only is None and _ray_address(address) is None:
+        early = first_notes.start(settings, resolved, signer, run_id, req.trade_date, open_store(req.input_url), store,
+                                  state, lease.token, _render_cpus() if ray.is_initialized() else os.cpu_count() or 1)
+    # A local Ray starts meanwhile, in this thread: Ray's processes get SIGKILL when the thread
+    # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
+    init_ray(settings, address)
     signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
+        numbered = early.numbers.result if early else lambda: (made or {}).get("numbers", {})
         splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
-                                int(ray.cluster_resources().get("render", 0)), resume, watch)
+                                _render_cpus(), resume, watch, early.plan.result() if early else None, numbered)
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
                  len(splitting.weights))
@@ -223,8 +242,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     else:
         _split_done(store, state, run_id, split, on_accounts, started, save=False)
         shards, expected = split.heaviest_first(split.shards), split.accounts
-    # a fresh split: the shard whose first notes go out first, a light one among the first assembled
-    first = splitting.lead(watch) if splitting and not resume and req.only is None else None
+    # a fresh split whose first notes the driver did not make: a light shard, among the first assembled, leads
+    leads = splitting and not resume and req.only is None and not (early and early.numbers.result())
+    first = splitting.lead(watch) if leads else None
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
         wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
         shards, expected = [s for s in shards if s in wanted], len(req.only)
@@ -238,7 +258,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     try:
         _actors_started(signers, mailers, watching)
         tally = _fan_out(settings, run_id, req, _units(shards, first), expected, signers, mailers, resume, epoch,
-                         lease, watching, splitting.after if splitting else lambda shard: None)
+                         lease, watching, splitting.after if splitting else lambda shard: None, early)
     finally:
         signers.close()
         mailers.close()
@@ -277,6 +297,10 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         summary["lease_taken_over_from"] = lease.taken_over_from
     summary["report"] = report.write(store, state, run_id, summary, split.input_errors, settings.paper_due_days)
     return summary
+
+
+def _render_cpus() -> int:
+    return int(ray.cluster_resources().get("render", 0))
 
 
 def peak_rss_mb() -> float:
@@ -452,8 +476,9 @@ def _units(shards: list[int], first: int | None) -> list[tuple[int, tuple | None
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
              signers: Pool, mailers: Pool, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
-             assembled: Callable[[int], ray.ObjectRef | None]) -> dict:
+             assembled: Callable[[int], ray.ObjectRef | None], early: first_notes.FirstNotes | None) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
+    skipped = early.skipped if early else lambda shard: frozenset()
     pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
     window = _size(settings, signers, mailers)
     render_settings = credentials.for_render(settings)
@@ -467,7 +492,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 name = f"render shard {shard}" + (f" from account {part[0] + 1}" if part else "")
                 batch = render_task.options(name=name).remote(
                     render_settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part,
-                    lease.token)
+                    lease.token, skipped(shard))
                 signer, mailer = signers.take(), mailers.take()
                 pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, part, signer, mailer)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
@@ -476,10 +501,10 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 shard, part, signer, mailer = pending.pop(ref)
                 signers.give_back(signer)
                 mailers.give_back(mailer)
-                result = _result(ref, settings, run_id, shard, part, pending)
-                _add(totals, result)
-                metrics.day(result["tally"])
-                progress.update(result["notes"])
+                _count(_result(ref, settings, run_id, shard, part, pending, skipped(shard)), totals, progress)
+            if early and not early.running():
+                _count(_first_notes_done(early, settings, run_id), totals, progress)
+                early = None
             if lease.lost:
                 raise LeaseLostError(f"run {run_id}: another driver took the run over (this one had not renewed "
                                      f"its lease for {settings.lease_s:.0f} s, CN_LEASE_S): this driver stops")
@@ -491,9 +516,17 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 state.snapshot()
                 snapshot_at = time.monotonic()
                 window = _size(settings, signers, mailers)  # nodes come and go
+        if early:  # still mailing when the chains are done (a relay slow to answer)
+            _count(_first_notes_done(early, settings, run_id), totals, progress)
     finally:
         progress.close()
     return totals
+
+
+def _count(result: dict, totals: dict, progress: tqdm) -> None:
+    _add(totals, result)
+    metrics.day(result["tally"])
+    progress.update(result["notes"])
 
 
 def _stop_mailing(pending: dict, error: Exception) -> None:
@@ -504,7 +537,25 @@ def _stop_mailing(pending: dict, error: Exception) -> None:
     raise error
 
 
-def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None, pending: dict) -> dict:
+def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id: str) -> dict:
+    """What the driver's first notes came to, once they are done. If their thread failed, each
+    of its accounts not finished is failed (or unconfirmed, if its mail was claimed), as a
+    chain's are: no shard chain will take them."""
+    early.join()
+    if early.error is None:
+        return early.result or {"tally": {}, "cpu_s": {}, "notes": 0}
+    if isinstance(early.error, (StateLostError, LeaseLostError)):
+        raise early.error
+    numbers = early.numbers.result()
+    log.error("run %s: the driver's first notes failed: %s", run_id, early.error)
+    if not numbers:
+        return {"tally": {}, "cpu_s": {}, "notes": 0}
+    why = (str(early.error).splitlines() or [""])[0][:300]
+    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {type(early.error).__name__}: {why}")
+
+
+def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None, pending: dict,
+            skip: frozenset[str]) -> dict:
     try:
         return ray.get(ref)
     except Exception as e:  # the chain failed after Ray's retries: say so for each account
@@ -516,17 +567,22 @@ def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None
         if isinstance(lost, LeaseLostError):
             raise LeaseLostError(str(lost)) from None
         log.error("shard %s failed: %s", shard, e)
-        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", part)
+        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", part, skip)
 
 
-def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None) -> dict:
-    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
+                skip: frozenset[str] = frozenset()) -> dict:
     try:
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return {"tally": {}, "cpu_s": {}, "notes": 0}
+    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason)
+
+
+def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str) -> dict:
+    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
+    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",

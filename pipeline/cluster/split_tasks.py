@@ -26,10 +26,11 @@ def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int,
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
-def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, *parts) -> dict:
+def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, numbered: dict,
+                  *parts) -> dict:
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     return assemble(open_store(settings.store_url), state, run_id, trade_date, broker()["note_prefix"], list(parts),
-                    offsets, reuse)
+                    offsets, reuse, numbered)
 
 
 class Split:
@@ -47,8 +48,10 @@ class Split:
 
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
-              watch: Callable[[], None]) -> "Split":
-        plan = make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
+              watch: Callable[[], None], plan: Plan | None = None, numbered: Callable[[], dict] = dict) -> "Split":
+        """`plan`: the one the driver's first notes were read with, if they were; `numbered`: their
+        note numbers ({ucc: number}), asked for once every range is read."""
+        plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
         groups = max(1, min(plan.shard_count, 2 * max(1, cpus), len(plan.ranges) * 4))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file} part {r.index + 1}").remote(
@@ -58,13 +61,13 @@ class Split:
             watch()
         metas = ray.get(pending)
         split = cls(plan, metas, groups, {})
-        offsets = row_offsets(metas)
+        offsets, numbered = row_offsets(metas), ray.put(numbered())
         heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
         for shard, n in split.weights.items():
             heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
         for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
             split.assembling[g] = assemble_task.options(name=f"split assemble group {g + 1}/{groups}").remote(
-                settings, run_id, trade_date, offsets, reuse, *[refs[g + 1] for refs in reads])
+                settings, run_id, trade_date, offsets, reuse, numbered, *[refs[g + 1] for refs in reads])
         return split
 
     def lead(self, watch: Callable[[], None]) -> int | None:

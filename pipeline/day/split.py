@@ -21,10 +21,12 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Container
 
 from pipeline.day import bhavcopy
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
+    UCC,
     MAX_FIELD,
     SEP,
     TRADE_FIELDS,
@@ -162,14 +164,16 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Pl
 
 
 def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
-               closes: dict) -> tuple[dict, list[dict[int, str]]]:
+               closes: dict, wanted: Container[str] | None = None) -> tuple[dict, list[dict[int, str]]]:
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
     text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
     identity, its place on the note and its status joined by SEP, then the row as JSON) or e (an
     error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
-    seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them."""
+    seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
+    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes)."""
     kind, name = rng.file[0], rng.file
+    at = DUMPS[name].index("ucc")
     reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
     if rng.index == 0:
         next(reader, None)  # the header
@@ -181,8 +185,12 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     for n, raw in _rows(reader):
         try:
             if raw is None:
+                if wanted is not None:  # it names no account
+                    continue
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
             values = pick(raw) if len(raw) >= width else [raw[i] if i < len(raw) else "" for i in columns]
+            if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
+                continue
             if kind == "t":
                 r = trade_row(name, n, values, trade_date, closes, contracts)
                 ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
@@ -219,11 +227,13 @@ def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
 
 
 def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_prefix: str,
-             parts: list[list[tuple]], offsets: dict, reuse: bool = False) -> dict:
+             parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None) -> dict:
     """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
-    are reserved for the group in one block, shard after shard. With `reuse` (a split run
-    again after it was cut short), a shard already in storage is kept as written: its notes
-    may have gone out with those numbers. Returns {shard: (accounts, trades)} and the rejected."""
+    are reserved for the group in one block, shard after shard; an account in `numbered` (the
+    run's first notes, made before the split) keeps the number it was mailed with. With `reuse`
+    (a split run again after it was cut short), a shard already in storage is kept as written:
+    its notes may have gone out with those numbers. Returns {shard: (accounts, trades)} and the rejected."""
+    numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
@@ -243,17 +253,49 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
             fresh.append((shard, accounts))
     if fresh:
         first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date),
-                                     sum(len(a) for _, a in fresh))
+                                     sum(ucc not in numbered for _, a in fresh for ucc, _, _ in a))
         for shard, accounts in fresh:
             body = []
-            for ucc, client, trades in accounts:  # the shard file's JSON, put together from JSON parts
-                note_no = json.dumps(note_numbers.note_number(note_prefix, trade_date, first))
-                body.append(f'{{"ucc":"{ucc}","client":{client},"trades":[{",".join(trades)}],"note_no":{note_no}}}\n')
-                first += 1
+            for ucc, client, trades in accounts:
+                if ucc in numbered:
+                    note_no = numbered[ucc]
+                else:
+                    note_no, first = note_numbers.note_number(note_prefix, trade_date, first), first + 1
+                body.append(shard_line(ucc, client, trades, note_no))
             store.put(keys.shard_key(run_id, shard), "".join(body).encode())
-            state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts)
+            state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered)
             done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
     return {"shards": done, "rejected": rejected}
+
+
+def shard_line(ucc: str, client: str, trades: list[str], note_no: str) -> str:
+    """An account's line of its shard file, put together from its JSON parts."""
+    return f'{{"ucc":"{ucc}","client":{client},"trades":[{",".join(trades)}],"note_no":{json.dumps(note_no)}}}\n'
+
+
+def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tuple[int, list[tuple[str, str, list[str]]]]:
+    """Up to `count` accounts of one shard, exactly as the split will make them, found before
+    it: the clients near the top of clients.csv, every row of the day read and only theirs
+    validated, in the plan's own ranges (a stray quote parses as the split parses it). The
+    shard most of them share, and its accounts that pass; none when the sample names none."""
+    at, sample = plan.columns["clients.csv"][CLIENT_FIELDS.index("ucc")], inputs.read_range("clients.csv", 0, 256 * 1024)
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for row in list(csv.reader(io.StringIO(sample.decode("utf-8", "replace"), newline="")))[1:-1]:  # the last: cut
+        ucc = row[at].strip() if len(row) > at else ""
+        if UCC.match(ucc) and ucc not in by_shard[shard := keys.shard_of(ucc, plan.shard_count)]:
+            by_shard[shard].append(ucc)
+    if not by_shard:
+        return 0, []
+    shard = max(by_shard, key=lambda s: min(count, len(by_shard[s])))  # the first of the fullest
+    wanted, metas, lines = set(by_shard[shard][:count]), [], []
+    for rng in plan.ranges:
+        meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
+                                     plan.closes, wanted)
+        metas.append(meta)
+        if shard in bucket:
+            lines.append(bucket[shard])
+    accounts, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas))
+    return shard, accounts
 
 
 def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:

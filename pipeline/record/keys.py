@@ -28,6 +28,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.proof.json, .proof.p7s            the seal (every log object's SHA-256) and its CMS signature
   reports/{run}.proof.tsr                         an RFC 3161 timestamp of the proof (close, with CN_TSA_URL)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
+  reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
   reports/.write-check                            written before a run starts: the store is writable
   reports/{run}.create-only-check                 written twice, create-only, before a run or a command
@@ -156,6 +157,10 @@ def delivery_log_prefix(run_id: str, shard: int) -> str:
 
 def manifest_key(run_id: str) -> str:
     return f"reports/{run_id}.manifest.json"
+
+
+def first_notes_key(run_id: str) -> str:
+    return f"reports/{run_id}.first-notes.json"
 
 
 def note_sequence_key(fy: str) -> str:

@@ -1,0 +1,132 @@
+"""A fresh run's first notes, rendered, signed and mailed by the driver itself while Ray starts.
+
+A cold run's first mail waited for Ray's start (4-5 s on two cores), its actors and workers,
+and the whole split. These few notes need none of that: the driver has the signing key from
+its preflight, and the stage functions run in any process. It finds a handful of clients of
+one shard, reads the day for their rows alone (exactly as the split will build them), gives
+them their note numbers and records those in storage before anything is mailed; the split
+then writes the same numbers into their shard, and that shard's chain leaves them out.
+
+Only where reading the whole day in the driver costs less than Ray's start (MAX_INPUT_BYTES):
+a day too big for that goes straight to the split, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from functools import partial
+
+from pipeline.day import trading_calendar
+from pipeline.day.split import DUMPS, Plan, first_accounts, make_plan, shard_line
+from pipeline.note.render import render_all
+from pipeline.record import keys, note_numbers
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunState
+from pipeline.record.storage import Store, read_json
+from pipeline.seal.sign import SignatureInfo, Signer
+from pipeline.settings import Settings
+from pipeline.stages import Batch, broker, mail_context, mail_stage, render_stage, sign_stage
+
+log = logging.getLogger("pipeline.cluster.first_notes")
+COUNT = 4
+MAX_INPUT_BYTES = 64 << 20  # read in the driver at ~100 MB/s: under a second, within Ray's start
+
+
+def recorded(store: Store, run_id: str) -> dict | None:
+    """The first notes a run made ({"shard": n, "numbers": {ucc: note number}}), or None."""
+    key = keys.first_notes_key(run_id)
+    return read_json(store, key) if store.exists(key) else None
+
+
+class FirstNotes:
+    """The first notes under way in a thread of the driver. `plan` and `numbers` resolve early
+    (the split waits on them: it must use the same ranges, and must not number these accounts
+    again); `result` once they are mailed, as a chain's result."""
+
+    def __init__(self) -> None:
+        self.plan: Future[Plan | None] = Future()
+        self.numbers: Future[dict[str, str]] = Future()
+        self.shard: int | None = None
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def skipped(self, shard: int) -> frozenset[str]:
+        """The accounts this shard's chain leaves out: they are mailed here."""
+        return frozenset(self.numbers.result()) if shard == self.shard else frozenset()
+
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+def start(settings: Settings, resolved: Settings, signer: Signer, run_id: str, trade_date: str, inputs: Store,
+          store: Store, state: RunState, lease: str, cpus: int) -> FirstNotes:
+    """Starts the first notes in a thread and returns at once; `cpus`, the render CPUs the
+    split will have, sets its plan's ranges."""
+    first = FirstNotes()
+    if sum(inputs.size(name) for name in DUMPS) > MAX_INPUT_BYTES:
+        first.plan.set_result(None)
+        first.numbers.set_result({})
+        return first
+    first.thread = threading.Thread(target=_run, name="first notes", daemon=True, args=(
+        first, settings, resolved, signer, run_id, trade_date, inputs, store, state, lease, cpus))
+    first.thread.start()
+    return first
+
+
+def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Signer, run_id: str, trade_date: str,
+         inputs: Store, store: Store, state: RunState, lease: str, cpus: int) -> None:
+    try:
+        plan = make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus))
+        first.plan.set_result(plan)
+        shard, accounts = first_accounts(inputs, plan, trade_date, COUNT)
+        if not accounts:
+            first.numbers.set_result({})
+            return
+        prefix = broker()["note_prefix"]
+        start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
+        numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
+                   enumerate(accounts)}
+        if not store.put_new(keys.first_notes_key(run_id), json.dumps({"shard": shard, "numbers": numbers}).encode()):
+            raise RuntimeError(f"run {run_id} already made its first notes")  # a fresh run is never resumed
+        state.record(Outcome(ucc, "validated") for ucc in numbers)
+        first.shard = shard
+        first.numbers.set_result(numbers)
+        first.result = _mail(settings, resolved, signer, Batch(
+            run_id, trade_date, shard, settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
+            lease=lease), [json.loads(shard_line(u, c, t, numbers[u])) for u, c, t in accounts], store, state)
+        log.info("run %s: %d first notes made in the driver", run_id, len(numbers))
+    except BaseException as e:  # the driver says what it means for these accounts (driver.py)
+        first.error = e
+    finally:
+        for future, empty in ((first.plan, None), (first.numbers, {})):
+            if not future.done():
+                future.set_result(empty)
+
+
+def _mail(settings: Settings, resolved: Settings, signer: Signer, batch: Batch, accounts: list[dict], store: Store,
+          state: RunState) -> dict:
+    batch = render_stage(batch, accounts, state, render_notes=partial(render_all, tagged=settings.pdf_tags))
+    batch = sign_stage(batch, signer, resolved.owner_password, resolved.encryption, store, state,
+                       SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact))
+    loop = asyncio.new_event_loop()
+    try:
+        ctx = loop.run_until_complete(_context(resolved, state, store))
+        try:
+            return loop.run_until_complete(mail_stage(batch, ctx))
+        finally:
+            loop.run_until_complete(ctx.pool.close())
+    finally:
+        loop.close()
+
+
+async def _context(settings: Settings, state: RunState, store: Store):
+    return mail_context(settings, state, store)

@@ -1,0 +1,132 @@
+"""A fresh run's first notes, made by the driver before the split: the same accounts and note
+numbers the split makes, mailed first and once, and a run that died after them resumed."""
+
+from __future__ import annotations
+
+import email
+import json
+import subprocess
+from email import policy
+from pathlib import Path
+
+import pytest
+
+from pipeline import credentials
+from pipeline.cluster import first_notes
+from pipeline.cluster.driver import RunRequest, _first_notes_done, run_day
+from pipeline.day.split import first_accounts, load_manifest, make_plan, split_day
+from pipeline.record import keys
+from pipeline.record.lease import held
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from tests.conftest import TRADE_DATE
+from tests.helpers import client_rows, outbox_messages
+
+
+def _ucc(msg) -> str:
+    return msg["Subject"].split("(")[-1].rstrip(")")
+
+
+def _shard_file(settings, run_id: str, shard: int) -> dict[str, dict]:
+    text = (Path(settings.store_url) / keys.shard_key(run_id, shard)).read_text()
+    return {a["ucc"]: a for a in map(json.loads, text.splitlines())}
+
+
+def test_the_first_notes_are_the_accounts_the_split_makes_bad_rows_and_stray_quotes_included(settings, day):
+    inputs = open_store(str(day))
+    plan = make_plan(inputs, TRADE_DATE, settings.shard_size, parts=1)
+    shard, chosen = first_accounts(inputs, plan, TRADE_DATE, 4)
+    assert len(chosen) >= 2, "the sample should give the lead shard a few accounts"
+    bad_price, twice = chosen[0][0], chosen[1][0]
+    trades = (day / "trades.csv").read_text().splitlines()
+    header = trades[0].split(",")
+    at = next(i for i, t in enumerate(trades) if t.split(",")[header.index("ucc")] == bad_price)
+    row = trades[at].split(",")
+    row[header.index("price")] = "12.3x"
+    trades[at] = ",".join(row)
+    trades.insert(len(trades) // 2, 'x,"an open quote,' + ",".join(["1"] * (len(header) - 2)))  # swallows rows after it
+    (day / "trades.csv").write_text("\n".join(trades) + "\n")
+    clients = (day / "clients.csv").read_text().splitlines()
+    clients.append(next(c for c in clients if c.split(",")[0] == twice))  # a duplicate client
+    (day / "clients.csv").write_text("\n".join(clients) + "\n")
+
+    shard_again, found = first_accounts(inputs, plan, TRADE_DATE, 4)
+    state = RunState(settings.redis_url, "first-split")
+    split_day(inputs, open_store(settings.store_url), state, "first-split", TRADE_DATE, settings.shard_size, "CNT")
+
+    assert shard_again == shard
+    made = _shard_file(settings, "first-split", shard)
+    assert {u for u, _, _ in found} <= {u for u, _, _ in chosen} - {bad_price, twice}
+    for ucc, client, trades in found:  # the very client block and trades the shard file holds
+        assert json.loads(client) == made[ucc]["client"] and [json.loads(t) for t in trades] == made[ucc]["trades"]
+    records = state.accounts([bad_price, twice])
+    assert records[bad_price]["status"] == records[twice]["status"] == "rejected"
+    lost = {u for u, _, _ in chosen} - {bad_price, twice} - {u for u, _, _ in found}
+    assert all(u not in made for u in lost), "an account the first notes dropped must be one the split drops"
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_fresh_run_mails_its_first_notes_from_the_driver_before_any_chain_once_each(settings, day, smtp_sink):
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    run_id = summary["run_id"]
+    made = first_notes.recorded(open_store(settings.store_url), run_id)
+    assert made is not None and len(made["numbers"]) >= 2
+    numbers = made["numbers"]
+    mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
+    assert len(mailed) == len(set(mailed)) == summary["delivered"] == summary["accounts"]
+    arrived = sorted(smtp_sink.outbox.glob("*.eml"), key=lambda p: p.stat().st_mtime_ns)
+    assert {_ucc(email.message_from_bytes(p.read_bytes(), policy=policy.default)) for p in arrived[:len(numbers)]} \
+        == set(numbers), "the relay's first messages are the driver's notes"
+    shard = _shard_file(settings, run_id, made["shard"])
+    pans = {u: c["pan"] for u, c in client_rows(day).items()}
+    for ucc, number in numbers.items():
+        assert shard[ucc]["note_no"] == number  # the split kept the number the note was mailed with
+        pdf = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, ucc)
+        text = subprocess.run(["pdftotext", "-upw", pans[ucc], str(pdf), "-"], capture_output=True, text=True).stdout
+        assert number in text
+    assert summary["delivered_now"] == summary["accounts"]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_a_run_whose_driver_died_after_its_first_notes_resumes_with_their_numbers_and_mails_none_twice(
+        settings, day, smtp_sink):
+    run_id = "died-after-first-notes"
+    store, state = open_store(settings.store_url), RunState(settings.redis_url, run_id)
+    resolved, signer = credentials.read(settings)
+    state.start({"date": TRADE_DATE, "input": str(day)})
+    with held(state, settings.lease_s) as lease:  # the driver, up to its death
+        early = first_notes.start(settings, resolved, signer, run_id, TRADE_DATE, open_store(str(day)), store, state,
+                                  lease.token, 2)
+        early.join()
+    assert early.error is None and early.result["tally"] == {"ok": len(early.numbers.result())}
+    before = len(outbox_messages(smtp_sink.outbox))
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day), run_id=run_id))
+
+    mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
+    assert before == len(early.numbers.result())
+    assert len(mailed) == len(set(mailed)) == summary["accounts"] == summary["delivered"]
+    shard = _shard_file(settings, run_id, early.shard)
+    assert {u: shard[u]["note_no"] for u in early.numbers.result()} == early.numbers.result()
+    numbers = [a["note_no"] for s in load_manifest(store, run_id).shards for a in _shard_file(settings, run_id, s).values()]
+    assert len(numbers) == len(set(numbers)) == summary["accounts"]
+
+
+def test_first_notes_whose_thread_failed_leave_each_account_failed_or_unconfirmed_never_pending(settings):
+    run_id = "first-notes-failed"
+    state = RunState(settings.redis_url, run_id)
+    epoch = state.start({})
+    lease = state.take_lease(60).token
+    early = first_notes.FirstNotes()
+    early.shard, early.error = 3, OSError("the store went away\nwith a traceback")
+    early.numbers.set_result({"A1": "CNT-26/27-0000001", "A2": "CNT-26/27-0000002"})
+    assert state.claim_mail("A2", "<a2@x>", epoch, lease)  # its mail may have left before the failure
+
+    result = _first_notes_done(early, settings, run_id)
+
+    records = state.accounts(["A1", "A2"])
+    assert records["A1"]["status"] == "failed" and "first notes: OSError: the store went away" in records["A1"]["reason"]
+    assert records["A2"]["status"] == "unconfirmed"
+    assert set(state.failed()) == {"A1"} and set(state.unconfirmed()) == {"A2"}
+    assert result["tally"] == {"failed": 1, "unconfirmed": 1}
