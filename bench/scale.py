@@ -25,6 +25,8 @@ counted at its access log), measured in one go and printed as one JSON line:
                            /proc/stat), tail_floor_ratio: the least tail_ratio these cores
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
+With --first-note-only, only that cold run of the large day, stopped once the relay has kept
+its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
 With --save (and --runs 3 or more), the runs' medians and spread go to
 pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
@@ -177,10 +179,14 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--large", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--first-note-only", action="store_true",
+                        help="only the cold run of the large day, up to its first note at the relay")
     measured.run("scale", parser, once)
 
 
 def once(args) -> dict:
+    if args.first_note_only:
+        return first_note_only(args)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
@@ -196,9 +202,7 @@ def once(args) -> dict:
             base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
                                      signer_cert=str(cert), signer_chain=str(root))
             init_ray(base)  # Ray as a run starts it (same role resources); the runs join it
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": redis.url, "SMTP_URL": smtp.url,
-                   "CN_SIGNER_KEY": str(key), "CN_SIGNER_CERT": str(cert), "CN_SIGNER_CHAIN": str(root),
-                   "CN_OWNER_PASSWORD": "bench-owner-secret", "RAY_ADDRESS": ""}
+            env = run_env(redis.url, smtp.url, key, cert, root)
             out: dict = {"accounts_small": args.small, "accounts_large": args.large, "cores": cores}
             out.update(split_rates(Settings(**{**base.__dict__, "store_url": str(work / "split")}),
                                    work / "large", work / "small"))
@@ -242,6 +246,42 @@ def once(args) -> dict:
             smtp.stop()
             redis.stop()
     return out
+
+
+def run_env(redis_url: str, smtp_url: str, key: Path, cert: Path, root: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "REDIS_URL": redis_url, "SMTP_URL": smtp_url,
+            "CN_SIGNER_KEY": str(key), "CN_SIGNER_CERT": str(cert), "CN_SIGNER_CHAIN": str(root),
+            "CN_OWNER_PASSWORD": "bench-owner-secret", "RAY_ADDRESS": ""}
+
+
+def first_note_only(args) -> dict:
+    """The cold run of the large day as once() runs it, ended (SIGTERM; its reaper ends its Ray)
+    once the relay has kept its first message."""
+    if args.save:
+        raise SystemExit("--first-note-only measures one figure of the bench: nothing to --save")
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        write_dumps(work / "large", SynthOptions(dt.date.fromisoformat(DATE), args.large, args.seed))
+        key, cert, root = make_test_certificate(work / "keys")
+        redis = start_redis(work / "redis")
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+        try:
+            env = run_env(redis.url, smtp.url, key, cert, root) | {"CN_STORE": str(work / "cold")}
+            started = time.time()
+            proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", str(work / "large"),
+                                     "--run-id", "scale-cold"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    cwd=ROOT, env=env)
+            try:
+                at_relay = _first_kept(proc, work / "outbox", set())
+            finally:
+                proc.terminate()
+                proc.wait(timeout=120)
+        finally:
+            smtp.stop()
+            redis.stop()
+    if at_relay is None:
+        raise SystemExit("the cold run ended before the relay kept a message")
+    return {"accounts_large": args.large, "first_note_s_cold_large": round(at_relay - started, 2)}
 
 
 def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:
