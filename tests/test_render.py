@@ -258,3 +258,25 @@ def test_a_render_process_clears_what_dead_ones_left_and_not_what_live_ones_hold
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_sweep_between_a_directory_s_making_and_its_lock_leaves_it_alone(tmp_path, monkeypatch):
+    """Another render process's sweep, run at the worst moment: after this one made its lock
+    file, before it took the lock (as a render worker in the clean clone's suite lost its
+    directory: FileNotFoundError copying the template)."""
+    import fcntl
+
+    from pipeline.note import render as module
+
+    real, swept = fcntl.flock, []
+
+    def flock_after_a_sweep(fd, op):
+        if not swept:
+            swept.append(True)
+            module._sweep(tmp_path)  # the other process's, between this one's open and flock
+        return real(fd, op)
+
+    monkeypatch.setattr(module.fcntl, "flock", flock_after_a_sweep)
+    made = _Compiler(parent=tmp_path)
+    assert swept and made.dir.is_dir() and made.dir.name.startswith("cn-render-")
+    assert b"%PDF" in made.compile([sample_note(3)], tagged=False)[:8]

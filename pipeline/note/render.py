@@ -49,9 +49,14 @@ class _Compiler:
         shm = Path("/dev/shm")
         parent = parent or (shm if shm.is_dir() else Path(tempfile.gettempdir()))
         _sweep(parent)
-        self.dir = Path(tempfile.mkdtemp(prefix="cn-render-", dir=parent))
-        self._held = open(self.dir / LOCK, "w")  # noqa: SIM115 - held for the process's life
+        # Made under a name the sweep passes over, locked, then renamed: a cn-render-* directory
+        # is locked from the moment it can be seen. Made under its own name, another process's
+        # sweep could find it between the lock file's creation and its lock, and remove it.
+        making = Path(tempfile.mkdtemp(prefix=".cn-render-", dir=parent))
+        self._held = open(making / LOCK, "w")  # noqa: SIM115 - held for the process's life
         fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.dir = making.with_name(making.name[1:])
+        os.rename(making, self.dir)
         atexit.register(shutil.rmtree, self.dir, True)
         shutil.copy(TEMPLATE, self.dir / TEMPLATE.name)
         fonts = lean_font_dir()
