@@ -130,3 +130,14 @@ def test_first_notes_whose_thread_failed_leave_each_account_failed_or_unconfirme
     assert records["A2"]["status"] == "unconfirmed"
     assert set(state.failed()) == {"A1"} and set(state.unconfirmed()) == {"A2"}
     assert result["tally"] == {"failed": 1, "unconfirmed": 1}
+
+
+def test_a_day_too_big_to_read_in_the_driver_makes_no_first_notes(
+        settings, day, monkeypatch):
+    monkeypatch.setattr(first_notes, "MAX_INPUT_BYTES", (day / "trades.csv").stat().st_size)  # clients.csv tips it
+    state = RunState(settings.redis_url, "too-big")
+    resolved, signer = credentials.read(settings)
+    early = first_notes.start(settings, resolved, signer, "too-big", TRADE_DATE, open_store(str(day)),
+                              open_store(settings.store_url), state, "", 2)
+    assert early.thread is None and early.plan.result() is None and early.numbers.result() == {}
+    assert early.skipped(0) == frozenset() and first_notes.recorded(open_store(settings.store_url), "too-big") is None
