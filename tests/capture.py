@@ -24,7 +24,7 @@ class Capture:
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
         if self.net is not None and self.net.version == 4:
-            self._filter = _only_tcp_within(self.sock, self.net)  # kept: the kernel reads the program from here
+            _only_tcp_within(self.sock, self.net)
         self.sock.settimeout(0.2)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -71,11 +71,10 @@ class Capture:
         return streams
 
 
-def _only_tcp_within(sock: socket.socket, net: ipaddress.IPv4Network) -> ctypes.Array:
-    """A classic BPF program on the socket: the kernel queues only IPv4 TCP frames whose both
-    ends are in `net`. Without it every frame of the machine (loopback included: other test
-    sessions' Ray, Redis and SMTP traffic) went through this Python thread, which fell behind and
-    the kernel dropped packets, some of them the ones that mattered."""
+def _only_tcp_within(sock: socket.socket, net: ipaddress.IPv4Network) -> None:
+    """A classic BPF program on the socket (the kernel copies it): only IPv4 TCP frames whose
+    both ends are in `net` are queued. Without it every frame of the machine, the other test
+    session's loopback traffic included, had to pass through this Python thread."""
     net_k, mask = int(net.network_address), int(net.netmask)
     program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
         (0x28, 0, 0, 12),  # A = ethertype (ldh [12])
@@ -93,7 +92,6 @@ def _only_tcp_within(sock: socket.socket, net: ipaddress.IPv4Network) -> ctypes.
     ]
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in program))
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", len(program), ctypes.addressof(code)))
-    return code
 
 
 def found(streams: dict[tuple, bytes], needles: dict[str, list[bytes]]) -> dict[str, list[str]]:

@@ -26,10 +26,10 @@ from typing import Container
 from pipeline.day import bhavcopy
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
-    UCC,
     MAX_FIELD,
     SEP,
     TRADE_FIELDS,
+    UCC,
     InputError,
     RowError,
     check_header,
