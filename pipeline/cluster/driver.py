@@ -543,15 +543,14 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
     chain's are: no shard chain will take them."""
     early.join()
     if early.error is None:
-        return early.result or {"tally": {}, "cpu_s": {}, "notes": 0}
+        return early.result or _no_notes()
     if isinstance(early.error, (StateLostError, LeaseLostError)):
         raise early.error
     numbers = early.numbers.result()
     log.error("run %s: the driver's first notes failed: %s", run_id, early.error)
     if not numbers:
-        return {"tally": {}, "cpu_s": {}, "notes": 0}
-    why = (str(early.error).splitlines() or [""])[0][:300]
-    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {type(early.error).__name__}: {why}")
+        return _no_notes()
+    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {_why(early.error)}")
 
 
 def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None, pending: dict,
@@ -567,7 +566,7 @@ def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None
         if isinstance(lost, LeaseLostError):
             raise LeaseLostError(str(lost)) from None
         log.error("shard %s failed: %s", shard, e)
-        return _fail_shard(settings, run_id, shard, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", part, skip)
+        return _fail_shard(settings, run_id, shard, _why(e), part, skip)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
@@ -576,8 +575,17 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
-        return {"tally": {}, "cpu_s": {}, "notes": 0}
+        return _no_notes()
     return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason)
+
+
+def _why(e: BaseException) -> str:
+    """An error in one line, for an account's reason (an empty message has no first line)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+def _no_notes() -> dict:
+    return {"tally": {}, "cpu_s": {}, "notes": 0}
 
 
 def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str) -> dict:

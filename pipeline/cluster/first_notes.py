@@ -90,7 +90,6 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         first.plan.set_result(plan)
         shard, accounts = first_accounts(inputs, plan, trade_date, COUNT)
         if not accounts:
-            first.numbers.set_result({})
             return
         prefix = broker()["note_prefix"]
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
@@ -118,16 +117,12 @@ def _mail(settings: Settings, resolved: Settings, signer: Signer, batch: Batch, 
     batch = render_stage(batch, accounts, state, render_notes=partial(render_all, tagged=settings.pdf_tags))
     batch = sign_stage(batch, signer, resolved.owner_password, resolved.encryption, store, state,
                        SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact))
-    loop = asyncio.new_event_loop()
+    return asyncio.run(_mailed(resolved, state, store, batch))
+
+
+async def _mailed(settings: Settings, state: RunState, store: Store, batch: Batch) -> dict:
+    ctx = mail_context(settings, state, store)  # on the loop that sends: the pool belongs to it
     try:
-        ctx = loop.run_until_complete(_context(resolved, state, store))
-        try:
-            return loop.run_until_complete(mail_stage(batch, ctx))
-        finally:
-            loop.run_until_complete(ctx.pool.close())
+        return await mail_stage(batch, ctx)
     finally:
-        loop.close()
-
-
-async def _context(settings: Settings, state: RunState, store: Store):
-    return mail_context(settings, state, store)
+        await ctx.pool.close()
