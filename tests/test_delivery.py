@@ -482,3 +482,13 @@ def test_the_sinks_fast_data_reader_keeps_and_answers_what_aiosmtpds_own_does(tm
     assert seen["sink"] == seen["aiosmtpd"]
     assert seen["sink"][0] == [250, 250, 250, 250, 250, 500, 250]
     assert messages[1] in seen["sink"][1].values()  # smtplib stuffed its dots, the sink took them out
+
+
+@pytest.mark.parametrize("arg", ["<a@b.example>", "<notes+r1-O1-x=y@bounce.broker.example.com> SIZE=1234",
+                                 "<a@b>  BODY=8BITMIME", "<>", "<a..b@c>", "<.a@b>", '<"q u"@b>', "<a@[1.2.3.4]>",
+                                 "a@b", " <a@b>", "<a@b", "<a@b.>", "<a@b..c>", "<é@b>", "<a@b>x"])
+def test_the_sinks_fast_address_reader_reads_what_aiosmtpds_own_does(arg):
+    from aiosmtpd.smtp import SMTP
+
+    from pipeline.mail.smtp_sink import FaultySMTP
+    assert FaultySMTP(None)._getaddr(arg) == SMTP(None)._getaddr(arg)

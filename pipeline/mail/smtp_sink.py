@@ -41,12 +41,12 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import signal
 import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
-from email.parser import BytesHeaderParser
 from email.utils import formatdate
 from pathlib import Path
 
@@ -54,6 +54,9 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, syntax
 
 DATA_LIMIT = 64 * 1024 * 1024
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+PLAIN_ADDRESS = re.compile(rf"<({_ATOM}(?:\.{_ATOM})*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*)>")  # RFC 5322 dot-atoms
+MESSAGE_ID = re.compile(rb"^message-id:[ \t]*([^\r\n]*(?:\r\n[ \t][^\r\n]*)*)", re.I | re.M)
 
 
 @dataclass
@@ -178,9 +181,9 @@ class OutboxHandler:
 
     def _keep(self, data: bytes) -> str:
         end = data.find(b"\r\n\r\n")  # the headers are all it needs: parsing a 50 KB body cost 0.4 ms
-        mid = BytesHeaderParser().parsebytes(data[:end + 4] if end >= 0 else data).get("Message-ID", "") \
-            or str(len(os.listdir(self.outbox)))
-        name = hashlib.sha256(mid.encode()).hexdigest()[:32]
+        found = MESSAGE_ID.search(data, 0, end if end >= 0 else len(data))
+        mid = b" ".join(found[1].split()) if found else str(len(os.listdir(self.outbox))).encode()
+        name = hashlib.sha256(mid).hexdigest()[:32]
         path, n = self.outbox / f"{name}.eml", 1
         while path.exists():
             n += 1
@@ -255,11 +258,21 @@ class FaultySMTP(SMTP):
         if error:
             self._set_post_data_state()
             return await self.push(error)
-        content = content.replace(b"\r\n.", b"\r\n")  # RFC 5321 4.5.2: a line's leading dot goes
+        if b"\r\n." in content:  # RFC 5321 4.5.2: a line's leading dot goes (a copy: only when there is one)
+            content = content.replace(b"\r\n.", b"\r\n")
         self.envelope.content = self.envelope.original_content = content[1:] if content[:1] == b"." else content
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        """aiosmtpd parses every address with the email package's header parser, and defines a
+        class each time: 0.11 ms a command, two a mail, on the cores the run uses. A plain
+        <local@domain> (every address a run sends) needs none of it; anything else still gets it."""
+        plain = PLAIN_ADDRESS.match(arg)
+        if plain is None or (self.local_part_limit and len(plain[1].rpartition("@")[0]) > self.local_part_limit):
+            return super()._getaddr(arg)
+        return plain[1], arg[plain.end():].lstrip()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
