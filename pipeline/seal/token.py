@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import queue
+import resource
 import secrets
 import statistics
 import subprocess
@@ -87,8 +88,9 @@ class TokenKey:
         self._down_since = 0.0
         self._next_try = 0.0
         self._connect()
-        self.round_trip_s, self.wait_s = self._measure()
-        waiting = math.ceil(self.wait_s / NOTE_CPU_S) if self.wait_s > NOTE_CPU_S / 4 else 0  # in-process: none
+        self.round_trip_s, self.wait_s, blocks = self._measure()
+        self.remote = blocks or self.wait_s > NOTE_CPU_S / 4
+        waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if self.remote else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
 
@@ -239,19 +241,29 @@ class TokenKey:
             self._sessions.append(session)
             self._free.put((session, self._find_key(session)))
 
-    def _measure(self, probes: int = 5) -> tuple[float, float]:
-        """The round trip of one signature, and the part of it spent waiting: neither on a CPU
-        nor queued for one. Counting the queue as waiting took an in-process SoftHSM, opened
-        while the machine was busy, for a network HSM: its extra sessions then signed from
-        several threads at once, which a module python-pkcs11 starts without locking does not
-        survive (GeneralError; a segfault)."""
-        walls, waits = [], []
+    def _measure(self, probes: int = 5) -> tuple[float, float, bool]:
+        """The round trip of one signature; the part of it spent waiting, neither on a CPU nor
+        queued for one; and whether the module blocks while it signs: a voluntary context switch
+        a signature, on average, as a module whose signature another process makes (a network
+        HSM's client, p11-kit's) does. In-process SoftHSM makes none; p11-kit's client makes
+        about five a signature. A module that blocks, or waits for 0.5 ms or more a signature,
+        gets two sessions at least; any other, one. Counting queued time as waiting took an
+        in-process SoftHSM on a loaded machine for a network HSM (its extra sessions then signed
+        from several threads at once, which a module python-pkcs11 starts without locking does
+        not survive: GeneralError; a segfault). Waiting time alone took a network HSM on a busy
+        node for an in-process one (one session: the signer waited out every signature). Neither
+        tells when the HSM's server shares a saturated CPU with us: the server's work is then
+        time we spend queued, and its reply is in before we read."""
+        walls, waits, switches = [], [], []
         for _ in range(probes):
-            wall, busy = time.perf_counter(), _thread_busy_s()
+            switched, wall = _voluntary_switches(), time.perf_counter()
+            busy = _thread_busy_s()
             self.sign(b"contract-notes: the HSM's round trip")
+            busy = _thread_busy_s() - busy  # read before the wall's end: a preemption then counts in both
             walls.append(time.perf_counter() - wall)
-            waits.append(walls[-1] - (_thread_busy_s() - busy))
-        return statistics.median(walls), max(0.0, statistics.median(waits))
+            waits.append(walls[-1] - busy)
+            switches.append(_voluntary_switches() - switched)
+        return statistics.median(walls), max(0.0, statistics.median(waits)), sum(switches) >= probes
 
     def _lost(self) -> None:
         with self._lock:
@@ -296,6 +308,13 @@ class TokenKey:
             except Exception:  # the HSM is gone: its sessions are too
                 pass
         self._sessions = []
+
+
+def _voluntary_switches() -> int:
+    """This thread's voluntary context switches (Linux); elsewhere none are counted, and every
+    module is taken as in-process: one session, which any module survives."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nvcsw if who is not None else 0
 
 
 def _thread_busy_s() -> float:
