@@ -132,7 +132,7 @@ def test_a_signature_queued_for_a_busy_cpu_is_not_taken_for_one_waiting_on_the_h
 
 
 SESSIONS_OF = """
-import os, sys
+import sys
 from pipeline.seal.token import TokenConfig, TokenKey
 module, label, key, pin = sys.argv[1:]
 print(TokenKey(TokenConfig(module, label, key, pin=open(pin).read())).sessions)

@@ -238,6 +238,13 @@ def _all_terminated(cloud, within_s: float = 180) -> list[str]:
     return left()
 
 
+def _end_logs(cloud) -> dict[str, str]:
+    """What each instance's waiter for the driver's exit wrote (plan.terminate_head_after_driver):
+    the cloud's folder goes with the test, so a head that did not end is explained here or nowhere."""
+    logs = {iid: Path(inst["node"]) / "homes/ubuntu/end-head.log" for iid, inst in cloud.instances.items()}
+    return {iid: log.read_text()[-2000:] for iid, log in logs.items() if log.exists()}
+
+
 def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_from_spot_and_ends(
         cloud, tmp_path, keys_dir, redis_url):
     hsm = _network_hsm(cloud)
@@ -267,7 +274,7 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     assert summary["actors"] == {"signers": 8, "mailers": 4}, "the pools fill the signer_smtp node's slots"
 
     # README step 4: the cluster ends itself (the HSM is the broker's: it stays)
-    assert _all_terminated(cloud) == []
+    assert _all_terminated(cloud) == [], f"the cluster ends after the day; end-head.log: {_end_logs(cloud)}"
     assert cloud.leftovers(but=hsm.iid) == []
 
     # nothing of a client, nor the HSM's PIN, crossed between the nodes in the clear, in a capture that saw the
@@ -348,7 +355,7 @@ def test_a_day_stopped_by_a_wrong_input_url_ends_its_cluster(cloud, tmp_path, ke
     assert job.returncode != 0
     errors = {line for line in (job.stdout + job.stderr).splitlines() if line.startswith("error:")}  # `ray job` shows
     assert len(errors) == 1 and "no-such-bucket" in errors.pop(), job.stdout[-3000:]  # the logs twice: one line, twice
-    assert _all_terminated(cloud) == [], "the head ends as it does after a day"
+    assert _all_terminated(cloud) == [], f"the head ends as it does after a day; its end-head.log: {_end_logs(cloud)}"
     assert cloud.leftovers() == []
 
 

@@ -89,8 +89,8 @@ class TokenKey:
         self._next_try = 0.0
         self._connect()
         self.round_trip_s, self.wait_s, blocks = self._measure()
-        self.remote = blocks or self.wait_s > NOTE_CPU_S / 4
-        waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if self.remote else 0  # in-process: none
+        remote = blocks or self.wait_s > NOTE_CPU_S / 4
+        waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if remote else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
 
