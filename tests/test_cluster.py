@@ -240,7 +240,11 @@ def test_the_runtime_requirements_are_generated_from_the_pins():
     assert "ray==2.60.0" in runtime and "pytest" not in runtime and "moto" not in runtime
 
 
-def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited(tmp_path):
+@pytest.mark.parametrize("driver_lives_s", [1.0, 0.0])
+def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited(tmp_path, driver_lives_s):
+    """`driver_lives_s` 0: the driver exits as soon as it has started the waiter, as a day stopped
+    by a wrong input URL does, before the waiter has imported what it needs (the `ray up` test of
+    that day failed so, from a clean clone beside the other tests: the head never ended)."""
     config = tmp_path / "bootstrap.yaml"
     config.write_text(yaml.safe_dump({
         "cluster_name": "cn", "provider": {"type": "external", "module": "tests.recording_provider.RecordingProvider"},
@@ -251,7 +255,7 @@ def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited
         "file_mounts": {}, "cluster_synced_files": [], "rsync_exclude": [], "rsync_filter": []}))
     record = tmp_path / "terminated.jsonl"
     driver = ("import sys, time; from pipeline.cluster.plan import terminate_head_after_driver; "
-              f"terminate_head_after_driver({str(config)!r}, grace_s=0.5); time.sleep(1)")
+              f"terminate_head_after_driver({str(config)!r}, grace_s=0.5); time.sleep({driver_lives_s})")
     env = {**os.environ, "PYTHONPATH": ROOT, "CN_RECORDED_TERMINATIONS": str(record), "HOME": str(tmp_path)}
     subprocess.run([sys.executable, "-c", driver], env=env, cwd=ROOT, timeout=60, check=True)
     assert not record.exists()  # not while the driver runs, nor in the grace after it: the job's status is read

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
+
 from pipeline.cluster.capacity import CapacityWatch, look_at_ray
 from pipeline.settings import ROOT, Settings
 
@@ -246,10 +248,20 @@ def terminate_head_after_driver(config: str | dict, grace_s: float | None = None
     """The head ends a minute (CN_HEAD_GRACE_S) after the driver exits: its exit status reaches
     `ray job` (a failed day is a FAILED job), and the logs flush. A detached process waits for it."""
     grace_s = Settings.from_env().head_grace_s if grace_s is None else grace_s
-    code = ("import sys, time, psutil; from pipeline.cluster.plan import terminate_head; "
-            "psutil.wait_procs([psutil.Process(int(sys.argv[1]))]); time.sleep(float(sys.argv[2])); "
-            "terminate_head(sys.argv[3])")
-    subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(grace_s), str(config)],
+    # The driver may be gone before the waiter looks (a day stopped at its first check exits at
+    # once): a driver not found, or a process that took its PID since, has exited.
+    code = ("import sys, time, psutil\n"
+            "try:\n"
+            "    driver = psutil.Process(int(sys.argv[1]))\n"
+            "    if driver.create_time() == float(sys.argv[2]):\n"
+            "        driver.wait()\n"
+            "except psutil.NoSuchProcess:\n"
+            "    pass\n"
+            "time.sleep(float(sys.argv[3]))\n"
+            "from pipeline.cluster.plan import terminate_head\n"
+            "terminate_head(sys.argv[4])\n")
+    driver = psutil.Process()
+    subprocess.Popen([sys.executable, "-c", code, str(driver.pid), repr(driver.create_time()), str(grace_s), str(config)],
                      start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=open(Path("~/end-head.log").expanduser(), "ab"),
                      env={**os.environ, "PYTHONPATH": ROOT})
