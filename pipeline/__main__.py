@@ -159,7 +159,7 @@ def cmd_run(args) -> int:
     # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
         settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
-                                                                         smtp_url=args.smtp), DEFAULT_KEY_DIR))
+                                                                         smtp_url=args.smtp), DEFAULT_KEY_DIR)).anchored()
         _pin_corrected(settings, args.pin_corrected)
         # The secret's values are checked here and read again by each actor: they never travel through Ray
         resolved = credentials.resolve(settings)
@@ -169,11 +169,12 @@ def cmd_run(args) -> int:
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
         current.relay_rate, current.hsm_rate = resolved.relay_rate(), resolved.hsm_ops_s
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
-        preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
+        checked = preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
         # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first
         with held(state, settings.lease_s) as lease:  # Ray starts in run_day, while its first notes are made
-            summary = run_day(settings, request, current.size_for, current.watch, lease=lease, address=args.address)
+            summary = run_day(settings, request, current.size_for, current.watch, lease=lease, address=args.address,
+                              checked=checked)
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary), file=args.stdout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import ray
 from ray._private.utils import publish_error_to_driver
 
 from pipeline.cluster.driver import FIRST_NOTES, RunRequest, _units, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
@@ -154,11 +156,44 @@ def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, set
     assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]
 
 
-def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings, tmp_path, smtp_sink):
-    import datetime as dt
+COUNTED_PREFLIGHTS = """
+import sys
+from pipeline.__main__ import main
+from pipeline.cluster import driver
+real, calls = driver.preflight, []
+def counted(*args, **kwargs):
+    calls.append(args[2] if len(args) > 2 else kwargs.get("run_id"))
+    return real(*args, **kwargs)
+driver.preflight = counted
+try:
+    code = main(sys.argv[1:])
+finally:
+    print("PREFLIGHTS", calls, file=sys.stderr)
+sys.exit(code)
+"""
 
+
+def test_the_run_command_checks_its_run_once(ray_session, settings, smtp_sink, tmp_path):
+    """`run` checks the run before it takes the lease; the day then starts with what that found.
+    It checked twice: Redis, a storage write, the create-only check, the input's headers, and the
+    signing key read again (for an HSM, a login and its probe signatures), before the first note."""
+    day = tmp_path / "day"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 20, seed=5))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.address_info["address"], "REDIS_URL": settings.redis_url,
+           "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "PYTHONPATH": ROOT, "CN_OWNER_PASSWORD": settings.owner_password}
+    done = subprocess.run([sys.executable, "-c", COUNTED_PREFLIGHTS, "run", "--date", TRADE_DATE, "--input", str(day),
+                           "--store", str(tmp_path / "store"), "--smtp", settings.smtp_url],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["delivered"] == summary["accounts"] == 20
+    calls = eval(done.stderr.rsplit("PREFLIGHTS ", 1)[1].splitlines()[0])  # noqa: S307 (our own print)
+    assert calls == [summary["run_id"]], calls
+
+
+def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings, tmp_path, smtp_sink):
     from pipeline.cluster.driver import PARALLEL_FROM_PAGES
-    from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.note.content import ROWS_PER_PAGE
 
     day = tmp_path / "volatile"

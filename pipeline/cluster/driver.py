@@ -184,26 +184,29 @@ def _merged(refs: list) -> bytes | Exception:
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,
-            watch: Callable[[], None] = lambda: None, lease: Lease | None = None, address: str | None = None) -> dict:
+            watch: Callable[[], None] = lambda: None, lease: Lease | None = None, address: str | None = None,
+            checked: tuple[Settings, Signer] | None = None) -> dict:
     """One run, end to end. `on_accounts` hears the day's account count once the split has
     counted it (on a cluster: to ask the autoscaler for the capacity the day needs); `watch` is
     called about once a second while the driver waits (on a cluster: that capacity arrives).
     The run's lease is taken first (LeaseHeldError if a live driver has it), unless `lease`
     is one this process already holds (a rerun that brought the run back from storage).
     Ray is started (or `address` joined, as init_ray does) unless it is already: a fresh run's
-    first notes are made meanwhile."""
+    first notes are made meanwhile. `checked`: what `preflight` returned for these settings
+    (anchored) and this run, when the caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
-        return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address)
+        return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
 
 
 def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, lease: Lease,
-             on_accounts: Callable[[int], None] | None, watch: Callable[[], None], address: str | None) -> dict:
+             on_accounts: Callable[[int], None] | None, watch: Callable[[], None], address: str | None,
+             checked: tuple[Settings, Signer] | None) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
-    resolved, signer = preflight(settings, req, run_id)
+    resolved, signer = checked or preflight(settings, req, run_id)
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
