@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments the two `ray up` tests run in a pytest session of their own beside the
-# rest: they spend most of their six minutes waiting (a simulated cloud's instances, a relay
-# paced at 0.5 mails/s), and the serial suite kept this machine's two cores a quarter busy.
+# With no arguments the `ray up` tests run in a pytest session of their own beside the
+# rest: they spend most of their seven or eight minutes waiting (a simulated cloud's
+# instances, a relay paced at 0.5 mails/s), and the serial suite kept this machine's two
+# cores a quarter busy.
 # With arguments, one session runs exactly what they name.
 set -euo pipefail
 cd "$(dirname "$0")/.."

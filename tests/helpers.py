@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import email
 import subprocess
+import sys
 from email import policy
 from io import BytesIO
 from pathlib import Path
@@ -45,3 +46,15 @@ def attachment(msg) -> tuple[str, bytes]:
     parts = [p for p in msg.iter_attachments() if p.get_content_type() == "application/pdf"]
     assert len(parts) == 1, f"{msg['Message-ID']} has {len(parts)} PDF attachments"
     return parts[0].get_filename(), parts[0].get_content()
+
+
+def pipeline_counting(instrument: str, argv: list[str], **run) -> tuple[subprocess.CompletedProcess, list]:
+    """`python -m pipeline ARGV` in a process of its own, after `instrument`: code that makes a
+    list `counted` and patches what appends to it. Returns the process and that list, as it was
+    when `main` returned or raised."""
+    code = (f"import sys\nfrom pipeline.__main__ import main\ncounted = []\n{instrument}\n"
+            "try:\n    code = main(sys.argv[1:])\nfinally:\n    print('COUNTED', counted, file=sys.stderr)\n"
+            "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, **run)
+    assert "COUNTED " in done.stderr, done.stderr[-3000:]
+    return done, eval(done.stderr.rsplit("COUNTED ", 1)[1].splitlines()[0])  # noqa: S307 (our own print)

@@ -23,7 +23,7 @@ from pipeline.record import keys
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.conftest import TRADE_DATE
-from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
+from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages, pipeline_counting
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -156,20 +156,13 @@ def test_the_run_command_joins_ray_and_ends_with_a_json_summary(ray_session, set
     assert len(outbox_messages(smtp_sink.outbox)) == summary["delivered"]
 
 
-COUNTED_PREFLIGHTS = """
-import sys
-from pipeline.__main__ import main
+PREFLIGHTS = """
 from pipeline.cluster import driver
-real, calls = driver.preflight, []
-def counted(*args, **kwargs):
-    calls.append(args[2] if len(args) > 2 else kwargs.get("run_id"))
+real = driver.preflight
+def preflight(*args, **kwargs):
+    counted.append(args[2] if len(args) > 2 else kwargs.get("run_id"))
     return real(*args, **kwargs)
-driver.preflight = counted
-try:
-    code = main(sys.argv[1:])
-finally:
-    print("PREFLIGHTS", calls, file=sys.stderr)
-sys.exit(code)
+driver.preflight = preflight
 """
 
 
@@ -182,13 +175,12 @@ def test_the_run_command_checks_its_run_once(ray_session, settings, smtp_sink, t
     env = {**os.environ, "RAY_ADDRESS": ray_session.address_info["address"], "REDIS_URL": settings.redis_url,
            "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
            "CN_SIGNER_CHAIN": settings.signer_chain, "PYTHONPATH": ROOT, "CN_OWNER_PASSWORD": settings.owner_password}
-    done = subprocess.run([sys.executable, "-c", COUNTED_PREFLIGHTS, "run", "--date", TRADE_DATE, "--input", str(day),
-                           "--store", str(tmp_path / "store"), "--smtp", settings.smtp_url],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    done, calls = pipeline_counting(PREFLIGHTS, ["run", "--date", TRADE_DATE, "--input", str(day), "--store",
+                                                 str(tmp_path / "store"), "--smtp", settings.smtp_url],
+                                    env=env, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["delivered"] == summary["accounts"] == 20
-    calls = eval(done.stderr.rsplit("PREFLIGHTS ", 1)[1].splitlines()[0])  # noqa: S307 (our own print)
     assert calls == [summary["run_id"]], calls
 
 

@@ -39,7 +39,14 @@ from pipeline.settings import ROOT as PROJECT
 from pipeline.settings import Settings
 from tests import servers
 from tests.conftest import HSM_SOCKET, TRADE_DATE
-from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages, pyhanko_accepts
+from tests.helpers import (
+    assert_signed_and_encrypted,
+    attachment,
+    client_rows,
+    outbox_messages,
+    pipeline_counting,
+    pyhanko_accepts,
+)
 
 
 def on_token(settings: Settings, hsm, module: str = SOFTHSM, **changes) -> Settings:
@@ -207,15 +214,14 @@ def test_each_setup_failure_is_one_line_exit_2_before_the_day_is_split(run_env, 
     assert nothing_split(tmp_path / "cmd-store")
 
 
-COUNTED_RUN = """
-import sys, pkcs11
-from pipeline.__main__ import main
-real, offered = pkcs11.lib, []
-class Token:  # the module's token, every PIN it is offered noted
+OFFERED_PINS = """
+import pkcs11
+real = pkcs11.lib
+class Token:  # the module's token, every PIN it is offered counted
     def __init__(self, token): self.token = token
     def open(self, *a, **kw):
         if kw.get("user_pin"):
-            offered.append(kw["user_pin"])
+            counted.append(kw["user_pin"])
         return self.token.open(*a, **kw)
     def __getattr__(self, name): return getattr(self.token, name)
 class Lib:
@@ -223,20 +229,13 @@ class Lib:
     def get_token(self, **kw): return Token(self.lib.get_token(**kw))
     def __getattr__(self, name): return getattr(self.lib, name)
 pkcs11.lib = Lib
-try:
-    code = main(sys.argv[1:])
-finally:
-    print("PINS OFFERED", offered, file=sys.stderr)
-sys.exit(code)
 """
 
 
 def run_counted(argv: list[str]) -> tuple[int, str, list[str]]:
     """`python -m pipeline ARGV` in a process of its own (a login is a process's), counting the
     PINs its module was offered."""
-    out = subprocess.run([os.sys.executable, "-c", COUNTED_RUN, *argv], capture_output=True, text=True, timeout=300)
-    assert "PINS OFFERED " in out.stderr, out.stderr[-3000:]
-    offered = eval(out.stderr.rsplit("PINS OFFERED ", 1)[1].splitlines()[0])  # noqa: S307 (our own print)
+    out, offered = pipeline_counting(OFFERED_PINS, argv, timeout=300)
     return out.returncode, out.stderr, offered
 
 

@@ -89,8 +89,7 @@ class TokenKey:
         self._next_try = 0.0
         self._connect()
         self.round_trip_s, self.wait_s, blocks = self._measure()
-        remote = blocks or self.wait_s > NOTE_CPU_S / 4
-        waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if remote else 0  # in-process: none
+        waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
 
@@ -246,20 +245,20 @@ class TokenKey:
         queued for one; and whether the module blocks while it signs: a voluntary context switch
         a signature, on average, as a module whose signature another process makes (a network
         HSM's client, p11-kit's) does. In-process SoftHSM makes none; p11-kit's client makes
-        about five a signature. A module that blocks, or waits for 0.5 ms or more a signature,
-        gets two sessions at least; any other, one. Counting queued time as waiting took an
-        in-process SoftHSM on a loaded machine for a network HSM (its extra sessions then signed
-        from several threads at once, which a module python-pkcs11 starts without locking does
-        not survive: GeneralError; a segfault). Waiting time alone took a network HSM on a busy
-        node for an in-process one (one session: the signer waited out every signature). Neither
-        tells when the HSM's server shares a saturated CPU with us: the server's work is then
-        time we spend queued, and its reply is in before we read."""
+        about five a signature. A module that blocks gets two sessions at least, more as its
+        wait grows; any other, one. Waiting time alone misjudged both ways on a loaded machine:
+        an in-process SoftHSM read as waiting 2.2 ms (its extra sessions would sign from several
+        threads at once, which a module python-pkcs11 starts without locking does not survive:
+        GeneralError; a segfault), and a network HSM as waiting none (one session: the signer
+        waited out every signature). Blocking does not tell either when the HSM's server shares
+        a saturated CPU with us: its work is then time we spend queued, and its reply is in
+        before we read; such a module gets one session, which is safe."""
         walls, waits, switches = [], [], []
         for _ in range(probes):
             switched, wall = _voluntary_switches(), time.perf_counter()
             busy = _thread_busy_s()
             self.sign(b"contract-notes: the HSM's round trip")
-            busy = _thread_busy_s() - busy  # read before the wall's end: a preemption then counts in both
+            busy = _thread_busy_s() - busy
             walls.append(time.perf_counter() - wall)
             waits.append(walls[-1] - busy)
             switches.append(_voluntary_switches() - switched)
