@@ -22,7 +22,9 @@ from pipeline.settings import Settings
 from pipeline.stages import Batch, sign_stage
 
 
-@ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1})
+# Out of order: a batch is signed once its render has ended, not after the batches submitted
+# before it (in order, the signer waited on the first chain's render while others were ready).
+@ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True)
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
         self.settings, self.signer = credentials.read(settings)  # one read of the secret

@@ -168,6 +168,37 @@ def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, re
     assert store.exists(keys.signed_pdf_key("2026-11-20", "C3"))
 
 
+def test_the_signer_signs_the_batch_that_is_ready_not_the_one_submitted_first(
+        ray_session, settings, note_pdf, tmp_path):
+    """Render tasks end in any order. A signer taking its calls in the order they were made sat
+    idle behind the first chain's render while later batches waited (1.5 s at the start of a
+    2,000-account run, before every chain's render had ended)."""
+    import ray
+
+    from actors.signer import SignerActor
+
+    run_id = f"order-{uuid.uuid4().hex[:8]}"
+    actor = SignerActor.options(name=f"signer-{run_id}").remote(settings, run_id)
+    ray.get(actor.pid.remote())
+    lease = RunState(settings.redis_url, run_id).take_lease(60).token
+    gate = tmp_path / "rendered"
+
+    @ray.remote(num_cpus=0)
+    def rendered_when_told(ucc: str) -> Batch:  # a render that has not ended yet
+        while not gate.exists():
+            time.sleep(0.05)
+        return Batch(run_id, "2026-11-20", 0, [{"ucc": ucc, "pan": PAN, "pdf": note_pdf}], lease=lease)
+
+    first = actor.sign.remote(rendered_when_told.remote("LATE"))
+    second = actor.sign.remote(Batch(run_id, "2026-11-20", 1, [{"ucc": "READY", "pan": PAN, "pdf": note_pdf}],
+                                     lease=lease))
+    done, _ = ray.wait([second], timeout=30)
+    gate.touch()
+
+    assert done, "the ready batch waited behind one whose render had not ended"
+    assert [i["ucc"] for i in ray.get(first, timeout=60).items] == ["LATE"]
+
+
 def test_a_signer_killed_mid_batch_is_restarted_and_the_batch_ends_signed_once(
         ray_session, settings, note_pdf, tmp_path):
     import ray
