@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray._private.utils import publish_error_to_driver
 
-from pipeline.cluster.driver import FIRST_NOTES, RunRequest, _units, run_day
+from pipeline.cluster.driver import FIRST_NOTES, TAIL_PARTS, RunRequest, _units, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys
 from pipeline.record.storage import open_store
@@ -69,6 +69,19 @@ def test_the_first_chain_carries_a_few_notes_of_the_lead_shard_and_every_account
     dealt = [u for shard, part in units for u in (shards[shard][slice(*part)] if part else shards[shard])]
     assert sorted(dealt) == sorted(u for accounts in shards.values() for u in accounts)
     assert _units([7, 3], first=None) == [(7, None), (3, None)]  # a resumed run or a rerun cuts nothing
+
+
+def test_the_days_last_shards_go_in_parts_and_every_account_is_in_one_chain():
+    """The chains still queued at the signer when the last render ends are the run's tail, the
+    signer's work alone: the last `cut` shards go in TAIL_PARTS parts, each of at most a part of
+    a shard's size but the last (a shard holds more or fewer accounts than the size)."""
+    shards = {7: list("abcdefghijkl"), 3: list("mnopqrst"), 9: list("uvwxyz0123456"), 5: list("AB")}
+    units = _units(list(shards), first=3, cut=2, shard_size=8)
+    assert units[:3] == [(3, (0, FIRST_NOTES)), (3, (FIRST_NOTES, None)), (7, None)]
+    assert [s for s, _ in units[3:]] == [9] * TAIL_PARTS + [5] * TAIL_PARTS
+    assert all(len(shards[s][slice(*p)]) <= 8 // TAIL_PARTS for s, p in units[3:] if p[1] is not None)
+    dealt = [u for shard, part in units for u in (shards[shard][slice(*part)] if part else shards[shard])]
+    assert sorted(dealt) == sorted(u for accounts in shards.values() for u in accounts)
 
 
 def test_rerunning_a_run_id_delivers_nothing_new(settings, day, smtp_sink):
