@@ -66,7 +66,8 @@ def sequential(settings: Settings, input_dir: Path, run_id: str) -> dict:
     ctx = loop.run_until_complete(_context(settings, state, store))
     delivered = 0
     for shard in split.shards:
-        batch = render_stage(Batch(run_id, TRADE_DATE, shard, lease=lease), load_shard(store, run_id, shard), state)
+        batch = render_stage(Batch(run_id, TRADE_DATE, shard, lease=lease), load_shard(store, run_id, shard), state,
+                             encryption=settings.encryption)
         batch = sign_stage(batch, signer, settings.owner_password, settings.encryption, store, state)
         result = loop.run_until_complete(mail_stage(batch, ctx))
         delivered += result["tally"].get("ok", 0)

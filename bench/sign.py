@@ -180,7 +180,7 @@ def one_row(args) -> None:
     from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, TokenConfig, TokenKey, make_test_token
 
     notes = [render(sample_note(trades=5 + i % 15)) for i in range(args.notes)]
-    items = list(zip(notes, [f"ABCPD{i % 10000:04d}E" for i in range(args.notes)]))
+    items = [(note, f"ABCPD{i % 10000:04d}E", None) for i, note in enumerate(notes)]  # all four hashes here
     token = make_test_token(Path(args.token))
     key = TokenKey(TokenConfig(SOFTHSM if args.row == "softhsm" else P11_KIT_CLIENT, token.label, token.key_label,
                                pin=token.pin_file.read_text()))

@@ -41,7 +41,7 @@ from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
-from pipeline.seal.sign import SignatureInfo, SignError, protect_all
+from pipeline.seal.sign import SignatureInfo, SignError, protect_all, user_half
 from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")
@@ -53,7 +53,7 @@ class Batch:
     run_id: str
     trade_date: str
     shard: int
-    items: list[dict] = field(default_factory=list)  # ucc, name, email, pan, ecn, pdf
+    items: list[dict] = field(default_factory=list)  # ucc, name, email, pan, ecn, pdf (and made, to the signer)
     cpu_s: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
     settles: dict[str, str] = field(default_factory=dict)  # exchange -> settlement date (ISO)
@@ -114,14 +114,16 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
                  render_notes: Callable[[list[dict]], list[bytes | Exception]] = render_all, force: bool = False,
-                 in_archive: Callable[[str], bool] = lambda ucc: True) -> Batch:
+                 in_archive: Callable[[str], bool] = lambda ucc: True, encryption: str = "") -> Batch:
     """Render every account of the shard that still needs it; an account already archived is
     passed on to be mailed from the archive, one already delivered is left alone (unless
     `force`: then it is mailed again, from the archive). `only` limits a targeted rerun.
     The shard's notes are rendered in one call (`render_notes`: compiled together; the Ray task
     renders a huge note as page ranges in parallel), each note's PDF or why it failed. An archived
     note the store has lost (`in_archive` says no) is rendered again, with its note number: the
-    signer archives it anew unless its mail was claimed, and a mailed note is never rebuilt."""
+    signer archives it anew unless its mail was claimed, and a mailed note is never rebuilt.
+    With `encryption`, each rendered note carries its keys' user half (`made`), which needs
+    only the PAN: the signer, one process per key, then hashes the owner's half alone."""
     started = time.process_time()
     records = state.accounts([a["ucc"] for a in accounts])
     todo: list[tuple[dict, dict]] = []  # (item, its note's data)
@@ -154,6 +156,8 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 failed(item["ucc"], pdf)
                 continue
             item["pdf"] = pdf
+            if made := user_half(item["pan"], encryption):
+                item["made"] = made
             batch.items.append(item)
             writer.add(Outcome(item["ucc"], "rendered"))
     batch.timed("render", started)
@@ -195,13 +199,14 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
                                  "same run id again to rebuild its state from the delivery log")
         raise LeaseLostError(f"run {batch.run_id}: the driver of shard {batch.shard} no longer holds the run: "
                              "nothing signed or archived")
+    made = {i["ucc"]: i.pop("made", None) for i in batch.items}  # the file keys go no further
     claimed = state.claimed([i["ucc"] for i in batch.items if i["pdf"] is not None])
     for item in batch.items:
         if item["ucc"] in claimed:
             item["pdf"] = None  # mailed, or being mailed, from the archive
     todo = [item for item in batch.items if item["pdf"] is not None]
-    for item, signed in zip(todo, protect_all([(i["pdf"], i["pan"]) for i in todo], owner_password, signer, info,
-                                              encryption)):
+    notes = [(i["pdf"], i["pan"], made[i["ucc"]]) for i in todo]
+    for item, signed in zip(todo, protect_all(notes, owner_password, signer, info, encryption)):
         item["pdf"] = signed  # the signed note, or why it could not be signed
     kept = []
     with StateWriter(state) as writer:

@@ -9,6 +9,7 @@ import uuid
 from io import BytesIO
 from pathlib import Path
 
+import pikepdf
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import pkcs12
@@ -20,7 +21,7 @@ from pyhanko_certvalidator import ValidationContext
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.seal.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect
+from pipeline.seal.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect, user_half
 from pipeline.stages import Batch, sign_stage
 from tests.helpers import assert_signed_and_encrypted
 
@@ -166,6 +167,27 @@ def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, re
     assert records["C2"]["status"] == "failed" and records["C2"]["failed_at"] == "signed"
     assert records["C1"]["stage"] == "archived"
     assert store.exists(keys.signed_pdf_key("2026-11-20", "C3"))
+
+
+def test_a_note_signed_with_the_user_half_its_render_made_opens_with_the_pan_and_the_owner_password(
+        tmp_path, redis_url, signer, note_pdf):
+    """The render stage makes U, UE and the file key from the PAN; the signer uses them (the U in
+    the file is the one made: its two hashes are not run again) and sends no file key on."""
+    state = RunState(redis_url, f"half-{uuid.uuid4().hex[:8]}")
+    store = open_store(str(tmp_path / "store"))
+    made = user_half(PAN.lower(), "aes256")  # as render_stage makes it: from the account's PAN, as given
+    items = [{"ucc": "C1", "pan": PAN.lower(), "pdf": note_pdf, "made": made}]
+    batch = sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=state.take_lease(30).token), signer, OWNER,
+                       "aes256", store, state)
+
+    assert len(batch.items) == 1 and "made" not in batch.items[0]
+    path = tmp_path / "note.pdf"
+    path.write_bytes(store.get(keys.signed_pdf_key("2026-11-20", "C1")))
+    assert_signed_and_encrypted(path, PAN)
+    assert "Supplied password is owner password" in show_encryption(path, OWNER)
+    with pikepdf.open(path, password=PAN) as opened:
+        assert bytes(opened.trailer.Encrypt.U) == made.u
+    assert made.file_key.hex() not in repr(made) and repr(made.file_key) not in repr(made)
 
 
 def test_the_signer_signs_the_batch_that_is_ready_not_the_one_submitted_first(

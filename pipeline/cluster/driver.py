@@ -155,7 +155,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
     batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
                          set(only) if only else None, partial(render_notes, tagged=settings.pdf_tags), force,
-                         lambda ucc: store.exists(keys.signed_pdf_key(trade_date, ucc)))
+                         lambda ucc: store.exists(keys.signed_pdf_key(trade_date, ucc)), settings.encryption)
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
     return batch
 

@@ -77,20 +77,38 @@ def hash_2b_reference(password: bytes, salt: bytes, udata: bytes = b"") -> bytes
     return k[:32]
 
 
-def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P) -> R6Keys:
-    """Algorithms 8, 9 and 10 of ISO 32000-2: U/UE, O/OE and Perms for a fresh file key."""
-    user, owner = password_bytes(user_password), _owner_bytes(owner_password)
-    file_key = os.urandom(32)
-    u_salts = os.urandom(16)
-    u = hash_2b(user, u_salts[:8]) + u_salts
-    ue = _aes256_no_iv(hash_2b(user, u_salts[8:]), file_key)
+@dataclass(frozen=True)
+class UserKeys:
+    """A fresh file key with its U and UE: half of R6's four password hashes, made from the
+    user password alone. The render stage makes them (it holds the PAN, and the plain note the
+    file key protects), so the signer, one process per key, hashes only the owner's half."""
+    file_key: bytes
+    u: bytes
+    ue: bytes
+
+    def __repr__(self) -> str:  # never the file key in a log or a traceback
+        return "UserKeys(...)"
+
+
+def user_keys(user_password: str) -> UserKeys:
+    """Algorithm 8 of ISO 32000-2: U and UE for a fresh file key."""
+    user, file_key, u_salts = password_bytes(user_password), os.urandom(32), os.urandom(16)
+    return UserKeys(file_key, hash_2b(user, u_salts[:8]) + u_salts,
+                    _aes256_no_iv(hash_2b(user, u_salts[8:]), file_key))
+
+
+def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P, made: UserKeys | None = None) -> R6Keys:
+    """Algorithms 8, 9 and 10 of ISO 32000-2: U/UE (`made` for this user password, or new), O/OE
+    and Perms."""
+    made, owner = made or user_keys(user_password), _owner_bytes(owner_password)
+    file_key, u = made.file_key, made.u
     o_salts = os.urandom(16)
     o = hash_2b(owner, o_salts[:8], u) + o_salts
     oe = _aes256_no_iv(hash_2b(owner, o_salts[8:], u), file_key)
     perms_plain = struct.pack("<i", p) + b"\xff\xff\xff\xffTadb" + os.urandom(4)
     encryptor = Cipher(algorithms.AES(file_key), modes.ECB()).encryptor()
     perms = encryptor.update(perms_plain) + encryptor.finalize()
-    return R6Keys(file_key, o, u, oe, ue, perms, p)
+    return R6Keys(file_key, o, u, oe, made.ue, perms, p)
 
 
 def encrypt_objects(pdf: pikepdf.Pdf, file_key: bytes, skip: pikepdf.Object | None = None) -> None:

@@ -31,7 +31,15 @@ from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
 
 from pipeline.errors import CannotRun
-from pipeline.seal.pdfcrypt import PRINT_ONLY_P, attach_encryption, encrypt_objects, mark_encrypted, r6_keys
+from pipeline.seal.pdfcrypt import (
+    PRINT_ONLY_P,
+    UserKeys,
+    attach_encryption,
+    encrypt_objects,
+    mark_encrypted,
+    r6_keys,
+    user_keys,
+)
 
 TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
 FIELD_NAME = "BrokerSignature"
@@ -150,22 +158,30 @@ def _signer(key, cert: x509.Certificate, chain: list[x509.Certificate], name: st
 
 
 def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
-            algorithm: str = "aes256") -> bytes:
-    """The whole treatment of one note: encrypt with the client's PAN (upper case), then sign."""
-    data, start, end, digest = _prepare(pdf, pan, owner_password, signer, info, algorithm)
+            algorithm: str = "aes256", made: UserKeys | None = None) -> bytes:
+    """The whole treatment of one note: encrypt with the client's PAN (upper case), then sign.
+    `made`: AES-256's user half, made from that PAN where the note was rendered."""
+    data, start, end, digest = _prepare(pdf, pan, owner_password, signer, info, algorithm, made)
     return _place(data, start, end, signer.cms(digest))
 
 
-def protect_all(notes: list[tuple[bytes, str]], owner_password: str, signer: Signer, info: SignatureInfo,
-                algorithm: str = "aes256") -> list[bytes | SignError]:
-    """protect() over (pdf, pan) pairs, each result or the SignError it raised. With a key of
+def user_half(pan: str, algorithm: str) -> UserKeys | None:
+    """AES-256's user half of a note's keys, from the PAN as `protect` uses it, for the stage
+    that renders the note to make (None: the algorithm has none)."""
+    return user_keys(pan.upper()) if algorithm == "aes256" else None
+
+
+def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password: str, signer: Signer,
+                info: SignatureInfo, algorithm: str = "aes256") -> list[bytes | SignError]:
+    """protect() over (pdf, pan, made) triples, each result or the SignError it raised. With a key of
     several sessions (an HSM across a network), each note is prepared here while the signatures
     of those before it are on their way: the round trip is hidden behind the notes' own work."""
     if signer.workers == 1:
-        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm) for pdf, pan in notes]
+        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made)
+                for pdf, pan, made in notes]
     pending = []
-    for pdf, pan in notes:
-        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm)
+    for pdf, pan, made in notes:
+        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made)
         pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
     return [p if isinstance(p, SignError) else _or_error(_finish, signer, *p) for p in pending]
 
@@ -183,7 +199,7 @@ def _or_error(fn, *args):
 
 
 def _prepare(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
-             algorithm: str) -> tuple[bytes, int, int, bytes]:
+             algorithm: str, made: UserKeys | None = None) -> tuple[bytes, int, int, bytes]:
     """The note encrypted and written with its signature's place, and the digest to sign."""
     if algorithm not in ENCRYPTIONS:
         raise SignError(f"unknown encryption {algorithm!r} (one of {', '.join(ENCRYPTIONS)})")
@@ -196,17 +212,18 @@ def _prepare(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: Si
         raise SignError(f"not a readable PDF: {e}") from None
     try:
         with doc:
-            data = _write(doc, user, owner_password, algorithm, info, signer.size)
+            data = _write(doc, user, owner_password, algorithm, info, signer.size, made)
     except pikepdf.PdfError as e:
         raise SignError(f"cannot rewrite the PDF: {e}") from None
     return _digest(data, signer)
 
 
-def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int) -> bytes:
+def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int,
+           made: UserKeys | None) -> bytes:
     sig = _add_signature_field(doc, info, size)
     out = BytesIO()
     if algorithm == "aes256":
-        keys = r6_keys(user, owner, PRINT_ONLY_P)
+        keys = r6_keys(user, owner, PRINT_ONLY_P, made)
         encrypt_objects(doc, keys.file_key, skip=sig)
         attach_encryption(doc, keys)
         doc.save(out, stream_decode_level=pikepdf.StreamDecodeLevel.none, compress_streams=False, **SAVE_OPTIONS)
