@@ -40,6 +40,10 @@ class MailerActor:
         metrics.relays(self.ctx.pool.rates())
         return result
 
+    async def node(self) -> str:
+        """The node it runs on: the pool chooses it once it has answered, and drops it with its node."""
+        return ray.get_runtime_context().get_node_id()
+
     async def cpu_seconds(self) -> float:
         """This process's CPU time so far: what mailing costs, measured where it is spent."""
         return time.process_time()

@@ -42,3 +42,7 @@ class SignerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The node it runs on: the pool chooses it once it has answered, and drops it with its node."""
+        return ray.get_runtime_context().get_node_id()

@@ -1,6 +1,8 @@
 """The actor pools' sizing and dispatch, with plain objects for actors (pure logic; the pools
 on Ray's autoscaler are in test_autoscaler.py)."""
 
+import pytest
+
 from pipeline.cluster.pools import Pool
 
 
@@ -38,3 +40,58 @@ def test_shrinking_gives_back_only_idle_actors_and_names_stay_unique():
     assert busy in p.actors and len(p.actors) == 1 and len(killed) == 2
     p.size_to(2)
     assert p.actors[-1] == "actor-3", "a new actor never reuses a name"
+
+
+def located():
+    """A pool whose actors say where they run only when told (the probe is the actor's name)."""
+    killed = []
+    return Pool("mailer", lambda i: f"actor-{i}", killed.append, lambda actor: f"where-{actor}"), killed
+
+
+def test_an_actor_is_chosen_only_once_it_has_said_which_node_it_runs_on():
+    p, _ = located()
+    p.size_to(2)
+    assert not p.ready() and p.starting() == {"where-actor-0": "actor-0", "where-actor-1": "actor-1"}
+    p.placed(p.actors[1], "node-b")
+    assert p.ready() and [p.take(), p.take()] == ["actor-1", "actor-1"], "the one still starting is never chosen"
+    assert p.starting() == {"where-actor-0": "actor-0"}
+
+
+def test_the_actors_of_a_lost_node_are_dropped_and_never_chosen_again():
+    p, killed = located()
+    p.size_to(3)
+    for actor, node in zip(p.actors, "abb"):
+        p.placed(actor, node)
+    busy = p.take()
+    assert p.lose_nodes({"b"}) == ["actor-1", "actor-2"] and p.lost == 2
+    assert killed == ["actor-1", "actor-2"] and p.actors == ["actor-0"]
+    assert {p.take() for _ in range(3)} == {"actor-0"} and busy in ("actor-0", "actor-1")
+    p.size_to(3)  # the node's replacement: new actors, new names, chosen once placed
+    assert p.actors == ["actor-0", "actor-3", "actor-4"] and p.starting() == {
+        "where-actor-3": "actor-3", "where-actor-4": "actor-4"}
+
+
+def test_a_draining_node_s_actors_are_chosen_no_more_and_go_once_idle():
+    p, killed = located()
+    p.size_to(2)
+    p.placed(p.actors[0], "a")
+    p.placed(p.actors[1], "b")
+    while p.take() != "actor-1":
+        pass
+    assert p.drain({"b"}) == 1 and p.drain({"b"}) == 0
+    assert {p.take() for _ in range(4)} == {"actor-0"}
+    p.size_to(1)
+    assert "actor-1" in p.actors and killed == [], "a busy one finishes its batch"
+    p.give_back(p.actors[1])
+    p.size_to(1)
+    assert p.actors == ["actor-0"] and killed == ["actor-1"]
+
+
+def test_with_every_actor_lost_there_is_none_to_take():
+    p, _ = located()
+    p.size_to(1)
+    p.placed(p.actors[0], "a")
+    p.lose_nodes({"a"})
+    assert not p.ready()
+    with pytest.raises(LookupError):
+        p.take()

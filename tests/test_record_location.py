@@ -163,8 +163,8 @@ def test_an_actor_that_cannot_start_stops_the_run_with_its_cause_in_one_line(ray
     from actors.signer import SignerActor
 
     broken = settings.__class__(**{**settings.__dict__, "signer_key": "/nonexistent/signer.key.pem"})
-    signers = Pool("signer", lambda i: SignerActor.remote(broken, "no-run"), lambda a: None)
-    mailers = Pool("mailer", lambda i: MailerActor.remote(settings, "no-run"), lambda a: None)
+    signers = Pool("signer", lambda i: SignerActor.remote(broken, "no-run"), lambda a: None, lambda a: a.node.remote())
+    mailers = Pool("mailer", lambda i: MailerActor.remote(settings, "no-run"), lambda a: None, lambda a: a.node.remote())
     signers.size_to(1)
     mailers.size_to(1)
     with pytest.raises(ConfigError) as stopped:

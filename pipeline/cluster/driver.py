@@ -30,7 +30,7 @@ from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
-from pipeline.cluster import first_notes
+from pipeline.cluster import first_notes, nodes
 from pipeline.followup import located
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
@@ -294,6 +294,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
+        "nodes": tally.get("nodes", {}),  # lost and drained mid-run, and the actors lost with them
+        "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
+        "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
@@ -434,18 +437,32 @@ def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_acco
 
 
 def _actors_started(signers: Pool, mailers: Pool, watch: Callable[[], None]) -> None:
-    """The first signer and mailer are up (the key, the secret, the region read where they run),
-    or the run stops here with the cause in one line (exit status 2), before an account is
-    rendered: an actor that cannot start would otherwise fail every account it was given."""
-    waiting = [signers.actors[0].pid.remote(), mailers.actors[0].cpu_seconds.remote()]
-    while waiting:
-        done, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                raise _cannot_start(e) from None
+    """The first signer and mailer are up (the key, the secret, the region read where they run)
+    and have said which node they are on, or the run stops here with the cause in one line
+    (exit status 2), before an account is rendered: an actor that cannot start would otherwise
+    fail every account it was given."""
+    while not (signers.ready() and mailers.ready()):
+        _place((signers, mailers), timeout=1.0)
         watch()
+
+
+def _place(pools: tuple[Pool, ...], timeout: float = 0.0) -> None:
+    """The actors that said which node they run on become choosable; one that died starting
+    (its node lost) is dropped, and one whose own start failed stops the run."""
+    starting = {probe: (pool, actor) for pool in pools for probe, actor in pool.starting().items()}
+    if not starting:
+        time.sleep(timeout)
+        return
+    done, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
+    for ref in done:
+        pool, actor = starting[ref]
+        try:
+            pool.placed(actor, ray.get(ref))
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:
+                raise _cannot_start(e) from None
+            log.warning("a %s actor was lost while it started: %s", pool.role, _why(e))
+            pool.lose(actor)
 
 
 def _cannot_start(e: ray.exceptions.RayActorError) -> ConfigError:
@@ -454,19 +471,25 @@ def _cannot_start(e: ray.exceptions.RayActorError) -> ConfigError:
     return ConfigError(f"an actor could not start: {lines[-1] if lines else type(e).__name__}")
 
 
+def _where(actor) -> ray.ObjectRef:
+    return actor.node.remote()
+
+
 def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Pool, Pool]:
     own = settings.for_actors()  # each reads the secret itself
-    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(own, run_id), ray.kill)
+    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(own, run_id), ray.kill,
+                   _where)
     mailers = Pool("mailer", lambda i: MailerActor.options(name=f"mailer-{i}-{run_id}").remote(
-        own, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill)
+        own, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill, _where)
     _size(settings, signers, mailers)
     return signers, mailers
 
 
-def _size(settings: Settings, signers: Pool, mailers: Pool) -> int:
-    """The pools follow the cluster's signer and smtp slots (unless fixed); returns the window:
-    two shards in flight per render CPU, at least CN_WINDOW's default."""
-    have = ray.cluster_resources()
+def _size(settings: Settings, signers: Pool, mailers: Pool, view: nodes.NodeView | None = None) -> int:
+    """The pools follow the signer and smtp slots of the nodes that stay (unless fixed): not a
+    draining node's; returns the window: two shards in flight per render CPU, at least
+    CN_WINDOW's default."""
+    have = (view or nodes.look()).slots
     signers.size_to(settings.signers or int(have.get("signer", 0)))
     mailers.size_to(settings.mailers or int(have.get("smtp", 0)))
     return _window(settings, have)
@@ -488,52 +511,78 @@ def _units(shards: list[int], first: int | None, cut: int = 0, shard_size: int =
     return head + [(s, None) for s in whole] + [(s, part) for s in last for part in parts]
 
 
+@dataclass
+class Chain:
+    """One unit's render -> sign -> mail, as the driver tracks it until its tally is in."""
+    shard: int
+    part: tuple | None
+    rendered: ray.ObjectRef | None = None  # the render's batch: a chain sent again is signed and mailed from it
+    signer: object = None
+    mailer: object = None
+    resends: int = 0
+
+
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
              signers: Pool, mailers: Pool, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
              assembled: Callable[[int], ray.ObjectRef | None], early: first_notes.FirstNotes | None) -> dict:
-    totals = {"statuses": {}, "cpu_s": {}, "notes": 0}
+    totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
-    pending: dict[ray.ObjectRef, tuple] = {}  # the chain's last ref -> shard, part, its signer, its mailer
+    pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
+    again: list[Chain] = []  # chains whose actor was lost: sent again before new ones
     window = _size(settings, signers, mailers)
     render_settings = credentials.for_render(settings)
-    queue = list(reversed(units))
+    queue = [Chain(shard, part) for shard, part in reversed(units)]
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
+    fleet = nodes.Fleet((signers, mailers), settings.capacity_wait_s)
     try:
-        while queue or pending:
-            while queue and len(pending) < window:
-                shard, part = queue.pop()
-                name = f"render shard {shard}" + (f" from account {part[0] + 1}" if part else "")
-                batch = render_task.options(name=name).remote(
-                    render_settings, run_id, req.trade_date, shard, req.only, req.force, resume, assembled(shard), part,
-                    lease.token, skipped(shard))
-                signer, mailer = signers.take(), mailers.take()
-                pending[mailer.send.remote(signer.sign.remote(batch))] = (shard, part, signer, mailer)
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+        while queue or again or pending:
+            while (queue or again) and len(pending) < window and signers.ready() and mailers.ready():
+                chain = again.pop() if again else queue.pop()
+                if chain.rendered is None:
+                    part = chain.part
+                    name = f"render shard {chain.shard}" + (f" from account {part[0] + 1}" if part else "")
+                    chain.rendered = render_task.options(name=name).remote(
+                        render_settings, run_id, req.trade_date, chain.shard, req.only, req.force, resume,
+                        assembled(chain.shard), part, lease.token, skipped(chain.shard))
+                chain.signer, chain.mailer = signers.take(), mailers.take()
+                pending[chain.mailer.send.remote(chain.signer.sign.remote(chain.rendered))] = chain
+            done = ray.wait(list(pending), num_returns=1, timeout=1.0)[0] if pending else []
+            if not pending:  # every chain waits for an actor: a lost node's replacement
+                _place((signers, mailers), timeout=1.0)
             watch()
             for ref in done:
-                shard, part, signer, mailer = pending.pop(ref)
-                signers.give_back(signer)
-                mailers.give_back(mailer)
-                _count(_result(ref, settings, run_id, shard, part, pending, skipped(shard)), totals, progress)
+                chain = pending.pop(ref)
+                signers.give_back(chain.signer)
+                mailers.give_back(chain.mailer)
+                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), fleet)
+                if result is None:
+                    again.append(chain)
+                    totals["resent"] += 1
+                else:
+                    _count(result, totals, progress)
             if early and not early.running():
                 _count(_first_notes_done(early, settings, run_id), totals, progress)
                 early = None
             if lease.lost:
                 raise LeaseLostError(f"run {run_id}: another driver took the run over (this one had not renewed "
                                      f"its lease for {settings.lease_s:.0f} s, CN_LEASE_S): this driver stops")
-            if time.monotonic() - snapshot_at >= 1.0 or not (queue or pending):
+            if time.monotonic() - snapshot_at >= 1.0 or not (queue or again or pending):
                 if state.epoch() != epoch:
                     _stop_mailing(pending, StateLostError(
                         f"Redis lost run {run_id} mid-run (flushed, or restarted without persistence): mailing "
                         "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
-                window = _size(settings, signers, mailers)  # nodes come and go
+                view = nodes.look()
+                fleet.check(view)
+                window = _size(settings, signers, mailers, view)  # nodes come and go
+                _place((signers, mailers))
         if early:  # still mailing when the chains are done (a relay slow to answer)
             _count(_first_notes_done(early, settings, run_id), totals, progress)
     finally:
         progress.close()
+    totals["nodes"] = fleet.counts()
     return totals
 
 
@@ -567,8 +616,10 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
     return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {_why(early.error)}")
 
 
-def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None, pending: dict,
-            skip: frozenset[str]) -> dict:
+def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, skip: frozenset[str],
+            fleet: nodes.Fleet) -> dict | None:
+    """The chain's tally; None when it is to be sent again: its signer or mailer was lost (with
+    its node, mostly) and the chain has resends left."""
     try:
         return ray.get(ref)
     except Exception as e:  # the chain failed after Ray's retries: say so for each account
@@ -579,8 +630,11 @@ def _result(ref, settings: Settings, run_id: str, shard: int, part: tuple | None
             _stop_mailing(pending, StateLostError(str(lost)))
         if isinstance(lost, LeaseLostError):
             raise LeaseLostError(str(lost)) from None
-        log.error("shard %s failed: %s", shard, e)
-        return _fail_shard(settings, run_id, shard, _why(e), part, skip)
+        if fleet.lost(e, chain):
+            log.warning("shard %s: sent again to the living actors (%s)", chain.shard, _why(e))
+            return None
+        log.error("shard %s failed: %s", chain.shard, e)
+        return _fail_shard(settings, run_id, chain.shard, _why(e), chain.part, skip)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
@@ -624,3 +678,21 @@ def _add(totals: dict, result: dict) -> None:
         totals["statuses"][k] = totals["statuses"].get(k, 0) + v
     for k, v in result["cpu_s"].items():
         totals["cpu_s"][k] = totals["cpu_s"].get(k, 0.0) + v
+    for what, start, end in result.get("waits", ()):
+        totals["waits"][what] = _union(totals["waits"].get(what, []), start, end)
+
+
+def _union(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """Disjoint time spans with one more merged in: several batches held by one outage count
+    its length once. A day has a few outages, so the list stays short."""
+    kept = []
+    for s, e in spans:
+        if e < start or s > end:
+            kept.append((s, e))
+        else:
+            start, end = min(s, start), max(e, end)
+    return sorted(kept + [(start, end)])
+
+
+def _waited(totals: dict) -> dict[str, float]:
+    return {what: round(sum(e - s for s, e in spans), 1) for what, spans in totals.get("waits", {}).items()}
