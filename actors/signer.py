@@ -36,6 +36,7 @@ class SignerActor:
         started, before = time.perf_counter(), len(batch.items)
         batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
                            self.store, self.state, self.info)
+        batch.waits += [("hsm", start, end) for start, end in self.signer.outages()]
         metrics.observe("sign", {"ok": len(batch.items), "failed": before - len(batch.items)},
                         time.perf_counter() - started)
         return batch

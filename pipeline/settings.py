@@ -96,8 +96,9 @@ class Settings:
     pkcs11_pin_file: str = setting("CN_PKCS11_PIN_FILE", "", "a file holding the PIN")
     pkcs11_sessions: int = setting("CN_PKCS11_SESSIONS", 0, "signatures in flight per signer actor; 0: sized from "
                                    "the HSM's measured round trip", 0, 64)
-    hsm_patience_s: float = setting("CN_HSM_PATIENCE_S", 60.0, "how long a signer tries to reconnect to a lost HSM "
-                                    "before it gives up (its notes fail; a rerun signs them)", 1, 3600)
+    hsm_patience_s: float = setting("CN_HSM_PATIENCE_S", 120.0, "how long a lost HSM's signatures wait for it "
+                                    "(an HSM's failover, a network blip) before its notes fail (a rerun signs "
+                                    "them)", 1, 3600)
     hsm_ops_s: float = setting("CN_HSM_OPS_S", 0.0, "the HSM's signatures a second, for `plan` (CloudHSM publishes "
                                "2,000 RSA-2048 a second for a cluster of two HSMs); 0: not known", 0, 1_000_000)
     signer_key_password: str | None = setting("CN_SIGNER_KEY_PASSWORD", None, "the signing key's password",

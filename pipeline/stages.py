@@ -58,6 +58,7 @@ class Batch:
     dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
     settles: dict[str, str] = field(default_factory=dict)  # exchange -> settlement date (ISO)
     lease: str = ""  # the token of the run's lease its driver held: checked before archiving and mailing
+    waits: list[tuple[str, float, float]] = field(default_factory=list)  # (on what, from, to): epoch seconds held
 
     def drop(self, status: str) -> None:
         self.dropped[status] = self.dropped.get(status, 0) + 1
@@ -312,7 +313,8 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     for o in outcomes:
         tally[o.status] = tally.get(o.status, 0) + 1
     batch.timed("mail", started)
-    return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": sum(tally.values())}
+    return {"shard": batch.shard, "tally": tally, "cpu_s": batch.cpu_s, "notes": sum(tally.values()),
+            "waits": batch.waits}
 
 
 async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:

@@ -78,8 +78,10 @@ class Signer:
     `workers`: notes signed at once (a network HSM's round trip hidden behind other notes)."""
 
     def __init__(self, sign: Callable[[bytes], bytes], algorithm: str, cert: x509.Certificate,
-                 chain: list[x509.Certificate], workers: int = 1, about: dict | None = None):
+                 chain: list[x509.Certificate], workers: int = 1, about: dict | None = None,
+                 outages: Callable[[], list[tuple[float, float]]] = list):
         self.sign, self.algorithm, self.cert, self.chain, self.workers = sign, algorithm, cert, chain, workers
+        self.outages = outages  # the key's outages waited out since last asked (a token's; a file has none)
         self.about = about or {"key": "file"}  # what the run records of its key (never the key)
         attrs = _signed_attributes(cert)
         self._attrs = attrs.dump()

@@ -45,6 +45,7 @@ P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its 
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
+RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
 log = logging.getLogger(__name__)
 
 
@@ -60,11 +61,15 @@ class TokenConfig:
     key_id: str = ""  # CN_PKCS11_KEY_ID, hex
     pin: str = field(default="", repr=False)
     sessions: int = 0  # signatures in flight; 0: sized from the measured round trip
-    patience_s: float = 60.0  # how long a lost HSM is tried again before its signatures fail at once
+    patience_s: float = 120.0  # how long a lost HSM's signatures wait for it before they fail
 
     def names(self) -> str:
         key = f"label {self.key_label!r}" if self.key_label else f"id {self.key_id}"
         return f"key {key} on token {self.token!r} ({self.module})"
+
+
+class _Down(Exception):
+    """The HSM is lost; the signature waits for it while the patience lasts."""
 
 
 class _NotReached(Exception):
@@ -74,8 +79,8 @@ class _NotReached(Exception):
 class TokenKey:
     """The token's private key as a signing function for sign.Signer: `sign(data)` returns the
     signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER).
-    Safe from `sessions` threads at once; an HSM lost mid-run fails each signature with "HSM
-    unreachable" at once, and is reconnected with backoff for `patience_s`."""
+    Safe from `sessions` threads at once; an HSM lost mid-run holds each signature while it is
+    reconnected with backoff, for `patience_s`; past it a signature fails with "HSM unreachable"."""
 
     def __init__(self, config: TokenConfig):
         self.config = config
@@ -85,8 +90,8 @@ class TokenKey:
         self._sessions: list = []
         self.extractable = False
         self.kind = ""
-        self._down_since = 0.0
-        self._next_try = 0.0
+        self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
+        self._outages: list[tuple[float, float]] = []
         self._connect()
         self.round_trip_s, self.wait_s, blocks = self._measure()
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
@@ -98,7 +103,21 @@ class TokenKey:
         return "sha256_ecdsa" if self.kind == "ec" else "rsassa_pkcs1v15"
 
     def sign(self, data: bytes) -> bytes:
-        self._reconnect_if_due()
+        """The signature; while the HSM is lost the call waits, reconnecting with backoff, for up
+        to `patience_s` from the outage's start (an HSM's failover, a network blip cost their
+        length, not the notes); past it, each call fails at once until the HSM is back."""
+        while True:
+            try:
+                self._reconnect_if_due()
+                return self._sign_once(data)
+            except _Down as e:
+                wait = self._down_since + self.config.patience_s - time.monotonic()
+                if wait <= 0:
+                    raise SignError(f"HSM unreachable for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): "
+                                    f"{e}; a rerun signs these notes") from None
+                time.sleep(min(wait, max(0.05, self._next_try - time.monotonic())))
+
+    def _sign_once(self, data: bytes) -> bytes:
         try:
             session, key = self._free.get(timeout=self.config.patience_s)
         except queue.Empty:
@@ -112,9 +131,18 @@ class TokenKey:
         except p11.PKCS11Error as e:
             log.warning("the HSM is taken as lost: %s from %s", type(e).__name__, self.config.module)
             self._lost()
-            raise SignError(f"HSM unreachable: {type(e).__name__} from {self.config.module}") from None
+            raise _Down(f"{type(e).__name__} from {self.config.module}") from None
         self._free.put((session, key))
         return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
+
+    def take_outages(self) -> list[tuple[float, float]]:
+        """The outages (epoch seconds, from, to) since last asked, one still going up to now:
+        what the run reports it waited on the HSM."""
+        with self._lock:
+            spans, self._outages = self._outages, []
+            if self._down_since:
+                spans.append((self._down_at, time.time()))
+        return spans
 
     def alive(self) -> bool:
         """Whether the HSM still signs for this key (one probe signature)."""
@@ -267,36 +295,33 @@ class TokenKey:
     def _lost(self) -> None:
         with self._lock:
             if not self._down_since:
-                self._down_since, self._next_try = time.monotonic(), time.monotonic() + 1
+                self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
                 self._close_sessions()
 
     def _reconnect_if_due(self) -> None:
-        """While the HSM is lost a signature fails at once, but for a reconnection tried with
-        backoff (1, 2, 4 ... 30 s apart) for `patience_s`; after that this key gives up."""
+        """While the HSM is lost, one thread at a time tries to reconnect, with backoff (0.5, 1, 2,
+        4, then every 5 s: an HSM back is found within seconds of its return); the others wait."""
         if not self._down_since:
             return
         with self._lock:
             if not self._down_since:
                 return
             now = time.monotonic()
-            if now - self._down_since > self.config.patience_s:
-                raise SignError(f"HSM unreachable for over {self.config.patience_s:g} s: this signer gave up; a "
-                                "rerun signs the failed accounts with a new one")
             if now < self._next_try:
-                raise SignError(f"HSM unreachable since {now - self._down_since:.0f} s ({self.config.module})")
+                raise _Down(f"unreachable since {now - self._down_since:.0f} s ({self.config.module})")
             try:
                 self.lib.reinitialize()
-                self._connect()
+                self._connect_once()
                 self._open_more(self.sessions - 1)
-                self._down_since = 0.0
             except PinRefused:
                 raise
             except Exception as e:
                 self._close_sessions()
-                gap = min(30.0, 2 * max(1.0, self._next_try - self._down_since))
-                self._next_try = now + gap
-                raise SignError(f"HSM unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") \
-                    from None
+                self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
+                raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
+            log.warning("the HSM is back after %.1f s (%s)", now - self._down_since, self.config.module)
+            self._outages.append((self._down_at, time.time()))
+            self._down_since = 0.0
 
     def _close_sessions(self) -> None:
         while not self._free.empty():
