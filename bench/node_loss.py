@@ -36,7 +36,9 @@ TRADE_DATE = "2026-11-20"
 ROLES = {"render": {"render": 1}, "signer": {"signer": 1, "smtp": 1}}
 
 
-def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
+def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: float = 0.0) -> dict:
+    """`notice_s`: the render node lost gets a spot notice that long before it goes, and its
+    watcher (pipeline/cluster/spot_notice.py, against a metadata stand-in) drains it."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -54,8 +56,11 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
     write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed))
     key, cert, root = make_test_certificate(work / "keys")
     redis, smtp = start_redis(work / "redis"), start_smtp_sink(work / "outbox", work / "smtp.log")
+    from pipeline.embedded import free_port
+
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 150 * 2**20})
+        "num_cpus": 0, "include_dashboard": bool(notice_s), "dashboard_port": free_port(),
+        "object_store_memory": 150 * 2**20})
     nodes = {role: [cluster.add_node(num_cpus=1, resources=res, object_store_memory=150 * 2**20) for _ in range(2)]
              for role, res in ROLES.items()}
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
@@ -63,8 +68,15 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
         store_url=str(work / "store"), redis_url=redis.url, smtp_url=smtp.url, shard_size=20, signers=0, mailers=0,
         signer_key=str(key), signer_cert=str(cert), signer_chain=str(root), owner_password="node-loss-owner",
         token_key_file=str(work / "keys" / "token.key"))
-    run_id = f"node-loss-{'-'.join(lose) or 'none'}"
+    run_id = f"node-loss-{'-'.join(lose) or 'none'}" + ("-noticed" if notice_s else "")
     lost: list[dict] = []
+    metadata = watcher = None
+    if notice_s:  # the render node's own watcher, as cluster.yaml starts it on every worker
+        metadata = Metadata()
+        watcher = subprocess.Popen([sys.executable, "-m", "pipeline.cluster.spot_notice", "--address", cluster.address,
+                                    "--metadata", metadata.url, "--poll-s", "0.5",
+                                    "--node-id", nodes["render"][-1].node_id], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=open(work / "spot_notice.log", "wb"))
 
     def lose_nodes() -> None:
         state, started = RunState(settings.redis_url, run_id), time.monotonic()
@@ -74,6 +86,9 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
             time.sleep(0.05)
         for role in lose:
             node = nodes[role][-1]
+            if notice_s and role == "render":
+                _noticed(cluster, node, metadata, notice_s, lost, started)
+                continue
             cluster.remove_node(node, allow_graceful=False)
             lost.append({"role": role, "after_s": round(time.monotonic() - started, 1),
                          "delivered_then": int(state.counts().get("delivered", 0) or 0)})
@@ -90,7 +105,11 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
         log = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
         statuses = RunState(settings.redis_url, run_id).statuses()
         mailable = {message_id(run_id, u, key_) for u, e in log.items()}
+        noticed = [n for n in lost if n.get("notice")]
         return {
+            "tasks_there_before_the_notice": sum(len(_started_after(n["node_id"], 0)) for n in noticed),
+            "tasks_started_there_after_the_notice": [t for n in noticed for t in _started_after(n["node_id"],
+                                                                                             n["drained_at"])],
             "accounts": summary["accounts"], "lose": lose, "lost": lost, "elapsed_s": round(elapsed, 1),
             "cpu_s": round(cpu, 1),
             "run": {k: summary.get(k) for k in ("delivered", "failed", "unconfirmed", "physical", "rejected", "nodes",
@@ -105,10 +124,85 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55) -> dict:
             "run_id": run_id, "store": settings.store_url, "redis": settings.redis_url, "work": str(work),
         }
     finally:
+        if killer.is_alive():  # a notice's deadline may outlast the day: the node still goes before the cluster ends
+            killer.join(timeout=120)
+        if watcher:
+            watcher.kill()
+            metadata.stop()
         ray.shutdown()
         cluster.shutdown()
         smtp.stop()
         redis.stop()
+
+
+class Metadata:
+    """EC2's instance metadata as a stand-in on loopback, IMDSv2 only: a token from PUT
+    latest/api/token, then reads that carry it (401 without). `notice(at)` posts a spot
+    interruption notice for time `at`."""
+
+    def __init__(self):
+        import http.server
+        import secrets
+
+        token, said = secrets.token_hex(16), {}
+        self.said = said
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self):  # noqa: N802
+                ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+                self._answer(200 if ok else 400, token if ok else "")
+
+            def do_GET(self):  # noqa: N802
+                if self.headers.get("X-aws-ec2-metadata-token") != token:
+                    return self._answer(401, "")
+                path = self.path.removeprefix("/latest/meta-data/")
+                value = {"instance-id": "i-0standin"}.get(path) or said.get(path)
+                self._answer(200 if value else 404, value or "")
+
+            def _answer(self, code: int, body: str):
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def notice(self, at: float) -> None:
+        when = dt.datetime.fromtimestamp(at, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.said["spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+def _noticed(cluster, node, metadata: Metadata, deadline_s: float, lost: list[dict], started: float) -> None:
+    """The spot notice on `node`: its watcher drains it through the GCS; EC2 ends it at the deadline."""
+    import ray
+
+    metadata.notice(time.time() + deadline_s)
+    posted = time.monotonic()
+    while node.node_id not in ray._private.state.state.get_draining_nodes():
+        if time.monotonic() - posted > 30:
+            raise RuntimeError("the node was not drained within 30 s of the notice")
+        time.sleep(0.1)
+    lost.append({"role": "render", "notice": True, "node_id": node.node_id, "drained_at": time.time(),
+                 "drained_after_s": round(time.monotonic() - posted, 1), "after_s": round(time.monotonic() - started, 1)})
+    time.sleep(max(0.0, deadline_s - (time.monotonic() - posted)))
+    cluster.remove_node(node, allow_graceful=False)
+    lost[-1]["removed"] = True
+
+
+def _started_after(node_id: str, at: float) -> list[str]:
+    """The tasks Ray's task events show starting on the node after `at` (epoch seconds)."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(filters=[("node_id", "=", node_id)], limit=10_000, detail=True, raise_on_missing_output=False)
+    return [t.name for t in tasks if (t.start_time_ms or 0) > at * 1000]
 
 
 def _message_ids(outbox: Path):
@@ -128,11 +222,12 @@ def busy_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def in_process(accounts: int, lose: list[str], at: float) -> dict:
+def in_process(accounts: int, lose: list[str], at: float, notice_s: float = 0.0) -> dict:
     """One day in a fresh process (its own Ray, its own temp dir for Ray's sockets)."""
     with tempfile.TemporaryDirectory(prefix="cnnl", dir="/tmp") as tmp:  # short: Ray's socket paths
         done = subprocess.run([sys.executable, __file__, "--one", "--accounts", str(accounts), "--at", str(at),
-                               "--lose", ",".join(lose) or "none"], capture_output=True, text=True,
+                               "--lose", ",".join(lose) or "none", "--notice-s", str(notice_s)],
+                              capture_output=True, text=True,
                               env={**os.environ, "RAY_TMPDIR": tmp}, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -145,6 +240,8 @@ def main() -> None:
     ap.add_argument("--accounts", type=int, default=2000)
     ap.add_argument("--lose", default="signer", help="render, signer, render,signer or none")
     ap.add_argument("--at", type=float, default=0.26, help="the fraction of accounts delivered when the node goes")
+    ap.add_argument("--notice-s", type=float, default=0.0,
+                    help="a lost render node gets a spot notice this long before it goes (its watcher drains it)")
     ap.add_argument("--baseline", action="store_true", help="the same day without a loss first; print the cost")
     ap.add_argument("--smoke", action="store_true", help="60 accounts, a signer node lost: seconds, for the tests")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a day, in this process
@@ -153,9 +250,9 @@ def main() -> None:
     if args.smoke:
         args.accounts, lose = 60, ["signer"]
     if args.one:
-        print(json.dumps(day(args.accounts, lose, args.at)), flush=True)
+        print(json.dumps(day(args.accounts, lose, args.at, notice_s=args.notice_s)), flush=True)
         return
-    with_loss = in_process(args.accounts, lose, args.at)
+    with_loss = in_process(args.accounts, lose, args.at, args.notice_s)
     out = {"bench": "node_loss", "with_loss": with_loss}
     if args.baseline:
         base = in_process(args.accounts, [], args.at)

@@ -15,11 +15,13 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from pipeline.embedded import free_port
 from pipeline.followup.reconcile import reconcile
 from pipeline.record import keys
 from pipeline.record.storage import open_store
@@ -29,9 +31,9 @@ from tests.helpers import outbox_messages
 ACCOUNTS = 400
 
 
-def lose(roles: str, accounts: int = ACCOUNTS) -> dict:
-    done = subprocess.run([sys.executable, f"{ROOT}/bench/node_loss.py", "--accounts", str(accounts), "--lose", roles],
-                          capture_output=True, text=True, timeout=900)
+def lose(roles: str, accounts: int = ACCOUNTS, *more: str) -> dict:
+    done = subprocess.run([sys.executable, f"{ROOT}/bench/node_loss.py", "--accounts", str(accounts), "--lose", roles,
+                           *more], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     day = json.loads(done.stdout.splitlines()[-1])["with_loss"]
     print(json.dumps({k: day[k] for k in ("lose", "lost", "elapsed_s", "cpu_s", "run", "relay")}))
@@ -71,3 +73,45 @@ def test_a_day_that_loses_a_node_without_grace_ends_by_itself_with_every_account
 
 def _ids(outbox: Path) -> set[str]:
     return {m["Message-ID"] for m in outbox_messages(outbox)}
+
+
+def test_a_spot_notice_drains_its_node_no_task_starts_there_after_it_and_the_day_delivers_everyone_once():
+    """The render node's watcher (pipeline/cluster/spot_notice.py) reads a notice from an IMDSv2
+    stand-in and drains the node through the GCS; EC2 ends it 4 s later (without grace)."""
+    day = lose("render", ACCOUNTS, "--notice-s", "4")
+    try:
+        [noticed] = day["lost"]
+        assert noticed["notice"] and noticed["removed"] and noticed["drained_after_s"] < 5, noticed
+        assert day["tasks_there_before_the_notice"] > 0, "the node worked before its notice"
+        assert day["tasks_started_there_after_the_notice"] == [], "Ray placed work on a draining node"
+        run, relay = day["run"], day["relay"]
+        assert run["failed"] == 0 and run["unconfirmed"] == 0 and relay["twice"] == 0, (run, relay)
+        assert run["delivered"] + run["physical"] == ACCOUNTS == relay["distinct"] + run["physical"]
+        assert run["nodes"]["drained"] == 1 and run["nodes"]["lost"] == 0, run["nodes"]
+    finally:
+        shutil.rmtree(day["work"], ignore_errors=True)
+
+
+def test_the_watcher_reads_imdsv2_with_a_token_and_does_nothing_without_metadata():
+    from bench.node_loss import Metadata
+    from pipeline.cluster import spot_notice
+
+    stand_in = Metadata()
+    try:
+        seen = []
+        reader = spot_notice.Metadata(stand_in.url)
+        assert spot_notice.notice(reader) is None
+        stand_in.said["events/recommendations/rebalance"] = '{"noticeTime": "2026-11-27T10:00:00Z"}'
+        found = spot_notice.notice(reader)
+        assert (found.kind, found.deadline_s) == ("rebalance", spot_notice.REBALANCE_DEADLINE_S)
+        stand_in.notice(time.time() + 90)
+        found = spot_notice.notice(reader)
+        assert found.kind == "interruption" and 85 <= found.deadline_s <= 90, found
+        reader.token = "expired"  # a refused token is renewed, not taken for "no notice"
+        assert spot_notice.notice(reader).kind == "interruption"
+        assert spot_notice.watch(reader, lambda n: seen.append(n) or True, poll_s=0.01).kind == "interruption"
+        assert [n.kind for n in seen] == ["interruption"]
+    finally:
+        stand_in.stop()
+    nowhere = spot_notice.Metadata(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
+    assert spot_notice.watch(nowhere, lambda n: pytest.fail("no metadata, no notice")) is None

@@ -22,11 +22,16 @@ from pipeline.cluster.pools import Pool
 log = logging.getLogger("pipeline.cluster.nodes")
 
 
+PREEMPTED = 3  # NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED: drained on a spot notice, then ended
+ENDED_WELL = (1, 4)  # EXPECTED_TERMINATION, AUTOSCALER_DRAIN_IDLE: scaled down, not lost
+
+
 @dataclass(frozen=True)
 class NodeView:
     alive: frozenset[str]
     draining: frozenset[str]
     slots: dict[str, float]  # render, signer, smtp... of the alive nodes not draining
+    dead: dict[str, int] = field(default_factory=dict)  # node -> why it ended (NodeDeathInfo.Reason)
 
     def gone(self, known: set[str]) -> set[str]:
         """Of the nodes the pools' actors run on, those no longer alive."""
@@ -35,16 +40,17 @@ class NodeView:
 
 def look() -> NodeView:
     draining = frozenset(_draining())
-    alive, slots = set(), {}
+    alive, slots, dead = set(), {}, {}
     for node in ray.nodes():
         if not node.get("Alive"):
+            dead[node["NodeID"]] = node.get("DeathReason", 0)
             continue
         alive.add(node["NodeID"])
         if node["NodeID"] in draining:
             continue
         for name, amount in node.get("Resources", {}).items():
             slots[name] = slots.get(name, 0.0) + amount
-    return NodeView(frozenset(alive), draining, slots)
+    return NodeView(frozenset(alive), draining, slots, dead)
 
 
 def _draining() -> set[str]:
@@ -72,23 +78,29 @@ class Fleet:
     capacity_wait_s: float
     clock: Callable[[], float] = time.monotonic
     seen: set[str] = field(default_factory=set)  # every node an actor of the pools ran on
-    lost_nodes: set[str] = field(default_factory=set)
-    drained: set[str] = field(default_factory=set)
+    handled: set[str] = field(default_factory=set)  # of those, the ones gone whose actors were dropped
+    lost_nodes: set[str] = field(default_factory=set)  # ended without grace during the run, any role
+    drained: set[str] = field(default_factory=set)  # drained during the run (a spot notice)
+    ended_before: set[str] | None = None  # nodes already dead when the run began
     empty_since: dict[str, float] = field(default_factory=dict)
 
     def check(self, view: NodeView) -> None:
+        if self.ended_before is None:
+            self.ended_before = set(view.dead)
         for pool in self.pools:
             if pool.drain(set(view.draining)):
                 log.warning("%s actors on a draining node are chosen no more", pool.role)
-        self.drained |= view.draining
+        ended = {n: why for n, why in view.dead.items() if n not in self.ended_before}
+        self.drained |= view.draining | {n for n, why in ended.items() if why == PREEMPTED}
         self.seen |= set().union(*(p.nodes() for p in self.pools))
-        gone = view.gone(self.seen) - self.lost_nodes
+        gone = view.gone(self.seen) - self.handled
+        self.handled |= gone
         if gone:
             log.warning("node(s) %s lost: their actors are dropped and their batches go to the living",
                         ", ".join(sorted(n[:12] for n in gone)))
-            self.lost_nodes |= gone
             for pool in self.pools:
                 pool.lose_nodes(gone)
+        self.lost_nodes |= (gone - self.drained) | {n for n, why in ended.items() if why not in ENDED_WELL and n not in self.drained}
         self._capacity()
 
     def lost(self, error: BaseException, chain) -> bool:

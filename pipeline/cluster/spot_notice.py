@@ -8,8 +8,8 @@ with the deadline): Ray places no new task or actor here, what runs may finish, 
 pools choose this node's actors no more (pipeline/cluster/nodes.py), and the day's capacity
 request (request_resources) has the autoscaler launch a replacement once the node is gone.
 
-IMDSv2 only (a session token first). On a machine without metadata (not EC2, or IMDS off) the
-watcher says so once and exits: nothing to watch. cluster.yaml's worker_start_ray_commands
+IMDSv2 only (a session token first). On a machine that is not an EC2 instance (its DMI vendor
+says so), or where the metadata does not answer, the watcher says so once and exits. cluster.yaml's worker_start_ray_commands
 start it in the background after `ray start`:
 
     python -m pipeline.cluster.spot_notice --address $RAY_HEAD_IP:6379 &
@@ -30,6 +30,7 @@ from typing import Callable
 
 log = logging.getLogger("pipeline.cluster.spot_notice")
 IMDS = "http://169.254.169.254"
+DMI_VENDOR = "/sys/devices/virtual/dmi/id/sys_vendor"
 TOKEN_TTL_S = 21600
 POLL_S = 5.0  # EC2 updates the notice about every 5 s; two minutes leave 24 looks
 REBALANCE_DEADLINE_S = 600  # a recommendation comes before any notice: the node has at least this long
@@ -143,20 +144,33 @@ def watch(metadata: Metadata, on_notice: Callable[[Notice], bool], poll_s: float
     return acted
 
 
+def on_ec2() -> bool:
+    """EC2's Nitro instances (c6a is one) name their vendor in the DMI tables: a machine that is
+    not one never sends a request to the metadata address."""
+    try:
+        return "Amazon EC2" in open(DMI_VENDOR).read()
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Drain this Ray node on an EC2 spot interruption notice.")
     ap.add_argument("--address", required=True, help="the head's GCS, HOST:PORT")
     ap.add_argument("--metadata", default=IMDS, help="the instance metadata service (a stand-in in the tests)")
     ap.add_argument("--poll-s", type=float, default=POLL_S)
+    ap.add_argument("--node-id", default="", help="this node's id (found by its IP when not given)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s spot_notice %(levelname)s %(message)s")
+    if args.metadata == IMDS and not on_ec2():
+        log.info("not an EC2 instance (%s): nothing to watch", DMI_VENDOR)
+        return 0
     from ray.util import get_node_ip_address
 
     ip = get_node_ip_address()
 
     def act(found: Notice) -> bool:
         try:
-            return drain(args.address, this_node(args.address, ip), found)
+            return drain(args.address, args.node_id or this_node(args.address, ip), found)
         except (LookupError, OSError, RuntimeError) as e:
             log.error("could not drain this node (%s): %s", ip, e)
             return False
