@@ -205,6 +205,123 @@ def _started_after(node_id: str, at: float) -> list[str]:
     return [t.name for t in tasks if (t.start_time_ms or 0) > at * 1000]
 
 
+def head_phase(work: Path, smtp_url: str, run_id: str, accounts: int) -> None:
+    """A head (with the driver and the run's Redis on it) and its workers; prints the Redis URL,
+    then, if it lives that long, the run's summary."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.embedded import start_redis
+    from pipeline.settings import Settings
+
+    redis = start_redis(work / f"redis-{os.getpid()}")  # the head's: a new head's is empty
+    print(redis.url, flush=True)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 150 * 2**20})
+    for res in ROLES.values():
+        cluster.add_node(num_cpus=1, resources=res, object_store_memory=150 * 2**20)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    keys = work / "keys"
+    settings = Settings.from_env(
+        store_url=str(work / "store"), redis_url=redis.url, smtp_url=smtp_url, shard_size=20, signers=0, mailers=0,
+        signer_key=str(keys / "signer.key.pem"), signer_cert=str(keys / "signer.cert.pem"),
+        signer_chain=str(keys / "root.cert.pem"), owner_password="node-loss-owner", token_key_file=str(keys / "token.key"))
+    try:
+        summary = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id), address=cluster.address)
+        print(json.dumps(summary, default=str), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        redis.stop()
+
+
+def head_lost(accounts: int, at: float, seed: int = 55) -> dict:
+    """The head instance ended mid-day (its driver, Redis, GCS and every process of its
+    cluster killed at once), then a new cluster runs the same run id against the same store
+    and relay, as docs/operations.md says."""
+    import psutil
+
+    from pipeline.day.synth import SynthOptions, write_dumps
+    from pipeline.embedded import start_smtp_sink
+    from pipeline.record import delivery_log
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.seal.sign import make_test_certificate
+
+    work = Path(tempfile.mkdtemp(prefix="node-loss-"))
+    write_dumps(work / "input", SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed))
+    make_test_certificate(work / "keys")
+    smtp = start_smtp_sink(work / "outbox", work / "smtp.log")  # the relay is not on the head
+    run_id, lost, began = "node-loss-head", [], time.monotonic()
+    cpu0 = busy_s()
+
+    def phase(tmp: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, "--head-phase", str(work), smtp.url, run_id, str(accounts)],
+                                stdout=subprocess.PIPE, stderr=open(work / f"phase-{len(lost)}.log", "ab"), text=True,
+                                env={**os.environ, "RAY_TMPDIR": tmp}, start_new_session=True)
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="cnh1", dir="/tmp") as tmp1:
+            first = phase(tmp1)
+            state = RunState(first.stdout.readline().strip(), run_id)
+            while int(state.counts().get("delivered", 0) or 0) < at * accounts:
+                if first.poll() is not None or time.monotonic() - began > 600:
+                    raise RuntimeError(f"the first head ended before the loss: {first.returncode}")
+                time.sleep(0.05)
+            delivered_then = int(state.counts().get("delivered", 0) or 0)
+            _kill_all(first.pid, tmp1, psutil)
+            lost.append({"role": "head", "after_s": round(time.monotonic() - began, 1), "delivered_then": delivered_then})
+        with tempfile.TemporaryDirectory(prefix="cnh2", dir="/tmp") as tmp2:
+            second = phase(tmp2)
+            out, _ = second.communicate(timeout=900)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if second.returncode or not lines:
+            raise RuntimeError(f"the new head's run failed ({second.returncode}): "
+                               f"{(work / 'phase-1.log').read_text()[-3000:]}")
+        summary, elapsed, cpu = json.loads(lines[-1]), time.monotonic() - began, busy_s() - cpu0
+    finally:
+        smtp.stop()
+    at_relay = Counter(_message_ids(work / "outbox"))
+    log = delivery_log.latest(delivery_log.entries(open_store(str(work / "store")), run_id))
+    return {
+        "accounts": summary["accounts"], "lose": ["head"], "lost": lost, "elapsed_s": round(elapsed, 1),
+        "cpu_s": round(cpu, 1),
+        "run": {k: summary.get(k) for k in ("delivered", "failed", "unconfirmed", "physical", "rejected", "nodes",
+                                            "resent_chains", "waited_s")},
+        "relay": {"messages": sum(at_relay.values()), "distinct": len(at_relay),
+                  "twice": sum(n - 1 for n in at_relay.values())},
+        "log_delivered": sum(1 for e in log.values() if e["status"] == "delivered"),
+        "log_unconfirmed": sorted(e["message_id"] for e in log.values() if e["status"] in ("sending", "unconfirmed")),
+        "at_relay_not_logged": len(set(at_relay) - {e["message_id"] for e in log.values()}),
+        "run_id": run_id, "store": str(work / "store"), "work": str(work),
+    }
+
+
+def _kill_all(pid: int, tmpdir: str, psutil) -> None:
+    """Every process of the first head's cluster at once, as its instance's end would: the
+    phase, its children (Redis, the GCS, the raylets, the workers), and anything under its
+    Ray temp dir that was re-parented."""
+    procs = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if tmpdir in " ".join(proc.info["cmdline"] or []):
+                procs.append(proc)
+        except psutil.Error:
+            pass
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
 def _message_ids(outbox: Path):
     for path in outbox.glob("*.eml"):
         with path.open("rb") as f:
@@ -238,19 +355,24 @@ def in_process(accounts: int, lose: list[str], at: float, notice_s: float = 0.0)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--accounts", type=int, default=2000)
-    ap.add_argument("--lose", default="signer", help="render, signer, render,signer or none")
+    ap.add_argument("--lose", default="signer", help="render, signer, render,signer, head or none")
     ap.add_argument("--at", type=float, default=0.26, help="the fraction of accounts delivered when the node goes")
     ap.add_argument("--notice-s", type=float, default=0.0,
                     help="a lost render node gets a spot notice this long before it goes (its watcher drains it)")
     ap.add_argument("--baseline", action="store_true", help="the same day without a loss first; print the cost")
     ap.add_argument("--smoke", action="store_true", help="60 accounts, a signer node lost: seconds, for the tests")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a day, in this process
+    if sys.argv[1:2] == ["--head-phase"]:
+        head_phase(Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return
     args = ap.parse_args()
     lose = [r for r in args.lose.split(",") if r and r != "none"]
     if args.smoke:
         args.accounts, lose = 60, ["signer"]
     if args.one:
-        print(json.dumps(day(args.accounts, lose, args.at, notice_s=args.notice_s)), flush=True)
+        one = head_lost(args.accounts, args.at) if lose == ["head"] else day(args.accounts, lose, args.at,
+                                                                               notice_s=args.notice_s)
+        print(json.dumps(one), flush=True)
         return
     with_loss = in_process(args.accounts, lose, args.at, args.notice_s)
     out = {"bench": "node_loss", "with_loss": with_loss}
