@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
     args = _parser().parse_args(argv)
     args.stdout = stdout or sys.stdout
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("pikepdf").setLevel(logging.WARNING)  # its "logger bridge initialized" is no news to anyone
     try:
         return args.func(args)
     except Exception as e:
@@ -249,20 +250,19 @@ def cmd_plan(args) -> int:
                             "relays, as it recorded them; not SMTP_URL)"),
          ADDRESS, STORE, PIN_CORRECTED)
 def cmd_rerun(args) -> int:
-    from pipeline.cluster.driver import init_ray, rerun
+    from pipeline.cluster.driver import rerun
     from pipeline.record.state import RunNotFound
 
     settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
     _pin_corrected(settings, args.pin_corrected)
     try:
-        init_ray(settings, args.address)
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
-                        settings.relays() if args.smtp else None, args.store)
+                        settings.relays() if args.smtp else None, args.store, args.address)
     except RunNotFound as e:
         return _not_found(args, e)
     print(json.dumps(summary), file=args.stdout)
-    taken = summary.get("rerun_outcomes", {})
-    return max(_exit_status(summary), 1 if set(taken) - {"delivered", "physical"} else 0)
+    # the accounts it took, not the run's others: those still failed or unconfirmed are another rerun's
+    return 1 if set(summary.get("rerun_outcomes", {})) - {"delivered", "physical"} else 0
 
 
 def _not_found(args, e: Exception) -> int:

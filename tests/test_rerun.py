@@ -85,6 +85,7 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
     assert run("status", "no-such-run").returncode == 2
     missing = run("rerun", "no-such-run", "--failed")
     assert missing.returncode == 2 and "no run" in missing.stdout
+    assert [line[:6] for line in missing.stderr.splitlines()] == ["error:"], "refused in one line, before Ray"
     nothing = run("rerun", summary["run_id"], "--failed")
     assert nothing.returncode == 0, nothing.stderr[-2000:]
     assert json.loads(nothing.stdout.splitlines()[-1])["rerun_accounts"] == []
@@ -133,3 +134,27 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert json.loads(again.stdout.splitlines()[-1])["rerun_accounts"] == []
     assert len(outbox_messages(second_relay.outbox)) == 2
+
+
+def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(
+        ray_session, settings, day, smtp_server):
+    """The README: exit 0 only if each account the rerun takes is delivered or sent to paper.
+    The run's other failed account (still failing: its PAN is the owner password) is not this
+    rerun's; before, its failure made this rerun exit 1."""
+    first, sign_victim, mail_victim, _ = failing_first_run(settings, day, smtp_server)
+    relay = smtp_server("second")
+    env = {**os.environ, "REDIS_URL": settings.redis_url, "PYTHONPATH": ROOT,
+           "RAY_ADDRESS": ray_session.address_info["address"], "CN_STORE": settings.store_url,
+           "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_SIGNER_CHAIN": settings.signer_chain, "CN_TOKEN_KEY_FILE": settings.token_key_file,
+           "CN_OWNER_PASSWORD": client_rows(day)[sign_victim]["pan"]}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], *a],  # noqa: E731
+                                    capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    done = run("--accounts", mail_victim, "--smtp", relay.url)
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert summary["rerun_outcomes"] == {"delivered": 1} and summary["failed"] == 1, summary
+    assert done.returncode == 0, done.stderr[-2000:]
+    still = run("--accounts", sign_victim, "--smtp", relay.url)
+    assert json.loads(still.stdout.splitlines()[-1])["rerun_outcomes"] == {"failed": 1}
+    assert still.returncode == 1
+    assert len(mids(relay.outbox)) == 1

@@ -356,7 +356,8 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
-          force: bool = False, unconfirmed: bool = False, relays: str | None = None, store: str | None = None) -> dict:
+          force: bool = False, unconfirmed: bool = False, relays: str | None = None, store: str | None = None,
+          address: str | None = None) -> dict:
     """Targeted rerun of an existing run: the failed accounts, the unconfirmed ones (mailed
     again with the same Message-ID, marked "possible duplicate"), or the ones named. Each
     resumes from where it stopped (an archived note is mailed, not re-rendered); a delivered
@@ -364,14 +365,15 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     their input must be corrected and run again. A run its Redis has lost is brought back from
     its report and delivery log in storage first (pipeline/followup/restore.py). It mails through
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
-    unless `store` names a copy of its record (--store), and says which it uses."""
+    unless `store` names a copy of its record (--store), and says which it uses. Ray is started
+    (or `address` joined) only once there is something to rerun: a refusal comes first."""
     with located.open_run(settings, run_id, store, command="rerun") as run:
-        summary = _rerun(run, accounts, failed, force, unconfirmed, relays)
+        summary = _rerun(run, accounts, failed, force, unconfirmed, relays, address)
     return {**summary, "store": run.settings.store_url, "store_from": run.source}
 
 
 def _rerun(run: located.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
-           relays: str | None) -> dict:
+           relays: str | None, address: str | None) -> dict:
     settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
@@ -392,7 +394,7 @@ def _rerun(run: located.OpenRun, accounts: list[str] | None, failed: bool, force
                                                              for u in relays.split(",") if u.strip()]):
             log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
-                          lease=lease)
+                          lease=lease, address=address)
     summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,
                    not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
     return summary
@@ -587,8 +589,11 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
 
 
 def _count(result: dict, totals: dict, progress: tqdm) -> None:
+    waited = _waited(totals)
     _add(totals, result)
     metrics.day(result["tally"])
+    for what, seconds in _waited(totals).items():
+        metrics.waited(what, seconds - waited.get(what, 0.0))
     progress.update(result["notes"])
 
 
