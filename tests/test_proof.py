@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.__main__ import main
+from pipeline.errors import CannotRun
 from pipeline.followup import bounces, close as proof
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.followup.verify import exit_status, verify
@@ -137,6 +138,53 @@ def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_th
     assert exit_status(verified(root, run_id)) == 1
     assert main(["verify", run_id, "--store", str(root)]) == 1
     assert "changed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", ["objects as numbers", "a report that is a folder", "a report outside the store",
+                                  "a report key added", "another run's"])
+def test_a_well_formed_proof_edited_into_another_shape_is_changed_exit_1_never_a_traceback(
+        closed_run, tmp_path, capsys, edit):
+    """A copy of a sealed store with the proof's JSON edited: before, `objects` as numbers gave a
+    TypeError traceback, a report key naming a folder an IsADirectoryError, and a key outside the
+    store exit 2 "would leave the store". Any proof not exactly as close writes it is changed."""
+    settings, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    path = root / proof.proof_keys(run_id)[0]
+    made = json.loads(path.read_bytes())
+    if edit == "objects as numbers":
+        made["objects"] = {k: 5 for k in made["objects"]}
+    elif edit == "a report that is a folder":
+        made["reports"] = {"reports": "0" * 64}
+    elif edit == "a report outside the store":
+        made["reports"] = {**made["reports"], "../../../etc/hostname": "0" * 64}
+    elif edit == "a report key added":
+        made["reports"]["reports/another.json"] = "0" * 64
+    else:
+        made["run_id"] = "another-run"
+    path.write_bytes(json.dumps(made, indent=0, sort_keys=True).encode())
+    assert main(["verify", run_id, "--store", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert f"{proof.proof_keys(run_id)[0]}: changed" in err and "Traceback" not in err, err
+
+
+def test_a_close_that_cannot_sign_writes_nothing_and_the_next_close_seals(ray_session, settings, day):
+    """Before, with the key unreadable, close wrote a closing object into every chain, the report
+    as closed and closed_at in Redis, then failed: verify called it tampering ("proof.json:
+    removed") and rerun refused the run as sealed. Now it proves the key first."""
+    import dataclasses
+
+    run_id = run_day(settings, RunRequest(TRADE_DATE, str(day)))["run_id"]
+    root = Path(settings.store_url)
+    before = {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK}
+    unreadable = dataclasses.replace(settings, signer_key=str(root.parent / "missing.pem"))
+    with pytest.raises(CannotRun) as refused:
+        proof.close(unreadable, run_id, now=after_the_window(settings, run_id))
+    assert "missing.pem" in str(refused.value)
+    assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before, "close wrote before it could sign"
+    assert not RunState(settings.redis_url, run_id).meta().get("closed_at")
+    assert exit_status(verified(root, run_id)) == 3, "not sealed, and nothing reads as tampering"
+    sealed = proof.close(settings, run_id, now=after_the_window(settings, run_id))
+    assert not sealed["already_sealed"] and exit_status(verified(root, run_id)) == 0
 
 
 def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(closed_run, tmp_path):

@@ -32,6 +32,7 @@ from pipeline.record import delivery_log, keys, report
 from pipeline.record.keys import proof_keys, timestamp_key
 from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
+from pipeline.seal.sign import Signer
 from pipeline.settings import Settings
 
 
@@ -63,10 +64,12 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         if now < closes:
             raise WindowOpen(f"run {run_id}: the bounce window is open until "
                              f"{report.bounce_window(meta)['closes_at']} ({hours:g} h after the run): not closed")
+        signer = _ready_to_seal(settings, store)  # before the first write: a close that cannot sign writes nothing
         if not meta.get("closed_at"):
             state.update_meta(closed_at=now, bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        seal(settings, store, run_id, _close_chains(store, run_id, run.split.shards, float(state.meta()["closed_at"])))
+        chains = _close_chains(store, run_id, run.split.shards, float(state.meta()["closed_at"]))
+        seal(settings, store, run_id, chains, signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 
 
@@ -101,7 +104,20 @@ def _close_chains(store: Store, run_id: str, shards: list[int], closed_at: float
         return {shard: (last, hashes) for shard, last, hashes in pool.map(close_one, shards)}
 
 
-def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]]) -> dict:
+def _ready_to_seal(settings: Settings, store: Store) -> Signer:
+    """What the seal needs, proved before close writes anything: the signing key (a file, or a
+    token logged in to) and a store that takes writes. A close that failed here changed nothing,
+    so nothing of it can read as tampering."""
+    _, signer = read_credentials(settings)
+    try:
+        store.put(keys.WRITE_CHECK, b"ok")
+    except Exception as e:  # OSError, botocore: whatever the backend says, the seal cannot be written
+        raise StorageError(f"storage {store.url} cannot be written: {e}") from None
+    return signer
+
+
+def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]],
+         signer: Signer) -> dict:
     """The proof, its signature and (with CN_TSA_URL) its timestamp, each written once."""
     objects = {str(shard): hashes for shard, (_, hashes) in sorted(chains.items())}
     heads = [{"shard": shard, "key": last, "objects": len(hashes), "sha256": hashes[-1]}
@@ -113,7 +129,6 @@ def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[
              "reports": {json_key: hashlib.sha256(raw_report).hexdigest(),
                          **{k: sha256(store, k) for k in (csv_key, report.paper_key(run_id))}}}
     data = json.dumps(proof, indent=0, sort_keys=True).encode()
-    _, signer = read_credentials(settings)
     proof_key, sig_key = proof_keys(run_id)
     for key, body in ((proof_key, data), (sig_key, detached.sign(data, signer))):
         if not store.put_new(key, body):

@@ -104,14 +104,28 @@ def _proof(store: Store, run_id: str, problems: list[str]) -> dict | None:
     data = store.get(key)
     try:
         proof = json.loads(data)
-        objects = proof.get("objects", {})
-        if not isinstance(proof["heads"], list) or not isinstance(proof["reports"], dict) \
-                or not isinstance(objects, dict):
+        if not _as_sealed(proof, run_id):
             raise TypeError
-        return {**proof, "objects": {int(s): h for s, h in objects.items()}, "data": data}
+        return {**proof, "objects": {int(s): h for s, h in proof["objects"].items()}, "data": data}
     except (ValueError, KeyError, TypeError, AttributeError):
         problems.append(f"{key}: changed (it is no longer a proof the seal could have written)")
         return None
+
+
+def _as_sealed(proof, run_id: str) -> bool:
+    """Whether the proof has exactly the shape close.seal writes: anything else is "changed",
+    never a crash or a path outside the run's reports."""
+    json_key, csv_key = keys.report_keys(run_id)
+    objects, reports, heads = proof.get("objects"), proof.get("reports"), proof.get("heads")
+    return (isinstance(objects, dict) and isinstance(reports, dict) and isinstance(heads, list)
+            and proof.get("run_id") == run_id
+            and all(isinstance(s, str) and s.isdigit() and isinstance(h, list) and all(map(_is_sha, h))
+                    for s, h in objects.items())
+            and set(reports) == {json_key, csv_key, report.paper_key(run_id)} and all(map(_is_sha, reports.values())))
+
+
+def _is_sha(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _signer(store: Store, run_id: str, data: bytes, cert_pem: bytes | None, run_report: dict,
