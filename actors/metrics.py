@@ -3,9 +3,10 @@ building block): exported by the node where the work ran, on its metrics export 
 shown by the dashboard's Metrics view when Prometheus scrapes it. Prometheus names them
 ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_relay_rate{relay} (messages
 a second a relay or paced domain is sent at now, cluster-wide, as each mailer last heard it),
-ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total and ray_cn_bounces_total{kind};
-the last two are counted on the head (by the driver, and by `bounces` on a cluster), so the
-day's totals outlive the workers."""
+ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total, ray_cn_bounces_total{kind},
+ray_cn_nodes_total{event} (lost, drained) and ray_cn_waited_seconds_total{on} (the HSM); the last
+four are counted on the head (by the driver, and by `bounces` on a cluster), so the day's totals
+outlive the workers."""
 
 from __future__ import annotations
 
@@ -29,6 +30,24 @@ def _day() -> Counter:
 def _bounces() -> Counter:
     return Counter("cn_bounces", description="Bounces recorded after delivery, by kind (bounced, deferred).",
                    tag_keys=("kind",))
+
+
+@lru_cache(maxsize=1)
+def _fleet() -> tuple[Counter, Counter]:
+    return (Counter("cn_nodes", description="Nodes lost or drained mid-run, counted by the driver.",
+                    tag_keys=("event",)),
+            Counter("cn_waited_seconds", description="Seconds the run's batches were held waiting on a dependency "
+                    "(each outage once), counted by the driver.", tag_keys=("on",)))
+
+
+def nodes(event: str, n: int) -> None:
+    if n > 0:
+        _fleet()[0].inc(n, tags={"event": event})
+
+
+def waited(on: str, seconds: float) -> None:
+    if seconds > 0:
+        _fleet()[1].inc(seconds, tags={"on": on})
 
 
 DAY, BOUNCES = ("ray_cn_day_accounts_total", "status"), ("ray_cn_bounces_total", "kind")

@@ -16,6 +16,7 @@ from typing import Callable
 
 import ray
 
+from actors import metrics
 from pipeline.cluster.capacity import CapacityError
 from pipeline.cluster.pools import Pool
 
@@ -91,7 +92,7 @@ class Fleet:
             if pool.drain(set(view.draining)):
                 log.warning("%s actors on a draining node are chosen no more", pool.role)
         ended = {n: why for n, why in view.dead.items() if n not in self.ended_before}
-        self.drained |= view.draining | {n for n, why in ended.items() if why == PREEMPTED}
+        drained = view.draining | {n for n, why in ended.items() if why == PREEMPTED}
         self.seen |= set().union(*(p.nodes() for p in self.pools))
         gone = view.gone(self.seen) - self.handled
         self.handled |= gone
@@ -100,7 +101,11 @@ class Fleet:
                         ", ".join(sorted(n[:12] for n in gone)))
             for pool in self.pools:
                 pool.lose_nodes(gone)
-        self.lost_nodes |= (gone - self.drained) | {n for n, why in ended.items() if why not in ENDED_WELL and n not in self.drained}
+        metrics.nodes("drained", len(drained - self.drained))
+        self.drained |= drained
+        lost = (gone | {n for n, why in ended.items() if why not in ENDED_WELL}) - self.drained
+        metrics.nodes("lost", len(lost - self.lost_nodes))
+        self.lost_nodes |= lost
         self._capacity()
 
     def lost(self, error: BaseException, chain) -> bool:
