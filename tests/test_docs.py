@@ -72,3 +72,16 @@ def anchors(page: Path) -> set[str]:
 
 if __name__ == "__main__":
     print(settings_table(), end="")
+
+
+def test_no_file_of_the_repository_sends_a_reader_outside_it():
+    """Whoever clones the repository has only the repository: the input's columns, what a note
+    shows and where the rates come from are in docs/input.md, in the project's own words."""
+    import re
+    import subprocess
+
+    outside = re.compile(r"\.\./shared|shared/(CONTRACT_NOTE|DESIGN|RAY_NOTES|STYLE)|beside the repository")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    named = [f for f in files if f != "tests/test_docs.py" and (Path(ROOT) / f).is_file()
+             and outside.search((Path(ROOT) / f).read_bytes().decode("utf-8", "ignore"))]
+    assert named == []

@@ -1,4 +1,4 @@
-"""Golden checks: every field CONTRACT_NOTE.md mandates, and the engine's totals, are printed."""
+"""Golden checks: every field a contract note must show (docs/input.md), and the engine's totals, are printed."""
 
 from __future__ import annotations
 

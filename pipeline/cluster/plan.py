@@ -5,7 +5,8 @@ counts of the cluster.yaml types; the driver asks the autoscaler for exactly tha
 (request_resources) so nodes start together instead of trickling in behind the queue.
 When the run ends, however it ends, the session releases the request, terminates the
 workers, then the head (through the node provider, as `ray down` does).
-`ray submit --stop` is not used: it leaks workers (see ../shared/RAY_NOTES.md).
+`ray submit --stop` is not used: it runs `ray stop` before its teardown, so the autoscaler is gone and the
+workers leak.
 """
 
 from __future__ import annotations
