@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything this project needs on a fresh Debian machine (as root), idempotently:
-# system packages, the Python environment in .venv, and an S3-compatible server for the
-# tests (versitygw, built once with Go and cached outside the repo).
+# system packages and the Python environment in .venv. What only the tests need (an
+# S3-compatible server) installs with the test command, scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,8 +10,6 @@ cd "$(dirname "$0")/.."
 # gcc and libssl-dev: the C functions (pipeline/native.py: the R6 password hash, MIME base64)
 APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium
               dovecot-imapd postfix softhsm2 p11-kit p11-kit-modules gcc libc6-dev libssl-dev)
-VERSITYGW_VERSION=v1.8.0
-TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -39,11 +37,3 @@ if [[ ! -x .venv/bin/python || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
 fi
 .venv/bin/python -m pipeline.native  # built once per version of their source, in ~/.cache/contract-notes
 .venv/bin/python -m pipeline.note.fonts  # the note's lean font faces, made once, beside it
-
-if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
-  echo "building versitygw $VERSITYGW_VERSION (S3-compatible server for the tests; once per machine)" >&2
-  mkdir -p "$TOOLS/bin"
-  GOBIN="$TOOLS/bin" go install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION"
-  mv "$TOOLS/bin/versitygw" "$TOOLS/bin/versitygw-$VERSITYGW_VERSION"
-fi
-ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw

@@ -8,6 +8,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+
+# What only the tests need: an S3-compatible server (versitygw), built once with Go and cached
+# outside the repo. Debian's own Go (1.19) is too old for it.
+VERSITYGW_VERSION=v1.8.0
+TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
+if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
+  command -v go >/dev/null || { echo "error: the tests' S3 server (versitygw $VERSITYGW_VERSION) is built with Go 1.25 or newer, and there is no go on PATH (install it from go.dev, or put a built versitygw at $TOOLS/bin/versitygw-$VERSITYGW_VERSION)" >&2; exit 2; }
+  echo "building versitygw $VERSITYGW_VERSION (S3-compatible server for the tests; once per machine)" >&2
+  mkdir -p "$TOOLS/bin"
+  GOBIN="$TOOLS/bin" go install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION"
+  mv "$TOOLS/bin/versitygw" "$TOOLS/bin/versitygw-$VERSITYGW_VERSION"
+fi
+ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw
 .venv/bin/ruff check pipeline actors bench tests scripts
 .venv/bin/lint-imports --no-cache  # the layers of pipeline/ (pyproject.toml, [tool.importlinter])
 if (($#)); then
