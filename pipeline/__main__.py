@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
         if not isinstance(cause, (CannotRun, redis.ConnectionError)):  # pipeline/errors.py; Redis unreachable
             raise
         log.debug("the run could not start", exc_info=True)
-        print(f"error: {cause}", file=sys.stderr)
+        said = f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
+            if isinstance(cause, redis.ConnectionError) else cause
+        print(f"error: {said}", file=sys.stderr)
         return 2
 
 
@@ -99,6 +101,16 @@ def _date(text: str) -> dt.date:
         raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of accounts (1 or more)")
+    return n
+
+
 def _accounts(text: str) -> list[str]:
     """Comma-separated codes, or "-": the codes on standard input, one a line or comma-separated."""
     if text == "-":
@@ -119,7 +131,7 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
 
 
 @command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
-         arg("--date", required=True, type=_date), arg("--accounts", required=True, type=int),
+         arg("--date", required=True, type=_date), arg("--accounts", required=True, type=_positive),
          arg("--out", required=True, type=Path), arg("--seed", type=int, default=1),
          arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"))
 def cmd_synth(args) -> int:
@@ -210,7 +222,7 @@ def _on_redis(settings: Settings) -> Settings:
 
 @command("plan", "node counts, split, report, head and expected duration for a day (the driver's own sizing), "
                  "from the rates in pipeline/cluster/measured.json",
-         arg("--accounts", type=int), arg("--deadline-min", type=float, default=25.0),
+         arg("--accounts", type=_positive), arg("--deadline-min", type=float, default=25.0),
          arg("--rows", type=int, help="the day's client and trade rows (default: accounts x the benchmark "
                                       "day's rows per account)"),
          arg("--render-nodes", type=int, default=1, help="at least this many render nodes (e.g. 4: 128 vCPU)"),
@@ -219,6 +231,8 @@ def cmd_plan(args) -> int:
     from pipeline.cluster.plan import capacity_table, plan
 
     if args.table:
+        if args.accounts is not None:
+            raise SystemExit("error: --table prints the table for every size of day: give --accounts or --table")
         print(capacity_table(args.deadline_min), file=args.stdout)
         return 0
     if args.accounts is None:
@@ -499,7 +513,7 @@ def cmd_serve(args) -> int:
 
 
 @command("demo", "the embedded default: synthesize a day and run it with local services",
-         arg("--accounts", type=int, default=500), arg("--workdir", type=Path, default=Path("demo")),
+         arg("--accounts", type=_positive, default=500), arg("--workdir", type=Path, default=Path("demo")),
          arg("--date", type=_date, default=dt.date(2026, 11, 20)), arg("--seed", type=int, default=1),
          arg("--bounce-rate", type=float, default=0.0,
              help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "

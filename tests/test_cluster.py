@@ -263,3 +263,37 @@ def test_the_head_is_terminated_through_its_provider_after_the_driver_has_exited
     while not record.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert record.read_text().splitlines() == ['["head-1"]'], (tmp_path / "end-head.log").read_text()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--accounts", "-5"], "'-5' is not a number of accounts"),
+    (["demo", "--accounts", "0"], "'0' is not a number of accounts"),
+    (["synth", "--date", "2026-11-20", "--accounts", "0", "--out", "x"], "'0' is not a number of accounts"),
+    (["plan", "--table", "--accounts", "1500000"], "give --accounts or --table"),
+])
+def test_a_day_of_no_accounts_or_a_table_for_one_size_is_refused_in_one_line(argv, said, capsys):
+    """Before: `plan --accounts -5` printed the split of -115 rows and exited 0; `demo --accounts
+    0` ran Ray for 38 s and exited 0; `--table` ignored `--accounts`."""
+    from pipeline.__main__ import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code not in (0, None)
+    assert said in capsys.readouterr().err + str(refused.value.code)
+
+
+def test_a_day_that_cannot_meet_its_deadline_says_why_and_what_would():
+    short = cluster.plan(1_500_000, 5)
+    assert not short.as_dict()["fits_deadline"]
+    assert short.advice().startswith("does not fit 5 min") and "at least" in short.advice(), short.advice()
+    assert cluster.plan(1_500_000, 25).advice() == ""
+
+
+def test_redis_unreachable_is_named_in_the_one_line_error(monkeypatch, capsys):
+    from pipeline.__main__ import main
+    from pipeline.embedded import free_port
+
+    monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    assert main(["close", "any-run"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: Redis cannot be reached"), err

@@ -114,7 +114,11 @@ class Plan:
                        f"{self.deadline_s / 60:g} min" if self.expected_s > self.deadline_s else
                        f"it still meets {self.deadline_s / 60:g} min"))
         if not self.mail_bound:
-            return ""
+            if self.expected_s <= self.deadline_s:
+                return ""
+            return (f"does not fit {self.deadline_s / 60:g} min: the nodes' start-up and the report "
+                    f"({self.report_s / 60:.2g} min) leave too little for the day, whatever the nodes; "
+                    f"give a deadline of at least {math.ceil(self.expected_s / 60)} min")
         need = self.accounts / max(1.0, self.deadline_s - (self.expected_s - self.mail_s))
         return (f"mail-bound: {_count(self.accounts)} at {self.relay_rate:g}/s = {self.mail_s / 60:.3g} min; "
                 + (f"add a relay or raise the relay's rate (SES: its maximum send rate) to {need:,.0f}/s "
