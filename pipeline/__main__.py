@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import subprocess
 import os
 import secrets
 import signal
@@ -66,11 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         "Contract notes on Ray: trade dumps in, signed and e-mailed contract notes out. "
         "Settings come from environment variables (CN_STORE, REDIS_URL, SMTP_URL, CN_SHARD_SIZE, "
         "CN_WINDOW, CN_SIGNERS, CN_MAILERS, CN_SIGNER_KEY, CN_SIGNER_CERT, CN_OWNER_PASSWORD, ...; "
-        "see pipeline/settings.py); flags override them."),
+        "docs/settings.md lists them, `config` shows them as this shell has them); flags override them."),
         epilog="Exit status of run, rerun and demo: 0 every account delivered (or sent to physical dispatch), "
                "1 some accounts failed, were rejected or are unconfirmed (the report names each), 2 the run could "
                "not start (input, storage, Redis, settings or calendar) or had to stop (Redis lost the run's "
                "state): one line on stderr, 'error: ...'.")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the release and commit, then exit")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
     for name, help, arguments, func in COMMANDS:
         c = sub.add_parser(name, help=help)
@@ -83,6 +85,25 @@ def _parser() -> argparse.ArgumentParser:
                 c.add_argument(*flags, **options)
         c.set_defaults(func=func)
     return p
+
+
+class _Version(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version(), file=sys.__stdout__)  # stdout itself: the JSON's stream, whatever stdout was pointed at
+        parser.exit()
+
+
+def _version() -> str:
+    """The release, and the commit when this is a git checkout (what a bug report needs)."""
+    from pipeline import __version__
+    from pipeline.settings import ROOT
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"contract-notes-on-Ray {__version__}" + (f" (commit {commit})" if commit else "")
 
 
 def _run_id(text: str) -> str:
@@ -420,6 +441,21 @@ def cmd_status(args) -> int:
                                             "yet (the run has not finished), and Redis does not hold it"))
     report = read_report(found.store, key)
     print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": report}), file=args.stdout)
+    return 0
+
+
+@command("config", "every setting as this shell would run with it: its value (secrets masked) and whether it "
+                   "came from the environment or is the default", arg("--json", action="store_true"))
+def cmd_config(args) -> int:
+    from pipeline.settings import effective
+
+    rows = effective()
+    if args.json:
+        print(json.dumps(rows), file=args.stdout)
+        return 0
+    width = max(len(r["setting"]) for r in rows)
+    for r in rows:
+        print(f"{r['setting']:<{width}}  {r['value']:<40}  {r['from']}", file=args.stdout)
     return 0
 
 

@@ -126,6 +126,8 @@ class Settings:
                                  "asked for", 0, 86_400)
     capacity_wait_s: float = setting("CN_CAPACITY_WAIT_S", 900.0, "a role still without a node by then: the run "
                                      "stops (exit 2)", 0, 86_400)
+    imds_url: str = setting("CN_IMDS_URL", "", "the instance metadata service a worker's spot notice watcher reads; "
+                            "empty: EC2's, on an EC2 instance only")
     lease_s: float = setting("CN_LEASE_S", 30.0, "seconds without a renewal before a driver's run, or a bounce "
                              "reader, is taken over", 1, 3600)
     head_grace_s: float = setting("CN_HEAD_GRACE_S", 60.0, "between the driver's exit and the head's end: the "
@@ -284,6 +286,20 @@ class Settings:
             "encryption": self.encryption,
             "secret": self.secret,
         }
+
+
+def effective(env: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """Every setting as this process would run with it: its variable, its value (a secret's
+    masked, a URL's password masked) and where the value came from."""
+    env = os.environ if env is None else env
+    settings, rows = Settings.from_env(env), []
+    for f in dataclasses.fields(Settings):
+        value, name = getattr(settings, f.name), f.metadata["env"]
+        shown = ",".join(_without_password(u) for u in str(value).split(",")) if "://" in str(value) else str(value)
+        if not f.repr and value not in (None, "") and "://" not in str(value):
+            shown = "*** (set)"
+        rows.append({"setting": name, "value": shown, "from": "environment" if env.get(name) else "default"})
+    return rows
 
 
 KEY_FILES = ("signer_key", "signer_cert", "signer_chain", "token_key_file")

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from pipeline.record.storage import FolderStore, S3Store, StorageError, open_store
@@ -57,3 +59,34 @@ def test_a_setting_out_of_its_range_stops_the_run_in_one_line_before_anything_is
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and name in errors[0] and "out of range" in errors[0], errors
     assert not (tmp_path / "s").exists()
+
+
+def test_config_shows_each_setting_where_it_came_from_and_no_secret(monkeypatch, capsys):
+    import json
+
+    from pipeline.__main__ import main
+
+    monkeypatch.setenv("SMTP_URL", "smtp://mailer:relay-pass-9@relay.example:587")
+    monkeypatch.setenv("CN_OWNER_PASSWORD", "owner-pass-9")
+    monkeypatch.setenv("CN_SHARD_SIZE", "77")
+    monkeypatch.delenv("CN_WINDOW", raising=False)
+    assert main(["config", "--json"]) == 0
+    out = capsys.readouterr().out
+    rows = {r["setting"]: r for r in json.loads(out)}
+    assert "relay-pass-9" not in out and "owner-pass-9" not in out
+    assert rows["SMTP_URL"] == {"setting": "SMTP_URL", "value": "smtp://mailer:***@relay.example:587",
+                                "from": "environment"}
+    assert rows["CN_OWNER_PASSWORD"]["value"] == "*** (set)"
+    assert rows["CN_SHARD_SIZE"]["value"] == "77" and rows["CN_WINDOW"]["from"] == "default"
+    assert len(rows) == len(dataclasses.fields(Settings)), "every setting"
+
+
+def test_version_names_the_release():
+    import subprocess
+    import sys
+
+    from pipeline import __version__
+    from pipeline.settings import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith(f"contract-notes-on-Ray {__version__}"), done
