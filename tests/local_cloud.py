@@ -43,6 +43,7 @@ from pathlib import Path
 import yaml
 
 NODE_HOME = "/home/ubuntu"
+IMDS_TOKEN = "cn-local-cloud-imds-token"  # IMDSv2's session token: asked for, then carried
 SHIMS = ("sudo", "apt-get", "systemctl", "shutdown")
 
 
@@ -96,7 +97,8 @@ class Cloud:
         _copy_venv(self.image / "venv", node / "homes/ubuntu/venv")
         shutil.copytree("/etc/redis", node / "etc-redis", dirs_exist_ok=True)
         shutil.copytree("/etc/profile.d", node / "profile.d", dirs_exist_ok=True)
-        env = {**self.image_env, "CN_SIM_API": self.api, "CN_SIM_INSTANCE": iid}
+        env = {**self.image_env, "CN_SIM_API": self.api, "CN_SIM_INSTANCE": iid,
+               "CN_IMDS_URL": f"{self.api}/imds/{iid}"}  # its instance metadata (IMDSv2), as EC2's at 169.254.169.254
         (node / "profile.d/zz-cn-sim.sh").write_text(
             f"export PATH={self.image}/bin:$PATH\n" + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
         try:
@@ -193,6 +195,21 @@ class Cloud:
         result["sock"].settimeout(None)
         return result["sock"]
 
+    def metadata(self, iid: str, path: str) -> str | None:
+        """The instance's metadata at `path` (under latest/meta-data), or None: EC2 answers 404."""
+        inst = self.instances.get(iid)
+        if inst is None:
+            return None
+        return {"instance-id": iid, "local-ipv4": inst["ip"]}.get(path) or inst.get("metadata", {}).get(path)
+
+    def spot_notice(self, iid: str, after_s: float) -> None:
+        """EC2's spot interruption notice in the instance's metadata; the instance ends `after_s`
+        later, without grace, whatever runs on it."""
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + after_s))
+        self.instances[iid].setdefault("metadata", {})["spot/instance-action"] = json.dumps(
+            {"action": "terminate", "time": when})
+        self.shutdown_later(iid, after_s)
+
     def shutdown_later(self, iid: str, after_s: float) -> None:
         timer = threading.Timer(after_s, self.terminate, (iid,))
         timer.daemon = True
@@ -259,7 +276,21 @@ def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
             except OSError:  # the caller is gone: an instance that asked to end itself
                 self.close_connection = True
 
+        def _text(self, code: int, text: str) -> None:
+            data = text.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_GET(self):
+            parts = self.path.strip("/").split("/", 4)  # imds/IID/latest/meta-data/PATH
+            if parts[0] == "imds":
+                if self.headers.get("X-aws-ec2-metadata-token") != IMDS_TOKEN:
+                    return self._text(401, "")
+                value = cloud.metadata(parts[1], parts[4]) if len(parts) == 5 and parts[3] == "meta-data" else None
+                return self._text(200 if value else 404, value or "")
             self._route(cloud.listing)
 
         def do_POST(self):
@@ -283,9 +314,12 @@ def serve(cloud: Cloud, host: str, port: int = 0) -> ThreadingHTTPServer:
             else:
                 self._reply(404, {"error": self.path})
 
-        def do_PUT(self):  # /instances/ID/files?to=~/target
+        def do_PUT(self):  # /instances/ID/files?to=~/target, or IMDSv2's token
             url = urllib.parse.urlsplit(self.path)
             body = self._body()
+            if url.path.startswith("/imds/") and url.path.endswith("/latest/api/token"):
+                ok = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+                return self._text(200 if ok else 400, IMDS_TOKEN if ok else "")
             self._route(lambda: cloud.upload(url.path.strip("/").split("/")[1],
                                              urllib.parse.parse_qs(url.query)["to"][0], body))
 

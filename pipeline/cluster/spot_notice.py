@@ -156,13 +156,17 @@ def on_ec2() -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Drain this Ray node on an EC2 spot interruption notice.")
     ap.add_argument("--address", required=True, help="the head's GCS, HOST:PORT")
-    ap.add_argument("--metadata", default=IMDS, help="the instance metadata service (a stand-in in the tests)")
+    ap.add_argument("--metadata", default="", help="the instance metadata service (default: CN_IMDS_URL, else "
+                                                   "EC2's on an EC2 instance)")
     ap.add_argument("--poll-s", type=float, default=POLL_S)
     ap.add_argument("--node-id", default="", help="this node's id (found by its IP when not given)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s spot_notice %(levelname)s %(message)s")
-    if args.metadata == IMDS and not on_ec2():
-        log.info("not an EC2 instance (%s): nothing to watch", DMI_VENDOR)
+    from pipeline.settings import Settings
+
+    metadata = args.metadata or Settings.from_env().imds_url
+    if not metadata and not on_ec2():
+        log.info("not an EC2 instance (%s) and no CN_IMDS_URL: nothing to watch", DMI_VENDOR)
         return 0
     from ray.util import get_node_ip_address
 
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("could not drain this node (%s): %s", ip, e)
             return False
 
-    watch(Metadata(args.metadata), act, args.poll_s)
+    watch(Metadata(metadata or IMDS), act, args.poll_s)
     return 0
 
 
