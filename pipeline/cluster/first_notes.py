@@ -100,7 +100,7 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         state.record(Outcome(ucc, "validated") for ucc in numbers)
         first.shard = shard
         first.numbers.set_result(numbers)
-        first.result = _mail(settings, resolved, signer, Batch(
+        first.result = mail_notes(settings, resolved, signer, Batch(
             run_id, trade_date, shard, settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
             lease=lease), [json.loads(shard_line(u, c, t, numbers[u])) for u, c, t in accounts], store, state)
         log.info("run %s: %d first notes made in the driver", run_id, len(numbers))
@@ -112,8 +112,9 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
                 future.set_result(empty)
 
 
-def _mail(settings: Settings, resolved: Settings, signer: Signer, batch: Batch, accounts: list[dict], store: Store,
-          state: RunState) -> dict:
+def mail_notes(settings: Settings, resolved: Settings, signer: Signer, batch: Batch, accounts: list[dict],
+               store: Store, state: RunState) -> dict:
+    """A few accounts through render, sign and mail in this process (the test send's too)."""
     batch = render_stage(batch, accounts, state, render_notes=partial(render_all, tagged=settings.pdf_tags))
     batch = sign_stage(batch, signer, resolved.owner_password, resolved.encryption, store, state,
                        SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact))

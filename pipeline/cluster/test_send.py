@@ -1,0 +1,73 @@
+"""`test-send --to ADDRESS`: one note rendered, signed and mailed to an address the operator
+names, outside any run (as listmonk's test send): the template, the signing key or token, the
+owner password and the relay proved in one command, before a day depends on them.
+
+The note is a synthetic client's (or the first client of `--input`'s day), its number marked
+TEST, its e-mail replaced by the operator's address. Nothing goes into the broker's record: the
+signed note is kept in a temporary folder, and the throwaway run's keys leave Redis at the end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import tempfile
+import uuid
+from pathlib import Path
+
+from pipeline import credentials
+from pipeline.cluster.first_notes import mail_notes
+from pipeline.day import trading_calendar
+from pipeline.day.dumps import EMAIL
+from pipeline.day.split import first_accounts, make_plan, shard_line
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.errors import CannotRun
+from pipeline.record import keys
+from pipeline.record.lease import held
+from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
+from pipeline.settings import Settings
+from pipeline.stages import Batch
+
+TEST_NOTE = "TEST-00000001"
+
+
+class NothingToSend(CannotRun, RuntimeError):
+    """The input named no client whose note could be made."""
+
+
+def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "") -> dict:
+    if not EMAIL.match(to):
+        raise NothingToSend(f"--to {to!r} is not an e-mail address a relay takes (ASCII, user@domain)")
+    run_id = f"test-send-{uuid.uuid4().hex[:8]}"
+    resolved, signer = credentials.read(settings)
+    state = RunState(settings.redis_url, run_id, 3600)
+    with tempfile.TemporaryDirectory(prefix="cn-test-send-") as tmp:
+        if not input_url:
+            write_dumps(Path(tmp) / "input", SynthOptions(dt.date.fromisoformat(trade_date), 3, seed=7))
+        inputs, store = open_store(input_url or f"{tmp}/input"), open_store(f"{tmp}/store")
+        _, accounts = first_accounts(inputs, make_plan(inputs, trade_date, settings.shard_size, 1), trade_date, 1)
+        if not accounts:
+            raise NothingToSend(f"{inputs.url}: no client near the top of clients.csv traded on {trade_date}")
+        ucc, client, trades = accounts[0]
+        account = json.loads(shard_line(ucc, client, trades, TEST_NOTE))
+        account["client"].update(email=to, ecn_opt_in="Y")
+        state.start({"date": trade_date, "input": "test send", "finished": ""})
+        try:
+            with held(state, settings.lease_s) as lease:
+                batch = Batch(run_id, trade_date, 0, lease=lease.token,
+                              settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file))
+                result = mail_notes(settings, resolved, signer, batch, [account], store, state)
+            record = state.accounts([ucc]).get(ucc, {})
+        finally:
+            _forget(state)
+    status = "delivered" if result["tally"].get("ok") else record.get("status") or "failed"
+    return {"to": to, "client": ucc, "note": TEST_NOTE, "status": status, "message_id": record.get("message_id", ""),
+            "reply": record.get("reply", ""), "reason": record.get("reason", ""), "relays": resolved.relays()}
+
+
+def _forget(state: RunState) -> None:
+    """The throwaway run leaves no trace in Redis: not in the list of runs, no keys."""
+    state.r.zrem(keys.RUNS, state.run_id)
+    for key in state.r.scan_iter(f"cn:run:{state.run_id}:*"):
+        state.r.delete(key)

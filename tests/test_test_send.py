@@ -1,0 +1,35 @@
+"""`test-send`: one note rendered, signed and mailed to the operator's address, outside any run
+(issue 57): counted at the relay, checked by pdfsig and qpdf, and no trace in Redis or storage."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from pipeline.__main__ import main
+from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
+
+
+def test_a_test_send_mails_one_signed_note_to_the_address_named_and_leaves_no_run(
+        settings, day, smtp_sink, monkeypatch, capsys, tmp_path):
+    for name, value in {"REDIS_URL": settings.redis_url, "SMTP_URL": smtp_sink.url, "CN_STORE": settings.store_url,
+                        "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+                        "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
+                        "CN_TOKEN_KEY_FILE": settings.token_key_file}.items():
+        monkeypatch.setenv(name, value)
+    r = redis.Redis.from_url(settings.redis_url)
+    runs_before = set(r.zrange("cn:runs", 0, -1))
+    assert main(["test-send", "--to", "ops@broker.example.com", "--input", str(day)]) == 0
+    sent = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert sent["status"] == "delivered" and sent["note"].startswith("TEST"), sent
+    [message] = outbox_messages(smtp_sink.outbox)
+    assert message["To"].addresses[0].addr_spec == "ops@broker.example.com"
+    assert message["Message-ID"] == sent["message_id"]
+    _, pdf = attachment(message)
+    path = tmp_path / "note.pdf"
+    path.write_bytes(pdf)
+    assert_signed_and_encrypted(path, client_rows(day)[sent["client"]]["pan"])
+    assert set(r.zrange("cn:runs", 0, -1)) == runs_before and not list(r.scan_iter("cn:run:test-send-*"))
+    assert not (tmp_path / "store").exists(), "nothing in the broker's record"
+    assert main(["test-send", "--to", "not an address"]) == 2
