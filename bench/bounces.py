@@ -95,4 +95,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dsns", type=int, default=2000)
     parser.add_argument("--accounts", type=int, default=100000)
-    measured.run("bounces", parser, once)
+    measured.run("bounces", parser, once, {"dsns": 50, "accounts": 500})

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import measured  # noqa: E402
 
 from pipeline.cluster.driver import RunRequest, init_ray, run_day  # noqa: E402
 from pipeline.day.split import split_day  # noqa: E402
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--tls", action="store_true", help="TLS off against on, --runs times each")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tls-run", help=argparse.SUPPRESS)  # off, or the CA's folder
-    args = parser.parse_args()
+    args = measured.with_smoke(parser, {"accounts": 40, "runs": 1})
     if args.tls_run:
         print(json.dumps(tls_run(args.accounts, args.seed, None if args.tls_run == "off" else Path(args.tls_run))))
         return

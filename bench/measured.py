@@ -18,19 +18,32 @@ from pipeline.cluster.plan import MEASURED
 MIN_RUNS = 3
 
 
-def run(bench: str, parser: argparse.ArgumentParser, once: Callable[[argparse.Namespace], dict]) -> None:
+def run(bench: str, parser: argparse.ArgumentParser, once: Callable[[argparse.Namespace], dict],
+        smoke: dict) -> None:
     """The benchmark's main: `--runs` times `once`, a JSON line each; with `--save`, their medians."""
     parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
     parser.add_argument("--save", action="store_true", help=f"write the runs' medians to measured.json ({MIN_RUNS}+ runs)")
-    args = parser.parse_args()
-    if args.save and args.runs < MIN_RUNS:
-        parser.error(f"--save needs --runs {MIN_RUNS} or more")
+    args = with_smoke(parser, smoke)
+    if args.save and (args.runs < MIN_RUNS or args.smoke):
+        parser.error(f"--save needs --runs {MIN_RUNS} or more, at the bench's own sizes")
     results = []
     for _ in range(args.runs):
         results.append(once(args))
         print(json.dumps(results[-1]), flush=True)
     if args.save:
         print(json.dumps({"saved": str(MEASURED), **save(bench, results)}))
+
+
+def with_smoke(parser: argparse.ArgumentParser, sizes: dict) -> argparse.Namespace:
+    """The arguments, with `--smoke`: sizes the test command runs in seconds (tests/test_benches.py),
+    so a refactor cannot break a benchmark unseen. Its figures mean nothing."""
+    said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items())
+    parser.add_argument("--smoke", action="store_true", help=f"the tests' size ({said}): it runs, its figures mean nothing")
+    args = parser.parse_args()
+    if args.smoke:
+        for name, value in sizes.items():
+            setattr(args, name, value)
+    return args
 
 
 def median(results: list[dict]) -> tuple[dict, dict]:

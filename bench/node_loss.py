@@ -10,7 +10,7 @@ wall and CPU seconds. With `--baseline`, the same day without a loss runs first,
 cost of the loss is printed as the difference: extra seconds and extra CPU seconds.
 
     python bench/node_loss.py --accounts 2000 --lose signer --baseline
-    python bench/node_loss.py --smoke          (the test command's size: 60 accounts, a signer node)
+    python bench/node_loss.py --smoke          (the tests' size: 60 accounts, a signer node)
 
 Each day runs in a process of its own: a driver joins one Ray.
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import measured  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
 ROLES = {"render": {"render": 1}, "signer": {"signer": 1, "smtp": 1}}
@@ -360,15 +361,12 @@ def main() -> None:
     ap.add_argument("--notice-s", type=float, default=0.0,
                     help="a lost render node gets a spot notice this long before it goes (its watcher drains it)")
     ap.add_argument("--baseline", action="store_true", help="the same day without a loss first; print the cost")
-    ap.add_argument("--smoke", action="store_true", help="60 accounts, a signer node lost: seconds, for the tests")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a day, in this process
     if sys.argv[1:2] == ["--head-phase"]:
         head_phase(Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
         return
-    args = ap.parse_args()
+    args = measured.with_smoke(ap, {"accounts": 60, "lose": "signer", "baseline": False})
     lose = [r for r in args.lose.split(",") if r and r != "none"]
-    if args.smoke:
-        args.accounts, lose = 60, ["signer"]
     if args.one:
         one = head_lost(args.accounts, args.at) if lose == ["head"] else day(args.accounts, lose, args.at,
                                                                                notice_s=args.notice_s)

@@ -72,6 +72,7 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     from pipeline.followup import located
     from pipeline.day.split import SplitResult, save_manifest
     from pipeline.record import delivery_log, keys, report
+    from pipeline import credentials
     from pipeline.record.records import Outcome
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
@@ -81,6 +82,7 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     settings = Settings(store_url=str(work / "store"), redis_url=redis_url, signer_key=str(work / "keys/signer.key.pem"),
                         signer_cert=str(work / "keys/signer.cert.pem"), signer_chain=str(work / "keys/root.cert.pem"),
                         token_key_file=str(work / "keys/token.key"))
+    settings = credentials.resolve(settings)  # the HMAC key file, made once, as a run makes it
     run_id, store, key = "bench-proof", open_store(settings.store_url), settings.hmac_key()
     record = located.recorded(settings, settings, load_signer(settings.signer_key, settings.signer_cert, None).cert)
     state = RunState(redis_url, run_id)
@@ -175,4 +177,4 @@ if __name__ == "__main__":
     if "--step" in sys.argv:
         print(json.dumps(step(parser.parse_known_args()[0])))
     else:
-        measured.run("proof", parser, once)
+        measured.run("proof", parser, once, {"accounts": 400, "latency_ms": 0.0})

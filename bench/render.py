@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import measured  # noqa: E402
 
 import typst  # noqa: E402
 
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=2000, help="the huge note's pages (0: not rendered)")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # one row, in a process of its own
-    args = parser.parse_args()
+    args = measured.with_smoke(parser, {"pages": 0, "turns": 1})
     if args.row:
         print(one_row(args.row))
         return

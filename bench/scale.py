@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--first-note-only", action="store_true",
                         help="only the cold run of the large day, up to its first note at the relay")
-    measured.run("scale", parser, once)
+    measured.run("scale", parser, once, {"small": 60, "large": 120})
 
 
 def once(args) -> dict:

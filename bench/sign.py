@@ -34,6 +34,7 @@ from io import BytesIO
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import measured  # noqa: E402
 
 from pyhanko.pdf_utils.incremental_writer import IncrementalPdfFileWriter  # noqa: E402
 from pyhanko.sign import fields, signers  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="rounds of the HSM rows, each row in turn (0: none)")
     for hidden in ("--row", "--key", "--cert", "--root", "--token"):  # one HSM row, in a process of its own
         parser.add_argument(hidden, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = measured.with_smoke(parser, {"notes": 10, "runs": 0})
     if args.row:
         return one_row(args)
     notes = [render(sample_note(trades=5 + i % 15)) for i in range(args.notes)]

@@ -1,0 +1,30 @@
+"""Every benchmark runs at its smoke size (`--smoke`), so a refactor cannot break one unseen
+(issue 58: bench/proof.py had stopped running at HEAD and nothing said so). The figures of a
+smoke run mean nothing; that it runs to its JSON line does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.settings import ROOT
+
+# bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes
+BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py") if p.name not in ("measured.py", "node_loss.py"))
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "CN_", "REDIS_URL", "SMTP_URL"))}
+    with tempfile.TemporaryDirectory(prefix="cnb", dir="/tmp") as tmp:  # short: Ray's socket paths
+        done = subprocess.run([sys.executable, f"bench/{bench}", "--smoke"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env={**env, "RAY_TMPDIR": tmp, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines and isinstance(json.loads(lines[-1]), dict), done.stdout[-2000:]
