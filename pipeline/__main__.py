@@ -52,12 +52,15 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
     except Exception as e:
         import redis
 
+        from botocore.exceptions import BotoCoreError, ClientError
+
         cause = getattr(e, "cause", None) or e  # a Ray task's error carries the original as its cause
-        if not isinstance(cause, (CannotRun, redis.ConnectionError)):  # pipeline/errors.py; Redis unreachable
+        if not isinstance(cause, (CannotRun, redis.ConnectionError, BotoCoreError, ClientError)):  # pipeline/errors.py
             raise
         log.debug("the run could not start", exc_info=True)
         said = f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
-            if isinstance(cause, redis.ConnectionError) else cause
+            if isinstance(cause, redis.ConnectionError) else \
+            f"S3 storage: {cause}" if isinstance(cause, (BotoCoreError, ClientError)) else cause
         print(f"error: {said}", file=sys.stderr)
         return 2
 
@@ -183,6 +186,24 @@ def cmd_synth(args) -> int:
                   "stops the run, and the same run id must be run again"),
          PIN_CORRECTED)
 def cmd_run(args) -> int:
+    """The day, and then its end told to CN_ON_END: the summary with the exit status, or the
+    one-line reason it could not run."""
+    from pipeline.cluster.end_hook import notify
+
+    hook = Settings.from_env().on_end
+    try:
+        summary = _run(args)
+    except Exception as e:
+        notify(hook, {"command": "run", "date": args.date.isoformat(), "run_id": args.run_id or "",
+                      "exit_status": 2, "error": str(getattr(e, "cause", None) or e).splitlines()[0][:500]})
+        raise
+    status = _exit_status(summary)
+    late = bool(args.deadline_min) and summary["elapsed_s"] > args.deadline_min * 60
+    notify(hook, {"command": "run", **summary, "exit_status": status, "late": late})
+    return status
+
+
+def _run(args) -> dict:
     from actors import metrics
     from pipeline import credentials
     from pipeline.cluster.driver import RunRequest, new_run_id, preflight, run_day
@@ -192,14 +213,14 @@ def cmd_run(args) -> int:
 
     # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
-        settings = _on_redis(_with_test_key_if_default(Settings.from_env(store_url=args.store, redis_url=args.redis,
-                                                                         smtp_url=args.smtp), DEFAULT_KEY_DIR)).anchored()
+        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp)
+        if credentials.owner_password(given) == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:  # before any file
+            raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
+                              "could lift the notes' permissions; set it, or pass --test-keys for a test run")
+        settings = _on_redis(_with_test_key_if_default(given, DEFAULT_KEY_DIR)).anchored()
         _pin_corrected(settings, args.pin_corrected)
         # The secret's values are checked here and read again by each actor: they never travel through Ray
         resolved = credentials.resolve(settings)
-        if resolved.owner_password == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:
-            raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
-                              "could lift the notes' permissions; set it, or pass --test-keys for a test run")
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
         current.relay_rate, current.hsm_rate = resolved.relay_rate(), resolved.hsm_ops_s
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
@@ -212,7 +233,7 @@ def cmd_run(args) -> int:
     if on_cluster():  # the head's metrics port is where the day's totals are read
         metrics.wait_exported()
     print(json.dumps(summary), file=args.stdout)
-    return _exit_status(summary)
+    return summary
 
 
 def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
@@ -441,6 +462,31 @@ def cmd_status(args) -> int:
                                             "yet (the run has not finished), and Redis does not hold it"))
     report = read_report(found.store, key)
     print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": report}), file=args.stdout)
+    return 0
+
+
+@command("test-send", "render, sign and mail one note (a synthetic client's, or --input's first) to an address you "
+                      "name, outside any run: the template, key, owner password and relay proved before a day",
+         arg("--to", required=True, help="the address that gets the note"),
+         arg("--date", type=_date, default=dt.date(2026, 11, 20), help="the note's trade date (a trading day)"),
+         arg("--input", default="", help="a day's input folder or s3:// prefix: its first client, not a synthetic one"))
+def cmd_test_send(args) -> int:
+    from pipeline.cluster.test_send import test_send
+
+    settings = _on_redis(Settings.from_env())
+    sent = test_send(settings, args.to, args.date.isoformat(), args.input)
+    print(json.dumps(sent), file=args.stdout)
+    return 0 if sent["status"] == "delivered" else 1
+
+
+@command("runs", "the runs in the store, newest first: date, accounts, delivered, failed, unconfirmed, bounced, "
+                 "paper notes owed, sealed or not (from storage alone)", STORE, arg("--json", action="store_true"))
+def cmd_runs(args) -> int:
+    from pipeline.followup.runs import list_runs, table
+    from pipeline.record.storage import open_store
+
+    rows = list_runs(open_store(args.store or Settings.from_env().store_url))
+    print(json.dumps(rows) if args.json else table(rows), file=args.stdout)
     return 0
 
 

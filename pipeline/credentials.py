@@ -122,6 +122,11 @@ def resolve(settings: Settings) -> Settings:
     return _laid_over(settings, fetch(settings.secret))
 
 
+def owner_password(settings: Settings) -> str:
+    """The owner password a run would use, read without making anything (no key file)."""
+    return _laid_over(settings, fetch(settings.secret)).owner_password if settings.secret else settings.owner_password
+
+
 def _own_key_file(settings: Settings) -> None:
     """A key file made once, 0600, by whichever process comes first. Never for a follow-up of a
     run that recorded its key (token_key_id): a new key would match none of its links."""
@@ -184,6 +189,11 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
         raise ConfigError("CN_PKCS11_MODULE and a key file (" + ("the secret's signer_key_pem" if secret.get(
             "signer_key_pem") else f"CN_SIGNER_KEY={settings.signer_key}") + ") are both set: a run signs with one "
             "key; unset one")
+    try:
+        bytes.fromhex(settings.pkcs11_key_id)
+    except ValueError:
+        raise ConfigError(f"CN_PKCS11_KEY_ID {settings.pkcs11_key_id!r}: not hex (the key's CKA_ID, e.g. 01a2)") \
+            from None
     config = TokenConfig(settings.pkcs11_module, settings.pkcs11_token, settings.pkcs11_key, settings.pkcs11_key_id,
                          _pin(settings, secret), settings.pkcs11_sessions, settings.hsm_patience_s)
     resolved = _laid_over(settings, secret)  # an actor's Redis password is the secret's
@@ -231,17 +241,32 @@ def _pin(settings: Settings, secret: dict[str, str]) -> str:
     if settings.pkcs11_pin:
         return settings.pkcs11_pin
     if settings.pkcs11_pin_file:
+        where = f"CN_PKCS11_PIN_FILE {settings.pkcs11_pin_file}"
+        path = Path(settings.pkcs11_pin_file)
         try:
-            return Path(settings.pkcs11_pin_file).read_text().strip()
+            if not path.is_file():  # a FIFO or a device would block the read: a PIN is a file's text
+                raise ConfigError(f"{where}: not a regular file")
+            return path.read_bytes()[:4096].decode("utf-8").strip()
         except OSError as e:
-            raise ConfigError(f"CN_PKCS11_PIN_FILE {settings.pkcs11_pin_file}: cannot read it ({e.strerror})") \
-                from None
+            raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}: not UTF-8 text (a PIN is text)") from None
     raise ConfigError("CN_PKCS11_MODULE is set, but no PIN: the secret's pkcs11_pin, CN_PKCS11_PIN or "
                       "CN_PKCS11_PIN_FILE")
 
 
 def _token_certificate(settings: Settings, secret: dict[str, str], key: TokenKey):
-    """The certificate and chain given (the secret's, or CN_SIGNER_CERT/CHAIN's files), else the token's."""
+    """The certificate and chain given (the secret's, or CN_SIGNER_CERT/CHAIN's files), else the
+    token's; one that is not PEM is named in one line."""
+    try:
+        return _given_certificate(settings, secret) or key.certificate()
+    except ValueError:
+        where = "the secret's signer_cert_pem/signer_chain_pem" if secret.get("signer_cert_pem") else \
+            f"CN_SIGNER_CERT {settings.signer_cert} or CN_SIGNER_CHAIN {settings.signer_chain}"
+        raise ConfigError(f"{where}: not a PEM certificate") from None
+
+
+def _given_certificate(settings: Settings, secret: dict[str, str]):
     if secret.get("signer_cert_pem"):
         return (x509.load_pem_x509_certificate(secret["signer_cert_pem"].encode()),
                 x509.load_pem_x509_certificates(secret["signer_chain_pem"].encode())
@@ -251,7 +276,7 @@ def _token_certificate(settings: Settings, secret: dict[str, str], key: TokenKey
             Path(settings.signer_chain).is_file() else b""
         return x509.load_pem_x509_certificate(Path(settings.signer_cert).read_bytes()), \
             x509.load_pem_x509_certificates(chain) if chain.strip() else []
-    return key.certificate()
+    return None
 
 
 def _laid_over(settings: Settings, secret: dict[str, str]) -> Settings:

@@ -126,6 +126,8 @@ class Settings:
                                  "asked for", 0, 86_400)
     capacity_wait_s: float = setting("CN_CAPACITY_WAIT_S", 900.0, "a role still without a node by then: the run "
                                      "stops (exit 2)", 0, 86_400)
+    on_end: str = setting("CN_ON_END", "", "called when a run ends, however it ends: a webhook URL (the summary "
+                          "JSON POSTed) or a command (the JSON on its stdin)", secret=True)
     imds_url: str = setting("CN_IMDS_URL", "", "the instance metadata service a worker's spot notice watcher reads; "
                             "empty: EC2's, on an EC2 instance only")
     lease_s: float = setting("CN_LEASE_S", 30.0, "seconds without a renewal before a driver's run, or a bounce "
@@ -296,8 +298,8 @@ def effective(env: dict[str, str] | None = None) -> list[dict[str, str]]:
     for f in dataclasses.fields(Settings):
         value, name = getattr(settings, f.name), f.metadata["env"]
         shown = ",".join(_without_password(u) for u in str(value).split(",")) if "://" in str(value) else str(value)
-        if not f.repr and value not in (None, "") and "://" not in str(value):
-            shown = "*** (set)"
+        if not f.repr and value not in (None, ""):  # a secret: a URL keeps its host, nothing else is shown
+            shown = ",".join(_host_only(u) for u in str(value).split(",")) if "://" in str(value) else "*** (set)"
         rows.append({"setting": name, "value": shown, "from": "environment" if env.get(name) else "default"})
     return rows
 
@@ -398,6 +400,14 @@ def _rate(raw: str, what: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{what}={raw!r} must be a positive number")
     return value
+
+
+def _host_only(url: str) -> str:
+    """A secret URL as shown: scheme, user and host; a password, a token in its path or query masked
+    (a Redis URL's database number kept)."""
+    parts = urlsplit(_without_password(url))
+    path = parts.path if parts.path.strip("/").isdigit() or parts.path in ("", "/") else "/***"
+    return parts._replace(path=path, query="***" if parts.query else "", fragment="").geturl()
 
 
 def _without_password(url: str) -> str:

@@ -14,6 +14,7 @@ from pipeline.day.dumps import InputError, parse_trade
 from pipeline.day.split import split_day
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
+from pipeline.settings import ROOT
 from tests.test_note_correctness import CLIENT, DATE, HAND_MADE, N, write_day
 
 INNOCENTS = [dict(CLIENT, ucc=f"OK{i}", pan=f"ABCDE{1000 + i}F", email=f"ok{i}@example.com") for i in range(6)]
@@ -207,8 +208,15 @@ def test_run_refuses_the_public_placeholder_owner_password_unless_told_it_is_a_t
     env = {k: v for k, v in os.environ.items() if k != "CN_OWNER_PASSWORD"}
     env.update(REDIS_URL="redis://127.0.0.1:1/0", CN_STORE=str(tmp_path / "store"), RAY_ADDRESS="")
     command = [sys.executable, "-m", "pipeline", "run", "--date", DATE, "--input", str(folder)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    for k in ("CN_SIGNER_KEY", "CN_SIGNER_CERT", "CN_SIGNER_CHAIN", "CN_TOKEN_KEY_FILE", "CN_SECRET"):
+        env.pop(k, None)  # the default key files, in ./.keys
+    cwd = tmp_path / "fresh"
+    cwd.mkdir()
+    done = subprocess.run(command, capture_output=True, text=True, env={**env, "PYTHONPATH": ROOT}, timeout=120,
+                          cwd=cwd)
     assert done.returncode == 2 and "error: CN_OWNER_PASSWORD is not set" in done.stderr
+    assert [line[:6] for line in done.stderr.splitlines()] == ["error:"], done.stderr
+    assert list(cwd.iterdir()) == [], "a refused run wrote nothing (before: a LOCAL TEST key in ./.keys)"
     tested = subprocess.run(command + ["--test-keys"], capture_output=True, text=True, env=env, timeout=120)
     assert tested.returncode == 2 and "CN_OWNER_PASSWORD" not in tested.stderr  # it got past: Redis is down
 

@@ -76,6 +76,7 @@ def test_a_day_signed_on_the_token_verifies_and_close_seals_with_it(ray_session,
     meta = RunState(s.redis_url, summary["run_id"]).meta()
     about = json.loads(meta["signing_key"])
     assert about["key"] == "pkcs11" and about["token"] == hsm.label and about["extractable"] is False, about
+    assert summary["signer_key"] == "" and summary["pkcs11_token"] == hsm.label, "no key file was read: none recorded"
     token_cert = x509.load_pem_x509_certificate(hsm.cert.read_bytes())
     assert meta["signer_cert_sha256"] == detached.cert_fingerprint(token_cert)
     assert every_note_verifies(Path(s.store_url), day, hsm.chain, tmp_path) == summary["delivered"]
@@ -202,11 +203,20 @@ def nothing_split(store: Path) -> bool:
     ({"CN_SIGNER_CERT": "FILE_KEY_CERT"}, "is not the token key's"),
     ({"CN_SIGNER_KEY": "FILE_KEY"}, "CN_PKCS11_MODULE and a key file (CN_SIGNER_KEY="),
     ({"CN_PKCS11_PIN_FILE": ""}, "no PIN"),
+    ({"CN_PKCS11_PIN_FILE": "NOT_UTF8"}, "not UTF-8 text"),  # before, these four were tracebacks or a hang
+    ({"CN_PKCS11_PIN_FILE": "A_FIFO"}, "not a regular file"),
+    ({"CN_PKCS11_KEY_ID": "zz"}, "CN_PKCS11_KEY_ID 'zz': not hex"),
+    ({"CN_SIGNER_CERT": "NOT_PEM"}, "not a PEM certificate"),
 ])
 def test_each_setup_failure_is_one_line_exit_2_before_the_day_is_split(run_env, monkeypatch, keys_dir, tmp_path, capsys,
                                                                        env, said):
+    (tmp_path / "bad.pin").write_bytes(b"\xff\xfe1234")
+    os.mkfifo(tmp_path / "pin.fifo")
+    (tmp_path / "cert.txt").write_text("not a certificate\n")
     for k, v in env.items():
-        v = {"FILE_KEY_CERT": str(keys_dir / "signer.cert.pem"), "FILE_KEY": str(keys_dir / "signer.key.pem")}.get(v, v)
+        v = {"FILE_KEY_CERT": str(keys_dir / "signer.cert.pem"), "FILE_KEY": str(keys_dir / "signer.key.pem"),
+             "NOT_UTF8": str(tmp_path / "bad.pin"), "A_FIFO": str(tmp_path / "pin.fifo"),
+             "NOT_PEM": str(tmp_path / "cert.txt")}.get(v, v)
         monkeypatch.setenv(k, v)
     assert main(run_env) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]

@@ -90,3 +90,14 @@ def test_version_names_the_release():
 
     done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith(f"contract-notes-on-Ray {__version__}"), done
+
+
+def test_a_bad_or_unreachable_s3_store_is_one_line_exit_2_never_a_traceback(s3_endpoint, capsys):
+    """Before: `verify RUN --store s3://` printed botocore's "Invalid bucket name" traceback, and
+    a store S3 answers with an error (a bucket that is not there) a ClientError traceback."""
+    from pipeline.__main__ import main
+
+    for store in ("s3://", "s3://Not_A_Bucket/x", "s3://no-such-bucket-here/x"):
+        assert main(["verify", "some-run", "--store", store]) == 2, store
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error:") and "Traceback" not in err[0], (store, err)

@@ -94,8 +94,9 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
     with the secret laid over, `cert` the notes' signing certificate): locations and
     fingerprints, never key material."""
     own = not settings.secret
+    unused = {"signer_key"} if settings.pkcs11_module else set()  # a token signs: no key file was read
     return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
-            "secret": settings.secret, **{f: getattr(settings, f) if own else "" for f in KEY_FILES},
+            "secret": settings.secret, **{f: getattr(settings, f) if own and f not in unused else "" for f in KEY_FILES},
             "token_key_id": key_id(resolved.hmac_key()),
             "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS}}
 

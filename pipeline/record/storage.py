@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ from pipeline.settings import aws_region
 
 
 IN_FLIGHT = 64  # requests a command keeps in flight (close, verify), and the S3 client's pool holds
+BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 
 class StorageError(CannotRun, RuntimeError):
@@ -93,6 +95,9 @@ class Store(Protocol):
 def open_store(url: str) -> Store:
     if url.startswith("s3://"):
         bucket, _, prefix = url[5:].partition("/")
+        if not BUCKET.match(bucket):
+            raise StorageError(f"storage URL {url!r}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, "
+                               "digits, dots and hyphens)")
         return S3Store(url, bucket, prefix.strip("/"))
     if "://" in url and not url.startswith("file://"):
         raise StorageError(f"unsupported storage URL {url!r}: use s3://bucket[/prefix] or a folder")
