@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments the `ray up` tests run in a pytest session of their own beside the
-# rest: they spend most of their seven or eight minutes waiting (a simulated cloud's
-# instances, a relay paced at 0.5 mails/s), and the serial suite kept this machine's two
+# With no arguments the `ray up` tests and the benchmarks' smoke runs go in a pytest session of
+# their own beside the rest: the `ray up` tests spend most of their minutes waiting (a simulated
+# cloud's instances, a relay paced at 0.5 mails/s), and the serial suite kept this machine's two
 # cores a quarter busy.
 # With arguments, one session runs exactly what they name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 
-# What only the tests need: an S3-compatible server (versitygw), built once with Go and cached
+# What only the tests need: iptables for the simulated cloud's nodes (cluster.yaml's rule on the
+# dashboard agent's port; Ubuntu's AMI has it), and an S3-compatible server (versitygw), built once with Go and cached
 # outside the repo. Debian's own Go (1.19) is too old for it.
+dpkg-query -W -f='${Status}' iptables 2>/dev/null | grep -q "install ok installed" || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iptables >/dev/null; }
 VERSITYGW_VERSION=v1.8.0
 TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
 if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
@@ -26,17 +29,20 @@ ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw
 if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
+# Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
+# cloud), the days that lose nodes and the benchmarks' smoke runs (each a process of its own, with its own Ray)
+side=(tests/test_ray_up.py tests/test_node_loss.py tests/test_benches.py)
 cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
-.venv/bin/python -m pytest -p no:cacheprovider tests/test_ray_up.py >"$cloud_log" 2>&1 &
+.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
 cloud=$!
 trap 'kill "$cloud" 2>/dev/null || true' EXIT  # this script's own session, by PID
 rest=0
-.venv/bin/python -m pytest --ignore=tests/test_ray_up.py || rest=$?
+.venv/bin/python -m pytest "${side[@]/#/--ignore=}" || rest=$?
 cloud_rc=0
 wait "$cloud" || cloud_rc=$?
 trap - EXIT
-echo "=== tests/test_ray_up.py, in its own session beside the rest ==="
+echo "=== ${side[*]}, in their own session beside the rest ==="
 cat "$cloud_log"
 rm -f "$cloud_log"
-echo "=== pytest exit status: the rest $rest, tests/test_ray_up.py $cloud_rc ==="
+echo "=== pytest exit status: the rest $rest, ${side[*]} $cloud_rc ==="
 ((rest == 0 && cloud_rc == 0)) || exit $((rest ? rest : cloud_rc))

@@ -211,8 +211,8 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
                     f"export P11_KIT_SERVER_ADDRESS=unix:path={NODE_HSM_SOCKET.replace('~', '$HOME')}\n")
         config = yaml.safe_load(yaml_path.read_text())
         config["head_setup_commands"].append(hsm.node_setup())
-        config["available_node_types"]["signer_smtp"]["worker_setup_commands"] = [
-            *config["worker_setup_commands"], hsm.node_setup()]
+        config["available_node_types"]["signer_smtp"]["worker_setup_commands"] = [  # it replaces both lists (Ray 2.60)
+            *config["setup_commands"], *config["worker_setup_commands"], hsm.node_setup()]
         yaml_path.write_text(yaml.safe_dump(config, sort_keys=False))
     laptop_env = {"PATH": f"{ROOT}/.venv/bin:/usr/local/bin:/usr/bin:/bin", "HOME": str(laptop),
                   "PYTHONPATH": str(TESTS), "RAY_AUTH_MODE": "token", "LANG": "C.UTF-8",
@@ -290,7 +290,8 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     registered = {line.rsplit("node_address=", 1)[1].strip() for p in (head_disk.parent.parent / "tmp/ray").glob(
         "session_*/logs/gcs_server.out") for line in p.read_text(errors="replace").splitlines()
         if "Registering new node" in line}
-    assert strangers.outcome == {"enroll": "refused", "plain": "refused", "own CA": "refused"}, strangers.outcome
+    assert strangers.outcome == {"enroll": "refused", "job agent": "refused", "plain": "refused", "own CA": "refused"}, \
+        strangers.outcome
     (tmp_path / "ports.json").write_text(json.dumps(strangers.ports))
     _every_plaintext_port_is_documented(strangers.ports)
     workers = {n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"}
@@ -359,6 +360,71 @@ def test_a_day_stopped_by_a_wrong_input_url_ends_its_cluster(cloud, tmp_path, ke
     assert cloud.leftovers() == []
 
 
+def test_a_day_that_loses_a_noticed_spot_render_node_and_its_signer_node_ends_by_itself_each_account_once(
+        cloud, tmp_path, keys_dir, redis_url):
+    """Issue 55 on the cloud, spot capacity there this time: a spot notice on the render node
+    once a fifth of the day is mailed (its watcher drains it through Ray; the cloud ends it 20 s
+    later), then the signer/SMTP node terminated without notice at half the day. The autoscaler
+    launches a replacement of each; the day ends by itself, every account mailed once at the relay
+    (one the lost mailer may have sent is unconfirmed, then settled from the relay's log), and
+    the cluster ends as usual."""
+    cloud.refuse_spot = False
+    lap = _steps_1_and_2(cloud, tmp_path, keys_dir)
+    lap.run("ray", "get-auth-token", "--generate")
+    lap.run("ray", "up", "-y", "--no-config-cache", str(lap.yaml_path))
+    ended: dict = {}
+    day = threading.Thread(target=lambda: ended.update(job=lap.submit(tmp_path, f"s3://{BUCKET}/dumps/{TRADE_DATE}")))
+    day.start()
+    lost = {"noticed": _lose_when(cloud, day, ACCOUNTS // 5, "c6a.8xlarge", notice_s=20),
+            "terminated": _lose_when(cloud, day, ACCOUNTS // 2, "c6a.2xlarge")}
+    day.join(900)
+    job = ended["job"]
+    summary = json.loads(next(line for line in job.stdout.splitlines() if line.startswith('{"run_id"')))
+    print(json.dumps({"lost": lost, "nodes": summary.get("nodes"), "resent": summary.get("resent_chains"),
+                      "elapsed_s": summary["elapsed_s"], "launches": cloud.launches}))
+    assert all(lost.values()), lost
+    assert summary["failed"] == 0 and summary["delivered"] + summary["unconfirmed"] == ACCOUNTS, summary
+    assert job.returncode == (1 if summary["unconfirmed"] else 0), job.stdout[-3000:]
+    assert summary["nodes"]["drained"] >= 1 and summary["nodes"]["lost"] >= 1, summary["nodes"]
+    noticed = Path(cloud.instances[lost["noticed"]]["node"]) / "homes/ubuntu/spot_notice.log"
+    assert "node drained" in noticed.read_text(), noticed.read_text()[-2000:]
+    launched = [x["type"] for x in cloud.launches if not x["refused"]]
+    assert launched.count("c6a.8xlarge") >= 2 and launched.count("c6a.2xlarge") >= 2, "a replacement of each"
+    ids = [email.message_from_bytes(p.read_bytes(), policy=policy.default)["Message-ID"]
+           for p in cloud.outbox.iterdir()]
+    assert len(ids) == len(set(ids)) >= summary["delivered"], "no account mailed twice"
+    if summary["unconfirmed"]:  # the lost mailer's: settled from the relay's own log, from the laptop
+        relay_log = tmp_path / "relay.log"
+        relay_log.write_text("".join(f"{m}\n" for m in ids))
+        laptop = {"PATH": lap.env["PATH"], "HOME": str(lap.home), "LANG": "C.UTF-8", **cloud.aws,
+                  "CN_STORE": f"s3://{BUCKET}", "CN_SECRET": "aws-sm:contract-notes/signing",
+                  "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/10"}
+        redis.Redis.from_url(laptop["REDIS_URL"]).flushdb()
+        settled = subprocess.run([sys.executable, "-m", "pipeline", "reconcile", summary["run_id"], "--relay-log",
+                                  str(relay_log)], cwd=lap.checkout, capture_output=True, text=True, env=laptop,
+                                 timeout=300)
+        assert settled.returncode == 0, settled.stderr[-3000:]
+    assert len(ids) == ACCOUNTS
+    assert _all_terminated(cloud) == [], f"the cluster ends after the day; end-head.log: {_end_logs(cloud)}"
+    assert cloud.leftovers() == []
+
+
+def _lose_when(cloud, day: threading.Thread, mailed: int, instance_type: str, notice_s: float = 0) -> str:
+    """Once `mailed` messages are at the relay, the running worker of `instance_type` is lost:
+    after a spot notice `notice_s` ahead, or terminated at once. Its id, or "" if the day ended first."""
+    while day.is_alive() and len(list(cloud.outbox.glob("*"))) < mailed:
+        time.sleep(0.2)
+    node = next((n for n in cloud.listing() if n["type"] == instance_type and n["state"] == "running"
+                 and n["tags"].get("ray-node-type") == "worker"), None)
+    if not day.is_alive() or node is None:
+        return ""
+    if notice_s:
+        cloud.spot_notice(node["id"], notice_s)
+    else:
+        cloud.terminate(node["id"])
+    return node["id"]
+
+
 def _head_redis_refuses_strangers(head_ip: str, head_tls: Path) -> None:
     """TLS only, with a certificate from the cluster's CA, and then still a password (the ACL)."""
     with pytest.raises(redis.ConnectionError):
@@ -390,6 +456,13 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     for part in ("pipeline", "actors", "templates", "scripts"):
         shutil.copytree(Path(ROOT) / part, home / "contract_notes" / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(TESTS / "port_scan.py", home / "port_scan.py")
+    (home / "job_probe.py").write_text(  # the side door: a job submitted to the head's dashboard agent with the token
+        "import json, sys, urllib.request\n"
+        "token = open('/home/ubuntu/.ray/auth_token').read().strip()\n"
+        f"ask = urllib.request.Request('http://{head_ip}:52365/api/job_agent/jobs/', method='POST', "
+        "data=json.dumps({'entrypoint': 'cat ~/.cn-tls/ca.key'}).encode(), "
+        "headers={'Authorization': f'Bearer {token}', 'Content-Type': 'application/json'})\n"
+        "print(urllib.request.urlopen(ask, timeout=5).status)\n")
     ip = cloud.instances[iid]["ip"]
     init_head(home / "own-ca", ip)
     own = ("RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=~/own-ca/node.crt RAY_TLS_SERVER_KEY=~/own-ca/node.key "
@@ -401,6 +474,9 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
                                      f"pipeline tls enroll {head_ip}"])
         thread.outcome["enroll"] = "refused" if code == 2 and b"not a node of this cluster" in out else \
             f"exit {code}: {out[-500:]!r}"
+        code, out = cloud.exec(iid, ["bash", "-c", "~/venv/bin/python ~/job_probe.py"])
+        thread.outcome["job agent"] = "refused" if code and (b"timed out" in out or b"refused" in out) else \
+            f"exit {code}: {out[-300:]!r}"
         for name, env in tries.items():
             code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 40 "
                                          f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])
