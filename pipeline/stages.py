@@ -272,7 +272,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
                           patience_s=settings.smtp_patience_s)
     b = broker()
-    letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], b["compliance_officer"]["email"])
+    letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], parseaddr(settings.mail_reply_to)[1])
     epoch = state.epoch()
     if not epoch:
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")

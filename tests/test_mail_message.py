@@ -81,3 +81,29 @@ def test_the_message_carries_text_and_html_from_templates_and_reply_to():
     assert "Dear <b>Eve</b> & Co," in text and "PAN in capital letters" in text
     assert "Dear &lt;b&gt;Eve&lt;/b&gt; &amp; Co," in page and "<b>Eve</b>" not in page
     assert [p.get_filename() for p in msg.iter_attachments()] == ["ContractNote_C7_20261120.pdf"]
+
+
+def test_the_mail_asks_for_replies_where_its_reply_to_sends_them(settings, tmp_path):
+    """Before, the body said "please do not reply ... write to compliance@..." under a Reply-To of
+    Client Support: the text and the header disagreed."""
+    import asyncio
+    import dataclasses
+
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.stages import mail_context
+
+    desk = dataclasses.replace(settings, mail_reply_to="Client Desk <desk@broker.example.com>")
+    state = RunState(settings.redis_url, f"reply-to-{tmp_path.name}"[:60])
+    state.start({})
+    async def letter_of():  # a mail context belongs to the event loop that sends
+        ctx = mail_context(desk, state, open_store(str(tmp_path)))
+        await ctx.pool.close()
+        return ctx.letter
+
+    letter = asyncio.run(letter_of())
+    msg = parse(build_message(letter, "Eve", "e@example.com", "2026-11-20", "C7", "<i@x>", b"%PDF"))
+    text, page = msg.get_body(("plain",)).get_content(), msg.get_body(("html",)).get_content()
+    assert msg["Reply-To"] == "Client Desk <desk@broker.example.com>"
+    for body in (text, page):
+        assert "reply to this message" in body and "desk@broker.example.com" in body and "do not reply" not in body

@@ -88,7 +88,7 @@ class Letter:
     sender: str
     reply_to: str
     broker: str = "Example Securities Private Limited"
-    support: str = "support@broker.example.com"
+    support: str = "support@broker.example.com"  # where a reply goes: the Reply-To's address
 
 
 def attachment_name(ucc: str, trade_date: str) -> str:
