@@ -308,3 +308,12 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     assert len(printed) == len(trades) + len(charges.carried)
     expected = sorted([money(v) for v in rows.values()] + [money(v) for v in carried.values()])
     assert sorted(next(tok for tok in line.split() if MONEY.match(tok)) for line in printed) == expected
+
+
+def test_the_trade_table_s_columns_stand_apart_in_headings_and_values():
+    """Before, one space between columns ran "Gross Rate" into "Brokerage", and two values one
+    space apart read as one."""
+    from pipeline.note.content import table_heads
+
+    first, _ = table_heads()
+    assert "Gross Rate  Brokerage" in first and "Rate Brokerage" not in first, first

@@ -35,6 +35,7 @@ LEVY_LABEL_WIDTH = 42
 LEVY_VALUE_WIDTH = 17
 MONO_SIZE_PT = 6.8
 MONO_ADVANCE = 0.6  # a monospaced glyph is 0.6 em wide
+GAP = "  "  # between two columns of the trade table: one space ran "Gross Rate" into "Brokerage"
 TEXT_WIDTH_PT = 770  # A4 landscape less the margins and the levies box's inset
 LEVY_LINES = [
     ("Pay-in/Pay-out obligation", lambda l: l.obligation),
@@ -94,7 +95,7 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
         },
         "levies": levies,
         "heads": table_heads(widths),
-        "mono_size": fitting_size(sum(widths) + len(widths) - 1),
+        "mono_size": fitting_size(sum(widths) + len(GAP) * (len(widths) - 1)),
         "levies_size": fitting_size(len(levies["head"])),
         "pages": pages,
         "total_pages": len(pages),
@@ -140,7 +141,7 @@ def table_heads(widths: list[int] | None = None) -> list[str]:
 
 def _layout(widths: list[int]) -> str:
     """One format string per note: padding a row is then a single C-level call."""
-    return " ".join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
+    return GAP.join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
 def paginate(lines: list[dict]) -> list[dict]:
