@@ -152,7 +152,7 @@ class Settings:
                              "the client's link")
     link_days: float = setting("CN_LINK_DAYS", 90.0, "how long a client's link to their note works", 1, 3650)
     tls_dir: str = setting("CN_TLS_DIR", "", "this node's ca.crt, node.crt, node.key from the cluster's CA: a "
-                           "rediss:// REDIS_URL uses them")
+                           "rediss:// REDIS_URL uses them; unset, a run uses none and the `tls` commands ~/.cn-tls")
     tsa_url: str = setting("CN_TSA_URL", "", "an RFC 3161 time-stamping authority: `close` timestamps the proof")
 
     def __post_init__(self) -> None:
