@@ -108,3 +108,45 @@ def test_run_with_an_incomplete_secret_stops_at_once_with_one_line(tmp_path, sec
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == f"error: CN_SECRET file:{path}: {why}"
     assert "Traceback" not in out.stderr
+
+
+PIN_PROBE = """
+import json, os, sys
+import psutil, ray
+from pipeline.cluster.driver import init_ray
+from pipeline.settings import Settings
+os.environ["CN_PKCS11_PIN"] = "pin-4242-secret"
+os.environ["CN_OWNER_PASSWORD"] = "owner-4242-secret"
+init_ray(Settings.from_env())
+seen = ray.get(ray.remote(num_cpus=0)(lambda: [os.environ.get(k) for k in ("CN_PKCS11_PIN", "CN_OWNER_PASSWORD")])
+               .remote())
+leaked = set()
+for p in psutil.Process().children(recursive=True):
+    try:
+        if b"4242-secret" in open(f"/proc/{p.pid}/environ", "rb").read():
+            leaked.add(p.name())
+    except OSError:
+        pass
+print(json.dumps({"worker": seen, "leaked_into": sorted(leaked), "driver": os.environ.get("CN_PKCS11_PIN")}))
+ray.shutdown()
+"""
+
+
+def test_the_pin_and_passwords_stay_out_of_every_process_a_local_run_starts():
+    """Before, CN_PKCS11_PIN and CN_OWNER_PASSWORD were in the environment of the GCS, the raylet,
+    Ray's agents and every worker of a local run: each reads what it needs as its settings."""
+    import json
+    import subprocess
+    import sys
+
+    from pipeline.settings import ROOT
+
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with tempfile.TemporaryDirectory(prefix="cnpin", dir="/tmp") as tmp:  # short: Ray's socket paths
+        done = subprocess.run([sys.executable, "-c", PIN_PROBE], cwd=ROOT, capture_output=True, text=True,
+                              timeout=180, env={**env, "RAY_TMPDIR": tmp, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {"worker": [None, None], "leaked_into": [], "driver": "pin-4242-secret"}, seen

@@ -9,6 +9,7 @@ unfinished accounts recorded as failed with the cause, so nothing is silently dr
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -97,9 +98,24 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     # One signer slot, not one per core: a second signer's start delayed the first note by
     # 0.5-1.6 s and cost 4-7 CPU-s a run, as much as the idle end it saved (2,000 accounts).
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
-             include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
-    _start_reaper()
+    with _secrets_kept_from_children():
+        ray.init(num_cpus=cores, resources={"render": cores, "signer": settings.signers or 1,
+                                            "smtp": settings.mailers or 1},
+                 include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
+        _start_reaper()
+
+
+@contextmanager
+def _secrets_kept_from_children():
+    """Ray's processes (and every worker they start) inherit the environment they start with:
+    the secret settings (the PIN, the owner password, the Redis URL's password...) are taken out
+    of it meanwhile. What a worker needs of them comes as its task's settings, read once here."""
+    names = [f.metadata["env"] for f in dataclasses.fields(Settings) if not f.repr]
+    kept = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(kept)
 
 
 def _ray_address(address: str | None) -> str | None:
