@@ -45,6 +45,13 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     monkeypatch.delenv("PYTHONPATH", raising=False)  # as Jupyter starts it: in notebooks/, no import path set
     fresh_redis = redis_url.rsplit("/", 1)[0] + "/8"  # a laptop's: the cluster's Redis ended with the cluster
     redis.Redis.from_url(fresh_redis).flushdb()
+    looked = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)  # Run All as it ships: mails nothing
+    inject(looked, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], SMTP_URL=healthy_relay.url)
+    NotebookClient(looked, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
+    [shown] = [o for o in looked.cells[-1].outputs if o["output_type"] == "execute_result"]
+    assert ast.literal_eval(shown["data"]["text/plain"])["delivered_now"] == 0
+    assert outbox_messages(healthy_relay.outbox) == [], "Run All with the defaults mailed (before: ACCOUNTS='failed')"
     nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
     inject(nb, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed",
            SMTP_URL=healthy_relay.url)  # not the run's own relay: told so
