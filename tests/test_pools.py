@@ -95,3 +95,25 @@ def test_with_every_actor_lost_there_is_none_to_take():
     assert not p.ready()
     with pytest.raises(LookupError):
         p.take()
+
+
+def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_stops_a_role_left_empty():
+    from pipeline.cluster.capacity import CapacityError
+    from pipeline.cluster.nodes import PREEMPTED, Fleet, NodeView
+
+    mailers, _ = located()
+    mailers.size_to(2)
+    mailers.placed(mailers.actors[0], "a")
+    mailers.placed(mailers.actors[1], "b")
+    now = [0.0]
+    fleet = Fleet((mailers,), capacity_wait_s=60, clock=lambda: now[0])
+    fleet.check(NodeView(frozenset({"a", "b", "r"}), frozenset(), {}, {"old": 2}))  # one ended before the run
+    fleet.check(NodeView(frozenset({"a", "r"}), frozenset({"r"}), {}, {"old": 2, "b": 2}))  # b lost, r draining
+    assert mailers.actors == ["actor-0"] and fleet.counts() == {"lost": 1, "drained": 1, "actors_lost": 1}
+    fleet.check(NodeView(frozenset(), frozenset(), {}, {"old": 2, "b": 2, "r": PREEMPTED, "a": 2}))
+    assert fleet.counts() == {"lost": 2, "drained": 1, "actors_lost": 2}, "a drained node's end is no loss"
+    now[0] = 59
+    fleet.check(NodeView(frozenset(), frozenset(), {}, {}))
+    now[0] = 61
+    with pytest.raises(CapacityError, match="no mailer actor has been alive for 61 s"):
+        fleet.check(NodeView(frozenset(), frozenset(), {}, {}))

@@ -114,11 +114,13 @@ class Fleet:
         if not isinstance(error, LOSSES) or chain.resends >= RESENDS:
             return False
         named = getattr(error, "actor_id", None)
-        dropped = any(pool.lose(a) for pool in self.pools for a in pool.actors if _actor_id(a) == named)
+        for pool in self.pools:
+            for actor in pool.actors:
+                if _actor_id(actor) == named:
+                    pool.lose(actor)
         if not isinstance(error, ray.exceptions.RayActorError):  # the batch itself was lost: render it again
             chain.rendered = None
         chain.resends += 1
-        log.debug("chain of shard %s: resend %d (actor dropped: %s)", chain.shard, chain.resends, dropped)
         return True
 
     def counts(self) -> dict[str, int]:
