@@ -106,12 +106,16 @@ class TokenKey:
         """The signature; while the HSM is lost the call waits, reconnecting with backoff, for up
         to `patience_s` from the outage's start (an HSM's failover, a network blip cost their
         length, not the notes); past it, each call fails at once until the HSM is back."""
+        begun = time.monotonic()  # a signature that fails again after each reconnection gives up too
         while True:
             try:
                 self._reconnect_if_due()
                 return self._sign_once(data)
             except _Down as e:
-                wait = self._down_since + self.config.patience_s - time.monotonic()
+                since = self._down_since
+                if not since:  # another thread reconnected it meanwhile
+                    continue
+                wait = min(since, begun) + self.config.patience_s - time.monotonic()
                 if wait <= 0:
                     raise SignError(f"HSM unreachable for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): "
                                     f"{e}; a rerun signs these notes") from None
