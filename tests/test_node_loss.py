@@ -29,7 +29,7 @@ from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.helpers import outbox_messages
 
-ACCOUNTS = 400
+ACCOUNTS = 300
 
 
 def lose(roles: str, accounts: int = ACCOUNTS, *more: str) -> dict:
@@ -56,8 +56,8 @@ def test_a_day_that_loses_a_node_without_grace_ends_by_itself_with_every_account
         assert relay["distinct"] == day["log_delivered"] + len(
             [m for m in day["log_unconfirmed"] if m in _ids(Path(day["work"]) / "outbox")]), "report = relay"
         assert day["at_relay_not_logged"] == 0
-        if "signer" in roles:
-            assert run["nodes"]["lost"] >= 1 and run["nodes"]["actors_lost"] >= 1, run["nodes"]
+        if "signer" in roles:  # its actors, at once; the node itself once Ray's health check declares it dead
+            assert run["nodes"]["actors_lost"] >= 1 and run["resent_chains"] >= 1, run
         if run["unconfirmed"]:  # a mailer lost between a claim and the relay's answer: settled from the relay's log
             laptop = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/9",
                                          store_url=day["store"])

@@ -598,6 +598,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 _place((signers, mailers))
         if early:  # still mailing when the chains are done (a relay slow to answer)
             _count(_first_notes_done(early, settings, run_id), totals, progress)
+        fleet.tally(nodes.look())  # a node Ray has declared dead since the last look: counted too
     finally:
         progress.close()
     totals["nodes"] = fleet.counts()

@@ -86,6 +86,12 @@ class Fleet:
     empty_since: dict[str, float] = field(default_factory=dict)
 
     def check(self, view: NodeView) -> None:
+        self.tally(view)
+        self._capacity()
+
+    def tally(self, view: NodeView) -> None:
+        """The pools against the view: a draining node's actors passed over, a dead node's
+        dropped, and the nodes drained and lost counted."""
         if self.ended_before is None:
             self.ended_before = set(view.dead)
         for pool in self.pools:
@@ -106,7 +112,6 @@ class Fleet:
         lost = (gone | {n for n, why in ended.items() if why not in ENDED_WELL}) - self.drained
         metrics.nodes("lost", len(lost - self.lost_nodes))
         self.lost_nodes |= lost
-        self._capacity()
 
     def lost(self, error: BaseException, chain) -> bool:
         """Whether a failed chain goes again: its actor (or the object it handed on) was lost,
