@@ -278,7 +278,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
 
     try:
         _actors_started(signers, mailers, watching)
-        cut = _window(settings) if splitting and not resume and req.only is None else 0
+        cut = _window(settings, nodes.look().slots) if splitting and not resume and req.only is None else 0
         tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, signers,
                          mailers, resume, epoch, lease, watching,
                          splitting.after if splitting else lambda shard: None, early)
