@@ -465,6 +465,17 @@ def cmd_status(args) -> int:
     return 0
 
 
+@command("watch", "on the laptop: follow a day's Ray job (`ray job submit --no-wait`'s id) and, if the head stops "
+                  "answering, say so in one line with the run id that resumes it (exit 3)",
+         arg("job_id", help="the job's submission id"),
+         arg("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (`ray dashboard`'s tunnel)"),
+         arg("--silence-s", type=float, default=30.0, help="how long the head may not answer before it is lost"))
+def cmd_watch(args) -> int:
+    from pipeline.cluster.watch import watch
+
+    return watch(args.address.rstrip("/"), args.job_id, args.silence_s, out=args.stdout)
+
+
 @command("test-send", "render, sign and mail one note (a synthetic client's, or --input's first) to an address you "
                       "name, outside any run: the template, key, owner password and relay proved before a day",
          arg("--to", required=True, help="the address that gets the note"),
