@@ -187,6 +187,40 @@ def test_a_close_that_cannot_sign_writes_nothing_and_the_next_close_seals(ray_se
     assert not sealed["already_sealed"] and exit_status(verified(root, run_id)) == 0
 
 
+def test_a_close_that_stops_before_its_proof_reads_as_begun_and_the_next_close_seals_it(closed_run, tmp_path,
+                                                                                         monkeypatch):
+    """Before, a close that died after its closing objects and before its proof left a record
+    that verify called tampering ("proof.json: removed") and no close could tell from one. Now
+    its signed warrant says where it began: verify says "begun" (exit 3), the next close finishes
+    it, and a record changed meanwhile is refused by both."""
+    settings, run_id, opened, _, bounced = closed_run
+    stopped = copy(opened, tmp_path / "stopped")
+
+    def dies(*_):
+        raise OSError("the close's host went away")
+    monkeypatch.setattr(proof, "seal", dies)
+    with pytest.raises(OSError):
+        proof.close(settings, run_id, store_url=str(stopped), now=after_the_window(settings, run_id))
+    monkeypatch.undo()
+    assert any(b'"status":"closed"' in p.read_bytes() for p in stopped.rglob("*.jsonl")), "it stopped mid-seal"
+    begun = verified(stopped, run_id)
+    assert begun["ok"] and exit_status(begun) == 3 and "close began" in begun["summary"], begun
+
+    forged = copy(stopped, tmp_path / "forged")  # a mail logged after close began: not what the warrant allows
+    store = open_store(str(forged))
+    added = delivery_log.append(store, run_id, shard_of(forged, run_id, bounced[0]),
+                                [{"ucc": bounced[0], "status": "delivered", "message_id": "x", "reply": "250", "at": 1}])
+    found = verified(forged, run_id)
+    assert exit_status(found) == 1 and added.key in found["first_problem"], found
+    with pytest.raises(proof.SealBroken, match=added.key):
+        proof.close(settings, run_id, store_url=str(forged), now=after_the_window(settings, run_id))
+
+    sealed = proof.close(settings, run_id, store_url=str(stopped), now=after_the_window(settings, run_id))
+    assert not sealed["already_sealed"] and exit_status(verified(stopped, run_id)) == 0
+    assert sum(b'"status":"closed"' in p.read_bytes() for p in stopped.rglob("*.jsonl")) == \
+        len(load_manifest(open_store(str(stopped)), run_id).shards), "one closing object a chain"
+
+
 def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(closed_run, tmp_path):
     _, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")
@@ -198,7 +232,8 @@ def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(clo
     relink(objects)
     found = verified(root, run_id)
     assert not found["ok"] and exit_status(found) == 1
-    assert found["first_problem"].startswith(f"{proof.proof_keys(run_id)[0]}: removed (the run was closed"), found
+    assert found["first_problem"].startswith(f"{holding.relative_to(root)}: changed"), found  # a link relinked
+    assert any(p.startswith(f"{proof.proof_keys(run_id)[0]}: not there") for p in found["problems"]), found
 
 
 def test_close_seals_once_and_refuses_a_log_that_no_longer_matches_its_seal(closed_run, tmp_path):

@@ -3,6 +3,9 @@
 The regulation counts an e-mailed note as delivered when no bounce comes back. Once the run's
 bounce window (CN_BOUNCE_WINDOW_H after the run's end) has passed, `close` makes every
 mailed account without a permanent bounce delivered, final, and seals the record, in order:
+  0. reports/{run}.closing.json and .p7s, signed: where the close began (followup/closing.py), so
+     a close that stops before its proof reads as begun, never as a proof removed, and the next
+     close finishes it;
   1. the report is written closed (its `closed_at`);
   2. each shard's chain gets a closing object (status "closed"): the fact that the run was
      closed lives in the chain itself, so a proof deleted later is missed by `verify`;
@@ -25,11 +28,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import CannotRun
-from pipeline.followup import located
+from pipeline.followup import closing, located
 from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report
-from pipeline.record.keys import proof_keys, timestamp_key
+from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.sign import Signer
@@ -65,10 +68,15 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
             raise WindowOpen(f"run {run_id}: the bounce window is open until "
                              f"{report.bounce_window(meta)['closes_at']} ({hours:g} h after the run): not closed")
         signer = _ready_to_seal(settings, store)  # before the first write: a close that cannot sign writes nothing
-        if not meta.get("closed_at"):
-            state.update_meta(closed_at=now, bounce_window_h=hours)
+        if store.exists(closing_keys(run_id)[0]):  # an earlier close began and stopped: finished only as it began
+            checked = verify(store, run_id)
+            if not checked["ok"]:
+                raise SealBroken(f"run {run_id}: its close began, and its record no longer matches where it began: "
+                                 f"{checked['first_problem']}")
+        warrant = closing.begin(store, run_id, run.split.shards, float(meta.get("closed_at") or now), signer)
+        state.update_meta(closed_at=warrant["closed_at"], bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        chains = _close_chains(store, run_id, run.split.shards, float(state.meta()["closed_at"]))
+        chains = _close_chains(store, run_id, run.split.shards, warrant["closed_at"])
         seal(settings, store, run_id, chains, signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 

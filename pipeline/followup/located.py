@@ -81,6 +81,9 @@ def open_run(settings: Settings, run_id: str, store_url: str | None = None, comm
             with nullcontext() if hold or state.exists() else held(state, settings.lease_s):
                 meta = run.meta()
             if meta.get("closed_at") and not sealed_ok:
+                if not store.exists(keys.proof_keys(run_id)[0]):
+                    raise RunClosed(f"run {run_id}: its close began and stopped before the seal: run `close {run_id}` "
+                                    "again to finish it; nothing more is mailed or settled under it")
                 raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed or settled "
                                 "under it (its failed and bounced accounts are on the paper list)")
         yield run

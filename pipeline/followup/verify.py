@@ -6,16 +6,18 @@ changed is named even when every later link was forged to match. After the seal 
 client's fetch or a bounce refused after close may follow. The signer of the proof must be the
 certificate the run recorded when it started (or the one an auditor brings, `--cert`); a
 timestamp, where the run was sealed with one, must be over this proof. A run whose chains or
-report say it was closed must have its proof. Then every account's final status is worked out
+report say it was closed must have its proof, or (a close that stopped before it) close's signed
+warrant (followup/closing.py) that the record still matches. Then every account's final status is worked out
 from the log alone and compared with the sealed report and paper list.
 
 Exit status of the command: 0 sealed and whole; 1 a problem, the first one named; 3 not
-sealed: consistent so far, not yet proof.
+sealed: consistent so far, not yet proof (or a close began and must be run again to seal it).
 """
 
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import hashlib
 import itertools
 import json
@@ -24,10 +26,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pipeline.followup import closing
 from pipeline.followup.restore import read_report
 from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report
-from pipeline.record.keys import proof_keys, timestamp_key
+from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.state import RunNotFound
 from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
@@ -59,21 +62,26 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     proof, has_proof = _proof(store, run_id, problems), store.exists(proof_keys(run_id)[0])
     signer, stamped = "", {}
     if proof is not None:
-        signer = _signer(store, run_id, proof["data"], cert_pem, run_report, problems)
+        signer = _signer(store, proof_keys(run_id), proof["data"], cert_pem, run_report, problems)
         stamped = _timestamp(store, run_id, proof, tsa_cert_pem, problems)
+    warrant = _warrant(store, run_id, cert_pem, run_report, problems) if not has_proof else None
     closed = has_proof or bool((run_report.get("bounce_window") or {}).get("closed_at"))
     objects = after_seal = was_closed = 0
     with tempfile.TemporaryDirectory() as tmp:
         db = sqlite3.connect(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
         db.execute("CREATE TABLE log (ucc TEXT PRIMARY KEY, status TEXT, key TEXT)")
-        for c in _chains(store, run_id, split.shards, proof["objects"] if proof else None, closed):
+        for c in _chains(store, run_id, split.shards, proof["objects"] if proof else None, closed,
+                         warrant["heads"] if warrant else {}):
             objects, after_seal, was_closed = objects + c.objects, after_seal + c.after_seal, was_closed + c.closed
             problems += [c.problem] if c.problem else []
             db.executemany("INSERT OR REPLACE INTO log VALUES (?, ?, ?)",
                            ((u, st, c.where.get(u, "")) for u, st in c.statuses.items()))
-        if not has_proof and (was_closed or closed):
+        if not has_proof and (was_closed or closed) and warrant is None:
             evidence = f"{was_closed} chains hold a closing object" if was_closed else "its report says closed_at"
             problems.insert(0, f"{proof_keys(run_id)[0]}: removed (the run was closed: {evidence})")
+        elif not has_proof and warrant and problems:  # the record changed since its close began: never sealed now
+            problems.append(f"{proof_keys(run_id)[0]}: not there (close began {_iso(warrant['closed_at'])}, and "
+                            "the record no longer matches its warrant)")
         if proof is not None:
             for key, sha in proof["reports"].items():
                 if not store.exists(key) or sha256(store, key) != sha:
@@ -82,8 +90,10 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
                 problems += _disagreements(db, store, run_id)
         db.close()
     ok = not problems
+    begun = f"close began ({_iso(warrant['closed_at'])}) and stopped before its proof: run close again to seal it" \
+        if warrant else ""
     summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if proof else
-                                   "not sealed: consistent so far, not yet proof")
+                                   f"not sealed: {begun or 'consistent so far, not yet proof'}")
     return {"run_id": run_id, "sealed": has_proof, "signed_by": signer, "timestamp": stamped,
             "shards": len(split.shards), "log_objects": objects, "added_after_seal": after_seal, "ok": ok,
             "summary": summary,
@@ -128,11 +138,31 @@ def _is_sha(value) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _signer(store: Store, run_id: str, data: bytes, cert_pem: bytes | None, run_report: dict,
+def _warrant(store: Store, run_id: str, cert_pem: bytes | None, run_report: dict, problems: list[str]) -> dict | None:
+    """close's warrant, when a close began and wrote it whole and signed by the run's key."""
+    key, sig_key = closing_keys(run_id)
+    if not store.exists(key) or not store.exists(sig_key):
+        return None
+    data = store.get(key)
+    warrant = closing.parse(data, run_id)
+    if warrant is None:
+        problems.append(f"{key}: changed (it is no longer a warrant close could have written)")
+        return None
+    before = len(problems)
+    _signer(store, (key, sig_key), data, cert_pem, run_report, problems)
+    return warrant if len(problems) == before else None
+
+
+def _iso(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _signer(store: Store, signed: tuple[str, str], data: bytes, cert_pem: bytes | None, run_report: dict,
             problems: list[str]) -> str:
-    """Who signed the proof; a problem unless it is the certificate given, else the one the run
-    recorded when it started (a proof signed again with a key of one's own is not the broker's)."""
-    proof_key, sig_key = proof_keys(run_id)
+    """Who signed the proof (or the warrant: `signed` names the object and its signature); a
+    problem unless it is the certificate given, else the one the run recorded when it started
+    (a proof signed again with a key of one's own is not the broker's)."""
+    proof_key, sig_key = signed
     try:
         signer = detached.check(data, store.get(sig_key) if store.exists(sig_key) else b"")
     except SignError as e:
@@ -160,18 +190,21 @@ def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | Non
         return {}
 
 
-def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool):
+def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool,
+            begun: dict[int, tuple[int, str]]):
     """Each shard's Chain, read 64 shards at a time: memory follows the window, not the day."""
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         ordered = iter(sorted(shards))
         while window := list(itertools.islice(ordered, 4 * IN_FLIGHT)):
             yield from pool.map(lambda s: _chain(store, run_id, s, None if sealed is None else sealed.get(s, []),
-                                                 closed), window)
+                                                 closed, begun.get(s) if begun else None), window)
 
 
-def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool) -> Chain:
+def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool,
+           begun: tuple[int, str] | None = None) -> Chain:
     """One shard's chain, from its first object; `sealed`: the SHA-256 the seal recorded for
-    each object (None: the run is not sealed)."""
+    each object (None: the run is not sealed); `begun`: the head (number, SHA-256) close's
+    warrant recorded, when a close began and has not sealed."""
     found, chain = delivery_log.chain_keys(store, run_id, shard), Chain(shard)
     prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
     for i, key in enumerate(found):
@@ -185,6 +218,9 @@ def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, clos
         chain.objects = n
         if sealed is not None and n <= len(sealed) and sha != sealed[i]:
             chain.problem = f"{key}: changed (not the object the seal recorded)"
+            return chain
+        if begun and n == begun[0] and sha != begun[1]:
+            chain.problem = f"{key}: changed (not the object close's warrant recorded)"
             return chain
         try:
             header = delivery_log.chain_header(store, key, data)
@@ -212,9 +248,17 @@ def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, clos
                 chain.problem = (f"{key}: a {e['status']!r} entry after the seal (only a client's fetch or a bounce "
                                  "refused after close may follow it)")
                 return chain
+            if begun and n > begun[0] and e["status"] not in closing.AFTER_WARRANT:
+                chain.problem = f"{key}: a {e['status']!r} entry after close began (its warrant's head is object " \
+                                f"{begun[0]})"
+                return chain
             chain.closed |= e["status"] == "closed"
             chain.where[e["ucc"]] = key
         entries += lines
+    if begun and len(found) < begun[0]:
+        chain.problem = f"{delivery_log.object_key(run_id, shard, begun[0])}: removed (close's warrant recorded " \
+                        f"{begun[0]} objects of shard {shard}, {len(found)} remain)"
+        return chain
     if sealed is not None and len(found) < len(sealed):
         chain.problem = f"{delivery_log.object_key(run_id, shard, len(sealed))}: removed (the seal recorded " \
                         f"{len(sealed)} objects of shard {shard}, {len(found)} remain)"

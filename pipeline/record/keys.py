@@ -27,6 +27,8 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.paper.csv                         the physical dispatch list, with due dates
   reports/{run}.proof.json, .proof.p7s            the seal (every log object's SHA-256) and its CMS signature
   reports/{run}.proof.tsr                         an RFC 3161 timestamp of the proof (close, with CN_TSA_URL)
+  reports/{run}.closing.json, .closing.p7s        close's first write, signed: its closed_at and each chain's
+                                                  head as it began (a close that stopped reads as begun)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
@@ -176,6 +178,10 @@ def create_only_check_key(run_id: str) -> str:
 
 def proof_keys(run_id: str) -> tuple[str, str]:
     return f"reports/{run_id}.proof.json", f"reports/{run_id}.proof.p7s"
+
+
+def closing_keys(run_id: str) -> tuple[str, str]:
+    return f"reports/{run_id}.closing.json", f"reports/{run_id}.closing.p7s"
 
 
 def timestamp_key(run_id: str) -> str:

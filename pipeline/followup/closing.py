@@ -1,0 +1,57 @@
+"""close's first write: a signed warrant that the run's close has begun, and from where.
+
+A close writes many objects (the report, a closing object in every chain, the proof). One that
+stops between its first write and its proof would leave a record that reads exactly as one whose
+proof was removed. So before anything else, close writes reports/{run}.closing.json: the run's
+`closed_at` and each chain's head as the close found it (its number and SHA-256: the chain's
+links fix everything before it), signed like the proof. `verify` then reads a record with a
+closing object but no proof as "close began, not sealed" (exit 3) when it matches the warrant,
+and the next close finishes it; whatever does not match (an object before a head changed, a
+mail logged after close began, a warrant not signed by the run's key) is named, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from pipeline.record import delivery_log
+from pipeline.record.keys import closing_keys
+from pipeline.record.storage import IN_FLIGHT, StorageError, Store
+from pipeline.seal import detached
+from pipeline.seal.sign import Signer
+
+# all a chain may gain between the warrant and the seal: the closing object, a bounce that came in
+# meanwhile, a client's fetch
+AFTER_WARRANT = ("closed", "bounced", "deferred") + delivery_log.AFTER_SEAL
+
+
+def begin(store: Store, run_id: str, shards: list[int], closed_at: float, signer: Signer) -> dict:
+    """The run's warrant: written (and signed) now, or the one an earlier close that stopped wrote."""
+    key, sig_key = closing_keys(run_id)
+    if not store.exists(key):
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            links = dict(zip(shards, pool.map(lambda s: delivery_log.head(store, run_id, s), shards)))
+        warrant = {"run_id": run_id, "closed_at": closed_at,
+                   "heads": {str(s): [link.seq, link.sha256] if link else [0, ""] for s, link in links.items()}}
+        store.put_new(key, json.dumps(warrant, indent=0, sort_keys=True).encode())  # lost to another close: theirs
+    data = store.get(key)
+    warrant = parse(data, run_id)
+    if warrant is None:
+        raise StorageError(f"{store.url}: {key} is not a warrant close could have written")
+    if not store.exists(sig_key):
+        store.put_new(sig_key, detached.sign(data, signer))
+    return warrant
+
+
+def parse(data: bytes, run_id: str) -> dict | None:
+    """The warrant in exactly the shape `begin` writes, or None."""
+    try:
+        warrant = json.loads(data)
+        heads = warrant["heads"]
+        if warrant["run_id"] != run_id or not isinstance(warrant["closed_at"], (int, float)) or not all(
+                s.isdigit() and isinstance(n, int) and n >= 0 and isinstance(sha, str) for s, (n, sha) in heads.items()):
+            return None
+        return {**warrant, "heads": {int(s): (n, sha) for s, (n, sha) in heads.items()}}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
