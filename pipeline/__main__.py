@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
     args = _parser().parse_args(argv)
     args.stdout = stdout or sys.stdout
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("pikepdf").setLevel(logging.WARNING)  # its "logger bridge initialized" is no news to anyone
+    for chatty in ("pikepdf", "botocore"):  # "logger bridge initialized", "Found credentials": no news to anyone
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except Exception as e:
@@ -496,7 +497,7 @@ def cmd_runs(args) -> int:
     from pipeline.followup.runs import list_runs, table
     from pipeline.record.storage import open_store
 
-    rows = list_runs(open_store(args.store or Settings.from_env().store_url))
+    rows = list_runs(open_store(args.store or Settings.from_env().store_url, probe=True))
     print(json.dumps(rows) if args.json else table(rows), file=args.stdout)
     return 0
 

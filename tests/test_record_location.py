@@ -85,6 +85,22 @@ def test_every_follow_up_command_on_a_wrong_store_stops_with_one_line_and_writes
     assert (snapshot(), redis_dump(settings.redis_url), redis_dump(empty_redis)) == before
 
 
+@pytest.mark.parametrize("command", [["verify", "R1"], ["status", "R1"], ["runs"]])
+def test_an_s3_endpoint_that_refuses_is_said_in_one_line_in_seconds_not_after_80(command, tmp_path):
+    """Before, `verify RUN --store s3://bucket/x` with an endpoint refusing connections retried
+    for ~80 s (the day's ten attempts) and ended in tracebacks."""
+    from pipeline.embedded import free_port
+
+    env = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "CN_STORE": "s3://bucket/x",
+           "PYTHONPATH": str(ROOT)}  # typed in another folder
+    done = subprocess.run([sys.executable, "-m", "pipeline", *command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=40)  # 80 s before
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "does not answer" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "botocore" not in done.stderr
+
+
 def test_a_rerun_typed_in_another_folder_uses_the_run_s_store_and_keys_and_writes_nothing_where_it_stands(
         ray_session, redis_url, day, smtp_server, tmp_path):
     clients = client_rows(day)

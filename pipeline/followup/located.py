@@ -125,7 +125,7 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
         url = absolute_store(settings.store_url)
         source = "CN_STORE" if settings.store_url != Settings.store_url else "the default folder ./store (CN_STORE unset)"
         source += ": Redis does not hold the run"
-    store = open_store(url)
+    store = open_store(url, probe=True)
     manifest, report = store.exists(keys.manifest_key(run_id)), store.exists(keys.report_keys(run_id)[0])
     if not (manifest or report) or (own and url != own and not manifest):
         elsewhere = f"; the run recorded {own}" if own and own != url else ""

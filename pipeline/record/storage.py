@@ -92,13 +92,19 @@ class Store(Protocol):
     def put_file(self, key: str, path: str) -> None: ...
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str, probe: bool = False) -> Store:
+    """`probe`, for a command someone waits on: an S3 endpoint that refuses or does not answer is
+    said in seconds, not after the ten attempts (~80 s) a day's requests are given to ride out a
+    blip."""
     if url.startswith("s3://"):
         bucket, _, prefix = url[5:].partition("/")
         if not BUCKET.match(bucket):
             raise StorageError(f"storage URL {url!r}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, "
                                "digits, dots and hyphens)")
-        return S3Store(url, bucket, prefix.strip("/"))
+        store = S3Store(url, bucket, prefix.strip("/"))
+        if probe:
+            store.probe()
+        return store
     if "://" in url and not url.startswith("file://"):
         raise StorageError(f"unsupported storage URL {url!r}: use s3://bucket[/prefix] or a folder")
     return FolderStore(url.removeprefix("file://"))
@@ -193,6 +199,23 @@ class S3Store:
         config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=IN_FLIGHT,
                         s3={"addressing_style": "path"})
         self.client = boto3.client("s3", config=config, region_name=aws_region())
+
+    def probe(self) -> None:
+        """One HEAD of the bucket, two attempts, five seconds to connect: any answer at all (a
+        403, a 404) is the command's to say; no answer is said here."""
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        quick = boto3.client("s3", region_name=aws_region(), config=Config(
+            retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=5, read_timeout=15,
+            s3={"addressing_style": "path"}))
+        try:
+            quick.head_bucket(Bucket=self.bucket)
+        except ClientError:
+            pass
+        except BotoCoreError as e:
+            raise StorageError(f"{self.url}: the S3 endpoint does not answer ({e})") from None
 
     def _key(self, key: str) -> str:
         key = inside(self.url, key)
