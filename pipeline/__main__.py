@@ -435,14 +435,17 @@ def _certificate(path: Path | None, flag: str) -> bytes | None:
     return pem
 
 
-@command("status", "print a run's counters and metadata as JSON", RUN_ID, STORE)
+@command("status", "one run at a glance: its accounts by status, paper owed, relay, times, bounce window and what "
+                   "to do next (--json: the same for scripts, in one shape from Redis or storage)",
+         RUN_ID, STORE, arg("--json", action="store_true"))
 def cmd_status(args) -> int:
     """From Redis while the run is live; from its report in storage once Redis is gone (the
     cluster's Redis ends with the cluster; the report is the record)."""
+    from pipeline.followup import status
     from pipeline.followup.located import locate
     from pipeline.followup.restore import read_report
     from pipeline.record import rates
-    from pipeline.record.keys import report_keys
+    from pipeline.record.keys import proof_keys, report_keys
     from pipeline.record.state import RunNotFound, RunState
 
     settings = _on_redis(Settings.from_env())
@@ -451,18 +454,18 @@ def cmd_status(args) -> int:
     except RunNotFound as e:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
+    sealed = found.store.exists(proof_keys(args.run_id)[0])
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id, patience_retries=0)
-        print(json.dumps({"run_id": args.run_id, "source": "redis", **where, "meta": state.meta(),
-                          "counts": state.counts(), "statuses": state.statuses(), "relays": rates.snapshot(state.r)}),
-              file=args.stdout)
-        return 0
-    key = report_keys(args.run_id)[0]
-    if not found.store.exists(key):
-        return _not_found(args, RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no report "
-                                            "yet (the run has not finished), and Redis does not hold it"))
-    report = read_report(found.store, key)
-    print(json.dumps({"run_id": args.run_id, "source": "storage", **where, "report": report}), file=args.stdout)
+        run = status.from_redis(args.run_id, where, state.meta(), state.counts(), state.statuses(),
+                                rates.snapshot(state.r), sealed)
+    else:
+        key = report_keys(args.run_id)[0]
+        if not found.store.exists(key):
+            return _not_found(args, RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no "
+                                                "report yet (the run has not finished), and Redis does not hold it"))
+        run = status.from_report(args.run_id, where, read_report(found.store, key), sealed)
+    print(json.dumps(run) if args.json else status.table(run), file=args.stdout)
     return 0
 
 
@@ -613,33 +616,40 @@ def cmd_serve(args) -> int:
              help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "
                   "VERP addresses, and the demo reads them back with `bounces`"),
          arg("--file-key", action="store_true",
-             help="sign with a test key file instead of the key on a SoftHSM2 token the demo makes"))
+             help="sign with a test key file instead of the key on a SoftHSM2 token the demo makes"),
+         arg("--services", action="store_true",
+             help="no run: start the demo's Redis and SMTP sink again, in the background, on the ports its run "
+                  "recorded (for the commands after the demo: README, 'After the demo')"))
 def cmd_demo(args) -> int:
+    from pipeline import demo_followups
+
+    work = args.workdir.resolve()
+    if args.services:
+        return demo_followups.serve_again(work)
     import ray
 
     from pipeline.cluster.driver import RunRequest, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import start_redis, start_smtp_sink
 
-    work = args.workdir.resolve()
     write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
     services = []
     try:
         services.append(start_redis(work / "redis"))
-        bounce_box = work / "bounces"  # the test relay's DSNs come back here, as to the bounce domain's mailbox
-        services.append(start_smtp_sink(work / "outbox", work / "smtp.log", [
-            "--bounce-rate", str(args.bounce_rate), "--bounces", str(bounce_box)] if args.bounce_rate else []))
+        services.append(start_smtp_sink(work / "outbox", work / "smtp.log",
+                                        demo_followups.sink_args(work, args.bounce_rate)))
+        # unless one is set, a fresh owner password: the placeholder is public
+        owner = None if os.environ.get("CN_OWNER_PASSWORD") else secrets.token_urlsafe(24)
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
                                      smtp_url=services[1].url, token_key_file=str(work / "keys" / "token.key"),
-                                     # unless one is set, a fresh owner password: the placeholder is public
-                                     owner_password=None if os.environ.get("CN_OWNER_PASSWORD") else
-                                     secrets.token_urlsafe(24), **_demo_key(work, args.file_key))
+                                     owner_password=owner, **_demo_key(work, args.file_key))
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))  # Ray starts in it
         summary["outbox"] = str(work / "outbox")
+        demo_followups.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)
         if args.bounce_rate:
             from pipeline.followup.bounces import collect
 
-            summary["bounces"] = collect(settings, summary["run_id"], [str(bounce_box)])
+            summary["bounces"] = collect(settings, summary["run_id"], [str(work / "bounces")])
         print(json.dumps(summary), file=args.stdout)
         return 0 if summary["delivered"] == summary["accounts"] else 1
     finally:

@@ -81,10 +81,10 @@ def start_redis(workdir: Path, aof: bool = True, port: int | None = None, tls_di
     return Service("redis", process, with_tls_files(f"rediss://127.0.0.1:{port}/0", str(tls_dir)))
 
 
-def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = ()) -> Service:
+def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = (), port: int | None = None) -> Service:
     """Waits for the sink's "listening" line rather than probing the port: a probe would be
     a connection, and the sink may be told to refuse its first ones."""
-    port = free_port()
+    port = port or free_port()
     with log.open("ab") as out:
         start = out.tell()
         process = subprocess.Popen(

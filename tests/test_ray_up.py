@@ -318,7 +318,7 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     # the day's counters were on the head's metrics port
     assert metrics.get('ray_cn_day_accounts_total{status="delivered"}') == ACCOUNTS, metrics
     # the record outlives the cluster: the laptop reads the report from the bucket
-    status = subprocess.run([sys.executable, "-m", "pipeline", "status", summary["run_id"]], cwd=ROOT,
+    status = subprocess.run([sys.executable, "-m", "pipeline", "status", summary["run_id"], "--json"], cwd=ROOT,
                             capture_output=True, text=True,
                             env={**os.environ, **cloud.aws, "CN_STORE": f"s3://{BUCKET}",
                                  "REDIS_URL": "redis://127.0.0.1:1/0"})

@@ -78,7 +78,7 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
     run = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", *a], capture_output=True, text=True,  # noqa: E731
                                     env=env, cwd=ROOT, timeout=300)
 
-    status = run("status", summary["run_id"])
+    status = run("status", summary["run_id"], "--json")
     assert status.returncode == 0
     shown = json.loads(status.stdout.splitlines()[-1])
     assert shown["counts"]["delivered"] == summary["delivered"] and shown["meta"]["date"] == TRADE_DATE
@@ -91,11 +91,21 @@ def test_status_and_rerun_commands_speak_json(ray_session, settings, day, smtp_s
     assert json.loads(nothing.stdout.splitlines()[-1])["rerun_accounts"] == []
 
     env["REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"  # the cluster's Redis is gone with the cluster
-    later = run("status", summary["run_id"])
+    later = run("status", summary["run_id"], "--json")
     assert later.returncode == 0, later.stderr[-2000:]
     record = json.loads(later.stdout.splitlines()[-1])
     assert record["source"] == "storage" and record["report"]["statuses"] == {"delivered": summary["delivered"]}
     assert run("status", "no-such-run").returncode == 2
+    # one shape from Redis and from storage (before, storage nested all under `report`, without relays, and
+    # mixed epoch and ISO times); a table for people
+    same = ("trade_date", "input", "accounts", "statuses", "failed", "unconfirmed", "bounced", "paper_owed", "relay",
+            "finished_at", "bounce_window", "sealed", "next")
+    assert {k: shown[k] for k in same} == {k: record[k] for k in same}, (shown, record)
+    assert record["relay"] == settings.smtp_url and record["finished_at"].endswith("+00:00")
+    assert shown["started_at"][:16] == record["started_at"][:16]
+    table = run("status", summary["run_id"]).stdout
+    assert f"delivered {summary['delivered']}" in table and "bounce window  open until" in table, table
+    assert f"bounces {summary['run_id']}" in table.splitlines()[-1], "what to do next"
 
 
 def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_is_gone(
@@ -126,7 +136,7 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
     assert archived.read_bytes() == archived_bytes, "an archived note is mailed, not re-rendered"
     report = json.loads((Path(settings.store_url) / keys.report_keys(first["run_id"])[0]).read_text())
     assert report["statuses"] == {"delivered": first["accounts"]}, "the report covers every account again"
-    status = subprocess.run([sys.executable, "-m", "pipeline", "status", first["run_id"]], capture_output=True,
+    status = subprocess.run([sys.executable, "-m", "pipeline", "status", first["run_id"], "--json"], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=300)
     counted = json.loads(status.stdout.splitlines()[-1])["statuses"]
     assert {k: v for k, v in counted.items() if v} == report["statuses"], "status adds up after restore + rerun"
