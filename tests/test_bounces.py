@@ -238,7 +238,7 @@ def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(
 
 def after_the_demo(work: Path) -> list[str]:
     """The README's "After the demo" commands, their folder `demo` being `work`."""
-    text = (ROOT / "README.md").read_text().split("### After the demo", 1)[1]
+    text = (Path(ROOT) / "README.md").read_text().split("### After the demo", 1)[1]
     block = text.split("```sh\n", 1)[1].split("```", 1)[0]
     return [line.split("  #", 1)[0].strip().replace("--workdir demo", f"--workdir {work}")
             .replace("demo/", f"{work}/") for line in block.splitlines() if line.strip()]
