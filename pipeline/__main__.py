@@ -648,10 +648,17 @@ def cmd_demo(args) -> int:
         demo_followups.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)
         if args.bounce_rate:
             from pipeline.followup.bounces import collect
+            from pipeline.record.state import RunState
 
             summary["bounces"] = collect(settings, summary["run_id"], [str(work / "bounces")])
+            # the headline after the bounces: a bounced note is not delivered, and is owed on paper
+            statuses = RunState(settings.redis_url, summary["run_id"]).statuses()
+            summary.update(delivered=statuses.get("delivered", 0), bounced=statuses.get("bounced", 0),
+                           deferred=statuses.get("deferred", 0),
+                           paper_owed=statuses.get("bounced", 0) + statuses.get("physical", 0))
         print(json.dumps(summary), file=args.stdout)
-        return 0 if summary["delivered"] == summary["accounts"] else 1
+        settled = summary["delivered"] + summary.get("deferred", 0) + summary.get("paper_owed", summary["physical"])
+        return 0 if settled == summary["accounts"] else 1  # as `run`: each account delivered or sent to paper
     finally:
         if ray.is_initialized():
             ray.shutdown()

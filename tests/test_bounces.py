@@ -221,6 +221,9 @@ def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(
     paper = {r["ucc"] for r in csv.DictReader((work / "store" / report.paper_key(summary["run_id"])).open())}
     physical = {u for u, s in statuses.items() if s == "physical"}
     assert paper == physical | {u for u, k in expected.items() if k == "bounced"}
+    # the headline says it too (before: "delivered": 500, "physical": 0 while paper notes were owed)
+    assert (summary["delivered"], summary["bounced"], summary["paper_owed"]) == (
+        list(statuses.values()).count("delivered"), list(expected.values()).count("bounced"), len(paper)), summary
 
     # the README's "After the demo", as printed, from the folder the demo ran in: each command works
     lines = after_the_demo(work)
