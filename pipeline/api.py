@@ -34,6 +34,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, model_validator
 
 from pipeline.day.split import find_account, load_manifest
+from pipeline.followup.restore import read_report
+from pipeline.followup.runs import list_runs
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report
@@ -104,7 +106,7 @@ def launch_rerun(run_id: str, accounts: list[str] | None, failed: bool, force: b
 
 def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun, read_only: bool = False) -> FastAPI:
     settings = settings or Settings.from_env()
-    app = FastAPI(title="Contract notes: run status", version="1")
+    app = FastAPI(title="Contract notes: run status", version="1", docs_url=None, redoc_url=None)
     bearer = HTTPBearer(auto_error=False)
 
     def authorised(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> bool:
@@ -136,19 +138,46 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     @app.get("/", response_class=HTMLResponse)
     def page():
         html = PAGE.read_text()
+        if read_only:  # no token box, no rerun button: nothing on the page this service would refuse
+            html = re.sub(r"<!-- write -->.*?<!-- /write -->", "", html, flags=re.S)
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html),
                                            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
+    @app.get("/docs", response_class=HTMLResponse)
+    def docs():
+        """The API's reference from its own OpenAPI schema, with nothing fetched from elsewhere
+        (Swagger UI comes from a CDN: blank on a broker's isolated network)."""
+        html = api_reference(app.openapi())
+        return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
+
+    stored = StoredRuns(settings)
+
     @app.get("/runs")
     def runs(limit: int = Query(20, ge=1, le=500)):
-        ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
-        states = [state_of(i) for i in ids]
-        return {"runs": [summary(s) for s in states if s.exists()]}
+        """From Redis; from the reports in storage when Redis is gone or holds none (a cluster's
+        Redis ends with the cluster)."""
+        try:
+            ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
+            live = [summary(s) for s in map(state_of, ids) if s.exists()]
+        except redis.exceptions.RedisError:
+            live = []
+        return {"runs": live or stored.listed(limit)}
 
     @app.get("/runs/{run_id}")
     def run(run_id: str):
-        state = run_state(run_id)
-        return {**summary(state), "timeline": state.timeline()}
+        try:
+            state = state_of(run_id) if keys.RUN_ID.match(run_id) else None
+            if state is not None and state.exists():
+                return {**summary(state), "timeline": state.timeline()}
+            redis_said = None
+        except redis.exceptions.RedisError as e:
+            redis_said = e
+        found = stored.report(run_id) if keys.RUN_ID.match(run_id) else None
+        if found is None:
+            if redis_said:
+                raise redis_said
+            raise HTTPException(404, f"no run {run_id!r}")
+        return {**report_summary(run_id, found), "timeline": []}
 
     @app.get("/runs/{run_id}/accounts")
     def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0, lt=2**64),
@@ -245,6 +274,59 @@ def content_security_policy(html: str) -> str:
             "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+class StoredRuns:
+    """The runs in storage, for a service whose Redis no longer holds them: their list read at
+    most every LIST_EVERY_S (each refresh of a page would otherwise read every report)."""
+
+    LIST_EVERY_S = 30.0
+
+    def __init__(self, settings: Settings):
+        self.settings, self.at, self.rows = settings, 0.0, []
+
+    def listed(self, limit: int) -> list[dict]:
+        if time.monotonic() - self.at > self.LIST_EVERY_S:
+            self.rows, self.at = list_runs(open_store(self.settings.store_url)), time.monotonic()
+        return [{"run_id": r["run_id"], "date": r["date"], "accounts": r["accounts"] or 0, "source": "storage"}
+                for r in self.rows[:limit]]
+
+    def report(self, run_id: str) -> dict | None:
+        store = open_store(self.settings.store_url)
+        key = keys.report_keys(run_id)[0]
+        return read_report(store, key) if store.exists(key) else None
+
+
+def report_summary(run_id: str, found: dict) -> dict:
+    """What summary() says of a live run, from its report: the counts by stage the report kept,
+    its rate, its times, the relays it mailed through (their rates were live state)."""
+    finished = float(found.get("finished_at") or 0) or None
+    elapsed = float(found.get("elapsed_s") or 0)
+    return {"run_id": run_id, "date": found.get("trade_date"), "accounts": found.get("accounts", 0),
+            "counts": {**{s: 0 for s in ("validated", "rendered", "signed", "archived", "delivered", "failed")},
+                       **found.get("stage_counts", {})},
+            "started": finished - elapsed if finished else None, "finished": finished,
+            "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
+            "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage"}
+
+
+def api_reference(schema: dict) -> str:
+    """/docs: each path and method with its summary and parameters, as plain HTML."""
+    from html import escape
+
+    rows = []
+    for path, methods in schema.get("paths", {}).items():
+        for method, op in methods.items():
+            params = ", ".join(f"{p['name']} ({p['in']})" for p in op.get("parameters", []))
+            rows.append(f"<tr><td><code>{escape(method.upper())} {escape(path)}</code></td>"
+                        f"<td>{escape(op.get('summary', ''))}<br>{escape(op.get('description') or '')}</td>"
+                        f"<td>{escape(params)}</td></tr>")
+    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>" + escape(schema["info"]["title"])
+            + " API</title><style>body{font:14px system-ui,sans-serif;margin:24px}td{padding:4px 8px;"
+            "border-bottom:1px solid #ddd;vertical-align:top}</style></head><body><h1>"
+            + escape(schema["info"]["title"]) + "</h1><p>The machine-readable schema: <a href='/openapi.json'>"
+            "/openapi.json</a></p><table><tr><th>Request</th><th>What it does</th><th>Parameters</th></tr>"
+            + "".join(rows) + "</table></body></html>")
+
+
 def summary(state: RunState) -> dict:
     """Counters by stage, rate and ETA: O(1) reads, whatever the size of the run."""
     meta, counts = state.meta(), state.counts()
@@ -257,7 +339,8 @@ def summary(state: RunState) -> dict:
     return {"run_id": state.run_id, "date": meta.get("date"), "accounts": accounts, "counts": counts,
             "started": started, "finished": float(finished) if finished else None,
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
-            "notes_per_s": round(rate, 2), "eta_s": round(eta, 1) if eta is not None else None}
+            "relay": meta.get("relays", ""), "notes_per_s": round(rate, 2),
+            "eta_s": round(eta, 1) if eta is not None else None, "source": "redis"}
 
 
 def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:

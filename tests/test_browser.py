@@ -85,6 +85,27 @@ def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
             expect(page.locator("#delivered-count")).to_have_text(str(len(traded)), timeout=120_000)
             expect(failures).to_have_count(0, timeout=10_000)
             page.screenshot(path=str(tmp_path / "status.png"), full_page=True)
+
+            # the same run once its Redis is gone, on a read-only service: the report's own counts, no write
+            # controls; then the service failing: said on the page (before: zeros and dashes, no error, and
+            # the token box and rerun button on a service that refuses them)
+            gone = Settings(**{**good.__dict__, "redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+            stored_port = free_port()
+            stored = serve(create_app(gone, read_only=True), stored_port)
+            page.goto(f"http://127.0.0.1:{stored_port}/?run={run_id}")
+            expect(page.locator("#source")).to_contain_text("From the run's report in storage", timeout=10_000)
+            expect(page.locator("#delivered-count")).to_have_text(str(len(traded)))
+            expect(page.locator("#rendered-count")).not_to_have_text("0")
+            assert float(page.locator("#rate").inner_text()) > 0
+            expect(page.locator("#relays tbody tr")).to_have_count(1)
+            assert page.locator("#token").count() == 0 and page.locator("#rerun-button").count() == 0
+            shutil.rmtree(good.store_url)  # storage goes too: every request now fails
+            expect(page.locator("#error")).to_contain_text("did not answer", timeout=10_000)
+            expect(page.locator("#delivered-count")).to_have_text(str(len(traded)))  # the last figures, said as such
+            stored.should_exit = True
+            docs = page.goto(f"http://127.0.0.1:{port}/docs")
+            assert docs.ok and "/runs/{run_id}/rerun" in page.content()
+            assert "<script" not in page.content() and "https://" not in page.content(), "nothing fetched from elsewhere"
             browser.close()
     finally:
         server.should_exit = True
