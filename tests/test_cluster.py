@@ -238,6 +238,7 @@ def test_the_runtime_requirements_are_generated_from_the_pins():
     assert out.returncode == 0, out.stderr
     runtime = (Path(ROOT) / "requirements-runtime.txt").read_text()
     assert "ray==2.60.0" in runtime and "pytest" not in runtime and "moto" not in runtime
+    assert all(f"{p}==" in runtime for p in ("pandas", "matplotlib", "nbclient", "ipykernel")), "the notebook on a head"
 
 
 @pytest.mark.parametrize("driver_lives_s", [1.0, 0.0])
