@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.errors import CannotRun
-from pipeline.followup import bounces, close as proof
+from pipeline.followup import bounces, close as proof, located
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.followup.verify import exit_status, verify
 from pipeline.day.split import load_manifest
@@ -22,7 +22,7 @@ from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
 from pipeline.mail import verp
 from pipeline.record import delivery_log, keys
-from pipeline.record.state import RunState
+from pipeline.record.state import RunClosed, RunState
 from pipeline.record.storage import open_store
 from pipeline.seal import detached
 from pipeline.seal.sign import load_signer, make_test_certificate
@@ -205,6 +205,9 @@ def test_a_close_that_stops_before_its_proof_reads_as_begun_and_the_next_close_s
     assert any(b'"status":"closed"' in p.read_bytes() for p in stopped.rglob("*.jsonl")), "it stopped mid-seal"
     begun = verified(stopped, run_id)
     assert begun["ok"] and exit_status(begun) == 3 and "close began" in begun["summary"], begun
+    with pytest.raises(RunClosed, match="its close began and stopped before the seal"):  # not "sealed"
+        with located.open_run(settings, run_id, str(stopped), command="rerun"):
+            pass
 
     forged = copy(stopped, tmp_path / "forged")  # a mail logged after close began: not what the warrant allows
     store = open_store(str(forged))
