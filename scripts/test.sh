@@ -33,8 +33,9 @@ if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
 # Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud), the days that lose nodes and the benchmarks' smoke runs (each a process of its own, with its own Ray)
-side=(tests/test_ray_up.py tests/test_node_loss.py tests/test_benches.py)
+# cloud) and the benchmarks' smoke runs (each a process of its own, with its own Ray). The days that
+# lose nodes run with the rest: the two halves then take about as long
+side=(tests/test_ray_up.py tests/test_benches.py)
 cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
 cloud=$!
