@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
@@ -21,6 +22,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it 
 TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
 DEFAULT_KEY_DIR = Path(".keys")
 PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this repository
+HOSTNAME = re.compile(r"(?=.{1,253}\Z)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z][A-Za-z0-9-]{0,62}\Z")
 
 
 def cache_dir() -> Path:
@@ -142,6 +144,8 @@ class Settings:
                                 "must find that key, never make one")
     bounce_local: str = setting("CN_BOUNCE_LOCAL", "bounces", "MAIL FROM is bounce_local+TOKEN@bounce_domain")
     bounce_domain: str = setting("CN_BOUNCE_DOMAIN", "bounces.broker.example.com", "its MX receives the bounces")
+    message_id_domain: str = setting("CN_MESSAGE_ID_DOMAIN", "contract-notes.invalid", "the Message-IDs' domain "
+                                     "(the broker's mail domain); a run records its own, and its reruns keep it")
     bounce_window_h: float = setting("CN_BOUNCE_WINDOW_H", 72.0, "hours after the run's end before `close` may "
                                      "deem the mail delivered", 1, 720)
     bounce_max_bytes: int = setting("CN_BOUNCE_MAX_BYTES", 5_000_000, "a bigger \"bounce\" is reported, never "
@@ -164,6 +168,8 @@ class Settings:
             if f.type == "float" and not math.isfinite(value) or low is not None and not low <= value <= high:
                 limits = f" (from {low:g} to {high:g})" if low is not None else " (a finite number)"
                 raise ConfigError(f"{f.metadata['env']}={value!r} is out of range{limits}")
+        if not HOSTNAME.match(self.message_id_domain):
+            raise ConfigError(f"CN_MESSAGE_ID_DOMAIN={self.message_id_domain!r} is not a domain name")
         self.domain_limits()
 
     @classmethod

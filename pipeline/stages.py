@@ -248,6 +248,7 @@ class MailContext:
     link_base: str = ""  # the client's link to their note, in the e-mail's text ("": none)
     link_s: float = 90 * 86400
     key: bytes = b""  # the HMAC key of the links and the Message-IDs
+    mid_domain: str = "contract-notes.invalid"  # the run's Message-IDs' domain (CN_MESSAGE_ID_DOMAIN)
     unrecorded: list[Outcome] = field(default_factory=list)  # relays' replies not yet in Redis (_record)
     record_timer: asyncio.TimerHandle | None = None
 
@@ -282,7 +283,8 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
     return MailContext(SmtpPool(targets, options, buckets, domains), state, store, letter,
                        RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
                        verp=Verp(settings.bounce_local, settings.bounce_domain, key),
-                       link_base=settings.link_base.rstrip("/"), link_s=settings.link_days * 86400, key=key)
+                       link_base=settings.link_base.rstrip("/"), link_s=settings.link_days * 86400, key=key,
+                       mid_domain=settings.message_id_domain)
 
 
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
@@ -293,7 +295,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
     mailable = [i for i in batch.items if _not_mailable(i) is None]
     for i in mailable:  # its VERP address and Message-ID (an HMAC each): sent with, and logged twice
         i["mail_from"] = ctx.mail_from(batch.run_id, i["ucc"])
-        i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key)
+        i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key, ctx.mid_domain)
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
         intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"]) for i in mailable]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
@@ -396,7 +398,7 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
     no outcome recorded, the mail may have reached the relay: unconfirmed, not resent."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
-    mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key)
+    mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key, ctx.mid_domain)
     if record.get("stage") == "delivered":
         return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
                        reply=record.get("reply", ""))

@@ -4,10 +4,12 @@ listed, the rerun button delivers it."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shutil
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import uvicorn
 
@@ -96,7 +98,9 @@ def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
             expect(page.locator("#source")).to_contain_text("From the run's report in storage", timeout=10_000)
             expect(page.locator("#delivered-count")).to_have_text(str(len(traded)))
             expect(page.locator("#rendered-count")).not_to_have_text("0")
-            assert float(page.locator("#rate").inner_text()) > 0
+            kept = json.loads((Path(good.store_url) / f"reports/{run_id}.json").read_text())["notes_per_s"]
+            assert kept > 0
+            expect(page.locator("#rate")).to_have_text(f"{kept:.1f}")  # the report's (the last rerun's), not 0
             expect(page.locator("#relays tbody tr")).to_have_count(1)
             assert page.locator("#token").count() == 0 and page.locator("#rerun-button").count() == 0
             shutil.rmtree(good.store_url)  # storage goes too: every request now fails

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -45,6 +46,7 @@ BUCKET = "cn-day"
 TESTS = Path(__file__).resolve().parent
 HSM_PORT = 2223  # CloudHSM's
 NODE_HSM_SOCKET = "~/.cn-hsm.sock"
+NODE_HSM_CA = "~/.cn-hsm/customerCA.crt"  # where /opt/cloudhsm/etc/customerCA.crt would be
 
 
 @pytest.fixture
@@ -140,16 +142,35 @@ class NetworkHsm:
     label: str = "cn-hsm"
     key: str = "cn-signer"
 
-    def link(self, socket: str, python: str = "~/venv/bin/python") -> list[str]:
+    def link(self, socket: str, python: str = "~/venv/bin/python", ca: str = "") -> list[str]:
         return [python, f"{self.vendor}/hsm_link.py", "connect", "--socket", socket, "--hsm",
-                f"{self.ip}:{HSM_PORT}", "--ca", f"{self.vendor}/customerCA.crt"]
+                f"{self.ip}:{HSM_PORT}", "--ca", ca or f"{self.vendor}/customerCA.crt"]
 
     def node_setup(self) -> str:
         """A node's set-up command for the HSM's client (CloudHSM's `configure-pkcs11 -a IP`):
-        the local socket p11-kit-client.so reaches the HSM through, there once the HSM answered."""
-        return (f"(nohup {' '.join(self.link(NODE_HSM_SOCKET))} > ~/hsm-link.log 2>&1 &) && "
+        the local socket p11-kit-client.so reaches the HSM through, there once the HSM answered,
+        trusting the customerCA.crt the doc's previous line installed."""
+        return (f"(nohup {' '.join(self.link(NODE_HSM_SOCKET, ca=NODE_HSM_CA))} > ~/hsm-link.log 2>&1 &) && "
                 f"for i in $(seq 150); do test -S {NODE_HSM_SOCKET} && break; sleep 0.2; done && "
                 f"test -S {NODE_HSM_SOCKET}")
+
+    def as_here(self, line: str) -> str:
+        """docs/aws.md's step-4 line for CloudHSM's client, as this cloud's stand-in does it."""
+        if line.startswith("sudo apt-get install -y ./cloudhsm-pkcs11"):  # the AMI holds the client
+            return f"test -f {P11_KIT_CLIENT} && test -f {self.vendor}/hsm_link.py"
+        if line == "sudo install -D -m 644 ~/contract_notes/scripts/customerCA.crt /opt/cloudhsm/etc/customerCA.crt":
+            return f"install -D -m 644 ~/contract_notes/scripts/customerCA.crt {NODE_HSM_CA}"
+        if line.startswith("sudo /opt/cloudhsm/bin/configure-pkcs11 -a "):
+            return self.node_setup()
+        raise AssertionError(f"docs/aws.md step 4 has a line the test cannot stand in for: {line!r}")
+
+
+def hsm_setup_in_the_doc() -> tuple[list[str], list[str]]:
+    """docs/aws.md's step 4, as printed: what it appends to head_setup_commands, and the signer
+    node type's own worker_setup_commands."""
+    step = (Path(ROOT) / "docs/aws.md").read_text().split("4. **`cluster.yaml`.**", 1)[1].split("5. **", 1)[0]
+    head, signer = [yaml.safe_load(textwrap.dedent(block)) for block in re.findall(r"```yaml\n(.*?)```", step, re.S)]
+    return head, signer["signer_smtp"]["worker_setup_commands"]
 
 
 def _network_hsm(cloud) -> NetworkHsm:
@@ -218,10 +239,14 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
         with env_file.open("a") as f:
             f.write(f"export CN_PKCS11_MODULE={P11_KIT_CLIENT} CN_PKCS11_TOKEN={hsm.label} CN_PKCS11_KEY={hsm.key}\n"
                     f"export P11_KIT_SERVER_ADDRESS=unix:path={NODE_HSM_SOCKET.replace('~', '$HOME')}\n")
-        config = yaml.safe_load(yaml_path.read_text())
-        config["head_setup_commands"].append(hsm.node_setup())
-        config["available_node_types"]["signer_smtp"]["worker_setup_commands"] = [  # it replaces both lists (Ray 2.60)
-            *config["setup_commands"], *config["worker_setup_commands"], hsm.node_setup()]
+        config = yaml.safe_load(yaml_path.read_text())  # the doc's step 4, line by line, CloudHSM's client stood in for
+        head, signer = hsm_setup_in_the_doc()
+        shutil.copy(hsm.vendor / "customerCA.crt", checkout / "scripts/customerCA.crt")  # "in the checkout's scripts/"
+        config["head_setup_commands"] += [hsm.as_here(line) for line in head]
+        everything = "...every command of the top-level setup_commands, copied as it is..."
+        assert signer[0] == everything and signer[1:-3] == config["worker_setup_commands"], signer
+        config["available_node_types"]["signer_smtp"]["worker_setup_commands"] = [
+            *config["setup_commands"], *signer[1:-3], *(hsm.as_here(line) for line in signer[-3:])]
         yaml_path.write_text(yaml.safe_dump(config, sort_keys=False))
     laptop_env = {"PATH": f"{ROOT}/.venv/bin:/usr/local/bin:/usr/bin:/bin", "HOME": str(laptop),
                   "PYTHONPATH": str(TESTS), "RAY_AUTH_MODE": "token", "LANG": "C.UTF-8",
@@ -270,10 +295,14 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     head_ip, head_disk = head[0]["ip"], Path(cloud.instances[head[0]["id"]]["node"]) / "homes/ubuntu"
     _head_redis_refuses_strangers(head_ip, head_disk / ".cn-tls")
     metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
+    day_over = threading.Event()
+    on_nodes = _series_on_the_nodes(cloud, day_over)
     strangers = _strangers_try_to_join(cloud, head_ip, lap.home / ".ray/auth_token")
     wire = Capture(net=f"{cloud.gateway}/24", exclude={cloud.gateway})  # between the instances, not the relay or S3
     job = lap.submit(tmp_path, f"s3://{BUCKET}/dumps/{TRADE_DATE}")
+    day_over.set()
     streams = wire.stop()
+    print(json.dumps({kind: sorted(names) for kind, names in on_nodes.items()}))
     strangers.join()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "succeeded" in job.stdout
@@ -686,6 +715,30 @@ def _scrape_while_up(url: str) -> dict:
                     reading[key] = reading.get(key, 0.0) + float(value)
             seen.update(reading)
             time.sleep(1)
+
+    threading.Thread(target=scrape, daemon=True).start()
+    return seen
+
+
+def _series_on_the_nodes(cloud, until: threading.Event) -> dict[str, set[str]]:
+    """Each worker's own metrics port (what the head's Prometheus scrapes, through Ray's service
+    discovery), read every second until `until`: the ray_cn_* series each node type showed."""
+    seen: dict[str, set[str]] = {}
+
+    def scrape():
+        while not until.is_set():
+            for node in cloud.listing():
+                kind = node["tags"].get("ray-user-node-type", "")
+                if node["state"] != "running" or node["tags"].get("ray-node-type") != "worker":
+                    continue
+                try:
+                    text = urllib.request.urlopen(f"http://{node['ip']}:8080/metrics", timeout=2).read().decode()
+                except OSError:
+                    continue
+                seen.setdefault(kind, set()).update(
+                    " ".join([line.split("{", 1)[0], *re.findall(r'[{,](stage="\w+")', line)])
+                    for line in text.splitlines() if line.startswith("ray_cn_"))
+            until.wait(1)
 
     threading.Thread(target=scrape, daemon=True).start()
     return seen

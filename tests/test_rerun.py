@@ -168,3 +168,20 @@ def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_o
     assert json.loads(still.stdout.splitlines()[-1])["rerun_outcomes"] == {"failed": 1}
     assert still.returncode == 1
     assert len(mids(relay.outbox)) == 1
+
+
+def test_the_message_id_domain_is_the_broker_s_and_a_rerun_keeps_the_run_s_own(ray_session, settings, day,
+                                                                                smtp_server):
+    """Before, every Message-ID ended in @contract-notes.invalid and nothing could change it."""
+    import dataclasses
+
+    relay = smtp_server("mid-domain")
+    own = dataclasses.replace(settings, smtp_url=relay.url, message_id_domain="mail.broker.example.com")
+    first = run_day(own, RunRequest(TRADE_DATE, str(day)))
+    sent = mids(relay.outbox)
+    assert len(sent) == first["delivered"] > 0 and all(m.endswith("@mail.broker.example.com>") for m in sent), sent
+    ucc = next(iter(sent)).strip("<>").rsplit("@", 1)[0].split(".", 1)[1]
+    again = rerun(dataclasses.replace(own, message_id_domain="other.example.com"), first["run_id"], accounts=[ucc],
+                  force=True)  # this shell says another domain: the run's own is kept
+    assert again["delivered_now"] == 1
+    assert mids(relay.outbox) - sent == Counter({next(m for m in sent if f".{ucc}@" in m): 1})

@@ -686,7 +686,7 @@ def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str],
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",
                                                                            "deferred")]
     claimed = state.claimed(unfinished)
-    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key),
+    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
                          reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
                  if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
                  for u in unfinished)

@@ -178,7 +178,8 @@ def _map(m: Message, v: verp.Verp, pattern, run_id: str, keyed: bool, max_bytes:
         return Found(t.ucc, b, m.name, bool(named) and named != t.ucc), "", False
     if b.message_id:
         ucc = _ucc_of(b.message_id)
-        if ucc and keys.message_id(run_id, ucc, v.key if keyed else b"") == b.message_id:
+        domain = b.message_id.rsplit("@", 1)[-1].rstrip(">")  # the digest is the proof; the domain is the run's
+        if ucc and keys.message_id(run_id, ucc, v.key if keyed else b"", domain) == b.message_id:
             return Found(ucc, b, m.name, False), "", False
         return None, "a Message-ID that is not the run's", True
     return None, "no VERP token and no original Message-ID in it", False

@@ -101,7 +101,8 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
     return {"store_url": settings.store_url, "key_dir": str(Path(settings.signer_key).parent) if own else "",
             "secret": settings.secret, **{f: getattr(settings, f) if own and f not in unused else "" for f in KEY_FILES},
             "token_key_id": key_id(resolved.hmac_key()),
-            "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS}}
+            "signer_cert_sha256": detached.cert_fingerprint(cert), **{f: getattr(settings, f) for f in TOKEN_FIELDS},
+            "message_id_domain": settings.message_id_domain}
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
@@ -162,6 +163,8 @@ def _with_keys(settings: Settings, found: dict) -> Settings:
         changes.update({f: found[f] for f in KEY_FILES if found.get(f) and getattr(settings, f) == getattr(Settings, f)})
     if found.get("token_key_id"):
         changes["token_key_id"] = found["token_key_id"]
+    # the run's Message-IDs, whatever this shell says: a run from before it was recorded had the old domain
+    changes["message_id_domain"] = found.get("message_id_domain") or Settings.message_id_domain
     if found.get("pkcs11_module") and not settings.pkcs11_module:  # `close` signs with the run's token
         changes.update({f: found[f] for f in TOKEN_FIELDS if found.get(f)})
     return replace(settings, **changes)

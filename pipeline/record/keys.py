@@ -48,7 +48,7 @@ PARTITIONS = 10
 # material): in its meta and its report, so a command typed later, anywhere, finds them
 RECORD_FIELDS = ("store_url", "key_dir", "secret", "signer_key", "signer_cert", "signer_chain", "token_key_file",
                  "token_key_id", "signer_cert_sha256", "pkcs11_module", "pkcs11_token", "pkcs11_key", "pkcs11_key_id",
-                 "pkcs11_pin_file")
+                 "pkcs11_pin_file", "message_id_domain")
 RUNS = "cn:runs"
 # A run id goes into Redis keys, storage keys and the status page: nothing else gets through
 RUN_ID = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}\Z")  # \Z: "$" would take a final newline
