@@ -179,9 +179,10 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=2000)
     parser.add_argument("--large", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--volatile-trades", type=int, default=60_000, help="the heavy day's volatile client's trades")
     parser.add_argument("--first-note-only", action="store_true",
                         help="only the cold run of the large day, up to its first note at the relay")
-    measured.run("scale", parser, once, {"small": 60, "large": 120})
+    measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
 
 
 def once(args) -> dict:
@@ -193,7 +194,8 @@ def once(args) -> dict:
         date = dt.date.fromisoformat(DATE)
         for name, n, volatile in (("small", args.small, False), ("large", args.large, False),
                                   ("heavy", args.small, True)):
-            write_dumps(work / name, SynthOptions(date, n, args.seed, volatile=volatile))
+            write_dumps(work / name, SynthOptions(date, n, args.seed, volatile=volatile,
+                                                  volatile_trades=args.volatile_trades))
         key, cert, root = make_test_certificate(work / "keys")
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")

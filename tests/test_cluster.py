@@ -298,3 +298,23 @@ def test_redis_unreachable_is_named_in_the_one_line_error(monkeypatch, capsys):
     assert main(["close", "any-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: Redis cannot be reached"), err
+
+
+def test_a_local_run_starts_its_own_ray_whatever_a_stale_ray_start_left_behind():
+    """A `ray start` once run on the machine leaves /tmp/ray/ray_current_cluster: before, a
+    local run or rerun then tried to join that address and ended in Ray's traceback ("When
+    connecting to an existing cluster, num_cpus ... must not be provided")."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="cn-", dir="/tmp"))  # Ray's socket paths must stay short
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray/ray_current_cluster").write_text("192.0.2.77:6379\n")  # nothing listens there
+    started = subprocess.run([sys.executable, "-c", "import ray; from pipeline.cluster.driver import init_ray; "
+                              "from pipeline.settings import Settings; init_ray(Settings()); "
+                              "print(ray.get_runtime_context().gcs_address); ray.shutdown()"],
+                             capture_output=True, text=True, timeout=180, cwd=ROOT,
+                             env={**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": "", "PYTHONPATH": ROOT})
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert "192.0.2.77" not in started.stdout

@@ -97,7 +97,7 @@ def test_a_worker_proved_with_the_token_gets_a_certificate_for_its_own_address_o
     assert subprocess.run(["openssl", "verify", "-CAfile", worker / "ca.crt", worker / "node.crt"]).returncode == 0
     sans = subprocess.run(["openssl", "x509", "-in", worker / "node.crt", "-noout", "-ext", "subjectAltName"],
                           capture_output=True, text=True).stdout
-    assert "IP Address:127.0.0.1" in sans and sans.count("IP Address") == 1  # where it asked from, nothing else
+    assert "IP Address:127.0.0.1" in sans and sans.count("IP Address") == 1  # where it asked from, and loopback
 
 
 def test_a_machine_with_the_token_that_the_cloud_does_not_list_gets_nothing(tmp_path, head):

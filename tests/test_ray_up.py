@@ -303,6 +303,10 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     day_over.set()
     streams = wire.stop()
     print(json.dumps({kind: sorted(names) for kind, names in on_nodes.items()}))
+    # each stage's counter on the node where it ran, where the head's Prometheus scrapes it (before: none, the
+    # workers' certificates lacked 127.0.0.1 and their Ray workers could not reach the metrics agent)
+    assert 'ray_cn_notes_total stage="render"' in on_nodes.get("render_ondemand", set()), on_nodes
+    assert {'ray_cn_notes_total stage="sign"', 'ray_cn_notes_total stage="mail"'} <= on_nodes.get("signer_smtp", set())
     strangers.join()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "succeeded" in job.stdout

@@ -40,6 +40,7 @@ class SynthOptions:
     accounts: int
     seed: int = 1
     volatile: bool = False
+    volatile_trades: int = 60_000  # the volatile client's trades (a bench's smoke run takes fewer)
 
 
 def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
@@ -56,7 +57,7 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
         for i in range(opts.accounts):
             ucc = f"C{i + 1:07d}"
             clients.writerow(_client(rng, ucc, i))
-            n = 60_000 if (opts.volatile and i == 0) else _trade_count(rng)
+            n = opts.volatile_trades if (opts.volatile and i == 0) else _trade_count(rng)
             rows = list(_trades(rng, opts.trade_date, ucc, n, counter))
             _note_contracts(rows, contracts)
             trades.writerows(rows)

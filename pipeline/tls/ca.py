@@ -76,6 +76,7 @@ def load_ca(folder: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]
 def issue(ca_key, ca: x509.Certificate, public_key, ips: list[str]) -> bytes:
     """A node's certificate: server and client (Ray's gRPC and Redis both check the client's)."""
     now = _now()
+    ips = list(dict.fromkeys(ips))
     names = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "contract-notes"),

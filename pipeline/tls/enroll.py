@@ -73,7 +73,9 @@ def serve(folder: Path, token: bytes, host: str = "0.0.0.0", port: int = PORT,
             if not member:
                 log.warning("refused a certificate to %s: not a node of this cluster", peer)
                 return self._reply(403, {"error": f"{peer} is not a node of this cluster"})
-            cert = issue(ca_key, ca, csr.public_key(), [peer])
+            # and 127.0.0.1: the node's Ray workers reach its metrics agent over TLS on loopback (without it,
+            # every worker node's ray_cn_* counters failed to export, "Failed to export metrics ... Result: 1")
+            cert = issue(ca_key, ca, csr.public_key(), [peer, "127.0.0.1"])
             log.info("issued a node certificate for %s", peer)
             self._reply(200, {"cert": cert.decode(), "ca": ca_pem.decode()})
 
