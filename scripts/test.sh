@@ -9,11 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 
-# What only the tests need: iptables for the simulated cloud's nodes (cluster.yaml's rule on the
-# dashboard agent's port; Ubuntu's AMI has it), faketime (close typed as the README prints it, the clock
-# past the bounce window), and an S3-compatible server (versitygw), built once with Go and cached outside
-# the repo. Debian's own Go (1.19) is too old for it.
-missing=$(for p in iptables faketime; do
+# What only the tests need: iptables and prometheus for the simulated cloud's nodes (cluster.yaml's rule
+# on the dashboard agent's port, and the head's Prometheus, both from the OS's archive as on the AMI),
+# faketime (close typed as the README prints it, the clock past the bounce window), and an S3-compatible
+# server (versitygw), built once with Go and cached outside the repo. Debian's own Go (1.19) is too old for it.
+missing=$(for p in iptables prometheus faketime; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"; done)
 [[ -z "$missing" ]] || {
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null; }

@@ -296,7 +296,7 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     _head_redis_refuses_strangers(head_ip, head_disk / ".cn-tls")
     metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
     day_over = threading.Event()
-    on_nodes = _series_on_the_nodes(cloud, day_over)
+    on_nodes, in_prometheus = _series_on_the_nodes(cloud, day_over), _prometheus_while_up(cloud, head[0]["id"], day_over)
     strangers = _strangers_try_to_join(cloud, head_ip, lap.home / ".ray/auth_token")
     wire = Capture(net=f"{cloud.gateway}/24", exclude={cloud.gateway})  # between the instances, not the relay or S3
     job = lap.submit(tmp_path, f"s3://{BUCKET}/dumps/{TRADE_DATE}")
@@ -307,6 +307,9 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     # workers' certificates lacked 127.0.0.1 and their Ray workers could not reach the metrics agent)
     assert 'ray_cn_notes_total stage="render"' in on_nodes.get("render_ondemand", set()), on_nodes
     assert {'ray_cn_notes_total stage="sign"', 'ray_cn_notes_total stage="mail"'} <= on_nodes.get("signer_smtp", set())
+    print(json.dumps({"prometheus_notes_by_stage": in_prometheus}))
+    assert {"render", "sign", "mail"} <= {stage for stage, n in in_prometheus.items() if n > 0}, \
+        "the head's Prometheus held every stage's counter from the nodes while the day ran"
     strangers.join()
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
     assert "succeeded" in job.stdout
@@ -485,15 +488,15 @@ def _settled_each_account_once(lap: Laptop, cloud, tmp_path: Path, redis_url: st
     ids = [email.message_from_bytes(p.read_bytes(), policy=policy.default)["Message-ID"]
            for p in cloud.outbox.iterdir()]
     assert len(ids) == len(set(ids)) >= summary["delivered"], "no account mailed twice"
+    laptop = {"PATH": lap.env["PATH"], "HOME": str(lap.home), "LANG": "C.UTF-8", **cloud.aws,
+              "CN_STORE": f"s3://{BUCKET}", "CN_SECRET": "aws-sm:contract-notes/signing",
+              "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/10"}
+    redis.Redis.from_url(laptop["REDIS_URL"]).flushdb()
+    settle = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", *a], cwd=lap.checkout,  # noqa: E731
+                                       capture_output=True, text=True, env=laptop, timeout=300)
     if summary["unconfirmed"]:
         relay_log = tmp_path / "relay.log"  # the relay's log shows accepted, then the rest sent again
         relay_log.write_text("".join(f"{m}\n" for m in ids))
-        laptop = {"PATH": lap.env["PATH"], "HOME": str(lap.home), "LANG": "C.UTF-8", **cloud.aws,
-                  "CN_STORE": f"s3://{BUCKET}", "CN_SECRET": "aws-sm:contract-notes/signing",
-                  "REDIS_URL": redis_url.rsplit("/", 1)[0] + "/10"}
-        redis.Redis.from_url(laptop["REDIS_URL"]).flushdb()
-        settle = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", *a], cwd=lap.checkout,  # noqa: E731
-                                           capture_output=True, text=True, env=laptop, timeout=300)
         settled = settle("reconcile", summary["run_id"], "--relay-log", str(relay_log))
         left = json.loads(settled.stdout.splitlines()[-1])["still_unconfirmed"]
         assert settled.returncode == (1 if left else 0), settled.stderr[-3000:]
@@ -503,6 +506,8 @@ def _settled_each_account_once(lap: Laptop, cloud, tmp_path: Path, redis_url: st
         ids = [email.message_from_bytes(p.read_bytes(), policy=policy.default)["Message-ID"]
                for p in cloud.outbox.iterdir()]
     assert len(ids) == len(set(ids)) == ACCOUNTS, "every account once at the relay"
+    status = settle("status", summary["run_id"], "--json")
+    assert json.loads(status.stdout)["statuses"] == {"delivered": ACCOUNTS}, status.stdout[-2000:] + status.stderr[-2000:]
 
 
 def _lose_when(cloud, day: threading.Thread, mailed: int, instance_type: str, notice_s: float = 0) -> str:
@@ -745,6 +750,29 @@ def _series_on_the_nodes(cloud, until: threading.Event) -> dict[str, set[str]]:
             until.wait(1)
 
     threading.Thread(target=scrape, daemon=True).start()
+    return seen
+
+
+def _prometheus_while_up(cloud, head: str, until: threading.Event) -> dict[str, float]:
+    """The head's Prometheus (127.0.0.1:9090 on the head, what the tunnel reaches), asked every
+    2 s until `until`: the day's notes by stage, summed over every node it scraped."""
+    seen: dict[str, float] = {}
+    query = "/api/v1/query?query=sum%20by%20(stage)%20(ray_cn_notes_total)"
+
+    def ask():
+        while not until.is_set():
+            try:
+                with cloud.connect(head, 9090) as sock:
+                    sock.settimeout(5)
+                    sock.sendall(f"GET {query} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+                    reply = b"".join(iter(lambda: sock.recv(65536), b""))
+                body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+                seen.update({r["metric"].get("stage", ""): float(r["value"][1]) for r in body["data"]["result"]})
+            except (OSError, ValueError, KeyError, IndexError, LookupError):
+                pass
+            until.wait(2)
+
+    threading.Thread(target=ask, daemon=True).start()
     return seen
 
 

@@ -19,6 +19,10 @@ RUN_LINE = re.compile(r"\brun (\d{4}-\d{2}-\d{2}-[\w-]+):")  # the driver's log 
 TERMINAL = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 1}
 
 
+class NoSuchJob(Exception):
+    """The head answered, and has no such job: a typo, not a lost head."""
+
+
 def watch(address: str, job_id: str, silence_s: float = 30.0, poll_s: float = 2.0, out=sys.stdout) -> int:
     """Print the job's log as it grows; its end as the job's exit (0 succeeded, 1 otherwise), or
     LOST once the head has been silent for `silence_s`."""
@@ -30,7 +34,7 @@ def watch(address: str, job_id: str, silence_s: float = 30.0, poll_s: float = 2.
         try:
             job = _get(f"{address}/api/jobs/{job_id}", headers)
             logs = _get(f"{address}/api/jobs/{job_id}/logs", headers)["logs"]
-        except LookupError:
+        except NoSuchJob:
             print(f"error: no job {job_id!r} at {address}", file=sys.stderr)
             return 2
         except (requests.RequestException, ValueError, KeyError):
@@ -62,6 +66,6 @@ def lost_line(address: str, job_id: str, run_id: str, silent_s: float) -> str:
 def _get(url: str, headers: dict) -> dict:
     reply = requests.get(url, headers=headers, timeout=5)
     if reply.status_code == 404:
-        raise LookupError(url)
+        raise NoSuchJob(url)
     reply.raise_for_status()
     return reply.json()
