@@ -39,6 +39,7 @@ def write_env(work: Path, run_id: str, redis_url: str, smtp_url: str, bounce_rat
         kept = work / "keys" / "owner-password"
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.touch(mode=0o600)
+        kept.chmod(0o600)  # a file an earlier demo left keeps its mode otherwise
         kept.write_text(owner_password)
         lines.append(f'export CN_OWNER_PASSWORD="$(cat {shlex.quote(str(kept))})"')
     (work / "env.sh").write_text("\n".join(lines) + "\n")
