@@ -621,23 +621,22 @@ def cmd_serve(args) -> int:
              help="no run: start the demo's Redis and SMTP sink again, in the background, on the ports its run "
                   "recorded (for the commands after the demo: README, 'After the demo')"))
 def cmd_demo(args) -> int:
-    from pipeline import demo_followups
+    from pipeline import embedded
 
     work = args.workdir.resolve()
     if args.services:
-        return demo_followups.serve_again(work)
+        return embedded.serve_again(work)
     import ray
 
     from pipeline.cluster.driver import RunRequest, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
-    from pipeline.embedded import start_redis, start_smtp_sink
 
     write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
     services = []
     try:
-        services.append(start_redis(work / "redis"))
-        services.append(start_smtp_sink(work / "outbox", work / "smtp.log",
-                                        demo_followups.sink_args(work, args.bounce_rate)))
+        services.append(embedded.start_redis(work / "redis"))
+        services.append(embedded.start_smtp_sink(work / "outbox", work / "smtp.log",
+                                        embedded.sink_args(work, args.bounce_rate)))
         # unless one is set, a fresh owner password: the placeholder is public
         owner = None if os.environ.get("CN_OWNER_PASSWORD") else secrets.token_urlsafe(24)
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
@@ -645,7 +644,7 @@ def cmd_demo(args) -> int:
                                      owner_password=owner, **_demo_key(work, args.file_key))
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))  # Ray starts in it
         summary["outbox"] = str(work / "outbox")
-        demo_followups.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)
+        embedded.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)
         if args.bounce_rate:
             from pipeline.followup.bounces import collect
             from pipeline.record.state import RunState

@@ -1,14 +1,12 @@
 """`status RUN`: one run at a glance, in the same shape whether Redis still holds it or only its
 report in storage does (a cluster's Redis ends with the cluster).
 
-The shape's own keys (`trade_date` ... `next`, times in ISO 8601, UTC) come first; the sources'
+The shape's own keys (`trade_date` ... `next`, times in ISO 8601 as the report's, India time) come first; the sources'
 raw keys follow as earlier releases printed them (`meta`, `counts`, `relays` from Redis; `report`
 from storage), for the scripts that read those.
 """
 
 from __future__ import annotations
-
-import datetime as dt
 
 from pipeline.record import report
 
@@ -93,10 +91,8 @@ def _started(run_report: dict):
 
 
 def _iso(epoch) -> str:
-    """Epoch seconds (Redis, a report's `finished_at`) as the reports' other times are: ISO, UTC."""
-    if epoch in (None, ""):
-        return ""
+    """Epoch seconds (Redis, a report's `finished_at`) as the report's other times are."""
     try:
-        return dt.datetime.fromtimestamp(float(epoch), dt.timezone.utc).isoformat(timespec="seconds")
+        return report.iso(float(epoch)) if epoch not in (None, "") else ""
     except (TypeError, ValueError):
         return str(epoch)

@@ -17,7 +17,6 @@ sealed: consistent so far, not yet proof (or a close began and must be run again
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import hashlib
 import itertools
 import json
@@ -80,7 +79,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             evidence = f"{was_closed} chains hold a closing object" if was_closed else "its report says closed_at"
             problems.insert(0, f"{proof_keys(run_id)[0]}: removed (the run was closed: {evidence})")
         elif not has_proof and warrant and problems:  # the record changed since its close began: never sealed now
-            problems.append(f"{proof_keys(run_id)[0]}: not there (close began {_iso(warrant['closed_at'])}, and "
+            problems.append(f"{proof_keys(run_id)[0]}: not there (close began {report.iso(warrant['closed_at'])}, and "
                             "the record no longer matches its warrant)")
         if proof is not None:
             for key, sha in proof["reports"].items():
@@ -90,7 +89,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
                 problems += _disagreements(db, store, run_id)
         db.close()
     ok = not problems
-    begun = f"close began ({_iso(warrant['closed_at'])}) and stopped before its proof: run close again to seal it" \
+    begun = f"close began ({report.iso(warrant['closed_at'])}) and stopped before its proof: run close again to seal it" \
         if warrant else ""
     summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if proof else
                                    f"not sealed: {begun or 'consistent so far, not yet proof'}")
@@ -151,10 +150,6 @@ def _warrant(store: Store, run_id: str, cert_pem: bytes | None, run_report: dict
     before = len(problems)
     _signer(store, (key, sig_key), data, cert_pem, run_report, problems)
     return warrant if len(problems) == before else None
-
-
-def _iso(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _signer(store: Store, signed: tuple[str, str], data: bytes, cert_pem: bytes | None, run_report: dict,

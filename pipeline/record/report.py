@@ -74,8 +74,8 @@ def bounce_window(meta: dict) -> dict:
     every mailed account with no bounce is delivered, final."""
     window = {"hours": float(meta.get("bounce_window_h") or 0)}
     if meta.get("finished"):
-        window["closes_at"] = _iso(float(meta["finished"]) + window["hours"] * 3600)
-    window["closed_at"] = _iso(float(meta["closed_at"])) if meta.get("closed_at") else ""
+        window["closes_at"] = iso(float(meta["finished"]) + window["hours"] * 3600)
+    window["closed_at"] = iso(float(meta["closed_at"])) if meta.get("closed_at") else ""
     window["state"] = "closed" if window["closed_at"] else "open" if meta.get("finished") else "run not finished"
     return window
 
@@ -112,7 +112,7 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
                              {"ucc": rec["ucc"], "why": why, "known_on": known, "due_date": due}.items()})
         duplicate = "Y" if rec.get("extra", {}).get("possible_duplicate") else ""  # resent with the same Message-ID
         row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else "", "possible_duplicate": duplicate,
-               "bounced_at": _iso(bounce["at"]) if bounce else "", "bounce_status": bounce.get("status", ""),
+               "bounced_at": iso(bounce["at"]) if bounce else "", "bounce_status": bounce.get("status", ""),
                "bounce_reason": bounce.get("reason", ""), "due_date": due}
         writer.writerow({k: _inert(v) for k, v in row.items()})
         if n % PAGE == 0:
@@ -131,7 +131,8 @@ def _days_after(day: str, days: int) -> str:
     return (dt.date.fromisoformat(day) + dt.timedelta(days=days)).isoformat()
 
 
-def _iso(at: float) -> str:
+def iso(at: float) -> str:
+    """A time as every report and status gives it: ISO 8601, India time."""
     return dt.datetime.fromtimestamp(at, IST).isoformat(timespec="seconds")
 
 
