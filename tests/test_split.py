@@ -117,7 +117,21 @@ def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_
     assert len(rows) == n and len({r["ucc"] for r in rows}) == n
     doc = json.loads(store.get(key))
     assert doc["statuses"] == {"delivered": n - 3, "physical": 3}
-    assert sorted(doc["physical_dispatch"]) == ["P0", "P1", "P2"]
+    assert sorted(doc["physical_dispatch"]) == ["P0", "P1", "P2"] and doc["physical_dispatch_count"] == 3
+
+
+def test_the_report_json_stays_one_size_however_many_notes_are_owed_on_paper(tmp_path, redis_url, monkeypatch):
+    """The live page and `status` read the JSON whole: it names the first accounts owed paper
+    and counts them all; the paper list names every one (before: the JSON listed them all)."""
+    monkeypatch.setattr(report, "PAPER_IN_JSON", 4)
+    state = RunState(redis_url, f"paper-{os.urandom(3).hex()}")
+    state.record([Outcome(f"P{i}", "rendered", "physical", "no e-mail consent") for i in range(10)])
+    store = open_store(str(tmp_path))
+    key = report.write(store, state, state.run_id, {"run_id": state.run_id, "trade_date": "2026-11-20"}, [])
+    doc = json.loads(store.get(key))
+    assert len(doc["physical_dispatch"]) == 4 and doc["physical_dispatch_count"] == 10
+    paper = list(csv.DictReader(io.StringIO(store.get(report.paper_key(state.run_id)).decode())))
+    assert sorted(r["ucc"] for r in paper) == sorted(f"P{i}" for i in range(10))
 
 
 

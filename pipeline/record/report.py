@@ -2,7 +2,9 @@
 (reports/{run}.paper.csv: each account owed a physical note, why, and by when).
 
 Written a page of accounts at a time (HSCAN) into local files, then uploaded (multipart on
-S3), so writing it takes the same memory at 2,000 accounts as at 1.5 million. Rows come in
+S3), so writing it takes the same memory at 2,000 accounts as at 1.5 million; the JSON names
+at most PAPER_IN_JSON of the accounts owed paper (physical_dispatch, the first met) with their
+count, so it stays the same size too: the live page and `status` read it whole. Rows come in
 Redis's scan order; sort the CSV by its first column for an alphabetical list. It is written
 again whenever something changes an account after the run (reconcile, a bounce, close).
 """
@@ -25,6 +27,7 @@ CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "re
               "possible_duplicate", "bounced_at", "bounce_status", "bounce_reason", "due_date"]
 PAPER_FIELDS = ["ucc", "why", "known_on", "due_date"]
 PAGE = 1000
+PAPER_IN_JSON = 1000  # the paper accounts the JSON names; the paper list names them all
 IST = dt.timezone(dt.timedelta(hours=5, minutes=30))  # the exchanges' day, and the paper's due date
 
 
@@ -37,7 +40,7 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
     """Stores reports/{run}.csv, .paper.csv and .json; returns the JSON's key. `summary`
     needs the run's trade_date: the day an address-less client's paper note is owed from."""
     json_key, csv_key = keys.report_keys(run_id)
-    tally = {"statuses": {}, "physical_dispatch": []}
+    tally = {"statuses": {}, "physical_dispatch": [], "paper_owed": 0}
     meta = state.meta()
     with tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as f, \
             tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as paper:
@@ -48,7 +51,8 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
         store.put_file(csv_key, f.name)
         store.put_file(paper_key(run_id), paper.name)
     report = {**summary, "statuses": tally["statuses"], "stage_counts": state.counts(),
-              "physical_dispatch": tally["physical_dispatch"], "paper_list": paper_key(run_id),
+              "physical_dispatch": tally["physical_dispatch"], "physical_dispatch_count": tally["paper_owed"],
+              "paper_list": paper_key(run_id),
               "bounce_window": bounce_window(meta), "input_errors": input_errors}
     store.put(json_key, json.dumps(report, indent=2, default=str).encode())
     return json_key
@@ -63,7 +67,7 @@ def rewrite(store: Store, state: RunState, run_id: str, due_days: int = 1) -> No
     previous = read_json(store, json_key)
     counts = state.counts()
     summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
-                                                             "input_errors", "bounce_window", "paper_list")}
+                                                             "physical_dispatch_count", "input_errors", "bounce_window", "paper_list")}
     summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"],
                    bounced=counts.get("bounced", 0), deferred=counts.get("deferred", 0))
     write(store, state, run_id, summary, previous.get("input_errors", []), due_days)
@@ -82,9 +86,10 @@ def bounce_window(meta: dict) -> dict:
 
 def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "", due_days: int = 1,
                meta: dict | None = None, paper=None) -> Iterator[str]:
-    """The CSV, a page of accounts at a time. `tally` (statuses, physical_dispatch) is filled
-    as the pages go by: the accounts to print and post, and the count of each status; each
-    of those is also written to `paper`, with the date its note is due."""
+    """The CSV, a page of accounts at a time. `tally` (statuses, physical_dispatch, paper_owed)
+    is filled as the pages go by: the count of each status, and of the accounts to print and
+    post, the first PAPER_IN_JSON of them named; each of those is also written to `paper`, with
+    the date its note is due."""
     meta = state.meta() if meta is None else meta
     closed = bool(meta.get("closed_at"))
     final = f"delivered, no bounce within {float(meta.get('bounce_window_h') or 0):g} h"
@@ -105,7 +110,9 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
         if tally is not None:
             tally["statuses"][status] = tally["statuses"].get(status, 0) + 1
             if needs_paper:
-                tally["physical_dispatch"].append(rec["ucc"])
+                tally["paper_owed"] += 1
+                if len(tally["physical_dispatch"]) < PAPER_IN_JSON:
+                    tally["physical_dispatch"].append(rec["ucc"])
         if needs_paper and papers:
             why = f"bounced {bounce['status']}: {bounce['reason']}" if status == "bounced" else rec.get("reason", "")
             papers.writerow({k: _inert(v) for k, v in
