@@ -24,7 +24,10 @@ peak memory; Redis's keys and bytes; storage objects; the report's write time an
 and verify's time, CPU, peak memory and requests. `per_account`: each figure that should not
 grow with the day, as large / small (goal: at most 1.15).
 
-    python bench/fullday.py [--sizes 150000 1500000] [--days /var/tmp/cn-fullday/days]
+With --save, the large size's control-plane figures go to measured.json, where `plan` reads
+the report's write time, Redis's bytes and the rows an account from.
+
+    python bench/fullday.py [--sizes 150000 1500000] [--days /var/tmp/cn-fullday/days] [--save]
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ class Processes:
                 fields = stat[stat.rfind(")") + 2:].split()
                 procs[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[21]), cmd)
         rss: dict[str, float] = {}
-        for pid, (ppid, ticks, pages, cmd) in procs.items():
+        for pid, (_ppid, ticks, pages, cmd) in procs.items():
             role = self._role(pid, procs, cmd)
             if role is None:
                 continue
@@ -456,7 +459,9 @@ def main() -> None:
                         help="where the synthetic days are kept between runs")
     parser.add_argument("--work", default=None, help="where each size's store, Redis and S3 server go (default: TMPDIR)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to each S3 request of close and verify")
-    measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": Path(tempfile.mkdtemp(prefix="cn-days-"))})
+    # --save with one run: each figure is a mean over a day's 1.5M accounts, and a run takes an hour here
+    measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": Path(tempfile.mkdtemp(prefix="cn-days-"))},
+                 min_runs=1)
 
 
 if __name__ == "__main__":

@@ -19,19 +19,20 @@ MIN_RUNS = 3
 
 
 def run(bench: str, parser: argparse.ArgumentParser, once: Callable[[argparse.Namespace], dict],
-        smoke: dict) -> None:
-    """The benchmark's main: `--runs` times `once`, a JSON line each; with `--save`, their medians."""
+        smoke: dict, min_runs: int = MIN_RUNS) -> None:
+    """The benchmark's main: `--runs` times `once`, a JSON line each; with `--save`, their medians.
+    `min_runs` 1 only for a bench whose figures are each a mean over a whole day's accounts."""
     parser.add_argument("--runs", type=int, default=1, help="run it this many times; each prints its JSON line")
-    parser.add_argument("--save", action="store_true", help=f"write the runs' medians to measured.json ({MIN_RUNS}+ runs)")
+    parser.add_argument("--save", action="store_true", help=f"write the runs' medians to measured.json ({min_runs}+ runs)")
     args = with_smoke(parser, smoke)
-    if args.save and (args.runs < MIN_RUNS or args.smoke):
-        parser.error(f"--save needs --runs {MIN_RUNS} or more, at the bench's own sizes")
+    if args.save and (args.runs < min_runs or args.smoke):
+        parser.error(f"--save needs --runs {min_runs} or more, at the bench's own sizes")
     results = []
     for _ in range(args.runs):
         results.append(once(args))
         print(json.dumps(results[-1]), flush=True)
     if args.save:
-        print(json.dumps({"saved": str(MEASURED), **save(bench, results)}))
+        print(json.dumps({"saved": str(MEASURED), **save(bench, results, min_runs)}))
 
 
 def with_smoke(parser: argparse.ArgumentParser, sizes: dict) -> argparse.Namespace:
@@ -62,9 +63,9 @@ def median(results: list[dict]) -> tuple[dict, dict]:
     return middle, spread
 
 
-def save(bench: str, results: list[dict]) -> dict:
-    if len(results) < MIN_RUNS:
-        raise SystemExit(f"--save needs --runs {MIN_RUNS} or more: the plan follows a median, not one run")
+def save(bench: str, results: list[dict], min_runs: int = MIN_RUNS) -> dict:
+    if len(results) < min_runs:
+        raise SystemExit(f"--save needs --runs {min_runs} or more: the plan follows a median, not one run")
     middle, spread = median(results)
     saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     entry = {**middle, "runs": len(results), "spread": spread}

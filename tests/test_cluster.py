@@ -197,6 +197,17 @@ def test_the_plan_command_prints_the_plan_from_the_benchmarks_own_figures():
     assert f"{expected.render_nodes} x c6a.8xlarge" in out.stderr and shown["split_min"] > 0
 
 
+def test_the_plan_takes_the_control_plane_s_figures_from_the_full_size_day_once_it_has_run(tmp_path):
+    measured = json.loads(cluster.MEASURED.read_text())
+    measured.pop("fullday", None)
+    large = {"accounts": 1_500_000, "rows": 36_000_000, "report_write_s": 90.0, "redis_bytes_per_account": 300.0}
+    measured["fullday"] = {"sizes": [150_000, 1_500_000], "at_1500000": large, "at_150000": {}}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    rates = cluster.Rates.measured(tmp_path / "m.json")
+    assert (rates.rows_per_account, rates.report_s_per_100k, rates.redis_bytes_per_account) == (24.0, 6.0, 300.0)
+    assert rates.split_rows_per_s_per_core == measured["scale"]["split_rows_per_s_all"] / measured["scale"]["cores"]
+
+
 def test_the_readmes_capacity_table_is_what_plan_prints():
     table = subprocess.run([sys.executable, "-m", "pipeline", "plan", "--table"], capture_output=True, text=True,
                            cwd=ROOT, check=True).stdout.strip()

@@ -279,17 +279,17 @@ def network_hsm(hsm, session_dir):
     server.stop()
 
 
-def test_2000_accounts_through_a_network_hsm_all_delivered_signed_and_the_pin_nowhere(
+def test_1000_accounts_through_a_network_hsm_all_delivered_signed_and_the_pin_nowhere(
         ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path):
     day = tmp_path / "day"
-    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 2000, seed=41))
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 1000, seed=41))
     pin = hsm.pin_file.read_text()
     s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=50, window=6)
     summary = run_day(s, RunRequest(TRADE_DATE, str(day)))
-    assert summary["delivered"] == summary["accounts"] == 2000, summary
+    assert summary["delivered"] == summary["accounts"] == 1000, summary
     messages = outbox_messages(smtp_sink.outbox)
-    assert len(messages) == 2000 == len({m["Message-ID"] for m in messages})
-    assert every_note_verifies(Path(s.store_url), day, hsm.chain, tmp_path) == 2000
+    assert len(messages) == 1000 == len({m["Message-ID"] for m in messages})
+    assert every_note_verifies(Path(s.store_url), day, hsm.chain, tmp_path) == 1000
     about = json.loads(RunState(s.redis_url, summary["run_id"]).meta()["signing_key"])
     assert about["module"] == P11_KIT_CLIENT and about["sessions"] >= 2, about
     # the PIN: not in the store, Redis, Ray's logs, the summary or the status command's answer

@@ -48,7 +48,7 @@ HEADS = (NodeType("head", "c6a.xlarge", 4, 0.144), NodeType("head", "c6a.2xlarge
 HEAD_GIB_PER_VCPU = 2  # c6a: 2 GiB a vCPU
 HEAD_BASE_GIB = 2.0  # GCS, dashboard, driver, API (the driver measured 170-250 MB)
 REDIS_HEADROOM = 1.5  # allocator fragmentation and the AOF rewrite's copy-on-write
-MEASURED = Path(__file__).resolve().parent / "measured.json"  # written by bench/scale.py and bench/mail.py
+MEASURED = Path(__file__).resolve().parent / "measured.json"  # written by bench/scale.py, mail.py and fullday.py
 
 
 @dataclass(frozen=True)
@@ -71,15 +71,22 @@ class Rates:
 
     @classmethod
     def measured(cls, path: Path = MEASURED) -> "Rates":
+        """The control plane's figures (the rows an account, the report, Redis) from the
+        full-size day (bench/fullday.py) once it has run; before, bench/scale.py's smaller days."""
         m = json.loads(path.read_text())
         scale, mail = m["scale"], m["mail"]
+        day = {"rows": scale["rows_large"], "accounts": scale["accounts_large"],
+               "report_write_s": scale["report_s_per_100k"] * scale["accounts_large"] / 100_000,
+               "redis_bytes_per_account": scale["redis_bytes_per_account"]}
+        if "fullday" in m:
+            day = m["fullday"][f"at_{max(m['fullday']['sizes'])}"]
         return cls(render_cpu_ms=scale["cpu_ms_per_note_large"]["render"],
                    sign_cpu_ms=scale["cpu_ms_per_note_large"]["sign"],
                    mails_per_s_per_mailer=mail["ours_mails_per_s"], efficiency=scale["efficiency_large"],
                    split_rows_per_s_per_core=scale["split_rows_per_s_all"] / scale["cores"],
-                   rows_per_account=scale["rows_large"] / scale["accounts_large"],
-                   report_s_per_100k=scale["report_s_per_100k"],
-                   redis_bytes_per_account=scale["redis_bytes_per_account"])
+                   rows_per_account=day["rows"] / day["accounts"],
+                   report_s_per_100k=day["report_write_s"] * 100_000 / day["accounts"],
+                   redis_bytes_per_account=day["redis_bytes_per_account"])
 
 
 @dataclass(frozen=True)
