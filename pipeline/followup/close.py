@@ -26,6 +26,7 @@ import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pipeline.errors import CannotRun
 from pipeline.followup import closing, located
@@ -73,10 +74,12 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
             if not checked["ok"]:
                 raise SealBroken(f"run {run_id}: its close began, and its record no longer matches where it began: "
                                  f"{checked['first_problem']}")
-        warrant = closing.begin(store, run_id, run.split.shards, float(meta.get("closed_at") or now), signer)
+        found = _read_chains(store, run_id, run.split.shards)
+        warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
+                                float(meta.get("closed_at") or now), signer)
         state.update_meta(closed_at=warrant["closed_at"], bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        chains = _close_chains(store, run_id, run.split.shards, warrant["closed_at"])
+        chains = _close_chains(store, run_id, found, warrant["closed_at"])
         seal(settings, store, run_id, chains, signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 
@@ -91,25 +94,45 @@ def _sealed(store: Store, run_id: str) -> dict:
             "shards": len(proof["heads"]), "log_objects": sum(h["objects"] for h in proof["heads"])}
 
 
-def _close_chains(store: Store, run_id: str, shards: list[int], closed_at: float) -> dict[int, tuple[str, list[str]]]:
-    """A closing object at the end of each shard's chain, once (a close that stopped half-way
-    and runs again adds none twice); returns each chain's last key and every object's SHA-256,
-    read in the same pass, for the seal."""
-    def close_one(shard: int) -> tuple[int, str, list[str]]:
+@dataclass
+class _Chain:
+    keys: list[str]
+    hashes: list[str]  # each object's SHA-256
+    closed: bool  # its last object is a closing object (a close that stopped half-way wrote it)
+
+    @property
+    def end(self) -> delivery_log.Link | None:
+        return delivery_log.Link(self.keys[-1], len(self.keys), self.hashes[-1]) if self.keys else None
+
+
+def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, _Chain]:
+    """Every shard's chain, read once (a listing and a GET an object): the warrant's heads, the
+    seal's hashes and where each closing object goes all come from this one pass."""
+    def read(shard: int) -> _Chain:
         found = delivery_log.chain_keys(store, run_id, shard)
         data = [store.get(k) for k in found]
-        hashes = [hashlib.sha256(d).hexdigest() for d in data]
-        if found and any(e["status"] == "closed" for e in delivery_log.parse(
-                store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines())):
-            return shard, found[-1], hashes
-        end = delivery_log.Link(found[-1], len(found), hashes[-1]) if found else None
-        added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], end)
-        if added.seq != len(found) + 1:  # another writer (a client's fetch) got there first: read the chain again
-            return close_one(shard)
-        return shard, added.key, hashes + [added.sha256]
+        closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
+            store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))
+        return _Chain(found, [hashlib.sha256(d).hexdigest() for d in data], closed)
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        return {shard: (last, hashes) for shard, last, hashes in pool.map(close_one, shards)}
+        return dict(zip(shards, pool.map(read, shards)))
+
+
+def _close_chains(store: Store, run_id: str, found: dict[int, _Chain],
+                  closed_at: float) -> dict[int, tuple[str, list[str]]]:
+    """A closing object at the end of each shard's chain, once (a close that stopped half-way
+    and runs again adds none twice); returns each chain's last key and every object's SHA-256."""
+    def close_one(shard: int, chain: _Chain) -> tuple[int, str, list[str]]:
+        if chain.closed:
+            return shard, chain.keys[-1], chain.hashes
+        added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
+        if added.seq != len(chain.keys) + 1:  # another writer (a client's fetch) got there first: read the chain again
+            return close_one(shard, _read_chains(store, run_id, [shard])[shard])
+        return shard, added.key, chain.hashes + [added.sha256]
+
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        return {shard: (last, hashes) for shard, last, hashes in pool.map(close_one, found, found.values())}
 
 
 def _ready_to_seal(settings: Settings, store: Store) -> Signer:

@@ -13,11 +13,10 @@ mail logged after close began, a warrant not signed by the run's key) is named, 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.record import delivery_log
 from pipeline.record.keys import closing_keys
-from pipeline.record.storage import IN_FLIGHT, StorageError, Store
+from pipeline.record.storage import StorageError, Store
 from pipeline.seal import detached
 from pipeline.seal.sign import Signer
 
@@ -26,12 +25,12 @@ from pipeline.seal.sign import Signer
 AFTER_WARRANT = ("closed", "bounced", "deferred") + delivery_log.AFTER_SEAL
 
 
-def begin(store: Store, run_id: str, shards: list[int], closed_at: float, signer: Signer) -> dict:
-    """The run's warrant: written (and signed) now, or the one an earlier close that stopped wrote."""
+def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None], closed_at: float,
+          signer: Signer) -> dict:
+    """The run's warrant: written (and signed) now, from each shard's chain end as close read it
+    (`links`), or the one an earlier close that stopped wrote."""
     key, sig_key = closing_keys(run_id)
     if not store.exists(key):
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            links = dict(zip(shards, pool.map(lambda s: delivery_log.head(store, run_id, s), shards)))
         warrant = {"run_id": run_id, "closed_at": closed_at,
                    "heads": {str(s): [link.seq, link.sha256] if link else [0, ""] for s, link in links.items()}}
         store.put_new(key, json.dumps(warrant, indent=0, sort_keys=True).encode())  # lost to another close: theirs
