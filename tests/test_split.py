@@ -139,3 +139,15 @@ def test_the_report_json_stays_one_size_however_many_notes_are_owed_on_paper(tmp
 def test_a_row_handed_to_assembly_as_text_reads_back_as_the_same_fields(field):
     row = ["2026-11-20", "NSE", field, "x,y"]
     assert json.loads(_json_row(row)) == row
+
+
+def test_a_day_s_assembly_groups_stay_the_same_size_however_big_the_day():
+    """The full-size day on two cores: four groups held 375,000 accounts each, one assembly
+    task 6.9 GB (bench/fullday.py); a group now holds at most GROUP_SHARDS_MAX shards."""
+    from pipeline.cluster.split_tasks import GROUP_SHARDS_MAX, group_count
+
+    assert group_count(shards=20, cpus=2, ranges=2) == 4  # a small day: two groups a CPU, as before
+    for shards, ranges in ((1_540, 8), (15_360, 72), (153_600, 700)):  # 150k, 1.5M and 15M accounts at 100 a shard
+        groups = group_count(shards, cpus=2, ranges=ranges)
+        assert groups >= 4 and -(-shards // groups) <= GROUP_SHARDS_MAX, (shards, groups)
+    assert group_count(shards=15_360, cpus=64, ranges=72) == 128  # a cluster's cores: as many groups as before

@@ -8,6 +8,7 @@ still being assembled. The driver holds refs and counts per shard, never rows.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import ray
@@ -17,6 +18,18 @@ from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import Settings
 from pipeline.stages import broker
+
+
+GROUP_SHARDS_MAX = 500  # the most shards one assembly task holds the rows of (50,000 accounts at 100 a shard)
+
+
+def group_count(shards: int, cpus: int, ranges: int) -> int:
+    """Two groups a CPU, so every core assembles; and however big the day, no group of more
+    than GROUP_SHARDS_MAX shards: an assembly holds its group's share of the day's rows. With two
+    groups a CPU alone, 1.5M accounts on two cores made four groups, and one assembly task held
+    6.9 GB after 8.6 minutes, nothing rendered meanwhile (bench/fullday.py). Each range deals
+    its rows to every group: at most four groups a range keep its buckets from getting tiny."""
+    return max(1, min(shards, max(2 * max(1, cpus), math.ceil(shards / GROUP_SHARDS_MAX)), ranges * 4))
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
@@ -52,7 +65,7 @@ class Split:
         """`plan`: the one the driver's first notes were read with, if they were; `numbered`: their
         note numbers ({ucc: number}), asked for once every range is read."""
         plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
-        groups = max(1, min(plan.shard_count, 2 * max(1, cpus), len(plan.ranges) * 4))
+        groups = group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file} part {r.index + 1}").remote(
             input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes) for r in plan.ranges]

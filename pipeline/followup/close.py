@@ -106,10 +106,13 @@ class _Chain:
 
 
 def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, _Chain]:
-    """Every shard's chain, read once (a listing and a GET an object): the warrant's heads, the
-    seal's hashes and where each closing object goes all come from this one pass."""
+    """Every shard's chain, read once (the run's listing, then a GET an object): the warrant's
+    heads, the seal's hashes and where each closing object goes all come from this one pass."""
+    listed = delivery_log.run_chain_keys(store, run_id) if len(shards) > 1 else {
+        shard: delivery_log.chain_keys(store, run_id, shard) for shard in shards}
+
     def read(shard: int) -> _Chain:
-        found = delivery_log.chain_keys(store, run_id, shard)
+        found = listed.get(shard, [])
         data = [store.get(k) for k in found]
         closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
             store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))

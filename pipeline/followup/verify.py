@@ -187,20 +187,22 @@ def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | Non
 
 def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool,
             begun: dict[int, tuple[int, str]]):
-    """Each shard's Chain, read 64 shards at a time: memory follows the window, not the day."""
+    """Each shard's Chain, read 64 shards at a time: memory follows the window, and the run's
+    listing (its objects' keys), not the day's entries."""
+    listed = delivery_log.run_chain_keys(store, run_id)
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         ordered = iter(sorted(shards))
         while window := list(itertools.islice(ordered, 4 * IN_FLIGHT)):
             yield from pool.map(lambda s: _chain(store, run_id, s, None if sealed is None else sealed.get(s, []),
-                                                 closed, begun.get(s) if begun else None), window)
+                                                 closed, begun.get(s) if begun else None, listed.get(s, [])), window)
 
 
 def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool,
-           begun: tuple[int, str] | None = None) -> Chain:
-    """One shard's chain, from its first object; `sealed`: the SHA-256 the seal recorded for
-    each object (None: the run is not sealed); `begun`: the head (number, SHA-256) close's
-    warrant recorded, when a close began and has not sealed."""
-    found, chain = delivery_log.chain_keys(store, run_id, shard), Chain(shard)
+           begun: tuple[int, str] | None, found: list[str]) -> Chain:
+    """One shard's chain, from its first object (`found`: its keys, as listed); `sealed`: the
+    SHA-256 the seal recorded for each object (None: the run is not sealed); `begun`: the head
+    (number, SHA-256) close's warrant recorded, when a close began and has not sealed."""
+    chain = Chain(shard)
     prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
     for i, key in enumerate(found):
         n = i + 1
