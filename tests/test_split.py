@@ -151,3 +151,23 @@ def test_a_day_s_assembly_groups_stay_the_same_size_however_big_the_day():
         groups = group_count(shards, cpus=2, ranges=ranges)
         assert groups >= 4 and -(-shards // groups) <= GROUP_SHARDS_MAX, (shards, groups)
     assert group_count(shards=15_360, cpus=64, ranges=72) == 128  # a cluster's cores: as many groups as before
+
+
+def test_a_client_whose_every_trade_was_cancelled_is_counted_and_named_not_lost(tmp_path, redis_url):
+    """No trade stands, so no note is due; the run says so. Before, such a client was in no count
+    and no report (the full-size day: 183 of 1.5M accounts, bench/fullday.py)."""
+    day = tmp_path / "in"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(DATE), 30, seed=5))
+    with (day / "trades.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    gone = rows[0]["ucc"]
+    rows += [{**r, "status": "13"} for r in rows if r["ucc"] == gone]  # each of its trades, cancelled
+    with (day / "trades.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, TRADE_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    run = f"cancelled-{os.urandom(3).hex()}"
+    split = split_day(open_store(str(day)), open_store(str(tmp_path / "store")), RunState(redis_url, run), run, DATE,
+                      4, "CNT")
+    assert (split.nothing_due, split.nothing_due_accounts, split.accounts, split.rejected) == (1, [gone], 29, 0)
+    assert RunState(redis_url, run).accounts([gone]) == {}  # no record: nothing was made for it

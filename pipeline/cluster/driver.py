@@ -306,6 +306,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "failed": counts["failed"] - split.rejected,  # the failed registry holds the rejected accounts too
         "unconfirmed": counts["unconfirmed"],
         "rejected": split.rejected,
+        "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
+        "nothing_due_accounts": split.nothing_due_accounts,
         "physical": tally["statuses"].get("physical", 0),
         "finished_at": finished,  # the bounce window runs from here
         "elapsed_s": round(elapsed, 3),

@@ -43,6 +43,7 @@ from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store, read_json
 
 MAX_LISTED_ERRORS = 1000
+NAMED = 1000  # the accounts with no note due that the manifest and the report name (all are counted)
 RANGE_BYTES_MIN = 1 << 20
 RANGE_BYTES_MAX = 64 << 20  # a range's parsed rows stay a few hundred MB in its worker
 DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_FIELDS}
@@ -57,6 +58,8 @@ class SplitResult:
     shard_count: int = 0  # what stable_hash is taken modulo
     accounts: int = 0
     rejected: int = 0
+    nothing_due: int = 0  # clients whose every trade was cancelled: no contract note is due, none is made
+    nothing_due_accounts: list[str] = field(default_factory=list)  # the first NAMED of them
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
     trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
     complete: bool = True  # False while the split is under way: a run resumed from here splits again
@@ -232,16 +235,18 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     are reserved for the group in one block, shard after shard; an account in `numbered` (the
     run's first notes, made before the split) keeps the number it was mailed with. With `reuse`
     (a split run again after it was cut short), a shard already in storage is kept as written:
-    its notes may have gone out with those numbers. Returns {shard: (accounts, trades)} and the rejected."""
+    its notes may have gone out with those numbers. Returns {shard: (accounts, trades)}, the
+    rejected, and the clients whose every trade was cancelled (no note is due)."""
     numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
             by_shard[shard].append(text)
-    done, fresh, rejected = {}, [], 0
+    done, fresh, rejected, cancelled = {}, [], 0, []
     for shard in sorted(by_shard):
-        accounts, rejects = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
+        accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
+        cancelled += nothing
         state.record(rejects)
         if not accounts:
             continue
@@ -265,7 +270,7 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
             store.put(keys.shard_key(run_id, shard), "".join(body).encode())
             state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered)
             done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
-    return {"shards": done, "rejected": rejected}
+    return {"shards": done, "rejected": rejected, "nothing_due": len(cancelled), "nothing_due_accounts": cancelled[:NAMED]}
 
 
 def shard_line(ucc: str, client: str, trades: list[str], note_no: str) -> str:
@@ -294,7 +299,7 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
         metas.append(meta)
         if shard in bucket:
             lines.append(bucket[shard])
-    accounts, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas))
+    accounts, _, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas))
     return shard, accounts
 
 
@@ -306,6 +311,8 @@ def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
         errors += [_moved(e, offsets) for e in meta["errors"]]
     return SplitResult(shards=[s for s, _ in shards], shard_count=plan.shard_count,
                        accounts=sum(n for _, (n, _) in shards), rejected=sum(a["rejected"] for a in assembled),
+                       nothing_due=sum(a["nothing_due"] for a in assembled),
+                       nothing_due_accounts=sorted(u for a in assembled for u in a["nothing_due_accounts"])[:NAMED],
                        input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
 
 
@@ -408,9 +415,11 @@ def _json_row(row: list[str]) -> str:
 _IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
-def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome]]:
+def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome], list[str]]:
     """One shard's accounts from its rows (read_range's lines, in file order): (ucc, client as
-    JSON, the note's trades as JSON), and the rejected."""
+    JSON, the note's trades as JSON), the rejected, and the clients whose every trade was
+    cancelled: no trade stands, so no note is due (they were in no count before, a day of 1.5M
+    synthetic accounts showed 183 of them)."""
     clients: dict[str, str] = {}
     trades: dict[str, list[list[str]]] = defaultdict(list)
     errors: dict[str, list[dict]] = defaultdict(list)
@@ -425,7 +434,7 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
             clients[ucc] = payload
         else:
             errors[ucc].append(_moved(json.loads(payload), offsets))
-    accounts, rejects = [], []
+    accounts, rejects, cancelled = [], [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
             errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc",
@@ -436,7 +445,9 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         kept = effective(trades[ucc], _IDENTITY, _STATUS, _ORDER)
         if kept:
             accounts.append((ucc, clients[ucc], [t[3] for t in kept]))
-    return accounts, rejects
+        else:
+            cancelled.append(ucc)
+    return accounts, rejects, cancelled
 
 
 def _describe(errors: list[dict]) -> str:
