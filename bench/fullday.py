@@ -320,7 +320,8 @@ def _run_figures(args, accounts, day, work, redis_url, run_id, summary, times, s
     split_s = times["split_done_at"] - started
     cpu = by_process["cpu_s"]
     return {
-        "rows": rows, "delivered": summary["delivered"], "physical": summary["physical"], "failed": summary["failed"],
+        "rows": rows, "delivered": summary["delivered"], "physical": summary["physical"],
+        "nothing_due": summary.get("nothing_due", 0), "failed": summary["failed"],
         "rejected": summary["rejected"], "unconfirmed": summary["unconfirmed"],
         "relay_accepted": relayed["accepted"], "relay_distinct": relayed["distinct"],
         "wall_s": round(summary["elapsed_s"], 1), "notes_per_s": summary["notes_per_s"],
@@ -391,9 +392,8 @@ def step(name: str, run_id: str, env: dict, latency_ms: float, store_url: str) -
 
 def step_here(args) -> dict:
     """In the child: the command's own function, its store slowed as S3 is (bench/proof.py)."""
-    import resource
-
     from bench.proof import SlowStore
+    from pipeline.cluster.driver import peak_rss_mb
     from pipeline.followup import close, located, verify
     from pipeline.record.storage import open_store
     from pipeline.settings import Settings
@@ -409,7 +409,7 @@ def step_here(args) -> dict:
         result = verify.verify(slow, args.run_id)
         assert result["ok"] and result["sealed"], result["first_problem"]
     return {"cpu_s": round(time.process_time() - cpu, 1), "requests": slow.requests,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mb": peak_rss_mb(),  # VmHWM: ru_maxrss keeps the forking parent's peak across exec
             "log_objects": result["log_objects"]}
 
 
@@ -442,7 +442,7 @@ def once(args) -> dict:
     out["per_account_large_over_small"] = ratios
     out["over_goal"] = sorted(k for k, v in ratios.items() if v is not None and v > GOAL_RATIO)
     out["each_once_at_relay"] = all(s["relay_accepted"] == s["relay_distinct"] == s["delivered"] == s["accounts"]
-                                    - s["physical"] for s in sizes)  # a client without e-mail consent gets paper
+                                    - s["physical"] - s["nothing_due"] for s in sizes)  # paper; every trade cancelled
     out["close_verify_s3_within_goal"] = all(large[f"{n}_s3"]["elapsed_s"] <= GOAL_S
                                              and large[f"{n}_s3"]["peak_rss_mb"] <= GOAL_MB for n in ("close", "verify"))
     return out
