@@ -68,6 +68,6 @@ def save(bench: str, results: list[dict], min_runs: int = MIN_RUNS) -> dict:
         raise SystemExit(f"--save needs --runs {min_runs} or more: the plan follows a median, not one run")
     middle, spread = median(results)
     saved = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
-    entry = {**middle, "runs": len(results), "spread": spread}
+    entry = {**middle, "runs": len(results)} | ({"spread": spread} if len(results) > 1 else {})  # one run: no spread
     MEASURED.write_text(json.dumps({**saved, bench: entry}, indent=1, sort_keys=True) + "\n")
     return entry
