@@ -378,39 +378,12 @@ def copy_record(store: Path, env: dict, run_id: str) -> int:
 
 
 def step(name: str, run_id: str, env: dict, latency_ms: float, store_url: str) -> dict:
-    """One of close or verify in a process of its own."""
-    started = time.perf_counter()
-    proc = subprocess.Popen([PY, __file__, "--step", name, "--run-id", run_id,
-                             "--latency-ms", str(latency_ms)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**env, "CN_STORE": store_url})
-    stdout, stderr = proc.communicate()
-    if proc.returncode:
-        raise SystemExit(f"{name} on {store_url} failed:\n{stderr[-3000:]}")
-    result = json.loads(stdout.splitlines()[-1])
-    return {"elapsed_s": round(time.perf_counter() - started, 1), **result}
-
-
-def step_here(args) -> dict:
-    """In the child: the command's own function, its store slowed as S3 is (bench/proof.py)."""
-    from bench.proof import SlowStore
-    from pipeline.cluster.driver import peak_rss_mb
-    from pipeline.followup import close, located, verify
-    from pipeline.record.storage import open_store
-    from pipeline.settings import Settings
-
-    settings = Settings.from_env()
-    slow = SlowStore(open_store(settings.store_url), args.latency_ms / 1000)
-    located.open_store = lambda url, probe=False: slow
-    cpu = time.process_time()
-    if args.step == "close":
-        result = close.close(settings, args.run_id)
-        assert not result["already_sealed"], result
-    else:
-        result = verify.verify(slow, args.run_id)
-        assert result["ok"] and result["sealed"], result["first_problem"]
-    return {"cpu_s": round(time.process_time() - cpu, 1), "requests": slow.requests,
-            "peak_rss_mb": peak_rss_mb(),  # VmHWM: ru_maxrss keeps the forking parent's peak across exec
-            "log_objects": result["log_objects"]}
+    """One of close or verify in a process of its own (its peak memory is its own)."""
+    done = subprocess.run([PY, __file__, "--step", name, "--run-id", run_id, "--latency-ms", str(latency_ms)], cwd=ROOT,
+                          capture_output=True, text=True, env={**env, "CN_STORE": store_url})
+    if done.returncode:
+        raise SystemExit(f"{name} on {store_url} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 # ---- both sizes ------------------------------------------------------------------------------
@@ -475,6 +448,9 @@ if __name__ == "__main__":
         parser.add_argument("--step")
         parser.add_argument("--run-id")
         parser.add_argument("--latency-ms", type=float)
-        print(json.dumps(step_here(parser.parse_args())))
+        args = parser.parse_args()
+        from bench.proof import step as proof_step  # the store slowed as S3 is, as bench/proof.py does
+        from pipeline.settings import Settings
+        print(json.dumps(proof_step(Settings.from_env(), args.step, args.run_id, args.latency_ms)))
     else:
         main()

@@ -114,20 +114,19 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     return settings, run_id
 
 
-def step(args) -> dict:
-    """One of close or verify, in this process, against the slow store."""
+def step(settings: Settings, name: str, run_id: str, latency_ms: float) -> dict:
+    """One of close or verify, in this process, against the slow store (bench/fullday.py's too)."""
     from pipeline.followup import close as proof, located, verify
     from pipeline.record.storage import open_store
 
-    settings = Settings(**json.loads(args.settings))
-    slow = SlowStore(open_store(settings.store_url), args.latency_ms / 1000)
+    slow = SlowStore(open_store(settings.store_url), latency_ms / 1000)
     located.open_store = lambda url, probe=False: slow  # every open of the run's store is the slow one
     started, cpu = time.perf_counter(), time.process_time()
-    if args.step == "close":
-        result = proof.close(settings, args.run_id)
+    if name == "close":
+        result = proof.close(settings, run_id)
         assert not result["already_sealed"], result
     else:
-        result = verify.verify(slow, args.run_id)
+        result = verify.verify(slow, run_id)
         assert result["ok"] and result["sealed"], result["first_problem"]
     return {"elapsed_s": round(time.perf_counter() - started, 3), "cpu_s": round(time.process_time() - cpu, 3),
             "requests": slow.requests, "peak_rss_mb": peak_rss_mb(), "log_objects": result["log_objects"]}
@@ -175,6 +174,7 @@ if __name__ == "__main__":
     parser.add_argument("--run-id", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     if "--step" in sys.argv:
-        print(json.dumps(step(parser.parse_known_args()[0])))
+        args = parser.parse_known_args()[0]
+        print(json.dumps(step(Settings(**json.loads(args.settings)), args.step, args.run_id, args.latency_ms)))
     else:
         measured.run("proof", parser, once, {"accounts": 400, "latency_ms": 0.0})
