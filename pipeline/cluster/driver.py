@@ -533,7 +533,7 @@ def _units(shards: list[int], first: int | None, cut: int = 0, shard_size: int =
     return head + [(s, None) for s in whole] + [(s, part) for s in last for part in parts]
 
 
-@dataclass
+@dataclass(slots=True)  # one a unit: 15,360 queued at 1.5M accounts
 class Chain:
     """One unit's render -> sign -> mail, as the driver tracks it until its tally is in."""
     shard: int
