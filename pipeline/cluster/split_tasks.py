@@ -87,7 +87,7 @@ class Split:
         plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
         groups = group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
-        reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file} part {r.index + 1}").remote(
+        reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(
             input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes) for r in plan.ranges]
         metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
         split = cls(plan, metas, groups, {}, weights)
@@ -96,7 +96,7 @@ class Split:
         for shard, n in split.weights.items():
             heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
         for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
-            split.assembling[g] = assemble_task.options(name=f"split assemble group {g + 1}/{groups}").remote(
+            split.assembling[g] = assemble_task.options(name="split assemble").remote(
                 settings, run_id, trade_date, offsets, reuse, numbered, *[refs[g] for refs in reads])
         return split
 
