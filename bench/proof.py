@@ -4,8 +4,9 @@ A run's record is laid out as a real one is (a folder store; its Redis a real re
 --accounts accounts in shards of 100, each shard's delivery log a chain of its mailing's
 intent and outcomes, 2% of the accounts bounced (a chain object per shard they fall in), the
 report, its CSV and the paper list. Then `close` and `verify` run, each in a process of its
-own (its peak RSS is its own), against that store with --latency-ms (20: S3 from the same
-region) added to every request, as S3's round trip would be. Requests run 64 at a time
+own with the processes it spreads its reads over (pipeline/record/spread.py; their peak RSS,
+summed, is the step's), against that store with --latency-ms (20: S3 from the same region)
+added to every request, as S3's round trip would be. Requests run 64 at a time
 (pipeline/record/storage.py's IN_FLIGHT), so the time is the requests' waits, divided by 64, plus
 the CPU. The 1.5M projection is a line through the two sizes measured (a fixed part, the
 requests made one after another, and a part per account). The goal: both under
@@ -19,17 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import measured  # noqa: E402
-from pipeline.cluster.driver import peak_rss_mb  # noqa: E402
+from bench.slow_store import SlowStore, TreeMemory  # noqa: E402
+from pipeline.memory import peak_rss_mb  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 
 DAY = 1_500_000
@@ -37,34 +39,6 @@ GOAL_S = 120.0
 GOAL_MB = 200.0
 SHARD_SIZE = 100
 BOUNCED = 0.02
-
-
-class SlowStore:
-    """A store whose every request waits `latency_s` first, as an S3 round trip does; counted."""
-
-    def __init__(self, store, latency_s: float):
-        self.store, self.latency_s, self.url = store, latency_s, store.url
-        self.requests, self.lock = 0, threading.Lock()
-
-    def _wait(self) -> None:
-        with self.lock:
-            self.requests += 1
-        time.sleep(self.latency_s)
-
-    def __getattr__(self, name):
-        method = getattr(self.store, name)
-
-        def slow(*args, **kwargs):
-            self._wait()
-            return method(*args, **kwargs)
-        return slow
-
-    def keys(self, prefix: str):
-        self._wait()  # a listing page of 1,000 keys is one request
-        for n, key in enumerate(self.store.keys(prefix), 1):
-            if n % 1000 == 0:
-                self._wait()
-            yield key
 
 
 def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
@@ -115,21 +89,45 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
 
 
 def step(settings: Settings, name: str, run_id: str, latency_ms: float) -> dict:
-    """One of close or verify, in this process, against the slow store (bench/fullday.py's too)."""
+    """One of close or verify, in this process and those it spreads its reads over, against the
+    slow store (bench/fullday.py's too). Its own peak, and the peak of all its processes' RSS summed."""
     from pipeline.followup import close as proof, located, verify
     from pipeline.record.storage import open_store
 
-    slow = SlowStore(open_store(settings.store_url), latency_ms / 1000)
-    located.open_store = lambda url, probe=False: slow  # every open of the run's store is the slow one
-    started, cpu = time.perf_counter(), time.process_time()
-    if name == "close":
-        result = proof.close(settings, run_id)
-        assert not result["already_sealed"], result
-    else:
-        result = verify.verify(slow, run_id)
-        assert result["ok"] and result["sealed"], result["first_problem"]
-    return {"elapsed_s": round(time.perf_counter() - started, 3), "cpu_s": round(time.process_time() - cpu, 3),
-            "requests": slow.requests, "peak_rss_mb": peak_rss_mb(), "log_objects": result["log_objects"]}
+    with tempfile.NamedTemporaryFile(prefix="cn-requests-") as counter:
+        slow = SlowStore(open_store(settings.store_url), latency_ms / 1000, Path(counter.name))
+        located.open_store = lambda url, probe=False: slow  # every open of the run's store is the slow one
+        tree = TreeMemory()
+        started, cpu = time.perf_counter(), time.process_time()
+        if name == "close":
+            result = proof.close(settings, run_id)
+            assert not result["already_sealed"], result
+        else:
+            result = verify.verify(slow, run_id)
+            assert result["ok"] and result["sealed"], result["first_problem"]
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return {"elapsed_s": round(elapsed, 3), "cpu_s": round(cpu + children.ru_utime + children.ru_stime, 3),
+                "requests": slow.requests, "peak_rss_mb": peak_rss_mb(), **tree.result(),
+                "log_objects": result["log_objects"]}
+
+
+def step_command(name: str, run_id: str, latency_ms: float, settings: Settings | None = None) -> list[str]:
+    """The command line of a step in a process of its own. Through -c, not this file: the
+    processes a step spreads its reads over import the main module of a file run as a script."""
+    return [sys.executable, "-c", "from bench.proof import step_main; step_main()", "--step", name, "--run-id", run_id,
+            "--latency-ms", str(latency_ms), *(["--settings", json.dumps(settings.__dict__)] if settings else [])]
+
+
+def step_main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--step", choices=["close", "verify"])
+    parser.add_argument("--run-id")
+    parser.add_argument("--latency-ms", type=float)
+    parser.add_argument("--settings", help="the settings as JSON; without: from the environment")
+    args = parser.parse_args(sys.argv[1:])
+    settings = Settings(**json.loads(args.settings)) if args.settings else Settings.from_env()
+    print(json.dumps(step(settings, args.step, args.run_id, args.latency_ms)))
 
 
 def once(args) -> dict:
@@ -146,9 +144,8 @@ def once(args) -> dict:
             built = time.perf_counter() - built
             size = {"accounts": accounts, "laid_out_s": round(built, 1)}
             for name in ("close", "verify"):
-                done = subprocess.run([sys.executable, __file__, "--step", name, "--run-id", run_id, "--settings",
-                                       json.dumps(settings.__dict__), "--latency-ms", str(args.latency_ms)],
-                                      capture_output=True, text=True, check=True,
+                done = subprocess.run(step_command(name, run_id, args.latency_ms, settings), capture_output=True,
+                                      text=True, check=True,
                                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
                 size[name] = json.loads(done.stdout.splitlines()[-1])
             out[f"at_{accounts}"] = size
@@ -160,7 +157,7 @@ def once(args) -> dict:
         projected = large[name]["elapsed_s"] + per_account * (DAY - args.accounts)
         out[f"{name}_projected_s_at_1_5m"] = round(projected, 1)
         out[f"{name}_ratio_to_goal"] = round(projected / GOAL_S, 2)
-        out[f"{name}_peak_mb"] = max(small[name]["peak_rss_mb"], large[name]["peak_rss_mb"])
+        out[f"{name}_peak_mb"] = max(small[name]["tree_peak_rss_mb"], large[name]["tree_peak_rss_mb"])
     out["meets_goal"] = all(out[f"{n}_projected_s_at_1_5m"] <= GOAL_S and out[f"{n}_peak_mb"] <= GOAL_MB
                             for n in ("close", "verify"))
     return out
@@ -170,11 +167,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accounts", type=int, default=20000)
     parser.add_argument("--latency-ms", type=float, default=20.0)
-    parser.add_argument("--step", choices=["close", "verify"], help=argparse.SUPPRESS)
-    parser.add_argument("--run-id", help=argparse.SUPPRESS)
-    parser.add_argument("--settings", help=argparse.SUPPRESS)
-    if "--step" in sys.argv:
-        args = parser.parse_known_args()[0]
-        print(json.dumps(step(Settings(**json.loads(args.settings)), args.step, args.run_id, args.latency_ms)))
-    else:
-        measured.run("proof", parser, once, {"accounts": 400, "latency_ms": 0.0})
+    measured.run("proof", parser, once, {"accounts": 400, "latency_ms": 0.0})

@@ -21,7 +21,7 @@ from pipeline.day.split import load_manifest
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
 from pipeline.mail import verp
-from pipeline.record import delivery_log, keys
+from pipeline.record import delivery_log, keys, spread
 from pipeline.record.state import RunClosed, RunState
 from pipeline.record.storage import open_store
 from pipeline.seal import detached
@@ -329,10 +329,20 @@ def test_a_timestamp_from_a_tsa_dates_the_seal_and_a_proof_made_again_fails_it(c
     assert "removed (the proof was timestamped by" in verified(root, run_id)["first_problem"]
 
 
-def test_close_and_verify_on_s3_read_and_write_in_parallel_and_agree(ray_session, settings, day, s3_bucket):
+def test_close_and_verify_on_s3_read_and_write_in_parallel_and_agree(ray_session, settings, day, s3_bucket,
+                                                                    monkeypatch):
+    """In a process per core, as on a day of 512 shards or more (record/spread.py), each with its
+    own S3 client: what they read and write is the whole record, and an edit is still named."""
+    monkeypatch.setattr(spread, "FROM_JOBS", 1)
     on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
     run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
     sealed = proof.close(on_s3, run_id, now=after_the_window(on_s3, run_id))
     assert not sealed["already_sealed"] and sealed["shards"] > 1, sealed
-    found = verify(open_store(on_s3.store_url), run_id)
+    store = open_store(on_s3.store_url)
+    found = verify(store, run_id)
     assert found["ok"] and found["sealed"] and found["log_objects"] == sealed["log_objects"], found
+    listed = delivery_log.run_chain_keys(store, run_id)
+    assert sum(map(len, listed.values())) == found["log_objects"] and len(listed) == found["shards"]
+    edited = listed[max(listed)][0]
+    store.put(edited, store.get(edited).replace(b'"at":1', b'"at":2', 1))
+    assert verify(store, run_id)["first_problem"].startswith(f"{edited}: changed"), edited

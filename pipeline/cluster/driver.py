@@ -39,6 +39,7 @@ from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
 from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_manifest
 from pipeline.mail.message import message_id
+from pipeline.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
 from pipeline.note.render import render, render_all
@@ -334,17 +335,6 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
 
 def _render_cpus() -> int:
     return int(ray.cluster_resources().get("render", 0))
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak (VmHWM). Not ru_maxrss: Linux carries that over from the parent
-    through fork and exec, so a child started by a big process reports the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            kb = next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), 0)
-    except OSError:  # no /proc (a driver on macOS): the best there is
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # bytes there
-    return round(kb / 1024, 1)
 
 
 def preflight(settings: Settings, req: RunRequest, run_id: str = "",

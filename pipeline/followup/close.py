@@ -25,16 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from pipeline.errors import CannotRun
-from pipeline.followup import closing, located
+from pipeline.followup import chains, closing, located
 from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
-from pipeline.record import delivery_log, keys, report
+from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
-from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
+from pipeline.record.storage import StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.sign import Signer
 from pipeline.settings import Settings
@@ -79,8 +77,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
                                 float(meta.get("closed_at") or now), signer)
         state.update_meta(closed_at=warrant["closed_at"], bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
-        chains = _close_chains(store, run_id, found, warrant["closed_at"])
-        seal(settings, store, run_id, chains, signer)
+        seal(settings, store, run_id, _close_chains(store, run_id, found, warrant["closed_at"]), signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
 
 
@@ -94,48 +91,21 @@ def _sealed(store: Store, run_id: str) -> dict:
             "shards": len(proof["heads"]), "log_objects": sum(h["objects"] for h in proof["heads"])}
 
 
-@dataclass
-class _Chain:
-    keys: list[str]
-    hashes: list[str]  # each object's SHA-256
-    closed: bool  # its last object is a closing object (a close that stopped half-way wrote it)
-
-    @property
-    def end(self) -> delivery_log.Link | None:
-        return delivery_log.Link(self.keys[-1], len(self.keys), self.hashes[-1]) if self.keys else None
+def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, chains.Read]:
+    """Every shard's chain, read once (the run's listing, then a GET an object, a slice of shards
+    at a time: record/spread.py): the warrant's heads, the seal's hashes and where each closing
+    object goes all come from this one pass."""
+    listed = delivery_log.run_chain_keys(store, run_id)
+    return dict(zip(shards, spread.each(chains.read, store, ((run_id, s, listed.get(s, [])) for s in shards),
+                                        len(shards))))
 
 
-def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, _Chain]:
-    """Every shard's chain, read once (the run's listing, then a GET an object): the warrant's
-    heads, the seal's hashes and where each closing object goes all come from this one pass."""
-    listed = delivery_log.run_chain_keys(store, run_id) if len(shards) > 1 else {
-        shard: delivery_log.chain_keys(store, run_id, shard) for shard in shards}
-
-    def read(shard: int) -> _Chain:
-        found = listed.get(shard, [])
-        data = [store.get(k) for k in found]
-        closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
-            store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))
-        return _Chain(found, [hashlib.sha256(d).hexdigest() for d in data], closed)
-
-    with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        return dict(zip(shards, pool.map(read, shards)))
-
-
-def _close_chains(store: Store, run_id: str, found: dict[int, _Chain],
+def _close_chains(store: Store, run_id: str, found: dict[int, chains.Read],
                   closed_at: float) -> dict[int, tuple[str, list[str]]]:
     """A closing object at the end of each shard's chain, once (a close that stopped half-way
     and runs again adds none twice); returns each chain's last key and every object's SHA-256."""
-    def close_one(shard: int, chain: _Chain) -> tuple[int, str, list[str]]:
-        if chain.closed:
-            return shard, chain.keys[-1], chain.hashes
-        added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
-        if added.seq != len(chain.keys) + 1:  # another writer (a client's fetch) got there first: read the chain again
-            return close_one(shard, _read_chains(store, run_id, [shard])[shard])
-        return shard, added.key, chain.hashes + [added.sha256]
-
-    with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        return {shard: (last, hashes) for shard, last, hashes in pool.map(close_one, found, found.values())}
+    jobs = ((run_id, shard, chain, closed_at) for shard, chain in found.items())
+    return dict(zip(found, spread.each(chains.close, store, jobs, len(found))))
 
 
 def _ready_to_seal(settings: Settings, store: Store) -> Signer:

@@ -20,10 +20,6 @@ from pipeline.record.storage import StorageError, Store
 from pipeline.seal import detached
 from pipeline.seal.sign import Signer
 
-# all a chain may gain between the warrant and the seal: the closing object, a bounce that came in
-# meanwhile, a client's fetch
-AFTER_WARRANT = ("closed", "bounced", "deferred") + delivery_log.AFTER_SEAL
-
 
 def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None], closed_at: float,
           signer: Signer) -> dict:

@@ -17,38 +17,22 @@ sealed: consistent so far, not yet proof (or a close began and must be run again
 from __future__ import annotations
 
 import csv
-import hashlib
-import itertools
 import json
 import sqlite3
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from typing import Iterator
 
-from pipeline.followup import closing
+from pipeline.followup import chains, closing
 from pipeline.followup.restore import read_report
 from pipeline.day.split import load_manifest
-from pipeline.record import delivery_log, keys, report
+from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.state import RunNotFound
-from pipeline.record.storage import IN_FLIGHT, StorageError, Store, sha256
+from pipeline.record.storage import Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.sign import SignError
 
 MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status that only a mailing can give
-
-
-@dataclass
-class Chain:
-    """One shard's chain as verify found it."""
-
-    shard: int
-    objects: int = 0
-    after_seal: int = 0
-    problem: str = ""
-    closed: bool = False  # it holds a closing object
-    statuses: dict[str, str] = field(default_factory=dict)  # from the log alone
-    where: dict[str, str] = field(default_factory=dict)  # ucc -> the object of its last entry
 
 
 def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pem: bytes | None = None) -> dict:
@@ -186,103 +170,13 @@ def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | Non
 
 
 def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, closed: bool,
-            begun: dict[int, tuple[int, str]]):
-    """Each shard's Chain, read 64 shards at a time: memory follows the window, and the run's
-    listing (its objects' keys), not the day's entries."""
+            begun: dict[int, tuple[int, str]]) -> Iterator[chains.Chain]:
+    """Each shard's Chain, in order, read a slice of shards at a time (record/spread.py): memory
+    follows the slices, and the run's listing (its objects' keys), not the day's entries."""
     listed = delivery_log.run_chain_keys(store, run_id)
-    with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        ordered = iter(sorted(shards))
-        while window := list(itertools.islice(ordered, 4 * IN_FLIGHT)):
-            yield from pool.map(lambda s: _chain(store, run_id, s, None if sealed is None else sealed.get(s, []),
-                                                 closed, begun.get(s) if begun else None, listed.get(s, [])), window)
-
-
-def _chain(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool,
-           begun: tuple[int, str] | None, found: list[str]) -> Chain:
-    """One shard's chain, from its first object (`found`: its keys, as listed); `sealed`: the
-    SHA-256 the seal recorded for each object (None: the run is not sealed); `begun`: the head
-    (number, SHA-256) close's warrant recorded, when a close began and has not sealed."""
-    chain = Chain(shard)
-    prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
-    for i, key in enumerate(found):
-        n = i + 1
-        if _seq(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
-            chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
-                            f"{prev_key or 'its start'} to {key})"
-            return chain
-        data = store.get(key)
-        sha = hashlib.sha256(data).hexdigest()
-        chain.objects = n
-        if sealed is not None and n <= len(sealed) and sha != sealed[i]:
-            chain.problem = f"{key}: changed (not the object the seal recorded)"
-            return chain
-        if begun and n == begun[0] and sha != begun[1]:
-            chain.problem = f"{key}: changed (not the object close's warrant recorded)"
-            return chain
-        try:
-            header = delivery_log.chain_header(store, key, data)
-        except StorageError:
-            chain.problem = f"{key}: changed (its chain header is gone)"
-            return chain
-        if header["run"] != run_id or header["shard"] != shard or key != delivery_log.object_key(run_id, shard, n):
-            chain.problem = _misplaced(run_id, shard, n, key, header, prev_key)
-            return chain
-        if header["prev"] != prev_sha:  # this object or the one before was changed: the next link tells which
-            this_changed = not prev_key or _links_elsewhere(store, found[i + 1:], sha)
-            chain.problem = f"{key}: changed (its link to {prev_key or 'the start'} was edited)" if this_changed \
-                else f"{prev_key}: changed (the next object, {key}, links to another)"
-            return chain
-        prev_sha, prev_key = sha, key
-        try:
-            lines = list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
-        except StorageError as e:
-            unreadable = unreadable or str(e)
-            continue
-        after = sealed is not None and n > len(sealed)
-        chain.after_seal += after
-        for e in lines:
-            if after and e["status"] not in delivery_log.AFTER_SEAL:
-                chain.problem = (f"{key}: a {e['status']!r} entry after the seal (only a client's fetch or a bounce "
-                                 "refused after close may follow it)")
-                return chain
-            if begun and n > begun[0] and e["status"] not in closing.AFTER_WARRANT:
-                chain.problem = f"{key}: a {e['status']!r} entry after close began (its warrant's head is object " \
-                                f"{begun[0]})"
-                return chain
-            chain.closed |= e["status"] == "closed"
-            chain.where[e["ucc"]] = key
-        entries += lines
-    if begun and len(found) < begun[0]:
-        chain.problem = f"{delivery_log.object_key(run_id, shard, begun[0])}: removed (close's warrant recorded " \
-                        f"{begun[0]} objects of shard {shard}, {len(found)} remain)"
-        return chain
-    if sealed is not None and len(found) < len(sealed):
-        chain.problem = f"{delivery_log.object_key(run_id, shard, len(sealed))}: removed (the seal recorded " \
-                        f"{len(sealed)} objects of shard {shard}, {len(found)} remain)"
-        return chain
-    chain.problem = unreadable
-    chain.statuses = delivery_log.final_statuses(entries, closed) if sealed is not None else {}
-    return chain
-
-
-def _seq(key: str) -> int:
-    """The number a chained object's name gives it (delivery_log.object_key)."""
-    return int(key.rsplit("/", 1)[1][:8])
-
-
-def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:
-    return f"{key}: out of place (it says run {header['run']} shard {header['shard']} number {header['seq']}; " \
-           f"number {n} of shard {shard} belongs here)"
-
-
-def _links_elsewhere(store: Store, rest: list[str], sha: str) -> bool:
-    """Whether what comes after this object no longer links to it as it is."""
-    if not rest:
-        return False
-    try:
-        return delivery_log.chain_header(store, rest[0], store.get(rest[0]))["prev"] != sha
-    except StorageError:
-        return True
+    jobs = ((run_id, s, None if sealed is None else sealed.get(s, []), closed, begun.get(s) if begun else None,
+             listed.get(s, [])) for s in sorted(shards))
+    return spread.each(chains.walk, store, jobs, len(shards))
 
 
 def _disagreements(db: sqlite3.Connection, store: Store, run_id: str) -> list[str]:

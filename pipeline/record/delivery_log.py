@@ -34,6 +34,9 @@ from pipeline.record.storage import StorageError, Store
 
 MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed", "not_sent")
 AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's seal (followup/close.py)
+# all a chain may gain between close's warrant and the seal (followup/closing.py): the closing object, a
+# bounce that came in meanwhile, a client's fetch
+AFTER_WARRANT = ("closed", "bounced", "deferred") + AFTER_SEAL
 STATUSES = MAIL_STATUSES + ("bounced", "deferred", "closed") + AFTER_SEAL
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")

@@ -200,6 +200,10 @@ class S3Store:
                         s3={"addressing_style": "path"})
         self.client = boto3.client("s3", config=config, region_name=aws_region())
 
+    def __reduce__(self):
+        """Sent to another process (record/spread.py) as its URL: a client of its own there."""
+        return S3Store, (self.url, self.bucket, self.prefix)
+
     def probe(self) -> None:
         """One HEAD of the bucket, two attempts, five seconds to connect: any answer at all (a
         403, a 404) is the command's to say; no answer is said here."""

@@ -1,0 +1,145 @@
+"""One shard's delivery-log chain, read whole: walked link by link for `verify`, read and ended
+with a closing object for `close`. The functions a process of record/spread.py runs on a slice of
+shards: they import the record alone, not the seal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from pipeline.record import delivery_log
+from pipeline.record.storage import StorageError, Store
+
+
+@dataclass
+class Read:
+    """One shard's chain as close read it."""
+
+    keys: list[str]
+    hashes: list[str]  # each object's SHA-256
+    closed: bool  # its last object is a closing object (a close that stopped half-way wrote it)
+
+    @property
+    def end(self) -> delivery_log.Link | None:
+        return delivery_log.Link(self.keys[-1], len(self.keys), self.hashes[-1]) if self.keys else None
+
+
+def read(store: Store, run_id: str, shard: int, found: list[str]) -> Read:
+    """`found`: the chain's keys, as listed."""
+    data = [store.get(k) for k in found]
+    closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
+        store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))
+    return Read(found, [hashlib.sha256(d).hexdigest() for d in data], closed)
+
+
+def close(store: Store, run_id: str, shard: int, chain: Read, closed_at: float) -> tuple[str, list[str]]:
+    """The chain ended with a closing object, unless it has one: its last key and every object's SHA-256."""
+    if chain.closed:
+        return chain.keys[-1], chain.hashes
+    added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
+    if added.seq != len(chain.keys) + 1:  # another writer (a client's fetch) got there first: read the chain again
+        return close(store, run_id, shard, read(store, run_id, shard, delivery_log.chain_keys(store, run_id, shard)),
+                     closed_at)
+    return added.key, chain.hashes + [added.sha256]
+
+
+@dataclass
+class Chain:
+    """One shard's chain as verify found it walking it."""
+
+    shard: int
+    objects: int = 0
+    after_seal: int = 0
+    problem: str = ""
+    closed: bool = False  # it holds a closing object
+    statuses: dict[str, str] = field(default_factory=dict)  # from the log alone
+    where: dict[str, str] = field(default_factory=dict)  # ucc -> the object of its last entry
+
+
+def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed: bool,
+         begun: tuple[int, str] | None, found: list[str]) -> Chain:
+    """One shard's chain, from its first object (`found`: its keys, as listed); `sealed`: the
+    SHA-256 the seal recorded for each object (None: the run is not sealed); `begun`: the head
+    (number, SHA-256) close's warrant recorded, when a close began and has not sealed."""
+    chain = Chain(shard)
+    prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
+    for i, key in enumerate(found):
+        n = i + 1
+        if _seq(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
+            chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
+                            f"{prev_key or 'its start'} to {key})"
+            return chain
+        data = store.get(key)
+        sha = hashlib.sha256(data).hexdigest()
+        chain.objects = n
+        if sealed is not None and n <= len(sealed) and sha != sealed[i]:
+            chain.problem = f"{key}: changed (not the object the seal recorded)"
+            return chain
+        if begun and n == begun[0] and sha != begun[1]:
+            chain.problem = f"{key}: changed (not the object close's warrant recorded)"
+            return chain
+        try:
+            header = delivery_log.chain_header(store, key, data)
+        except StorageError:
+            chain.problem = f"{key}: changed (its chain header is gone)"
+            return chain
+        if header["run"] != run_id or header["shard"] != shard or key != delivery_log.object_key(run_id, shard, n):
+            chain.problem = _misplaced(run_id, shard, n, key, header, prev_key)
+            return chain
+        if header["prev"] != prev_sha:  # this object or the one before was changed: the next link tells which
+            this_changed = not prev_key or _links_elsewhere(store, found[i + 1:], sha)
+            chain.problem = f"{key}: changed (its link to {prev_key or 'the start'} was edited)" if this_changed \
+                else f"{prev_key}: changed (the next object, {key}, links to another)"
+            return chain
+        prev_sha, prev_key = sha, key
+        try:
+            lines = list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
+        except StorageError as e:
+            unreadable = unreadable or str(e)
+            continue
+        after = sealed is not None and n > len(sealed)
+        chain.after_seal += after
+        for e in lines:
+            if after and e["status"] not in delivery_log.AFTER_SEAL:
+                chain.problem = (f"{key}: a {e['status']!r} entry after the seal (only a client's fetch or a bounce "
+                                 "refused after close may follow it)")
+                return chain
+            if begun and n > begun[0] and e["status"] not in delivery_log.AFTER_WARRANT:
+                chain.problem = f"{key}: a {e['status']!r} entry after close began (its warrant's head is object " \
+                                f"{begun[0]})"
+                return chain
+            chain.closed |= e["status"] == "closed"
+            chain.where[e["ucc"]] = key
+        entries += lines
+    if begun and len(found) < begun[0]:
+        chain.problem = f"{delivery_log.object_key(run_id, shard, begun[0])}: removed (close's warrant recorded " \
+                        f"{begun[0]} objects of shard {shard}, {len(found)} remain)"
+        return chain
+    if sealed is not None and len(found) < len(sealed):
+        chain.problem = f"{delivery_log.object_key(run_id, shard, len(sealed))}: removed (the seal recorded " \
+                        f"{len(sealed)} objects of shard {shard}, {len(found)} remain)"
+        return chain
+    chain.problem = unreadable
+    chain.statuses = delivery_log.final_statuses(entries, closed) if sealed is not None else {}
+    return chain
+
+
+def _seq(key: str) -> int:
+    """The number a chained object's name gives it (delivery_log.object_key)."""
+    return int(key.rsplit("/", 1)[1][:8])
+
+
+def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:
+    return f"{key}: out of place (it says run {header['run']} shard {header['shard']} number {header['seq']}; " \
+           f"number {n} of shard {shard} belongs here)"
+
+
+def _links_elsewhere(store: Store, rest: list[str], sha: str) -> bool:
+    """Whether what comes after this object no longer links to it as it is."""
+    if not rest:
+        return False
+    try:
+        return delivery_log.chain_header(store, rest[0], store.get(rest[0]))["prev"] != sha
+    except StorageError:
+        return True
