@@ -45,10 +45,11 @@ def watch(address: str, job_id: str, silence_s: float = 30.0, poll_s: float = 2.
             time.sleep(poll_s)
             continue
         heard = time.monotonic()
-        out.write(logs[printed:])
+        new = logs[printed:]
+        out.write(new)
         out.flush()
         printed = len(logs)
-        found = RUN_LINE.findall(logs)
+        found = RUN_LINE.findall(new)  # the new lines only: a day's log is megabytes by its end
         run_id = found[-1] if found else run_id
         if job.get("status") in TERMINAL:
             print(f"job {job_id}: {job['status']}", file=sys.stderr)
