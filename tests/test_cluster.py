@@ -306,9 +306,11 @@ def test_redis_unreachable_is_named_in_the_one_line_error(monkeypatch, capsys):
     from pipeline.embedded import free_port
 
     monkeypatch.setenv("REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    started = time.monotonic()
     assert main(["close", "any-run"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: Redis cannot be reached"), err
+    assert time.monotonic() - started < 10, "said at once, not after the ~30 s a blip mid-command is given (37 s before)"
 
 
 def test_a_local_run_starts_its_own_ray_whatever_a_stale_ray_start_left_behind():
