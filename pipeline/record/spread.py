@@ -4,9 +4,9 @@ Every request to S3 costs the client 2-3 ms of CPU (botocore signs it, runs its 
 the reply), so a command that reads the whole record of a 1.5M-account day, 45,000 objects,
 was bound by one core however many requests it kept in flight: `close` took 211 s and
 `verify` 217 s on two cores (bench/fullday.py). Here the jobs go out in slices to a process per
-core (this one among them), each keeping its share of IN_FLIGHT requests in flight with threads;
-a process is handed a slice whenever it has room, and the results come back in the order given,
-a few slices ahead at most: memory follows the slices, not the day.
+core (this one among them), each keeping its share of IN_FLIGHT requests in flight with threads,
+and come back in the order given, a few slices ahead at most: memory follows the slices, not
+the day.
 
 A small run's few shards stay in this process: a process costs a start and a store of its own.
 """
@@ -17,7 +17,7 @@ import contextlib
 import multiprocessing
 import os
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import islice
 from typing import Callable, Iterable, Iterator
 
@@ -33,33 +33,22 @@ _threads: ThreadPoolExecutor | None = None
 def each(fn: Callable, store: Store, jobs: Iterable[tuple], count: int) -> Iterator:
     """fn(store, *job) for every job, in order. `fn` is sent to the processes by name, so a
     module's own function; `count`, the number of jobs, decides whether processes are worth it.
-    This process is one of the cores' (a process of its own costs the command ~65 MB: Python,
-    botocore): it works a slice whenever it has room, and also takes in every result, so the
-    other processes are handed more."""
+    This process works a slice in every `cores` itself: a process of its own costs the command
+    ~65 MB (Python, botocore), and this one is there anyway."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cores < 2 or count < FROM_JOBS:
         cores = 1
     share = max(1, IN_FLIGHT // cores)
     with ThreadPoolExecutor(share) as threads, ThreadPoolExecutor(2) as here, \
             _processes(cores - 1, store, share) as pool:
-        jobs, ahead = iter(jobs), deque()
-        running: dict[str, set] = {"pool": set(), "here": set()}
-        room = {"pool": 2 * (cores - 1), "here": 2}  # two slices each in flight: none waits on another's tail
+        jobs, ahead, n = iter(jobs), deque(), 0
         while True:
-            for where in running:
-                running[where] = {f for f in running[where] if not f.done()}
-                while len(running[where]) < room[where] and len(ahead) < 4 * cores and (
-                        chunk := list(islice(jobs, SLICE))):
-                    done = pool.submit(_work, fn, chunk) if where == "pool" else here.submit(
-                        _slice, threads, fn, store, chunk)
-                    running[where].add(done)
-                    ahead.append(done)
+            while len(ahead) < 2 * cores and (chunk := list(islice(jobs, SLICE))):
+                mine, n = n % cores == 0, n + 1  # two slices of this process's own in flight: no idle tail
+                ahead.append(here.submit(_slice, threads, fn, store, chunk) if mine else pool.submit(_work, fn, chunk))
             if not ahead:
                 return
-            if ahead[0].done():
-                yield from ahead.popleft().result()
-            else:  # a later slice may end first, and make room
-                wait(running["pool"] | running["here"], return_when=FIRST_COMPLETED)
+            yield from ahead.popleft().result()
 
 
 def _processes(n: int, store: Store, threads: int) -> ProcessPoolExecutor | contextlib.nullcontext:
