@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import measured  # noqa: E402
 from bench.slow_store import SlowStore, TreeMemory  # noqa: E402
-from pipeline.memory import peak_rss_mb  # noqa: E402
+from pipeline.cluster.memory import peak_rss_mb  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 
 DAY = 1_500_000

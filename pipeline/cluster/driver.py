@@ -39,7 +39,7 @@ from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
 from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_manifest
 from pipeline.mail.message import message_id
-from pipeline.memory import peak_rss_mb
+from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
 from pipeline.note.render import render, render_all

@@ -25,7 +25,7 @@ class Read:
         return delivery_log.Link(self.keys[-1], len(self.keys), self.hashes[-1]) if self.keys else None
 
 
-def read(store: Store, run_id: str, shard: int, found: list[str]) -> Read:
+def read(store: Store, found: list[str]) -> Read:
     """`found`: the chain's keys, as listed."""
     data = [store.get(k) for k in found]
     closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
@@ -39,8 +39,7 @@ def close(store: Store, run_id: str, shard: int, chain: Read, closed_at: float) 
         return chain.keys[-1], chain.hashes
     added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
     if added.seq != len(chain.keys) + 1:  # another writer (a client's fetch) got there first: read the chain again
-        return close(store, run_id, shard, read(store, run_id, shard, delivery_log.chain_keys(store, run_id, shard)),
-                     closed_at)
+        return close(store, run_id, shard, read(store, delivery_log.chain_keys(store, run_id, shard)), closed_at)
     return added.key, chain.hashes + [added.sha256]
 
 

@@ -96,8 +96,7 @@ def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, chai
     at a time: record/spread.py): the warrant's heads, the seal's hashes and where each closing
     object goes all come from this one pass."""
     listed = delivery_log.run_chain_keys(store, run_id)
-    return dict(zip(shards, spread.each(chains.read, store, ((run_id, s, listed.get(s, [])) for s in shards),
-                                        len(shards))))
+    return dict(zip(shards, spread.each(chains.read, store, ((listed.get(s, []),) for s in shards), len(shards))))
 
 
 def _close_chains(store: Store, run_id: str, found: dict[int, chains.Read],

@@ -26,7 +26,7 @@ from pipeline.followup import restore
 from pipeline.followup.restore import read_report
 from pipeline.record import keys
 from pipeline.record.lease import Lease, held
-from pipeline.record.state import RunClosed, RunNotFound, RunState, redis_client
+from pipeline.record.state import RunClosed, RunNotFound, RunState
 from pipeline.record.storage import Store, check_create_only, open_store
 from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
@@ -145,11 +145,7 @@ def _meta(settings: Settings, run_id: str, optional: bool) -> dict:
     """Redis down at the command's start is said at once, as a run's preflight says it: the ~30 s
     a connection is retried are for a blip mid-command (a `close` waited 37 s to say it)."""
     try:
-        quick = redis_client(settings.redis_url, patience_retries=0)
-        if not optional:
-            quick.ping()
-            return RunState(settings.redis_url, run_id).meta()
-        return quick.hgetall(keys.run_meta(run_id))
+        return RunState(settings.redis_url, run_id, patience_retries=0).meta()
     except redis.RedisError as e:
         if not optional:
             raise

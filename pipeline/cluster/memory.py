@@ -1,4 +1,5 @@
-"""A process's own peak memory, for the run's summary and the benchmarks."""
+"""A process's own peak memory, for the run's summary and the benchmarks. No Ray here: a bench step
+that reads it imports this module alone."""
 
 from __future__ import annotations
 
