@@ -372,3 +372,13 @@ def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_repor
     assert json.loads(out.strip().splitlines()[-1])["bounced"] == 1
     assert rows(settings, run_id)["C2"]["status"] == "bounced", "the report got what the watch recorded"
     assert list((box / "cur").iterdir())[0].name.endswith(":2,S"), "the maildir message is marked seen"
+
+
+def test_a_bounce_source_that_is_not_there_is_said_so_not_called_the_wrong_kind(tmp_path):
+    from pipeline.mail.mailbox import MailboxError, open_source
+
+    with pytest.raises(MailboxError, match="no such file or folder"):
+        open_source(str(tmp_path / "bounces"), 1 << 20)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(MailboxError, match="not an imap"):
+        open_source(str(tmp_path / "folder"), 1 << 20)
