@@ -2,7 +2,7 @@
 
 Each instance is a set of Linux namespaces: its own network (a veth on a bridge, a private IP,
 no internet), PIDs (so the yaml's `ray stop` sees only the instance's processes), hostname and
-mounts (its own /home/ubuntu, /tmp, /run and Redis files), like a VM. The cloud's API runs on the
+mounts (its own /home/ubuntu, /tmp, /run, Redis files and name lookups), like a VM. The cloud's API runs on the
 host at the bridge address; `LocalCloudProvider` is Ray's node provider for it (the laptop's
 `ray up` and the head's autoscaler both use it), and its command runner plays SSH: commands run
 in the instance through the API (like SSM Run Command), files are uploaded as tar, and
@@ -70,6 +70,7 @@ class Cloud:
         self.lock = threading.Lock()
         self.launches: list[dict] = []  # every launch asked for, refused or not
         self.image_env = image_env
+        self.home_files: dict[str, str] = {}  # what an AMI baked from a set-up node holds in ~ (a setup's stamps)
         self.next = 10
         _sh(f"ip link add {self.bridge} type bridge && ip addr add {self.gateway}/24 dev {self.bridge} "
             f"&& ip link set {self.bridge} up")
@@ -92,8 +93,15 @@ class Cloud:
         ns, veth, node = f"cn{self.subnet}-{n}", f"cnv{self.subnet}x{n}", self.root / iid
         for d in ("homes/ubuntu", "tmp", "run", "etc-redis", "var-lib-redis", "var-log-redis", "profile.d"):
             (node / d).mkdir(parents=True, exist_ok=True)
+        # Names as the VPC's resolver answers them: its own ip-a-b-c-d (Ray's agents look it up), and a
+        # resolver that refuses at once (the gateway, where nothing listens on port 53), not the host's,
+        # which this network cannot reach: each lookup would wait out its timeouts (20 s a name)
+        (node / "hosts").write_text(f"127.0.0.1 localhost\n{ip} ip-{ip.replace('.', '-')}\n")
+        (node / "resolv.conf").write_text(f"nameserver {self.gateway}\noptions timeout:1 attempts:1\n")
         os.chmod(node / "tmp", 0o1777)
         shutil.copytree("/etc/skel", node / "homes/ubuntu", dirs_exist_ok=True)
+        for name, text in self.home_files.items():
+            (node / "homes/ubuntu" / name).write_text(text)
         _copy_venv(self.image / "venv", node / "homes/ubuntu/venv")
         shutil.copytree("/etc/redis", node / "etc-redis", dirs_exist_ok=True)
         shutil.copytree("/etc/profile.d", node / "profile.d", dirs_exist_ok=True)
@@ -113,7 +121,8 @@ class Cloud:
             f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {self.gateway}")
         binds = [(p, self.image / f"py{i}") for i, p in enumerate(self.python_paths)] + [(node / src, dst) for src, dst in (
             ("homes", "/home"), ("run", "/run"), ("etc-redis", "/etc/redis"), ("var-lib-redis", "/var/lib/redis"),
-            ("var-log-redis", "/var/log/redis"), ("profile.d", "/etc/profile.d"), ("tmp", "/tmp"))]  # /tmp last
+            ("var-log-redis", "/var/log/redis"), ("profile.d", "/etc/profile.d"), ("hosts", "/etc/hosts"),
+            ("resolv.conf", "/etc/resolv.conf"), ("tmp", "/tmp"))]  # /tmp last
         mounts = " && ".join(f"mount --bind {src} {dst}" for src, dst in binds)
         init = subprocess.Popen(
             ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--ipc",
