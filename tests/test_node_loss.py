@@ -29,7 +29,7 @@ from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.helpers import outbox_messages
 
-ACCOUNTS = 300
+ACCOUNTS = 200
 
 
 def lose(roles: str, accounts: int = ACCOUNTS, *more: str) -> dict:

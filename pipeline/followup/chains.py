@@ -12,17 +12,18 @@ from pipeline.record import delivery_log
 from pipeline.record.storage import StorageError, Store
 
 
-@dataclass
+@dataclass(slots=True)
 class Read:
-    """One shard's chain as close read it."""
+    """One shard's chain as close read it: its last key, not every key (a 1.5M day's close holds
+    15,000 of these until the seal)."""
 
-    keys: list[str]
+    last: str  # "" for a chain with no object
     hashes: list[str]  # each object's SHA-256
     closed: bool  # its last object is a closing object (a close that stopped half-way wrote it)
 
     @property
     def end(self) -> delivery_log.Link | None:
-        return delivery_log.Link(self.keys[-1], len(self.keys), self.hashes[-1]) if self.keys else None
+        return delivery_log.Link(self.last, len(self.hashes), self.hashes[-1]) if self.hashes else None
 
 
 def read(store: Store, found: list[str]) -> Read:
@@ -30,15 +31,15 @@ def read(store: Store, found: list[str]) -> Read:
     data = [store.get(k) for k in found]
     closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
         store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))
-    return Read(found, [hashlib.sha256(d).hexdigest() for d in data], closed)
+    return Read(found[-1] if found else "", [hashlib.sha256(d).hexdigest() for d in data], closed)
 
 
 def close(store: Store, run_id: str, shard: int, chain: Read, closed_at: float) -> tuple[str, list[str]]:
     """The chain ended with a closing object, unless it has one: its last key and every object's SHA-256."""
     if chain.closed:
-        return chain.keys[-1], chain.hashes
+        return chain.last, chain.hashes
     added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
-    if added.seq != len(chain.keys) + 1:  # another writer (a client's fetch) got there first: read the chain again
+    if added.seq != len(chain.hashes) + 1:  # another writer (a client's fetch) got there first: read the chain again
         return close(store, run_id, shard, read(store, delivery_log.chain_keys(store, run_id, shard)), closed_at)
     return added.key, chain.hashes + [added.sha256]
 

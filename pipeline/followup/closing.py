@@ -29,7 +29,7 @@ def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None],
     if not store.exists(key):
         warrant = {"run_id": run_id, "closed_at": closed_at,
                    "heads": {str(s): [link.seq, link.sha256] if link else [0, ""] for s, link in links.items()}}
-        store.put_new(key, json.dumps(warrant, indent=0, sort_keys=True).encode())  # lost to another close: theirs
+        store.put_new(key, as_json(warrant))  # lost to another close: theirs
     data = store.get(key)
     warrant = parse(data, run_id)
     if warrant is None:
@@ -37,6 +37,15 @@ def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None],
     if not store.exists(sig_key):
         store.put_new(sig_key, detached.sign(data, signer))
     return warrant
+
+
+def as_json(value: dict) -> bytes:
+    """A warrant or proof as close writes it: one value a line, keys sorted, encoded a piece at a
+    time (json.dumps with an indent holds every piece at once: 20 MB for a 1.5M day's proof)."""
+    data = bytearray()
+    for piece in json.JSONEncoder(indent=0, sort_keys=True).iterencode(value):
+        data += piece.encode()
+    return bytes(data)
 
 
 def parse(data: bytes, run_id: str) -> dict | None:
