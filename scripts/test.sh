@@ -33,9 +33,10 @@ if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
 # Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud) and the benchmarks' smoke runs (each a process of its own, with its own Ray). The days that
-# lose nodes run with the rest: the two halves then take about as long
-side=(tests/test_ray_up.py tests/test_benches.py)
+# cloud), the relays held to their rates (mostly waiting on the rates) and the benchmarks' smoke
+# runs (each a process of its own, with its own Ray). The days that lose nodes run with the rest:
+# the two halves then take about as long
+side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py)
 cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
 cloud=$!
