@@ -73,10 +73,8 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
                 raise SealBroken(f"run {run_id}: its close began, and its record no longer matches where it began: "
                                  f"{checked['first_problem']}")
         found = _read_chains(store, run_id, run.split.shards)
-        warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
-                                float(meta.get("closed_at") or now), signer)
-        closed_at = warrant["closed_at"]
-        del warrant  # its heads, 15,000 on a 1.5M day: the chains' ends are in `found`
+        closed_at = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
+                                  float(meta.get("closed_at") or now), signer)["closed_at"]
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
         report.rewrite(store, state, run_id, settings.paper_due_days)
         ended = _close_chains(store, run_id, found, closed_at)
