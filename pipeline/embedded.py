@@ -108,8 +108,10 @@ def start_smtp_sink(outbox: Path, log: Path, extra_args: list[str] = (), port: i
 
 def sink_args(work: Path, bounce_rate: float) -> list[str]:
     """The demo's relay returns DSNs for a share of its mail to DIR/bounces, as to the bounce
-    domain's mailbox; without --bounce-rate the folder is there and stays empty."""
-    (work / "bounces").mkdir(parents=True, exist_ok=True)
+    domain's mailbox; without --bounce-rate it is an empty maildir, so the README's `bounces`
+    after the demo reads none."""
+    for sub in ("new", "cur", "tmp"):
+        (work / "bounces" / sub).mkdir(parents=True, exist_ok=True)
     return ["--bounce-rate", str(bounce_rate), "--bounces", str(work / "bounces")] if bounce_rate else []
 
 

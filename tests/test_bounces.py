@@ -382,3 +382,13 @@ def test_a_bounce_source_that_is_not_there_is_said_so_not_called_the_wrong_kind(
     (tmp_path / "folder").mkdir()
     with pytest.raises(MailboxError, match="not an imap"):
         open_source(str(tmp_path / "folder"), 1 << 20)
+
+
+def test_the_demo_s_bounce_folder_without_a_bounce_rate_is_an_empty_maildir(tmp_path):
+    """README, "After the demo": `bounces $RUN_ID --maildir demo/bounces` on a demo made without
+    --bounce-rate reads no bounce (it said "not an imap(s):// URL, a maildir or an mbox file")."""
+    from pipeline.embedded import sink_args
+    from pipeline.mail.mailbox import open_source
+
+    assert sink_args(tmp_path, 0.0) == []
+    assert list(open_source(str(tmp_path / "bounces"), 1 << 20).unseen()) == []

@@ -42,7 +42,7 @@ def open_source(source: str, max_bytes: int):
         return MaildirSource(path, max_bytes)
     if path.is_file():
         return MboxSource(path, max_bytes)
-    if not path.exists():  # the README's `bounces ... --maildir demo/bounces` on a demo made without --bounce-rate
+    if not path.exists():  # a typo, or a folder not made yet: not "the wrong kind"
         raise MailboxError(f"bounce source {source!r}: no such file or folder")
     raise MailboxError(f"bounce source {source!r}: not an imap(s):// URL, a maildir or an mbox file")
 
