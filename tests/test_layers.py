@@ -42,3 +42,11 @@ def test_an_import_that_breaks_a_layer_fails_naming_the_contract(tmp_path, modul
     assert out.returncode != 0
     broken = out.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken and module.removesuffix(".py").replace("/", ".") in broken, out.stdout[-3000:]
+
+
+def test_the_processes_close_and_verify_spread_their_reads_over_load_no_redis_client():
+    """record/spread.py's processes import chains.py alone; Redis's client (with what it
+    imports) was 9 MB more in each of them, for a module they never call."""
+    code = "import sys, pipeline.followup.chains; print(sorted(m for m in sys.modules if m.split('.')[0] == 'redis'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-500:] + out.stderr[-2000:]

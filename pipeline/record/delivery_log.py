@@ -26,11 +26,13 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Container, Iterable, Iterator
+from typing import TYPE_CHECKING, Container, Iterable, Iterator
 
 from pipeline.record import keys
-from pipeline.record.records import Outcome
 from pipeline.record.storage import StorageError, Store
+
+if TYPE_CHECKING:  # not imported at run time: redis's client is 15 MB in each of close's and verify's processes
+    from pipeline.record.records import Outcome
 
 MAIL_STATUSES = ("sending", "delivered", "unconfirmed", "failed", "not_sent")
 AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's seal (followup/close.py)
