@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments the `ray up` tests, and the benchmarks' smoke runs, go in pytest sessions of
+# With no arguments the `ray up` tests and the benchmarks' smoke runs go in a pytest session of
 # their own beside the rest: the `ray up` tests spend most of their minutes waiting (a simulated
 # cloud's instances, a relay paced at 0.5 mails/s), and the serial suite kept this machine's two
 # cores a quarter busy.
@@ -32,34 +32,22 @@ ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw
 if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
-# Beside the rest, two sessions of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud's instances), and the relays held to their rates (mostly waiting on the rates) with the
-# benchmarks' smoke runs and the days that lose nodes (each a process of its own, with its own
-# Ray). The three take about as long, and the two cores stay busy (two sessions left them a
-# quarter idle, and took 26 min)
-cloud=(tests/test_ray_up.py)
-paced=(tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py)
-logs=() pids=()
-for group in "${cloud[*]}" "${paced[*]}"; do
-  logs+=("$(mktemp -t cn-tests.XXXXXX)")
-  # shellcheck disable=SC2086  # the group's paths, split on their spaces
-  .venv/bin/python -m pytest -p no:cacheprovider $group >"${logs[-1]}" 2>&1 &
-  pids+=($!)
-done
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
+# Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
+# cloud), the relays held to their rates (mostly waiting on the rates) and the benchmarks' smoke
+# runs (each a process of its own, with its own Ray). The days that lose nodes run with the rest:
+# the two halves then take about as long
+side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py)
+cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
+.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
+cloud=$!
+trap 'kill "$cloud" 2>/dev/null || true' EXIT  # this script's own session, by PID
 rest=0
-.venv/bin/python -m pytest "${cloud[@]/#/--ignore=}" "${paced[@]/#/--ignore=}" || rest=$?
-codes=()
-for i in "${!pids[@]}"; do
-  code=0
-  wait "${pids[i]}" || code=$?
-  codes+=("$code")
-done
+.venv/bin/python -m pytest "${side[@]/#/--ignore=}" || rest=$?
+cloud_rc=0
+wait "$cloud" || cloud_rc=$?
 trap - EXIT
-for i in "${!logs[@]}"; do
-  echo "=== session $((i + 2)) of 3, beside the rest ==="
-  cat "${logs[i]}"
-  rm -f "${logs[i]}"
-done
-echo "=== pytest exit status: the rest $rest, ${cloud[*]} ${codes[0]}, ${paced[*]} ${codes[1]} ==="
-((rest == 0 && codes[0] == 0 && codes[1] == 0)) || exit $((rest ? rest : codes[0] ? codes[0] : codes[1]))
+echo "=== ${side[*]}, in their own session beside the rest ==="
+cat "$cloud_log"
+rm -f "$cloud_log"
+echo "=== pytest exit status: the rest $rest, ${side[*]} $cloud_rc ==="
+((rest == 0 && cloud_rc == 0)) || exit $((rest ? rest : cloud_rc))
