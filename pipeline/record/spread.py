@@ -14,20 +14,21 @@ A small run's few shards stay in this process: a process costs a start and a sto
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
+import threading
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
+from multiprocessing.connection import Connection, Pipe
 from typing import Callable, Iterable, Iterator
 
-from pipeline.record.storage import IN_FLIGHT, Store
+from pipeline.record.storage import IN_FLIGHT, StorageError, Store
 
 FROM_JOBS = 512  # fewer shards than this are worked in this process
 SLICE = 64  # the jobs a process is handed at once
-
-_store: Store | None = None
-_threads: ThreadPoolExecutor | None = None
 
 
 def each(fn: Callable, store: Store, jobs: Iterable[tuple], count: int) -> Iterator:
@@ -40,31 +41,94 @@ def each(fn: Callable, store: Store, jobs: Iterable[tuple], count: int) -> Itera
         cores = 1
     share = max(1, IN_FLIGHT // cores)
     with ThreadPoolExecutor(share) as threads, ThreadPoolExecutor(2) as here, \
-            _processes(cores - 1, store, share) as pool:
+            contextlib.ExitStack() as stack:
+        others = [stack.enter_context(_Process(store, share)) for _ in range(cores - 1)]
         jobs, ahead, n = iter(jobs), deque(), 0
         while True:
             while len(ahead) < 2 * cores and (chunk := list(islice(jobs, SLICE))):
                 mine, n = n % cores == 0, n + 1  # two slices of this process's own in flight: no idle tail
-                ahead.append(here.submit(_slice, threads, fn, store, chunk) if mine else pool.submit(_work, fn, chunk))
+                ahead.append(here.submit(_slice, threads, fn, store, chunk) if mine
+                             else others[n % len(others)].submit(fn, chunk))
             if not ahead:
                 return
             yield from ahead.popleft().result()
 
 
-def _processes(n: int, store: Store, threads: int) -> ProcessPoolExecutor | contextlib.nullcontext:
-    # spawned, not forked: this process may hold threads (a client's pool, Redis's) a fork would copy mid-step
-    return ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
-                               initargs=(store, threads)) if n else contextlib.nullcontext()
+class _Process:
+    """A Python process of its own, handed slices over a socket and answering them in order.
+    Not multiprocessing's pool: its queues' semaphores brought multiprocessing's resource
+    tracker along, one more process of 12 MB for a command held to 200 MB at 1.5M accounts.
+    It ends when told, or when its socket closes: a command killed leaves none behind."""
+
+    def __init__(self, store: Store, threads: int):
+        mine, theirs = Pipe()
+        path = os.pathsep.join(p for p in sys.path if p)  # where this process found pipeline/ (and a bench's store)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"from pipeline.record.spread import serve; serve({theirs.fileno()})"],
+            pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONPATH": path})
+        theirs.close()
+        self.conn, self.waiting, self.lock = mine, deque(), threading.Lock()
+        self.conn.send((store, threads))
+        self.reader = threading.Thread(target=self._answers, daemon=True)
+        self.reader.start()
+
+    def submit(self, fn: Callable, chunk: list[tuple]) -> Future:
+        done: Future = Future()
+        with self.lock:
+            self.waiting.append(done)
+            self.conn.send((fn, chunk))
+        return done
+
+    def _answers(self) -> None:
+        while True:
+            try:
+                ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self.lock:
+                done = self.waiting.popleft()
+            done.set_result(value) if ok else done.set_exception(value)
+        with self.lock:
+            left, self.waiting = list(self.waiting), deque()
+        for done in left:
+            done.set_exception(StorageError(f"a process this command spread its reads over ended "
+                                            f"(exit status {self.process.wait()}) before answering"))
+
+    def __enter__(self) -> _Process:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(OSError):  # told to end (its socket closed here would not wake its reader)
+            self.conn.send(None)
+        self.process.wait()  # once the slices it holds are answered
+        self.reader.join()
+        self.conn.close()
+
+
+def serve(fd: int) -> None:
+    """The other end of a _Process: slices in, their results (or what they raised) out."""
+    conn = Connection(fd)
+    store, threads = conn.recv()
+    with ThreadPoolExecutor(threads) as pool:
+        while True:
+            try:
+                work = conn.recv()
+            except EOFError:
+                return
+            if work is None:
+                return
+            fn, chunk = work
+            try:
+                answer = (True, _slice(pool, fn, store, chunk))
+            except Exception as e:  # whatever a job raised is the command's to say, as if raised there
+                answer = (False, e)
+            try:
+                conn.send(answer)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                conn.send((False, StorageError(f"{type(answer[1]).__name__}: {answer[1]}")))
+            except (BrokenPipeError, ConnectionResetError):
+                return
 
 
 def _slice(threads: ThreadPoolExecutor, fn: Callable, store: Store, chunk: list[tuple]) -> list:
     return list(threads.map(lambda job: fn(store, *job), chunk))
-
-
-def _start(store: Store, threads: int) -> None:
-    global _store, _threads
-    _store, _threads = store, ThreadPoolExecutor(threads)
-
-
-def _work(fn: Callable, chunk: list[tuple]) -> list:
-    return _slice(_threads, fn, _store, chunk)
