@@ -395,6 +395,9 @@ PER_ACCOUNT = ("redis_bytes_per_account", "storage_objects_per_account", "report
 
 
 def once(args) -> dict:
+    if args.days is None:  # --smoke's days go with it
+        with tempfile.TemporaryDirectory(prefix="cn-days-", dir=args.work) as days:
+            return once(argparse.Namespace(**{**vars(args), "days": Path(days)}))
     out = {"bench": "fullday", "cores": os.cpu_count(), "sizes": args.sizes, "latency_ms": args.latency_ms,
            "stand_ins": ["typst compile", "signature and AES-256", "the relay's handling of DATA"]}
     sizes = []
@@ -437,7 +440,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where each size's store, Redis and S3 server go (default: TMPDIR)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to each S3 request of close and verify")
     # --save with one run: each figure is a mean over a day's 1.5M accounts, and a run takes an hour here
-    measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": Path(tempfile.mkdtemp(prefix="cn-days-"))},
+    measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": None},
                  min_runs=1)
 
 
