@@ -41,7 +41,8 @@ from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.record.storage import open_store  # noqa: E402
-from pipeline.seal.sign import load_signer, make_test_certificate  # noqa: E402
+from pipeline.seal.sign import make_test_certificate  # noqa: E402
+from pipeline.seal.signer import load_signer  # noqa: E402
 from pipeline.settings import Settings, tls_files  # noqa: E402
 from pipeline.stages import Batch, broker, load_shard, mail_context, mail_stage, render_stage, sign_stage  # noqa: E402
 

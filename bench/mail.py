@@ -43,7 +43,8 @@ from bench import measured  # noqa: E402
 from pipeline.embedded import start_redis, start_smtp_sink  # noqa: E402
 from pipeline.note.render import render  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
-from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect  # noqa: E402
+from pipeline.seal.sign import SignatureInfo, make_test_certificate, protect  # noqa: E402
+from pipeline.seal.signer import load_signer  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
 from pipeline.stages import Batch  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402

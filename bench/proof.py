@@ -44,13 +44,14 @@ BOUNCED = 0.02
 def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     """The record of a mailed, partly bounced run, as a run leaves it."""
     from pipeline.followup import located
-    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record.manifest import SplitResult, save_manifest
     from pipeline.record import delivery_log, keys, report
     from pipeline import credentials
     from pipeline.record.records import Outcome
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
-    from pipeline.seal.sign import load_signer, make_test_certificate
+    from pipeline.seal.sign import make_test_certificate
+    from pipeline.seal.signer import load_signer
 
     make_test_certificate(work / "keys")
     settings = Settings(store_url=str(work / "store"), redis_url=redis_url, signer_key=str(work / "keys/signer.key.pem"),

@@ -46,7 +46,8 @@ from pyhanko.sign import fields, signers  # noqa: E402
 
 from pipeline.note.render import render  # noqa: E402
 from pipeline.seal.pdfcrypt import hash_2b, hash_2b_reference  # noqa: E402
-from pipeline.seal.sign import SignatureInfo, load_signer, make_test_certificate, protect, protect_all  # noqa: E402
+from pipeline.seal.sign import SignatureInfo, make_test_certificate, protect, protect_all  # noqa: E402
+from pipeline.seal.signer import load_signer  # noqa: E402
 from tests.test_render import sample_note  # noqa: E402
 
 OWNER = "broker-owner-secret"
@@ -192,7 +193,7 @@ def one_row(args) -> None:
     import pkcs11
     from cryptography import x509
 
-    from pipeline.seal.sign import Signer
+    from pipeline.seal.signer import Signer
     from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, TokenConfig, TokenKey, make_test_token
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

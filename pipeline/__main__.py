@@ -308,7 +308,7 @@ def cmd_plan(args) -> int:
          ADDRESS, STORE, PIN_CORRECTED)
 def cmd_rerun(args) -> int:
     from pipeline.cluster.driver import rerun
-    from pipeline.record.state import RunNotFound
+    from pipeline.errors import RunNotFound
 
     settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
     _pin_corrected(settings, args.pin_corrected)
@@ -338,7 +338,7 @@ def _exit_status(summary: dict) -> int:
          RUN_ID, arg("--relay-log", type=Path, nargs="+", required=True, metavar="FILE"), STORE)
 def cmd_reconcile(args) -> int:
     from pipeline.followup.reconcile import reconcile
-    from pipeline.record.state import RunNotFound
+    from pipeline.errors import RunNotFound
 
     missing = [str(p) for p in args.relay_log if not p.is_file()]
     if missing:
@@ -421,7 +421,7 @@ def cmd_verify(args) -> int:
 def _certificate(path: Path | None, flag: str) -> bytes | None:
     """The PEM certificate a flag names, or one line saying why it is not one."""
     from pipeline.seal import detached
-    from pipeline.seal.sign import SignError
+    from pipeline.seal.signer import SignError
 
     if path is None:
         return None
@@ -443,10 +443,11 @@ def cmd_status(args) -> int:
     cluster's Redis ends with the cluster; the report is the record)."""
     from pipeline.followup import status
     from pipeline.followup.located import locate
-    from pipeline.followup.restore import read_report
+    from pipeline.record.report import read_report
     from pipeline.record import rates
     from pipeline.record.keys import proof_keys, report_keys
-    from pipeline.record.state import RunNotFound, RunState
+    from pipeline.errors import RunNotFound
+    from pipeline.record.state import RunState
 
     settings = _on_redis(Settings.from_env())
     try:  # a status is asked now: a Redis that does not answer at once is passed over for storage

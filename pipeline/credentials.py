@@ -45,7 +45,7 @@ from cryptography import x509
 
 from pipeline.record import keys
 from pipeline.record.state import redis_client
-from pipeline.seal.sign import Signer, SignerSetupError, load_signer, signer_from_pem
+from pipeline.seal.signer import Signer, SignerSetupError, load_signer, signer_from_pem
 from pipeline.seal.token import PinRefused, TokenConfig, TokenKey
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
 

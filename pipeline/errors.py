@@ -10,3 +10,7 @@ as aiosmtplib's errors do. The lowest layer: it imports nothing.
 class CannotRun(Exception):
     """The command cannot start (input, settings, storage, signer, calendar) or must stop
     (the run's state lost, its lease taken, its record sealed)."""
+
+
+class RunNotFound(CannotRun, LookupError):
+    """No run of that id: not in Redis, nor (where the command looks there too) in storage."""

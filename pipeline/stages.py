@@ -41,7 +41,8 @@ from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store
-from pipeline.seal.sign import SignatureInfo, SignError, protect_all, user_half
+from pipeline.seal.sign import SignatureInfo, protect_all, user_half
+from pipeline.seal.signer import SignError
 from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")

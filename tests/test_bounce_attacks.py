@@ -17,7 +17,7 @@ import redis
 
 from pipeline.__main__ import main
 from pipeline.followup import bounces
-from pipeline.day.split import SplitResult, save_manifest
+from pipeline.record.manifest import SplitResult, save_manifest
 from pipeline.mail import verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report

@@ -20,7 +20,7 @@ import pytest
 from pipeline.followup import bounces, close as proof
 from pipeline.followup import verify as verifier
 from pipeline.cluster.driver import RunRequest, run_day
-from pipeline.day.split import load_manifest
+from pipeline.record.manifest import load_manifest
 from pipeline.mail import bounce, verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report
@@ -303,7 +303,7 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
     import mailbox
     import uuid
 
-    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record.manifest import SplitResult, save_manifest
     from pipeline.record.records import Outcome
     from pipeline.settings import Settings
 
@@ -335,7 +335,7 @@ def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_repor
     import time
     import uuid
 
-    from pipeline.day.split import SplitResult, save_manifest
+    from pipeline.record.manifest import SplitResult, save_manifest
     from pipeline.record.records import Outcome
     from pipeline.settings import Settings
 

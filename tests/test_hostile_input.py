@@ -264,7 +264,7 @@ def test_run_with_an_unwritable_store_exits_2_naming_the_store(tmp_path, redis_u
 def test_an_account_whose_rendering_raises_fails_alone_and_its_shard_mates_render(tmp_path, redis_url):
     from decimal import InvalidOperation
 
-    from pipeline.day.split import load_manifest, save_manifest
+    from pipeline.record.manifest import load_manifest, save_manifest
     from pipeline.stages import Batch, load_shard, render_stage
 
     folder = write_day(tmp_path / "in", trades=trades_for(INNOCENTS + [POISONED]), clients=INNOCENTS + [POISONED])

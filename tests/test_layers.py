@@ -22,7 +22,7 @@ def lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_tree_keeps_every_contract():
     out = lint(Path(ROOT))
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "4 kept, 0 broken" in out.stdout
+    assert "5 kept, 0 broken" in out.stdout
 
 
 @pytest.mark.parametrize("module, line, contract", [
@@ -30,6 +30,7 @@ def test_the_tree_keeps_every_contract():
     ("pipeline/day/dumps.py", "import ray", "nothing below the cluster imports ray"),
     ("pipeline/note/charges.py", "from pipeline.record import state", "note, seal and mail never import redis"),
     ("pipeline/followup/verify.py", "import ray", "followup and tls import no Ray"),
+    ("pipeline/followup/chains.py", "from pipeline.record import state", "verify loads only what it reads"),
     ("pipeline/tls/enroll.py", "from pipeline.cluster import plan", "pipeline's layers"),
 ])
 def test_an_import_that_breaks_a_layer_fails_naming_the_contract(tmp_path, module, line, contract):
@@ -50,3 +51,15 @@ def test_the_processes_close_and_verify_spread_their_reads_over_load_no_redis_cl
     code = "import sys, pipeline.followup.chains; print(sorted(m for m in sys.modules if m.split('.')[0] == 'redis'))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-500:] + out.stderr[-2000:]
+
+
+def test_verify_loads_no_redis_client_pdf_library_renderer_or_mailer():
+    """`verify` reads storage alone: before, it loaded Redis's client (through the run's state),
+    pikepdf (through the signer), the renderer and the mailer (through `rerun`'s restore), 28 MB
+    of a command held to 200 MB on a 1.5M-account record."""
+    code = ("import sys, pipeline.followup.verify; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'redis', 'pikepdf', 'aiosmtplib', 'ray'}), "
+            "sorted(m for m in sys.modules if m.startswith(('pipeline.stages', 'pipeline.note'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[] []", out.stdout[-500:] + out.stderr[-2000:]
+

@@ -19,7 +19,7 @@ from pipeline.errors import CannotRun
 from pipeline.followup import bounces, close as proof, located
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.followup.verify import exit_status, verify
-from pipeline.day.split import load_manifest
+from pipeline.record.manifest import load_manifest
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
 from pipeline.mail import verp
@@ -27,7 +27,8 @@ from pipeline.record import delivery_log, keys, spread
 from pipeline.record.state import RunClosed, RunState
 from pipeline.record.storage import FolderStore, StorageError, open_store
 from pipeline.seal import detached
-from pipeline.seal.sign import load_signer, make_test_certificate
+from pipeline.seal.sign import make_test_certificate
+from pipeline.seal.signer import load_signer
 from pipeline.settings import Settings
 from tests import servers
 from tests.conftest import TRADE_DATE

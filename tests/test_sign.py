@@ -21,7 +21,8 @@ from pyhanko_certvalidator import ValidationContext
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.seal.sign import SignatureInfo, SignError, SignerSetupError, load_signer, protect, user_half
+from pipeline.seal.sign import SignatureInfo, protect, user_half
+from pipeline.seal.signer import SignError, SignerSetupError, load_signer
 from pipeline.stages import Batch, sign_stage
 from tests.helpers import assert_signed_and_encrypted
 

@@ -37,7 +37,8 @@ from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
-from pipeline.day.split import SplitResult, check_inputs, load_manifest, save_manifest
+from pipeline.day.split import check_inputs
+from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.mail.message import message_id
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
@@ -46,11 +47,12 @@ from pipeline.note.render import render, render_all
 from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
-from pipeline.record.records import Outcome, final_status
+from pipeline.record.records import Outcome
+from pipeline.record.statuses import final_status
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.storage import StorageError, check_create_only, open_store
-from pipeline.seal.sign import Signer
+from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
 

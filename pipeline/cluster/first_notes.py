@@ -27,7 +27,8 @@ from pipeline.record import keys, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, read_json
-from pipeline.seal.sign import SignatureInfo, Signer
+from pipeline.seal.sign import SignatureInfo
+from pipeline.seal.signer import Signer
 from pipeline.settings import Settings
 from pipeline.stages import Batch, broker, mail_context, mail_stage, render_stage, sign_stage
 

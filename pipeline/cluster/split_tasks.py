@@ -13,7 +13,9 @@ from typing import Callable, Iterable, Iterator
 
 import ray
 
-from pipeline.day.split import Plan, SplitResult, assemble, make_plan, read_range, result, row_offsets
+from pipeline.day.split import Plan, assemble, make_plan, read_range, result, row_offsets
+
+from pipeline.record.manifest import SplitResult
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import Settings

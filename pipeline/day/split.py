@@ -20,7 +20,7 @@ import json
 import math
 import operator
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Container
 
 from pipeline.day import bhavcopy
@@ -40,7 +40,8 @@ from pipeline.day.dumps import (
 from pipeline.record import keys, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.record.manifest import SplitResult, load_manifest
+from pipeline.record.storage import StorageError, Store
 
 MAX_LISTED_ERRORS = 1000
 NAMED = 1000  # the accounts with no note due that the manifest and the report name (all are counted)
@@ -50,24 +51,6 @@ DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_FIELDS}
 RS = "\x1e"  # ends a bucket line's kind and account: like SEP, never inside an accepted field
 # A field longer than MAX_FIELD is a row error, not a csv.Error that ends the file
 csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
-
-
-@dataclass
-class SplitResult:
-    shards: list[int]  # the shards that hold accounts
-    shard_count: int = 0  # what stable_hash is taken modulo
-    accounts: int = 0
-    rejected: int = 0
-    nothing_due: int = 0  # clients whose every trade was cancelled: no contract note is due, none is made
-    nothing_due_accounts: list[str] = field(default_factory=list)  # the first NAMED of them
-    input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
-    trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
-    complete: bool = True  # False while the split is under way: a run resumed from here splits again
-
-    def heaviest_first(self, shards: list[int]) -> list[int]:
-        """A shard holding a huge account starts first, so it never sets the day's end."""
-        weight = dict(zip(self.shards, self.trades))
-        return sorted(shards, key=lambda s: -weight.get(s, 0))
 
 
 @dataclass(frozen=True)
@@ -92,24 +75,6 @@ class Plan:
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
-
-
-def load_manifest(store: Store, run_id: str) -> SplitResult | None:
-    """What a run's split produced; a rerun reuses it (and the note numbers in its shards)."""
-    key = keys.manifest_key(run_id)
-    if not store.exists(key):
-        return None
-    try:
-        split = SplitResult(**read_json(store, key))
-    except TypeError:
-        split = None
-    if split is None or not isinstance(split.shard_count, int) or not all(isinstance(s, int) for s in split.shards):
-        raise StorageError(f"{store.url}: object {key!r} is not a run manifest (edited?)")
-    return split
-
-
-def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:
-    store.put(keys.manifest_key(run_id), json.dumps(split.__dict__).encode())
 
 
 def find_account(store: Store, run_id: str, ucc: str) -> dict | None:

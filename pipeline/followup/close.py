@@ -34,7 +34,7 @@ from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.storage import StorageError, Store, sha256
 from pipeline.seal import detached, timestamp
-from pipeline.seal.sign import Signer
+from pipeline.seal.signer import Signer
 from pipeline.settings import Settings
 
 

@@ -18,7 +18,7 @@ from pipeline.record import delivery_log
 from pipeline.record.keys import closing_keys
 from pipeline.record.storage import StorageError, Store
 from pipeline.seal import detached
-from pipeline.seal.sign import Signer
+from pipeline.seal.signer import Signer
 
 
 def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None], closed_at: float,

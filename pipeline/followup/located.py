@@ -21,12 +21,13 @@ import redis
 
 from cryptography import x509
 
-from pipeline.day.split import SplitResult, load_manifest
+from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.followup import restore
-from pipeline.followup.restore import read_report
+from pipeline.record.report import read_report
 from pipeline.record import keys
 from pipeline.record.lease import Lease, held
-from pipeline.record.state import RunClosed, RunNotFound, RunState
+from pipeline.errors import RunNotFound
+from pipeline.record.state import RunClosed, RunState
 from pipeline.record.storage import Store, check_create_only, open_store
 from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id

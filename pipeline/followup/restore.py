@@ -13,18 +13,18 @@ import csv
 import datetime as dt
 import itertools
 import json
-import re
 
 from pipeline.day.dumps import UCC
-from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys
+from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
-from pipeline.record.state import RunNotFound, RunState
-from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.record.report import read_report
+from pipeline.errors import RunNotFound
+from pipeline.record.state import RunState
+from pipeline.record.storage import StorageError, Store
 from pipeline.stages import load_shard, restore_from_log
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
-DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
 STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
 
 
@@ -59,24 +59,6 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     state.update_meta(accounts=report["accounts"])
     state.keep()
     return state.meta()
-
-
-def read_report(store: Store, key: str) -> dict:
-    """The report's fields that go into keys and Redis, as the run wrote them: a date (it names
-    the archive's folder), a count, strings. An edited report stops here, naming itself."""
-    report = read_json(store, key)
-    try:
-        dt.date.fromisoformat(report["trade_date"])
-        ok = DATE.match(report["trade_date"]) and isinstance(report["accounts"], int)
-        window = report.get("bounce_window", {})
-        if window.get("closed_at"):
-            dt.datetime.fromisoformat(window["closed_at"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        ok = False
-    if not ok or not all(isinstance(report.get(k, ""), str) for k in ("input", "relays")):
-        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input, "
-                           "relays or bounce window were edited)")
-    return report
 
 
 def _row(store: Store, key: str, line: int, row: dict) -> dict:

@@ -22,15 +22,15 @@ import sqlite3
 import tempfile
 from typing import Iterator
 
+from pipeline.errors import RunNotFound
 from pipeline.followup import chains, closing
-from pipeline.followup.restore import read_report
-from pipeline.day.split import load_manifest
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
-from pipeline.record.state import RunNotFound
+from pipeline.record.manifest import load_manifest
+from pipeline.record.report import read_report
 from pipeline.record.storage import Store, sha256
 from pipeline.seal import detached, timestamp
-from pipeline.seal.sign import SignError
+from pipeline.seal.signer import SignError
 
 MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status that only a mailing can give
 

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 import redis
 
 from pipeline.record import keys
+from pipeline.record.statuses import final_status
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
 FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
@@ -32,16 +33,6 @@ def rank(stage: str) -> int:
     """How far along a stage is: 1 for validated ... 5 for delivered (0: nowhere yet)."""
     return STAGES.index(stage) + 1
 
-
-def final_status(rec: dict) -> str:
-    """Where an account stands: delivered, unconfirmed (the mail may have reached the relay:
-    settle it with `reconcile` or `rerun --unconfirmed`), failed, rejected (bad input),
-    physical (no e-mail consent or address: paper), or pending (on its way). A delivered
-    mail that came back is bounced (paper), or deferred while the recipient's server retries."""
-    if rec.get("stage") == "delivered":
-        return rec["bounce"]["kind"] if rec.get("bounce") else "delivered"
-    status = rec.get("status")
-    return status if status in ("unconfirmed", "failed", "rejected", "physical") else "pending"
 
 # An account's record is compact JSON, so that 1.5M of them fit a small head (issue 11: at
 # most 400 bytes an account with the mail guard). The ucc is the field name, the Message-ID

@@ -15,19 +15,23 @@ import csv
 import datetime as dt
 import io
 import json
+import re
 import tempfile
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from pipeline.record import keys
-from pipeline.record.records import final_status
-from pipeline.record.state import RunState
-from pipeline.record.storage import Store, read_json
+from pipeline.record.statuses import final_status
+from pipeline.record.storage import StorageError, Store, read_json
+
+if TYPE_CHECKING:  # the report's writers hold one; `verify`, which reads it, loads no Redis client
+    from pipeline.record.state import RunState
 
 CSV_FIELDS = ["ucc", "status", "stage", "failed_at", "reason", "message_id", "reply", "attempts", "physical_dispatch",
               "possible_duplicate", "bounced_at", "bounce_status", "bounce_reason", "due_date"]
 PAPER_FIELDS = ["ucc", "why", "known_on", "due_date"]
 PAGE = 1000
 PAPER_IN_JSON = 1000  # the paper accounts the JSON names; the paper list names them all
+DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
 IST = dt.timezone(dt.timedelta(hours=5, minutes=30))  # the exchanges' day, and the paper's due date
 
 
@@ -152,3 +156,21 @@ def _inert(value):
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
         return "'" + value
     return value
+
+
+def read_report(store: Store, key: str) -> dict:
+    """The report's fields that go into keys and Redis, as the run wrote them: a date (it names
+    the archive's folder), a count, strings. An edited report stops here, naming itself."""
+    report = read_json(store, key)
+    try:
+        dt.date.fromisoformat(report["trade_date"])
+        ok = DATE.match(report["trade_date"]) and isinstance(report["accounts"], int)
+        window = report.get("bounce_window", {})
+        if window.get("closed_at"):
+            dt.datetime.fromisoformat(window["closed_at"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        ok = False
+    if not ok or not all(isinstance(report.get(k, ""), str) for k in ("input", "relays")):
+        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input, "
+                           "relays or bounce window were edited)")
+    return report

@@ -22,10 +22,6 @@ from pipeline.record.lease import RunLease
 from pipeline.record.records import STAGES, Records
 
 
-class RunNotFound(CannotRun, LookupError):
-    pass
-
-
 class RunClosed(CannotRun, RuntimeError):
     """The run was closed and its record sealed: nothing is mailed or settled under it again."""
 

@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding
 
-from pipeline.seal.sign import SignError, Signer
+from pipeline.seal.signer import SignError, Signer
 
 
 def sign(data: bytes, signer: Signer) -> bytes:

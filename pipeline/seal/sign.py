@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
-from typing import Callable
 
 import pikepdf
-from asn1crypto import algos, cms, tsp
-from asn1crypto import x509 as ax509
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.hazmat.primitives.serialization import pkcs12
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
 
-from pipeline.errors import CannotRun
 from pipeline.seal.pdfcrypt import (
     PRINT_ONLY_P,
     UserKeys,
@@ -40,27 +35,17 @@ from pipeline.seal.pdfcrypt import (
     r6_keys,
     user_keys,
 )
+from pipeline.seal.signer import SignError, Signer
 
 TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
 FIELD_NAME = "BrokerSignature"
 BYTE_RANGE_PLACEHOLDER = b"0 1111111111 2222222222 3333333333"
-DIGEST_MARK = b"\xd1\x5e" * 16
 PRINT_ONLY = pikepdf.Permissions(
     accessibility=True, extract=False, modify_annotation=False, modify_assembly=False,
     modify_form=False, modify_other=False, print_lowres=True, print_highres=True,
 )
 SAVE_OPTIONS = dict(object_stream_mode=pikepdf.ObjectStreamMode.disable, fix_metadata_version=False)
 ENCRYPTIONS = ("aes256", "aes128", "none")
-RSA, ECDSA = "rsassa_pkcs1v15", "sha256_ecdsa"  # the CMS signature algorithms a note may carry
-ECDSA_P256_MAX = 72  # the longest DER of an ECDSA P-256 signature
-
-
-class SignerSetupError(CannotRun, RuntimeError):
-    """The key or certificate cannot be used: raised when an actor starts, not per note."""
-
-
-class SignError(ValueError):
-    """This one PDF could not be signed (the account fails, the actor goes on)."""
 
 
 @dataclass(frozen=True)
@@ -68,95 +53,6 @@ class SignatureInfo:
     reason: str = "Contract note issued under SEBI regulations"
     location: str = "Bengaluru, India"
     contact: str = "compliance@broker.example.com"
-
-
-class Signer:
-    """A signing function and a CMS SignedData template with holes for the digest and the
-    signature: per note, two slices are replaced and nothing is re-encoded. `sign` takes the
-    signed attributes and returns the signature (a key file's, or a token's: token.py); an
-    ECDSA signature's DER length varies by a byte or two, so there is a template a length.
-    `workers`: notes signed at once (a network HSM's round trip hidden behind other notes)."""
-
-    def __init__(self, sign: Callable[[bytes], bytes], algorithm: str, cert: x509.Certificate,
-                 chain: list[x509.Certificate], workers: int = 1, about: dict | None = None,
-                 outages: Callable[[], list[tuple[float, float]]] = list):
-        self.sign, self.algorithm, self.cert, self.chain, self.workers = sign, algorithm, cert, chain, workers
-        self.outages = outages  # the key's outages waited out since last asked (a token's; a file has none)
-        self.about = about or {"key": "file"}  # what the run records of its key (never the key)
-        attrs = _signed_attributes(cert)
-        self._attrs = attrs.dump()
-        self._attr_digest_at = self._attrs.index(DIGEST_MARK)
-        self._templates: dict[int, tuple[bytes, int, int]] = {}
-        longest = cert.public_key().key_size // 8 if algorithm == RSA else ECDSA_P256_MAX
-        self.size = len(self._template(longest)[0])
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sign") if workers > 1 else None
-
-    def signed_attributes(self, digest: bytes) -> bytes:
-        """What is signed: the CMS signed attributes holding the document's digest."""
-        a = self._attr_digest_at
-        return self._attrs[:a] + digest + self._attrs[a + 32:]
-
-    def cms(self, digest: bytes, signature: bytes | None = None) -> bytes:
-        signature = self.sign(self.signed_attributes(digest)) if signature is None else signature
-        t, d, s = self._template(len(signature))
-        return t[:d] + digest + t[d + 32:s] + signature + t[s + len(signature):]
-
-    def signing(self, digest: bytes) -> Future:
-        """The signature of a digest, made by one of `workers` threads: only the wait for the HSM
-        is spent there (its module releases the GIL), the notes' own work stays in the caller's."""
-        return self._pool.submit(self.sign, self.signed_attributes(digest))
-
-    def _template(self, length: int) -> tuple[bytes, int, int]:
-        if length not in self._templates:
-            mark = (b"\x5a\xa5" * length)[:length]
-            der = _signed_data(self.cert, self.chain, _signed_attributes(self.cert), mark, self.algorithm).dump()
-            if der.count(DIGEST_MARK) != 1 or der.count(mark) != 1 or self._attrs.count(DIGEST_MARK) != 1:
-                raise SignerSetupError("could not build the CMS template (marker not unique)")
-            self._templates[length] = der, der.index(DIGEST_MARK), der.index(mark)
-        return self._templates[length]
-
-
-def load_signer(key_path: str, cert_path: str, password: str | None, chain_path: str = "") -> Signer:
-    """PEM key + certificate (+ chain), or a PKCS#12 bundle (.p12/.pfx) given as the key path."""
-    for p in {key_path, cert_path} | ({chain_path} if chain_path else set()):
-        if not Path(p).is_file():
-            raise SignerSetupError(f"signing key/certificate file not found: {p}")
-    if key_path.endswith((".p12", ".pfx")):
-        return signer_from_pkcs12(Path(key_path).read_bytes(), password, key_path)
-    return signer_from_pem(Path(key_path).read_bytes(), Path(cert_path).read_bytes(), password,
-                           Path(chain_path).read_bytes() if chain_path else b"", key_path)
-
-
-def signer_from_pem(key: bytes, cert: bytes, password: str | None, chain: bytes = b"",
-                    name: str = "the signing key") -> Signer:
-    """The key as bytes: read from a secret store by the process that signs, never a file."""
-    try:
-        return _signer(serialization.load_pem_private_key(key, password.encode() if password else None),
-                       x509.load_pem_x509_certificate(cert),
-                       x509.load_pem_x509_certificates(chain) if chain.strip() else [], name)
-    except (ValueError, TypeError) as e:
-        raise SignerSetupError(f"cannot load {name}: wrong password or not a key/certificate "
-                               f"({type(e).__name__})") from None
-
-
-def signer_from_pkcs12(bundle: bytes, password: str | None, name: str) -> Signer:
-    try:
-        key, cert, extra = pkcs12.load_key_and_certificates(bundle, password.encode() if password else None)
-    except (ValueError, TypeError) as e:
-        raise SignerSetupError(f"cannot load {name}: wrong password or not a key/certificate "
-                               f"({type(e).__name__})") from None
-    return _signer(key, cert, list(extra or []), name)
-
-
-def _signer(key, cert: x509.Certificate, chain: list[x509.Certificate], name: str) -> Signer:
-    if not isinstance(key, (rsa.RSAPrivateKey, ec.EllipticCurvePrivateKey)) or \
-            isinstance(key, ec.EllipticCurvePrivateKey) and not isinstance(key.curve, ec.SECP256R1):
-        raise SignerSetupError(f"{name}: notes are signed with RSA or ECDSA P-256 keys, not {type(key).__name__}")
-    if key.public_key().public_numbers() != cert.public_key().public_numbers():
-        raise SignerSetupError(f"the certificate does not belong to {name}")
-    if isinstance(key, ec.EllipticCurvePrivateKey):
-        return Signer(lambda data: key.sign(data, ec.ECDSA(hashes.SHA256())), ECDSA, cert, chain)
-    return Signer(lambda data: key.sign(data, padding.PKCS1v15(), hashes.SHA256()), RSA, cert, chain)
 
 
 def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
@@ -276,39 +172,6 @@ def _place(data: bytes, start: int, end: int, signed: bytes) -> bytes:
     """The CMS signature into /Contents, hex, padded to its fixed size."""
     contents = signed.hex().encode().ljust(end - start - 2, b"0")
     return data[:start + 1] + contents + data[end - 1:]
-
-
-def _signed_attributes(cert: x509.Certificate) -> cms.CMSAttributes:
-    acert = ax509.Certificate.load(cert.public_bytes(serialization.Encoding.DER))
-    ess = tsp.SigningCertificateV2({"certs": [tsp.ESSCertIDv2({
-        "hash_algorithm": algos.DigestAlgorithm({"algorithm": "sha256"}),
-        "cert_hash": hashlib.sha256(acert.dump()).digest(),
-        "issuer_serial": {"issuer": [ax509.GeneralName({"directory_name": acert.issuer})],
-                          "serial_number": acert.serial_number},
-    })]})
-    return cms.CMSAttributes([
-        cms.CMSAttribute({"type": "content_type", "values": ["data"]}),
-        cms.CMSAttribute({"type": "message_digest", "values": [DIGEST_MARK]}),
-        cms.CMSAttribute({"type": "signing_certificate_v2", "values": [ess]}),
-    ])
-
-
-def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes, algorithm: str) -> cms.ContentInfo:
-    certs = [ax509.Certificate.load(c.public_bytes(serialization.Encoding.DER)) for c in [cert, *chain]]
-    sha256 = algos.DigestAlgorithm({"algorithm": "sha256"})
-    signer_info = cms.SignerInfo({
-        "version": "v1",
-        "sid": cms.SignerIdentifier({"issuer_and_serial_number": cms.IssuerAndSerialNumber({
-            "issuer": certs[0].issuer, "serial_number": certs[0].serial_number})}),
-        "digest_algorithm": sha256,
-        "signed_attrs": attrs,
-        "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": algorithm}),
-        "signature": sig_mark,
-    })
-    return cms.ContentInfo({"content_type": "signed_data", "content": cms.SignedData({
-        "version": "v1", "digest_algorithms": [sha256], "encap_content_info": {"content_type": "data"},
-        "certificates": certs, "signer_infos": [signer_info],
-    })})
 
 
 def make_test_certificate(directory: Path) -> tuple[Path, Path, Path]:

@@ -12,7 +12,7 @@ import hashlib
 from asn1crypto import cms
 
 from pipeline.seal import detached
-from pipeline.seal.sign import SignError
+from pipeline.seal.signer import SignError
 
 
 def request(url: str, data: bytes) -> bytes:

@@ -1,0 +1,47 @@
+"""What a run's split produced (its manifest in storage): read by a rerun, which reuses its
+shards and their note numbers, and by `verify` and `close`, which need no more of the split.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pipeline.record import keys
+from pipeline.record.storage import StorageError, Store, read_json
+
+
+@dataclass
+class SplitResult:
+    shards: list[int]  # the shards that hold accounts
+    shard_count: int = 0  # what stable_hash is taken modulo
+    accounts: int = 0
+    rejected: int = 0
+    nothing_due: int = 0  # clients whose every trade was cancelled: no contract note is due, none is made
+    nothing_due_accounts: list[str] = field(default_factory=list)  # the first NAMED of them
+    input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
+    trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
+    complete: bool = True  # False while the split is under way: a run resumed from here splits again
+
+    def heaviest_first(self, shards: list[int]) -> list[int]:
+        """A shard holding a huge account starts first, so it never sets the day's end."""
+        weight = dict(zip(self.shards, self.trades))
+        return sorted(shards, key=lambda s: -weight.get(s, 0))
+
+
+def load_manifest(store: Store, run_id: str) -> SplitResult | None:
+    """What a run's split produced; a rerun reuses it (and the note numbers in its shards)."""
+    key = keys.manifest_key(run_id)
+    if not store.exists(key):
+        return None
+    try:
+        split = SplitResult(**read_json(store, key))
+    except TypeError:
+        split = None
+    if split is None or not isinstance(split.shard_count, int) or not all(isinstance(s, int) for s in split.shards):
+        raise StorageError(f"{store.url}: object {key!r} is not a run manifest (edited?)")
+    return split
+
+
+def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:
+    store.put(keys.manifest_key(run_id), json.dumps(split.__dict__).encode())
