@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 from bench import measured  # noqa: E402
 from pipeline.followup.bounces import Tally, apply  # noqa: E402
 from pipeline.cluster.memory import peak_rss_mb  # noqa: E402
-from pipeline.record.manifest import SplitResult, save_manifest  # noqa: E402
 from pipeline.embedded import start_redis  # noqa: E402
 from pipeline.mail.mailbox import MaildirSource  # noqa: E402
 from pipeline.mail.smtp_sink import dsn  # noqa: E402
 from pipeline.mail.verp import Verp  # noqa: E402
 from pipeline.record import delivery_log, keys, report  # noqa: E402
+from pipeline.record.manifest import SplitResult, save_manifest  # noqa: E402
 from pipeline.record.records import Outcome  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.record.storage import open_store  # noqa: E402

@@ -337,8 +337,8 @@ def _exit_status(summary: dict) -> int:
                       "accepted (Postfix, Haraka, or a plain list of Message-IDs)",
          RUN_ID, arg("--relay-log", type=Path, nargs="+", required=True, metavar="FILE"), STORE)
 def cmd_reconcile(args) -> int:
-    from pipeline.followup.reconcile import reconcile
     from pipeline.errors import RunNotFound
+    from pipeline.followup.reconcile import reconcile
 
     missing = [str(p) for p in args.relay_log if not p.is_file()]
     if missing:
@@ -441,12 +441,12 @@ def _certificate(path: Path | None, flag: str) -> bytes | None:
 def cmd_status(args) -> int:
     """From Redis while the run is live; from its report in storage once Redis is gone (the
     cluster's Redis ends with the cluster; the report is the record)."""
+    from pipeline.errors import RunNotFound
     from pipeline.followup import status
     from pipeline.followup.located import locate
-    from pipeline.record.report import read_report
     from pipeline.record import rates
     from pipeline.record.keys import proof_keys, report_keys
-    from pipeline.errors import RunNotFound
+    from pipeline.record.report import read_report
     from pipeline.record.state import RunState
 
     settings = _on_redis(Settings.from_env())

@@ -36,14 +36,14 @@ from pydantic import BaseModel, model_validator
 from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
-from pipeline.record.report import read_report
 from pipeline.followup.runs import list_runs
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report
 from pipeline.record.records import FINAL_STATUSES, history
-from pipeline.record.statuses import final_status
+from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
+from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, open_store
 from pipeline.settings import ROOT, Settings
 

@@ -218,8 +218,8 @@ def test_behind_no_trusted_proxy_a_forged_x_forwarded_for_does_not_dodge_the_lin
 def test_a_signed_link_naming_a_path_outside_the_store_gets_the_same_404(redis_url, keys_dir, tmp_path, s3_bucket):
     """Links stay inside the store: the date is checked before a key is built, and no store
     (a folder, S3) takes a key that climbs out of it."""
-    from pipeline.record.manifest import SplitResult, save_manifest
     from pipeline.mail import link
+    from pipeline.record.manifest import SplitResult, save_manifest
     from pipeline.record.storage import StorageError, open_store
 
     settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url,

@@ -17,11 +17,11 @@ import redis
 
 from pipeline.__main__ import main
 from pipeline.followup import bounces
-from pipeline.record.manifest import SplitResult, save_manifest
 from pipeline.mail import verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import reader
+from pipeline.record.manifest import SplitResult, save_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store

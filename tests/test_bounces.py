@@ -20,11 +20,11 @@ import pytest
 from pipeline.followup import bounces, close as proof
 from pipeline.followup import verify as verifier
 from pipeline.cluster.driver import RunRequest, run_day
-from pipeline.record.manifest import load_manifest
 from pipeline.mail import bounce, verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.keys import message_id
+from pipeline.record.manifest import load_manifest
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT

@@ -15,9 +15,9 @@ from pipeline import credentials
 from pipeline.cluster import first_notes
 from pipeline.cluster.driver import RunRequest, _first_notes_done, run_day
 from pipeline.day.split import first_accounts, make_plan, split_day
-from pipeline.record.manifest import load_manifest
 from pipeline.record import keys
 from pipeline.record.lease import held
+from pipeline.record.manifest import load_manifest
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from tests.conftest import TRADE_DATE

@@ -3,6 +3,7 @@ import that breaks one fails with the contract's name, as it would in CI."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -53,13 +54,21 @@ def test_the_processes_close_and_verify_spread_their_reads_over_load_no_redis_cl
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-500:] + out.stderr[-2000:]
 
 
+HEAVY = ("redis", "pikepdf", "aiosmtplib", "ray", "pipeline.stages", "pipeline.note")
+
+
+def _loaded(*modules: str) -> list[str]:
+    code = (f"import json, sys, {', '.join(modules)}; "
+            f"print(json.dumps(sorted(h for h in {HEAVY!r} if any(m == h or m.startswith(h + '.') for m in sys.modules))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 def test_verify_loads_no_redis_client_pdf_library_renderer_or_mailer():
     """`verify` reads storage alone: before, it loaded Redis's client (through the run's state),
     pikepdf (through the signer), the renderer and the mailer (through `rerun`'s restore), 28 MB
-    of a command held to 200 MB on a 1.5M-account record."""
-    code = ("import sys, pipeline.followup.verify; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'redis', 'pikepdf', 'aiosmtplib', 'ray'}), "
-            "sorted(m for m in sys.modules if m.startswith(('pipeline.stages', 'pipeline.note'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "[] []", out.stdout[-500:] + out.stderr[-2000:]
-
+    of a command held to 200 MB on a 1.5M-account record. The command finds the run's store in
+    its Redis (located.py): that one client, and still no renderer or mailer."""
+    assert _loaded("pipeline.followup.verify") == []
+    assert _loaded("pipeline.followup.located", "pipeline.followup.verify") == ["redis"]

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from pipeline import stages
 from pipeline.day.dumps import CLIENT_FIELDS, TRADE_FIELDS, Client
 from pipeline.day.split import find_account, split_day
-from pipeline.record.manifest import save_manifest
 from pipeline.note.render import render
+from pipeline.record.manifest import save_manifest
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 

@@ -16,14 +16,15 @@ import pytest
 
 from pipeline.__main__ import main
 from pipeline.errors import CannotRun
-from pipeline.followup import bounces, close as proof, located
+from pipeline.followup import bounces, close as proof
+from pipeline.followup.opened import open_run
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.followup.verify import exit_status, verify
-from pipeline.record.manifest import load_manifest
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
 from pipeline.mail import verp
 from pipeline.record import delivery_log, keys, spread
+from pipeline.record.manifest import load_manifest
 from pipeline.record.state import RunClosed, RunState
 from pipeline.record.storage import FolderStore, StorageError, open_store
 from pipeline.seal import detached
@@ -209,7 +210,7 @@ def test_a_close_that_stops_before_its_proof_reads_as_begun_and_the_next_close_s
     begun = verified(stopped, run_id)
     assert begun["ok"] and exit_status(begun) == 3 and "close began" in begun["summary"], begun
     with pytest.raises(RunClosed, match="its close began and stopped before the seal"):  # not "sealed"
-        with located.open_run(settings, run_id, str(stopped), command="rerun"):
+        with open_run(settings, run_id, str(stopped), command="rerun"):
             pass
 
     forged = copy(stopped, tmp_path / "forged")  # a mail logged after close began: not what the warrant allows

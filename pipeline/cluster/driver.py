@@ -32,13 +32,12 @@ from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
 from pipeline.cluster import first_notes, nodes
-from pipeline.followup import located
+from pipeline.followup import located, opened
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
 from pipeline.day.split import check_inputs
-from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.mail.message import message_id
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
@@ -47,10 +46,11 @@ from pipeline.note.render import render, render_all
 from pipeline.record import keys, report
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
+from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.record.records import Outcome
-from pipeline.record.statuses import final_status
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
+from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, check_create_only, open_store
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
@@ -382,12 +382,12 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
     unless `store` names a copy of its record (--store), and says which it uses. Ray is started
     (or `address` joined) only once there is something to rerun: a refusal comes first."""
-    with located.open_run(settings, run_id, store, command="rerun") as run:
+    with opened.open_run(settings, run_id, store, command="rerun") as run:
         summary = _rerun(run, accounts, failed, force, unconfirmed, relays, address)
     return {**summary, "store": run.settings.store_url, "store_from": run.source}
 
 
-def _rerun(run: located.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
+def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
            relays: str | None, address: str | None) -> dict:
     settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
     recorded = meta.get("relays") or ""

@@ -38,9 +38,9 @@ from pipeline.day.dumps import (
     trade_row,
 )
 from pipeline.record import keys, note_numbers
+from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.record.storage import StorageError, Store
 
 MAX_LISTED_ERRORS = 1000

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipeline import credentials
-from pipeline.followup import located
+from pipeline.followup import opened
 from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source
 from pipeline.record import delivery_log, keys, report
@@ -77,12 +77,12 @@ class Found:
 def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
             on_applied=lambda kind, n: None, store_url: str | None = None) -> dict:
     """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record."""
-    with located.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
+    with opened.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
         return {"run_id": run_id, **run.where(), "sources": [describe(s) for s in sources],
                 **_collect(run, sources, watch, every_s, on_applied)}
 
 
-def _collect(run: located.OpenRun, sources: list[str], watch: bool, every_s: float, on_applied) -> dict:
+def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: float, on_applied) -> dict:
     """Not under the run's lease: bounces are read while a rerun mails (`reader` keeps it to one reader)."""
     settings = credentials.resolve(run.settings)  # the secret's token_key checks the tokens
     store, state, split, run_id = run.store, run.state, run.split, run.state.run_id

@@ -27,7 +27,7 @@ import json
 import time
 
 from pipeline.errors import CannotRun
-from pipeline.followup import chains, closing, located
+from pipeline.followup import chains, closing, opened
 from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report, spread
@@ -50,7 +50,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
     """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
     and key (located.py), unless `store_url` names a copy of its record."""
     now = time.time() if now is None else now
-    with located.open_run(settings, run_id, store_url, command="close", restored=False) as run:
+    with opened.open_run(settings, run_id, store_url, command="close", restored=False) as run:
         settings, store, state, where = run.settings, run.store, run.state, {"run_id": run_id, **run.where()}
         if store.exists(proof_keys(run_id)[0]):  # sealed once: shown, never sealed again
             checked = verify(store, run_id)

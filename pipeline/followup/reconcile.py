@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from pipeline.followup import located
+from pipeline.followup import opened
 from pipeline.mail import relay_log
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.records import Outcome
@@ -22,11 +22,11 @@ from pipeline.settings import Settings
 def reconcile(settings: Settings, run_id: str, relay_logs: list[Path], store: str | None = None) -> dict:
     """Under the run's lease: no driver mails the run while its accounts are settled. On the
     run's own store (located.py) unless `store` names a copy of its record."""
-    with located.open_run(settings, run_id, store, command="reconcile") as run:
+    with opened.open_run(settings, run_id, store, command="reconcile") as run:
         return {**_reconcile(run, relay_logs), **run.where()}
 
 
-def _reconcile(run: located.OpenRun, relay_logs: list[Path]) -> dict:
+def _reconcile(run: opened.OpenRun, relay_logs: list[Path]) -> dict:
     run_id, state, store, settings = run.state.run_id, run.state, run.store, run.settings
     accepted = relay_log.accepted_ids(relay_logs)
     unconfirmed = state.unconfirmed()

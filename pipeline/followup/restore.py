@@ -16,10 +16,10 @@ import json
 
 from pipeline.day.dumps import UCC
 from pipeline.record import delivery_log, keys
+from pipeline.errors import RunNotFound
 from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.report import read_report
-from pipeline.errors import RunNotFound
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store
 from pipeline.stages import load_shard, restore_from_log

@@ -15,8 +15,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline.errors import CannotRun
 from pipeline.record import keys
+from pipeline.errors import CannotRun
 from pipeline.record.guard import MailGuard
 from pipeline.record.lease import RunLease
 from pipeline.record.records import STAGES, Records
