@@ -149,7 +149,7 @@ def ray_session(s3_endpoint, secrets_endpoint, hsm):
 
     from pipeline.settings import ROOT
 
-    context = ray.init(num_cpus=2, resources={"render": 2, "signer": 1, "smtp": 1}, include_dashboard=False,
+    context = ray.init(num_cpus=2, resources={"render": 2, "signer": 2, "smtp": 2}, include_dashboard=False,
                        object_store_memory=300 * 1024 * 1024, log_to_driver=False,
                        runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield context
