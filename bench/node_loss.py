@@ -34,6 +34,10 @@ sys.path.insert(0, str(ROOT))
 from bench import measured  # noqa: E402
 
 TRADE_DATE = "2026-11-20"
+# Ray's worker_lease_timeout_milliseconds: a worker the driver leased before a drain may take the
+# driver's next queued task for this long after its lease was granted (the driver's core worker
+# reuses a lease without asking the raylet, draining or not); no lease is granted there after it
+WORKER_LEASE_MS = 500
 ROLES = {"render": {"render": 1}, "signer": {"signer": 1, "smtp": 1}}
 
 
@@ -111,6 +115,7 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
             "tasks_there_before_the_notice": sum(len(_started_after(n["node_id"], 0)) for n in noticed),
             "tasks_started_there_after_the_notice": [t for n in noticed for t in _started_after(n["node_id"],
                                                                                              n["drained_at"])],
+            "worker_lease_ms": WORKER_LEASE_MS,
             "accounts": summary["accounts"], "lose": lose, "lost": lost, "elapsed_s": round(elapsed, 1),
             "cpu_s": round(cpu, 1),
             "run": {k: summary.get(k) for k in ("delivered", "failed", "unconfirmed", "physical", "rejected", "nodes",
@@ -198,12 +203,14 @@ def _noticed(cluster, node, metadata: Metadata, deadline_s: float, lost: list[di
     lost[-1]["removed"] = True
 
 
-def _started_after(node_id: str, at: float) -> list[str]:
-    """The tasks Ray's task events show starting on the node after `at` (epoch seconds)."""
+def _started_after(node_id: str, at: float) -> list[dict]:
+    """The tasks Ray's task events show starting on the node after `at` (epoch seconds), each
+    with how long after it (ms)."""
     from ray.util.state import list_tasks
 
     tasks = list_tasks(filters=[("node_id", "=", node_id)], limit=10_000, detail=True, raise_on_missing_output=False)
-    return [t.name for t in tasks if (t.start_time_ms or 0) > at * 1000]
+    return [{"name": t.name, "after_ms": t.start_time_ms - at * 1000} for t in tasks
+            if (t.start_time_ms or 0) > at * 1000]
 
 
 def head_phase(work: Path, smtp_url: str, run_id: str, accounts: int) -> None:

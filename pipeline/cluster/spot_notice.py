@@ -4,7 +4,8 @@ earlier rebalance recommendation) and drain this node through Ray before EC2 end
 EC2 announces a spot reclaim two minutes ahead (`spot/instance-action`: the action and its
 time), and sometimes earlier recommends moving off (`events/recommendations/rebalance`). On
 either, this node is drained through the GCS as autoscaler v2 drains it (reason PREEMPTION,
-with the deadline): Ray places no new task or actor here, what runs may finish, the driver's
+with the deadline): Ray places no new task or actor here (a worker the driver leased just
+before may take one more task within its 500 ms lease), what runs may finish, the driver's
 pools choose this node's actors no more (pipeline/cluster/nodes.py), and the day's capacity
 request (request_resources) has the autoscaler launch a replacement once the node is gone.
 
