@@ -200,7 +200,7 @@ def test_mail_that_arrives_a_little_at_a_time_leaves_at_the_rate_not_behind_time
     state.start({"accounts": 24})
     lease = state.take_lease(3600).token
     mailers = [MailerActor.remote(s, "rates-trickle") for _ in range(2)]
-    ray.get([m.cpu_seconds.remote() for m in mailers])  # both up before the first batch comes
+    ray.get([m.cpu_seconds.remote() for m in mailers], timeout=120)  # both up before the first batch comes
     refs, started = [], time.monotonic()
     for k in range(8):
         time.sleep(max(0.0, started + 1.5 * k - time.monotonic()))
