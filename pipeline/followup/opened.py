@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from pipeline.errors import RunNotFound
-from pipeline.followup import restore
 from pipeline.followup.located import locate
 from pipeline.record import keys
 from pipeline.record.lease import Lease, held
@@ -37,7 +36,10 @@ class OpenRun:
 
     def meta(self) -> dict:
         """The run's meta, brought back from storage first when its Redis lost it (a cluster's
-        Redis ends with the cluster; the record has the run)."""
+        Redis ends with the cluster; the record has the run). Only a run brought back loads the
+        stages it is restored through: `close` (which opens its run without) stays within 200 MB."""
+        from pipeline.followup import restore
+
         return self.state.meta() or restore.from_storage(self.store, self.state, self.state.run_id)
 
 

@@ -20,10 +20,8 @@ from io import BytesIO
 from pathlib import Path
 
 import pikepdf
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from cryptography.x509.oid import NameOID
 from pikepdf import Array, Dictionary, Name, String
 
 from pipeline.seal.pdfcrypt import (
@@ -35,9 +33,8 @@ from pipeline.seal.pdfcrypt import (
     r6_keys,
     user_keys,
 )
-from pipeline.seal.signer import SignError, Signer
+from pipeline.seal.signer import TEST_LABEL, SignError, Signer, issue_certificate, labelled_name
 
-TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
 FIELD_NAME = "BrokerSignature"
 BYTE_RANGE_PLACEHOLDER = b"0 1111111111 2222222222 3333333333"
 PRINT_ONLY = pikepdf.Permissions(
@@ -191,29 +188,3 @@ def make_test_certificate(directory: Path) -> tuple[Path, Path, Path]:
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     root_path.write_bytes(root.public_bytes(serialization.Encoding.PEM))
     return key_path, cert_path, root_path
-
-
-def labelled_name(common_name: str) -> x509.Name:
-    return x509.Name([
-        x509.NameAttribute(NameOID.COUNTRY_NAME, "IN"),
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Example Securities (test)"),
-        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-    ])
-
-
-def issue_certificate(subject, issuer, public_key, signing_key, now, ca: bool, issuer_key_id=None):
-    usage = dict(digital_signature=not ca, content_commitment=not ca, key_encipherment=False,
-                 data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
-                 encipher_only=False, decipher_only=False)
-    builder = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=3650))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(**usage), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-    )
-    if issuer_key_id is not None:
-        builder = builder.add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key_id.public_key()), critical=False)
-    return builder.sign(signing_key, hashes.SHA256())

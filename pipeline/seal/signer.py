@@ -4,6 +4,7 @@ signature (seal/detached.py: `verify`, `close`) loads neither pikepdf nor qpdf (
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -15,9 +16,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.serialization import pkcs12
+from cryptography.x509.oid import NameOID
 
 from pipeline.errors import CannotRun
 
+TEST_LABEL = "LOCAL TEST - NOT FOR PRODUCTION"
 DIGEST_MARK = b"\xd1\x5e" * 16
 RSA, ECDSA = "rsassa_pkcs1v15", "sha256_ecdsa"  # the CMS signature algorithms a note may carry
 ECDSA_P256_MAX = 72  # the longest DER of an ECDSA P-256 signature
@@ -151,3 +154,29 @@ def _signed_data(cert, chain, attrs: cms.CMSAttributes, sig_mark: bytes, algorit
         "version": "v1", "digest_algorithms": [sha256], "encap_content_info": {"content_type": "data"},
         "certificates": certs, "signer_infos": [signer_info],
     })})
+
+
+def labelled_name(common_name: str) -> x509.Name:
+    return x509.Name([
+        x509.NameAttribute(NameOID.COUNTRY_NAME, "IN"),
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Example Securities (test)"),
+        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+    ])
+
+
+def issue_certificate(subject, issuer, public_key, signing_key, now, ca: bool, issuer_key_id=None):
+    usage = dict(digital_signature=not ca, content_commitment=not ca, key_encipherment=False,
+                 data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                 encipher_only=False, decipher_only=False)
+    builder = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(**usage), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+    )
+    if issuer_key_id is not None:
+        builder = builder.add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key_id.public_key()), critical=False)
+    return builder.sign(signing_key, hashes.SHA256())

@@ -39,8 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
-from pipeline.seal.sign import TEST_LABEL, issue_certificate, labelled_name
-from pipeline.seal.signer import SignError, SignerSetupError
+from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
 
 P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its OID, DER)
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
