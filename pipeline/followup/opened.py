@@ -37,10 +37,12 @@ class OpenRun:
     def meta(self) -> dict:
         """The run's meta, brought back from storage first when its Redis lost it (a cluster's
         Redis ends with the cluster; the record has the run). Only a run brought back loads the
-        stages it is restored through: `close` (which opens its run without) stays within 200 MB."""
+        stages it is restored through: a `close` whose Redis has its run stays within 200 MB."""
+        if meta := self.state.meta():
+            return meta
         from pipeline.followup import restore
 
-        return self.state.meta() or restore.from_storage(self.store, self.state, self.state.run_id)
+        return restore.from_storage(self.store, self.state, self.state.run_id)
 
 
 @contextmanager
