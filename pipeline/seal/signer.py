@@ -1,5 +1,6 @@
-"""The signing key and the CMS SignedData template it fills: no PDF here, so what only checks a
-signature (seal/detached.py: `verify`, `close`) loads neither pikepdf nor qpdf (sign.py).
+"""The signing key and the CMS SignedData template it fills, and the labelled test certificates
+(the demo's, a test token's): no PDF here, so what only signs or checks a proof (seal/detached.py,
+token.py: `verify`, `close`) loads neither pikepdf nor qpdf (sign.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class _NotReached(Exception):
 
 
 class TokenKey:
-    """The token's private key as a signing function for sign.Signer: `sign(data)` returns the
+    """The token's private key as a signing function for signer.Signer: `sign(data)` returns the
     signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER).
     Safe from `sessions` threads at once; an HSM lost mid-run holds each signature while it is
     reconnected with backoff, for `patience_s`; past it a signature fails with "HSM unreachable"."""
