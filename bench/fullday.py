@@ -21,8 +21,9 @@ and on a local S3 server (versitygw) holding a copy of the run's record, every r
 Printed per size: wall time; CPU by process (the driver, Ray's own processes, Redis, the relay,
 the stage workers by task); the split's rows a second; the driver's, Redis's and the workers'
 peak memory; Redis's keys and bytes; storage objects; the report's write time and size; close's
-and verify's time, CPU, peak memory and requests. `per_account`: each figure that should not
-grow with the day, as large / small (goal: at most 1.15).
+and verify's time, CPU, peak memory and requests (--day-only: not those); each role's CPU an
+account in each tenth of the day. `per_account`: each figure that should not grow with the day,
+as large / small (goal: at most 1.15).
 
 With --save, the large size's control-plane figures go to measured.json, where `plan` reads
 the report's write time, Redis's bytes and the rows an account from.
