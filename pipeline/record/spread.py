@@ -1,12 +1,12 @@
 """Per-shard work on a run's record (close, verify), spread over a process per core.
 
-Every request to S3 costs the client 2-3 ms of CPU (botocore signs it, runs its hooks, parses
-the reply), so a command that reads the whole record of a 1.5M-account day, 45,000 objects,
-was bound by one core however many requests it kept in flight: `close` took 211 s and
-`verify` 217 s on two cores (bench/fullday.py). Here the jobs go out in slices to a process per
-core (this one among them), each keeping its share of IN_FLIGHT requests in flight with threads,
-and come back in the order given, a few slices ahead at most: memory follows the slices, not
-the day.
+Every request to S3 costs the client CPU (2-3 ms through botocore, ~1 ms through storage's
+s3_get), and reading an object's chain more, so a command that reads the whole record of a
+1.5M-account day, 45,000 objects, was bound by one core however many requests it kept in
+flight: `close` took 211 s and `verify` 217 s on two cores (bench/fullday.py). Here the jobs go
+out in slices to a process per core (this one among them), each keeping its share of IN_FLIGHT
+requests in flight with threads, and come back in the order given, a few slices ahead at most:
+memory follows the slices, not the day.
 
 A small run's few shards stay in this process: a process costs a start and a store of its own.
 """
