@@ -15,8 +15,9 @@ worker_process_setup_hook; `run` has no flag for any of it):
   relay    the message: a relay (this file, --relay) that answers 250 at once, keeping only a
            digest of each Message-ID, so each message is counted once
 Then, the run's end set back past the bounce window, `close` and `verify` on the folder store,
-and on a local S3 server (versitygw) holding a copy of the run's record, every request delayed by
---latency-ms (20: S3 from the same region), as bench/proof.py does.
+and on a local S3 server (versitygw, keeping connections as S3 does) holding a copy of the run's
+record, every request delayed by --latency-ms (20: S3 from the same region), as bench/proof.py
+does.
 
 Printed per size: wall time; CPU by process (the driver, Ray's own processes, Redis, the relay,
 the stage workers by task); the split's rows a second; the driver's, Redis's and the workers'
@@ -389,7 +390,7 @@ def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
     state = RunState(env["REDIS_URL"], run_id)  # the window closed: the run ended 73 hours ago (it is 72)
     state.update_meta(finished=float(state.meta()["finished"]) - 73 * 3600)
     out = {}
-    s3 = start_versitygw(work / "s3")
+    s3 = start_versitygw(work / "s3", keep_alive=True)
     try:
         s3_env = {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
                   "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
