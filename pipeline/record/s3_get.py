@@ -19,7 +19,6 @@ import base64
 import random
 import re
 import time
-import urllib.request
 import zlib
 from typing import Callable
 from urllib.parse import quote, urlsplit
@@ -37,6 +36,8 @@ class GetError(Exception):
 def getter(client, core, pool_size: int) -> Callable[[str, str], bytes] | None:
     """get(bucket, key) -> the object's bytes, for the boto3 `client` made on botocore session
     `core`; None where the request would not go straight to the endpoint with credentials."""
+    import urllib.request
+
     import urllib3
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest

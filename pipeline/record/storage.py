@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from pipeline.errors import CannotRun
+from pipeline.record import s3_get
 from pipeline.settings import aws_region
 
 
@@ -198,8 +199,6 @@ class S3Store:
         import botocore.session
         from botocore.config import Config
 
-        from pipeline.record import s3_get
-
         self.url, self.bucket, self.prefix = url, bucket, prefix
         config = Config(retries={"mode": "adaptive", "max_attempts": s3_get.MAX_ATTEMPTS},
                         max_pool_connections=IN_FLIGHT, s3={"addressing_style": "path"})
@@ -247,13 +246,11 @@ class S3Store:
 
     def get(self, key: str) -> bytes:
         """The whole object, through s3_get: the record's readers make tens of thousands of these."""
-        from pipeline.record.s3_get import GetError
-
         try:
             if self._get:
                 return self._get(self.bucket, self._key(key))
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except GetError as e:
+        except s3_get.GetError as e:
             raise StorageError(f"{self.url}: cannot read {key!r}: {e}") from None
         except self.client.exceptions.ClientError as e:
             raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
