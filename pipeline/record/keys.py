@@ -52,6 +52,7 @@ RECORD_FIELDS = ("store_url", "key_dir", "secret", "signer_key", "signer_cert", 
 RUNS = "cn:runs"
 # A run id goes into Redis keys, storage keys and the status page: nothing else gets through
 RUN_ID = re.compile(r"^(?!\.{1,2}\Z)[A-Za-z0-9._-]{1,64}\Z")  # \Z: "$" would take a final newline
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9_.-]")  # what a Message-ID's local part may not hold of a ucc
 
 
 def check_run_id(run_id: str) -> str:
@@ -128,7 +129,7 @@ def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-
 
 def message_id_of(digest: str, ucc: str, domain: str = "contract-notes.invalid") -> str:
     """The Message-ID around its digest: all a record keeps of it (records.py)."""
-    return f"<{digest}.{re.sub(r'[^A-Za-z0-9_.-]', '_', ucc)}@{domain}>"
+    return f"<{digest}.{_NOT_IN_ID.sub('_', ucc)}@{domain}>"
 
 
 def stable_hash(ucc: str) -> int:

@@ -98,8 +98,8 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
     closed = bool(meta.get("closed_at"))
     final = f"delivered, no bounce within {float(meta.get('bounce_window_h') or 0):g} h"
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
+    writer = csv.writer(buf, lineterminator="\n")  # not DictWriter: a row's values, not its record's every field
+    writer.writerow(CSV_FIELDS)
     papers = csv.DictWriter(paper, PAPER_FIELDS, lineterminator="\n") if paper is not None else None
     if papers:
         papers.writeheader()
@@ -125,7 +125,7 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
         row = {**rec, "status": status, "physical_dispatch": "Y" if needs_paper else "", "possible_duplicate": duplicate,
                "bounced_at": iso(bounce["at"]) if bounce else "", "bounce_status": bounce.get("status", ""),
                "bounce_reason": bounce.get("reason", ""), "due_date": due}
-        writer.writerow({k: _inert(v) for k, v in row.items()})
+        writer.writerow([_inert(row.get(k, "")) for k in CSV_FIELDS])
         if n % PAGE == 0:
             yield buf.getvalue()
             buf.seek(0)
@@ -153,9 +153,12 @@ def _day(at: float) -> str:
 
 def _inert(value):
     """A cell a spreadsheet would run as a formula (= + - @, tab, CR first) gets a leading quote."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+    if isinstance(value, str) and value.startswith(_FORMULA):
         return "'" + value
     return value
+
+
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
 
 
 def read_report(store: Store, key: str) -> dict:
