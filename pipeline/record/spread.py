@@ -1,7 +1,7 @@
 """Per-shard work on a run's record (close, verify), spread over a process per core.
 
 Every request to S3 costs the client CPU (2-3 ms through botocore, ~1 ms through storage's
-s3_get), and reading an object's chain more, so a command that reads the whole record of a
+s3_direct), and reading an object's chain more, so a command that reads the whole record of a
 1.5M-account day, 45,000 objects, was bound by one core however many requests it kept in
 flight: `close` took 211 s and `verify` 217 s on two cores (bench/fullday.py). Here the jobs go
 out in slices to a process per core (this one among them), each keeping its share of IN_FLIGHT
@@ -31,23 +31,25 @@ FROM_JOBS = 512  # fewer shards than this are worked in this process
 SLICE = 64  # the jobs a process is handed at once
 
 
-def each(fn: Callable, store: Store, jobs: Iterable[tuple], count: int) -> Iterator:
+def each(fn: Callable, store: Store, jobs: Iterable[tuple], count: int, here: bool = True) -> Iterator:
     """fn(store, *job) for every job, in order. `fn` is sent to the processes by name, so a
     module's own function; `count`, the number of jobs, decides whether processes are worth it.
     This process works a slice in every `cores` itself: a process of its own costs the command
-    ~65 MB (Python, botocore), and this one is there anyway."""
+    ~65 MB (Python, botocore), and this one is there anyway. Not with `here` False, when this
+    process has work of its own meanwhile (close's report): slices it held up behind that work,
+    under one lock, held up every other process's answers behind them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cores < 2 or count < FROM_JOBS:
         cores = 1
     share = max(1, IN_FLIGHT // cores)
-    with ThreadPoolExecutor(share) as threads, ThreadPoolExecutor(2) as here, \
+    with ThreadPoolExecutor(share) as threads, ThreadPoolExecutor(2) as own, \
             contextlib.ExitStack() as stack:
         others = [stack.enter_context(_Process(store, share)) for _ in range(cores - 1)]
         jobs, ahead, n = iter(jobs), deque(), 0
         while True:
             while len(ahead) < 2 * cores and (chunk := list(islice(jobs, SLICE))):
-                mine, n = n % cores == 0, n + 1  # two slices of this process's own in flight: no idle tail
-                ahead.append(here.submit(_slice, threads, fn, store, chunk) if mine
+                mine, n = n % cores == 0 and (here or not others), n + 1  # two of its own in flight: no idle tail
+                ahead.append(own.submit(_slice, threads, fn, store, chunk) if mine
                              else others[n % len(others)].submit(fn, chunk))
             if not ahead:
                 return

@@ -1,5 +1,5 @@
-"""The store's GET without botocore's pipeline (pipeline/record/s3_get.py), against versitygw:
-what botocore did for it (retries, error codes, the reply's checksum) it still does."""
+"""The store's GET and create-only PUT without botocore's pipeline (pipeline/record/s3_direct.py),
+against versitygw: what botocore did for them (retries, error codes, checksums) they still do."""
 
 import http.client
 import threading
@@ -9,30 +9,37 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from pipeline.record import s3_get
+from pipeline.record import s3_direct
 from pipeline.record.storage import StorageError, open_store
 
 
 class S3Between:
     """An HTTP proxy in front of the S3 server, passing each request on as it came (its Host
-    header too: the signature covers it), that can answer the first `throttle` GETs with 503
-    SlowDown, or flip a byte of each object it passes."""
+    header too: the signature covers it), that can answer the first `throttle` requests with 503
+    SlowDown, or flip a byte of each object it passes, either way."""
 
     def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False):
-        self.upstream, self.throttle, self.corrupt, self.gets = urlsplit(upstream), throttle, corrupt, 0
+        self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                proxy.gets += 1
-                if proxy.gets <= proxy.throttle:
+                self._pass_on(b"")
+
+            def do_PUT(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body)
+
+            def _pass_on(self, sent: bytes):
+                proxy.requests += 1
+                if proxy.requests <= proxy.throttle:
                     body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
                     return self._answer(503, {"Content-Type": "application/xml"}, body)
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
-                conn.request("GET", self.path, headers=dict(self.headers.items()))
+                conn.request(self.command, self.path, body=sent or None, headers=dict(self.headers.items()))
                 reply = conn.getresponse()
                 body = reply.read()
-                if proxy.corrupt and reply.status == 200:
+                if proxy.corrupt and reply.status == 200 and self.command == "GET":
                     body = bytes([body[0] ^ 1]) + body[1:]
                 self._answer(reply.status, {k: v for k, v in reply.getheaders() if k.lower() != "connection"}, body)
 
@@ -60,7 +67,7 @@ class S3Between:
 @pytest.fixture
 def between(s3_endpoint, monkeypatch):
     started = []
-    monkeypatch.setattr(s3_get, "random", types.SimpleNamespace(random=lambda: 0.01))  # backoff of ms, not s
+    monkeypatch.setattr(s3_direct, "random", types.SimpleNamespace(random=lambda: 0.01))  # backoff of ms, not s
 
     def start(**faults):
         started.append(S3Between(s3_endpoint, **faults))
@@ -73,7 +80,7 @@ def between(s3_endpoint, monkeypatch):
 
 def test_a_get_reads_awkward_keys_under_a_prefix_and_names_a_missing_one(s3_bucket):
     store = open_store(f"s3://{s3_bucket}/run prefix")
-    assert store._get is not None, "the store fell back to botocore's GET"
+    assert store._send is not None, "the store fell back to botocore's GET"
     for key in ("0/log/a b+c.jsonl", "1/é/ü~x", "2/plain"):
         store.put(key, key.encode() * 3)
     assert [store.get(k) for k in ("0/log/a b+c.jsonl", "1/é/ü~x", "2/plain")] == \
@@ -86,7 +93,7 @@ def test_throttling_is_retried_and_the_object_comes_back_whole(s3_bucket, betwee
     open_store(f"s3://{s3_bucket}").put("0/x", b"the record" * 100)
     proxy = between(throttle=3)
     assert open_store(f"s3://{s3_bucket}").get("0/x") == b"the record" * 100
-    assert proxy.gets == 4
+    assert proxy.requests == 4
 
 
 def test_throttling_past_the_attempts_fails_with_its_code(s3_bucket, between):
@@ -94,7 +101,7 @@ def test_throttling_past_the_attempts_fails_with_its_code(s3_bucket, between):
     proxy = between(throttle=100)
     with pytest.raises(StorageError, match="cannot read '0/x': SlowDown"):
         open_store(f"s3://{s3_bucket}").get("0/x")
-    assert proxy.gets == s3_get.MAX_ATTEMPTS
+    assert proxy.requests == s3_direct.MAX_ATTEMPTS
 
 
 def test_a_refusal_is_not_retried(s3_bucket, between, monkeypatch):
@@ -103,11 +110,34 @@ def test_a_refusal_is_not_retried(s3_bucket, between, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(StorageError, match="cannot read '0/x': SignatureDoesNotMatch"):
         open_store(f"s3://{s3_bucket}").get("0/x")
-    assert proxy.gets == 1
+    assert proxy.requests == 1
 
 
 def test_an_object_changed_on_the_way_is_refused_by_its_checksum(s3_bucket, between):
     open_store(f"s3://{s3_bucket}").put("0/x", b"the record" * 100)
     between(corrupt=True)
     with pytest.raises(StorageError, match="CRC32"):
+        open_store(f"s3://{s3_bucket}").get("0/x")
+
+
+def test_a_create_only_put_writes_once_and_is_refused_the_second_time(s3_bucket):
+    store = open_store(f"s3://{s3_bucket}/run prefix")
+    assert store._send is not None, "the store fell back to botocore's PUT"
+    assert store.put_new("0/log/a b+c.jsonl", b"first")
+    assert not store.put_new("0/log/a b+c.jsonl", b"second")
+    assert store.get("0/log/a b+c.jsonl") == b"first"
+
+
+def test_a_throttled_put_is_retried_and_lands_once(s3_bucket, between):
+    proxy = between(throttle=3)
+    assert open_store(f"s3://{s3_bucket}").put_new("0/x", b"the record" * 100)
+    assert proxy.requests == 4
+    assert open_store(f"s3://{s3_bucket}").get("0/x") == b"the record" * 100
+
+
+def test_a_put_changed_on_the_way_is_refused_and_not_stored(s3_bucket, between):
+    between(corrupt=True)
+    with pytest.raises(StorageError, match="cannot write '0/x': XAmzContentSHA256Mismatch"):  # the signed payload's SHA-256
+        open_store(f"s3://{s3_bucket}").put_new("0/x", b"the record" * 100)
+    with pytest.raises(StorageError, match="NoSuchKey"):
         open_store(f"s3://{s3_bucket}").get("0/x")
