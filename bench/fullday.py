@@ -29,7 +29,13 @@ as large / small (goal: at most 1.15).
 With --save, the large size's control-plane figures go to measured.json, where `plan` reads
 the report's write time, Redis's bytes and the rows an account from.
 
+With --keep DIR, each size's record (its store, Redis's append-only file, the keys) stays in
+DIR/ACCOUNTS; with --record DIR/ACCOUNTS, no day is run: `close` and `verify` on S3, --runs
+times, each on a fresh copy of that record's bucket and Redis (a day takes 35 minutes at 1.5M).
+
     python bench/fullday.py [--sizes 150000 1500000] [--days /var/tmp/cn-fullday/days] [--save]
+    python bench/fullday.py --sizes 150000 1500000 --keep /var/tmp/cn-kept --day-only
+    python bench/fullday.py --record /var/tmp/cn-kept/1500000 --runs 3
 """
 
 from __future__ import annotations
@@ -309,16 +315,13 @@ def one_size(args, accounts: int, work: Path) -> dict:
     from pipeline.seal.sign import make_test_certificate
 
     day = dumps(args.days, accounts, args.seed)
-    key, cert, root = make_test_certificate(work / "keys")
+    make_test_certificate(work / "keys")
     redis = start_redis(work / "redis")
     port, counts = free_port(), work / "relay.json"
     relay_proc = subprocess.Popen([PY, __file__, "--relay", str(port), str(counts)], stdout=subprocess.DEVNULL)
     wait_for_port(port, relay_proc, "the bench's relay")
     run_id = f"fullday-{accounts}"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CN_", "RAY_ADDRESS"))},
-           "PYTHONPATH": str(ROOT), "REDIS_URL": redis.url, "SMTP_URL": f"smtp://127.0.0.1:{port}",
-           "CN_STORE": str(work / "store"), "CN_SIGNER_KEY": str(key), "CN_SIGNER_CERT": str(cert),
-           "CN_SIGNER_CHAIN": str(root), "CN_OWNER_PASSWORD": "bench-owner-secret", "CN_TOKEN_KEY_FILE": str(work / "token.key")}
+    env = _env(work, redis.url, port)
     out: dict = {"accounts": accounts}
     try:
         started = time.time()
@@ -378,6 +381,15 @@ def _run_figures(args, accounts, day, work, redis_url, run_id, summary, times, s
     }
 
 
+def _env(work: Path, redis_url: str, relay_port: int = 0) -> dict:
+    keys = work / "keys"
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("CN_", "RAY_ADDRESS"))},
+            "PYTHONPATH": str(ROOT), "REDIS_URL": redis_url, "SMTP_URL": f"smtp://127.0.0.1:{relay_port}",
+            "CN_STORE": str(work / "store"), "CN_SIGNER_KEY": str(keys / "signer.key.pem"),
+            "CN_SIGNER_CERT": str(keys / "signer.cert.pem"), "CN_SIGNER_CHAIN": str(keys / "root.cert.pem"),
+            "CN_OWNER_PASSWORD": "bench-owner-secret", "CN_TOKEN_KEY_FILE": str(work / "token.key")}
+
+
 # ---- close and verify ------------------------------------------------------------------------
 
 def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
@@ -402,6 +414,49 @@ def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
         s3.stop()
     for name in ("close", "verify"):
         out[f"{name}_s3"]["requests_per_account"] = round(out[f"{name}_s3"]["requests"] / accounts, 4)
+    return out
+
+
+def on_the_kept_record(args) -> dict:
+    """One run of `close` and `verify` on S3, on a record --keep left: its bucket made once
+    (DIR/s3.pristine, the record's objects but the PDFs) and copied, and its Redis copied, so
+    that each run closes and verifies it whole, as the first did."""
+    from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw
+
+    from pipeline.embedded import start_redis
+    from pipeline.record.state import RunState
+
+    kept = args.record
+    accounts, pristine = int(kept.name), kept / "s3.pristine"
+    run_id = f"fullday-{accounts}"
+    with tempfile.TemporaryDirectory(prefix="cn-again-", dir=args.work) as tmp:
+        shutil.copytree(kept / "redis", Path(tmp) / "redis")
+        redis = start_redis(Path(tmp) / "redis")
+        env = _env(kept, redis.url)
+        s3 = None
+        try:
+            state = RunState(redis.url, run_id)
+            state.update_meta(finished=float(state.meta()["finished"]) - 73 * 3600)
+            if not pristine.exists():
+                s3 = start_versitygw(Path(tmp) / "s3", keep_alive=True)
+                copy_record(kept / "store", {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                                             "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}, run_id)
+                s3.stop()
+                shutil.copytree(Path(tmp) / "s3", pristine, symlinks=True)  # its objects' metadata in xattrs too
+            else:
+                shutil.copytree(pristine, Path(tmp) / "s3", symlinks=True)
+            s3 = start_versitygw(Path(tmp) / "s3", keep_alive=True)
+            s3_env = {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                      "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+            out = {"bench": "fullday", "record": str(kept), "accounts": accounts, "latency_ms": args.latency_ms}
+            for name in ("close", "verify"):
+                out[f"{name}_s3"] = step(name, run_id, s3_env, args.latency_ms, "s3://cn-archive")
+        finally:
+            if s3:
+                s3.stop()
+            redis.stop()
+    out["close_verify_s3_within_goal"] = all(out[f"{n}_s3"]["elapsed_s"] <= GOAL_S and
+                                             out[f"{n}_s3"]["tree_peak_rss_mb"] <= GOAL_MB for n in ("close", "verify"))
     return out
 
 
@@ -436,6 +491,10 @@ PER_ACCOUNT = ("redis_bytes_per_account", "storage_objects_per_account", "report
 
 
 def once(args) -> dict:
+    if args.keep and not args.day_only or args.record and args.save:
+        raise SystemExit("--keep keeps the record as the day left it: with --day-only; --record saves nothing")
+    if args.record:
+        return on_the_kept_record(args)
     if args.days is None:  # --smoke's days go with it
         with tempfile.TemporaryDirectory(prefix="cn-days-", dir=args.work) as days:
             return once(argparse.Namespace(**{**vars(args), "days": Path(days)}))
@@ -444,7 +503,8 @@ def once(args) -> dict:
     sizes = []
     for accounts in args.sizes:
         with tempfile.TemporaryDirectory(prefix="cn-fullday-", dir=args.work) as tmp:
-            sizes.append(one_size(args, accounts, Path(tmp)))
+            work = args.keep / str(accounts) if args.keep else Path(tmp)
+            sizes.append(one_size(args, accounts, work))
         out[f"at_{accounts}"] = sizes[-1]
         print(json.dumps({"size": sizes[-1]}), file=sys.stderr, flush=True)
     small, large = sizes[0], sizes[-1]
@@ -484,6 +544,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where each size's store, Redis and S3 server go (default: TMPDIR)")
     parser.add_argument("--latency-ms", type=float, default=20.0, help="added to each S3 request of close and verify")
     parser.add_argument("--day-only", action="store_true", help="the run alone, without close and verify")
+    parser.add_argument("--keep", type=Path, help="keep each size's record in KEEP/ACCOUNTS, for --record")
+    parser.add_argument("--record", type=Path, help="no day: close and verify on S3 on a record --keep left")
     # --save with one run: each figure is a mean over a day's 1.5M accounts, and a run takes an hour here
     measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": None},
                  min_runs=1)

@@ -23,10 +23,16 @@ BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")
 
 @pytest.mark.parametrize("bench", BENCHES)
 def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
+    assert isinstance(smoke(bench)[-1], dict)
+
+
+def smoke(bench: str, *more: str) -> list[dict]:
+    """The bench's JSON lines at its smoke size."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "CN_", "REDIS_URL", "SMTP_URL"))}
     with tempfile.TemporaryDirectory(prefix="cnb", dir="/tmp") as tmp:  # short: Ray's socket paths
-        done = subprocess.run([sys.executable, f"bench/{bench}", "--smoke"], cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, f"bench/{bench}", "--smoke", *more], cwd=ROOT, capture_output=True,
                               text=True, timeout=600, env={**env, "RAY_TMPDIR": tmp, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert lines and isinstance(json.loads(lines[-1]), dict), done.stdout[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, done.stdout[-2000:]
+    return lines
