@@ -21,7 +21,7 @@ def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False) 
     binary = shutil.which("versitygw", path=str(Path(__file__).resolve().parent.parent / ".venv" / "bin"))
     binary = binary or shutil.which("versitygw")
     if not binary:
-        raise EmbeddedError("versitygw not found: run scripts/install.sh")
+        raise EmbeddedError("versitygw not found: run scripts/test.sh, which builds it")
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = (root.parent / "versitygw.log").open("ab")
