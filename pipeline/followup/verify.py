@@ -53,7 +53,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     objects = after_seal = was_closed = 0
     with tempfile.TemporaryDirectory() as tmp:
         db = sqlite3.connect(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
-        db.execute("CREATE TABLE log (ucc TEXT PRIMARY KEY, status TEXT, key TEXT) WITHOUT ROWID")  # one B-tree, not two
+        db.execute("CREATE TABLE log (ucc TEXT PRIMARY KEY, status TEXT, key TEXT)")
         for c in _chains(store, run_id, split.shards, proof["objects"] if proof else None, closed,
                          warrant["heads"] if warrant else {}):
             objects, after_seal, was_closed = objects + c.objects, after_seal + c.after_seal, was_closed + c.closed
@@ -185,8 +185,8 @@ def _disagreements(db: sqlite3.Connection, store: Store, run_id: str) -> list[st
     account's status against its report row, a mailed status the log never saw, the paper list
     against the report's dispatch column. The first one, naming account and object."""
     csv_key, paper_key = keys.report_keys(run_id)[1], report.paper_key(run_id)
-    db.execute("CREATE TABLE report (ucc TEXT PRIMARY KEY, status TEXT, paper INTEGER) WITHOUT ROWID")
-    db.execute("CREATE TABLE paper (ucc TEXT PRIMARY KEY) WITHOUT ROWID")
+    db.execute("CREATE TABLE report (ucc TEXT PRIMARY KEY, status TEXT, paper INTEGER)")
+    db.execute("CREATE TABLE paper (ucc TEXT PRIMARY KEY)")
     db.executemany("INSERT OR REPLACE INTO report VALUES (?, ?, ?)", (
         (ucc, status, paper == "Y") for ucc, status, paper in _rows(store, csv_key, "ucc", "status", "physical_dispatch")))
     db.executemany("INSERT OR REPLACE INTO paper VALUES (?)", ((ucc,) for ucc in _rows(store, paper_key, "ucc")))
