@@ -192,18 +192,20 @@ def test_a_close_that_cannot_sign_writes_nothing_and_the_next_close_seals(ray_se
     assert not sealed["already_sealed"] and exit_status(verified(root, run_id)) == 0
 
 
+@pytest.mark.parametrize("dies_in", ["seal", "the report's write"])
 def test_a_close_that_stops_before_its_proof_reads_as_begun_and_the_next_close_seals_it(closed_run, tmp_path,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, dies_in):
     """Before, a close that died after its closing objects and before its proof left a record
     that verify called tampering ("proof.json: removed") and no close could tell from one. Now
     its signed warrant says where it began: verify says "begun" (exit 3), the next close finishes
-    it, and a record changed meanwhile is refused by both."""
+    it, and a record changed meanwhile is refused by both. The report is written while the
+    chains are closed: one that fails there is a close stopped before its proof, too."""
     settings, run_id, opened, _, bounced = closed_run
     stopped = copy(opened, tmp_path / "stopped")
 
     def dies(*_):
         raise OSError("the close's host went away")
-    monkeypatch.setattr(proof, "seal", dies)
+    monkeypatch.setattr(*((proof, "seal") if dies_in == "seal" else (proof.report, "rewrite")), dies)
     with pytest.raises(OSError):
         proof.close(settings, run_id, store_url=str(stopped), now=after_the_window(settings, run_id))
     monkeypatch.undo()

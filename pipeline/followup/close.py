@@ -6,9 +6,10 @@ mailed account without a permanent bounce delivered, final, and seals the record
   0. reports/{run}.closing.json and .p7s, signed: where the close began (followup/closing.py), so
      a close that stops before its proof reads as begun, never as a proof removed, and the next
      close finishes it;
-  1. the report is written closed (its `closed_at`);
+  1. the report is written closed (its `closed_at`), while
   2. each shard's chain gets a closing object (status "closed"): the fact that the run was
-     closed lives in the chain itself, so a proof deleted later is missed by `verify`;
+     closed lives in the chain itself, so a proof deleted later is missed by `verify`. Neither
+     reads what the other writes, and the warrant covers a close stopped in either;
   3. reports/{run}.proof.json: the SHA-256 of every object of every chain (so `verify` names
      the first one changed, even when every later link was forged to match), the chain heads,
      and the SHA-256 of the report, its CSV and the paper list; with a detached CMS signature
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import CannotRun
 from pipeline.followup import chains, closing, opened
@@ -76,8 +78,10 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         closed_at = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
                                   float(meta.get("closed_at") or now), signer)["closed_at"]
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
-        report.rewrite(store, state, run_id, settings.paper_due_days)
-        ended = _close_chains(store, run_id, found, closed_at)
+        with ThreadPoolExecutor(1) as aside:  # the report from Redis while the chains' closing objects go out
+            written = aside.submit(report.rewrite, store, state, run_id, settings.paper_due_days)
+            ended = _close_chains(store, run_id, found, closed_at)
+            written.result()
         del found  # what the seal needs is in `ended`
         seal(settings, store, run_id, ended, signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
@@ -104,9 +108,10 @@ def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, chai
 def _close_chains(store: Store, run_id: str, found: dict[int, chains.Read],
                   closed_at: float) -> dict[int, tuple[str, list[str]]]:
     """A closing object at the end of each shard's chain, once (a close that stopped half-way
-    and runs again adds none twice); returns each chain's last key and every object's SHA-256."""
+    and runs again adds none twice); returns each chain's last key and every object's SHA-256.
+    Written by the processes close spreads its work over, not this one: it writes the report."""
     jobs = ((run_id, shard, chain, closed_at) for shard, chain in found.items())
-    return dict(zip(found, spread.each(chains.close, store, jobs, len(found))))
+    return dict(zip(found, spread.each(chains.close, store, jobs, len(found), here=False)))
 
 
 def _ready_to_seal(settings: Settings, store: Store) -> Signer:
