@@ -395,7 +395,7 @@ def _env(work: Path, redis_url: str, relay_port: int = 0) -> dict:
 def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
     """close and verify, past the window, on the folder store; then on S3:
     the record copied to a versitygw, each request delayed as S3's round trip (bench/proof.py)."""
-    from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw
+    from tests.servers import start_versitygw
 
     from pipeline.record.state import RunState
 
@@ -404,8 +404,7 @@ def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
     out = {}
     s3 = start_versitygw(work / "s3", keep_alive=True)
     try:
-        s3_env = {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-                  "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+        s3_env = _on_s3(env, s3.url)
         out["s3_copied_objects"] = copy_record(work / "store", s3_env, run_id)
         for name in ("close", "verify"):
             out[f"{name}_s3"] = step(name, run_id, s3_env, args.latency_ms, "s3://cn-archive")
@@ -421,7 +420,7 @@ def on_the_kept_record(args) -> dict:
     """One run of `close` and `verify` on S3, on a record --keep left: its bucket made once
     (DIR/s3.pristine, the record's objects but the PDFs) and copied, and its Redis copied, so
     that each run closes and verifies it whole, as the first did."""
-    from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw
+    from tests.servers import start_versitygw
 
     from pipeline.embedded import start_redis
     from pipeline.record.state import RunState
@@ -439,15 +438,13 @@ def on_the_kept_record(args) -> dict:
             state.update_meta(finished=float(state.meta()["finished"]) - 73 * 3600)
             if not pristine.exists():
                 s3 = start_versitygw(Path(tmp) / "s3", keep_alive=True)
-                copy_record(kept / "store", {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-                                             "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}, run_id)
+                copy_record(kept / "store", _on_s3(env, s3.url), run_id)
                 s3.stop()
                 shutil.copytree(Path(tmp) / "s3", pristine, symlinks=True)  # its objects' metadata in xattrs too
             else:
                 shutil.copytree(pristine, Path(tmp) / "s3", symlinks=True)
             s3 = start_versitygw(Path(tmp) / "s3", keep_alive=True)
-            s3_env = {**env, "AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-                      "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+            s3_env = _on_s3(env, s3.url)
             out = {"bench": "fullday", "record": str(kept), "accounts": accounts, "latency_ms": args.latency_ms}
             for name in ("close", "verify"):
                 out[f"{name}_s3"] = step(name, run_id, s3_env, args.latency_ms, "s3://cn-archive")
@@ -458,6 +455,13 @@ def on_the_kept_record(args) -> dict:
     out["close_verify_s3_within_goal"] = all(out[f"{n}_s3"]["elapsed_s"] <= GOAL_S and
                                              out[f"{n}_s3"]["tree_peak_rss_mb"] <= GOAL_MB for n in ("close", "verify"))
     return out
+
+
+def _on_s3(env: dict, url: str) -> dict:
+    from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY
+
+    return {**env, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def copy_record(store: Path, env: dict, run_id: str) -> int:
