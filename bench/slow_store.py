@@ -6,6 +6,7 @@ Kept apart from the benches: the processes close and verify spread their reads o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -75,19 +76,17 @@ class TreeMemory:
 
 
 def _tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry.name))
+    """The process and its descendants, from each thread's list of children: reading every
+    process's stat in /proc five times a second took 14% of verify's own CPU samples at 150,000
+    accounts with the test suite on the machine."""
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
         found.append(pid)
-        todo += children.get(pid, [])
+        with contextlib.suppress(OSError):
+            for task in os.scandir(f"/proc/{pid}/task"):
+                with open(f"{task.path}/children") as f:
+                    todo += map(int, f.read().split())
     return found
 
 
