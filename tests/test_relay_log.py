@@ -7,11 +7,13 @@ import json
 import time
 import uuid
 
+import pytest
+
 from pipeline.mail.relay_log import accepted_ids
 from pipeline.record import delivery_log, keys
 from pipeline.record.records import final_status
 from pipeline.record.state import RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import StorageError, open_store
 from pipeline.stages import restore_from_log
 
 POSTFIX = """\
@@ -91,3 +93,15 @@ def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):
     link = delivery_log.append(store, run_id, 2, [delivery_log.sending("B", "<B>")])
     assert link.seq == 1 and delivery_log.head(store, run_id, 2) == link
     assert {e["ucc"] for e in delivery_log.entries(store, run_id, 2)} == {"A", "B"}
+
+
+def test_a_log_line_is_one_entry_exactly_as_json_loads_reads_it(tmp_path):
+    """The log's lines are parsed by the JSON scanner for speed: whatever it accepts must be what
+    json.loads accepts. Padding is read, as json.loads reads it; two entries on one line, or
+    one cut short, are named by line."""
+    store = open_store(str(tmp_path / "store"))
+    entry = json.dumps({"ucc": "A", "status": "delivered", "at": 1.5}, separators=(",", ":"))
+    assert [e["ucc"] for e in delivery_log.parse(store, "k", [entry, f"  {entry} ", ""])] == ["A", "A"]
+    for bad in (f"{entry},{entry}", f"{entry} x", entry[:-1], '{"ucc":"A","status":"sent","at":1}', "[]"):
+        with pytest.raises(StorageError, match="'k' line 2: not a delivery-log entry"):
+            list(delivery_log.parse(store, "k", [entry, bad]))

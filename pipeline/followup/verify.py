@@ -52,13 +52,13 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     closed = has_proof or bool((run_report.get("bounce_window") or {}).get("closed_at"))
     objects = after_seal = was_closed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        db = sqlite3.connect(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
-        db.execute("CREATE TABLE log (ucc TEXT PRIMARY KEY, status TEXT, key TEXT)")
+        db = _scratch(f"{tmp}/statuses.db")  # each account's status from the log: on disk, not in memory
+        db.execute("CREATE TABLE log (ucc TEXT, status TEXT, key TEXT)")
         for c in _chains(store, run_id, split.shards, proof["objects"] if proof else None, closed,
                          warrant["heads"] if warrant else {}):
             objects, after_seal, was_closed = objects + c.objects, after_seal + c.after_seal, was_closed + c.closed
             problems += [c.problem] if c.problem else []
-            db.executemany("INSERT OR REPLACE INTO log VALUES (?, ?, ?)",
+            db.executemany("INSERT INTO log VALUES (?, ?, ?)",
                            ((u, st, c.where.get(u, "")) for u, st in c.statuses.items()))
         if not has_proof and (was_closed or closed) and warrant is None:
             evidence = f"{was_closed} chains hold a closing object" if was_closed else "its report says closed_at"
@@ -180,16 +180,28 @@ def _chains(store: Store, run_id: str, shards: list[int], sealed: dict | None, c
     return spread.each(chains.walk, store, jobs, len(shards))
 
 
+def _scratch(path: str) -> sqlite3.Connection:
+    """A database for one command's comparison, thrown away after: no journal, no syncs. Its
+    tables are filled unindexed and indexed once full (_disagreements): 1.5M accounts put into
+    a keyed table in the order the shards give them cost three times the appends and one sort."""
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode = OFF")
+    db.execute("PRAGMA synchronous = OFF")
+    return db
+
+
 def _disagreements(db: sqlite3.Connection, store: Store, run_id: str) -> list[str]:
     """Where the sealed report or paper list says other than the log (`db`'s table `log`): each
-    account's status against its report row, a mailed status the log never saw, the paper list
-    against the report's dispatch column. The first one, naming account and object."""
+    account's status against every report row of it, a mailed status the log never saw, the paper
+    list against the report's dispatch column. The first one, naming account and object."""
     csv_key, paper_key = keys.report_keys(run_id)[1], report.paper_key(run_id)
-    db.execute("CREATE TABLE report (ucc TEXT PRIMARY KEY, status TEXT, paper INTEGER)")
-    db.execute("CREATE TABLE paper (ucc TEXT PRIMARY KEY)")
-    db.executemany("INSERT OR REPLACE INTO report VALUES (?, ?, ?)", (
+    db.execute("CREATE TABLE report (ucc TEXT, status TEXT, paper INTEGER)")
+    db.execute("CREATE TABLE paper (ucc TEXT)")
+    db.executemany("INSERT INTO report VALUES (?, ?, ?)", (
         (ucc, status, paper == "Y") for ucc, status, paper in _rows(store, csv_key, "ucc", "status", "physical_dispatch")))
-    db.executemany("INSERT OR REPLACE INTO paper VALUES (?)", ((ucc,) for ucc in _rows(store, paper_key, "ucc")))
+    db.executemany("INSERT INTO paper VALUES (?)", ((ucc,) for ucc in _rows(store, paper_key, "ucc")))
+    for table in ("log", "report", "paper"):
+        db.execute(f"CREATE INDEX {table}_ucc ON {table} (ucc)")
     differs = db.execute("SELECT l.ucc, r.status, l.status, l.key FROM log l LEFT JOIN report r USING (ucc) "
                          "WHERE r.status IS NOT l.status ORDER BY l.ucc LIMIT 1").fetchone()
     if differs:

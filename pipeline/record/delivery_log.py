@@ -43,6 +43,7 @@ STATUSES = MAIL_STATUSES + ("bounced", "deferred", "closed") + AFTER_SEAL
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
 SHARD_DIR = re.compile(r"shard-([0-9]+)/")
+_SCAN = json.JSONDecoder().scan_once  # json.loads without its Python around it: half the time of a line
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,16 @@ def parse(store: Store, key: str, lines: Iterable[str]) -> Iterator[dict]:
 
 
 def _entry(store: Store, key: str, n: int, line: str) -> dict:
+    """One line's entry, checked. verify parses every line of a day's log, 3M at 1.5M accounts:
+    a line the scanner takes whole, as entries are written, is what json.loads would give;
+    anything else is judged by json.loads itself."""
     try:
-        e = json.loads(line)
+        try:
+            e, end = _SCAN(line, 0)
+        except StopIteration:
+            end = -1
+        if end != len(line):
+            e = json.loads(line)
         ok = isinstance(e, dict) and isinstance(e["ucc"], str) and e["status"] in STATUSES and float(e["at"]) >= 0
     except (ValueError, KeyError, TypeError):
         ok = False
