@@ -86,7 +86,8 @@ def entry(o: Outcome, mail_from: str = "") -> dict:
 def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after: Link | None = None) -> Link:
     """Adds one object to the end of the shard's chain and returns the new end. `after`, the
     end this writer last saw, saves a listing; when another writer got there first, the
-    chain is read again and the object takes the next number."""
+    chain is read again and the object takes the next number. A PUT sent again after its
+    reply was lost finds the key taken by itself: written once, not again at the next number."""
     body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
     for _ in range(20):
         end = after or head(store, run_id, shard)
@@ -95,7 +96,7 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
                             separators=(",", ":"))
         data = (header + "\n" + body).encode()
         key = object_key(run_id, shard, seq)
-        if store.put_new(key, data):
+        if store.put_new(key, data) or store.get(key) == data:  # taken by this very object: its reply was lost
             return Link(key, seq, hashlib.sha256(data).hexdigest())
         after = None
     raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "
