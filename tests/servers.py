@@ -14,10 +14,12 @@ S3_ACCESS_KEY = "cn-test-access"
 S3_SECRET_KEY = "cn-test-secret-0123456789"
 
 
-def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False) -> Service:
+def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False,
+                    tls: tuple[Path, Path] | None = None) -> Service:
     """An S3-compatible server (versitygw, posix backend with metadata: conditional writes work) speaking S3 over
     HTTP; with `nometa`, one that accepts a second If-None-Match PUT of a key, as some S3-compatible stores do;
-    with `keep_alive`, one that keeps a connection for the next request, as S3 does (versitygw closes each)."""
+    with `keep_alive`, one that keeps a connection for the next request, as S3 does (versitygw closes each);
+    with `tls` (a certificate and its key), over HTTPS."""
     binary = shutil.which("versitygw", path=str(Path(__file__).resolve().parent.parent / ".venv" / "bin"))
     binary = binary or shutil.which("versitygw")
     if not binary:
@@ -27,10 +29,11 @@ def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False) 
     log = (root.parent / "versitygw.log").open("ab")
     process = subprocess.Popen(
         [binary, "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"127.0.0.1:{port}",
-         *(["--keep-alive"] if keep_alive else []), "posix", *(["--nometa"] if nometa else []), str(root)],
+         *(["--keep-alive"] if keep_alive else []), *(["--cert", str(tls[0]), "--key", str(tls[1])] if tls else []),
+         "posix", *(["--nometa"] if nometa else []), str(root)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     wait_for_port(port, process, "versitygw")
-    return Service("s3", process, f"http://127.0.0.1:{port}")
+    return Service("s3", process, f"{'https' if tls else 'http'}://127.0.0.1:{port}")
 
 
 def start_secrets_manager(root: Path) -> Service:
