@@ -7,23 +7,35 @@
 # With arguments, one session runs exactly what they name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
 
-# What only the tests need: iptables and prometheus for the simulated cloud's nodes (cluster.yaml's rule
-# on the dashboard agent's port, and the head's Prometheus, both from the OS's archive as on the AMI),
-# faketime (close typed as the README prints it, the clock past the bounce window), and an S3-compatible
-# server (versitygw), built once with Go and cached outside the repo. Debian's own Go (1.19) is too old for it.
-missing=$(for p in iptables prometheus faketime; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"; done)
-[[ -z "$missing" ]] || {
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null; }
+# The tests' S3-compatible server (versitygw), built once with Go and cached outside the repo. Debian's own
+# Go (1.19) is too old for it. On a fresh machine its build (~2.5 min of both cores) goes on while
+# install.sh's packages download and unpack, not after them.
 VERSITYGW_VERSION=v1.8.0
 TOOLS="${CN_TOOLS_DIR:-$HOME/.cache/contract-notes-tools}"
+build=""
 if [[ ! -x "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" ]]; then
   command -v go >/dev/null || { echo "error: the tests' S3 server (versitygw $VERSITYGW_VERSION) is built with Go 1.25 or newer, and there is no go on PATH (install it from go.dev, or put a built versitygw at $TOOLS/bin/versitygw-$VERSITYGW_VERSION)" >&2; exit 2; }
   echo "building versitygw $VERSITYGW_VERSION (S3-compatible server for the tests; once per machine)" >&2
   mkdir -p "$TOOLS/bin"
-  GOBIN="$TOOLS/bin" go install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION"
+  build_log=$(mktemp -t cn-versitygw-build.XXXXXX)
+  GOBIN="$TOOLS/bin" go install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" >"$build_log" 2>&1 &
+  build=$!
+  trap 'kill "$build" 2>/dev/null || true' EXIT  # an install that fails leaves no build behind
+fi
+bash scripts/install.sh
+
+# What only the tests need: iptables and prometheus for the simulated cloud's nodes (cluster.yaml's rule
+# on the dashboard agent's port, and the head's Prometheus, both from the OS's archive as on the AMI),
+# and faketime (close typed as the README prints it, the clock past the bounce window).
+missing=$(for p in iptables prometheus faketime; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"; done)
+[[ -z "$missing" ]] || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null; }
+if [[ $build ]]; then
+  wait "$build" || { cat "$build_log" >&2; echo "error: building versitygw $VERSITYGW_VERSION failed" >&2; exit 2; }
+  trap - EXIT
+  rm -f "$build_log"
   mv "$TOOLS/bin/versitygw" "$TOOLS/bin/versitygw-$VERSITYGW_VERSION"
 fi
 ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw
