@@ -204,14 +204,16 @@ def test_a_kept_connection_the_server_closed_is_replaced_and_replies_are_read_as
     one ended by the connection's close come back whole."""
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nsec\r\n4;x=y\r\nond!\r\n0\r\nA: b\r\n\r\n"
+    empty = b"HTTP/1.1 204 No Content\r\n\r\n"
     to_close = b"HTTP/1.0 404 Not Found\r\nX-Amz-Request-Id: 1\r\n\r\n<Error>third</Error>"
-    server = Replies([(ok, True), (chunked, False), (to_close, True)])
+    server = Replies([(ok, True), (chunked, False), (empty, False), (to_close, True)])
     pool = http1.Pool(server.url, None, 4)
     assert pool.request("GET", "/a", {})[:2] == (200, b"first")
     assert pool.request("GET", "/b", {})[:2] == (200, b"second!")
+    assert pool.request("PUT", "/b2", {}, b"")[:2] == (204, b"")
     status, body, headers = pool.request("GET", "/c", {})
     assert (status, body, headers["x-amz-request-id"]) == (404, b"<Error>third</Error>", "1")
-    assert server.requests == [b"/a", b"/b", b"/c"] and server.connections == 2
+    assert server.requests == [b"/a", b"/b", b"/b2", b"/c"] and server.connections == 2
 
 
 def test_a_reply_cut_short_is_a_connection_error_not_a_short_object():

@@ -103,8 +103,10 @@ def _reply(file, first: bytes) -> tuple[int, bytes, dict, bool]:
             raise ValueError("its headers were cut short")
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.strip().lower()] = value.strip()
-    keep = version == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
-    if "chunked" in headers.get("transfer-encoding", "").lower():
+    status, keep = int(rest[:3]), version == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
+    if status in (204, 304) or status < 200:  # no body, whatever the headers say
+        data = b""
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
         data = _chunks(file)
     elif "content-length" in headers:
         length = int(headers["content-length"])
@@ -113,7 +115,7 @@ def _reply(file, first: bytes) -> tuple[int, bytes, dict, bool]:
             raise ValueError(f"its body was cut short ({len(data)} of {length} bytes)")
     else:  # delimited by the connection's close
         data, keep = file.read(), False
-    return int(rest[:3]), data, headers, keep
+    return status, data, headers, keep
 
 
 def _chunks(file) -> bytes:
