@@ -329,10 +329,14 @@ def test_postfix_with_a_rate_policy_is_held_to_its_rate(ray_session, settings):
         while len(list((mta.root / "vmail" / "clients" / "new").glob("*"))) < 1000 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert len(list((mta.root / "vmail" / "clients" / "new").glob("*"))) == 1000
-        # set above the policy's limit: Postfix's own throttle replies cut the rate, nothing is lost
+        # set far above the policy's limit: Postfix's own throttle replies cut the rate, nothing is
+        # lost. The limit is lowered to 40 a second so that a loaded machine (85 a second at most in
+        # one CI run) still goes over it
+        with policy.lock:
+            policy.rate = policy.tokens = 40
         s = Settings(**{**settings.__dict__, "smtp_url": mta.url + "?rate=300"})
-        results = mail_with_two_actors(s, "rates-postfix-over", 600)
-        assert sum(r["tally"].get("ok", 0) for r in results) == 600 and policy.throttled > 0
+        results = mail_with_two_actors(s, "rates-postfix-over", 400)
+        assert sum(r["tally"].get("ok", 0) for r in results) == 400 and policy.throttled > 0
         assert rates.snapshot(redis_client(s.redis_url))[f"relay:{parse_smtp_url(mta.url).name}"]["cuts"] >= 1
         # its daily quota: 100 more go, the rest fail with the reason and are not claimed
         policy.daily = policy.accepted + 100
@@ -340,7 +344,7 @@ def test_postfix_with_a_rate_policy_is_held_to_its_rate(ray_session, settings):
         assert sum(r["tally"].get("ok", 0) for r in results) == 100 == sum(r["tally"].get("failed", 0) for r in results)
         state = RunState(s.redis_url, "rates-postfix-quota")
         assert all("daily quota" in r["reason"] for r in state.accounts(state.failed()).values())
-        assert policy.accepted == 1700
+        assert policy.accepted == 1500
     finally:
         mta.stop()
         policy.stop()
