@@ -551,7 +551,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep each size's record in KEEP/ACCOUNTS, for --record")
     parser.add_argument("--record", type=Path, help="no day: close and verify on S3 on a record --keep left")
     # --save with one run: each figure is a mean over a day's 1.5M accounts, and a run takes an hour here
-    measured.run("fullday", parser, once, {"sizes": [300, 1200], "days": None},
+    measured.run("fullday", parser, once, {"sizes": [100, 400], "days": None},
                  min_runs=1)
 
 
