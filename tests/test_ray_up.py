@@ -201,9 +201,13 @@ def _network_hsm(cloud) -> NetworkHsm:
     return made
 
 
-def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None = None) -> Laptop:
+def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None = None,
+                   small_pools: bool = False) -> Laptop:
     """With `hsm`, docs/aws.md's "The signing key on an HSM" too: a secret without a key, the
-    token's settings in scripts/cluster.env, its client on the head and the signer node type."""
+    token's settings in scripts/cluster.env, its client on the head and the signer node type.
+    With `small_pools`, two signer and two mailer actors a signer/SMTP node, not its 8 and 4:
+    each a worker process of its own, started again on each node the day launches, on this
+    machine's two cores."""
     checkout, laptop = tmp_path / "checkout", tmp_path / "laptop"
     _clone(checkout)
     laptop.mkdir()
@@ -232,6 +236,7 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
                         # this machine's two cores play a 32-vCPU render node: four shards in flight, not a
                         # render worker process started for each of the day's 20 shards at once
                         + "export CN_WINDOW=4\n"
+                        + ("export CN_SIGNERS=2 CN_MAILERS=2\n" if small_pools else "")
                         + "export CN_SMTP_STARTTLS=auto  # the test's relay has no TLS\n")
     yaml_path = checkout / "cluster-local.yaml"
     yaml_path.write_text(subprocess.run([sys.executable, str(TESTS / "local_cloud.py"), "variant",
@@ -427,7 +432,7 @@ def test_a_day_that_loses_a_noticed_spot_render_node_and_its_signer_node_ends_by
     the cluster ends as usual."""
     cloud.refuse_spot = False
     _baked(cloud)
-    lap = _steps_1_and_2(cloud, tmp_path, keys_dir)
+    lap = _steps_1_and_2(cloud, tmp_path, keys_dir, small_pools=True)
     lap.run("ray", "get-auth-token", "--generate")
     lap.run("ray", "up", "-y", "--no-config-cache", str(lap.yaml_path))
     ended: dict = {}
@@ -461,7 +466,7 @@ def test_a_lost_head_is_said_on_the_laptop_and_a_new_head_resumes_the_day_each_a
     claimed is settled from the relay's log."""
     cloud.smtp_url = cloud.smtp_url.replace("rate=0.5", "rate=1")  # no stranger's scan to outlive: half the wait
     _baked(cloud)
-    lap = _steps_1_and_2(cloud, tmp_path, keys_dir)
+    lap = _steps_1_and_2(cloud, tmp_path, keys_dir, small_pools=True)
     lap.run("ray", "get-auth-token", "--generate")
     lap.run("ray", "up", "-y", "--no-config-cache", str(lap.yaml_path))
     url = f"s3://{BUCKET}/dumps/{TRADE_DATE}"
