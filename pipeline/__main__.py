@@ -549,11 +549,11 @@ def cmd_redis_acl(args) -> int:
     return 0
 
 
-@command("tls", "the cluster's own CA (cluster.yaml): `init` on the head makes it and the head's certificate, "
-                "`serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's; in CN_TLS_DIR "
-                "(default ~/.cn-tls)",
-         arg("action", choices=["init", "serve", "enroll"]),
-         arg("head", nargs="?", help="enroll: the head's IP"),
+@command("tls", "the cluster's own CA and ports (cluster.yaml): `init` on the head makes the CA and the head's "
+                "certificate, `serve` issues the workers theirs, `enroll HEAD_IP` gets a worker's, in CN_TLS_DIR "
+                "(default ~/.cn-tls); `firewall [HEAD_IP]` prints the node's iptables rules (pipeline/tls/ports.py)",
+         arg("action", choices=["init", "serve", "enroll", "firewall"]),
+         arg("head", nargs="?", help="enroll, and a worker's firewall: the head's IP"),
          arg("--ip", help="init: the head's IP (default: the one Ray uses)"),
          arg("--port", type=int, help="the head's certificate service (default 6381)"),
          arg("--token-file", type=Path, default=Path.home() / ".ray/auth_token",
@@ -562,6 +562,11 @@ def cmd_tls(args) -> int:
     """The cluster's CA and certificates (pipeline/tls/ca.py, enroll.py): cluster.yaml's setup."""
     from pipeline.tls import ca as tls_ca, enroll
 
+    if args.action == "firewall":
+        from pipeline.tls.ports import firewall
+
+        print(firewall(args.head or "127.0.0.1"), end="", file=args.stdout)
+        return 0
     folder = Path(Settings.from_env().tls_dir or Path.home() / ".cn-tls").expanduser()
     if args.action == "init":
         from ray.util import get_node_ip_address

@@ -310,7 +310,7 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     assert len(head) == 1 and head[0]["state"] == "running"
     head_ip, head_disk = head[0]["ip"], Path(cloud.instances[head[0]["id"]]["node"]) / "homes/ubuntu"
     _head_redis_refuses_strangers(head_ip, head_disk / ".cn-tls")
-    metrics = _scrape_while_up(f"http://{head_ip}:8080/metrics")
+    metrics = _scrape_while_up(cloud, head[0]["id"])
     day_over = threading.Event()
     on_nodes, in_prometheus = _series_on_the_nodes(cloud, day_over), _prometheus_while_up(cloud, head[0]["id"], day_over)
     strangers = _strangers_try_to_join(cloud, head_ip, lap.home / ".ray/auth_token")
@@ -351,10 +351,11 @@ def test_the_readme_aws_path_signs_on_a_network_hsm_delivers_the_day_falls_back_
     registered = {line.rsplit("node_address=", 1)[1].strip() for p in (head_disk.parent.parent / "tmp/ray").glob(
         "session_*/logs/gcs_server.out") for line in p.read_text(errors="replace").splitlines()
         if "Registering new node" in line}
-    assert strangers.outcome == {"enroll": "refused", "job agent": "refused", "plain": "refused", "own CA": "refused"}, \
-        strangers.outcome
-    (tmp_path / "ports.json").write_text(json.dumps(strangers.ports))
-    _every_plaintext_port_is_documented(strangers.ports)
+    assert strangers.outcome == {"enroll": "refused", "plain": "refused", "own CA": "refused"}, strangers.outcome
+    (tmp_path / "ports.json").write_text(json.dumps({"scanned": strangers.ports, "doors": strangers.doors,
+                                                     "listening": strangers.listening}))
+    print(json.dumps({"stranger_doors": strangers.doors, "listening": strangers.listening}))
+    _no_door_opened_to_the_stranger(strangers)
     workers = {n["ip"] for n in cloud.listing() if n["tags"].get("ray-node-type") == "worker"}
     assert registered == {head_ip} | workers and len(workers) >= 2, (registered, strangers.ip)
     # the keys stayed on the nodes: not in the bucket, the job's output or the head's Ray logs
@@ -564,8 +565,10 @@ def _head_redis_refuses_strangers(head_ip: str, head_tls: Path) -> None:
 
 def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread:
     """An instance in the cluster's network, with the cluster's Ray token, asks the head for a
-    certificate, then starts Ray against the head: without TLS, then with a certificate of a CA of
-    its own for its own address."""
+    certificate, tries every door to running code on the head and on each worker once both worker
+    types run (tests/stranger_probe.py: each would call the stranger's own listener back), starts
+    Ray against the head without TLS and with a certificate of a CA of its own, and scans every
+    port. Meanwhile each node's listening sockets are listed from inside it."""
     from pipeline.tls.ca import init_head
 
     iid = cloud.launch({"InstanceType": "c6a.large"}, {"purpose": "stranger"}, 1)[0]
@@ -576,15 +579,12 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
     # the instance has its own /tmp, and a checkout may live anywhere
     for part in ("pipeline", "actors", "templates", "scripts"):
         shutil.copytree(Path(ROOT) / part, home / "contract_notes" / part, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(TESTS / "port_scan.py", home / "port_scan.py")
-    (home / "job_probe.py").write_text(  # the side door: a job submitted to the head's dashboard agent with the token
-        "import json, sys, urllib.request\n"
-        "token = open('/home/ubuntu/.ray/auth_token').read().strip()\n"
-        f"ask = urllib.request.Request('http://{head_ip}:52365/api/job_agent/jobs/', method='POST', "
-        "data=json.dumps({'entrypoint': 'cat ~/.cn-tls/ca.key'}).encode(), "
-        "headers={'Authorization': f'Bearer {token}', 'Content-Type': 'application/json'})\n"
-        "print(urllib.request.urlopen(ask, timeout=5).status)\n")
+    for script in ("port_scan.py", "stranger_probe.py"):
+        shutil.copy(TESTS / script, home / script)
     ip = cloud.instances[iid]["ip"]
+    listener = f"{ip}:8999"
+    cloud.exec(iid, ["bash", "-c", f"(nohup ~/venv/bin/python ~/stranger_probe.py catch {ip} 8999 ~/caught.log "
+                                   "> ~/catch.out 2>&1 &)"])
     init_head(home / "own-ca", ip)
     own = ("RAY_USE_TLS=1 RAY_TLS_SERVER_CERT=~/own-ca/node.crt RAY_TLS_SERVER_KEY=~/own-ca/node.key "
            "RAY_TLS_CA_CERT=~/own-ca/ca.crt")
@@ -595,26 +595,32 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
                                      f"pipeline tls enroll {head_ip}"])
         thread.outcome["enroll"] = "refused" if code == 2 and b"not a node of this cluster" in out else \
             f"exit {code}: {out[-500:]!r}"
-        code, out = cloud.exec(iid, ["bash", "-c", "~/venv/bin/python ~/job_probe.py"])
-        thread.outcome["job agent"] = "refused" if code and (b"timed out" in out or b"refused" in out) else \
-            f"exit {code}: {out[-300:]!r}"
+        roles = {"head": head_ip, **_workers_up(cloud)}
+        thread.listening = {role: _listening(cloud, node_ip) for role, node_ip in roles.items()}
+        code, out = cloud.exec(iid, ["bash", "-c", f"~/venv/bin/python ~/stranger_probe.py try {listener} "
+                                     f"{' '.join(roles.values())}"])
+        assert code == 0, out[-2000:]
+        found = json.loads(out.decode().strip().splitlines()[-1])
+        thread.doors = {role: found[node_ip] for role, node_ip in roles.items()}
         for name, env in tries.items():
             code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 40 "
                                          f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])
             thread.outcome[name] = "refused" if code and b"Failed to connect to GCS" in out else f"exit {code}"
             cloud.exec(iid, ["bash", "-c", "~/venv/bin/ray stop --force >/dev/null 2>&1"])
-        thread.ports = _scan_from(cloud, iid, head_ip)
+        thread.ports = _scan_from(cloud, iid, roles)
+        time.sleep(20)  # a runtime environment's install that got through calls back within this
+        thread.caught = (home / "caught.log").read_text() if (home / "caught.log").exists() else ""
         cloud.terminate(iid)
 
     thread = threading.Thread(target=attempt, daemon=True)
-    thread.ip, thread.outcome, thread.ports = ip, {}, {}
+    thread.ip, thread.outcome, thread.ports, thread.doors, thread.listening, thread.caught = ip, {}, {}, {}, {}, None
     thread.start()
     return thread
 
 
-def _scan_from(cloud, iid: str, head_ip: str, within_s: float = 240) -> dict[str, dict[str, str]]:
-    """Every TCP port of the head and of each worker of the day, as the stranger finds them:
-    {role: {port: "tls" | "plain" | "silent"}}, once both worker types run (or `within_s` has passed)."""
+def _workers_up(cloud, within_s: float = 240) -> dict[str, str]:
+    """{node type: IP} of the day's workers once both types run (or `within_s` has passed), and
+    their Ray has started its agents."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         workers = {n["tags"].get("ray-user-node-type"): n["ip"] for n in cloud.listing()
@@ -622,29 +628,47 @@ def _scan_from(cloud, iid: str, head_ip: str, within_s: float = 240) -> dict[str
         if len(workers) >= 2:
             break
         time.sleep(2)
-    time.sleep(10)  # a worker's Ray has started its agents
-    roles = {"head": head_ip, **workers}
+    time.sleep(10)
+    return workers
+
+
+def _listening(cloud, ip: str) -> list[int]:
+    """The TCP ports the instance at `ip` listens on, as `ss` lists them inside it."""
+    iid = next(n["id"] for n in cloud.listing() if n["ip"] == ip)
+    code, out = cloud.exec(iid, ["ss", "-ltnH"])
+    assert code == 0, out
+    return sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in out.decode().splitlines() if line.strip()})
+
+
+def _scan_from(cloud, iid: str, roles: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Every TCP port of each node, as the stranger finds them: {role: {port: "tls" | "plain" | "silent"}}."""
     code, out = cloud.exec(iid, ["bash", "-c", f"~/venv/bin/python ~/port_scan.py {' '.join(roles.values())}"])
     assert code == 0, out[-2000:]
     found = json.loads(out.decode().strip().splitlines()[-1])
     return {role: found[ip] for role, ip in roles.items()}
 
 
-def plaintext_ports_documented() -> dict[int, str]:
-    """docs/aws.md's table of the ports that stay plaintext: {port: the row}."""
-    page = (Path(ROOT) / "docs" / "aws.md").read_text()
-    table = page.split("<!-- plaintext ports -->", 2)[1]
-    return {int(row.split("|")[1].strip(" `")): row for row in table.splitlines()
-            if row.startswith("| `") and row.split("|")[1].strip(" `").isdigit()}
+def _no_door_opened_to_the_stranger(strangers) -> None:
+    """Each port the stranger finds open is one the table opens to the cluster's nodes (and is
+    plain only where the table says so); none of its jobs, runtime environments, tasks or
+    reads of the metrics got an answer, and nothing called its listener back; and every port each
+    node listens on is in the table."""
+    from pipeline.tls import ports
 
-
-def _every_plaintext_port_is_documented(ports: dict[str, dict[str, str]]) -> None:
-    documented = plaintext_ports_documented()
-    plain = {(role, int(p)) for role, found in ports.items() for p, kind in found.items() if kind == "plain"}
-    assert ports.get("head") and len(ports) >= 3, ports
-    assert {p for _, p in plain} <= set(documented), (sorted(plain), sorted(documented))
-    for role, port in plain:  # the row names where it listens: on the head, or on every node
-        assert "every node" in documented[port] or role in documented[port], (role, port, documented[port])
+    assert strangers.ports.get("head") and len(strangers.ports) >= 3, strangers.ports
+    for role, scanned in strangers.ports.items():
+        for port, kind in scanned.items():
+            row = ports.find(int(port))
+            assert row and row.peers == ports.CLUSTER and row.where in ("every node", role), (role, port, kind)
+            assert kind != "plain" or row.wire == "HTTP", (role, port, kind)
+    answered = {(role, door): said for role, doors in strangers.doors.items() for door, said in doors.items()
+                if said.startswith("answered")}
+    assert len(strangers.doors) >= 3 and answered == {}, strangers.doors
+    assert strangers.caught == "", f"code ran for the stranger:\n{strangers.caught}"
+    for role, listening in strangers.listening.items():
+        assert listening, role
+        unlisted = [p for p in listening if not (row := ports.find(p)) or row.where not in ("every node", role)]
+        assert unlisted == [], (role, unlisted, listening)
 
 
 def _the_capture_saw_the_day(streams: dict, head_ip: str, stranger: str) -> None:
@@ -720,7 +744,20 @@ def _site_packages() -> list[Path]:
     return [Path(p) for p in site.getsitepackages()]
 
 
-def _scrape_while_up(url: str) -> dict:
+def _get_inside(cloud, iid: str, port: int, path: str) -> bytes:
+    """An HTTP GET of the instance's own 127.0.0.1:port, as a process on the node (or the head's
+    Prometheus, or the tunnel) asks it: the node's firewall answers nothing else."""
+    try:
+        with cloud.connect(iid, port) as sock:
+            sock.settimeout(5)
+            sock.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            reply = b"".join(iter(lambda: sock.recv(65536), b""))
+    except Exception as e:  # the instance ended (the cloud's own error), or its port is closed
+        raise OSError(str(e)) from e
+    return reply.split(b"\r\n\r\n", 1)[1]
+
+
+def _scrape_while_up(cloud, head: str) -> dict:
     """The head's metrics, read every second until it is gone (five reads in a row fail: one
     slow answer is not the end of the head); the last reading is kept, each status summed over
     the processes that counted it."""
@@ -730,8 +767,8 @@ def _scrape_while_up(url: str) -> dict:
         failed = 0
         while failed < 5 or not seen:
             try:
-                text = urllib.request.urlopen(url, timeout=2).read().decode()
-            except OSError:
+                text = _get_inside(cloud, head, 8080, "/metrics").decode()
+            except (OSError, LookupError, IndexError):
                 failed += 1
                 time.sleep(1)
                 continue
@@ -761,8 +798,8 @@ def _series_on_the_nodes(cloud, until: threading.Event) -> dict[str, set[str]]:
                 if node["state"] != "running" or node["tags"].get("ray-node-type") != "worker":
                     continue
                 try:
-                    text = urllib.request.urlopen(f"http://{node['ip']}:8080/metrics", timeout=2).read().decode()
-                except OSError:
+                    text = _get_inside(cloud, node["id"], 8080, "/metrics").decode()
+                except (OSError, LookupError, IndexError):
                     continue
                 seen.setdefault(kind, set()).update(
                     " ".join([line.split("{", 1)[0], *re.findall(r'[{,](stage="\w+")', line)])
@@ -782,11 +819,7 @@ def _prometheus_while_up(cloud, head: str, until: threading.Event) -> dict[str, 
     def ask():
         while not until.is_set():
             try:
-                with cloud.connect(head, 9090) as sock:
-                    sock.settimeout(5)
-                    sock.sendall(f"GET {query} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
-                    reply = b"".join(iter(lambda: sock.recv(65536), b""))
-                body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+                body = json.loads(_get_inside(cloud, head, 9090, query))
                 seen.update({r["metric"].get("stage", ""): float(r["value"][1]) for r in body["data"]["result"]})
             except (OSError, ValueError, KeyError, IndexError, LookupError):
                 pass
