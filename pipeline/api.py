@@ -1,9 +1,10 @@
 """The status service: a run's live state from Redis, its report, targeted reruns, a live page.
 
 Reads the same state and storage the driver writes. Anything that changes state, or shows
-a PAN or an e-mail address, needs the bearer token from config (CN_API_TOKEN); without
-it, PII is masked wherever it appears (relay replies quote addresses) and reruns are
-refused. A read-only service never shows PII nor reruns, token or not. Unknown runs and
+who a client is (name, PAN, e-mail address, state), needs the bearer token from config
+(CN_API_TOKEN); without it a reader sees what happened to each note, never whose it is: PII is
+masked wherever it appears (relay replies quote addresses; a name shows as initials) and reruns
+are refused. A read-only service never shows PII nor reruns, token or not. Unknown runs and
 accounts are 404, bad queries 422; a Redis or storage outage is 503, never a 500.
 
 GET /notes/{token} is the clients' own door: the link in their e-mail (pipeline/mail/link.py)
@@ -198,8 +199,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(404, f"no account {ucc!r} in run {run_id!r}")
         entry = find_account(open_store(settings.store_url), run_id, ucc)
         client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
-        if client and not full:
-            client.update(email=mask_email(client["email"]), pan=mask_pan(client["pan"]))
+        if client and not full:  # who the client is needs the token; what happened to the note does not
+            client.update(name=mask_name(client["name"]), email=mask_email(client["email"]),
+                          pan=mask_pan(client["pan"]), state="***")
         events = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
                   for event in history(record)]
         return {**public_record(record, full), "history": events, "client": client,
@@ -372,6 +374,11 @@ def mask_text(text: str) -> str:
 def mask_email(email: str) -> str:
     local, _, domain = email.partition("@")
     return f"{local[:1]}***@{domain}" if domain else "***"
+
+
+def mask_name(name: str) -> str:
+    """Initials only: enough to tell two accounts apart on a call, not to name the client."""
+    return " ".join(f"{word[0]}***" for word in name.split()) or "***"
 
 
 def mask_pan(pan: str) -> str:

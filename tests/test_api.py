@@ -86,11 +86,17 @@ def test_an_account_shows_its_history_and_masks_pii_without_the_token(client, ap
     assert masked["pii"] == "masked"
     assert clients[victim]["pan"] not in str(masked) and clients[victim]["email"] not in str(masked)
     assert masked["client"]["pan"].endswith(clients[victim]["pan"][-4:])
+    # who the client is needs the token: a name shows as initials, the state not at all
+    names = [w for w in clients[victim]["name"].split() if len(w) > 1]
+    assert names and not any(w in str(masked) for w in names), masked["client"]
+    assert masked["client"]["name"] == " ".join(f"{w[0]}***" for w in clients[victim]["name"].split())
+    assert masked["client"]["state"] == "***"
     assert [e["stage"] for e in masked["history"]][:4] == ["validated", "rendered", "signed", "archived"]
     assert masked["history"][-1]["status"] == "failed"
     full = client.get(url, headers=AUTH).json()
     assert full["pii"] == "shown" and full["client"]["pan"] == clients[victim]["pan"]
     assert full["client"]["email"] == clients[victim]["email"]
+    assert (full["client"]["name"], full["client"]["state"]) == (clients[victim]["name"], clients[victim]["state"])
     assert client.get(url, headers={"Authorization": "Bearer wrong"}).json()["pii"] == "masked"
 
 
