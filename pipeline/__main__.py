@@ -8,6 +8,7 @@ and nothing else: logs, progress and what Ray prints go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -623,6 +624,9 @@ def cmd_serve(args) -> int:
                   "VERP addresses, and the demo reads them back with `bounces`"),
          arg("--file-key", action="store_true",
              help="sign with a test key file instead of the key on a SoftHSM2 token the demo makes"),
+         arg("--bounce-window-h", type=float, metavar="H",
+             help="the demo's run records a bounce window of H hours, 0 included: `close` seals it at once "
+                  "(a real run's is CN_BOUNCE_WINDOW_H, 1 to 720 h)"),
          arg("--services", action="store_true",
              help="no run: start the demo's Redis and SMTP sink again, in the background, on the ports its run "
                   "recorded (for the commands after the demo: README, 'After the demo')"))
@@ -648,6 +652,10 @@ def cmd_demo(args) -> int:
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
                                      smtp_url=services[1].url, token_key_file=str(work / "keys" / "token.key"),
                                      owner_password=owner, **_demo_key(work, args.file_key))
+        if args.bounce_window_h is not None:
+            if args.bounce_window_h < 0:
+                raise ConfigError(f"--bounce-window-h {args.bounce_window_h:g}: a window is 0 hours or more")
+            settings = dataclasses.replace(settings, bounce_window_h=args.bounce_window_h)
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))  # Ray starts in it
         summary["outbox"] = str(work / "outbox")
         embedded.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)

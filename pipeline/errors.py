@@ -14,3 +14,7 @@ class CannotRun(Exception):
 
 class RunNotFound(CannotRun, LookupError):
     """No run of that id: not in Redis, nor (where the command looks there too) in storage."""
+
+
+class NotInRun(CannotRun, LookupError):
+    """Accounts named to a command that the run does not hold: a typo is never a success."""

@@ -597,18 +597,17 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
             f"exit {code}: {out[-500:]!r}"
         roles = {"head": head_ip, **_workers_up(cloud)}
         thread.listening = {role: _listening(cloud, node_ip) for role, node_ip in roles.items()}
+        thread.ports = _scan_from(cloud, iid, roles)
         code, out = cloud.exec(iid, ["bash", "-c", f"~/venv/bin/python ~/stranger_probe.py try {listener} "
                                      f"{' '.join(roles.values())}"])
         assert code == 0, out[-2000:]
         found = json.loads(out.decode().strip().splitlines()[-1])
         thread.doors = {role: found[node_ip] for role, node_ip in roles.items()}
-        for name, env in tries.items():
+        for name, env in tries.items():  # meanwhile, a runtime environment's install that got through calls back
             code, out = cloud.exec(iid, ["bash", "-c", f"export RAY_AUTH_MODE=token {env}; timeout 40 "
                                          f"~/venv/bin/ray start --address={head_ip}:6379 --num-cpus=1"])
             thread.outcome[name] = "refused" if code and b"Failed to connect to GCS" in out else f"exit {code}"
             cloud.exec(iid, ["bash", "-c", "~/venv/bin/ray stop --force >/dev/null 2>&1"])
-        thread.ports = _scan_from(cloud, iid, roles)
-        time.sleep(20)  # a runtime environment's install that got through calls back within this
         thread.caught = (home / "caught.log").read_text() if (home / "caught.log").exists() else ""
         cloud.terminate(iid)
 
@@ -619,16 +618,16 @@ def _strangers_try_to_join(cloud, head_ip: str, token: Path) -> threading.Thread
 
 
 def _workers_up(cloud, within_s: float = 240) -> dict[str, str]:
-    """{node type: IP} of the day's workers once both types run (or `within_s` has passed), and
-    their Ray has started its agents."""
+    """{node type: IP} of the day's workers once both types run Ray, their agents started (or
+    `within_s` has passed)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         workers = {n["tags"].get("ray-user-node-type"): n["ip"] for n in cloud.listing()
                    if n["tags"].get("ray-node-type") == "worker" and n["state"] == "running"}
-        if len(workers) >= 2:
+        if len(workers) >= 2 and all(52366 in _listening(cloud, ip) for ip in workers.values()):
             break
         time.sleep(2)
-    time.sleep(10)
+    time.sleep(3)
     return workers
 
 

@@ -185,3 +185,25 @@ def test_the_message_id_domain_is_the_broker_s_and_a_rerun_keeps_the_run_s_own(r
                   force=True)  # this shell says another domain: the run's own is kept
     assert again["delivered_now"] == 1
     assert mids(relay.outbox) - sent == Counter({next(m for m in sent if f".{ucc}@" in m): 1})
+
+
+def test_rerun_of_accounts_the_run_lacks_is_refused_before_ray_starts_naming_each(redis_url, tmp_path):
+    """`rerun RUN --accounts C9999999,c0000001` exited 0 with both under `not_in_run`: a typo read as
+    a success. Now: exit 2, one line naming each, the upper-case code hinted; Ray not started."""
+    from pipeline.record.manifest import SplitResult, save_manifest
+    from pipeline.record.records import Outcome
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    run_id = f"typo-{os.urandom(3).hex()}"
+    state = RunState(redis_url, run_id)
+    state.start({"date": TRADE_DATE, "input": str(tmp_path / "in"), "finished": "1"})
+    state.record([Outcome("C0000001", "delivered", message_id="<m@x>", reply="250 ok")])
+    save_manifest(open_store(str(tmp_path / "store")), run_id, SplitResult([0], 10, 1))
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": "127.0.0.1:1"}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "rerun", run_id, "--accounts", "C9999999,c0000001"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    assert said[-1] == (f"error: run {run_id} has no account C9999999, c0000001 (client codes are upper-case: "
+                        "C0000001)"), done.stderr

@@ -39,6 +39,7 @@ from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
 from pipeline.day.split import check_inputs
 from pipeline.mail.message import message_id
+from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
@@ -398,6 +399,10 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     records = state.accounts(sorted(chosen))
     rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
     unknown = sorted(chosen - set(records))
+    if accounts and unknown:  # named by hand: refused before Ray starts
+        cased = sorted(set(state.accounts([u.upper() for u in unknown if u != u.upper()])))
+        raise NotInRun(f"run {run_id} has no account {_named(unknown)}"
+                       + (f" (client codes are upper-case: {_named(cased)})" if cased else ""))
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
         counts = state.counts()
@@ -413,6 +418,11 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,
                    not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
     return summary
+
+
+def _named(codes: list[str], shown: int = 10) -> str:
+    more = len(codes) - shown
+    return ", ".join(codes[:shown]) + (f" and {more:,} more" if more > 0 else "")
 
 
 def _ended(state: RunState, only: frozenset[str]) -> dict[str, int]:
