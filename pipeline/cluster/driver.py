@@ -407,7 +407,11 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
             log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
                           lease=lease, address=address)
-    summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,
+    ended, now = _ended(state, only), state.final_counts()
+    if summary.get("report") and any(summary.get(k) != v for k, v in now.items()):  # _ended failed some: said again
+        report.rewrite(run.store, state, run_id, settings.paper_due_days)
+        summary.update(now)
+    summary.update(rerun_accounts=sorted(only), rerun_outcomes=ended, relays=relays,
                    not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
     return summary
 
