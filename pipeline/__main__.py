@@ -446,7 +446,7 @@ def cmd_status(args) -> int:
     from pipeline.followup import status
     from pipeline.followup.located import locate
     from pipeline.record import rates
-    from pipeline.record.keys import proof_keys, report_keys
+    from pipeline.record.keys import report_keys
     from pipeline.record.report import read_report
     from pipeline.record.state import RunState
 
@@ -456,10 +456,11 @@ def cmd_status(args) -> int:
     except RunNotFound as e:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
-    sealed = found.store.exists(proof_keys(args.run_id)[0])
+    sealed = status.sealed(found.store, args.run_id)
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id, patience_retries=0)
-        run = status.from_redis(args.run_id, where, state.meta(), state.counts(), state.statuses(),
+        meta = state.meta()
+        run = status.from_redis(args.run_id, where, meta, state.counts(), state.final_counts(meta),
                                 rates.snapshot(state.r), sealed)
     else:
         key = report_keys(args.run_id)[0]
@@ -497,7 +498,8 @@ def cmd_test_send(args) -> int:
 
 
 @command("runs", "the runs in the store, newest first: date, accounts, delivered, failed, unconfirmed, bounced, "
-                 "paper notes owed, sealed or not (from storage alone)", STORE, arg("--json", action="store_true"))
+                 "rejected, paper notes owed, sealed or not, start, duration and state (running, finished, closing, "
+                 "sealed), from storage alone", STORE, arg("--json", action="store_true"))
 def cmd_runs(args) -> int:
     from pipeline.followup.runs import list_runs, table
     from pipeline.record.storage import open_store
@@ -665,12 +667,9 @@ def cmd_demo(args) -> int:
 
             summary["bounces"] = collect(settings, summary["run_id"], [str(work / "bounces")])
             # the headline after the bounces: a bounced note is not delivered, and is owed on paper
-            statuses = RunState(settings.redis_url, summary["run_id"]).statuses()
-            summary.update(delivered=statuses.get("delivered", 0), bounced=statuses.get("bounced", 0),
-                           deferred=statuses.get("deferred", 0),
-                           paper_owed=statuses.get("bounced", 0) + statuses.get("physical", 0))
+            summary.update(RunState(settings.redis_url, summary["run_id"]).final_counts())
         print(json.dumps(summary), file=args.stdout)
-        settled = summary["delivered"] + summary.get("deferred", 0) + summary.get("paper_owed", summary["physical"])
+        settled = sum(summary[s] for s in ("delivered", "deferred", "bounced", "physical"))
         return 0 if settled == summary["accounts"] else 1  # as `run`: each account delivered or sent to paper
     finally:
         if ray.is_initialized():

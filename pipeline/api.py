@@ -44,7 +44,7 @@ from pipeline.record import delivery_log, keys, rates, report
 from pipeline.record.records import FINAL_STATUSES, history
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
-from pipeline.record.statuses import final_status
+from pipeline.record.statuses import HEADLINE, final_status
 from pipeline.record.storage import StorageError, open_store
 from pipeline.settings import ROOT, Settings
 
@@ -291,8 +291,8 @@ class StoredRuns:
     def listed(self, limit: int) -> list[dict]:
         if time.monotonic() - self.at > self.LIST_EVERY_S:
             self.rows, self.at = list_runs(open_store(self.settings.store_url)), time.monotonic()
-        return [{"run_id": r["run_id"], "date": r["date"], "accounts": r["accounts"] or 0, "source": "storage"}
-                for r in self.rows[:limit]]
+        return [{**{k: r[k] for k in HEADLINE}, "paper_owed": r["paper_owed"], "run_id": r["run_id"], "date": r["date"],
+                 "accounts": r["accounts"] or 0, "state": r["state"], "source": "storage"} for r in self.rows[:limit]]
 
     def report(self, run_id: str) -> dict | None:
         store = open_store(self.settings.store_url)
@@ -301,14 +301,14 @@ class StoredRuns:
 
 
 def report_summary(run_id: str, found: dict) -> dict:
-    """What summary() says of a live run, from its report: the counts by stage the report kept,
-    its rate, its times, the relays it mailed through (their rates were live state)."""
+    """What summary() says of a live run, from its report: its counts by final status (over the
+    counts by stage the report kept), its rate, its times, the relays it mailed through (their
+    rates were live state)."""
     finished = float(found.get("finished_at") or 0) or None
-    elapsed = float(found.get("elapsed_s") or 0)
-    return {"run_id": run_id, "date": found.get("trade_date"), "accounts": found.get("accounts", 0),
-            "counts": {**{s: 0 for s in ("validated", "rendered", "signed", "archived", "delivered", "failed")},
-                       **found.get("stage_counts", {})},
-            "started": finished - elapsed if finished else None, "finished": finished,
+    final = report.final_counts(found)
+    return {"run_id": run_id, "date": found.get("trade_date"), **final, "accounts": found.get("accounts", 0),
+            "counts": _headline_counts(found.get("stage_counts", {}), final),
+            "started": report.started_at(found) if finished else None, "finished": finished,
             "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
             "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage"}
 
@@ -332,16 +332,25 @@ def api_reference(schema: dict) -> str:
             + "".join(rows) + "</table></body></html>")
 
 
+def _headline_counts(stages: dict, final: dict) -> dict:
+    """The page's bars: the stages reached as progress, and delivered, failed and the rest as
+    the run's final statuses (a bounced mail reached the relay: it is not delivered)."""
+    return {**{s: 0 for s in ("validated", "rendered", "signed", "archived")}, **stages,
+            **{k: final[k] for k in HEADLINE}}
+
+
 def summary(state: RunState) -> dict:
-    """Counters by stage, rate and ETA: O(1) reads, whatever the size of the run."""
+    """Counters by stage, counts by final status, rate and ETA: O(1) reads, whatever the size of the run."""
     meta, counts = state.meta(), state.counts()
+    final = state.final_counts(meta)
     accounts = int(meta.get("accounts") or 0)
     started, finished = float(meta.get("started") or 0), meta.get("finished") or ""
     done = counts["delivered"] + counts["failed"]
     elapsed = (float(finished) if finished else time.time()) - started if started else 0.0
     rate = counts["delivered"] / elapsed if elapsed > 0 else 0.0
     eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
-    return {"run_id": state.run_id, "date": meta.get("date"), "accounts": accounts, "counts": counts,
+    return {"run_id": state.run_id, "date": meta.get("date"), **final, "accounts": accounts,
+            "counts": _headline_counts(counts, final),
             "started": started, "finished": float(finished) if finished else None,
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
             "relay": meta.get("relays", ""), "notes_per_s": round(rate, 2),

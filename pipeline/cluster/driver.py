@@ -301,23 +301,22 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     elapsed = finished - started
     state.update_meta(finished=finished)
     state.keep()
-    counts = state.counts()
+    meta = state.meta()
     worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
     summary = {
         "run_id": run_id,
         "trade_date": req.trade_date,
         "input": req.input_url,
         "accounts": split.accounts + split.rejected,
-        "delivered": counts["delivered"],
+        **state.final_counts(meta),  # accounts, delivered ... paper_owed: as every view of the run counts them
         "delivered_now": tally["statuses"].get("ok", 0),
-        "failed": counts["failed"] - split.rejected,  # the failed registry holds the rejected accounts too
-        "unconfirmed": counts["unconfirmed"],
-        "rejected": split.rejected,
+        "physical_now": tally["statuses"].get("physical", 0),
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
-        "physical": tally["statuses"].get("physical", 0),
+        "started_at": float(meta.get("started") or started),  # the run's first start, a rerun's too
+        "last_started_at": float(meta.get("last_started") or started),  # this driver's: a rerun's own start
         "finished_at": finished,  # the bounce window runs from here
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(elapsed, 3),  # this driver's time
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": signers.peak, "mailers": mailers.peak},
@@ -405,17 +404,19 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
                        + (f" (client codes are upper-case: {_named(cased)})" if cased else ""))
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
-        counts = state.counts()
-        summary = {"run_id": run_id, "accounts": 0, "delivered": counts["delivered"], "delivered_now": 0,
-                   "failed": counts["failed"], "unconfirmed": counts["unconfirmed"], "elapsed_s": 0.0,
-                   "notes_per_s": 0.0}
+        summary = {"run_id": run_id, **state.final_counts(meta), "accounts": 0, "delivered_now": 0,
+                   "elapsed_s": 0.0, "notes_per_s": 0.0}
     else:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
                                                              for u in relays.split(",") if u.strip()]):
             log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
                           lease=lease, address=address)
-    summary.update(rerun_accounts=sorted(only), rerun_outcomes=_ended(state, only), relays=relays,
+    ended, now = _ended(state, only), state.final_counts()
+    if summary.get("report") and any(summary.get(k) != v for k, v in now.items()):  # _ended failed some: said again
+        report.rewrite(run.store, state, run_id, settings.paper_due_days)
+        summary.update(now)
+    summary.update(rerun_accounts=sorted(only), rerun_outcomes=ended, relays=relays,
                    not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
     return summary
 

@@ -126,8 +126,8 @@ def _report_level(store, state: RunState, run_id: str, due_days: int) -> None:
     json_key = keys.report_keys(run_id)[0]
     if not store.exists(json_key) or state.meta().get("closed_at"):
         return
-    counts, said = state.counts(), read_json(store, json_key)
-    if (said.get("bounced", 0), said.get("deferred", 0)) != (counts.get("bounced", 0), counts.get("deferred", 0)):
+    counts, said = state.final_counts(), read_json(store, json_key)
+    if (said.get("bounced", 0), said.get("deferred", 0)) != (counts["bounced"], counts["deferred"]):
         report.rewrite(store, state, run_id, due_days)
 
 

@@ -1,14 +1,19 @@
 """`runs`: the runs a store holds, newest first, each in one line: what an operator looks at
 before anything else (as `ray job list` or Airflow's grid). Read from storage alone, so it
 answers after the cluster and its Redis are gone: a run with a manifest and no report yet is
-running, or stopped before its end (`status RUN` says which, while Redis has it)."""
+running, or stopped before its end (`status RUN` says which, while Redis has it). Its counts
+are its report's, through report.final_counts: the numbers `status` and the live page show."""
 
 from __future__ import annotations
 
-from pipeline.record import keys
+from pipeline.followup.status import sealed
+from pipeline.record import keys, report as reports
+from pipeline.record.statuses import phase
 from pipeline.record.storage import Store, StorageError, read_json
 
 MANIFEST = ".manifest.json"
+HEAD = ("run", "date", "accounts", "delivered", "failed", "unconfirmed", "bounced", "rejected", "paper", "start",
+        "duration", "state", "sealed")
 
 
 def list_runs(store: Store) -> list[dict]:
@@ -23,19 +28,28 @@ def _row(store: Store, run_id: str) -> dict:
         report = read_json(store, json_key) if store.exists(json_key) else {}
     except StorageError as e:  # an edited report is named, not a reason to list nothing
         report = {"problem": str(e)}
-    statuses = report.get("statuses") or {}
-    return {"run_id": run_id, "date": report.get("trade_date") or run_id[:10], "accounts": report.get("accounts"),
-            "delivered": statuses.get("delivered", 0), "failed": statuses.get("failed", 0),
-            "unconfirmed": statuses.get("unconfirmed", 0), "bounced": statuses.get("bounced", 0),
-            "paper": statuses.get("physical", 0) + statuses.get("bounced", 0),
-            "sealed": store.exists(keys.proof_keys(run_id)[0]), "finished_at": report.get("finished_at"),
-            "state": report.get("problem") or ("finished" if report else "no report: running, or stopped")}
+    final = reports.final_counts(report)
+    started, finished, is_sealed = reports.started_at(report), report.get("finished_at"), sealed(store, run_id)
+    closed = bool((report.get("bounce_window") or {}).get("closed_at"))
+    return {"run_id": run_id, "date": report.get("trade_date") or run_id[:10], **final,
+            "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed,
+            "started_at": started, "finished_at": finished,
+            "duration_s": round(float(finished) - started, 3) if finished and started else None,
+            "state": report.get("problem") or phase(bool(finished), closed, is_sealed)}
 
 
 def table(rows: list[dict]) -> str:
-    head = ("run", "date", "accounts", "delivered", "failed", "unconfirmed", "bounced", "paper", "sealed")
     lines = [[r["run_id"], r["date"], str(r["accounts"] if r["accounts"] is not None else "-"), str(r["delivered"]),
-              str(r["failed"]), str(r["unconfirmed"]), str(r["bounced"]), str(r["paper"]),
-              "yes" if r["sealed"] else "no" if r["finished_at"] else r["state"]] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *lines)] if lines else [len(h) for h in head]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *lines])
+              str(r["failed"]), str(r["unconfirmed"]), str(r["bounced"]), str(r["rejected"]), str(r["paper"]),
+              reports.iso(r["started_at"]) if r["started_at"] else "-", _duration(r["duration_s"]),
+              r["state"], "yes" if r["sealed"] else "no"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(HEAD, *lines)] if lines else [len(h) for h in HEAD]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [HEAD, *lines])
+
+
+def _duration(seconds: float | None) -> str:
+    """From the run's first start to its last end (a rerun's), as 1h02m, 3m12s or 42s."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

@@ -8,56 +8,62 @@ from storage), for the scripts that read those.
 
 from __future__ import annotations
 
-from pipeline.record import report
+from pipeline.record import keys, report
+from pipeline.record.statuses import HEADLINE, phase
+from pipeline.record.storage import Store
 
-PAPER = ("physical", "bounced")  # the statuses whose note is owed on paper
+
+def sealed(store: Store, run_id: str) -> bool:
+    """Whether the run's record is sealed: the one question every view asks of it, here alone."""
+    return store.exists(keys.proof_keys(run_id)[0])
 
 
-def from_redis(run_id: str, where: dict, meta: dict, counts: dict, statuses: dict, relays: dict,
+def from_redis(run_id: str, where: dict, meta: dict, counts: dict, final: dict, relays: dict,
                sealed: bool) -> dict:
-    window = report.bounce_window(meta)
-    shape = _shape(run_id, "redis", where, meta.get("date", ""), meta.get("input", ""), statuses,
-                   counts.get("failed", 0), counts.get("unconfirmed", 0), meta.get("relays", ""),
-                   _iso(meta.get("started")), _iso(meta.get("finished")), window, sealed)
+    """`final`: RunState.final_counts(); `counts` the stage counters, as earlier releases printed them."""
+    shape = _shape(run_id, "redis", where, meta.get("date", ""), meta.get("input", ""), final, meta.get("relays", ""),
+                   _iso(meta.get("started")), _iso(meta.get("last_started")), _iso(meta.get("finished")),
+                   report.bounce_window(meta), sealed)
     return {**shape, "meta": meta, "counts": counts, "relays": relays}
 
 
 def from_report(run_id: str, where: dict, run_report: dict, sealed: bool) -> dict:
-    statuses = run_report.get("statuses", {})
-    shape = _shape(run_id, "storage", where, run_report.get("trade_date", ""), run_report.get("input", ""), statuses,
-                   statuses.get("failed", 0), statuses.get("unconfirmed", 0), run_report.get("relays", ""),
-                   _iso(_started(run_report)), _iso(run_report.get("finished_at")),
+    shape = _shape(run_id, "storage", where, run_report.get("trade_date", ""), run_report.get("input", ""),
+                   report.final_counts(run_report), run_report.get("relays", ""), _iso(report.started_at(run_report)),
+                   _iso(run_report.get("last_started_at")), _iso(run_report.get("finished_at")),
                    run_report.get("bounce_window", {}), sealed)
     return {**shape, "relays": {}, "report": run_report}
 
 
-def _shape(run_id: str, source: str, where: dict, trade_date: str, input_url: str, statuses: dict, failed: int,
-           unconfirmed: int, relay: str, started: str, finished: str, window: dict, sealed: bool) -> dict:
-    statuses = {k: int(v) for k, v in sorted(statuses.items()) if int(v)}
+def _shape(run_id: str, source: str, where: dict, trade_date: str, input_url: str, final: dict, relay: str,
+           started: str, last_started: str, finished: str, window: dict, sealed: bool) -> dict:
+    statuses = {k: final[k] for k in sorted(HEADLINE) if final[k]}
     shape = {"run_id": run_id, "source": source, **where, "trade_date": trade_date, "input": input_url,
-             "accounts": sum(statuses.values()), "statuses": statuses, "failed": failed, "unconfirmed": unconfirmed,
-             "bounced": statuses.get("bounced", 0), "paper_owed": sum(statuses.get(s, 0) for s in PAPER),
-             "relay": relay, "started_at": started, "finished_at": finished, "bounce_window": window,
-             "sealed": sealed}
+             **final, "statuses": statuses, "relay": relay, "started_at": started, "last_started_at": last_started,
+             "finished_at": finished, "bounce_window": window, "sealed": sealed,
+             "state": phase(bool(finished), bool(window.get("closed_at")), sealed)}
     return {**shape, "next": next_step(shape)}
 
 
 def next_step(run: dict) -> str:
-    """What the operator does next, in the order it matters: a failure first, the seal last."""
+    """What the operator does next, in the order it matters: a failure first, the seal last; only
+    commands that change something (a closed run mails and settles nothing more: no rerun, no
+    reconcile; a rejected account is rerun by correcting its input, not by `rerun`)."""
     rid, window = run["run_id"], run["bounce_window"]
     steps = []
     if not run["finished_at"]:
         return "wait: the run has not finished (its driver runs, or was lost: `runs`, then `run --run-id` resumes it)"
-    if run["failed"]:
+    closed = bool(window.get("closed_at"))
+    if run["failed"] and not closed:
         steps.append(f"rerun {rid} --failed ({run['failed']} failed)")
-    if run["unconfirmed"]:
+    if run["unconfirmed"] and not closed:
         steps.append(f"reconcile {rid} --relay-log FILE, then rerun {rid} --unconfirmed ({run['unconfirmed']} "
                      "unconfirmed)")
     if run["paper_owed"]:
         steps.append(f"post {run['paper_owed']} paper notes (reports/{rid}.paper.csv)")
     if run["sealed"]:
         steps.append(f"verify {rid} (sealed)")
-    elif window.get("closed_at"):
+    elif closed:
         steps.append(f"close {rid} again: its close began and did not seal")
     elif window.get("closes_at"):
         steps.append(f"bounces {rid} ... until {window['closes_at']}, then close {rid}")
@@ -69,10 +75,16 @@ def table(run: dict) -> str:
             ("trade date", run["trade_date"]), ("accounts", str(run["accounts"])),
             ("statuses", ", ".join(f"{k} {v}" for k, v in run["statuses"].items()) or "none yet"),
             ("paper owed", str(run["paper_owed"])), ("relay", run["relay"] or "-"),
-            ("started", run["started_at"] or "-"), ("finished", run["finished_at"] or "-"),
+            ("state", run["state"]), ("started", _started(run)), ("finished", run["finished_at"] or "-"),
             ("bounce window", _window(run["bounce_window"], run["sealed"])), ("next", run["next"] or "nothing")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _started(run: dict) -> str:
+    """The run's first start, and a rerun's when there was one: the run's time is not the rerun's."""
+    first, last = run["started_at"] or "-", run["last_started_at"]
+    return f"{first} (last rerun {last})" if last and last != run["started_at"] else first
 
 
 def _window(window: dict, sealed: bool) -> str:
@@ -81,13 +93,6 @@ def _window(window: dict, sealed: bool) -> str:
     if window.get("closed_at"):
         return f"closed {window['closed_at']}, not sealed"
     return f"open until {window['closes_at']}" if window.get("closes_at") else window.get("state", "-")
-
-
-def _started(run_report: dict):
-    try:
-        return float(run_report["finished_at"]) - float(run_report["elapsed_s"])
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _iso(epoch) -> str:

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import redis
 
 from pipeline.record import keys
-from pipeline.record.statuses import final_status
+from pipeline.record.statuses import PAPER_REPLY, final_status
 
 STAGES = ("validated", "rendered", "signed", "archived", "delivered")
 FINAL_STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
@@ -54,6 +54,7 @@ def rank(stage: str) -> int:
 # Each account's final status (final_status below) is counted too, in the counts hash as
 # st:{status}, moved from the old status to the new one by the call that changes it: the
 # statuses add up to the run's accounts after any mix of restore, rerun, reconcile, bounces.
+# So is the count of the accounts owed a paper note (statuses.owes_paper), as PAPER_OWED.
 _FINAL = """
 local function final(rec)
   if (rec['r'] or 0) >= 5 then
@@ -63,12 +64,18 @@ local function final(rec)
   local named = {u = 'unconfirmed', f = 'failed', r = 'rejected', p = 'physical'}
   return named[rec['s'] or 'k'] or 'pending'
 end
-local function moved(counts, before, after)
+local function owes(rec, status)
+  return status == 'physical' or status == 'bounced'
+    or (status == 'failed' and string.find(rec['e'] or '', 'PAPER_REPLY', 1, true) ~= nil)
+end
+local function moved(counts, before, after, owed_before, owed_after)
+  if owed_before ~= owed_after then redis.call('HINCRBY', counts, 'paper:owed', owed_after and 1 or -1) end
   if before == after then return end
   if before then redis.call('HINCRBY', counts, 'st:' .. before, -1) end
   redis.call('HINCRBY', counts, 'st:' .. after, 1)
 end
 """
+_FINAL = _FINAL.replace("PAPER_REPLY", PAPER_REPLY)  # the Lua twin of statuses.owes_paper
 RECORD_FN = _FINAL + """
 local function record(K, now, ttl, A, first)
 if #A < first then return end
@@ -78,10 +85,11 @@ for i = first, #A, 5 do
   local rec = cjson.decode(A[i + 1])
   local g = rec['g']
   rec['g'] = nil
-  local prev_rank, h, n, before = 0, nil, 0, nil
+  local prev_rank, h, n, before, owed = 0, nil, 0, nil, false
   if prev then
     local p = cjson.decode(prev)
     before = final(p)
+    owed = owes(p, before)
     prev_rank, h, n = p['r'] or p['rank'] or 0, p['h'], p['n'] or p['attempts'] or 0
     rec['m'], rec['p'], rec['b'] = rec['m'] or p['m'], rec['p'] or p['p'], p['b']
     if type(p['x']) == 'table' and p['x']['possible_duplicate'] then
@@ -98,7 +106,8 @@ for i = first, #A, 5 do
   if rec['n'] == 0 then rec['n'] = nil end
   if prev_rank > rec['r'] then rec['r'] = prev_rank end
   redis.call('HSET', K[1], ucc, cjson.encode(rec))
-  moved(K[2], before, final(rec))
+  local after = final(rec)
+  moved(K[2], before, after, owed, owes(rec, after))
   if tonumber(A[i + 2]) > prev_rank then redis.call('HINCRBY', K[2], A[i + 3], 1) end
   local registry = A[i + 4]
   if registry == 'f' then redis.call('ZADD', K[3], now, ucc) else redis.call('ZREM', K[3], ucc) end
@@ -123,9 +132,11 @@ for i = 2, #ARGV, 5 do
     elseif old == 'b' or old == ARGV[i + 1] then table.insert(out, 0)
     else
       local before = final(rec)
+      local owed = owes(rec, before)
       rec['b'] = {ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])}
       redis.call('HSET', KEYS[1], ARGV[i], cjson.encode(rec))
-      moved(KEYS[2], before, final(rec))
+      local after = final(rec)
+      moved(KEYS[2], before, after, owed, owes(rec, after))
       if old then redis.call('HINCRBY', KEYS[2], old == 'b' and 'bounced' or 'deferred', -1) end
       redis.call('HINCRBY', KEYS[2], ARGV[i + 1] == 'b' and 'bounced' or 'deferred', 1)
       table.insert(out, 1)
@@ -136,6 +147,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return out
 """
+PAPER_OWED = "paper:owed"  # the counts hash's field of the accounts owed paper (owes() above)
 RECORD_BATCH = 500  # accounts a call: a script blocks Redis while it runs, a few ms at most
 STATUS_CODES = {"failed": "f", "rejected": "r", "physical": "p", "skipped": "s", "unconfirmed": "u", "ok": "k"}
 _STATUSES = {c: s for s, c in STATUS_CODES.items()}
@@ -240,6 +252,10 @@ class Records:
         found.update({k[3:]: int(v) for k, v in self.r.hgetall(keys.run_counts(self.run_id)).items()
                       if k.startswith("st:")})
         return found
+
+    def paper_owed(self) -> int:
+        """How many accounts are owed a paper note (statuses.owes_paper), kept as statuses() is."""
+        return int(self.r.hget(keys.run_counts(self.run_id), PAPER_OWED) or 0)
 
     def accounts(self, uccs: list[str]) -> dict[str, dict]:
         if not uccs:

@@ -20,7 +20,7 @@ import tempfile
 from typing import TYPE_CHECKING, Iterator
 
 from pipeline.record import keys
-from pipeline.record.statuses import final_status
+from pipeline.record.statuses import final_status, headline, owes_paper
 from pipeline.record.storage import StorageError, Store, read_json
 
 if TYPE_CHECKING:  # the report's writers hold one; `verify`, which reads it, loads no Redis client
@@ -58,23 +58,39 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
               "physical_dispatch": tally["physical_dispatch"], "physical_dispatch_count": tally["paper_owed"],
               "paper_list": paper_key(run_id),
               "bounce_window": bounce_window(meta), "input_errors": input_errors}
+    report.update(final_counts(report))  # the headline from the accounts just written, whatever the summary said
     store.put(json_key, json.dumps(report, indent=2, default=str).encode())
     return json_key
 
 
 def rewrite(store: Store, state: RunState, run_id: str, due_days: int = 1) -> None:
     """The report again, after the run (reconcile, bounces, close): the run's totals as it
-    wrote them, the counts from Redis now."""
+    wrote them, its counts from its accounts now (write)."""
     json_key, _ = keys.report_keys(run_id)
     if not store.exists(json_key):
         return
     previous = read_json(store, json_key)
-    counts = state.counts()
     summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
                                                              "physical_dispatch_count", "input_errors", "bounce_window", "paper_list")}
-    summary.update(delivered=counts["delivered"], unconfirmed=counts["unconfirmed"],
-                   bounced=counts.get("bounced", 0), deferred=counts.get("deferred", 0))
     write(store, state, run_id, summary, previous.get("input_errors", []), due_days)
+
+
+def final_counts(report: dict) -> dict[str, int]:
+    """A report's counts by final status and its paper owed: statuses.headline over the tally
+    the report wrote, as the live views count Redis's (RunState.final_counts)."""
+    window = report.get("bounce_window") or {}
+    return headline(report.get("statuses") or {}, bool(window.get("closed_at")),
+                    report.get("physical_dispatch_count", 0), report.get("accounts") or 0)
+
+
+def started_at(report: dict) -> float | None:
+    """When the run first started (a rerun's report keeps it); a report from before that field,
+    its end less its duration (the last rerun's, if any)."""
+    try:
+        return float(report["started_at"]) if report.get("started_at") else \
+            float(report["finished_at"]) - float(report["elapsed_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def bounce_window(meta: dict) -> dict:
@@ -104,11 +120,11 @@ def csv_chunks(state: RunState, tally: dict | None = None, trade_date: str = "",
     if papers:
         papers.writeheader()
     for n, rec in enumerate(state.all_accounts(), 1):
-        status = final_status(rec)
+        status = final_status(rec, closed)
         bounce = rec.get("bounce") or {}
-        if closed and status in ("delivered", "deferred"):  # no permanent bounce within the window: final
-            status, rec = "delivered", {**rec, "reason": final}
-        needs_paper = status in ("physical", "bounced") or (status == "failed" and "smtp permanent" in rec.get("reason", ""))
+        if closed and status == "delivered":  # no permanent bounce within the window: final
+            rec = {**rec, "reason": final}
+        needs_paper = owes_paper(status, rec.get("reason", ""))
         known = _day(bounce["at"]) if status == "bounced" else trade_date
         due = _days_after(known, due_days) if needs_paper and known else ""
         if tally is not None:
