@@ -331,7 +331,6 @@ def test_a_secret_field_of_the_wrong_type_stops_the_run_naming_the_field_never_i
 
 def test_a_rerun_of_100000_named_accounts_goes_through_the_api_and_one_more_is_422(
         ray_session, redis_url, tmp_path, monkeypatch):
-    import json
     import time
 
     from fastapi.testclient import TestClient
