@@ -43,10 +43,16 @@ def one_of(*arguments, required: bool = True) -> tuple:
     return "one_of", {"arguments": arguments, "required": required}
 
 
+# The commands whose INFO lines are their progress, shown by default; the others say only their
+# result, or one line of error, unless --verbose
+PROGRESS = {"run", "rerun", "demo", "serve", "tls", "watch", "test-send"}
+
+
 def main(argv: list[str] | None = None, stdout=None) -> int:
     args = _parser().parse_args(argv)
     args.stdout = stdout or sys.stdout
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = logging.INFO if args.verbose or args.command in PROGRESS else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("pikepdf", "botocore"):  # "logger bridge initialized", "Found credentials": no news to anyone
         logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
@@ -67,8 +73,15 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
         return 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument is one line, as every error here: argparse's usage block is --help's."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=(
+    p = _Parser(prog="python -m pipeline", description=(
         "Contract notes on Ray: trade dumps in, signed and e-mailed contract notes out. "
         "Settings come from environment variables (CN_STORE, REDIS_URL, SMTP_URL, CN_SHARD_SIZE, "
         "CN_WINDOW, CN_SIGNERS, CN_MAILERS, CN_SIGNER_KEY, CN_SIGNER_CERT, CN_OWNER_PASSWORD, ...; "
@@ -78,9 +91,12 @@ def _parser() -> argparse.ArgumentParser:
                "not start (input, storage, Redis, settings or calendar) or had to stop (Redis lost the run's "
                "state): one line on stderr, 'error: ...'.")
     p.add_argument("--version", action=_Version, nargs=0, help="print the release and commit, then exit")
-    sub = p.add_subparsers(required=True, metavar="COMMAND")
+    verbose = _Parser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true",
+                         help="the INFO lines too (run, rerun, demo, serve, tls, watch and test-send show them anyway)")
+    sub = p.add_subparsers(required=True, metavar="COMMAND", dest="command")
     for name, help, arguments, func in COMMANDS:
-        c = sub.add_parser(name, help=help)
+        c = sub.add_parser(name, help=help, parents=[verbose])
         for flags, options in arguments:
             if flags == "one_of":
                 group = c.add_mutually_exclusive_group(required=options["required"])
@@ -324,9 +340,11 @@ def cmd_rerun(args) -> int:
 
 
 def _not_found(args, e: Exception) -> int:
-    """One line on stderr, as every exit 2; the JSON on stdout that tools read."""
+    """One line on stderr, as every exit 2; with --json, the same as JSON on stdout, for the tools
+    that read it."""
     print(f"error: {e}", file=sys.stderr)
-    print(json.dumps({"error": str(e)}), file=args.stdout)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": str(e)}), file=args.stdout)
     return 2
 
 
