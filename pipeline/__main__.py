@@ -522,7 +522,12 @@ def cmd_runs(args) -> int:
     from pipeline.followup.runs import list_runs, table
     from pipeline.record.storage import open_store
 
-    rows = list_runs(open_store(args.store or Settings.from_env().store_url, probe=True))
+    url = args.store or Settings.from_env().store_url
+    if "://" not in url and not Path(url).is_dir():
+        raise ConfigError(f"no store at {url}: no such folder (CN_STORE, or --store)")
+    rows = list_runs(open_store(url, probe=True))
+    if not rows:
+        raise ConfigError(f"no runs in {url}: it holds no run's manifest or report")
     print(json.dumps(rows) if args.json else table(rows), file=args.stdout)
     return 0
 

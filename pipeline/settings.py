@@ -183,7 +183,23 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values.get("tls_dir") and values.get("redis_url"):
             values["redis_url"] = with_tls_files(values["redis_url"], values["tls_dir"])
-        return cls(**values)
+        made = cls(**values)
+        made.check_urls()
+        return made
+
+    def check_urls(self) -> None:
+        """A malformed URL setting is one line naming it, before anything connects (a Redis URL
+        without its scheme was a 33-line traceback from the client library)."""
+        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"REDIS_URL: {_without_password(self.redis_url)!r} is not a Redis URL "
+                              "(redis://host:port/db, rediss://... or unix://...)")
+        scheme = self.store_url.split(":", 1)[0] if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", self.store_url) else ""
+        if scheme and (scheme != "s3" or not self.store_url.startswith("s3://")):
+            raise ConfigError(f"CN_STORE: {self.store_url!r} is neither a folder nor s3://bucket[/prefix]")
+        try:
+            self.smtp()
+        except ConfigError as e:
+            raise ConfigError(f"SMTP_URL: {e}") from None
 
     def smtp(self) -> list[SmtpTarget]:
         """SMTP_URL may list several relays, comma-separated; mail is spread across them."""
@@ -371,6 +387,11 @@ def _coerce(kind: str, raw: str, name: str):
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
     return raw
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    return url.replace(f":{parts.password}@", ":***@", 1) if parts.password else url
 
 
 def parse_smtp_url(url: str) -> SmtpTarget:

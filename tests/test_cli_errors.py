@@ -22,6 +22,7 @@ def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args", [
     ("status", "no-such-run"), ("verify", "no-such-run"), ("bounces", "no-such-run", "--maildir", "/nonexistent"),
     ("plan", "--accounts", "-5"), ("status", "bad id!"), ("rerun", "x", "--accounts", ""),
+    ("runs", "--store", "/nonexistent"), ("runs",),
 ])
 def test_a_wrong_input_is_one_line_on_stderr_and_nothing_else(args, tmp_path):
     done = cli(*args, REDIS_URL="redis://127.0.0.1:1/0", CN_STORE=str(tmp_path / "store"))
@@ -37,3 +38,10 @@ def test_verbose_brings_the_info_lines_back(tmp_path):
 def test_help_still_shows_the_usage(tmp_path):
     done = cli("status", "--help")
     assert done.returncode == 0 and (done.stdout + done.stderr).startswith("usage: ")
+
+
+@pytest.mark.parametrize("name, value", [("REDIS_URL", "redis//x"), ("CN_STORE", "s3:/x"), ("SMTP_URL", "smtpx://a")])
+def test_a_malformed_url_setting_is_one_line_naming_it(name, value, tmp_path):
+    done = cli("status", "some-run", **{"REDIS_URL": "redis://127.0.0.1:1/0", "CN_STORE": str(tmp_path), name: value})
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {name}: ") and len(done.stderr.splitlines()) == 1, \
+        done.stderr
