@@ -519,3 +519,24 @@ def test_a_mailing_whose_claims_are_refused_logs_them_not_sent_so_a_resumed_run_
     state.start({})
     assert restore_from_log(store, state, run_id, 0, {"A1"}) == 0
     assert state.accounts(["A1"]) == {} and state.claimed(["A1"]) == set()
+
+
+@pytest.mark.parametrize("date, said", [
+    ("2026-11-22", "error: --date 2026-11-22: no exchange traded that day (2026-11-22 is not a NSE trading day "
+                   "(weekend)"),
+    ("2026-11-19", "error: trades.csv: no trade in its first and last rows is dated 2026-11-19 (they are dated "
+                   f"{DATE}): is the run's date right?"),
+])
+def test_a_run_date_without_a_session_or_without_a_trade_is_refused_before_anything_starts(date, said, tmp_path,
+                                                                                          redis_url):
+    """Before: `run --date` a Sunday, on a Friday's dumps, started Ray and rejected every account
+    one by one (exit 1). Now one line, exit 2, before Ray: nothing is written for the run."""
+    folder = write_day(tmp_path / "in")
+    env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "RAY_ADDRESS": "",
+           "CN_OWNER_PASSWORD": "an-owner-secret"}
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", date, "--input", str(folder)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(said), errors
+    assert "Traceback" not in done.stderr and "Ray" not in done.stderr

@@ -365,7 +365,9 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     if run_id:
         check_create_only(store, keys.create_only_check_key(run_id))
     if not run_id or load_manifest(store, run_id) is None:
-        check_inputs(open_store(req.input_url))
+        if closed := trading_calendar.no_session(req.trade_date, settings.holidays_file):
+            raise ConfigError(f"--date {req.trade_date}: no exchange traded that day ({closed})")
+        check_inputs(open_store(req.input_url), req.trade_date)
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
     return credentials.read(settings)
 

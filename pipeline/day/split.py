@@ -19,7 +19,7 @@ import io
 import json
 import math
 import operator
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Container
 
@@ -281,10 +281,29 @@ def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
                        input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
 
 
-def check_inputs(inputs: Store) -> None:
-    """Before anything starts: both dumps are there and have every column (InputError if not)."""
+def check_inputs(inputs: Store, trade_date: str = "") -> None:
+    """Before anything starts: both dumps are there and have every column, and the trades are
+    the run's day (InputError if not)."""
     for name, fields in DUMPS.items():
-        _columns(inputs, name, fields)
+        columns = _columns(inputs, name, fields)
+    if trade_date:
+        _dated(inputs, "trades.csv", columns[fields.index("trade_date")], trade_date)
+
+
+def _dated(inputs: Store, name: str, column: int, trade_date: str, sample: int = 256 * 1024) -> None:
+    """The first and last rows of `name` (a sample of each end: the file may be GBs) carry
+    `trade_date`, or at least one of them does; a date none of them carries is a mistyped --date,
+    refused in one line rather than every account rejected one by one."""
+    size = inputs.size(name)
+    rows = inputs.read_range(name, 0, min(size, sample)).decode("utf-8", "replace").split("\n")[1:]  # past the header
+    if size > sample:  # the head's cut last line, the tail's cut first one
+        rows = rows[:-1] + inputs.read_range(name, max(sample, size - sample), size).decode(
+            "utf-8", "replace").split("\n")[1:]
+    dates = Counter(row[column] for row in csv.reader(r for r in rows if r.strip()) if len(row) > column)
+    if dates and trade_date not in dates:
+        seen = ", ".join(d for d, _ in dates.most_common(3))
+        raise InputError(f"{name}: no trade in its first and last rows is dated {trade_date} (they are dated "
+                         f"{seen}): is the run's date right?")
 
 
 def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:

@@ -78,6 +78,16 @@ def _load(base: str, override: str) -> Calendar:
     return Calendar(years)
 
 
+def no_session(trade_date: str, path: str = "") -> str | None:
+    """Why no exchange traded on `trade_date` (no regular day, no special session on any), or
+    None: a day refused before anything starts, not one whose every account is rejected."""
+    cal, day = load(path), dt.date.fromisoformat(trade_date)
+    said = [cal.trade_date_warning(ex, day) for ex in EXCHANGES]
+    if all(w and w.endswith("no special session is listed") for w in said):
+        return "; ".join(said)
+    return None
+
+
 def settlement_dates(trade_date: str, path: str = "") -> dict[str, str]:
     """Each exchange's settlement date for the day's trades (ISO dates)."""
     cal, day = load(path), dt.date.fromisoformat(trade_date)
