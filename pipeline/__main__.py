@@ -153,6 +153,16 @@ def _positive(text: str) -> int:
     return n
 
 
+def _window_h(text: str) -> float:
+    try:
+        hours = float(text)
+    except ValueError:
+        hours = -1.0
+    if not 0 <= hours <= 720:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of hours from 0 to 720")
+    return hours
+
+
 def _accounts(text: str) -> list[str]:
     """Comma-separated codes, or "-": the codes on standard input, one a line or comma-separated."""
     if text == "-":
@@ -505,11 +515,12 @@ def cmd_watch(args) -> int:
                       "name, outside any run: the template, key, owner password and relay proved before a day",
          arg("--to", required=True, help="the address that gets the note"),
          arg("--date", type=_date, default=dt.date(2026, 11, 20), help="the note's trade date (a trading day)"),
-         arg("--input", default="", help="a day's input folder or s3:// prefix: its first client, not a synthetic one"))
+         arg("--input", default="", help="a day's input folder or s3:// prefix: its first client, not a synthetic one"),
+         arg("--smtp", help="the relay, smtp[s]://[user:pass@]host:port (default: SMTP_URL)"))
 def cmd_test_send(args) -> int:
     from pipeline.cluster.test_send import test_send
 
-    settings = _on_redis(Settings.from_env())
+    settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
     sent = test_send(settings, args.to, args.date.isoformat(), args.input)
     print(json.dumps(sent), file=args.stdout)
     return 0 if sent["status"] == "delivered" else 1
@@ -649,7 +660,7 @@ def cmd_serve(args) -> int:
                   "VERP addresses, and the demo reads them back with `bounces`"),
          arg("--file-key", action="store_true",
              help="sign with a test key file instead of the key on a SoftHSM2 token the demo makes"),
-         arg("--bounce-window-h", type=float, metavar="H",
+         arg("--bounce-window-h", type=_window_h, metavar="H",
              help="the demo's run records a bounce window of H hours, 0 included: `close` seals it at once "
                   "(a real run's is CN_BOUNCE_WINDOW_H, 1 to 720 h)"),
          arg("--services", action="store_true",
@@ -674,16 +685,16 @@ def cmd_demo(args) -> int:
                                         embedded.sink_args(work, args.bounce_rate)))
         # unless one is set, a fresh owner password: the placeholder is public
         owner = None if os.environ.get("CN_OWNER_PASSWORD") else secrets.token_urlsafe(24)
+        key = _demo_key(work, args.file_key)
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
                                      smtp_url=services[1].url, token_key_file=str(work / "keys" / "token.key"),
-                                     owner_password=owner, **_demo_key(work, args.file_key))
-        if args.bounce_window_h is not None:
-            if args.bounce_window_h < 0:
-                raise ConfigError(f"--bounce-window-h {args.bounce_window_h:g}: a window is 0 hours or more")
-            settings = dataclasses.replace(settings, bounce_window_h=args.bounce_window_h)
-        summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input")))  # Ray starts in it
+                                     owner_password=owner, **key)
+        summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input"),  # Ray starts in it
+                                               bounce_window_h=args.bounce_window_h))
         summary["outbox"] = str(work / "outbox")
-        embedded.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner)
+        named = {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
+        embedded.write_env(work, summary["run_id"], services[0].url, services[1].url, args.bounce_rate, owner,
+                           {named[k]: str(v) for k, v in key.items()} | {named["token_key_file"]: settings.token_key_file})
         if args.bounce_rate:
             from pipeline.followup.bounces import collect
             from pipeline.record.state import RunState

@@ -116,12 +116,15 @@ def sink_args(work: Path, bounce_rate: float) -> list[str]:
 
 
 def write_env(work: Path, run_id: str, redis_url: str, smtp_url: str, bounce_rate: float,
-              owner_password: str | None) -> None:
+              owner_password: str | None, signing: dict[str, str] | None = None) -> None:
     """DIR/env.sh for `source`, and DIR/services.json for `demo --services`. A generated owner
-    password is kept beside the demo's other keys (0600), never in env.sh's text."""
+    password is kept beside the demo's other keys (0600), never in env.sh's text. `signing`: the
+    variables that name the demo's key (its token's, or its files), so that a follow-up that signs
+    (test-send, a rerun) signs as the demo did, with env.sh alone."""
     lines = [f"# the demo's settings for the commands after it (README, 'After the demo'): source {work / 'env.sh'}",
              f"export RUN_ID={shlex.quote(run_id)}", f"export CN_STORE={shlex.quote(str(work / 'store'))}",
-             f"export REDIS_URL={shlex.quote(redis_url)}"]
+             f"export REDIS_URL={shlex.quote(redis_url)}", f"export SMTP_URL={shlex.quote(smtp_url)}"]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted((signing or {}).items())]
     if os.environ.get("SOFTHSM2_CONF"):  # the demo's token (made in DIR/hsm)
         lines.append(f"export SOFTHSM2_CONF={shlex.quote(os.environ['SOFTHSM2_CONF'])}")
     if owner_password:

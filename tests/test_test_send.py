@@ -33,3 +33,36 @@ def test_a_test_send_mails_one_signed_note_to_the_address_named_and_leaves_no_ru
     assert set(r.zrange("cn:runs", 0, -1)) == runs_before and not list(r.scan_iter("cn:run:test-send-*"))
     assert not (tmp_path / "store").exists(), "nothing in the broker's record"
     assert main(["test-send", "--to", "not an address"]) == 2
+
+
+def test_a_relay_that_refuses_or_never_greets_is_said_in_one_line_within_ten_seconds(settings, monkeypatch, capsys):
+    """Before: with nothing listening it hung for the relay's patience (10 minutes), and there was
+    no --smtp. Now --smtp names the relay, and a refusal or a silent relay is one line, exit 2."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.embedded import free_port
+    from pipeline.settings import ROOT
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # takes the connection, never greets
+    env = {"REDIS_URL": settings.redis_url, "CN_STORE": settings.store_url, "CN_SIGNER_KEY": settings.signer_key,
+           "CN_SIGNER_CERT": settings.signer_cert, "CN_SIGNER_CHAIN": settings.signer_chain,
+           "CN_OWNER_PASSWORD": settings.owner_password, "CN_TOKEN_KEY_FILE": settings.token_key_file,
+           "PATH": "/usr/bin:/bin"}
+    try:
+        for relay, said in ((f"smtp://127.0.0.1:{free_port()}", "refused"),
+                            (f"smtp://127.0.0.1:{silent.getsockname()[1]}", "did not answer within")):
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pipeline", "test-send", "--to", "ops@broker.example.com",
+                                   "--smtp", relay], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            took = time.monotonic() - started
+            assert done.returncode == 2 and took < 10, (took, done.stderr)
+            errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+            assert errors == [line for line in done.stderr.splitlines() if line.strip()], done.stderr
+            assert len(errors) == 1 and relay.split("?")[0] in errors[0] and said in errors[0], errors
+    finally:
+        silent.close()

@@ -79,6 +79,7 @@ class RunRequest:
     force: bool = False  # mail again even if the account was delivered
     resend_unconfirmed: bool = False  # mail unconfirmed accounts again, with the same Message-ID
     relays: str = ""  # mail through these (URLs without credentials; a rerun: its run's), not SMTP_URL's
+    bounce_window_h: float | None = None  # the demo's own window, 0 included; a real run's is CN_BOUNCE_WINDOW_H
 
 
 def new_run_id(trade_date: str) -> str:
@@ -248,7 +249,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
+                         "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
+                         req.bounce_window_h, **own, **record, "finished": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails

@@ -9,8 +9,10 @@ signed note is kept in a temporary folder, and the throwaway run's keys leave Re
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+import smtplib
 import tempfile
 import uuid
 from pathlib import Path
@@ -36,9 +38,20 @@ class NothingToSend(CannotRun, RuntimeError):
     """The input named no client whose note could be made."""
 
 
+class RelayUnreachable(CannotRun, ConnectionError):
+    """The relay refused, or did not greet within ANSWER_S: said at once, not after the day's patience."""
+
+
+ANSWER_S = 8.0  # a test send answers in seconds, as listmonk's does
+
+
 def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "") -> dict:
     if not EMAIL.match(to):
         raise NothingToSend(f"--to {to!r} is not an e-mail address a relay takes (ASCII, user@domain)")
+    for target in settings.smtp():
+        _greets(target)
+    # one mail, not a day: a relay that stops answering mid-way is said within seconds too
+    settings = dataclasses.replace(settings, smtp_patience_s=ANSWER_S, smtp_wait_s=ANSWER_S, smtp_attempts=1)
     run_id = f"test-send-{uuid.uuid4().hex[:8]}"
     resolved, signer = credentials.read(settings)
     state = RunState(settings.redis_url, run_id, 3600)
@@ -64,6 +77,18 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
     status = "delivered" if result["tally"].get("ok") else record.get("status") or "failed"
     return {"to": to, "client": ucc, "note": TEST_NOTE, "status": status, "message_id": record.get("message_id", ""),
             "reply": record.get("reply", ""), "reason": record.get("reason", ""), "relays": resolved.relays()}
+
+
+def _greets(target) -> None:
+    """The relay answers with its greeting within ANSWER_S, before a note is made for it."""
+    try:
+        client = (smtplib.SMTP_SSL if target.implicit_tls else smtplib.SMTP)(target.host, target.port,
+                                                                             timeout=ANSWER_S)
+        client.close()
+    except (OSError, smtplib.SMTPException) as e:
+        silent = isinstance(e, TimeoutError) or "timed out" in str(e)  # smtplib says a silent greeting its way
+        said = f"did not answer within {ANSWER_S:g} s" if silent else f"refused: {e}"
+        raise RelayUnreachable(f"the relay {target.url()} {said} (SMTP_URL, or --smtp)") from None
 
 
 def _forget(state: RunState) -> None:
