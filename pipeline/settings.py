@@ -322,6 +322,8 @@ def effective(env: dict[str, str] | None = None) -> list[dict[str, str]]:
         shown = ",".join(_without_password(u) for u in str(value).split(",")) if "://" in str(value) else str(value)
         if not f.repr and value not in (None, ""):  # a secret: a URL keeps its host, nothing else is shown
             shown = ",".join(_host_only(u) for u in str(value).split(",")) if "://" in str(value) else "*** (set)"
+        if f.name == "owner_password" and value == PLACEHOLDER_OWNER_PASSWORD:
+            shown = "the public placeholder: `run` refuses it"
         rows.append({"setting": name, "value": shown, "from": "environment" if env.get(name) else "default"})
     return rows
 
@@ -387,11 +389,6 @@ def _coerce(kind: str, raw: str, name: str):
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
     return raw
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    return url.replace(f":{parts.password}@", ":***@", 1) if parts.password else url
 
 
 def parse_smtp_url(url: str) -> SmtpTarget:

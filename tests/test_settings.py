@@ -79,6 +79,11 @@ def test_config_shows_each_setting_where_it_came_from_and_no_secret(monkeypatch,
     assert rows["CN_OWNER_PASSWORD"]["value"] == "*** (set)"
     assert rows["CN_SHARD_SIZE"]["value"] == "77" and rows["CN_WINDOW"]["from"] == "default"
     assert len(rows) == len(dataclasses.fields(Settings)), "every setting"
+    # the public placeholder is not a secret that is set: said as what it is (before: "*** (set)")
+    monkeypatch.delenv("CN_OWNER_PASSWORD")
+    assert main(["config", "--json"]) == 0
+    rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["CN_OWNER_PASSWORD"]["value"] == "the public placeholder: `run` refuses it"
 
 
 def test_version_names_the_release():
