@@ -526,6 +526,34 @@ def cmd_test_send(args) -> int:
     return 0 if sent["status"] == "delivered" else 1
 
 
+@command("logs", "the driver's log of a run, from storage (kept beside its record while the day runs, and after "
+                 "the cluster is gone); PANs and e-mail addresses masked", RUN_ID,
+         arg("--follow", "-f", action="store_true", help="print each new part as it comes, until the run ends"),
+         STORE)
+def cmd_logs(args) -> int:
+    from pipeline.errors import RunNotFound
+    from pipeline.followup.located import locate
+    from pipeline.record import run_log
+    from pipeline.record.keys import report_keys
+
+    settings = _on_redis(Settings.from_env())
+    try:
+        found = locate(settings, args.run_id, args.store, command="logs", redis_optional=True)
+    except RunNotFound as e:
+        return _not_found(args, e)
+    report = report_keys(args.run_id)[0]
+    chunks = run_log.follow(found.store, args.run_id, lambda: found.store.exists(report)) if args.follow else \
+        (text for _, text in run_log.read(found.store, args.run_id))
+    shown = 0
+    for text in chunks:
+        print(text, end="", file=args.stdout, flush=True)
+        shown += 1
+    if not shown:
+        raise RunNotFound(f"run {args.run_id}: {found.store.url} holds no log for it (a run before logs were kept, "
+                          "or one refused before it started)")
+    return 0
+
+
 @command("runs", "the runs in the store, newest first: date, accounts, delivered, failed, unconfirmed, bounced, "
                  "rejected, paper notes owed, sealed or not, start, duration and state (running, finished, closing, "
                  "sealed), from storage alone", STORE, arg("--json", action="store_true"))

@@ -42,6 +42,7 @@ from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report
 from pipeline.record.records import FINAL_STATUSES, history
+from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status
@@ -368,28 +369,3 @@ def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:
                          "reason": b["reason"] if full else mask_text(b["reason"]),
                          "due_date": report.due_date(b["at"], due_days) if b["kind"] == "bounced" else ""}
     return out
-
-
-EMAIL_IN_TEXT = re.compile(r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
-PAN_IN_TEXT = re.compile(r"\b[A-Z]{5}[0-9]{4}[A-Z]\b")
-
-
-def mask_text(text: str) -> str:
-    """Addresses and PANs inside free text (a relay's "550 5.1.1 <client@...>"), masked."""
-    text = EMAIL_IN_TEXT.sub(lambda m: mask_email(m.group(0)), text)
-    return PAN_IN_TEXT.sub(lambda m: mask_pan(m.group(0)), text)
-
-
-def mask_email(email: str) -> str:
-    local, _, domain = email.partition("@")
-    return f"{local[:1]}***@{domain}" if domain else "***"
-
-
-def mask_name(name: str) -> str:
-    """Initials only: enough to tell two accounts apart on a call, not to name the client."""
-    return " ".join(f"{word[0]}***" for word in name.split()) or "***"
-
-
-def mask_pan(pan: str) -> str:
-    return "******" + pan[-4:] if len(pan) == 10 else "***"
-

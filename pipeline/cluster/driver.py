@@ -44,7 +44,7 @@ from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
 from pipeline.note.render import render, render_all
-from pipeline.record import keys, report
+from pipeline.record import keys, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
@@ -226,15 +226,17 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
-        return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
+        checked = checked or preflight(settings, req, run_id)
+        with run_log.shipped(open_store(settings.store_url), run_id):  # a run that starts: its log kept with it
+            return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
 
 
 def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, lease: Lease,
              on_accounts: Callable[[int], None] | None, watch: Callable[[], None], address: str | None,
-             checked: tuple[Settings, Signer] | None) -> dict:
+             checked: tuple[Settings, Signer]) -> dict:
     started = time.time()
     store = open_store(settings.store_url)
-    resolved, signer = checked or preflight(settings, req, run_id)
+    resolved, signer = checked
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
@@ -386,7 +388,7 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
     unless `store` names a copy of its record (--store), and says which it uses. Ray is started
     (or `address` joined) only once there is something to rerun: a refusal comes first."""
-    with opened.open_run(settings, run_id, store, command="rerun") as run:
+    with opened.open_run(settings, run_id, store, command="rerun") as run, run_log.shipped(run.store, run_id):
         summary = _rerun(run, accounts, failed, force, unconfirmed, relays, address)
     return {**summary, "store": run.settings.store_url, "store_from": run.source}
 

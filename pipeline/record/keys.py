@@ -32,6 +32,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
   reports/noteseq-{fy}.json                       highest contract note number issued in a FY
+  logs/{run}/{n:06d}.log                          the driver's log, a chunk every 10 s (run_log.py)
   reports/.write-check                            written before a run starts: the store is writable
   reports/{run}.create-only-check                 written twice, create-only, before a run or a command
                                                   appends to its record: the second must be refused
