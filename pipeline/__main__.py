@@ -445,7 +445,8 @@ def cmd_status(args) -> int:
     from pipeline.followup import status
     from pipeline.followup.located import locate
     from pipeline.record import rates
-    from pipeline.record.keys import proof_keys, report_keys
+    from pipeline.followup.seal_state import SEALED, seal_state
+    from pipeline.record.keys import report_keys
     from pipeline.record.report import read_report
     from pipeline.record.state import RunState
 
@@ -455,7 +456,7 @@ def cmd_status(args) -> int:
     except RunNotFound as e:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
-    sealed = found.store.exists(proof_keys(args.run_id)[0])
+    sealed = seal_state(found.store, args.run_id).state == SEALED
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id, patience_retries=0)
         run = status.from_redis(args.run_id, where, state.meta(), state.counts(), state.statuses(),

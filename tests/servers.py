@@ -298,11 +298,13 @@ ess_cert_id_alg = sha256
 
 
 def _tsa_refusal() -> bytes:
-    """A TimeStampResp refusing the request (PKIStatus rejection), as RFC 3161 has a TSA say no."""
+    """A TimeStampResp refusing the request (PKIStatus rejection, no token), as RFC 3161 has a TSA
+    say no. Its SEQUENCE made here: asn1crypto's TimeStampResp will not leave out the token."""
     from asn1crypto import tsp
 
-    return tsp.TimeStampResp({"status": {"status": "rejection",
-                                         "status_string": ["the time-stamping service is unavailable"]}}).dump()
+    status = tsp.PKIStatusInfo({"status": "rejection", "status_string": ["the time-stamping service is unavailable"],
+                                "fail_info": {"system_failure"}}).dump()
+    return b"\x30" + bytes([len(status)]) + status
 
 
 class RatePolicy:
