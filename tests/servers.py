@@ -464,11 +464,12 @@ class S3Between:
     the key ends): "refuse" answers each with 500 InternalError and passes none on (the store's
     retries meet it every time, until the test takes the fault away); "lose" passes the first on
     and closes the connection instead of its reply. `passed(key)` is called once a PUT of `key`
-    was stored and answered: a test's moment to fail another dependency there. `put_keys` lists
-    the key of every PUT that reached the server, in order."""
+    was stored and answered: a test's moment to fail another dependency there; `arriving(key,
+    body)` before a PUT is passed on: another writer's moment to get there first. `put_keys`
+    lists the key of every PUT that reached the server, in order."""
 
     def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False, lose: int = 0,
-                 faults: dict[str, str] | None = None, passed=None):
+                 faults: dict[str, str] | None = None, passed=None, arriving=None):
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -476,6 +477,7 @@ class S3Between:
 
         self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
         self.lose, self.puts, self.faults, self.passed, self.put_keys = lose, 0, faults or {}, passed, []
+        self.arriving = arriving
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -494,6 +496,8 @@ class S3Between:
                 if fault == "refuse":
                     error = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
                     return self._answer(500, {"Content-Type": "application/xml"}, error)
+                if proxy.arriving:
+                    proxy.arriving(self._key(), body)
                 self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body, lost=fault == "lose")
 
             def _key(self) -> str:

@@ -141,6 +141,25 @@ def test_a_seal_write_whose_reply_was_lost_is_settled_by_reading_it_back(closed_
     sealed(open_store(url), run_id)
 
 
+def test_a_proof_another_close_wrote_first_is_adopted_and_sealed_when_the_record_matches_it(
+        closed_run, tmp_path, on_s3, s3_endpoint):
+    """Another close's proof (its own `sealed_at`) takes the key just before this close's PUT:
+    refused as taken, by other bytes. Theirs is the seal: checked against the record and signed.
+    Before, close failed "sealed by another close meanwhile", leaving a proof with no signature."""
+    settings, run_id, opened, _, _ = closed_run
+    proof_key, theirs = keys.proof_keys(run_id)[0], []
+
+    def another_close_first(key: str, body: bytes) -> None:
+        if key == proof_key and not theirs:
+            theirs.append(body.replace(b'"sealed_at": ', b'"sealed_at": 1', 1))
+            boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=url[5:], Key=key, Body=theirs[0])
+    url, _ = on_s3(copy(opened, tmp_path / "store"), arriving=another_close_first)
+    done = proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=url)
+    store = open_store(url)
+    assert not done["already_sealed"] and store.get(proof_key) == theirs[0], done
+    sealed(store, run_id)
+
+
 def test_the_hsm_lost_after_the_warrant_fails_close_in_one_line_before_the_seal_and_the_next_close_seals(
         ray_session, settings, day, hsm, session_dir, tmp_path, on_s3):
     """The run signed on a network HSM (p11-kit server); the HSM killed once close's warrant is
