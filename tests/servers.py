@@ -228,10 +228,12 @@ smtputf8_enable = no
     return service
 
 
-def start_tsa(directory: Path):
+def start_tsa(directory: Path, faults: dict[str, str] | None = None):
     """An RFC 3161 time-stamping authority on a free loopback port: `openssl ts -reply` (OpenSSL's
     own TSA) behind a small HTTP handler, with a TSA certificate of its own. Returns (url, the
-    TSA's certificate, a function that stops it)."""
+    TSA's certificate, a function that stops it). While `faults["answer"]` says so, it answers
+    as a TSA that cannot serve: "refuse", an RFC 3161 reply of status rejection (a TSA over its
+    quota, or its signing key unavailable); "garbage", a 200 whose body is no reply at all."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -264,13 +266,19 @@ ess_cert_id_alg = sha256
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             query = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            fault = (faults or {}).get("answer")
+            if fault:
+                return self._reply(200, _tsa_refusal() if fault == "refuse" else os.urandom(64))
             with lock:  # one serial file
                 (directory / "query.tsq").write_bytes(query)
                 done = subprocess.run(["openssl", "ts", "-reply", "-config", str(config), "-queryfile",
                                        str(directory / "query.tsq"), "-out", str(directory / "reply.tsr")],
                                       capture_output=True)
                 reply = (directory / "reply.tsr").read_bytes() if done.returncode == 0 else b""
-            self.send_response(200 if reply else 500)
+            self._reply(200 if reply else 500, reply)
+
+        def _reply(self, status: int, reply: bytes) -> None:
+            self.send_response(status)
             self.send_header("Content-Type", "application/timestamp-reply")
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
@@ -287,6 +295,16 @@ ess_cert_id_alg = sha256
         server.server_close()
 
     return f"http://127.0.0.1:{server.server_address[1]}/", directory / "tsa.crt", stop
+
+
+def _tsa_refusal() -> bytes:
+    """A TimeStampResp refusing the request (PKIStatus rejection, no token), as RFC 3161 has a TSA
+    say no. Its SEQUENCE made here: asn1crypto's TimeStampResp will not leave out the token."""
+    from asn1crypto import tsp
+
+    status = tsp.PKIStatusInfo({"status": "rejection", "status_string": ["the time-stamping service is unavailable"],
+                                "fail_info": {"system_failure"}}).dump()
+    return b"\x30" + bytes([len(status)]) + status
 
 
 class RatePolicy:
@@ -436,3 +454,105 @@ class DelayingProxy:
     def stop(self) -> None:
         self.server.close()
         self.listen.unlink(missing_ok=True)
+
+
+class S3Between:
+    """An HTTP proxy in front of the S3 server, passing each request on as it came (its Host
+    header too: the signature covers it), that can answer the first `throttle` requests with 503
+    SlowDown, flip a byte of each object it passes, either way, or pass the first `lose` PUTs on
+    and close the connection instead of replying. `faults` fails the PUTs of chosen keys (by how
+    the key ends): "refuse" answers each with 500 InternalError and passes none on (the store's
+    retries meet it every time, until the test takes the fault away); "lose" passes the first on
+    and closes the connection instead of its reply. `passed(key)` is called once a PUT of `key`
+    was stored and answered: a test's moment to fail another dependency there; `arriving(key,
+    body)` before a PUT is passed on: another writer's moment to get there first. `put_keys`
+    lists the key of every PUT that reached the server, in order."""
+
+    def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False, lose: int = 0,
+                 faults: dict[str, str] | None = None, passed=None, arriving=None):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import unquote, urlsplit
+
+        self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
+        self.lose, self.puts, self.faults, self.passed, self.put_keys = lose, 0, faults or {}, passed, []
+        self.arriving = arriving
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self._pass_on(b"")
+
+            def do_HEAD(self):
+                self._pass_on(b"")
+
+            def do_DELETE(self):
+                self._pass_on(b"")
+
+            def do_PUT(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                fault = proxy.fault(self._key())
+                if fault == "refuse":
+                    error = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
+                    return self._answer(500, {"Content-Type": "application/xml"}, error)
+                if proxy.arriving:
+                    proxy.arriving(self._key(), body)
+                self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body, lost=fault == "lose")
+
+            def _key(self) -> str:
+                return unquote(urlsplit(self.path).path).split("/", 2)[-1]
+
+            def _pass_on(self, sent: bytes, lost: bool = False):
+                proxy.requests += 1
+                if proxy.requests <= proxy.throttle:
+                    body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    return self._answer(503, {"Content-Type": "application/xml"}, body)
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
+                conn.request(self.command, self.path, body=sent or None, headers=dict(self.headers.items()))
+                reply = conn.getresponse()
+                body = reply.read()
+                if proxy.corrupt and reply.status == 200 and self.command == "GET":
+                    body = bytes([body[0] ^ 1]) + body[1:]
+                if self.command == "PUT":
+                    proxy.puts += 1
+                    proxy.put_keys.append(self._key())
+                    if proxy.puts <= proxy.lose or lost:
+                        self.close_connection = True
+                        return
+                headers = {k: v for k, v in reply.getheaders() if k.lower() != "connection"}
+                self._answer(reply.status, headers, body)
+                if self.command == "PUT" and reply.status == 200 and proxy.passed:
+                    proxy.passed(self._key())
+
+            def _answer(self, status, headers, body):
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() != "content-length":
+                        self.send_header(k, v)
+                # a HEAD's reply says the object's length, and has no body
+                length = next((v for k, v in headers.items() if k.lower() == "content-length"), str(len(body)))
+                self.send_header("Content-Length", length if self.command == "HEAD" else str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def fault(self, key: str) -> str:
+        """The fault a PUT of `key` meets: a "lose" once, a "refuse" until taken away."""
+        for ending, fault in list(self.faults.items()):
+            if key.endswith(ending):
+                if fault == "lose":
+                    del self.faults[ending]
+                return fault
+        return ""
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()

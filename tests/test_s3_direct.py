@@ -1,76 +1,16 @@
 """The store's GET and create-only PUT without botocore's pipeline (pipeline/record/s3_direct.py),
 against versitygw: what botocore did for them (retries, error codes, checksums) they still do."""
 
-import http.client
 import socket
 import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
 
 import boto3
 import pytest
 
 from pipeline.record import delivery_log, http1, s3_direct
 from pipeline.record.storage import StorageError, open_store
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, make_tls_certificate, start_versitygw
-
-
-class S3Between:
-    """An HTTP proxy in front of the S3 server, passing each request on as it came (its Host
-    header too: the signature covers it), that can answer the first `throttle` requests with 503
-    SlowDown, flip a byte of each object it passes, either way, or pass the first `lose` PUTs on
-    and close the connection instead of replying."""
-
-    def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False, lose: int = 0):
-        self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
-        self.lose, self.puts = lose, 0
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self._pass_on(b"")
-
-            def do_PUT(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body)
-
-            def _pass_on(self, sent: bytes):
-                proxy.requests += 1
-                if proxy.requests <= proxy.throttle:
-                    body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    return self._answer(503, {"Content-Type": "application/xml"}, body)
-                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
-                conn.request(self.command, self.path, body=sent or None, headers=dict(self.headers.items()))
-                reply = conn.getresponse()
-                body = reply.read()
-                if proxy.corrupt and reply.status == 200 and self.command == "GET":
-                    body = bytes([body[0] ^ 1]) + body[1:]
-                proxy.puts += self.command == "PUT"
-                if self.command == "PUT" and proxy.puts <= proxy.lose:
-                    self.close_connection = True
-                    return
-                self._answer(reply.status, {k: v for k, v in reply.getheaders() if k.lower() != "connection"}, body)
-
-            def _answer(self, status, headers, body):
-                self.send_response(status)
-                for k, v in headers.items():
-                    if k.lower() != "content-length":
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_certificate, start_versitygw
 
 
 @pytest.fixture

@@ -10,15 +10,20 @@ mailed account without a permanent bounce delivered, final, and seals the record
   2. each shard's chain gets a closing object (status "closed"): the fact that the run was
      closed lives in the chain itself, so a proof deleted later is missed by `verify`. Neither
      reads what the other writes, and the warrant covers a close stopped in either;
-  3. reports/{run}.proof.json: the SHA-256 of every object of every chain (so `verify` names
-     the first one changed, even when every later link was forged to match), the chain heads,
-     and the SHA-256 of the report, its CSV and the paper list; with a detached CMS signature
-     by the notes' signing key, reports/{run}.proof.p7s (`openssl cms -verify` checks it);
-  4. with CN_TSA_URL, an RFC 3161 timestamp over the proof, reports/{run}.proof.tsr, from a
+  3. the seal: reports/{run}.proof.json, the SHA-256 of every object of every chain (so `verify`
+     names the first one changed, even when every later link was forged to match), the chain
+     heads, and the SHA-256 of the report, its CSV and the paper list; its detached CMS signature
+     by the notes' signing key, reports/{run}.proof.p7s (`openssl cms -verify` checks it); and
+     with CN_TSA_URL an RFC 3161 timestamp over the proof, reports/{run}.proof.tsr, from a
      time-stamping authority the broker does not run: a seal made later cannot be back-dated.
-Every proof object is written once (create-only, as the chain is). A second `close` changes
-nothing: it prints the seal there is, or fails naming the object that no longer matches it.
-cluster/verify.py checks all of it from storage alone.
+The seal's three are all had (hashed, signed, timestamped, each checked) before the first is
+written, then written in that order, each once (create-only, as the chain is; a PUT refused as
+taken is settled by reading the key back: storage.put_once). A signer, TSA or store that fails is
+one line naming it; whatever prefix of the writes it leaves reads as a close begun
+(seal_state.py), and the next close completes it: from its warrant, or from the proof's bytes as
+stored, once the record matches them. A second `close` of a sealed run changes nothing: it
+prints the seal there is, or fails naming the object that no longer matches it.
+followup/verify.py checks all of it from storage alone.
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import CannotRun
 from pipeline.followup import chains, closing, opened
+from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report, spread
-from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
-from pipeline.record.storage import StorageError, Store, sha256
+from pipeline.record.keys import proof_keys, timestamp_key
+from pipeline.record.storage import StorageError, Store, put_once, sha256
 from pipeline.seal import detached, timestamp
-from pipeline.seal.signer import Signer
+from pipeline.seal.signer import SignError, Signer
 from pipeline.settings import Settings
+
+
+AGAIN = "the close began and is not sealed: run close again once it answers, to finish it"
 
 
 class WindowOpen(CannotRun, RuntimeError):
@@ -48,18 +57,24 @@ class SealBroken(CannotRun, RuntimeError):
     """A sealed run whose record no longer matches its seal: named, never sealed again."""
 
 
+class SealStopped(CannotRun, RuntimeError):
+    """The signer, the timestamp authority or the store failed the seal: one line naming it. The
+    close began and is not sealed; the next close completes it."""
+
+
 def close(settings: Settings, run_id: str, now: float | None = None, store_url: str | None = None) -> dict:
     """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
     and key (located.py), unless `store_url` names a copy of its record."""
     now = time.time() if now is None else now
     with opened.open_run(settings, run_id, store_url, command="close", restored=False) as run:
         settings, store, state, where = run.settings, run.store, run.state, {"run_id": run_id, **run.where()}
-        if store.exists(proof_keys(run_id)[0]):  # sealed once: shown, never sealed again
-            checked = verify(store, run_id)
-            if not checked["ok"]:
-                raise SealBroken(f"run {run_id} was sealed, and its record no longer matches the seal: "
-                                 f"{checked['first_problem']}")
+        sealing = seal_state(store, run_id)
+        if sealing.state == SEALED:  # sealed once: shown, never sealed again
+            _matches(store, run_id, "was sealed, and its record no longer matches the seal")
             return {**where, "already_sealed": True, **_sealed(store, run_id)}
+        if sealing.proof:  # the seal began: completed from the proof as stored
+            finish(settings, store, run_id, _ready_to_seal(settings, store))
+            return {**where, "already_sealed": False, **_sealed(store, run_id)}
         meta = run.meta()
         if not meta.get("finished"):
             raise WindowOpen(f"run {run_id} has not finished: its bounce window has not begun")
@@ -70,11 +85,8 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
             raise WindowOpen(f"run {run_id}: the bounce window is open until "
                              f"{report.bounce_window(meta)['closes_at']} ({hours:g} h after the run): not closed")
         signer = _ready_to_seal(settings, store)  # before the first write: a close that cannot sign writes nothing
-        if store.exists(closing_keys(run_id)[0]):  # an earlier close began and stopped: finished only as it began
-            checked = verify(store, run_id)
-            if not checked["ok"]:
-                raise SealBroken(f"run {run_id}: its close began, and its record no longer matches where it began: "
-                                 f"{checked['first_problem']}")
+        if sealing.warrant:  # an earlier close began and stopped: finished only as it began
+            _matches(store, run_id, "began its close, and its record no longer matches where it began")
         found = _read_chains(store, run_id, run.split.shards)
         closed_at = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
                                   float(meta.get("closed_at") or now), signer)["closed_at"]
@@ -127,23 +139,98 @@ def _ready_to_seal(settings: Settings, store: Store) -> Signer:
     return signer
 
 
+def _matches(store: Store, run_id: str, otherwise: str) -> None:
+    """The record as verify reads it, whole, or SealBroken naming the first thing that is not."""
+    checked = verify(store, run_id)
+    if not checked["ok"]:
+        raise SealBroken(f"run {run_id} {otherwise}: {checked['first_problem']}")
+
+
 def seal(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]],
-         signer: Signer) -> dict:
-    """The proof, its signature and (with CN_TSA_URL) its timestamp, each written once."""
+         signer: Signer) -> None:
+    """The proof, its signature and (with CN_TSA_URL) its timestamp: all had before the first is
+    written, then written in that order, each once. A proof another close wrote first is theirs
+    to complete (`finish`), as long as the record matches it."""
+    data = closing.as_json(_proof(settings, store, run_id, chains))
+    made = _made(run_id, data, signer, sign=True, tsa=settings.tsa_url)
+    if not _write(store, run_id, proof_keys(run_id)[0], data):
+        return finish(settings, store, run_id, signer)
+    for key, body in made:
+        _write(store, run_id, key, body)  # another close's, over the same proof: theirs stands, verify judges it
+
+
+def finish(settings: Settings, store: Store, run_id: str, signer: Signer) -> None:
+    """A seal whose proof is written, completed: the stored proof's bytes are the seal (a close
+    that stopped after writing them, or another that won the key), once the record matches them
+    as verify reads it; what is missing of its signature and timestamp is made over them and
+    written. The timestamp from CN_TSA_URL, else from the TSA the proof names."""
+    _matches(store, run_id, "began its seal, and its record no longer matches its proof")
+    found = seal_state(store, run_id)
+    data = store.get(proof_keys(run_id)[0])
+    tsa = (settings.tsa_url or found.tsa) if found.tsa and not found.stamped else ""
+    for key, body in _made(run_id, data, signer, sign=not found.signed, tsa=tsa):
+        _write(store, run_id, key, body)
+
+
+def _proof(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]]) -> dict:
+    """The proof: every chain object's SHA-256, the heads, the report's three objects' SHA-256."""
     objects = {str(shard): hashes for shard, (_, hashes) in sorted(chains.items())}
     heads = [{"shard": shard, "key": last, "objects": len(hashes), "sha256": hashes[-1]}
              for shard, (last, hashes) in sorted(chains.items())]
     json_key, csv_key = keys.report_keys(run_id)
     raw_report = store.get(json_key)
-    proof = {"run_id": run_id, "sealed_at": time.time(), "heads": heads, "objects": objects, "tsa": settings.tsa_url,
-             "closed_at": json.loads(raw_report)["bounce_window"]["closed_at"],
-             "reports": {json_key: hashlib.sha256(raw_report).hexdigest(),
-                         **{k: sha256(store, k) for k in (csv_key, report.paper_key(run_id))}}}
-    data = closing.as_json(proof)
-    proof_key, sig_key = proof_keys(run_id)
-    for key, body in ((proof_key, data), (sig_key, detached.sign(data, signer))):
-        if not store.put_new(key, body):
-            raise StorageError(f"{store.url}: {key} exists: the run was sealed by another close meanwhile")
-    if settings.tsa_url:
-        store.put_new(timestamp_key(run_id), timestamp.request(settings.tsa_url, data))
-    return proof
+    return {"run_id": run_id, "sealed_at": time.time(), "heads": heads, "objects": objects, "tsa": settings.tsa_url,
+            "closed_at": json.loads(raw_report)["bounce_window"]["closed_at"],
+            "reports": {json_key: hashlib.sha256(raw_report).hexdigest(),
+                        **{k: sha256(store, k) for k in (csv_key, report.paper_key(run_id))}}}
+
+
+def _made(run_id: str, data: bytes, signer: Signer, sign: bool, tsa: str) -> list[tuple[str, bytes]]:
+    """The proof's signature and its timestamp from `tsa` (as asked), each checked over `data`
+    before anything is written: a signer or TSA that answers wrongly is refused here, not sealed
+    in for good. SealStopped naming the one that failed."""
+    made = []
+    if sign:
+        made.append((proof_keys(run_id)[1], _signed(run_id, data, signer)))
+    if tsa:
+        made.append((timestamp_key(run_id), _stamped(run_id, data, tsa)))
+    return made
+
+
+def _signed(run_id: str, data: bytes, signer: Signer) -> bytes:
+    """The proof's signature, checked: an HSM lost past its patience (CN_HSM_PATIENCE_S) is named
+    with its token, a key file as the signing key."""
+    about = signer.about
+    who = f"the HSM (token {about.get('token')!r}, {about.get('module')})" if about.get("key") == "pkcs11" \
+        else "the signing key"
+    try:
+        signature = detached.sign(data, signer)
+        detached.check(data, signature)
+    except SignError as e:
+        raise SealStopped(f"close {run_id}: {who} did not sign the proof: {e}; {AGAIN}") from None
+    return signature
+
+
+def _stamped(run_id: str, data: bytes, url: str) -> bytes:
+    """The TSA's token over the proof, checked to be over it: a refusal, a reply that is no token
+    or a token of other bytes is named with the TSA's URL."""
+    tsa = f"close {run_id}: the timestamp authority at {url} (CN_TSA_URL)"
+    try:
+        token = timestamp.request(url, data)
+    except SignError as e:
+        raise SealStopped(f"{tsa} {e}; {AGAIN}") from None
+    try:
+        timestamp.check(token, data)
+    except SignError as e:
+        raise SealStopped(f"{tsa} answered with a token that is no timestamp of the proof: {e}; {AGAIN}") from None
+    return token
+
+
+def _write(store: Store, run_id: str, key: str, data: bytes) -> bool:
+    """One of the seal's objects, written once: True when `key` holds `data` now (a PUT whose
+    reply was lost included), False when another close's bytes took it."""
+    try:
+        return put_once(store, key, data)
+    except StorageError as e:
+        raise SealStopped(f"close {run_id}: {e}; the seal stopped at {key}: {AGAIN}") from None
+

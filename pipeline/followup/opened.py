@@ -12,7 +12,7 @@ from typing import Iterator
 
 from pipeline.errors import RunNotFound
 from pipeline.followup.located import locate
-from pipeline.record import keys
+from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.record.lease import Lease, held
 from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.record.state import RunClosed, RunState
@@ -64,7 +64,7 @@ def open_run(settings: Settings, run_id: str, store_url: str | None = None, comm
             with nullcontext() if hold or state.exists() else held(state, settings.lease_s):
                 meta = run.meta()
             if meta.get("closed_at") and not sealed_ok:
-                if not store.exists(keys.proof_keys(run_id)[0]):
+                if seal_state(store, run_id).state != SEALED:
                     raise RunClosed(f"run {run_id}: its close began and stopped before the seal: run `close {run_id}` "
                                     "again to finish it; nothing more is mailed or settled under it")
                 raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed or settled "

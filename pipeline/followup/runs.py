@@ -6,7 +6,7 @@ are its report's, through report.final_counts: the numbers `status` and the live
 
 from __future__ import annotations
 
-from pipeline.followup.status import sealed
+from pipeline.followup.seal_state import BEGAN, SEALED, seal_state
 from pipeline.record import keys, report as reports
 from pipeline.record.statuses import phase
 from pipeline.record.storage import Store, StorageError, read_json
@@ -29,10 +29,11 @@ def _row(store: Store, run_id: str) -> dict:
     except StorageError as e:  # an edited report is named, not a reason to list nothing
         report = {"problem": str(e)}
     final = reports.final_counts(report)
-    started, finished, is_sealed = reports.started_at(report), report.get("finished_at"), sealed(store, run_id)
+    seal = seal_state(store, run_id).state
+    started, finished, is_sealed = reports.started_at(report), report.get("finished_at"), seal == SEALED
     closed = bool((report.get("bounce_window") or {}).get("closed_at"))
     return {"run_id": run_id, "date": report.get("trade_date") or run_id[:10], **final,
-            "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed,
+            "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed, "seal": seal,
             "started_at": started, "finished_at": finished,
             "duration_s": round(float(finished) - started, 3) if finished and started else None,
             "state": report.get("problem") or phase(bool(finished), closed, is_sealed)}
@@ -42,7 +43,7 @@ def table(rows: list[dict]) -> str:
     lines = [[r["run_id"], r["date"], str(r["accounts"] if r["accounts"] is not None else "-"), str(r["delivered"]),
               str(r["failed"]), str(r["unconfirmed"]), str(r["bounced"]), str(r["rejected"]), str(r["paper"]),
               reports.iso(r["started_at"]) if r["started_at"] else "-", _duration(r["duration_s"]),
-              r["state"], "yes" if r["sealed"] else "no"] for r in rows]
+              r["state"], "yes" if r["sealed"] else "began" if r["seal"] == BEGAN else "no"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(HEAD, *lines)] if lines else [len(h) for h in HEAD]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [HEAD, *lines])
 

@@ -8,14 +8,15 @@ from storage), for the scripts that read those.
 
 from __future__ import annotations
 
-from pipeline.record import keys, report
+from pipeline.followup.seal_state import SEALED, seal_state
+from pipeline.record import report
 from pipeline.record.statuses import HEADLINE, phase
 from pipeline.record.storage import Store
 
 
 def sealed(store: Store, run_id: str) -> bool:
-    """Whether the run's record is sealed: the one question every view asks of it, here alone."""
-    return store.exists(keys.proof_keys(run_id)[0])
+    """Whether the run's record is sealed, every object of its seal there (seal_state.py)."""
+    return seal_state(store, run_id).state == SEALED
 
 
 def from_redis(run_id: str, where: dict, meta: dict, counts: dict, final: dict, relays: dict,

@@ -10,6 +10,10 @@ report say it was closed must have its proof, or (a close that stopped before it
 warrant (followup/closing.py) that the record still matches. Then every account's final status is worked out
 from the log alone and compared with the sealed report and paper list.
 
+A seal part-written (its proof without its signature, or a signed proof without the timestamp
+it names a TSA for: seal_state.py) is a close that began: its objects are checked as a sealed
+run's are, and what is missing is said with what the next close does, never called removed.
+
 Exit status of the command: 0 sealed and whole; 1 a problem, the first one named; 3 not
 sealed: consistent so far, not yet proof (or a close began and must be run again to seal it).
 """
@@ -25,6 +29,7 @@ from typing import Iterator
 
 from pipeline.errors import RunNotFound
 from pipeline.followup import chains, closing
+from pipeline.followup.seal_state import BEGAN, SEALED, SealState, seal_state
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
@@ -43,10 +48,12 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     json_key = keys.report_keys(run_id)[0]
     run_report = read_report(store, json_key) if store.exists(json_key) else {}
     problems: list[str] = []
-    proof, has_proof = _proof(store, run_id, problems), store.exists(proof_keys(run_id)[0])
+    seal = seal_state(store, run_id)
+    proof, has_proof = _proof(store, run_id, problems), seal.proof
     signer, stamped = "", {}
-    if proof is not None:
+    if proof is not None and seal.signed:  # one not yet signed or timestamped: a close began (seal_state.py)
         signer = _signer(store, proof_keys(run_id), proof["data"], cert_pem, run_report, problems)
+    if proof is not None and seal.stamped:
         stamped = _timestamp(store, run_id, proof, tsa_cert_pem, problems)
     warrant = _warrant(store, run_id, cert_pem, run_report, problems) if not has_proof else None
     closed = has_proof or bool((run_report.get("bounce_window") or {}).get("closed_at"))
@@ -73,12 +80,11 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             if not problems:
                 problems += _disagreements(db, store, run_id)
         db.close()
-    ok = not problems
-    begun = f"close began ({report.iso(warrant['closed_at'])}) and stopped before its proof: run close again to seal it" \
-        if warrant else ""
-    summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if proof else
-                                   f"not sealed: {begun or 'consistent so far, not yet proof'}")
-    return {"run_id": run_id, "sealed": has_proof, "signed_by": signer, "timestamp": stamped,
+    ok, sealed = not problems, seal.state == SEALED
+    summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if sealed else
+                                   f"not sealed: {_begun(seal, proof, warrant)}" if seal.state == BEGAN else
+                                   "not sealed: consistent so far, not yet proof")
+    return {"run_id": run_id, "sealed": sealed, "signed_by": signer, "timestamp": stamped,
             "shards": len(split.shards), "log_objects": objects, "added_after_seal": after_seal, "ok": ok,
             "summary": summary,
             "first_problem": problems[0] if problems else None, "problems": problems[:100]}
@@ -86,6 +92,19 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
 
 def exit_status(result: dict) -> int:
     return 1 if not result["ok"] else 0 if result["sealed"] else 3
+
+
+def _begun(seal: SealState, proof: dict | None, warrant: dict | None) -> str:
+    """A close that began and stopped, in words: how far it got and what the next close does.
+    `proof` as written, `warrant` when signed (else None)."""
+    when = proof["closed_at"] if proof else report.iso(warrant["closed_at"]) if warrant else ""
+    began = f"close began ({when})" if when else "close began"
+    if seal.proof:
+        return f"{began} and wrote its proof, not yet its {' and '.join(seal.missing())}: run close again: it makes " \
+               "them over the proof as written, and the run is sealed"
+    if warrant:
+        return f"{began} and stopped before its proof: run close again to seal it"
+    return f"{began} and stopped before its warrant was signed: run close again to seal it"
 
 
 def _proof(store: Store, run_id: str, problems: list[str]) -> dict | None:
@@ -159,10 +178,6 @@ def _signer(store: Store, signed: tuple[str, str], data: bytes, cert_pem: bytes 
 
 def _timestamp(store: Store, run_id: str, proof: dict, tsa_cert_pem: bytes | None, problems: list[str]) -> dict:
     key = timestamp_key(run_id)
-    if not store.exists(key):
-        if proof.get("tsa"):
-            problems.append(f"{key}: removed (the proof was timestamped by {proof['tsa']})")
-        return {}
     try:
         return timestamp.check(store.get(key), proof["data"], tsa_cert_pem)
     except SignError as e:

@@ -64,6 +64,14 @@ def read_json(store: Store, key: str) -> dict:
     return value
 
 
+def put_once(store: Store, key: str, data: bytes) -> bool:
+    """A create-only write that a lost reply cannot mislead: True when `key` holds `data` now,
+    written by this call or by an earlier attempt of it (a PUT that landed and whose reply was
+    lost is sent again, and refused as taken, by itself: the key is read back); False when
+    another writer's bytes hold it."""
+    return store.put_new(key, data) or store.get(key) == data
+
+
 def check_create_only(store: Store, key: str) -> None:
     """The delivery log's chain rests on the store refusing a second create-only write (S3's
     If-None-Match): a store that takes it lets two appends both write one number, and the

@@ -9,21 +9,57 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from asn1crypto import cms
+from asn1crypto import cms, core, tsp
 
 from pipeline.seal import detached
 from pipeline.seal.signer import SignError
 
 
-def request(url: str, data: bytes) -> bytes:
-    """The DER TimeStampToken for `data`'s SHA-256, with a nonce (pyHanko's client)."""
-    from pyhanko.sign.timestamps import HTTPTimeStamper
+class _Reply(core.Sequence):
+    """A TimeStampResp as RFC 3161 has it: its token OPTIONAL, absent from a refusal (asn1crypto's
+    TimeStampResp requires it, so a TSA's "no" would read as a parse error)."""
 
+    _fields = [("status", tsp.PKIStatusInfo), ("time_stamp_token", cms.ContentInfo, {"optional": True})]
+
+
+def request(url: str, data: bytes) -> bytes:
+    """The DER TimeStampToken for `data`'s SHA-256, with a nonce (pyHanko's client); SignError
+    saying what the TSA did instead ("refused: " and its own words, "answered with no RFC 3161
+    reply", "gave no timestamp"), for the caller to put after the TSA's name."""
+    from pyhanko.sign.timestamps import HTTPTimeStamper
+    from pyhanko.sign.timestamps.common_utils import handle_tsp_response
+
+    stamper = HTTPTimeStamper(url, timeout=30)
     try:
-        token = asyncio.run(HTTPTimeStamper(url, timeout=30).async_timestamp(hashlib.sha256(data).digest(), "sha256"))
-    except Exception as e:  # aiohttp, the TSA's refusal, a bad reply: the seal is not written without it
-        raise SignError(f"CN_TSA_URL {url}: no timestamp ({type(e).__name__}: {str(e)[:200]})") from None
-    return token.dump()
+        nonce, query = stamper.request_cms(hashlib.sha256(data).digest(), "sha256")
+        reply = asyncio.run(stamper.async_request_tsa_response(query))
+        _granted(reply)
+        return handle_tsp_response(reply, nonce).dump()
+    except SignError:
+        raise
+    except Exception as e:  # aiohttp, an HTTP error, a bad nonce: the seal is not written without it
+        raise SignError(f"gave no timestamp ({_why(e)})") from None
+
+
+def _granted(reply: tsp.TimeStampResp) -> None:
+    """SignError "refused: ..." unless the reply's status grants the request."""
+    try:
+        status = _Reply.load(reply.dump())["status"]
+        granted = status["status"].native in ("granted", "granted_with_mods")
+    except (ValueError, TypeError, KeyError) as e:
+        raise SignError(f"answered with no RFC 3161 reply ({type(e).__name__}: {str(e)[:200]})") from None
+    if not granted:
+        words = "; ".join(status["status_string"].native or []) or status["status"].native
+        failed = ", ".join(sorted(status["fail_info"].native or []))
+        raise SignError(f"refused: {words}" + (f" ({failed})" if failed else ""))
+
+
+def _why(e: BaseException) -> str:
+    """The error and what caused it (pyHanko says "Error while contacting timestamp service" for
+    a connection refused and an HTTP error alike; its cause tells which), in one line."""
+    said = f"{type(e).__name__}: {str(e)[:200]}"
+    cause = e.__cause__
+    return f"{said} ({type(cause).__name__}: {str(cause)[:200]})" if cause else said
 
 
 def check(token: bytes, data: bytes, tsa_cert_pem: bytes | None = None) -> dict:
