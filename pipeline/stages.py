@@ -40,7 +40,7 @@ from pipeline.record.lease import LeaseLostError
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store
+from pipeline.record.storage import Store, write_once
 from pipeline.seal.sign import SignatureInfo, protect_all, user_half
 from pipeline.seal.signer import SignError
 from pipeline.settings import TEMPLATES
@@ -192,8 +192,9 @@ def _collector_paused():
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,
                state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
     """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves. Only
-    for the driver holding the run, and never over a note whose mail was claimed: that note
-    may have gone out, and the archive must be what the client got."""
+    for the driver holding the run. The archive is what the client got: a note whose mail was
+    claimed is not signed again (it may have gone out), and a note archived by an earlier
+    attempt is never replaced (_archived): the item carries the archived bytes."""
     started = time.process_time()
     if not state.holds_lease(batch.lease):
         if state.lease_holder() is None:  # Redis lost the run (its epoch too): say that, as a claim would
@@ -222,7 +223,7 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
                 continue
             writer.add(Outcome(item["ucc"], "signed"))
             try:
-                store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
+                item["pdf"] = _archived(store, batch.trade_date, item["ucc"], item["pdf"])
             except Exception as e:  # storage errors come in many types (OSError, botocore)
                 writer.add(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
                 batch.drop("failed")
@@ -232,6 +233,17 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
     batch.items = kept
     batch.timed("sign", started)
     return batch
+
+
+def _archived(store: Store, trade_date: str, ucc: str, signed: bytes) -> bytes:
+    """The note as the archive holds it. Archived once, create-only: another attempt of the same
+    batch (the fleet resending a lost actor's batch, a rerun) that got there first keeps its
+    signature, and this attempt carries those bytes on to be mailed, not the ones it just signed,
+    so the client gets exactly what the archive holds."""
+    kept = write_once(store, keys.signed_pdf_key(trade_date, ucc), signed)
+    if kept is not signed:
+        log.info("account %s: archived by an earlier attempt; its archived note goes on", ucc)
+    return kept
 
 
 @dataclass

@@ -170,6 +170,32 @@ def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, re
     assert store.exists(keys.signed_pdf_key("2026-11-20", "C3"))
 
 
+def test_a_second_attempt_of_a_signed_batch_keeps_the_first_signature_and_carries_the_archived_bytes(
+        tmp_path, redis_url, signer, note_pdf):
+    """A resend signs the same rendered batch again (the fleet resending a lost actor's chain):
+    the archive keeps the first attempt's note, create-only, and the second attempt's item goes
+    on to the mailer with those bytes, not with its own new signature (issue 69)."""
+    state = RunState(redis_url, f"twice-{uuid.uuid4().hex[:8]}", 600)
+    store = open_store(str(tmp_path / "store"))
+    lease = state.take_lease(30).token
+
+    def attempt() -> Batch:  # each attempt gets the rendered batch afresh, as from Ray's object store
+        made = user_half(PAN, "aes256")
+        items = [{"ucc": u, "pan": PAN, "pdf": note_pdf, "made": made} for u in ("C1", "C2")]
+        return sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=lease), signer, OWNER, "aes256",
+                          store, state)
+
+    first = attempt()
+    archived = {i["ucc"]: store.get(keys.signed_pdf_key("2026-11-20", i["ucc"])) for i in first.items}
+    second = attempt()
+
+    assert [i["ucc"] for i in second.items] == ["C1", "C2"]
+    for item in second.items:
+        assert store.get(keys.signed_pdf_key("2026-11-20", item["ucc"])) == archived[item["ucc"]], "replaced"
+        assert item["pdf"] == archived[item["ucc"]], "the resend carries a signature the archive does not hold"
+    assert state.accounts(["C1", "C2"])["C1"]["stage"] == "archived"
+
+
 def test_a_note_signed_with_the_user_half_its_render_made_opens_with_the_pan_and_the_owner_password(
         tmp_path, redis_url, signer, note_pdf):
     """The render stage makes U, UE and the file key from the PAN; the signer uses them (the U in

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Container, Iterable, Iterator
 
 from pipeline.record import keys
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import StorageError, Store, write_once
 
 if TYPE_CHECKING:  # not imported at run time: Redis's client is 9 MB more in each of close's and verify's processes
     from pipeline.record.records import Outcome
@@ -96,7 +96,7 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
                             separators=(",", ":"))
         data = (header + "\n" + body).encode()
         key = object_key(run_id, shard, seq)
-        if store.put_new(key, data) or store.get(key) == data:  # taken by this very object: its reply was lost
+        if write_once(store, key, data) == data:  # made now, or by this very object whose reply was lost
             return Link(key, seq, hashlib.sha256(data).hexdigest())
         after = None
     raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "
