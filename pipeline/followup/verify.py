@@ -24,7 +24,7 @@ import tempfile
 from typing import Iterator
 
 from pipeline.errors import RunNotFound
-from pipeline.followup import chains, closing
+from pipeline.followup import chains, closing, notes_check
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
@@ -73,6 +73,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             if not problems:
                 problems += _disagreements(db, store, run_id)
         db.close()
+    problems += notes_check.first_difference(store, run_id, run_report.get("trade_date", ""), split.shards)
     ok = not problems
     begun = f"close began ({report.iso(warrant['closed_at'])}) and stopped before its proof: run close again to seal it" \
         if warrant else ""

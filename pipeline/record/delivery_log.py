@@ -60,6 +60,11 @@ def object_key(run_id: str, shard: int, seq: int) -> str:
     return f"{keys.delivery_log_prefix(run_id, shard)}{seq:08d}.jsonl"
 
 
+def seq_of(key: str) -> int:
+    """The number a chained object's name gives it (object_key)."""
+    return int(key.rsplit("/", 1)[1][:8])
+
+
 def sending(ucc: str, message_id: str, mail_from: str = "", sha256: str = "") -> dict:
     """An account about to be mailed; `sha256`, of the exact bytes it attaches (hex)."""
     e = {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
