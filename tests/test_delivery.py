@@ -79,9 +79,13 @@ def test_faults_end_in_delivered_once_or_failed_or_unconfirmed_with_the_reason(r
 
 
 def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings, smtp_server, tmp_path):
+    """The mailer dies mid-batch; Ray does not run the batch again (the fleet's RECOVERY), the
+    fleet resends it to a new mailer, and the mail guard leaves the mails then in flight
+    unconfirmed, never sent twice."""
     import ray
 
     from actors.mailer import MailerActor
+    from pipeline.cluster.fleet import RECOVERY
 
     server = smtp_server(delay_ms=3)
     slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "smtp_connections": 2})
@@ -92,14 +96,17 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
               "pdf": pdf} for u in uccs]
     RunState(settings.redis_url, run_id).start({})
     lease = RunState(settings.redis_url, run_id).take_lease(120).token
-    actor = MailerActor.options(name=f"mailer-{run_id}").remote(slow, run_id)
+    actor = MailerActor.options(name=f"mailer-{run_id}", **RECOVERY).remote(slow, run_id)
     ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items, lease=lease))
     deadline = time.monotonic() + 60
     while len(list(server.outbox.glob("*.eml"))) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
     ray.kill(actor, no_restart=False)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ref, timeout=120)
 
-    result = ray.get(ref, timeout=120)
+    again = MailerActor.options(name=f"mailer-again-{run_id}", **RECOVERY).remote(slow, run_id)
+    result = ray.get(again.send.remote(Batch(run_id, TRADE_DATE, 0, items, lease=lease)), timeout=120)
 
     counts = received(server.outbox)
     assert 10 <= sum(counts.values()) < len(uccs) + 1
