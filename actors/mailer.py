@@ -1,8 +1,9 @@
 """MailerActor: an async actor holding a pool of SMTP connections, mailing batches.
 
-Ray re-runs in-flight calls after a crash (at least once, out of order); the per-account
-guard in Redis (RunState.claim_mail) makes the e-mail itself at most once, and a mail the
-dead attempt had claimed without an answer becomes `unconfirmed`, never resent blindly.
+Ray neither restarts a crashed mailer nor re-runs its calls: the fleet (pipeline/cluster/fleet.py)
+resends its batches to a living one. The per-account guard in Redis (RunState.claim_mail) makes
+the e-mail itself at most once, and a mail the dead attempt had claimed without an answer
+becomes `unconfirmed`, never resent blindly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pipeline.settings import Settings
 from pipeline.stages import Batch, mail_context, mail_stage
 
 
-@ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"smtp": 1})
+@ray.remote(num_cpus=0, resources={"smtp": 1})
 class MailerActor:
     def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False,
                  relays: str = ""):

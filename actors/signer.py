@@ -1,9 +1,10 @@
 """SignerActor: holds the signing key and certificate chain, signs and archives batches.
 
 The key is read once, when the actor starts, from the cluster's secret store (CN_SECRET) or
-the settings' files; a bad path, secret or password fails there, with the cause. Ray restarts
-a crashed actor and re-runs its in-flight batch; signing and archiving are idempotent (same
-key in storage), so a retried batch ends signed once.
+the settings' files; a bad path, secret or password fails there, with the cause. Ray neither
+restarts a crashed actor nor re-runs its batch: the fleet (pipeline/cluster/fleet.py) drops it
+and resends the batch to a living one. Archiving is create-only, so a resent batch keeps the
+first attempt's notes and mails those bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pipeline.stages import Batch, sign_stage
 
 # Out of order: a batch is signed once its render has ended, not after the batches submitted
 # before it (in order, the signer waited on the first chain's render while others were ready).
-@ray.remote(max_restarts=-1, max_task_retries=3, num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True)
+@ray.remote(num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True)
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
         self.settings, self.signer = credentials.read(settings)  # one read of the secret

@@ -418,7 +418,7 @@ def proof(args, work: Path, env: dict, run_id: str, accounts: int) -> dict:
 
 def on_the_kept_record(args) -> dict:
     """One run of `close` and `verify` on S3, on a record --keep left: its bucket made once
-    (DIR/s3.pristine, the record's objects but the PDFs) and copied, and its Redis copied, so
+    (DIR/s3.pristine, the record's objects) and copied, and its Redis copied, so
     that each run closes and verifies it whole, as the first did."""
     from tests.servers import start_versitygw
 
@@ -465,13 +465,14 @@ def _on_s3(env: dict, url: str) -> dict:
 
 
 def copy_record(store: Path, env: dict, run_id: str) -> int:
-    """Every object of the run but the signed PDFs (close and verify read none of them)."""
+    """Every object of the run, the signed PDFs too: verify holds each mailed note to the SHA-256
+    its mailing logged (followup/notes_check.py), one GET a note."""
     import boto3
 
     client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
     client.create_bucket(Bucket="cn-archive")
-    files = [p for p in store.rglob("*") if p.is_file() and "signed-pdf" not in p.parts[len(store.parts)]]
+    files = [p for p in store.rglob("*") if p.is_file()]
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(lambda p: client.upload_file(str(p), "cn-archive", str(p.relative_to(store))), files))
     return len(files)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import logging
 import time
@@ -40,7 +41,7 @@ from pipeline.record.lease import LeaseLostError
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store
+from pipeline.record.storage import Store, write_once
 from pipeline.seal.sign import SignatureInfo, protect_all, user_half
 from pipeline.seal.signer import SignError
 from pipeline.settings import TEMPLATES
@@ -192,8 +193,9 @@ def _collector_paused():
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,
                state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
     """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves. Only
-    for the driver holding the run, and never over a note whose mail was claimed: that note
-    may have gone out, and the archive must be what the client got."""
+    for the driver holding the run. The archive is what the client got: a note whose mail was
+    claimed is not signed again (it may have gone out), and a note archived by an earlier
+    attempt is never replaced (_archived): the item carries the archived bytes."""
     started = time.process_time()
     if not state.holds_lease(batch.lease):
         if state.lease_holder() is None:  # Redis lost the run (its epoch too): say that, as a claim would
@@ -222,7 +224,7 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
                 continue
             writer.add(Outcome(item["ucc"], "signed"))
             try:
-                store.put(keys.signed_pdf_key(batch.trade_date, item["ucc"]), item["pdf"])
+                item["pdf"] = _archived(store, batch.trade_date, item["ucc"], item["pdf"])
             except Exception as e:  # storage errors come in many types (OSError, botocore)
                 writer.add(Outcome(item["ucc"], "archived", "failed", reason=f"archive: {e}"))
                 batch.drop("failed")
@@ -232,6 +234,17 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
     batch.items = kept
     batch.timed("sign", started)
     return batch
+
+
+def _archived(store: Store, trade_date: str, ucc: str, signed: bytes) -> bytes:
+    """The note as the archive holds it. Archived once, create-only: another attempt of the same
+    batch (the fleet resending a lost actor's batch, a rerun) that got there first keeps its
+    signature, and this attempt carries those bytes on to be mailed, not the ones it just signed,
+    so the client gets exactly what the archive holds."""
+    kept = write_once(store, keys.signed_pdf_key(trade_date, ucc), signed)
+    if kept is not signed:
+        log.info("account %s: archived by an earlier attempt; its archived note goes on", ucc)
+    return kept
 
 
 @dataclass
@@ -298,14 +311,17 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         i["mail_from"] = ctx.mail_from(batch.run_id, i["ucc"])
         i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key, ctx.mid_domain)
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
-        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"]) for i in mailable]
+        await asyncio.to_thread(_attach, ctx.store, batch.trade_date, mailable)
+        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"])
+                  for i in mailable if "sha256" in i]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     _flush_records(ctx)
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
-        senders = {i["ucc"]: i["mail_from"] for i in mailable}
-        logged = [delivery_log.entry(o, senders[o.ucc]) for o in outcomes if o.stage == "delivered"]
+        sent = {i["ucc"]: i for i in mailable}
+        logged = [delivery_log.entry(o, sent[o.ucc]["mail_from"], sent[o.ucc].get("sha256", ""))
+                  for o in outcomes if o.stage == "delivered"]
         logged += [delivery_log.not_sent(i["ucc"], str(r)) for i, r in zip(batch.items, results)
                    if isinstance(r, (StateLostError, LeaseLostError))]  # refused at the claim: nothing left
         await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, logged, end)
@@ -332,8 +348,8 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         ucc, mid = item["ucc"], item["message_id"]
         try:
             pdf = item["pdf"]
-            if pdf is None:  # archived on an earlier attempt: mailed from the archive
-                pdf = ctx.store.get(keys.signed_pdf_key(batch.trade_date, ucc))
+            if isinstance(pdf, Exception):  # its archived note could not be read (_attach)
+                raise pdf
             message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf,
                                     ctx.note_link(batch.run_id, ucc, batch.trade_date))
         except Exception as e:  # storage, or a message that cannot be built: nothing has left
@@ -351,6 +367,21 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         if outcome.status != "skipped":
             _record(ctx, outcome)
     return outcome
+
+
+def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
+    """Each item's attachment and its SHA-256 (`sha256`, hex), before the batch's "sending"
+    entry, so the delivery log names the exact bytes each mail carries (and `verify` can prove
+    the archive is what the client got). A note archived by an earlier attempt is read from the
+    archive; one that cannot be read keeps its error as its `pdf`, and fails alone, unsent."""
+    for item in items:
+        if item["pdf"] is None:  # archived on an earlier attempt: mailed from the archive
+            try:
+                item["pdf"] = store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
+            except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
+                item["pdf"] = e
+                continue
+        item["sha256"] = hashlib.sha256(item["pdf"]).hexdigest()
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import hashlib
 import json
 import smtplib
 import time
@@ -33,7 +34,7 @@ from pipeline.record.state import RunState
 from pipeline.settings import parse_smtp_url
 from pipeline.stages import Batch
 from tests.conftest import TRADE_DATE
-from tests.helpers import client_rows, outbox_messages
+from tests.helpers import attachment, client_rows, outbox_messages
 
 LETTER = Letter("Notes <notes@broker.example.com>", "Desk <desk@broker.example.com>")
 
@@ -78,9 +79,13 @@ def test_faults_end_in_delivered_once_or_failed_or_unconfirmed_with_the_reason(r
 
 
 def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings, smtp_server, tmp_path):
+    """The mailer dies mid-batch; Ray does not run the batch again (the fleet's RECOVERY), the
+    fleet resends it to a new mailer, and the mail guard leaves the mails then in flight
+    unconfirmed, never sent twice."""
     import ray
 
     from actors.mailer import MailerActor
+    from pipeline.cluster.fleet import RECOVERY
 
     server = smtp_server(delay_ms=3)
     slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "smtp_connections": 2})
@@ -91,14 +96,17 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
               "pdf": pdf} for u in uccs]
     RunState(settings.redis_url, run_id).start({})
     lease = RunState(settings.redis_url, run_id).take_lease(120).token
-    actor = MailerActor.options(name=f"mailer-{run_id}").remote(slow, run_id)
+    actor = MailerActor.options(name=f"mailer-{run_id}", **RECOVERY).remote(slow, run_id)
     ref = actor.send.remote(Batch(run_id, TRADE_DATE, 0, items, lease=lease))
     deadline = time.monotonic() + 60
     while len(list(server.outbox.glob("*.eml"))) < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
     ray.kill(actor, no_restart=False)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ref, timeout=120)
 
-    result = ray.get(ref, timeout=120)
+    again = MailerActor.options(name=f"mailer-again-{run_id}", **RECOVERY).remote(slow, run_id)
+    result = ray.get(again.send.remote(Batch(run_id, TRADE_DATE, 0, items, lease=lease)), timeout=120)
 
     counts = received(server.outbox)
     assert 10 <= sum(counts.values()) < len(uccs) + 1
@@ -116,6 +124,41 @@ def test_a_mailer_killed_mid_batch_mails_no_account_twice(ray_session, settings,
             unresolved.append(ucc)
     assert len(unresolved) <= slow.smtp_connections, "only mails in flight at the kill may be unconfirmed"
     assert result["notes"] == len(uccs)
+
+
+def test_each_mailing_entry_of_the_log_names_the_sha256_of_the_attachment_the_relay_received(settings, smtp_sink):
+    """What the client got, proved from the record: the "sending" and "delivered" entries of the
+    delivery log carry the SHA-256 of the exact PDF attached, whether this attempt signed it or
+    read it from the archive (an earlier attempt's), as the relay's received .eml shows."""
+    from pipeline.record import delivery_log
+    from pipeline.record.storage import open_store
+    from pipeline.stages import mail_context, mail_stage
+
+    run_id = f"sha-{uuid.uuid4().hex[:6]}"
+    store, state = open_store(settings.store_url), RunState(settings.redis_url, run_id)
+    state.start({})
+    lease = state.take_lease(120).token
+    items = [{"ucc": f"H{i:03d}", "name": "Client", "email": f"h{i}@example.com", "pan": "ABCPD1234E", "ecn": True,
+              "pdf": b"%PDF-1.7\n" + bytes([i]) * 5000} for i in range(6)]
+    for item in items[3:]:  # archived by an earlier attempt: mailed from the archive
+        store.put(keys.signed_pdf_key(TRADE_DATE, item["ucc"]), item.pop("pdf") + b"archived")
+        item["pdf"] = None
+
+    async def mail() -> dict:
+        ctx = mail_context(settings, state, store)
+        try:
+            return await mail_stage(Batch(run_id, TRADE_DATE, 0, items, lease=lease), ctx)
+        finally:
+            await ctx.pool.close()
+
+    assert run(mail())["tally"] == {"ok": 6}
+    attached = {m["Message-ID"]: hashlib.sha256(attachment(m)[1]).hexdigest() for m in outbox_messages(smtp_sink.outbox)}
+    logged = [e for e in delivery_log.entries(store, run_id, 0) if e["status"] in ("sending", "delivered")]
+    assert sorted(e["status"] for e in logged) == ["delivered"] * 6 + ["sending"] * 6
+    assert all(e["sha256"] == attached[e["message_id"]] for e in logged), "the log names other bytes than were mailed"
+    archived = items[3]["ucc"]
+    assert attached[next(e["message_id"] for e in logged if e["ucc"] == archived)] == hashlib.sha256(
+        store.get(keys.signed_pdf_key(TRADE_DATE, archived))).hexdigest()
 
 
 def run(coro):

@@ -99,7 +99,7 @@ def test_with_every_actor_lost_there_is_none_to_take():
 
 def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_stops_a_role_left_empty():
     from pipeline.cluster.capacity import CapacityError
-    from pipeline.cluster.nodes import PREEMPTED, Fleet, NodeView
+    from pipeline.cluster.fleet import PREEMPTED, Fleet, NodeView
 
     mailers, _ = located()
     mailers.size_to(2)

@@ -231,6 +231,33 @@ def test_a_close_that_stops_before_its_proof_reads_as_begun_and_the_next_close_s
         len(load_manifest(open_store(str(stopped)), run_id).shards), "one closing object a chain"
 
 
+def test_an_archived_note_replaced_after_mailing_is_named_with_the_log_object_that_says_what_was_mailed(
+        closed_run, tmp_path, capsys, monkeypatch):
+    """The archive is what the client got, provably (issue 69): the delivery log names the
+    SHA-256 of each note mailed, and verify holds every archived note to it. The log and the seal
+    untouched, a note replaced in the archive fails the run, exit 1."""
+    settings, run_id, _, sealed, _ = closed_run
+    assert verified(sealed, run_id)["ok"], "untouched, it verifies"
+    root = copy(sealed, tmp_path / "store")
+    store = open_store(str(root))
+    mailed = sorted(e["ucc"] for e in delivery_log.entries(store, run_id) if e["status"] == "delivered")
+    victim = mailed[len(mailed) // 2]
+    key = keys.signed_pdf_key(TRADE_DATE, victim)
+    store.put(key, store.get(key).replace(b"%%EOF", b"%%EOF\n% signed again", 1))
+    shard = shard_of(root, run_id, victim)
+    logged = [k for k in delivery_log.chain_keys(store, run_id, shard) if any(
+        e["ucc"] == victim and e.get("sha256") for e in delivery_log.parse(store, k, store.lines(k)))]
+
+    found = verified(root, run_id)
+
+    assert not found["ok"] and exit_status(found) == 1
+    assert found["first_problem"] == f"{key}: differs from what was mailed (delivery log shard {shard} seq " \
+                                     f"{delivery_log.seq_of(logged[0])})", found
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    assert main(["verify", run_id, "--store", str(root)]) == 1
+    assert f"{key}: differs from what was mailed" in capsys.readouterr().err
+
+
 def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(closed_run, tmp_path):
     _, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from pipeline.__main__ import main
-from pipeline.cluster.driver import RunRequest, _actors_started, rerun, run_day
-from pipeline.cluster.pools import Pool
+from pipeline.cluster import fleet
+from pipeline.cluster.driver import RunRequest, rerun, run_day
 from pipeline.record import keys
 from pipeline.record.storage import StorageError
 from pipeline.settings import ROOT, ConfigError
@@ -175,16 +175,13 @@ def test_a_rerun_whose_signing_key_cannot_be_read_exits_2_with_every_account_as_
 
 
 def test_an_actor_that_cannot_start_stops_the_run_with_its_cause_in_one_line(ray_session, settings):
-    from actors.mailer import MailerActor
-    from actors.signer import SignerActor
-
     broken = settings.__class__(**{**settings.__dict__, "signer_key": "/nonexistent/signer.key.pem"})
-    signers = Pool("signer", lambda i: SignerActor.remote(broken, "no-run"), lambda a: None, lambda a: a.node.remote())
-    mailers = Pool("mailer", lambda i: MailerActor.remote(settings, "no-run"), lambda a: None, lambda a: a.node.remote())
-    signers.size_to(1)
-    mailers.size_to(1)
-    with pytest.raises(ConfigError) as stopped:
-        _actors_started(signers, mailers, lambda: None)
+    actors = fleet.start(broken, f"no-run-{os.getpid()}", False, False, "")
+    try:
+        with pytest.raises(ConfigError) as stopped:
+            actors.started(lambda: None)
+    finally:
+        actors.close()
     assert "could not start" in str(stopped.value) and "/nonexistent/signer.key.pem" in str(stopped.value)
     assert "\n" not in str(stopped.value)
 

@@ -170,6 +170,32 @@ def test_sign_stage_fails_the_corrupt_account_and_archives_the_rest(tmp_path, re
     assert store.exists(keys.signed_pdf_key("2026-11-20", "C3"))
 
 
+def test_a_second_attempt_of_a_signed_batch_keeps_the_first_signature_and_carries_the_archived_bytes(
+        tmp_path, redis_url, signer, note_pdf):
+    """A resend signs the same rendered batch again (the fleet resending a lost actor's chain):
+    the archive keeps the first attempt's note, create-only, and the second attempt's item goes
+    on to the mailer with those bytes, not with its own new signature (issue 69)."""
+    state = RunState(redis_url, f"twice-{uuid.uuid4().hex[:8]}", 600)
+    store = open_store(str(tmp_path / "store"))
+    lease = state.take_lease(30).token
+
+    def attempt() -> Batch:  # each attempt gets the rendered batch afresh, as from Ray's object store
+        made = user_half(PAN, "aes256")
+        items = [{"ucc": u, "pan": PAN, "pdf": note_pdf, "made": made} for u in ("C1", "C2")]
+        return sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=lease), signer, OWNER, "aes256",
+                          store, state)
+
+    first = attempt()
+    archived = {i["ucc"]: store.get(keys.signed_pdf_key("2026-11-20", i["ucc"])) for i in first.items}
+    second = attempt()
+
+    assert [i["ucc"] for i in second.items] == ["C1", "C2"]
+    for item in second.items:
+        assert store.get(keys.signed_pdf_key("2026-11-20", item["ucc"])) == archived[item["ucc"]], "replaced"
+        assert item["pdf"] == archived[item["ucc"]], "the resend carries a signature the archive does not hold"
+    assert state.accounts(["C1", "C2"])["C1"]["stage"] == "archived"
+
+
 def test_a_note_signed_with_the_user_half_its_render_made_opens_with_the_pan_and_the_owner_password(
         tmp_path, redis_url, signer, note_pdf):
     """The render stage makes U, UE and the file key from the PAN; the signer uses them (the U in
@@ -222,31 +248,54 @@ def test_the_signer_signs_the_batch_that_is_ready_not_the_one_submitted_first(
     assert [i["ucc"] for i in ray.get(first, timeout=60).items] == ["LATE"]
 
 
-def test_a_signer_killed_mid_batch_is_restarted_and_the_batch_ends_signed_once(
+def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_resend_keeps_the_archive(
         ray_session, settings, note_pdf, tmp_path):
+    """One recovery path for a dead actor (issue 69): the fleet makes its actors with Ray's
+    restarts and task retries off, so the batch a signer was signing when its process died fails
+    to the fleet, which drops the actor and resends the batch to a new one. The notes the dead
+    attempt archived keep its signature and go on with those bytes; the rest are archived once.
+    Before, Ray re-ran the batch on the restarted actor while the driver resent it too."""
     import ray
 
-    from actors.signer import SignerActor
+    from pipeline.cluster import fleet
+    from pipeline.cluster.driver import Chain
 
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
-    actor = SignerActor.options(name=f"signer-{run_id}").remote(settings, run_id)
-    first_pid = ray.get(actor.pid.remote())
     uccs = [f"K{i:04d}" for i in range(150)]
     lease = RunState(settings.redis_url, run_id).take_lease(60).token
-    batch = Batch(run_id, "2026-11-20", 0, [{"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs], lease=lease)
-    ref = actor.sign.remote(batch)
-    archive = Path(settings.store_url)
-    deadline = time.monotonic() + 60
-    while not list(archive.rglob("*.pdf")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    partial = len(list(archive.rglob("*.pdf")))
-    ray.kill(actor, no_restart=False)
+    actors = fleet.start(settings, run_id, False, False, "")
+    try:
+        actors.started(lambda: None)
+        signer, mailer = actors.take()
+        assert signer._ray_max_task_retries == 0, "Ray would re-run a dead signer's batch"  # its creation options
+        chain = Chain(0, None, rendered=ray.put(Batch(run_id, "2026-11-20", 0, [
+            {"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs], lease=lease)))
+        ref = signer.sign.remote(chain.rendered)
+        archive = Path(settings.store_url)
+        deadline = time.monotonic() + 60
+        while not list(archive.rglob("*.pdf")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ray.kill(signer, no_restart=False)  # as a crash: Ray would restart it, were restarts on
+        with pytest.raises(ray.exceptions.RayActorError) as lost:
+            ray.get(ref, timeout=120)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(signer.pid.remote(), timeout=60)  # not restarted: the fleet replaces it
+        first = {p.relative_to(archive): p.read_bytes() for p in archive.rglob("*.pdf")}
+        actors.give_back(signer, mailer)
+        assert actors.take_back(lost.value, chain) and signer not in actors.signers.actors
 
-    signed = ray.get(ref, timeout=120)
+        actors.size(settings, fleet.look())
+        actors.started(lambda: None)
+        again, _ = actors.take()
+        signed = ray.get(again.sign.remote(chain.rendered), timeout=120)
+    finally:
+        actors.close()
 
-    assert 0 < partial < len(uccs), "the kill did not land mid-batch"
-    assert ray.get(actor.pid.remote()) != first_pid
+    assert 0 < len(first) < len(uccs), "the kill did not land mid-batch"
     assert [i["ucc"] for i in signed.items] == uccs
+    carried = {keys.signed_pdf_key("2026-11-20", i["ucc"]): i["pdf"] for i in signed.items}
+    for path, pdf in first.items():
+        assert (archive / path).read_bytes() == pdf == carried[path.as_posix()], f"{path} signed again"
     state = RunState(settings.redis_url, run_id)
     assert state.counts()["signed"] == len(uccs) == state.counts()["archived"]
     pdfs = sorted(archive.rglob("*.pdf"))

@@ -3,7 +3,9 @@
 The driver holds shard ids and a bounded window of refs, never the day's data: a batch of
 PDFs goes from the render task to a signer actor to a mailer actor without coming here.
 What comes back is each shard's small tally. A shard whose chain fails for good has its
-unfinished accounts recorded as failed with the cause, so nothing is silently dropped.
+unfinished accounts recorded as failed with the cause, so nothing is silently dropped. The
+signer and mailer actors, and what happens when one dies, are the fleet's (fleet.py): this
+module keeps the day's schedule.
 """
 
 from __future__ import annotations
@@ -28,13 +30,11 @@ import redis
 from tqdm import tqdm
 
 from actors import metrics
-from actors.mailer import MailerActor
-from actors.signer import SignerActor
 from pipeline import credentials
-from pipeline.cluster import first_notes, nodes
+from pipeline.cluster import first_notes, fleet
+from pipeline.cluster.fleet import why
 from pipeline.followup import located, opened
 from pipeline.cluster.plan import on_cluster
-from pipeline.cluster.pools import Pool
 from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
 from pipeline.day.split import check_inputs
@@ -262,7 +262,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     # A local Ray starts meanwhile, in this thread: Ray's processes get SIGKILL when the thread
     # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
     init_ray(settings, address)
-    signers, mailers = _start_actors(settings, run_id, req)  # they boot while the split runs
+    actors = fleet.start(settings, run_id, req.force, req.resend_unconfirmed, req.relays)  # booting while the split runs
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
@@ -290,14 +290,13 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         watch()
 
     try:
-        _actors_started(signers, mailers, watching)
-        cut = _window(settings, nodes.look().slots) if splitting and not resume and req.only is None else 0
-        tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, signers,
-                         mailers, resume, epoch, lease, watching,
+        actors.started(watching)
+        cut = _window(settings, fleet.look().slots) if splitting and not resume and req.only is None else 0
+        tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, actors,
+                         resume, epoch, lease, watching,
                          splitting.after if splitting else lambda shard: None, early)
     finally:
-        signers.close()
-        mailers.close()
+        actors.close()
     if split is None:
         split = _split_done(store, state, run_id, splitting.done(block=True), on_accounts, started)
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
@@ -323,7 +322,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "elapsed_s": round(elapsed, 3),  # this driver's time
         "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
-        "actors": {"signers": signers.peak, "mailers": mailers.peak},
+        "actors": {"signers": actors.signers.peak, "mailers": actors.mailers.peak},
         "nodes": tally.get("nodes", {}),  # lost and drained mid-run, and the actors lost with them
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
@@ -470,67 +469,10 @@ def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_acco
     return split
 
 
-def _actors_started(signers: Pool, mailers: Pool, watch: Callable[[], None]) -> None:
-    """The first signer and mailer are up (the key, the secret, the region read where they run)
-    and have said which node they are on, or the run stops here with the cause in one line
-    (exit status 2), before an account is rendered: an actor that cannot start would otherwise
-    fail every account it was given."""
-    while not (signers.ready() and mailers.ready()):
-        _place((signers, mailers), timeout=1.0)
-        watch()
-
-
-def _place(pools: tuple[Pool, ...], timeout: float = 0.0) -> None:
-    """The actors that said which node they run on become choosable; one that died starting
-    (its node lost) is dropped, and one whose own start failed stops the run."""
-    starting = {probe: (pool, actor) for pool in pools for probe, actor in pool.starting().items()}
-    if not starting:
-        time.sleep(timeout)
-        return
-    done, _ = ray.wait(list(starting), num_returns=len(starting), timeout=timeout)
-    for ref in done:
-        pool, actor = starting[ref]
-        try:
-            pool.placed(actor, ray.get(ref))
-        except ray.exceptions.RayActorError as e:
-            if e.actor_init_failed:
-                raise _cannot_start(e) from None
-            log.warning("a %s actor was lost while it started: %s", pool.role, _why(e))
-            pool.lose(actor)
-
-
-def _cannot_start(e: ray.exceptions.RayActorError) -> ConfigError:
-    """The creation error's last line ("SignerSetupError: ..."), not Ray's traceback."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return ConfigError(f"an actor could not start: {lines[-1] if lines else type(e).__name__}")
-
-
-def _where(actor) -> ray.ObjectRef:
-    return actor.node.remote()
-
-
-def _start_actors(settings: Settings, run_id: str, req: RunRequest) -> tuple[Pool, Pool]:
-    own = settings.for_actors()  # each reads the secret itself
-    signers = Pool("signer", lambda i: SignerActor.options(name=f"signer-{i}-{run_id}").remote(own, run_id), ray.kill,
-                   _where)
-    mailers = Pool("mailer", lambda i: MailerActor.options(name=f"mailer-{i}-{run_id}").remote(
-        own, run_id, req.force, req.resend_unconfirmed, req.relays), ray.kill, _where)
-    _size(settings, signers, mailers)
-    return signers, mailers
-
-
-def _size(settings: Settings, signers: Pool, mailers: Pool, view: nodes.NodeView | None = None) -> int:
-    """The pools follow the signer and smtp slots of the nodes that stay (unless fixed): not a
-    draining node's; returns the window: two shards in flight per render CPU, at least
+def _window(settings: Settings, slots: dict) -> int:
+    """The chains in flight: two per render CPU of the nodes that stay (`slots`), at least
     CN_WINDOW's default."""
-    have = (view or nodes.look()).slots
-    signers.size_to(settings.signers or int(have.get("signer", 0)))
-    mailers.size_to(settings.mailers or int(have.get("smtp", 0)))
-    return _window(settings, have)
-
-
-def _window(settings: Settings, have: dict | None = None) -> int:
-    return settings.window or max(6, 2 * int((have or ray.cluster_resources()).get("render", 0)))
+    return settings.window or max(6, 2 * int(slots.get("render", 0)))
 
 
 def _units(shards: list[int], first: int | None, cut: int = 0, shard_size: int = 0) -> list[tuple[int, tuple | None]]:
@@ -557,38 +499,38 @@ class Chain:
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
-             signers: Pool, mailers: Pool, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
+             actors: fleet.Fleet, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
              assembled: Callable[[int], ray.ObjectRef | None], early: first_notes.FirstNotes | None) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
     pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
     again: list[Chain] = []  # chains whose actor was lost: sent again before new ones
-    window = _size(settings, signers, mailers)
+    view = fleet.look()
+    actors.size(settings, view)
+    window = _window(settings, view.slots)
     render_settings = credentials.for_render(settings)
     queue = [Chain(shard, part) for shard, part in reversed(units)]
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
-    fleet = nodes.Fleet((signers, mailers), settings.capacity_wait_s)
     try:
         while queue or again or pending:
-            while (queue or again) and len(pending) < window and signers.ready() and mailers.ready():
+            while (queue or again) and len(pending) < window and actors.ready():
                 chain = again.pop() if again else queue.pop()
                 if chain.rendered is None:
                     chain.rendered = render_task.options(name="render part of a shard" if chain.part else
                                                          "render shard").remote(
                         render_settings, run_id, req.trade_date, chain.shard, req.only, req.force, resume,
                         assembled(chain.shard), chain.part, lease.token, skipped(chain.shard))
-                chain.signer, chain.mailer = signers.take(), mailers.take()
+                chain.signer, chain.mailer = actors.take()
                 pending[chain.mailer.send.remote(chain.signer.sign.remote(chain.rendered))] = chain
             done = ray.wait(list(pending), num_returns=1, timeout=1.0)[0] if pending else []
             if not pending:  # every chain waits for an actor: a lost node's replacement
-                _place((signers, mailers), timeout=1.0)
+                actors.place(timeout=1.0)
             watch()
             for ref in done:
                 chain = pending.pop(ref)
-                signers.give_back(chain.signer)
-                mailers.give_back(chain.mailer)
-                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), fleet)
+                actors.give_back(chain.signer, chain.mailer)
+                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), actors)
                 if result is None:
                     again.append(chain)
                     totals["resent"] += 1
@@ -607,16 +549,17 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                         "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
-                view = nodes.look()
-                fleet.check(view)
-                window = _size(settings, signers, mailers, view)  # nodes come and go
-                _place((signers, mailers))
+                view = fleet.look()
+                actors.check(view)
+                actors.size(settings, view)  # nodes come and go
+                window = _window(settings, view.slots)
+                actors.place()
         if early:  # still mailing when the chains are done (a relay slow to answer)
             _count(_first_notes_done(early, settings, run_id), totals, progress)
-        fleet.tally(nodes.look())  # a node Ray has declared dead since the last look: counted too
+        actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
     finally:
         progress.close()
-    totals["nodes"] = fleet.counts()
+    totals["nodes"] = actors.counts()
     return totals
 
 
@@ -650,28 +593,28 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
     log.error("run %s: the driver's first notes failed: %s", run_id, early.error)
     if not numbers:
         return _no_notes()
-    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {_why(early.error)}")
+    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {why(early.error)}")
 
 
 def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, skip: frozenset[str],
-            fleet: nodes.Fleet) -> dict | None:
+            actors: fleet.Fleet) -> dict | None:
     """The chain's tally; None when it is to be sent again: its signer or mailer was lost (with
     its node, mostly) and the chain has resends left."""
     try:
         return ray.get(ref)
-    except Exception as e:  # the chain failed after Ray's retries: say so for each account
+    except Exception as e:  # a render past its task retries, or an actor lost (the fleet's to resend)
         lost = getattr(e, "cause", None) or e
         if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:  # a new node's actor
-            _stop_mailing(pending, _cannot_start(e))
+            _stop_mailing(pending, fleet.cannot_start(e))
         if isinstance(lost, StateLostError):
             _stop_mailing(pending, StateLostError(str(lost)))
         if isinstance(lost, LeaseLostError):
             raise LeaseLostError(str(lost)) from None
-        if fleet.lost(e, chain):
-            log.warning("shard %s: sent again to the living actors (%s)", chain.shard, _why(e))
+        if actors.take_back(e, chain):
+            log.warning("shard %s: sent again to the living actors (%s)", chain.shard, why(e))
             return None
         log.error("shard %s failed: %s", chain.shard, e)
-        return _fail_shard(settings, run_id, chain.shard, _why(e), chain.part, skip)
+        return _fail_shard(settings, run_id, chain.shard, why(e), chain.part, skip)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
@@ -682,11 +625,6 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return _no_notes()
     return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason)
-
-
-def _why(e: BaseException) -> str:
-    """An error in one line, for an account's reason (an empty message has no first line)."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 def _no_notes() -> dict:

@@ -9,8 +9,8 @@ creation is the demand that makes the autoscaler start the first node.
 
 An actor is chosen only once it has said which node it runs on (`locate`): a call handed to
 one still starting would wait for its node. An actor whose node died is dropped at once (its
-batches in flight go to the living: the driver resends them); one whose node is draining (a
-spot notice) is chosen no more and given back once idle. No Ray import here: the driver hands
+batches in flight go to the living: the fleet resends them, fleet.py); one whose node is draining (a
+spot notice) is chosen no more and given back once idle. No Ray import here: the fleet hands
 in how to make, kill and locate an actor, so the logic is tested without a cluster.
 """
 

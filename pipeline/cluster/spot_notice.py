@@ -6,7 +6,7 @@ time), and sometimes earlier recommends moving off (`events/recommendations/reba
 either, this node is drained through the GCS as autoscaler v2 drains it (reason PREEMPTION,
 with the deadline): Ray places no new task or actor here (a worker the driver leased just
 before may take one more task within its 500 ms lease), what runs may finish, the driver's
-pools choose this node's actors no more (pipeline/cluster/nodes.py), and the day's capacity
+pools choose this node's actors no more (pipeline/cluster/fleet.py), and the day's capacity
 request (request_resources) has the autoscaler launch a replacement once the node is gone.
 
 IMDSv2 only (a session token first). On a machine that is not an EC2 instance (its DMI vendor

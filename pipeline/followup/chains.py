@@ -66,7 +66,7 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
     prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
     for i, key in enumerate(found):
         n = i + 1
-        if _seq(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
+        if delivery_log.seq_of(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
             chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
                             f"{prev_key or 'its start'} to {key})"
             return chain
@@ -123,11 +123,6 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
     chain.problem = unreadable
     chain.statuses = delivery_log.final_statuses(entries, closed) if sealed is not None else {}
     return chain
-
-
-def _seq(key: str) -> int:
-    """The number a chained object's name gives it (delivery_log.object_key)."""
-    return int(key.rsplit("/", 1)[1][:8])
 
 
 def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:

@@ -18,7 +18,7 @@ mailed account without a permanent bounce delivered, final, and seals the record
      time-stamping authority the broker does not run: a seal made later cannot be back-dated.
 The seal's three are all had (hashed, signed, timestamped, each checked) before the first is
 written, then written in that order, each once (create-only, as the chain is; a PUT refused as
-taken is settled by reading the key back: storage.put_once). A signer, TSA or store that fails is
+taken is settled by reading the key back: storage.write_once). A signer, TSA or store that fails is
 one line naming it; whatever prefix of the writes it leaves reads as a close begun
 (seal_state.py), and the next close completes it: from its warrant, or from the proof's bytes as
 stored, once the record matches them. A second `close` of a sealed run changes nothing: it
@@ -40,7 +40,7 @@ from pipeline.followup.verify import verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import proof_keys, timestamp_key
-from pipeline.record.storage import StorageError, Store, put_once, sha256
+from pipeline.record.storage import StorageError, Store, sha256, write_once
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError, Signer
 from pipeline.settings import Settings
@@ -230,7 +230,7 @@ def _write(store: Store, run_id: str, key: str, data: bytes) -> bool:
     """One of the seal's objects, written once: True when `key` holds `data` now (a PUT whose
     reply was lost included), False when another close's bytes took it."""
     try:
-        return put_once(store, key, data)
+        return write_once(store, key, data) == data
     except StorageError as e:
         raise SealStopped(f"close {run_id}: {e}; the seal stopped at {key}: {AGAIN}") from None
 

@@ -28,7 +28,7 @@ import tempfile
 from typing import Iterator
 
 from pipeline.errors import RunNotFound
-from pipeline.followup import chains, closing
+from pipeline.followup import chains, closing, notes_check
 from pipeline.followup.seal_state import BEGAN, SEALED, SealState, seal_state
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
@@ -80,6 +80,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
             if not problems:
                 problems += _disagreements(db, store, run_id)
         db.close()
+    problems += notes_check.first_difference(store, run_id, run_report.get("trade_date", ""), split.shards)
     ok, sealed = not problems, seal.state == SEALED
     summary = f"run {run_id}: " + (problems[0] if problems else "sealed: whole" if sealed else
                                    f"not sealed: {_begun(seal, proof, warrant)}" if seal.state == BEGAN else

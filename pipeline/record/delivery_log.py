@@ -5,7 +5,8 @@ A shard's log is a numbered series of write-once objects under the shard's fixed
 prefix. A mailing adds two: before the first mail of the batch is claimed, every account
 about to be tried as "sending"; once the replies are in, each account's outcome (Message-ID,
 relay reply, time, attempts, envelope sender), and "not_sent" for each whose claim was
-refused. Reconciling, a bounce and a client's fetch of their note each add one of their own.
+refused. A mailing's entries carry the SHA-256 of the note it attaches (`sha256`), which
+`verify` holds the archive to (followup/notes_check.py). Reconciling, a bounce and a client's fetch of their note each add one of their own.
 
 Each object's first line names its run, shard and number and carries the SHA-256 of the
 object before it (a chain, as a Git commit names its parent): an object changed, removed or
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Container, Iterable, Iterator
 
 from pipeline.record import keys
-from pipeline.record.storage import StorageError, Store, put_once
+from pipeline.record.storage import StorageError, Store, write_once
 
 if TYPE_CHECKING:  # not imported at run time: Redis's client is 9 MB more in each of close's and verify's processes
     from pipeline.record.records import Outcome
@@ -59,9 +60,15 @@ def object_key(run_id: str, shard: int, seq: int) -> str:
     return f"{keys.delivery_log_prefix(run_id, shard)}{seq:08d}.jsonl"
 
 
-def sending(ucc: str, message_id: str, mail_from: str = "") -> dict:
+def seq_of(key: str) -> int:
+    """The number a chained object's name gives it (object_key)."""
+    return int(key.rsplit("/", 1)[1][:8])
+
+
+def sending(ucc: str, message_id: str, mail_from: str = "", sha256: str = "") -> dict:
+    """An account about to be mailed; `sha256`, of the exact bytes it attaches (hex)."""
     e = {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
-    return e | ({"mail_from": mail_from} if mail_from else {})
+    return e | ({"mail_from": mail_from} if mail_from else {}) | ({"sha256": sha256} if sha256 else {})
 
 
 def not_sent(ucc: str, why: str) -> dict:
@@ -70,9 +77,10 @@ def not_sent(ucc: str, why: str) -> dict:
     return {"ucc": ucc, "status": "not_sent", "reason": why[:300], "at": time.time()}
 
 
-def entry(o: Outcome, mail_from: str = "") -> dict:
+def entry(o: Outcome, mail_from: str = "", sha256: str = "") -> dict:
     """A mail outcome as the log keeps it; a mail skipped because an earlier attempt
-    delivered it is logged as delivered again (that attempt may have died before logging)."""
+    delivered it is logged as delivered again (that attempt may have died before logging).
+    `sha256`: of the attachment this mailing carried (hex), which `verify` holds the archive to."""
     status = {"ok": "delivered", "skipped": "delivered"}.get(o.status, o.status)
     e = {"ucc": o.ucc, "status": status, "message_id": o.message_id, "reply": o.reply, "reason": o.reason,
          "at": time.time(), "attempts": o.extra.get("attempts", 0)}
@@ -80,6 +88,8 @@ def entry(o: Outcome, mail_from: str = "") -> dict:
         e["possible_duplicate"] = True
     if mail_from:
         e["mail_from"] = mail_from
+    if sha256:
+        e["sha256"] = sha256
     return e
 
 
@@ -96,7 +106,7 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
                             separators=(",", ":"))
         data = (header + "\n" + body).encode()
         key = object_key(run_id, shard, seq)
-        if put_once(store, key, data):  # or taken by this very object: its reply was lost
+        if write_once(store, key, data) == data:  # made now, or by this very object whose reply was lost
             return Link(key, seq, hashlib.sha256(data).hexdigest())
         after = None
     raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "

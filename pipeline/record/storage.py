@@ -52,6 +52,15 @@ def sha256(store: Store, key: str, chunk: int = 4 << 20) -> str:
     return digest.hexdigest()
 
 
+def write_once(store: Store, key: str, data: bytes) -> bytes:
+    """A create-only write, and the bytes the key holds after it: `data` when this write made the
+    object, else what was there first. What is written once is never replaced (the signed archive,
+    a delivery-log object), so the first writer's bytes are the ones every later attempt carries
+    on. A write sent again after its reply was lost finds its own bytes there, equal to `data`:
+    a lost reply is settled by reading the key back, never by writing again."""
+    return data if store.put_new(key, data) else store.get(key)
+
+
 def read_json(store: Store, key: str) -> dict:
     """An object this job wrote as one JSON object. Anything else was cut short or edited
     in the bucket: one line naming the object, never a traceback."""
@@ -62,14 +71,6 @@ def read_json(store: Store, key: str) -> dict:
     if not isinstance(value, dict):
         raise StorageError(f"{store.url}: object {key!r} is not a JSON object (edited?)")
     return value
-
-
-def put_once(store: Store, key: str, data: bytes) -> bool:
-    """A create-only write that a lost reply cannot mislead: True when `key` holds `data` now,
-    written by this call or by an earlier attempt of it (a PUT that landed and whose reply was
-    lost is sent again, and refused as taken, by itself: the key is read back); False when
-    another writer's bytes hold it."""
-    return store.put_new(key, data) or store.get(key) == data
 
 
 def check_create_only(store: Store, key: str) -> None:
