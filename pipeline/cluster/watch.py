@@ -26,9 +26,9 @@ class NoSuchJob(Exception):
 def watch(address: str, job_id: str, silence_s: float = 30.0, poll_s: float = 2.0, out=sys.stdout) -> int:
     """Print the job's log as it grows; its end as the job's exit (0 succeeded, 1 otherwise), or
     LOST once the head has been silent for `silence_s`."""
-    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    from pipeline.cluster.ray_private import job_api_headers
 
-    headers = get_auth_headers_if_auth_enabled({})  # the token `ray job` itself sends (RAY_AUTH_MODE=token)
+    headers = job_api_headers()  # the token `ray job` itself sends (RAY_AUTH_MODE=token)
     printed, run_id, heard = 0, "", time.monotonic()
     while True:
         try:
