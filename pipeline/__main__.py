@@ -470,15 +470,21 @@ def cmd_status(args) -> int:
     return 0
 
 
-@command("watch", "on the laptop: follow a day's Ray job (`ray job submit --no-wait`'s id) and, if the head stops "
-                  "answering, say so in one line with the run id that resumes it (exit 3)",
+@command("watch", "on the laptop: follow a day's Ray job (`ray job submit --no-wait`'s id) and, if its address stops "
+                  "answering, ask the cloud: a head it still runs is a dropped tunnel (said; the watch goes on), one "
+                  "it no longer runs is lost (said in one line with the run id that resumes it, exit 3); an address "
+                  "that never answered is said as such (exit 4)",
          arg("job_id", help="the job's submission id"),
          arg("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (`ray dashboard`'s tunnel)"),
-         arg("--silence-s", type=float, default=30.0, help="how long the head may not answer before it is lost"))
+         arg("--silence-s", type=float, default=30.0, help="how long the address may not answer before the cloud "
+                                                           "is asked"),
+         arg("--cluster-config", default="cluster.yaml", help="the cluster's config, whose node provider says "
+                                                              "whether the head instance runs"))
 def cmd_watch(args) -> int:
-    from pipeline.cluster.watch import watch
+    from pipeline.cluster.watch import head_state, watch
 
-    return watch(args.address.rstrip("/"), args.job_id, args.silence_s, out=args.stdout)
+    return watch(args.address.rstrip("/"), args.job_id, args.silence_s, out=args.stdout,
+                 cloud=lambda: head_state(args.cluster_config))
 
 
 @command("test-send", "render, sign and mail one note (a synthetic client's, or --input's first) to an address you "
