@@ -187,20 +187,25 @@ def cmd_synth(args) -> int:
                   "stops the run, and the same run id must be run again"),
          PIN_CORRECTED)
 def cmd_run(args) -> int:
-    """The day, and then its end told to CN_ON_END: the summary with the exit status, or the
-    one-line reason it could not run."""
+    """The day, beating CN_HEARTBEAT_URL while it runs (a monitor pages when the beat stops: a
+    dead head or driver tells no hook), and then its end told to CN_ON_END and the heartbeat:
+    the summary with the exit status, or the one-line reason it could not run."""
     from pipeline.cluster.end_hook import notify
+    from pipeline.cluster.heartbeat import beating
 
-    hook = Settings.from_env().on_end
-    try:
-        summary = _run(args)
-    except Exception as e:
-        notify(hook, {"command": "run", "date": args.date.isoformat(), "run_id": args.run_id or "",
-                      "exit_status": 2, "error": str(getattr(e, "cause", None) or e).splitlines()[0][:500]})
-        raise
-    status = _exit_status(summary)
+    settings = Settings.from_env()
+    with beating(settings.heartbeat_url, settings.heartbeat_s) as beat:
+        try:
+            summary = _run(args)
+        except Exception as e:
+            notify(settings.on_end, {"command": "run", "date": args.date.isoformat(), "run_id": args.run_id or "",
+                                     "exit_status": 2, "error": str(getattr(e, "cause", None) or e).splitlines()[0][:500]})
+            raise
+        status = _exit_status(summary)
+        if beat:
+            beat.end(status == 0, f"run {summary['run_id']}: exit status {status}")
     late = bool(args.deadline_min) and summary["elapsed_s"] > args.deadline_min * 60
-    notify(hook, {"command": "run", **summary, "exit_status": status, "late": late})
+    notify(settings.on_end, {"command": "run", **summary, "exit_status": status, "late": late})
     return status
 
 
