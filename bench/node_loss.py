@@ -144,9 +144,10 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
 class Metadata:
     """EC2's instance metadata as a stand-in on loopback, IMDSv2 only: a token from PUT
     latest/api/token, then reads that carry it (401 without). `notice(at)` posts a spot
-    interruption notice for time `at`."""
+    interruption notice for time `at`. `port`: a known one, for a stand-in that comes up late (an
+    instance's metadata at boot)."""
 
-    def __init__(self):
+    def __init__(self, port: int = 0):
         import http.server
         import secrets
 
@@ -174,7 +175,7 @@ class Metadata:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -188,11 +189,11 @@ class Metadata:
 
 def _noticed(cluster, node, metadata: Metadata, deadline_s: float, lost: list[dict], started: float) -> None:
     """The spot notice on `node`: its watcher drains it through the GCS; EC2 ends it at the deadline."""
-    import ray
+    from pipeline.cluster.ray_private import draining_nodes
 
     metadata.notice(time.time() + deadline_s)
     posted = time.monotonic()
-    while node.node_id not in ray._private.state.state.get_draining_nodes():
+    while node.node_id not in draining_nodes():
         if time.monotonic() - posted > 30:
             raise RuntimeError("the node was not drained within 30 s of the notice")
         time.sleep(0.1)

@@ -214,20 +214,25 @@ def cmd_synth(args) -> int:
                   "stops the run, and the same run id must be run again"),
          PIN_CORRECTED)
 def cmd_run(args) -> int:
-    """The day, and then its end told to CN_ON_END: the summary with the exit status, or the
-    one-line reason it could not run."""
+    """The day, beating CN_HEARTBEAT_URL while it runs (a monitor pages when the beat stops: a
+    dead head or driver tells no hook), and then its end told to CN_ON_END and the heartbeat:
+    the summary with the exit status, or the one-line reason it could not run."""
     from pipeline.cluster.end_hook import notify
+    from pipeline.cluster.heartbeat import beating
 
-    hook = Settings.from_env().on_end
-    try:
-        summary = _run(args)
-    except Exception as e:
-        notify(hook, {"command": "run", "date": args.date.isoformat(), "run_id": args.run_id or "",
-                      "exit_status": 2, "error": str(getattr(e, "cause", None) or e).splitlines()[0][:500]})
-        raise
-    status = _exit_status(summary)
+    settings = Settings.from_env()
+    with beating(settings.heartbeat_url, settings.heartbeat_s) as beat:
+        try:
+            summary = _run(args)
+        except Exception as e:
+            notify(settings.on_end, {"command": "run", "date": args.date.isoformat(), "run_id": args.run_id or "",
+                                     "exit_status": 2, "error": str(getattr(e, "cause", None) or e).splitlines()[0][:500]})
+            raise
+        status = _exit_status(summary)
+        if beat:
+            beat.end(status == 0, f"run {summary['run_id']}: exit status {status}")
     late = bool(args.deadline_min) and summary["elapsed_s"] > args.deadline_min * 60
-    notify(hook, {"command": "run", **summary, "exit_status": status, "late": late})
+    notify(settings.on_end, {"command": "run", **summary, "exit_status": status, "late": late})
     return status
 
 
@@ -500,15 +505,21 @@ def cmd_status(args) -> int:
     return 0
 
 
-@command("watch", "on the laptop: follow a day's Ray job (`ray job submit --no-wait`'s id) and, if the head stops "
-                  "answering, say so in one line with the run id that resumes it (exit 3)",
+@command("watch", "on the laptop: follow a day's Ray job (`ray job submit --no-wait`'s id) and, if its address stops "
+                  "answering, ask the cloud: a head it still runs is a dropped tunnel (said; the watch goes on), one "
+                  "it no longer runs is lost (said in one line with the run id that resumes it, exit 3); an address "
+                  "that never answered is said as such (exit 4)",
          arg("job_id", help="the job's submission id"),
          arg("--address", default="http://127.0.0.1:8265", help="the Ray dashboard (`ray dashboard`'s tunnel)"),
-         arg("--silence-s", type=float, default=30.0, help="how long the head may not answer before it is lost"))
+         arg("--silence-s", type=float, default=30.0, help="how long the address may not answer before the cloud "
+                                                           "is asked"),
+         arg("--cluster-config", default="cluster.yaml", help="the cluster's config, whose node provider says "
+                                                              "whether the head instance runs"))
 def cmd_watch(args) -> int:
-    from pipeline.cluster.watch import watch
+    from pipeline.cluster.watch import head_state, watch
 
-    return watch(args.address.rstrip("/"), args.job_id, args.silence_s, out=args.stdout)
+    return watch(args.address.rstrip("/"), args.job_id, args.silence_s, out=args.stdout,
+                 cloud=lambda: head_state(args.cluster_config))
 
 
 @command("test-send", "render, sign and mail one note (a synthetic client's, or --input's first) to an address you "

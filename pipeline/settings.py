@@ -130,6 +130,11 @@ class Settings:
                                      "stops (exit 2)", 0, 86_400)
     on_end: str = setting("CN_ON_END", "", "called when a run ends, however it ends: a webhook URL (the summary "
                           "JSON POSTed) or a command (the JSON on its stdin)", secret=True)
+    heartbeat_url: str = setting("CN_HEARTBEAT_URL", "", "a dead man's switch (healthchecks.io's ping API): "
+                                 "URL/start when a run starts and every CN_HEARTBEAT_S while it runs, URL when it "
+                                 "ends with exit status 0, URL/fail otherwise", secret=True)
+    heartbeat_s: float = setting("CN_HEARTBEAT_S", 60.0, "seconds between the heartbeat's pings (the monitor's "
+                                 "grace: a few of them)", 0.1, 3600)
     imds_url: str = setting("CN_IMDS_URL", "", "the instance metadata service a worker's spot notice watcher reads; "
                             "empty: EC2's, on an EC2 instance only")
     lease_s: float = setting("CN_LEASE_S", 30.0, "seconds without a renewal before a driver's run, or a bounce "
@@ -168,6 +173,8 @@ class Settings:
             if f.type == "float" and not math.isfinite(value) or low is not None and not low <= value <= high:
                 limits = f" (from {low:g} to {high:g})" if low is not None else " (a finite number)"
                 raise ConfigError(f"{f.metadata['env']}={value!r} is out of range{limits}")
+        if self.heartbeat_url and urlsplit(self.heartbeat_url).scheme not in ("http", "https"):
+            raise ConfigError("CN_HEARTBEAT_URL must be an http:// or https:// URL (a monitor's ping URL)")
         if not HOSTNAME.match(self.message_id_domain):
             raise ConfigError(f"CN_MESSAGE_ID_DOMAIN={self.message_id_domain!r} is not a domain name")
         self.domain_limits()

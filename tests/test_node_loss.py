@@ -123,4 +123,4 @@ def test_the_watcher_reads_imdsv2_with_a_token_and_does_nothing_without_metadata
     finally:
         stand_in.stop()
     nowhere = spot_notice.Metadata(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
-    assert spot_notice.watch(nowhere, lambda n: pytest.fail("no metadata, no notice")) is None
+    assert spot_notice.watch(nowhere, lambda n: pytest.fail("no metadata, no notice"), probes=2, first_s=0.01) is None

@@ -462,9 +462,9 @@ def test_a_day_that_loses_a_noticed_spot_render_node_and_its_signer_node_ends_by
 def test_a_lost_head_is_said_on_the_laptop_and_a_new_head_resumes_the_day_each_account_once(
         cloud, tmp_path, keys_dir, redis_url):
     """Issue 55's head, as docs/operations.md says: the head's instance terminated once a third
-    of the day is mailed; `watch` says so in one line with the run id; `ray down`, `ray up`, the
-    day submitted again with that run id resumes from storage; what the dead head's mailers had
-    claimed is settled from the relay's log."""
+    of the day is mailed; `watch` asks the cloud (issue 69), and says so in one line with the run
+    id; `ray down`, `ray up`, the day submitted again with that run id resumes from storage; what
+    the dead head's mailers had claimed is settled from the relay's log."""
     cloud.smtp_url = cloud.smtp_url.replace("rate=0.5", "rate=1")  # no stranger's scan to outlive: half the wait
     _baked(cloud)
     lap = _steps_1_and_2(cloud, tmp_path, keys_dir, small_pools=True)
@@ -475,7 +475,8 @@ def test_a_lost_head_is_said_on_the_laptop_and_a_new_head_resumes_the_day_each_a
         lap.run("ray", "job", "submit", "--address", address, "--no-wait", "--submission-id", "day-1", "--",
                 "python", "scripts/cluster_run.py", TRADE_DATE, url)
         watching = subprocess.Popen(["python", "-m", "pipeline", "watch", "day-1", "--address", address,
-                                     "--silence-s", "20"], cwd=lap.checkout, env=lap.env, text=True,
+                                     "--silence-s", "20", "--cluster-config", str(lap.yaml_path)],
+                                    cwd=lap.checkout, env=lap.env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         while watching.poll() is None and len(list(cloud.outbox.glob("*"))) < ACCOUNTS // 3:
             time.sleep(0.2)
@@ -484,7 +485,7 @@ def test_a_lost_head_is_said_on_the_laptop_and_a_new_head_resumes_the_day_each_a
         lost_at = time.monotonic()
         _, err = watching.communicate(timeout=180)
     said = [line for line in err.splitlines() if line.startswith("error:")]
-    assert watching.returncode == 3 and len(said) == 1 and "the head" in said[0], err[-3000:]
+    assert watching.returncode == 3 and len(said) == 1 and "the cloud no longer runs it" in said[0], err[-3000:]
     assert time.monotonic() - lost_at < 90, "said within the watch's silence, not discovered later"
     run_id = re.search(r"--run-id (\S+)", said[0]).group(1)
     assert 0 < len(list(cloud.outbox.glob("*"))) < ACCOUNTS, "the head died mid-day"

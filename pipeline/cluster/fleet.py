@@ -31,6 +31,7 @@ import ray
 from actors import metrics
 from actors.mailer import MailerActor
 from actors.signer import SignerActor
+from pipeline.cluster import ray_private
 from pipeline.cluster.capacity import CapacityError
 from pipeline.cluster.pools import Pool
 from pipeline.settings import ConfigError, Settings
@@ -70,13 +71,19 @@ def look() -> NodeView:
     return NodeView(frozenset(alive), draining, slots, dead)
 
 
+_unreadable: list[str] = []  # said once a process: look() runs every second
+
+
 def _draining() -> set[str]:
-    """The nodes the GCS is draining (Ray 2.60: GlobalState.get_draining_nodes, node id ->
-    deadline); none if this Ray cannot say, and the pools then learn of the loss when it comes."""
+    """The nodes the GCS is draining; none if this Ray cannot say, and the pools then learn of
+    a noticed node's loss only when it comes (said at WARNING: the spot notice no longer helps)."""
     try:
-        return set(ray._private.state.state.get_draining_nodes())
-    except Exception as e:  # an older or newer Ray without it: losses are still caught
-        log.debug("draining nodes not readable: %s", e)
+        return ray_private.draining_nodes()
+    except Exception as e:  # a Ray whose private call changed (tests/test_ray_private.py), or a GCS blip
+        if not _unreadable:
+            log.warning("the nodes Ray is draining are not readable (%s): a spot-noticed node's actors are "
+                        "still chosen until it is lost", e)
+        _unreadable.append(str(e))
         return set()
 
 

@@ -228,12 +228,10 @@ def teardown_workers(config: str | dict) -> None:
 def node_provider(config: str | dict):
     """The cluster's node provider, as `ray up` and the autoscaler use it."""
     import yaml
-    from ray.autoscaler._private.commands import _bootstrap_config
-    from ray.autoscaler._private.providers import _get_node_provider
 
-    cfg = yaml.safe_load(open(config)) if isinstance(config, str) else config
-    cfg = _bootstrap_config(cfg, no_config_cache=True)
-    return _get_node_provider(cfg["provider"], cfg["cluster_name"])
+    from pipeline.cluster import ray_private
+
+    return ray_private.node_provider(yaml.safe_load(open(config)) if isinstance(config, str) else config)
 
 
 def node_ips(provider) -> set[str]:

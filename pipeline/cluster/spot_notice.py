@@ -9,11 +9,16 @@ before may take one more task within its 500 ms lease), what runs may finish, th
 pools choose this node's actors no more (pipeline/cluster/fleet.py), and the day's capacity
 request (request_resources) has the autoscaler launch a replacement once the node is gone.
 
-IMDSv2 only (a session token first). On a machine that is not an EC2 instance (its DMI vendor
-says so), or where the metadata does not answer, the watcher says so once and exits. cluster.yaml's worker_start_ray_commands
-start it in the background after `ray start`:
+IMDSv2 only (a session token first). At boot the metadata and the GCS may not answer yet: each is
+asked again with backoff (`PROBES` times), and a node the watcher cannot protect (not an EC2
+instance, metadata still silent, Ray unreachable) is said at WARNING, never at INFO. A watcher
+that exits for want of metadata exits 1, and its supervisor starts it again; one with nothing to
+protect (not EC2) or whose node is drained exits 0. cluster.yaml's worker_start_ray_commands start
+it after `ray start` under a restart loop (docs/operations.md, "A spot notice"):
 
-    python -m pipeline.cluster.spot_notice --address $RAY_HEAD_IP:6379 &
+    until python -m pipeline.cluster.spot_notice --address $RAY_HEAD_IP:6379; do sleep 5; done
+
+The GCS calls are Ray's private ones, kept in pipeline/cluster/ray_private.py.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import datetime as dt
 import json
 import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +42,8 @@ TOKEN_TTL_S = 21600
 POLL_S = 5.0  # EC2 updates the notice about every 5 s; two minutes leave 24 looks
 REBALANCE_DEADLINE_S = 600  # a recommendation comes before any notice: the node has at least this long
 NOTICE_DEADLINE_S = 120  # a notice's own time, when it cannot be read
+PROBES = 8  # tries of the metadata (and of the GCS) at start, 1 s apart and doubling: about two minutes
+BACKOFF_CAP_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -94,40 +102,44 @@ def notice(metadata: Metadata, now: Callable[[], dt.datetime] = lambda: dt.datet
     return None
 
 
-def this_node(gcs_address: str, ip: str) -> str:
-    """This node's id (hex): the alive node whose raylet is at this machine's IP."""
-    import ray
-
-    client = ray._raylet.GcsClient(address=gcs_address)
-    for node_id, info in client.get_all_node_info().items():
-        if info.node_manager_address == ip and info.state == 0:  # ALIVE
-            return node_id.hex()
-    raise LookupError(f"no alive Ray node at {ip} in {gcs_address}")
-
-
 def drain(gcs_address: str, node_id: str, found: Notice) -> bool:
     """Drains the node through the GCS (what `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`
     does); True if the GCS accepted."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
+    from pipeline.cluster import ray_private
 
-    client = ray._raylet.GcsClient(address=gcs_address)
     deadline_ms = int(time.time() * 1000) + found.deadline_s * 1000
-    accepted, why = client.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                      f"spot {found.kind}: {found.said}", deadline_ms)
+    accepted, why = ray_private.drain_node(gcs_address, node_id, f"spot {found.kind}: {found.said}", deadline_ms)
     if not accepted:
         log.error("the GCS did not accept draining node %s: %s", node_id, why)
     return accepted
 
 
+def probed(what: str, probe: Callable[[], object], probes: int = PROBES, first_s: float = 1.0,
+           sleep: Callable[[float], None] = time.sleep) -> bool:
+    """True once `probe` answers; False, said at WARNING, after `probes` failures with doubling
+    waits between them. At boot IMDS or the GCS may not answer for a while: one refusal there
+    must not leave the node unwatched for the rest of its life."""
+    wait = first_s
+    for attempt in range(1, probes + 1):
+        try:
+            probe()
+            return True
+        except Exception as e:  # refused, timed out (Ray's RpcError), not yet registered: all "not now"
+            if attempt == probes:
+                log.warning("this node is not protected from a spot notice: %s did not answer after %d tries (%s)",
+                            what, probes, e)
+                return False
+            log.info("%s: %s (try %d of %d; again in %.0f s)", what, e, attempt, probes, wait)
+            sleep(wait)
+            wait = min(wait * 2, BACKOFF_CAP_S)
+    return False
+
+
 def watch(metadata: Metadata, on_notice: Callable[[Notice], bool], poll_s: float = POLL_S,
-          stop: Callable[[], bool] = lambda: False) -> Notice | None:
+          stop: Callable[[], bool] = lambda: False, probes: int = PROBES, first_s: float = 1.0) -> Notice | None:
     """Polls until a notice is acted on; a rebalance first, then still watching for the notice
-    itself (its deadline is the shorter). None if the machine has no metadata."""
-    try:
-        metadata.get("instance-id")
-    except OSError as e:
-        log.info("no instance metadata here (%s): nothing to watch", e)
+    itself (its deadline is the shorter). None if the metadata never answered."""
+    if not probed(f"the instance metadata ({metadata.base})", lambda: metadata.get("instance-id"), probes, first_s):
         return None
     acted: Notice | None = None
     while not stop():
@@ -167,21 +179,28 @@ def main(argv: list[str] | None = None) -> int:
 
     metadata = args.metadata or Settings.from_env().imds_url
     if not metadata and not on_ec2():
-        log.info("not an EC2 instance (%s) and no CN_IMDS_URL: nothing to watch", DMI_VENDOR)
-        return 0
+        log.warning("this node is not protected from a spot notice: not an EC2 instance (%s) and no CN_IMDS_URL",
+                    DMI_VENDOR)
+        return 0  # nothing will ever come: the supervisor need not start it again
     from ray.util import get_node_ip_address
 
+    from pipeline.cluster import ray_private
+
     ip = get_node_ip_address()
+    find = (lambda: args.node_id) if args.node_id else (lambda: ray_private.node_id_at(args.address, ip))
+    # Said now, not at the notice; beside the watch (an unreachable GCS costs 40 s a try), not before it
+    threading.Thread(target=probed, args=(f"Ray's GCS ({args.address}) for the node at {ip}", find),
+                     daemon=True).start()
 
     def act(found: Notice) -> bool:
         try:
-            return drain(args.address, args.node_id or this_node(args.address, ip), found)
-        except (LookupError, OSError, RuntimeError) as e:
+            return drain(args.address, find(), found)
+        except Exception as e:  # Ray's RpcError included: said, and tried again at the next look
             log.error("could not drain this node (%s): %s", ip, e)
             return False
 
-    watch(Metadata(metadata or IMDS), act, args.poll_s)
-    return 0
+    noticed = watch(Metadata(metadata or IMDS), act, args.poll_s)
+    return 0 if noticed else 1  # no metadata: started again by its supervisor (cluster.yaml)
 
 
 if __name__ == "__main__":
