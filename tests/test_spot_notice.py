@@ -65,14 +65,14 @@ def test_a_machine_that_is_not_ec2_is_said_at_warning(monkeypatch, caplog):
 def test_an_unreadable_drain_list_is_said_at_warning_once(ray_session, monkeypatch, caplog):
     import ray._private.state
 
-    from pipeline.cluster import nodes
+    from pipeline.cluster import fleet as nodes
 
     def broken():
         raise AttributeError("get_draining_nodes")  # as a Ray that renamed it would
 
     monkeypatch.setattr(ray._private.state.state, "get_draining_nodes", broken)
     monkeypatch.setattr(nodes, "_unreadable", [], raising=False)
-    with caplog.at_level(logging.DEBUG, logger="pipeline.cluster.nodes"):
+    with caplog.at_level(logging.DEBUG, logger="pipeline.cluster.fleet"):
         views = [nodes.look() for _ in range(3)]
     assert all(v.draining == frozenset() and v.alive for v in views)
     said = [r for r in caplog.records if "draining" in r.getMessage()]
