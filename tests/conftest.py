@@ -22,6 +22,18 @@ from pipeline.settings import Settings
 from tests import servers
 
 TRADE_DATE = "2026-11-20"
+# The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
+# cloud of namespaces, a whole demo or a benchmark. Whatever needs one of these runs in the full suite.
+SLOW_FIXTURES = {"ray_session", "cloud", "api_run"}
+SLOW_FILES = {"test_ray_up.py", "test_benches.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
+              "test_readme_seal.py", "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
+              "test_end_to_end.py", "test_scale.py", "test_heartbeat.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if not SLOW_FIXTURES & set(item.fixturenames) and item.path.name not in SLOW_FILES:
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")
