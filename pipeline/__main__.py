@@ -355,10 +355,10 @@ def cmd_rerun(args) -> int:
 
 
 def _not_found(args, e: Exception) -> int:
-    """One line on stderr, as every exit 2; with --json, the same as JSON on stdout, for the tools
-    that read it."""
+    """One line on stderr, as every exit 2; the same as JSON on stdout where the tools read JSON:
+    with --json, and from rerun and reconcile, whose result is always JSON."""
     print(f"error: {e}", file=sys.stderr)
-    if getattr(args, "json", False):
+    if getattr(args, "json", args.command in ("rerun", "reconcile")):
         print(json.dumps({"error": str(e)}), file=args.stdout)
     return 2
 

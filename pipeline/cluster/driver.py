@@ -387,7 +387,7 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
     the run's own relays unless `relays` names others (--smtp), and its own store and keys
     unless `store` names a copy of its record (--store), and says which it uses. Ray is started
     (or `address` joined) only once there is something to rerun: a refusal comes first."""
-    with opened.open_run(settings, run_id, store, command="rerun") as run, run_log.shipped(run.store, run_id):
+    with opened.open_run(settings, run_id, store, command="rerun") as run:
         summary = _rerun(run, accounts, failed, force, unconfirmed, relays, address)
     return {**summary, "store": run.settings.store_url, "store_from": run.source}
 

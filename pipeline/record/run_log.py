@@ -62,10 +62,6 @@ def shipped(store: Store, run_id: str, logger: str = "pipeline") -> Iterator[Shi
     """The `logger`'s lines (the driver's own) shipped to storage while the block runs, and the
     rest when it ends, however it ends."""
     target = logging.getLogger(logger)
-    already = next((h for h in target.handlers if isinstance(h, Shipper) and h.run_id == run_id), None)
-    if already:  # a rerun ships its own lines, then the day it runs within them
-        yield already
-        return
     shipper, done = Shipper(store, run_id), threading.Event()
     level = target.level
     if target.getEffectiveLevel() > logging.INFO:  # the record keeps the INFO lines, whatever the terminal shows
