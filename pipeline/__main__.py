@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 
 from pipeline.errors import CannotRun
@@ -178,7 +179,9 @@ def cmd_synth(args) -> int:
          arg("--run-id", type=_run_id,
              help="a run id to resume: delivered accounts are skipped ([A-Za-z0-9._-]{1,64})"),
          ADDRESS,
-         arg("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs"),
+         arg("--deadline-min", type=float, help="the run's deadline, in minutes from now: until then an HSM, relay "
+                                                "or Redis outage holds the day (CN_DEADLINE_AT); on a cluster the "
+                                                "autoscaler is asked for what it needs"),
          arg("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end"),
          arg("--test-keys", action="store_true",
              help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset"),
@@ -214,7 +217,8 @@ def _run(args) -> dict:
 
     # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
-        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp)
+        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp,
+                                  deadline_at=time.time() + args.deadline_min * 60 if args.deadline_min else None)
         if credentials.owner_password(given) == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:  # before any file
             raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                               "could lift the notes' permissions; set it, or pass --test-keys for a test run")

@@ -272,7 +272,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
-                          patience_s=settings.smtp_patience_s)
+                          patience_s=settings.smtp_patience_s, deadline_at=settings.deadline_at)
     b = broker()
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], parseaddr(settings.mail_reply_to)[1])
     epoch = state.epoch()

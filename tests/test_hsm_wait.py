@@ -6,17 +6,73 @@ real `p11-kit server` serving the session's SoftHSM token, killed and started ag
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from pipeline import api
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.record.state import RunState
 from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM
 from pipeline.settings import ROOT as PROJECT
 from tests import servers
+from tests.conftest import HSM_SOCKET, TRADE_DATE
+from tests.helpers import outbox_messages
+from tests.test_hsm import network_hsm, on_token  # noqa: F401 (a fixture, used by name)
+
+
+def test_an_hsm_outage_past_its_patience_holds_the_day_until_its_deadline(
+        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir, caplog):  # noqa: F811
+    """CN_HSM_PATIENCE_S of 5 s, the HSM's server and its connections killed for 15 s once 15
+    notes are mailed, the run's deadline four minutes off: nothing fails, each account is
+    mailed once, the live page says "waiting for the HSM since ..." meanwhile and the driver's
+    log says it once. Before, every note that reached the signer 5 s into the outage failed
+    ("HSM unreachable for over 5 s"), whatever time the day had left."""
+    day, accounts = tmp_path / "day", 120
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed=69))
+    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=10, window=4, hsm_patience_s=5.0,
+                 deadline_at=time.time() + 240)
+    run_id = f"hsm-wait-{os.urandom(3).hex()}"
+    state, back, seen = RunState(s.redis_url, run_id), [], {"page": []}
+
+    def outage() -> None:
+        until = time.monotonic() + 300
+        while time.monotonic() < until and int(state.counts().get("delivered", 0) or 0) < 15:
+            time.sleep(0.05)
+        network_hsm.kill()
+        seen["from"] = time.time()
+        while time.time() - seen["from"] < 15:
+            time.sleep(0.5)
+            seen["page"] += api.summary(state)["waiting"]
+        back.append(servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label))
+        seen["to"] = time.time()
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    caplog.set_level(logging.WARNING, logger="pipeline.cluster.driver")
+    try:
+        summary = run_day(s, RunRequest(TRADE_DATE, str(day), run_id))
+        thread.join(60)
+    finally:
+        for server in back:
+            server.stop()
+    assert seen.get("to"), "the HSM was killed and brought back mid-run"
+    assert summary["failed"] == 0 and summary["unconfirmed"] == 0, summary
+    assert summary["delivered"] + summary["physical"] == accounts, summary
+    assert summary["waited_s"].get("hsm", 0) >= 10, summary["waited_s"]
+    assert any(w.startswith("waiting for the HSM since") for w in seen["page"]), seen["page"]
+    told = [r.getMessage() for r in caplog.records if "waiting for the HSM since" in r.getMessage()]
+    assert len(told) == 1 and "the run's deadline" in told[0], told
+    to = [m["To"] for m in outbox_messages(smtp_sink.outbox)]
+    assert len(to) == len(set(to)) == summary["delivered"], "every account mailed once"
 
 
 OPEN_KEY = """

@@ -32,6 +32,7 @@ from actors.mailer import MailerActor
 from actors.signer import SignerActor
 from pipeline import credentials
 from pipeline.cluster import first_notes, nodes
+from pipeline.cluster.waits import DayWaits
 from pipeline.followup import located, opened
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.pools import Pool
@@ -167,7 +168,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     started = time.perf_counter()
     if assembled is not None and shard not in assembled["shards"]:  # its every account was rejected: no file
         return Batch(run_id, trade_date, shard, lease=lease)
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     store = open_store(settings.store_url)
     accounts = load_shard(store, run_id, shard)
     if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
@@ -222,7 +223,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     (anchored) and this run, when the caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
 
@@ -550,8 +551,10 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     render_settings = credentials.for_render(settings)
     queue = [Chain(shard, part) for shard, part in reversed(units)]
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
-    state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
+    state, snapshot_at = RunState.of(settings, run_id), 0.0
     fleet = nodes.Fleet((signers, mailers), settings.capacity_wait_s)
+    waiting = DayWaits(run_id, settings)
+    state.clear_waits()  # an earlier run's (its actors ended while they waited) is not this one's
     try:
         while queue or again or pending:
             while (queue or again) and len(pending) < window and signers.ready() and mailers.ready():
@@ -590,6 +593,10 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                         "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
+                waiting.look(state.meta())
+                if waiting.given_up() and not waiting.ended:
+                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress)
+                    queue, again = [], []
                 view = nodes.look()
                 fleet.check(view)
                 window = _size(settings, signers, mailers, view)  # nodes come and go
@@ -599,6 +606,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
         fleet.tally(nodes.look())  # a node Ray has declared dead since the last look: counted too
     finally:
         progress.close()
+    state.clear_waits()
     totals["nodes"] = fleet.counts()
     return totals
 
@@ -610,6 +618,18 @@ def _count(result: dict, totals: dict, progress: tqdm) -> None:
     for what, seconds in _waited(totals).items():
         metrics.waited(what, seconds - waited.get(what, 0.0))
     progress.update(result["notes"])
+
+
+def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting: DayWaits,
+                  skipped: Callable[[int], frozenset[str]], totals: dict, progress: tqdm) -> None:
+    """Past the deadline (or, without one, the patience) with a dependency still gone: the
+    chains not started are failed at once, for one rerun, and the day says so in one line
+    (those in flight fail as they reach the dependency: its wait is spent)."""
+    reason = waiting.reason()
+    results = [_fail_shard(settings, run_id, c.shard, reason, c.part, skipped(c.shard)) for c in chains]
+    log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
+    for result in results:
+        _count(result, totals, progress)
 
 
 def _stop_mailing(pending: dict, error: Exception) -> None:
@@ -678,7 +698,7 @@ def _no_notes() -> dict:
 
 def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",

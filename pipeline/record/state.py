@@ -16,7 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from pipeline.record import keys
-from pipeline.record.waiting import WAITING, PatientRetry
+from pipeline.record.waiting import NAMES, WAITING, PatientRetry
 from pipeline.settings import Settings
 from pipeline.errors import CannotRun
 from pipeline.record.guard import MailGuard
@@ -88,6 +88,10 @@ class RunState(Records, MailGuard, RunLease):
             self.r.hsetnx(keys.run_meta(self.run_id), WAITING + what, str(since))
         else:
             self.r.hdel(keys.run_meta(self.run_id), WAITING + what)
+
+    def clear_waits(self) -> None:
+        """No note of an outage: a run starts and ends waiting for nothing."""
+        self.r.hdel(keys.run_meta(self.run_id), *(WAITING + what for what in NAMES))
 
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of
