@@ -280,7 +280,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
     key = settings.hmac_key()
     targets, domains = settings.smtp(), settings.domain_limits()
-    buckets = RedisBuckets(settings.redis_url) if domains or any(t.rate for t in targets) else None
+    buckets = RedisBuckets(settings.redis_url, settings.redis_patience_s, settings.deadline_at) if domains or any(t.rate for t in targets) else None
     return MailContext(SmtpPool(targets, options, buckets, domains), state, store, letter,
                        RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
                        verp=Verp(settings.bounce_local, settings.bounce_domain, key),
