@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
-from pipeline.seal.gate import Gate
+from pipeline.seal.gate import gate_for
 from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
 from pipeline.settings import gives_up_at
 
@@ -113,7 +113,7 @@ class TokenKey:
         self.lib = None
         self._lock = threading.Lock()  # the outage's state: held for moments only
         self._reconnecting = threading.Lock()  # one thread reconnects; the others wait for it
-        self.gate = Gate()  # signatures in flight, or the library started again: never both
+        self.gate = gate_for(config.module)  # calls into the library, or the library started again: never both
         self._generation = 0  # the library's starts: a session of an earlier one is gone with it
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
@@ -279,7 +279,8 @@ class TokenKey:
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
                 if self.lib is not None:
-                    self.lib.reinitialize()
+                    with self.gate.alone():
+                        self.lib.reinitialize()
 
     def _connect_once(self) -> None:
         try:
@@ -319,8 +320,9 @@ class TokenKey:
         try:
             return self.lib.get_token(token_label=self.config.token)
         except (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresent):
-            self.lib.reinitialize()
-            return self.lib.get_token(token_label=self.config.token)
+            with self.gate.alone():
+                self.lib.reinitialize()
+                return self.lib.get_token(token_label=self.config.token)
 
     def _find_key(self, session):
         try:
@@ -514,7 +516,8 @@ def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "s
     subprocess.run(["softhsm2-util", "--init-token", "--free", "--label", label, "--pin", made.pin_file.read_text(),
                     "--so-pin", secrets.token_hex(8)], env=env, check=True, capture_output=True)
     lib = pkcs11.lib(SOFTHSM)
-    lib.reinitialize()  # the library read its configuration when first loaded: this token is new
+    with gate_for(SOFTHSM).alone():
+        lib.reinitialize()  # the library read its configuration when first loaded: this token is new
     private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: extractable, Attribute.ID: b"\x01"}
     with lib.get_token(token_label=label).open(user_pin=made.pin_file.read_text(), rw=True) as session:
         if key_type == "ec":
