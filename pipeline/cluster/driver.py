@@ -234,6 +234,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     started = time.time()
     store = open_store(settings.store_url)
     resolved, signer = checked or preflight(settings, req, run_id)
+    signer.tell(partial(RunState.of(settings, run_id, patience_retries=0).note_wait, "hsm"))  # its first notes'
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
@@ -251,6 +252,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h, **own, **record, "finished": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
+    state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
     if not resume and req.only is None and _ray_address(address) is None:
         early = first_notes.start(settings, resolved, signer, run_id, req.trade_date, open_store(req.input_url), store,
@@ -554,7 +556,6 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     state, snapshot_at = RunState.of(settings, run_id), 0.0
     fleet = nodes.Fleet((signers, mailers), settings.capacity_wait_s)
     waiting = DayWaits(run_id, settings)
-    state.clear_waits()  # an earlier run's (its actors ended while they waited) is not this one's
     try:
         while queue or again or pending:
             while (queue or again) and len(pending) < window and signers.ready() and mailers.ready():
