@@ -56,11 +56,15 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
 
         from botocore.exceptions import BotoCoreError, ClientError
 
+        from pipeline.record.waiting import RedisGone
+
         cause = getattr(e, "cause", None) or e  # a Ray task's error carries the original as its cause
         if not isinstance(cause, (CannotRun, redis.ConnectionError, BotoCoreError, ClientError)):  # pipeline/errors.py
             raise
         log.debug("the run could not start", exc_info=True)
-        said = f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
+        said = f"{cause}: once it is back, run the same run id again (what was delivered is skipped)" \
+            if isinstance(cause, RedisGone) else \
+            f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
             if isinstance(cause, redis.ConnectionError) else \
             f"S3 storage: {cause}" if isinstance(cause, (BotoCoreError, ClientError)) else cause
         print(f"error: {said}", file=sys.stderr)

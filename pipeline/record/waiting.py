@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from redis import ConnectionError as RedisConnectionError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -25,6 +26,11 @@ from pipeline.settings import gives_up_at
 log = logging.getLogger("pipeline.record.waiting")
 WAITING = "waiting:"  # the meta fields' prefix: waiting:hsm, waiting:relay
 NAMES = {"hsm": "the HSM", "relay": "the mail relays", "redis": "Redis"}
+
+
+class RedisGone(RedisConnectionError):
+    """Redis stayed unreachable past the wait the run gives it: the run stops (one line, exit 2)
+    and the same run id, run again once Redis is back, goes on where it stopped."""
 
 
 class PatientRetry(Retry):
@@ -54,8 +60,10 @@ class PatientRetry(Retry):
                 failures += 1
                 fail(error, failures) if with_failure_count else fail(error)
                 since = since or self._lost(error)
+                if isinstance(error, RedisGone):  # a connect's own retries gave up: said once
+                    raise
                 if time.time() >= gives_up_at(since, self.patience_s, self.deadline_at):
-                    raise error
+                    raise self._gone(since, error) from error
                 time.sleep(self._backoff.compute(failures))
                 continue
             if since:
@@ -71,6 +79,11 @@ class PatientRetry(Retry):
         log.warning("waiting for Redis (%s) since %s, until %s: %s", self.where, clock(self.down_since),
                     clock(gives_up_at(self.down_since, self.patience_s, self.deadline_at)), error)
         return self.down_since
+
+    def _gone(self, since: float, error: Exception) -> RedisGone:
+        past = f"the run's deadline {clock(self.deadline_at)}" if self.deadline_at > since + self.patience_s \
+            else f"CN_REDIS_PATIENCE_S ({self.patience_s:g} s)"
+        return RedisGone(f"Redis ({self.where}) unreachable since {clock(since)}, past {past}: {error}")
 
     def _back(self) -> None:
         with self._lock:
