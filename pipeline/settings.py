@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
@@ -57,6 +58,11 @@ def gives_up_at(since: float, patience_s: float, deadline_at: float) -> float:
     outage of any length before it holds the day rather than failing accounts that one rerun
     would then have to send). Seconds since the epoch, both; a `deadline_at` of 0 is none."""
     return max(since + patience_s, deadline_at)
+
+
+def clock(epoch_s: float) -> str:
+    """HH:MM:SS UTC: how an outage's start and the run's deadline are said, to compare at a glance."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(epoch_s))
 
 
 def setting(env: str, default, what: str, low: float | None = None, high: float | None = None,

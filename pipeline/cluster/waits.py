@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline.record.waiting import NAMES, clock, said, waits
-from pipeline.settings import Settings, gives_up_at
+from pipeline.record.waiting import NAMES, said, waits
+from pipeline.settings import Settings, clock, gives_up_at
 
 log = logging.getLogger("pipeline.cluster.driver")
 

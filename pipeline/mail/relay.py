@@ -38,7 +38,7 @@ from pipeline.mail.message import (
 )
 from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.mail.replies import Replies
-from pipeline.settings import SmtpTarget, gives_up_at
+from pipeline.settings import SmtpTarget, clock, gives_up_at
 
 log = logging.getLogger("pipeline.mail.relay")
 
@@ -324,7 +324,7 @@ class SmtpPool:
             self._down()
             if self._impatient():
                 down = "; ".join(r.last_error or r.target.name for r in live)
-                raise RelayDownError(f"no relay reachable since {_clock(self.down_at)}, past the later of "
+                raise RelayDownError(f"no relay reachable since {clock(self.down_at)}, past the later of "
                                      f"{self.patience_s:.0f} s (CN_SMTP_PATIENCE_S) and the run's deadline ({down})")
             await asyncio.sleep(0.1)
 
@@ -344,8 +344,8 @@ class SmtpPool:
         since = self._since()
         if since is not None and not self.down_at:
             self.down_at = since
-            log.warning("waiting for the mail relays since %s, until %s", _clock(since),
-                        _clock(gives_up_at(since, self.patience_s, self.deadline_at)))
+            log.warning("waiting for the mail relays since %s, until %s", clock(since),
+                        clock(gives_up_at(since, self.patience_s, self.deadline_at)))
             self._tell(since)
 
     def _up(self) -> None:
@@ -460,7 +460,3 @@ def _close(conn: _Conn) -> None:
         conn.smtp.close()
     except Exception:  # closing a broken transport may raise anything; it is gone either way
         pass
-
-
-def _clock(epoch_s: float) -> str:
-    return time.strftime("%H:%M:%S UTC", time.gmtime(epoch_s))

@@ -21,7 +21,7 @@ from redis import ConnectionError as RedisConnectionError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline.settings import gives_up_at
+from pipeline.settings import clock, gives_up_at
 
 log = logging.getLogger("pipeline.record.waiting")
 WAITING = "waiting:"  # the meta fields' prefix: waiting:hsm, waiting:relay
@@ -90,11 +90,6 @@ class PatientRetry(Retry):
             since, self.down_since = self.down_since, 0.0
         if since:
             log.warning("Redis (%s) is back after %.0f s", self.where, time.time() - since)
-
-
-def clock(epoch_s: float) -> str:
-    """HH:MM:SS UTC: what an operator compares with the deadline."""
-    return time.strftime("%H:%M:%S UTC", time.gmtime(epoch_s))
 
 
 def waits(meta: dict) -> dict[str, float]:

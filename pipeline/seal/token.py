@@ -49,7 +49,7 @@ from pkcs11 import exceptions as p11
 
 from pipeline.seal.gate import gate_for
 from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
-from pipeline.settings import gives_up_at
+from pipeline.settings import clock, gives_up_at
 
 P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its OID, DER)
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
@@ -159,9 +159,9 @@ class TokenKey:
         self.told = told
 
     def _unreachable(self, since: float, e: Exception) -> str:
-        at = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+        at = clock(since)
         if self.config.deadline_at and self.config.deadline_at > since + self.config.patience_s:
-            end = time.strftime("%H:%M:%S UTC", time.gmtime(self.config.deadline_at))
+            end = clock(self.config.deadline_at)
             return f"HSM unreachable since {at}, past the run's deadline {end}: {e}; a rerun signs these notes"
         return (f"HSM unreachable since {at}, for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): {e}; "
                 "a rerun signs these notes")
@@ -373,8 +373,7 @@ class TokenKey:
                 return
             self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
         log.warning("the HSM is taken as lost: %s from %s; its signatures wait for it until %s", returned(e),
-                    self.config.module, time.strftime("%H:%M:%S UTC", time.gmtime(self.config.gives_up_at(
-                        self._down_at))))
+                    self.config.module, clock(self.config.gives_up_at(self._down_at)))
         self._tell(self._down_at)
 
     def _reconnect_if_due(self) -> None:
