@@ -32,9 +32,11 @@ class MailerActor:
 
     async def send(self, batch: Batch) -> dict:
         if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
-            state = RunState(self.settings.redis_url, self.run_id, self.settings.state_ttl_s)
+            state = RunState.of(self.settings, self.run_id)
             self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
                                     self.resend)
+            notes = RunState.of(self.settings, self.run_id, patience_retries=0)  # said now or not at all
+            self.ctx.pool.told = lambda since: notes.note_wait("relay", since)  # the page: waiting for the relays
         started = time.perf_counter()
         result = await mail_stage(batch, self.ctx)
         metrics.observe("mail", result["tally"], time.perf_counter() - started)

@@ -1,7 +1,8 @@
 """SignerActor: holds the signing key and certificate chain, signs and archives batches.
 
 The key is read once, when the actor starts, from the cluster's secret store (CN_SECRET) or
-the settings' files; a bad path, secret or password fails there, with the cause. Ray neither
+the settings' files; a bad path, secret or password fails there, with the cause. While the
+key's HSM is lost, the run's meta says since when (the live page, the driver's log). Ray neither
 restarts a crashed actor nor re-runs its batch: the fleet (pipeline/cluster/fleet.py) drops it
 and resends the batch to a living one. Archiving is create-only, so a resent batch keeps the
 first attempt's notes and mails those bytes.
@@ -31,7 +32,9 @@ class SignerActor:
         self.settings, self.signer = credentials.read(settings)  # one read of the secret
         self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
         self.store = open_store(settings.store_url)
-        self.state = RunState(self.settings.redis_url, run_id, settings.state_ttl_s)
+        self.state = RunState.of(self.settings, run_id)
+        notes = RunState.of(self.settings, run_id, patience_retries=0)  # said now or not at all: never waited on
+        self.signer.tell(lambda since: notes.note_wait("hsm", since))  # the page: waiting for the HSM since ...
 
     def sign(self, batch: Batch) -> Batch:
         started, before = time.perf_counter(), len(batch.items)

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from pathlib import Path
 
 from pipeline.errors import CannotRun
@@ -62,11 +63,15 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
 
         from botocore.exceptions import BotoCoreError, ClientError
 
+        from pipeline.record.waiting import RedisGone
+
         cause = getattr(e, "cause", None) or e  # a Ray task's error carries the original as its cause
         if not isinstance(cause, (CannotRun, redis.ConnectionError, BotoCoreError, ClientError)):  # pipeline/errors.py
             raise
         log.debug("the run could not start", exc_info=True)
-        said = f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
+        said = f"{cause}: once it is back, run the same run id again (what was delivered is skipped)" \
+            if isinstance(cause, RedisGone) else \
+            f"Redis cannot be reached ({cause}): is it running, and is REDIS_URL right?" \
             if isinstance(cause, redis.ConnectionError) else \
             f"S3 storage: {cause}" if isinstance(cause, (BotoCoreError, ClientError)) else cause
         print(f"error: {said}", file=sys.stderr)
@@ -205,7 +210,9 @@ def cmd_synth(args) -> int:
          arg("--run-id", type=_run_id,
              help="a run id to resume: delivered accounts are skipped ([A-Za-z0-9._-]{1,64})"),
          ADDRESS,
-         arg("--deadline-min", type=float, help="on a cluster: ask the autoscaler for what this deadline needs"),
+         arg("--deadline-min", type=float, help="the run's deadline, in minutes from now: until then an HSM, relay "
+                                                "or Redis outage holds the day (CN_DEADLINE_AT); on a cluster the "
+                                                "autoscaler is asked for what it needs"),
          arg("--keep-cluster", action="store_true", help="on a cluster: do not tear it down at the end"),
          arg("--test-keys", action="store_true",
              help="a test run: accept the public placeholder owner password when CN_OWNER_PASSWORD is unset"),
@@ -246,7 +253,8 @@ def _run(args) -> dict:
 
     # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
-        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp)
+        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp,
+                                  deadline_at=time.time() + args.deadline_min * 60 if args.deadline_min else None)
         if credentials.owner_password(given) == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:  # before any file
             raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                               "could lift the notes' permissions; set it, or pass --test-keys for a test run")

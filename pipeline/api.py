@@ -40,7 +40,7 @@ from pipeline.record.manifest import load_manifest
 from pipeline.followup.runs import list_runs
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
-from pipeline.record import delivery_log, keys, rates, report
+from pipeline.record import delivery_log, keys, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
@@ -355,7 +355,9 @@ def summary(state: RunState) -> dict:
             "started": started, "finished": float(finished) if finished else None,
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
             "relay": meta.get("relays", ""), "notes_per_s": round(rate, 2),
-            "eta_s": round(eta, 1) if eta is not None else None, "source": "redis"}
+            "eta_s": round(eta, 1) if eta is not None else None, "source": "redis",
+            "waiting": [] if finished else [waiting.said(what, since) for what, since in
+                                            sorted(waiting.waits(meta).items(), key=lambda w: w[1])]}
 
 
 def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:

@@ -195,13 +195,15 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
         raise ConfigError(f"CN_PKCS11_KEY_ID {settings.pkcs11_key_id!r}: not hex (the key's CKA_ID, e.g. 01a2)") \
             from None
     config = TokenConfig(settings.pkcs11_module, settings.pkcs11_token, settings.pkcs11_key, settings.pkcs11_key_id,
-                         _pin(settings, secret), settings.pkcs11_sessions, settings.hsm_patience_s)
+                         _pin(settings, secret), settings.pkcs11_sessions, settings.hsm_patience_s,
+                         settings.deadline_at)
     resolved = _laid_over(settings, secret)  # an actor's Redis password is the secret's
     key = _logged_in.get(config)
     if key is not None and not key.alive():  # the HSM was lost since (a rerun in the same process): log in anew
         key.close()
         key = None
     key = key or _log_in(config, redis_client(resolved.redis_url, patience_retries=0))
+    key.config = config  # this run's deadline (a key logged in for an earlier run keeps its login)
     cert, chain = _token_certificate(settings, secret, key)
     key.check_certificate(cert)
     if key.extractable:
@@ -209,7 +211,7 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
                     config.token)
     about = {"key": "pkcs11", "token": config.token, "module": config.module, "extractable": key.extractable,
              "sessions": key.sessions, "round_trip_ms": round(key.round_trip_s * 1000, 2)}
-    return resolved, Signer(key.sign, key.algorithm, cert, chain, key.sessions, about, key.take_outages)
+    return resolved, Signer(key.sign, key.algorithm, cert, chain, key.sessions, about, key.take_outages, key.tell)
 
 
 _logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver's preflight, its run, its close

@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
@@ -51,6 +52,19 @@ class SmtpTarget:
         return f"{'smtps' if self.implicit_tls else 'smtp'}://{self.host}:{self.port}" + (f"?{query}" if query else "")
 
 
+def gives_up_at(since: float, patience_s: float, deadline_at: float) -> float:
+    """When a dependency lost at `since` stops being waited for: its patience is the floor (a
+    blip is waited out even past the deadline, or with none), the run's deadline the reach (an
+    outage of any length before it holds the day rather than failing accounts that one rerun
+    would then have to send). Seconds since the epoch, both; a `deadline_at` of 0 is none."""
+    return max(since + patience_s, deadline_at)
+
+
+def clock(epoch_s: float) -> str:
+    """HH:MM:SS UTC: how an outage's start and the run's deadline are said, to compare at a glance."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(epoch_s))
+
+
 def setting(env: str, default, what: str, low: float | None = None, high: float | None = None,
             secret: bool = False):
     """One setting, declared once: its environment variable, default, range and meaning (the
@@ -79,8 +93,8 @@ class Settings:
     smtp_starttls: str = setting("CN_SMTP_STARTTLS", "auto", "auto, always (a relay without it gets no mail) or never")
     smtp_ca_file: str = setting("CN_SMTP_CA_FILE", "", "the CA that the relays' certificates chain to")
     smtp_attempts: int = setting("CN_SMTP_ATTEMPTS", 4, "tries of one mail on a temporary failure", 1, 100)
-    smtp_patience_s: float = setting("CN_SMTP_PATIENCE_S", 600.0, "how long a relay outage is waited out before "
-                                     "its mails fail", 0, 86_400)
+    smtp_patience_s: float = setting("CN_SMTP_PATIENCE_S", 600.0, "the least a relay outage is waited out before "
+                                     "its mails fail; up to the run's deadline if that is later", 0, 86_400)
     domain_rates: str = setting("CN_DOMAIN_RATES", "", "DOMAIN=RATE,...: messages a second to each receiving "
                                 "domain, cluster-wide (each above 0)")
     signer_key: str = setting("CN_SIGNER_KEY", str(DEFAULT_KEY_DIR / "signer.key.pem"), "the signing key (PEM)")
@@ -98,9 +112,15 @@ class Settings:
     pkcs11_pin_file: str = setting("CN_PKCS11_PIN_FILE", "", "a file holding the PIN")
     pkcs11_sessions: int = setting("CN_PKCS11_SESSIONS", 0, "signatures in flight per signer actor; 0: sized from "
                                    "the HSM's measured round trip", 0, 64)
-    hsm_patience_s: float = setting("CN_HSM_PATIENCE_S", 120.0, "how long a lost HSM's signatures wait for it "
+    hsm_patience_s: float = setting("CN_HSM_PATIENCE_S", 120.0, "the least a lost HSM's signatures wait for it "
                                     "(an HSM's failover, a network blip) before its notes fail (a rerun signs "
-                                    "them)", 1, 3600)
+                                    "them); up to the run's deadline if that is later", 1, 3600)
+    redis_patience_s: float = setting("CN_REDIS_PATIENCE_S", 30.0, "the least a Redis outage (a restart, a "
+                                      "failover) is waited out before a call fails; up to the run's deadline if "
+                                      "that is later", 0, 86_400)
+    deadline_at: float = setting("CN_DEADLINE_AT", 0.0, "the run's deadline, in seconds since the epoch (`run "
+                                 "--deadline-min` sets it from the run's start): until then an HSM, relay or Redis "
+                                 "outage holds the day; 0: none, each CN_*_PATIENCE_S alone", 0, 1e11)
     hsm_ops_s: float = setting("CN_HSM_OPS_S", 0.0, "the HSM's signatures a second, for `plan` (CloudHSM publishes "
                                "2,000 RSA-2048 a second for a cluster of two HSMs); 0: not known", 0, 1_000_000)
     signer_key_password: str | None = setting("CN_SIGNER_KEY_PASSWORD", None, "the signing key's password",

@@ -285,7 +285,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
-                          patience_s=settings.smtp_patience_s)
+                          patience_s=settings.smtp_patience_s, deadline_at=settings.deadline_at)
     b = broker()
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], parseaddr(settings.mail_reply_to)[1])
     epoch = state.epoch()
@@ -293,7 +293,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
     key = settings.hmac_key()
     targets, domains = settings.smtp(), settings.domain_limits()
-    buckets = RedisBuckets(settings.redis_url) if domains or any(t.rate for t in targets) else None
+    buckets = RedisBuckets(settings.redis_url, settings.redis_patience_s, settings.deadline_at) if domains or any(t.rate for t in targets) else None
     return MailContext(SmtpPool(targets, options, buckets, domains), state, store, letter,
                        RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
                        verp=Verp(settings.bounce_local, settings.bounce_domain, key),

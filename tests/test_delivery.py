@@ -17,7 +17,7 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from pipeline.cluster.driver import RunRequest, run_day
-from pipeline.embedded import free_port
+from pipeline.embedded import free_port, start_smtp_sink
 from pipeline.mail.message import (
     ConnectError,
     Letter,
@@ -242,6 +242,41 @@ def test_a_relay_that_never_greets_fails_its_mails_after_the_patience_not_per_ma
     assert all(isinstance(r, RelayDownError) for r in results), results
     assert "no relay reachable" in str(results[0])
     assert took < 6, f"8 mails to a silent relay took {took:.1f} s: bounded by the patience, not linear"
+
+
+def test_a_relay_down_past_its_patience_is_waited_for_until_the_run_s_deadline(tmp_path):
+    """CN_SMTP_PATIENCE_S of 1 s, the relay (the sink, a process of its own) stopped for 4 s,
+    the run's deadline a minute off: the mail waits and leaves once the relay is back, and the
+    outage is told as it begins and as it ends (what the run's page shows). Before, the mail
+    failed after 1 s ("no relay reachable"), whatever time the day had left."""
+    relay = start_smtp_sink(tmp_path / "outbox", tmp_path / "sink.log")
+    port = int(relay.url.rsplit(":", 1)[1])
+    relay.stop()
+    told, back = [], []
+
+    def restart() -> None:
+        time.sleep(4)
+        back.append(start_smtp_sink(tmp_path / "outbox", tmp_path / "sink.log", port=port))
+
+    async def go():
+        pool = SmtpPool([parse_smtp_url(relay.url)], PoolOptions(size=1, patience_s=1.0,
+                                                                 deadline_at=time.time() + 60))
+        pool.told = told.append
+        started = time.monotonic()
+        restarting = asyncio.get_running_loop().run_in_executor(None, restart)
+        reply = await pool.send("notes@broker.example.com", "c1@example.com", message(1))
+        await restarting
+        await pool.close()
+        return reply, time.monotonic() - started
+
+    try:
+        reply, waited = run(go())
+    finally:
+        for service in back:
+            service.stop()
+    assert reply.startswith("OK") and waited > 3.5, (reply, waited)
+    assert len(told) == 2 and told[0] > 0 and told[1] == 0.0, told
+    assert len(outbox_messages(tmp_path / "outbox")) == 1
 
 
 @pytest.mark.parametrize("silent_at, error", [(b"DATA", TransientMailError), (b".", UnconfirmedMailError)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -316,10 +317,14 @@ def test_a_day_through_a_network_hsm_all_delivered_signed_and_the_pin_nowhere(
 
 
 def test_the_hsm_lost_mid_run_fails_its_notes_mails_none_unsigned_and_a_rerun_mails_each_once(
-        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir):
+        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir, caplog):
+    """The HSM gone for good: the day waits for it until its deadline, then ends with one line;
+    the accounts left, failed, are mailed once each by one `rerun --failed`."""
     day = tmp_path / "day"
     write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 240, seed=43))
-    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=10, window=4, hsm_patience_s=3.0)
+    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=10, window=4, hsm_patience_s=3.0,
+                 deadline_at=time.time() + 12)
+    caplog.set_level(logging.WARNING, logger="pipeline.cluster.driver")
     run_id = f"hsm-lost-{os.urandom(3).hex()}"
     state = RunState(s.redis_url, run_id)
     killed = threading.Event()
@@ -337,7 +342,9 @@ def test_the_hsm_lost_mid_run_fails_its_notes_mails_none_unsigned_and_a_rerun_ma
     failed = RunState(s.redis_url, run_id).failed()
     assert first["delivered"] >= 40 and failed and first["delivered"] + len(failed) == first["accounts"], first
     reasons = {r.get("reason", "") for r in RunState(s.redis_url, run_id).accounts(failed).values()}
-    assert all("HSM unreachable" in why for why in reasons), reasons
+    assert all("HSM unreachable" in why or "waiting for the HSM since" in why for why in reasons), reasons
+    ended = [r.getMessage() for r in caplog.records if "past its deadline" in r.getMessage()]
+    assert len(ended) == 1 and "--failed` sends them" in ended[0], ended
     assert len(outbox_messages(smtp_sink.outbox)) == first["delivered"], "nothing mailed unsigned, or twice"
 
     restarted = servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label)

@@ -33,6 +33,7 @@ from actors import metrics
 from pipeline import credentials
 from pipeline.cluster import first_notes, fleet
 from pipeline.cluster.fleet import why
+from pipeline.cluster.waits import DayWaits
 from pipeline.followup import located, opened
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.split_tasks import Split
@@ -169,7 +170,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     started = time.perf_counter()
     if assembled is not None and shard not in assembled["shards"]:  # its every account was rejected: no file
         return Batch(run_id, trade_date, shard, lease=lease)
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     store = open_store(settings.store_url)
     accounts = load_shard(store, run_id, shard)
     if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
@@ -224,7 +225,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     (anchored) and this run, when the caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         checked = checked or preflight(settings, req, run_id)
         with run_log.shipped(open_store(settings.store_url), run_id):  # a run that starts: its log kept with it
@@ -237,6 +238,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     started = time.time()
     store = open_store(settings.store_url)
     resolved, signer = checked
+    signer.tell(partial(RunState.of(settings, run_id, patience_retries=0).note_wait, "hsm"))  # its first notes'
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
@@ -255,6 +257,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          req.bounce_window_h, **own, **record, "finished": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
+    state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
     if not resume and req.only is None and _ray_address(address) is None:
         early = first_notes.start(settings, resolved, signer, run_id, req.trade_date, open_store(req.input_url), store,
@@ -511,7 +514,8 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     render_settings = credentials.for_render(settings)
     queue = [Chain(shard, part) for shard, part in reversed(units)]
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
-    state, snapshot_at = RunState(settings.redis_url, run_id, settings.state_ttl_s), 0.0
+    state, snapshot_at = RunState.of(settings, run_id), 0.0
+    waiting = DayWaits(run_id, settings)
     try:
         while queue or again or pending:
             while (queue or again) and len(pending) < window and actors.ready():
@@ -549,6 +553,10 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                         "stopped; run the same run id again to rebuild its state from the delivery log"))
                 state.snapshot()
                 snapshot_at = time.monotonic()
+                waiting.look(state.meta())
+                if waiting.given_up() and not waiting.ended:
+                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress)
+                    queue, again = [], []
                 view = fleet.look()
                 actors.check(view)
                 actors.size(settings, view)  # nodes come and go
@@ -559,6 +567,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
     finally:
         progress.close()
+    state.clear_waits()
     totals["nodes"] = actors.counts()
     return totals
 
@@ -570,6 +579,18 @@ def _count(result: dict, totals: dict, progress: tqdm) -> None:
     for what, seconds in _waited(totals).items():
         metrics.waited(what, seconds - waited.get(what, 0.0))
     progress.update(result["notes"])
+
+
+def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting: DayWaits,
+                  skipped: Callable[[int], frozenset[str]], totals: dict, progress: tqdm) -> None:
+    """Past the deadline (or, without one, the patience) with a dependency still gone: the
+    chains not started are failed at once, for one rerun, and the day says so in one line
+    (those in flight fail as they reach the dependency: its wait is spent)."""
+    reason = waiting.reason()
+    results = [_fail_shard(settings, run_id, c.shard, reason, c.part, skipped(c.shard)) for c in chains]
+    log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
+    for result in results:
+        _count(result, totals, progress)
 
 
 def _stop_mailing(pending: dict, error: Exception) -> None:
@@ -633,7 +654,7 @@ def _no_notes() -> dict:
 
 def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",

@@ -43,7 +43,7 @@ def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int,
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, numbered: dict,
                   *parts) -> dict:
-    state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
+    state = RunState.of(settings, run_id)
     return assemble(open_store(settings.store_url), state, run_id, trade_date, broker()["note_prefix"], list(parts),
                     offsets, reuse, numbered)
 

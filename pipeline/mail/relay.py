@@ -22,6 +22,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import aiosmtplib
 from aiosmtplib.protocol import COMMAND_INJECTION_REGEX
@@ -37,7 +38,7 @@ from pipeline.mail.message import (
 )
 from pipeline.mail.pacing import Buckets, Pacer, relay_wide, reply_kind
 from pipeline.mail.replies import Replies
-from pipeline.settings import SmtpTarget
+from pipeline.settings import SmtpTarget, clock, gives_up_at
 
 log = logging.getLogger("pipeline.mail.relay")
 
@@ -67,7 +68,8 @@ class PoolOptions:
     ca_file: str | None = None  # CA bundle to verify the relay's certificate (None: the system's)
     timeout_s: float = 30.0  # a transaction's deadline (MAIL to the reply after the message); a reply's when connecting
     connect_timeout_s: float = 10.0  # a relay that accepts TCP but never greets trips the breaker
-    patience_s: float = 600.0  # how long sends wait out a relay outage before failing
+    patience_s: float = 600.0  # the least sends wait out a relay outage before failing
+    deadline_at: float = 0.0  # the run's deadline (epoch): an outage is waited out until then if that is later
 
 
 class Breaker:
@@ -230,14 +232,18 @@ class SmtpPool:
     """One RelayPool per relay; each message goes to the relay with a closed breaker whose next
     send time is soonest (unpaced relays: at once, in turn), so load spreads and a relay that
     fails is skipped. When every relay is down, sends wait (one probes when its relay's pause
-    is over) until one answers or the patience runs out. A sweeper task closes idle connections."""
+    is over) until one answers or the patience runs out (the later of `patience_s` from the outage's
+    start and the run's deadline); `told` hears when such an outage begins (its start, epoch seconds)
+    and ends (0.0). A sweeper task closes idle connections."""
 
     def __init__(self, targets: list[SmtpTarget], options: PoolOptions = PoolOptions(),
                  buckets: Buckets | None = None, domain_rates: dict[str, float] | None = None):
         self.relays = [RelayPool(t, options, Pacer(f"relay:{t.name}", t.rate, buckets, t.daily)
                                  if t.rate and buckets else None) for t in targets]
         self.domains = {d: Pacer(f"domain:{d}", r, buckets) for d, r in (domain_rates or {}).items()} if buckets else {}
-        self.buckets, self.patience_s = buckets, options.patience_s
+        self.buckets, self.patience_s, self.deadline_at = buckets, options.patience_s, options.deadline_at
+        self.told: Callable[[float], None] = lambda since: None
+        self.down_at = 0.0  # when every relay was found down (epoch), while they still are
         self._turn = itertools.count()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(options.idle_s))
 
@@ -265,6 +271,7 @@ class SmtpPool:
                 relay.breaker.probing = False  # the relay answered, or the send was cancelled
                 raise
             relay.breaker.reset()
+            self._up()
             return reply
 
     async def _slow_down(self, relay: RelayPool, domain: Pacer | None, e: ThrottledError) -> None:
@@ -291,6 +298,7 @@ class SmtpPool:
         """Waits while every relay is down and none is due a probe: a mail is claimed only
         when it can leave. Returns at once when the patience is spent (the send then fails)."""
         while not any(r.breaker.closed() or r.breaker.probe_due() for r in self.relays) and not self._impatient():
+            self._down()
             await asyncio.sleep(0.1)
 
     async def _relay(self) -> RelayPool:
@@ -313,14 +321,44 @@ class SmtpPool:
             if due:
                 due[0].breaker.probing = True
                 return due[0]
+            self._down()
             if self._impatient():
                 down = "; ".join(r.last_error or r.target.name for r in live)
-                raise RelayDownError(f"no relay reachable for over {self.patience_s:.0f} s ({down})")
+                raise RelayDownError(f"no relay reachable since {clock(self.down_at)}, past the later of "
+                                     f"{self.patience_s:.0f} s (CN_SMTP_PATIENCE_S) and the run's deadline ({down})")
             await asyncio.sleep(0.1)
 
-    def _impatient(self) -> bool:
+    def _since(self) -> float | None:
+        """When every relay not out of quota went down (epoch), or None while one is up."""
         down = [r.breaker.down_since for r in self.relays if not r.quota_out]
-        return bool(down) and None not in down and time.monotonic() - min(down) > self.patience_s
+        if not down or None in down:
+            return None
+        return time.time() - (time.monotonic() - min(down))
+
+    def _impatient(self) -> bool:
+        since = self._since()
+        return since is not None and time.time() > gives_up_at(since, self.patience_s, self.deadline_at)
+
+    def _down(self) -> None:
+        """Every relay is down: said once an outage (the run's page: waiting for the mail relays)."""
+        since = self._since()
+        if since is not None and not self.down_at:
+            self.down_at = since
+            log.warning("waiting for the mail relays since %s, until %s", clock(since),
+                        clock(gives_up_at(since, self.patience_s, self.deadline_at)))
+            self._tell(since)
+
+    def _up(self) -> None:
+        if self.down_at:
+            log.warning("a mail relay answers again after %.0f s", time.time() - self.down_at)
+            self.down_at = 0.0
+            self._tell(0.0)
+
+    def _tell(self, since: float) -> None:
+        try:
+            self.told(since)
+        except Exception as e:  # the page's note is a courtesy: the mail does not wait on it
+            log.warning("the relays' outage could not be noted: %s", e)
 
     def rates(self) -> dict[str, dict]:
         """Each paced relay's and domain's rate as this mailer last heard it, and the throttle

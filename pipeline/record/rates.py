@@ -15,7 +15,8 @@ from __future__ import annotations
 import redis
 
 from pipeline.record.keys import RATE_PREFIX, rate_bucket
-from pipeline.record.state import redis_client
+from pipeline.record.state import PATIENCE_RETRIES, redis_client
+from pipeline.settings import Settings
 
 RECOVERY = 0.05  # of the ceiling, a second
 FLOOR = 0.02  # of the ceiling: the lowest a cut may take a rate
@@ -83,8 +84,9 @@ return day
 class RedisBuckets:
     """The buckets on the run's Redis (pipeline/mail/pacing.py takes from them)."""
 
-    def __init__(self, redis_url: str):
-        self.r = redis_client(redis_url)  # the run's own client: a Redis restart pauses the pacing too
+    def __init__(self, redis_url: str, patience_s: float = Settings.redis_patience_s, deadline_at: float = 0.0):
+        # the run's own client: a Redis restart pauses the pacing too, as long as the run waits for it
+        self.r = redis_client(redis_url, PATIENCE_RETRIES, patience_s, deadline_at)
         self._take, self._throttled = self.r.register_script(TAKE), self.r.register_script(THROTTLED)
         self._stop = self.r.register_script(STOP)
 

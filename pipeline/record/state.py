@@ -16,6 +16,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from pipeline.record import keys
+from pipeline.record.waiting import NAMES, WAITING, PatientRetry
+from pipeline.settings import Settings
 from pipeline.errors import CannotRun
 from pipeline.record.guard import MailGuard
 from pipeline.record.lease import RunLease
@@ -27,24 +29,35 @@ class RunClosed(CannotRun, RuntimeError):
     """The run was closed and its record sealed: nothing is mailed or settled under it again."""
 
 
-PATIENCE_RETRIES = 40
+PATIENCE_RETRIES = 40  # waited out by time (waiting.PatientRetry); fewer: that many tries, for a reader that answers now
 
 
 @lru_cache(maxsize=16)
-def redis_client(url: str, patience_retries: int = PATIENCE_RETRIES) -> redis.Redis:
-    """One client (one connection pool) per URL and process, shared by every RunState. A
-    lost connection is retried for about 30 s, so a Redis restart (a failover, an AOF reload)
-    pauses the run instead of failing the accounts in flight."""
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), patience_retries)
+def redis_client(url: str, patience_retries: int = PATIENCE_RETRIES, patience_s: float = Settings.redis_patience_s,
+                 deadline_at: float = 0.0) -> redis.Redis:
+    """One client (one connection pool) per URL, patience and process, shared by every RunState.
+    A lost connection is waited for up to the later of `patience_s` and the run's deadline, so
+    a Redis restart (a failover, an AOF reload) holds the run instead of failing the accounts
+    in flight."""
+    where = redis.connection.parse_url(url).get("host", "?")
+    retry = PatientRetry(where, patience_s, deadline_at) if patience_retries >= PATIENCE_RETRIES \
+        else Retry(ExponentialBackoff(cap=1.0, base=0.05), patience_retries)
     return redis.Redis.from_url(url, decode_responses=True, retry=retry,
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 class RunState(Records, MailGuard, RunLease):
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600,
-                 patience_retries: int = PATIENCE_RETRIES):
+                 patience_retries: int = PATIENCE_RETRIES, patience_s: float = Settings.redis_patience_s,
+                 deadline_at: float = 0.0):
         self.run_id, self.ttl_s = run_id, ttl_s
-        self.r = redis_client(redis_url, patience_retries)
+        self.r = redis_client(redis_url, patience_retries, patience_s, deadline_at)
+
+    @classmethod
+    def of(cls, settings: Settings, run_id: str, patience_retries: int = PATIENCE_RETRIES) -> "RunState":
+        """The run's state as its driver and actors hold it: Redis waited for up to the run's deadline."""
+        return cls(settings.redis_url, run_id, settings.state_ttl_s, patience_retries, settings.redis_patience_s,
+                   settings.deadline_at)
 
     def start(self, meta: dict) -> str:
         """A rerun of the run keeps its first start time (rates and ETA are about the run)
@@ -68,6 +81,18 @@ class RunState(Records, MailGuard, RunLease):
 
     def meta(self) -> dict:
         return self.r.hgetall(keys.run_meta(self.run_id))
+
+    def note_wait(self, what: str, since: float) -> None:
+        """The run waits for `what` (hsm, relay) since `since` (epoch), kept if an earlier
+        waiter said it first; 0: no longer (waiting.waits reads it back)."""
+        if since:
+            self.r.hsetnx(keys.run_meta(self.run_id), WAITING + what, str(since))
+        else:
+            self.r.hdel(keys.run_meta(self.run_id), WAITING + what)
+
+    def clear_waits(self) -> None:
+        """No note of an outage: a run starts and ends waiting for nothing."""
+        self.r.hdel(keys.run_meta(self.run_id), *(WAITING + what for what in NAMES))
 
     def snapshot(self) -> None:
         """Appends the counters, with the time, to the run's timeline (for charts of

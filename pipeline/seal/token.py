@@ -6,6 +6,12 @@ and only the raw signature comes back. Everything else of a note (the PDF, its e
 CMS around the signature) stays ours (sign.py). The key's value is never asked for: nothing
 here reads CKA_VALUE of a private key; a key the token marks extractable is used, and said.
 
+An HSM lost mid-run (CKR_DEVICE_ERROR, CKR_DEVICE_REMOVED, CKR_GENERAL_ERROR, a session handle
+gone: what a network HSM's client answers when its socket drops) is waited for, up to the later
+of CN_HSM_PATIENCE_S and the run's deadline; any other refusal (a mechanism the key does not do,
+a key not for signing) is the same on every try, so it fails the note at once, named. The
+library is started again only when no signature is in flight (gate.py).
+
 One login per process: the first session logs in, the others share its login, as PKCS#11
 defines. A refused PIN is never offered again by this process (HSMs lock a user after a few
 failures); credentials.py keeps the refusal for every other process. A network HSM
@@ -22,6 +28,7 @@ import logging
 import math
 import os
 import queue
+import re
 import resource
 import secrets
 import statistics
@@ -30,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pkcs11
 from asn1crypto import algos
@@ -39,10 +47,16 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
+from pipeline.seal.gate import gate_for
 from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
+from pipeline.settings import clock, gives_up_at
 
 P256 = bytes.fromhex("06082a8648ce3d030107")  # CKA_EC_PARAMS of secp256r1 (its OID, DER)
 PIN_REFUSALS = (p11.PinIncorrect, p11.PinInvalid, p11.PinLenRange, p11.PinExpired, p11.PinLocked)
+# what a module says when it lost its HSM (p11-kit's client: CKR_DEVICE_ERROR once its socket drops,
+# CKR_SESSION_HANDLE_INVALID from a server started again): waited out; any other error is the HSM's answer
+LOST = (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresent, p11.SessionHandleInvalid,
+        p11.SessionClosed)
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
@@ -53,6 +67,12 @@ class PinRefused(SignerSetupError):
     """The token refused the PIN: never offered again (credentials.py records the refusal)."""
 
 
+class HsmRefused(SignError):
+    """The HSM answered a signature with an error that is the same on every try (a mechanism the
+    key does not do, a key not for signing): the note fails at once, the mechanism and the
+    return value named, and no reconnection is tried."""
+
+
 @dataclass(frozen=True)
 class TokenConfig:
     module: str  # the PKCS#11 library (CN_PKCS11_MODULE)
@@ -61,7 +81,12 @@ class TokenConfig:
     key_id: str = ""  # CN_PKCS11_KEY_ID, hex
     pin: str = field(default="", repr=False)
     sessions: int = 0  # signatures in flight; 0: sized from the measured round trip
-    patience_s: float = 120.0  # how long a lost HSM's signatures wait for it before they fail
+    patience_s: float = 120.0  # the least a lost HSM's signatures wait for it before they fail
+    deadline_at: float = field(default=0.0, compare=False)  # the run's deadline (epoch): waited for until then
+
+    def gives_up_at(self, since: float) -> float:
+        """When an outage begun at `since` (epoch) stops being waited for (settings.gives_up_at)."""
+        return gives_up_at(since, self.patience_s, self.deadline_at)
 
     def names(self) -> str:
         key = f"label {self.key_label!r}" if self.key_label else f"id {self.key_id}"
@@ -80,12 +105,17 @@ class TokenKey:
     """The token's private key as a signing function for signer.Signer: `sign(data)` returns the
     signature (RSA PKCS#1 v1.5 with SHA-256 by the module, or ECDSA P-256 over our SHA-256, DER).
     Safe from `sessions` threads at once; an HSM lost mid-run holds each signature while it is
-    reconnected with backoff, for `patience_s`; past it a signature fails with "HSM unreachable"."""
+    reconnected with backoff, until `config.gives_up_at` its start; past it a signature fails with
+    "HSM unreachable". `told` hears when an outage begins and ends (the run's page says so)."""
 
     def __init__(self, config: TokenConfig):
         self.config = config
         self.lib = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the outage's state: held for moments only
+        self._reconnecting = threading.Lock()  # one thread reconnects; the others wait for it
+        self.gate = gate_for(config.module)  # calls into the library, or the library started again: never both
+        self._generation = 0  # the library's starts: a session of an earlier one is gone with it
+        self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
         self._sessions: list = []
         self.extractable = False
@@ -93,7 +123,10 @@ class TokenKey:
         self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
         self._outages: list[tuple[float, float]] = []
         self._connect()
-        self.round_trip_s, self.wait_s, blocks = self._measure()
+        try:
+            self.round_trip_s, self.wait_s, blocks = self._measure()
+        except HsmRefused as e:  # before the day: one line, exit 2, nothing split
+            raise SignerSetupError(str(e)) from None
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
@@ -103,41 +136,74 @@ class TokenKey:
         return "sha256_ecdsa" if self.kind == "ec" else "rsassa_pkcs1v15"
 
     def sign(self, data: bytes) -> bytes:
-        """The signature; while the HSM is lost the call waits, reconnecting with backoff, for up
-        to `patience_s` from the outage's start (an HSM's failover, a network blip cost their
-        length, not the notes); past it, each call fails at once until the HSM is back."""
-        begun = time.monotonic()  # a signature that fails again after each reconnection gives up too
+        """The signature; while the HSM is lost the call waits, reconnecting with backoff, until the
+        later of `patience_s` from the outage's start and the run's deadline (an HSM's failover, a
+        network blip, a long outage cost their length, not the notes); past it, each call fails
+        at once until the HSM is back."""
+        begun = time.time()  # a signature that fails again after each reconnection gives up too
         while True:
             try:
                 self._reconnect_if_due()
                 return self._sign_once(data)
             except _Down as e:
-                since = self._down_since
-                if not since:  # another thread reconnected it meanwhile
+                since = self._down_at
+                if not since:  # another thread reconnected it meanwhile, or the session was an old one
                     continue
-                wait = min(since, begun) + self.config.patience_s - time.monotonic()
+                wait = self.config.gives_up_at(min(since, begun)) - time.time()
                 if wait <= 0:
-                    raise SignError(f"HSM unreachable for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): "
-                                    f"{e}; a rerun signs these notes") from None
+                    raise SignError(self._unreachable(since, e)) from None
                 time.sleep(min(wait, max(0.05, self._next_try - time.monotonic())))
 
+    def tell(self, told: Callable[[float], None]) -> None:
+        """`told(since)` when an outage begins (epoch seconds), `told(0.0)` when it ends."""
+        self.told = told
+
+    def _unreachable(self, since: float, e: Exception) -> str:
+        at = clock(since)
+        if self.config.deadline_at and self.config.deadline_at > since + self.config.patience_s:
+            end = clock(self.config.deadline_at)
+            return f"HSM unreachable since {at}, past the run's deadline {end}: {e}; a rerun signs these notes"
+        return (f"HSM unreachable since {at}, for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): {e}; "
+                "a rerun signs these notes")
+
     def _sign_once(self, data: bytes) -> bytes:
+        session, key, made = self._take()
+        keep = True
         try:
-            session, key = self._free.get(timeout=self.config.patience_s)
-        except queue.Empty:
-            raise SignError(f"HSM unreachable: no session free for {self.config.patience_s:g} s") from None
-        try:
-            raw = key.sign(hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA) if self.kind == "ec" else \
-                key.sign(data, mechanism=Mechanism.SHA256_RSA_PKCS)  # CKM_ECDSA_SHA256 is not in every module
-        except PIN_REFUSALS + (p11.UserNotLoggedIn,) as e:
-            self._free.put((session, key))
-            raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
-        except p11.PKCS11Error as e:
-            log.warning("the HSM is taken as lost: %s from %s", type(e).__name__, self.config.module)
-            self._lost()
-            raise _Down(f"{type(e).__name__} from {self.config.module}") from None
-        self._free.put((session, key))
+            with self.gate.shared():
+                if made != self._generation:  # taken before the library was started again: gone with it
+                    keep = False
+                    raise _Down("a session of the HSM's last connection")
+                raw = self._raw(key, data)
+        except _Down:
+            keep = False
+            raise
+        finally:
+            if keep:
+                self._free.put((session, key, made))
         return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
+
+    def _take(self) -> tuple:
+        wait = max(0.05, self.config.gives_up_at(time.time()) - time.time())
+        try:
+            return self._free.get(timeout=wait)
+        except queue.Empty:
+            raise SignError(f"HSM unreachable: no session free for {wait:.0f} s") from None
+
+    def _raw(self, key, data: bytes) -> bytes:
+        """The raw signature (RSA with SHA-256 by the module; ECDSA over our SHA-256: CKM_ECDSA_SHA256
+        is not in every module). A lost HSM raises _Down; any other error is the HSM's answer."""
+        mechanism = Mechanism.ECDSA if self.kind == "ec" else Mechanism.SHA256_RSA_PKCS
+        try:
+            return key.sign(hashlib.sha256(data).digest() if self.kind == "ec" else data, mechanism=mechanism)
+        except PIN_REFUSALS + (p11.UserNotLoggedIn,) as e:
+            raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
+        except LOST as e:
+            self._lost(e)
+            raise _Down(f"{returned(e)} from {self.config.module}") from None
+        except p11.PKCS11Error as e:
+            raise HsmRefused(f"the HSM refused CKM_{mechanism.name} with the {self.config.names()}: {returned(e)} "
+                             "(the same on every try: not waited out)") from None
 
     def take_outages(self) -> list[tuple[float, float]]:
         """The outages (epoch seconds, from, to) since last asked, one still going up to now:
@@ -173,13 +239,14 @@ class TokenKey:
 
     def certificate(self) -> tuple[x509.Certificate, list[x509.Certificate]]:
         """The key's certificate from the token (same label or id), and the others it holds."""
-        session, key = self._free.get()
+        session, key, made = self._free.get()
         try:
-            found = [x509.load_der_x509_certificate(c[Attribute.VALUE])
-                     for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE})]
-            mine = [c for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE, **self._which()})]
+            with self.gate.shared():
+                found = [x509.load_der_x509_certificate(c[Attribute.VALUE])
+                         for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE})]
+                mine = [c for c in session.get_objects({Attribute.CLASS: ObjectClass.CERTIFICATE, **self._which()})]
         finally:
-            self._free.put((session, key))
+            self._free.put((session, key, made))
         if not mine:
             raise SignerSetupError(f"no certificate on the token for the {self.config.names()}: set CN_SIGNER_CERT, "
                                    "or put the CA's certificate on the token beside the key")
@@ -187,7 +254,7 @@ class TokenKey:
         return cert, [c for c in found if c != cert]
 
     def close(self) -> None:
-        with self._lock:
+        with self.gate.alone():
             self._close_sessions()
 
     def _which(self) -> dict:
@@ -200,19 +267,20 @@ class TokenKey:
         for the HSM's patience: a network HSM's first contact fails now and then when signers
         start together (`p11-kit server` failed 1 of 9 simultaneous first contacts here). A
         token listed under other labels, or a refused PIN, is answered at once."""
-        deadline, delay = time.monotonic() + self.config.patience_s, 0.25
+        begun, delay = time.time(), 0.25
         while True:
             try:
                 if self.lib is None:
                     self.lib = _load(self.config.module)
                 return self._connect_once()
             except _NotReached as e:
-                if time.monotonic() + delay > deadline:
-                    raise SignerSetupError(f"{e} for {self.config.patience_s:g} s") from None
+                if time.time() + delay > self.config.gives_up_at(begun):
+                    raise SignerSetupError(f"{e} for {time.time() - begun:.0f} s") from None
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
                 if self.lib is not None:
-                    self.lib.reinitialize()
+                    with self.gate.alone():
+                        self.lib.reinitialize()
 
     def _connect_once(self) -> None:
         try:
@@ -244,7 +312,7 @@ class TokenKey:
             raise SignerSetupError(f"the {self.config.names()} is {what}: notes are signed with RSA or ECDSA P-256")
         self.extractable = bool(key[Attribute.EXTRACTABLE])
         self._sessions.append(session)
-        self._free.put((session, key))
+        self._free.put((session, key, self._generation))
 
     def _token_once_more(self):
         """The token; the module started again once if it lost its HSM (a process that signed for
@@ -252,8 +320,9 @@ class TokenKey:
         try:
             return self.lib.get_token(token_label=self.config.token)
         except (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresent):
-            self.lib.reinitialize()
-            return self.lib.get_token(token_label=self.config.token)
+            with self.gate.alone():
+                self.lib.reinitialize()
+                return self.lib.get_token(token_label=self.config.token)
 
     def _find_key(self, session):
         try:
@@ -270,7 +339,7 @@ class TokenKey:
         for _ in range(count):
             session = self._token.open()
             self._sessions.append(session)
-            self._free.put((session, self._find_key(session)))
+            self._free.put((session, self._find_key(session), self._generation))
 
     def _measure(self, probes: int = 5) -> tuple[float, float, bool]:
         """The round trip of one signature; the part of it spent waiting, neither on a CPU nor
@@ -296,36 +365,67 @@ class TokenKey:
             switches.append(_voluntary_switches() - switched)
         return statistics.median(walls), max(0.0, statistics.median(waits)), sum(switches) >= probes
 
-    def _lost(self) -> None:
+    def _lost(self, e: Exception) -> None:
+        """Marks the HSM lost (once an outage): its sessions are closed by the reconnection, when
+        no signature is in flight."""
         with self._lock:
-            if not self._down_since:
-                self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
-                self._close_sessions()
+            if self._down_since:
+                return
+            self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
+        log.warning("the HSM is taken as lost: %s from %s; its signatures wait for it until %s", returned(e),
+                    self.config.module, clock(self.config.gives_up_at(self._down_at)))
+        self._tell(self._down_at)
 
     def _reconnect_if_due(self) -> None:
         """While the HSM is lost, one thread at a time tries to reconnect, with backoff (0.5, 1, 2,
         4, then every 5 s: an HSM back is found within seconds of its return); the others wait."""
         if not self._down_since:
             return
-        with self._lock:
+        if not self._reconnecting.acquire(blocking=False):
+            raise _Down(f"being reconnected ({self.config.module})")
+        try:
+            now = time.monotonic()
             if not self._down_since:
                 return
-            now = time.monotonic()
             if now < self._next_try:
                 raise _Down(f"unreachable since {now - self._down_since:.0f} s ({self.config.module})")
+            try:
+                self._reconnect()
+            except PinRefused:
+                raise
+            except Exception as e:
+                self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
+                raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
+            self._back(now)
+        finally:
+            self._reconnecting.release()
+
+    def _reconnect(self) -> None:
+        """The library started again and the sessions opened anew, alone in it (gate.py): the
+        sessions of its last start are dropped by whoever holds one."""
+        with self.gate.alone():
+            self._generation += 1
+            self._close_sessions()
             try:
                 self.lib.reinitialize()
                 self._connect_once()
                 self._open_more(self.sessions - 1)
-            except PinRefused:
-                raise
-            except Exception as e:
+            except BaseException:
                 self._close_sessions()
-                self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
-                raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
-            log.warning("the HSM is back after %.1f s (%s)", now - self._down_since, self.config.module)
+                raise
+
+    def _back(self, now: float) -> None:
+        log.warning("the HSM is back after %.1f s (%s)", now - self._down_since, self.config.module)
+        with self._lock:
             self._outages.append((self._down_at, time.time()))
-            self._down_since = 0.0
+            self._down_since, self._down_at = 0.0, 0.0
+        self._tell(0.0)
+
+    def _tell(self, since: float) -> None:
+        try:
+            self.told(since)
+        except Exception as e:  # the page's note is a courtesy: the signatures do not wait on it
+            log.warning("the HSM's outage could not be noted: %s", e)
 
     def _close_sessions(self) -> None:
         while not self._free.empty():
@@ -336,6 +436,15 @@ class TokenKey:
             except Exception:  # the HSM is gone: its sessions are too
                 pass
         self._sessions = []
+
+
+def returned(e: p11.PKCS11Error) -> str:
+    """The return value an error stands for, as PKCS#11 names it: python-pkcs11 keeps the class
+    (MechanismInvalid), not the code (CKR_MECHANISM_INVALID); an unmapped one keeps its message
+    ("Unmapped error code 0x68": CKR_KEY_FUNCTION_NOT_PERMITTED)."""
+    if type(e) is p11.PKCS11Error:
+        return f"PKCS11Error ({e})" if str(e) else "PKCS11Error"
+    return "CKR_" + re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).upper()
 
 
 def _voluntary_switches() -> int:
@@ -406,7 +515,8 @@ def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "s
     subprocess.run(["softhsm2-util", "--init-token", "--free", "--label", label, "--pin", made.pin_file.read_text(),
                     "--so-pin", secrets.token_hex(8)], env=env, check=True, capture_output=True)
     lib = pkcs11.lib(SOFTHSM)
-    lib.reinitialize()  # the library read its configuration when first loaded: this token is new
+    with gate_for(SOFTHSM).alone():
+        lib.reinitialize()  # the library read its configuration when first loaded: this token is new
     private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: extractable, Attribute.ID: b"\x01"}
     with lib.get_token(token_label=label).open(user_pin=made.pin_file.read_text(), rw=True) as session:
         if key_type == "ec":

@@ -1,0 +1,195 @@
+"""A day waits out its HSM (issue 69): an outage longer than CN_HSM_PATIENCE_S holds the day
+until the run's deadline (the page says what it waits for, the driver's log says it once), a
+refusal that is the same on every try fails at once with the mechanism and the return value
+named, and the library is started again only when no signature is in flight. The HSM is the
+real `p11-kit server` serving the session's SoftHSM token, killed and started again."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline import api
+from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.record.state import RunState
+from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM
+from pipeline.settings import ROOT as PROJECT
+from tests import servers
+from tests.conftest import HSM_SOCKET, TRADE_DATE
+from tests.helpers import outbox_messages
+from tests.test_hsm import network_hsm, on_token  # noqa: F401 (a fixture, used by name)
+
+
+def test_an_hsm_outage_past_its_patience_holds_the_day_until_its_deadline(
+        ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir, caplog):  # noqa: F811
+    """CN_HSM_PATIENCE_S of 5 s, the HSM's server and its connections killed for 15 s once 15
+    notes are mailed, the run's deadline four minutes off: nothing fails, each account is
+    mailed once, the live page says "waiting for the HSM since ..." meanwhile and the driver's
+    log says it once. Before, every note that reached the signer 5 s into the outage failed
+    ("HSM unreachable for over 5 s"), whatever time the day had left."""
+    day, accounts = tmp_path / "day", 120
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), accounts, seed=69))
+    s = on_token(settings, hsm, module=P11_KIT_CLIENT, shard_size=10, window=4, hsm_patience_s=5.0,
+                 deadline_at=time.time() + 240)
+    run_id = f"hsm-wait-{os.urandom(3).hex()}"
+    state, back, seen = RunState(s.redis_url, run_id), [], {"page": []}
+
+    def outage() -> None:
+        until = time.monotonic() + 300
+        while time.monotonic() < until and int(state.counts().get("delivered", 0) or 0) < 15:
+            time.sleep(0.05)
+        network_hsm.kill()
+        seen["from"] = time.time()
+        while time.time() - seen["from"] < 15:
+            time.sleep(0.5)
+            seen["page"] += api.summary(state)["waiting"]
+        back.append(servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label))
+        seen["to"] = time.time()
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    caplog.set_level(logging.WARNING, logger="pipeline.cluster.driver")
+    try:
+        summary = run_day(s, RunRequest(TRADE_DATE, str(day), run_id))
+        thread.join(60)
+    finally:
+        for server in back:
+            server.stop()
+    assert seen.get("to"), "the HSM was killed and brought back mid-run"
+    assert summary["failed"] == 0 and summary["unconfirmed"] == 0, summary
+    assert summary["delivered"] + summary["physical"] == accounts, summary
+    assert summary["waited_s"].get("hsm", 0) >= 10, summary["waited_s"]
+    assert any(w.startswith("waiting for the HSM since") for w in seen["page"]), seen["page"]
+    told = [r.getMessage() for r in caplog.records if "waiting for the HSM since" in r.getMessage()]
+    assert len(told) == 1 and "the run's deadline" in told[0], told
+    to = [m["To"] for m in outbox_messages(smtp_sink.outbox)]
+    assert len(to) == len(set(to)) == summary["delivered"], "every account mailed once"
+
+
+OPEN_KEY = """
+import sys
+from pipeline.seal.token import TokenConfig, TokenKey
+TokenKey(TokenConfig(sys.argv[1], sys.argv[2], sys.argv[3], pin=sys.stdin.read(), patience_s=20))
+"""
+
+
+@pytest.mark.parametrize("through", ["softhsm", "p11-kit"])
+def test_a_mechanism_the_hsm_refuses_fails_in_seconds_named_not_after_the_patience(through, hsm, tmp_path):
+    """The HSM configured to offer raw RSA and ECDSA only (SoftHSM's slots.mechanisms): the
+    key's CKM_SHA256_RSA_PKCS is refused, the same on every try. Before, the refusal was taken
+    for a lost HSM: re-initialise and log in again, for the whole patience (20 s here, 120 s
+    by default), then "HSM unreachable"."""
+    conf = tmp_path / "softhsm2.conf"
+    conf.write_text(hsm.conf.read_text() + "slots.mechanisms = CKM_RSA_PKCS,CKM_ECDSA\n")
+    env, server, module = {**os.environ, "SOFTHSM2_CONF": str(conf)}, None, SOFTHSM
+    if through == "p11-kit":  # the restriction is the server's; the client's own configuration is the session's
+        server = servers.start_p11kit_server(tmp_path / "p11.sock", SOFTHSM, hsm.label, softhsm_conf=conf)
+        env, module = {**os.environ, "P11_KIT_SERVER_ADDRESS": server.url}, P11_KIT_CLIENT
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", OPEN_KEY, module, hsm.label, hsm.key_label],
+                              input=hsm.pin_file.read_text(), capture_output=True, text=True, timeout=120,
+                              cwd=PROJECT, env=env)
+    finally:
+        if server:
+            server.stop()
+    took, said = time.monotonic() - started, (done.stderr.strip().splitlines() or [""])[-1]
+    assert done.returncode != 0 and "SignerSetupError" in said, done.stderr[-1500:]
+    assert "CKM_SHA256_RSA_PKCS" in said and "CKR_MECHANISM_INVALID" in said, said
+    assert took < 10, f"{took:.1f} s: waited out as if the HSM were lost"
+
+
+SIGN_THROUGH_RESTARTS = """
+import json, sys, threading, time
+import pkcs11
+from pkcs11 import types
+
+pkcs11_lib, pkcs11_sign = pkcs11.lib, types.SignMixin.sign
+count = threading.Lock()
+seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0}
+
+def sign(self, *args, **kwargs):  # the library's C_Sign, with the signatures inside it counted
+    with count:
+        seen["inside"] += 1
+    try:
+        time.sleep(0.3)  # a slow HSM's round trip: the signatures spend their time inside the library
+        return pkcs11_sign(self, *args, **kwargs)
+    finally:
+        with count:
+            seen["inside"] -= 1
+
+class Lib:  # the module, its C_Finalize + C_Initialize counted against the signatures inside it
+    def __init__(self, path):
+        self.lib = pkcs11_lib(path)
+    def reinitialize(self):
+        with count:
+            seen["reinits"] += 1
+            seen["overlaps"] += seen["inside"] > 0
+        return self.lib.reinitialize()
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+types.SignMixin.sign, pkcs11.lib = sign, Lib
+from pipeline.seal.token import TokenConfig, TokenKey
+module, label, key_label = sys.argv[1:4]
+key = TokenKey(TokenConfig(module, label, key_label, pin=sys.stdin.readline().strip(), sessions=8, patience_s=60))
+stop, errors = time.monotonic() + float(sys.argv[4]), []
+
+def signing(nth):
+    time.sleep(nth * 0.04)  # staggered: a signature is always about to end while the others are inside
+    while time.monotonic() < stop:
+        try:
+            key.sign(b"contract-notes: a note")
+            with count:
+                seen["signed"] += 1
+        except Exception as e:
+            errors.append(repr(e))
+
+threads = [threading.Thread(target=signing, args=(n,)) for n in range(8)]
+for t in threads:
+    t.start()
+print("signing", flush=True)
+for t in threads:
+    t.join()
+print(json.dumps({**seen, "errors": errors[:3], "gate_overlaps": key.gate.overlaps}), flush=True)
+"""
+
+
+def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, tmp_path):
+    """Eight threads sign through `p11-kit server` while it is killed and started again three
+    times: each loss is a reconnection (C_Finalize, C_Initialize, login), and none of them runs
+    while a thread is inside the library's C_Sign (counted by wrapping python-pkcs11's own
+    entry points). Before, the thread that reconnected re-initialised the library under the
+    others' signatures."""
+    sock = tmp_path / "p11.sock"
+    server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+    signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
+                               hsm.key_label, "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
+    try:
+        signer.stdin.write(hsm.pin_file.read_text() + "\n")
+        signer.stdin.flush()
+        assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
+        for _ in range(3):  # the HSM lost and back, mid-signature
+            time.sleep(1.0)
+            server.kill()
+            time.sleep(0.3)
+            server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+        out, err = signer.communicate(timeout=120)
+    finally:
+        signer.kill()
+        server.stop()
+    assert signer.returncode == 0, err[-1500:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["reinits"] >= 3 and seen["signed"] > 0 and seen["errors"] == [], seen
+    assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
