@@ -38,6 +38,7 @@ from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
 from pipeline.followup.runs import list_runs
+from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report
@@ -45,7 +46,7 @@ from pipeline.record.records import FINAL_STATUSES, history
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
-from pipeline.record.statuses import HEADLINE, final_status
+from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, open_store
 from pipeline.settings import ROOT, Settings
 
@@ -155,7 +156,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         html = api_reference(app.openapi())
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
 
-    stored = StoredRuns(settings)
+    stored, seals = StoredRuns(settings), Seals(settings)
 
     @app.get("/runs")
     def runs(limit: int = Query(20, ge=1, le=500)):
@@ -163,7 +164,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         Redis ends with the cluster)."""
         try:
             ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
-            live = [summary(s) for s in map(state_of, ids) if s.exists()]
+            live = [summary(s, seals) for s in map(state_of, ids) if s.exists()]
         except redis.exceptions.RedisError:
             live = []
         return {"runs": live or stored.listed(limit)}
@@ -173,7 +174,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         try:
             state = state_of(run_id) if keys.RUN_ID.match(run_id) else None
             if state is not None and state.exists():
-                return {**summary(state), "timeline": state.timeline()}
+                return {**summary(state, seals), "timeline": state.timeline()}
             redis_said = None
         except redis.exceptions.RedisError as e:
             redis_said = e
@@ -182,7 +183,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             if redis_said:
                 raise redis_said
             raise HTTPException(404, f"no run {run_id!r}")
-        return {**report_summary(run_id, found), "timeline": []}
+        return {**report_summary(run_id, found, seals), "timeline": []}
 
     @app.get("/runs/{run_id}/accounts")
     def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0, lt=2**64),
@@ -280,6 +281,20 @@ def content_security_policy(html: str) -> str:
             "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+class Seals:
+    """Whether a run is sealed, asked of storage only once its close began (Redis says when), and
+    remembered once it is: a seal is never undone, and the page asks for every run each second."""
+
+    def __init__(self, settings: Settings):
+        self.settings, self.known = settings, set()
+
+    def sealed(self, run_id: str, closed: bool) -> bool:
+        if closed and run_id not in self.known and \
+                seal_state(open_store(self.settings.store_url), run_id).state == SEALED:
+            self.known.add(run_id)
+        return run_id in self.known
+
+
 class StoredRuns:
     """The runs in storage, for a service whose Redis no longer holds them: their list read at
     most every LIST_EVERY_S (each refresh of a page would otherwise read every report)."""
@@ -293,7 +308,8 @@ class StoredRuns:
         if time.monotonic() - self.at > self.LIST_EVERY_S:
             self.rows, self.at = list_runs(open_store(self.settings.store_url)), time.monotonic()
         return [{**{k: r[k] for k in HEADLINE}, "paper_owed": r["paper_owed"], "run_id": r["run_id"], "date": r["date"],
-                 "accounts": r["accounts"] or 0, "state": r["state"], "source": "storage"} for r in self.rows[:limit]]
+                 "accounts": r["accounts"] or 0, "state": r["state"], **_times(r["started_at"], r["finished_at"]),
+                 "notes_per_s": r["notes_per_s"], "source": "storage"} for r in self.rows[:limit]]
 
     def report(self, run_id: str) -> dict | None:
         store = open_store(self.settings.store_url)
@@ -301,15 +317,17 @@ class StoredRuns:
         return read_report(store, key) if store.exists(key) else None
 
 
-def report_summary(run_id: str, found: dict) -> dict:
+def report_summary(run_id: str, found: dict, seals: Seals) -> dict:
     """What summary() says of a live run, from its report: its counts by final status (over the
     counts by stage the report kept), its rate, its times, the relays it mailed through (their
     rates were live state)."""
     finished = float(found.get("finished_at") or 0) or None
     final = report.final_counts(found)
+    closed = bool((found.get("bounce_window") or {}).get("closed_at"))
     return {"run_id": run_id, "date": found.get("trade_date"), **final, "accounts": found.get("accounts", 0),
             "counts": _headline_counts(found.get("stage_counts", {}), final),
-            "started": report.started_at(found) if finished else None, "finished": finished,
+            **_times(report.started_at(found) if finished else None, finished),
+            "state": phase(bool(finished), closed, seals.sealed(run_id, closed)),
             "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
             "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage"}
 
@@ -340,22 +358,42 @@ def _headline_counts(stages: dict, final: dict) -> dict:
             **{k: final[k] for k in HEADLINE}}
 
 
-def summary(state: RunState) -> dict:
-    """Counters by stage, counts by final status, rate and ETA: O(1) reads, whatever the size of the run."""
+def summary(state: RunState, seals: Seals) -> dict:
+    """Counters by stage, counts by final status, state, rate and ETA: O(1) reads, whatever the size of the run."""
     meta, counts = state.meta(), state.counts()
     final = state.final_counts(meta)
     accounts = int(meta.get("accounts") or 0)
-    started, finished = float(meta.get("started") or 0), meta.get("finished") or ""
+    started, finished = float(meta.get("started") or 0), float(meta.get("finished") or 0) or None
     done = counts["delivered"] + counts["failed"]
-    elapsed = (float(finished) if finished else time.time()) - started if started else 0.0
-    rate = counts["delivered"] / elapsed if elapsed > 0 else 0.0
+    rate = run_rate(meta, counts["delivered"], time.time())
     eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
+    closed = bool(meta.get("closed_at"))
     return {"run_id": state.run_id, "date": meta.get("date"), **final, "accounts": accounts,
-            "counts": _headline_counts(counts, final),
-            "started": started, "finished": float(finished) if finished else None,
+            "counts": _headline_counts(counts, final), **_times(started or None, finished),
+            "state": phase(bool(finished), closed, seals.sealed(state.run_id, closed)),
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
-            "relay": meta.get("relays", ""), "notes_per_s": round(rate, 2),
+            "relay": meta.get("relays", ""), "notes_per_s": rate,
             "eta_s": round(eta, 1) if eta is not None else None, "source": "redis"}
+
+
+def run_rate(meta: dict, delivered: int, now: float) -> float:
+    """The run's notes a second: once a driver has ended, the figure it recorded (its report's,
+    a rerun's own); while one runs, the notes it delivered over its time so far. Never over the
+    pause before a rerun: a day mailed in minutes and rerun hours later was not slow."""
+    if meta.get("finished") and meta.get("notes_per_s"):
+        return float(meta["notes_per_s"])
+    since = float(meta.get("last_started") or meta.get("started") or 0)
+    end = float(meta["finished"]) if meta.get("finished") else now
+    done = delivered - int(meta.get("delivered_at_start") or 0)
+    return round(done / (end - since), 2) if since and end > since else 0.0
+
+
+def _times(started: float | None, finished: float | None) -> dict:
+    """When a run started (epoch, and as `runs` prints it) and how long it took, from its first
+    start to its last end (so far, while it runs), as the grid of runs shows them."""
+    end = finished or time.time()
+    return {"started": started, "finished": finished, "start": report.iso(started) if started else "",
+            "duration_s": round(end - started, 3) if started else None}
 
 
 def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:

@@ -62,6 +62,9 @@ def test_health_runs_and_a_run_with_counters_rate_and_timeline(client, api_run):
     assert run["accounts"] == summary["accounts"]
     assert run["counts"]["delivered"] == summary["delivered"] and run["counts"]["failed"] == 1
     assert run["notes_per_s"] > 0 and run["finished"] and run["eta_s"] is None
+    assert run["notes_per_s"] == summary["notes_per_s"], "the run's own rate, as its report has it"
+    [listed] = [r for r in runs if r["run_id"] == summary["run_id"]]
+    assert listed["notes_per_s"] == summary["notes_per_s"] and listed["state"] == "finished"
     assert run["timeline"] and run["timeline"][-1]["delivered"] == summary["delivered"]
 
 
@@ -242,3 +245,4 @@ def test_a_signed_link_naming_a_path_outside_the_store_gets_the_same_404(redis_u
         for key in ("../outside/C1.pdf", "0-signed-pdf/../../outside/C1.pdf", "/etc/passwd"):
             with pytest.raises(StorageError, match="would leave the store"):
                 store.get(key)
+
