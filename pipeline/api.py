@@ -136,32 +136,40 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     async def storage_down(request: Request, exc: Exception):
         return JSONResponse({"detail": "storage unavailable"}, status_code=503)
 
-    @app.get("/healthz")
+    @app.get("/healthz", summary="Is the service up and its Redis reachable")
     def healthz():
+        """Answers `{"ok": true}` when this service can reach its Redis, for a load balancer or a
+        heartbeat; no token needed. 503 when Redis does not answer."""
         redis_client(settings.redis_url, patience_retries=0).ping()
         return {"ok": True}
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, summary="The live status page")
     def page():
+        """An HTML page for a browser: the recent runs as a grid, and for the chosen one its
+        progress, notes a second, relays, failures and bounces, refreshed every second. Anyone may
+        open it; its rerun button asks for the API token (a read-only service shows none)."""
         html = PAGE.read_text()
         if read_only:  # no token box, no rerun button: nothing on the page this service would refuse
             html = re.sub(r"<!-- write -->.*?<!-- /write -->", "", html, flags=re.S)
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html),
                                            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
-    @app.get("/docs", response_class=HTMLResponse)
+    @app.get("/docs", response_class=HTMLResponse, summary="This reference, as plain HTML")
     def docs():
-        """The API's reference from its own OpenAPI schema, with nothing fetched from elsewhere
-        (Swagger UI comes from a CDN: blank on a broker's isolated network)."""
+        """Every request this service answers, what it does and its parameters, made from
+        /openapi.json with nothing fetched from elsewhere, so it works on an isolated network
+        (Swagger UI would come from a CDN). No token needed."""
         html = api_reference(app.openapi())
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
 
     stored, seals = StoredRuns(settings), Seals(settings)
 
-    @app.get("/runs")
+    @app.get("/runs", summary="The recent runs, newest first")
     def runs(limit: int = Query(20, ge=1, le=500)):
-        """From Redis; from the reports in storage when Redis is gone or holds none (a cluster's
-        Redis ends with the cluster)."""
+        """Each run's trade date, state (running, finished, closing, sealed), counts by final
+        status, start, duration and notes a second: from Redis, or from the reports in storage
+        when Redis is gone or holds none (a cluster's Redis ends with the cluster). No token
+        needed; 422 for a limit outside 1-500, 503 when storage does not answer."""
         try:
             ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
             live = [summary(s, seals) for s in map(state_of, ids) if s.exists()]
@@ -169,8 +177,12 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             live = []
         return {"runs": live or stored.listed(limit)}
 
-    @app.get("/runs/{run_id}")
+    @app.get("/runs/{run_id}", summary="One run's counters, rate, ETA and timeline")
     def run(run_id: str):
+        """The run's counts by stage and final status, its state, notes a second, ETA, bounce
+        window, relays' rates and its timeline of counters (about one a second), from Redis or,
+        once Redis has forgotten it, from its report in storage (no timeline). No token needed;
+        404 for a run neither holds, 503 when both are unreachable."""
         try:
             state = state_of(run_id) if keys.RUN_ID.match(run_id) else None
             if state is not None and state.exists():
@@ -185,16 +197,22 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(404, f"no run {run_id!r}")
         return {**report_summary(run_id, found, seals), "timeline": []}
 
-    @app.get("/runs/{run_id}/accounts")
+    @app.get("/runs/{run_id}/accounts", summary="A run's accounts, a page at a time")
     def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0, lt=2**64),
                  limit: int = Query(50, ge=1, le=500), full: bool = Depends(authorised)):
+        """Each account's stage, final status, reason and attempts, optionally of one status only;
+        follow `next_cursor` for the next page. Reasons are masked without the bearer token. 404
+        for an unknown run, 422 for a bad status, cursor or limit, 503 when Redis is down."""
         state = run_state(run_id)
         items, cursor = state.page(cursor, limit, status)
         return {"items": [public_record(rec, full, settings.paper_due_days) for rec in items],
                 "next_cursor": cursor or None}
 
-    @app.get("/runs/{run_id}/accounts/{ucc}")
+    @app.get("/runs/{run_id}/accounts/{ucc}", summary="One account's history and its client")
     def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
+        """Everything that happened to one client's note in the run, stage by stage, with who
+        the client is: the name, e-mail, PAN and state need the bearer token (without it they
+        are masked). 404 for an unknown run or account, 503 when Redis or storage is down."""
         state = run_state(run_id)
         record = state.accounts([ucc]).get(ucc) if re.fullmatch(r"[A-Za-z0-9]{1,10}", ucc) else None
         if record is None:
@@ -209,8 +227,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return {**public_record(record, full), "history": events, "client": client,
                 "pii": "shown" if full else "masked"}
 
-    @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)
+    @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse, summary="The run's report as CSV")
     def report_csv(run_id: str, full: bool = Depends(authorised)):
+        """A row per account, live while the run goes on, or the report stored when it ended
+        once Redis has forgotten the run. Addresses and PANs are masked without the bearer
+        token. 404 for an unknown run, 503 when Redis or storage is down."""
         if not keys.RUN_ID.match(run_id):
             raise HTTPException(404, f"no run {run_id!r}")
         state = state_of(run_id)
@@ -231,8 +252,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         split = load_manifest(open_store(settings.store_url), run_id)
         return split.shard_count if split else None
 
-    @app.get("/notes/{token}")
+    @app.get("/notes/{token}", summary="A client's own note, from the link in their e-mail")
     def note(token: str, request: Request):
+        """The signed PDF, still encrypted with the client's PAN; the signed link is the only
+        credential, and the fetch goes into the delivery log as proof of receipt. An expired,
+        altered or unknown link is 404, alike; too many tries from one address, 429."""
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
         found = link.check(key(), token)
@@ -249,17 +273,24 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
             "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
-    @app.get("/runs/{run_id}/paper.csv", response_class=PlainTextResponse)
+    @app.get("/runs/{run_id}/paper.csv", response_class=PlainTextResponse,
+             summary="The notes owed on paper, as CSV")
     def paper_csv(run_id: str, full: bool = Depends(authorised)):
-        """The physical dispatch list as the report last wrote it: who, why, by when."""
+        """The physical dispatch list as the report last wrote it: who gets a printed note, why
+        (no e-mail consent, a bounce, a refused address) and by when. Addresses are masked
+        without the bearer token. 404 when the run has no such list, 503 when storage is down."""
         key = report.paper_key(run_id) if keys.RUN_ID.match(run_id) else ""
         store = open_store(settings.store_url)
         if not key or not store.exists(key):
             raise HTTPException(404, f"no paper list for run {run_id!r}")
         return StreamingResponse((c if full else mask_text(c) for c in store.lines(key)), media_type="text/csv")
 
-    @app.post("/runs/{run_id}/rerun", status_code=202)
+    @app.post("/runs/{run_id}/rerun", status_code=202, summary="Rerun a run's failed or named accounts")
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
+        """Starts `python -m pipeline rerun` in the background for `{"failed": true}` or a list
+        of accounts (at most 100,000), and answers 202 with the accounts chosen and its process
+        id. Needs the bearer token (401 without it, 403 on a read-only service); 404 for an
+        unknown run, 422 for a bad body."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
         if not full:
