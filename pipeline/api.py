@@ -360,7 +360,8 @@ def report_summary(run_id: str, found: dict, seals: Seals) -> dict:
             **_times(report.started_at(found) if finished else None, finished),
             "state": phase(bool(finished), closed, seals.sealed(run_id, closed)),
             "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
-            "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage"}
+            "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage",
+            "reran": _reran(report.started_at(found), found.get("last_started_at"))}
 
 
 def api_reference(schema: dict) -> str:
@@ -403,7 +404,7 @@ def summary(state: RunState, seals: Seals) -> dict:
             "counts": _headline_counts(counts, final), **_times(started or None, finished),
             "state": phase(bool(finished), closed, seals.sealed(state.run_id, closed)),
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
-            "relay": meta.get("relays", ""), "notes_per_s": rate,
+            "relay": meta.get("relays", ""), "notes_per_s": rate, "reran": _reran(started, meta.get("last_started")),
             "eta_s": round(eta, 1) if eta is not None else None, "source": "redis"}
 
 
@@ -417,6 +418,11 @@ def run_rate(meta: dict, delivered: int, now: float) -> float:
     end = float(meta["finished"]) if meta.get("finished") else now
     done = delivered - int(meta.get("delivered_at_start") or 0)
     return round(done / (end - since), 2) if since and end > since else 0.0
+
+
+def _reran(started: float | None, last_started) -> bool:
+    """Whether a driver started after the run's first: its rate, then, is the rerun's own (the page says so)."""
+    return bool(started and last_started and float(last_started) > started + 1)
 
 
 def _times(started: float | None, finished: float | None) -> dict:

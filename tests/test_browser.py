@@ -277,6 +277,7 @@ def test_the_page_lists_recent_runs_as_a_grid_with_their_states_and_a_click_sele
             row = page.locator(f'#run-grid tbody tr[data-run="{three_runs[which]}"]')
             expect(row).to_contain_text(state)
             expect(row).to_contain_text(TRADE_DATE)
+        expect(page.locator("#rate-of")).to_be_hidden()  # a run never rerun: its rate is its own
         rerun = page.locator(f'#run-grid tbody tr[data-run="{three_runs["rerun"]}"]')
         expect(rerun.locator("td.delivered")).to_have_text("120")
         expect(rerun.locator("td.failed")).to_have_text("1")
@@ -305,6 +306,7 @@ def test_a_pause_before_a_rerun_is_a_gap_in_the_chart_and_the_header_shows_the_r
         assert len(first) == 20 and len(second) == 10
         assert float(first[-1].split(",")[0]) < float(second[0].split(",")[0])
         expect(page.locator("#rate")).to_have_text("3.64")  # before: 1.0, 121 notes over 130 s pause and all
+        expect(page.locator("#rate-of")).to_have_text("(its last rerun's)")
         shown = page.evaluate("fetch('/runs').then(r => r.json())")["runs"]
         assert [r["notes_per_s"] for r in shown if r["run_id"] == three_runs["rerun"]] == [3.64]
         page.screenshot(path=str(tmp_path / "gap.png"), full_page=True)
