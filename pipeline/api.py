@@ -373,7 +373,7 @@ def api_reference(schema: dict) -> str:
         for method, op in methods.items():
             params = ", ".join(f"{p['name']} ({p['in']})" for p in op.get("parameters", []))
             rows.append(f"<tr><td><code>{escape(method.upper())} {escape(path)}</code></td>"
-                        f"<td>{escape(op.get('summary', ''))}<br>{escape(op.get('description') or '')}</td>"
+                        f"<td><b>{escape(op.get('summary', ''))}</b><br>{escape(op.get('description') or '')}</td>"
                         f"<td>{escape(params)}</td></tr>")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>" + escape(schema["info"]["title"])
             + " API</title><style>body{font:14px system-ui,sans-serif;margin:24px}td{padding:4px 8px;"
