@@ -38,6 +38,7 @@ from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
 from pipeline.followup.runs import list_runs
+from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report, waiting
@@ -45,7 +46,7 @@ from pipeline.record.records import FINAL_STATUSES, history
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
-from pipeline.record.statuses import HEADLINE, final_status
+from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, open_store
 from pipeline.settings import ROOT, Settings
 
@@ -135,45 +136,57 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     async def storage_down(request: Request, exc: Exception):
         return JSONResponse({"detail": "storage unavailable"}, status_code=503)
 
-    @app.get("/healthz")
+    @app.get("/healthz", summary="Is the service up and its Redis reachable")
     def healthz():
+        """Answers `{"ok": true}` when this service can reach its Redis, for a load balancer or a
+        heartbeat; no token needed. 503 when Redis does not answer."""
         redis_client(settings.redis_url, patience_retries=0).ping()
         return {"ok": True}
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, summary="The live status page")
     def page():
+        """An HTML page for a browser: the recent runs as a grid, and for the chosen one its
+        progress, notes a second, relays, failures and bounces, refreshed every second. Anyone may
+        open it; its rerun button asks for the API token (a read-only service shows none)."""
         html = PAGE.read_text()
         if read_only:  # no token box, no rerun button: nothing on the page this service would refuse
             html = re.sub(r"<!-- write -->.*?<!-- /write -->", "", html, flags=re.S)
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html),
                                            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
-    @app.get("/docs", response_class=HTMLResponse)
+    @app.get("/docs", response_class=HTMLResponse, summary="This reference, as plain HTML")
     def docs():
-        """The API's reference from its own OpenAPI schema, with nothing fetched from elsewhere
-        (Swagger UI comes from a CDN: blank on a broker's isolated network)."""
+        """Every request this service answers, what it does and its parameters, made from
+        /openapi.json with nothing fetched from elsewhere, so it works on an isolated network
+        (Swagger UI would come from a CDN). No token needed."""
         html = api_reference(app.openapi())
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
 
-    stored = StoredRuns(settings)
+    stored, seals = StoredRuns(settings), Seals(settings)
 
-    @app.get("/runs")
+    @app.get("/runs", summary="The recent runs, newest first")
     def runs(limit: int = Query(20, ge=1, le=500)):
-        """From Redis; from the reports in storage when Redis is gone or holds none (a cluster's
-        Redis ends with the cluster)."""
+        """Each run's trade date, state (running, finished, closing, sealed), counts by final
+        status, start, duration and notes a second: from Redis, or from the reports in storage
+        when Redis is gone or holds none (a cluster's Redis ends with the cluster). No token
+        needed; 422 for a limit outside 1-500, 503 when storage does not answer."""
         try:
             ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
-            live = [summary(s) for s in map(state_of, ids) if s.exists()]
+            live = [summary(s, seals) for s in map(state_of, ids) if s.exists()]
         except redis.exceptions.RedisError:
             live = []
         return {"runs": live or stored.listed(limit)}
 
-    @app.get("/runs/{run_id}")
+    @app.get("/runs/{run_id}", summary="One run's counters, rate, ETA and timeline")
     def run(run_id: str):
+        """The run's counts by stage and final status, its state, notes a second, ETA, bounce
+        window, relays' rates and its timeline of counters (about one a second), from Redis or,
+        once Redis has forgotten it, from its report in storage (no timeline). No token needed;
+        404 for a run neither holds, 503 when both are unreachable."""
         try:
             state = state_of(run_id) if keys.RUN_ID.match(run_id) else None
             if state is not None and state.exists():
-                return {**summary(state), "timeline": state.timeline()}
+                return {**summary(state, seals), "timeline": state.timeline()}
             redis_said = None
         except redis.exceptions.RedisError as e:
             redis_said = e
@@ -182,18 +195,24 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             if redis_said:
                 raise redis_said
             raise HTTPException(404, f"no run {run_id!r}")
-        return {**report_summary(run_id, found), "timeline": []}
+        return {**report_summary(run_id, found, seals), "timeline": []}
 
-    @app.get("/runs/{run_id}/accounts")
+    @app.get("/runs/{run_id}/accounts", summary="A run's accounts, a page at a time")
     def accounts(run_id: str, status: Status | None = None, cursor: int = Query(0, ge=0, lt=2**64),
                  limit: int = Query(50, ge=1, le=500), full: bool = Depends(authorised)):
+        """Each account's stage, final status, reason and attempts, optionally of one status only;
+        follow `next_cursor` for the next page. Reasons are masked without the bearer token. 404
+        for an unknown run, 422 for a bad status, cursor or limit, 503 when Redis is down."""
         state = run_state(run_id)
         items, cursor = state.page(cursor, limit, status)
         return {"items": [public_record(rec, full, settings.paper_due_days) for rec in items],
                 "next_cursor": cursor or None}
 
-    @app.get("/runs/{run_id}/accounts/{ucc}")
+    @app.get("/runs/{run_id}/accounts/{ucc}", summary="One account's history and its client")
     def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
+        """Everything that happened to one client's note in the run, stage by stage, with who
+        the client is: the name, e-mail, PAN and state need the bearer token (without it they
+        are masked). 404 for an unknown run or account, 503 when Redis or storage is down."""
         state = run_state(run_id)
         record = state.accounts([ucc]).get(ucc) if re.fullmatch(r"[A-Za-z0-9]{1,10}", ucc) else None
         if record is None:
@@ -208,8 +227,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return {**public_record(record, full), "history": events, "client": client,
                 "pii": "shown" if full else "masked"}
 
-    @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse)
+    @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse, summary="The run's report as CSV")
     def report_csv(run_id: str, full: bool = Depends(authorised)):
+        """A row per account, live while the run goes on, or the report stored when it ended
+        once Redis has forgotten the run. Addresses and PANs are masked without the bearer
+        token. 404 for an unknown run, 503 when Redis or storage is down."""
         if not keys.RUN_ID.match(run_id):
             raise HTTPException(404, f"no run {run_id!r}")
         state = state_of(run_id)
@@ -230,8 +252,11 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         split = load_manifest(open_store(settings.store_url), run_id)
         return split.shard_count if split else None
 
-    @app.get("/notes/{token}")
+    @app.get("/notes/{token}", summary="A client's own note, from the link in their e-mail")
     def note(token: str, request: Request):
+        """The signed PDF, still encrypted with the client's PAN; the signed link is the only
+        credential, and the fetch goes into the delivery log as proof of receipt. An expired,
+        altered or unknown link is 404, alike; too many tries from one address, 429."""
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
         found = link.check(key(), token)
@@ -248,17 +273,24 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
             "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
 
-    @app.get("/runs/{run_id}/paper.csv", response_class=PlainTextResponse)
+    @app.get("/runs/{run_id}/paper.csv", response_class=PlainTextResponse,
+             summary="The notes owed on paper, as CSV")
     def paper_csv(run_id: str, full: bool = Depends(authorised)):
-        """The physical dispatch list as the report last wrote it: who, why, by when."""
+        """The physical dispatch list as the report last wrote it: who gets a printed note, why
+        (no e-mail consent, a bounce, a refused address) and by when. Addresses are masked
+        without the bearer token. 404 when the run has no such list, 503 when storage is down."""
         key = report.paper_key(run_id) if keys.RUN_ID.match(run_id) else ""
         store = open_store(settings.store_url)
         if not key or not store.exists(key):
             raise HTTPException(404, f"no paper list for run {run_id!r}")
         return StreamingResponse((c if full else mask_text(c) for c in store.lines(key)), media_type="text/csv")
 
-    @app.post("/runs/{run_id}/rerun", status_code=202)
+    @app.post("/runs/{run_id}/rerun", status_code=202, summary="Rerun a run's failed or named accounts")
     def rerun(run_id: str, body: RerunRequest, full: bool = Depends(authorised)):
+        """Starts `python -m pipeline rerun` in the background for `{"failed": true}` or a list
+        of accounts (at most 100,000), and answers 202 with the accounts chosen and its process
+        id. Needs the bearer token (401 without it, 403 on a read-only service); 404 for an
+        unknown run, 422 for a bad body."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
         if not full:
@@ -280,6 +312,20 @@ def content_security_policy(html: str) -> str:
             "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
+class Seals:
+    """Whether a run is sealed, asked of storage only once its close began (Redis says when), and
+    remembered once it is: a seal is never undone, and the page asks for every run each second."""
+
+    def __init__(self, settings: Settings):
+        self.settings, self.known = settings, set()
+
+    def sealed(self, run_id: str, closed: bool) -> bool:
+        if closed and run_id not in self.known and \
+                seal_state(open_store(self.settings.store_url), run_id).state == SEALED:
+            self.known.add(run_id)
+        return run_id in self.known
+
+
 class StoredRuns:
     """The runs in storage, for a service whose Redis no longer holds them: their list read at
     most every LIST_EVERY_S (each refresh of a page would otherwise read every report)."""
@@ -293,7 +339,8 @@ class StoredRuns:
         if time.monotonic() - self.at > self.LIST_EVERY_S:
             self.rows, self.at = list_runs(open_store(self.settings.store_url)), time.monotonic()
         return [{**{k: r[k] for k in HEADLINE}, "paper_owed": r["paper_owed"], "run_id": r["run_id"], "date": r["date"],
-                 "accounts": r["accounts"] or 0, "state": r["state"], "source": "storage"} for r in self.rows[:limit]]
+                 "accounts": r["accounts"] or 0, "state": r["state"], **_times(r["started_at"], r["finished_at"]),
+                 "notes_per_s": r["notes_per_s"], "source": "storage"} for r in self.rows[:limit]]
 
     def report(self, run_id: str) -> dict | None:
         store = open_store(self.settings.store_url)
@@ -301,17 +348,20 @@ class StoredRuns:
         return read_report(store, key) if store.exists(key) else None
 
 
-def report_summary(run_id: str, found: dict) -> dict:
+def report_summary(run_id: str, found: dict, seals: Seals) -> dict:
     """What summary() says of a live run, from its report: its counts by final status (over the
     counts by stage the report kept), its rate, its times, the relays it mailed through (their
     rates were live state)."""
     finished = float(found.get("finished_at") or 0) or None
     final = report.final_counts(found)
+    closed = bool((found.get("bounce_window") or {}).get("closed_at"))
     return {"run_id": run_id, "date": found.get("trade_date"), **final, "accounts": found.get("accounts", 0),
             "counts": _headline_counts(found.get("stage_counts", {}), final),
-            "started": report.started_at(found) if finished else None, "finished": finished,
+            **_times(report.started_at(found) if finished else None, finished),
+            "state": phase(bool(finished), closed, seals.sealed(run_id, closed)),
             "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
-            "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage"}
+            "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage",
+            "reran": _reran(report.started_at(found), found.get("last_started_at"))}
 
 
 def api_reference(schema: dict) -> str:
@@ -323,7 +373,7 @@ def api_reference(schema: dict) -> str:
         for method, op in methods.items():
             params = ", ".join(f"{p['name']} ({p['in']})" for p in op.get("parameters", []))
             rows.append(f"<tr><td><code>{escape(method.upper())} {escape(path)}</code></td>"
-                        f"<td>{escape(op.get('summary', ''))}<br>{escape(op.get('description') or '')}</td>"
+                        f"<td><b>{escape(op.get('summary', ''))}</b><br>{escape(op.get('description') or '')}</td>"
                         f"<td>{escape(params)}</td></tr>")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>" + escape(schema["info"]["title"])
             + " API</title><style>body{font:14px system-ui,sans-serif;margin:24px}td{padding:4px 8px;"
@@ -340,24 +390,49 @@ def _headline_counts(stages: dict, final: dict) -> dict:
             **{k: final[k] for k in HEADLINE}}
 
 
-def summary(state: RunState) -> dict:
-    """Counters by stage, counts by final status, rate and ETA: O(1) reads, whatever the size of the run."""
+def summary(state: RunState, seals: Seals) -> dict:
+    """Counters by stage, counts by final status, state, rate and ETA: O(1) reads, whatever the size of the run."""
     meta, counts = state.meta(), state.counts()
     final = state.final_counts(meta)
     accounts = int(meta.get("accounts") or 0)
-    started, finished = float(meta.get("started") or 0), meta.get("finished") or ""
+    started, finished = float(meta.get("started") or 0), float(meta.get("finished") or 0) or None
     done = counts["delivered"] + counts["failed"]
-    elapsed = (float(finished) if finished else time.time()) - started if started else 0.0
-    rate = counts["delivered"] / elapsed if elapsed > 0 else 0.0
+    rate = run_rate(meta, counts["delivered"], time.time())
     eta = max(0, accounts - done) / rate if rate > 0 and not finished else None
+    closed = bool(meta.get("closed_at"))
     return {"run_id": state.run_id, "date": meta.get("date"), **final, "accounts": accounts,
-            "counts": _headline_counts(counts, final),
-            "started": started, "finished": float(finished) if finished else None,
+            "counts": _headline_counts(counts, final), **_times(started or None, finished),
+            "state": phase(bool(finished), closed, seals.sealed(state.run_id, closed)),
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
-            "relay": meta.get("relays", ""), "notes_per_s": round(rate, 2),
+            "relay": meta.get("relays", ""), "notes_per_s": rate, "reran": _reran(started, meta.get("last_started")),
             "eta_s": round(eta, 1) if eta is not None else None, "source": "redis",
             "waiting": [] if finished else [waiting.said(what, since) for what, since in
                                             sorted(waiting.waits(meta).items(), key=lambda w: w[1])]}
+
+
+def run_rate(meta: dict, delivered: int, now: float) -> float:
+    """The run's notes a second: once a driver has ended, the figure it recorded (its report's,
+    a rerun's own); while one runs, the notes it delivered over its time so far. Never over the
+    pause before a rerun: a day mailed in minutes and rerun hours later was not slow."""
+    if meta.get("finished") and meta.get("notes_per_s"):
+        return float(meta["notes_per_s"])
+    since = float(meta.get("last_started") or meta.get("started") or 0)
+    end = float(meta["finished"]) if meta.get("finished") else now
+    done = delivered - int(meta.get("delivered_at_start") or 0)
+    return round(done / (end - since), 2) if since and end > since else 0.0
+
+
+def _reran(started: float | None, last_started) -> bool:
+    """Whether a driver started after the run's first: its rate, then, is the rerun's own (the page says so)."""
+    return bool(started and last_started and float(last_started) > started + 1)
+
+
+def _times(started: float | None, finished: float | None) -> dict:
+    """When a run started (epoch, and as `runs` prints it) and how long it took, from its first
+    start to its last end (so far, while it runs), as the grid of runs shows them."""
+    end = finished or time.time()
+    return {"started": started, "finished": finished, "start": report.iso(started) if started else "",
+            "duration_s": round(end - started, 3) if started else None}
 
 
 def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:

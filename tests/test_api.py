@@ -62,6 +62,9 @@ def test_health_runs_and_a_run_with_counters_rate_and_timeline(client, api_run):
     assert run["accounts"] == summary["accounts"]
     assert run["counts"]["delivered"] == summary["delivered"] and run["counts"]["failed"] == 1
     assert run["notes_per_s"] > 0 and run["finished"] and run["eta_s"] is None
+    assert run["notes_per_s"] == summary["notes_per_s"], "the run's own rate, as its report has it"
+    [listed] = [r for r in runs if r["run_id"] == summary["run_id"]]
+    assert listed["notes_per_s"] == summary["notes_per_s"] and listed["state"] == "finished"
     assert run["timeline"] and run["timeline"][-1]["delivered"] == summary["delivered"]
 
 
@@ -242,3 +245,18 @@ def test_a_signed_link_naming_a_path_outside_the_store_gets_the_same_404(redis_u
         for key in ("../outside/C1.pdf", "0-signed-pdf/../../outside/C1.pdf", "/etc/passwd"):
             with pytest.raises(StorageError, match="would leave the store"):
                 store.get(key)
+
+
+def test_every_route_in_the_schema_says_what_it_does_beyond_its_name(tmp_path):
+    """/docs is made from these: a summary that only repeats the route's name tells a reader nothing."""
+    app = create_app(Settings(store_url=str(tmp_path / "store"), api_token=TOKEN))
+    names = {(m.lower(), r.path): r.name for r in app.routes if hasattr(r, "methods") for m in r.methods}
+    schema = TestClient(app).get("/openapi.json").json()
+    vague = []
+    for path, methods in schema["paths"].items():
+        for method, op in methods.items():
+            name = names[(method, path)].replace("_", " ").lower()
+            summary, description = op.get("summary", "").strip(), (op.get("description") or "").strip()
+            if not summary or summary.lower() == name or not description or description.lower() in (summary.lower(), name):
+                vague.append(f"{method.upper()} {path}: {summary!r} / {description!r}")
+    assert len(schema["paths"]) >= 10 and not vague, vague

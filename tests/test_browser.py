@@ -11,12 +11,15 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import uvicorn
 
 from pipeline.api import create_app
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import free_port, start_smtp_sink
+from pipeline.record.records import Outcome
+from pipeline.record.state import RunState
 from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
@@ -100,7 +103,7 @@ def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
             expect(page.locator("#rendered-count")).not_to_have_text("0")
             kept = json.loads((Path(good.store_url) / f"reports/{run_id}.json").read_text())["notes_per_s"]
             assert kept > 0
-            expect(page.locator("#rate")).to_have_text(f"{kept:.1f}")  # the report's (the last rerun's), not 0
+            expect(page.locator("#rate")).to_have_text(f"{kept:.2f}")  # the report's (the last rerun's), not 0
             expect(page.locator("#relays tbody tr")).to_have_count(1)
             assert page.locator("#token").count() == 0 and page.locator("#rerun-button").count() == 0
             shutil.rmtree(good.store_url)  # storage goes too: every request now fails
@@ -210,3 +213,104 @@ def test_the_link_in_a_received_email_downloads_the_clients_own_note_in_chromium
         assert 429 in codes, "a guesser is slowed down"
     finally:
         server.should_exit = True
+
+
+def _day_in_redis(redis_url: str, run_id: str, started: float, delivered: int, failed: int = 0,
+                  rejected: int = 0, **meta) -> RunState:
+    """A run as the driver leaves it in Redis (meta, counts), without Ray: the page's views of
+    many runs at once are about their shapes, not about making notes."""
+    state = RunState(redis_url, run_id)
+    state.start({"date": TRADE_DATE, "input": "grid", "config": "{}", "finished": ""})
+    state.update_meta(**{"accounts": delivered + failed + rejected, "started": started, "last_started": started, **meta})
+    state.record([Outcome(f"D{i:07d}", "delivered") for i in range(delivered)]
+                 + [Outcome(f"F{i:07d}", "signed", "failed", reason="owner password") for i in range(failed)]
+                 + [Outcome(f"R{i:07d}", "validated", "rejected", reason="no PAN") for i in range(rejected)])
+    return state
+
+
+def _timeline(state, points: list[tuple[float, int]]) -> None:
+    """Snapshots as the driver takes them (about one a second), at the times given."""
+    from pipeline.record import keys
+
+    state.r.rpush(keys.run_timeline(state.run_id), *[json.dumps({"at": at, "delivered": n}) for at, n in points])
+
+
+@pytest.fixture
+def three_runs(redis_url):
+    """A run still running, one closing (its close began), and one finished whose failed accounts
+    were rerun after a 100 s pause: the timeline the issue saw, with a gap in it."""
+    tag, now = uuid.uuid4().hex[:6], time.time()
+    t0 = now - 400
+    rerun = _day_in_redis(redis_url, f"grid-rerun-{tag}", t0, 120, failed=1, rejected=2, last_started=t0 + 120,
+                          finished=t0 + 130, notes_per_s=3.64)  # the rerun's own figure, as its report has it
+    _timeline(rerun, [(t0 + s, 5 * s) for s in range(21)] + [(t0 + 120 + s, 100 + 2 * s) for s in range(11)])
+    _day_in_redis(redis_url, f"grid-closing-{tag}", t0 - 86_400, 40, finished=t0 - 86_000, notes_per_s=0.1,
+                  closed_at=t0 - 3600)
+    _day_in_redis(redis_url, f"grid-running-{tag}", now - 20, 30)
+    return {"rerun": rerun.run_id, "closing": f"grid-closing-{tag}", "running": f"grid-running-{tag}"}
+
+
+def _page(settings: Settings, url_path: str, test):
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    server = serve(create_app(settings), port)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(f"http://127.0.0.1:{port}{url_path}")
+            test(page)
+            browser.close()
+    finally:
+        server.should_exit = True
+
+
+def test_the_page_lists_recent_runs_as_a_grid_with_their_states_and_a_click_selects_one(
+        three_runs, redis_url, tmp_path):
+    from playwright.sync_api import expect
+
+    def check(page):
+        grid = page.locator("#run-grid tbody tr")
+        expect(grid.first).to_be_visible(timeout=10_000)
+        for which, state in (("running", "running"), ("closing", "closing"), ("rerun", "finished")):
+            row = page.locator(f'#run-grid tbody tr[data-run="{three_runs[which]}"]')
+            expect(row).to_contain_text(state)
+            expect(row).to_contain_text(TRADE_DATE)
+        expect(page.locator("#rate-of")).to_be_hidden()  # a run never rerun: its rate is its own
+        rerun = page.locator(f'#run-grid tbody tr[data-run="{three_runs["rerun"]}"]')
+        expect(rerun.locator("td.delivered")).to_have_text("120")
+        expect(rerun.locator("td.failed")).to_have_text("1")
+        expect(rerun.locator("td.rejected")).to_have_text("2")
+        expect(rerun.locator("td.duration")).to_have_text("2m10s")  # first start to last end, as `runs` says
+        rerun.click()
+        expect(page.locator("#run-id")).to_have_text(three_runs["rerun"])
+        expect(rerun).to_have_attribute("aria-selected", "true")
+        assert f"run={three_runs['rerun']}" in page.url, "a reload shows the run chosen"
+        page.screenshot(path=str(tmp_path / "grid.png"), full_page=True)
+        shutil.copy(tmp_path / "grid.png", Path("/tmp/cn-page-grid.png"))
+
+    _page(Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, api_token=TOKEN),
+          f"/?run={three_runs['running']}", check)
+
+
+def test_a_pause_before_a_rerun_is_a_gap_in_the_chart_and_the_header_shows_the_runs_own_rate(
+        three_runs, redis_url, tmp_path):
+    from playwright.sync_api import expect
+
+    def check(page):
+        expect(page.locator("#run-id")).to_have_text(three_runs["rerun"], timeout=10_000)
+        lines = page.locator("#chart polyline")
+        expect(lines).to_have_count(2)  # before: one line, drawn diagonally across the 100 s pause
+        first, second = (lines.nth(i).get_attribute("points").split() for i in (0, 1))
+        assert len(first) == 20 and len(second) == 10
+        assert float(first[-1].split(",")[0]) < float(second[0].split(",")[0])
+        expect(page.locator("#rate")).to_have_text("3.64")  # before: 1.0, 121 notes over 130 s pause and all
+        expect(page.locator("#rate-of")).to_have_text("(its last rerun's)")
+        shown = page.evaluate("fetch('/runs').then(r => r.json())")["runs"]
+        assert [r["notes_per_s"] for r in shown if r["run_id"] == three_runs["rerun"]] == [3.64]
+        page.screenshot(path=str(tmp_path / "gap.png"), full_page=True)
+        shutil.copy(tmp_path / "gap.png", Path("/tmp/cn-page-gap.png"))
+
+    _page(Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, api_token=TOKEN),
+          f"/?run={three_runs['rerun']}", check)

@@ -85,3 +85,25 @@ def test_no_file_of_the_repository_sends_a_reader_outside_it():
     named = [f for f in files if f != "tests/test_docs.py" and (Path(ROOT) / f).is_file()
              and outside.search((Path(ROOT) / f).read_bytes().decode("utf-8", "ignore"))]
     assert named == []
+
+
+def test_the_benchmarks_open_with_a_three_line_headline_whose_figures_are_in_the_docs_tables():
+    """"How fast is it" answered before any table: notes a second here, the 1.5M day, the cluster.
+    Each figure of the headline is one the tables below it (or aws.md's `plan` table) hold, so
+    the headline cannot say what no run measured or projected."""
+    page = (Path(ROOT) / "docs" / "benchmarks.md").read_text()
+    lines = page.splitlines()
+    head, rest = lines[2:5], "\n".join(lines[5:]) + (Path(ROOT) / "docs" / "aws.md").read_text()
+    assert lines[0] == "# Benchmarks" and all(line.startswith("- **") for line in head) and lines[5] == ""
+    assert [re.search(w, line, re.I) is not None for w, line in zip(("notes a second", "1.5M day", "cluster"), head)] \
+        == [True] * 3
+    figures = {f for line in head for f in re.findall(r"\$?\d[\d,]*\.\d+|\d{2,}(?:,\d{3})*", line.split("(`")[0])}
+    assert figures and not {f for f in figures if f not in rest}, "a headline figure no table holds"
+
+
+def test_each_ratio_of_the_benchmarks_is_defined_where_it_is_first_used():
+    page = (Path(ROOT) / "docs" / "benchmarks.md").read_text()
+    first = next(line for line in page.splitlines() if "efficiency" in line.lower())
+    assert "over 2 cores x the sequential loop" in first, "efficiency, said before it is defined"
+    before_table = page[:page.index("| benchmark |")]
+    assert "`Nx`" in before_table, "what a figure written 9.9x is a ratio of"

@@ -254,7 +254,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                     run_id, signer.about["token"])
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
-                         req.bounce_window_h, **own, **record, "finished": "",
+                         req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
@@ -305,10 +305,11 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     log.info("run %s: %d notes through the chain after %.1f s", run_id, tally["notes"], time.time() - started)
     finished = time.time()
     elapsed = finished - started
-    state.update_meta(finished=finished)
+    worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
+    rate = round(worked / elapsed, 2) if elapsed > 0 else 0.0
+    state.update_meta(finished=finished, notes_per_s=rate)  # the run's rate: the page's and the report's one figure
     state.keep()
     meta = state.meta()
-    worked = tally["notes"] - tally["statuses"].get("skipped", 0)  # a rerun skips delivered accounts
     summary = {
         "run_id": run_id,
         "trade_date": req.trade_date,
@@ -323,7 +324,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "last_started_at": float(meta.get("last_started") or started),  # this driver's: a rerun's own start
         "finished_at": finished,  # the bounce window runs from here
         "elapsed_s": round(elapsed, 3),  # this driver's time
-        "notes_per_s": round(worked / elapsed, 2) if elapsed > 0 else 0.0,
+        "notes_per_s": rate,
         "cpu_ms_per_note": {k: round(v * 1000 / max(1, worked), 2) for k, v in tally["cpu_s"].items()},
         "actors": {"signers": actors.signers.peak, "mailers": actors.mailers.peak},
         "nodes": tally.get("nodes", {}),  # lost and drained mid-run, and the actors lost with them

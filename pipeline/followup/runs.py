@@ -36,6 +36,7 @@ def _row(store: Store, run_id: str) -> dict:
             "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed, "seal": seal,
             "started_at": started, "finished_at": finished,
             "duration_s": round(float(finished) - started, 3) if finished and started else None,
+            "notes_per_s": float(report.get("notes_per_s") or 0),  # the last driver's: a rerun's own
             "state": report.get("problem") or phase(bool(finished), closed, is_sealed)}
 
 

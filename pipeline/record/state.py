@@ -60,10 +60,12 @@ class RunState(Records, MailGuard, RunLease):
                    settings.deadline_at)
 
     def start(self, meta: dict) -> str:
-        """A rerun of the run keeps its first start time (rates and ETA are about the run)
-        and its epoch; returns the epoch, which mail claims are checked against."""
+        """A rerun of the run keeps its first start time (the run's duration is from it) and its
+        epoch; returns the epoch, which mail claims are checked against. The notes delivered
+        before this start are kept beside it: a rerun's rate counts its own notes, not the run's."""
         now = time.time()
-        meta = {"run_id": self.run_id, "last_started": now, **meta}
+        before = int(self.r.hget(keys.run_counts(self.run_id), "delivered") or 0)
+        meta = {"run_id": self.run_id, "last_started": now, "delivered_at_start": before, **meta}
         with self.r.pipeline() as p:
             p.zadd(keys.RUNS, {self.run_id: now}, nx=True)
             p.hsetnx(keys.run_meta(self.run_id), "started", str(now))
