@@ -51,7 +51,7 @@ def test_an_hsm_outage_past_its_patience_holds_the_day_until_its_deadline(
         seen["from"] = time.time()
         while time.time() - seen["from"] < 15:
             time.sleep(0.5)
-            seen["page"] += api.summary(state)["waiting"]
+            seen["page"] += api.summary(state, api.Seals(s))["waiting"]
         back.append(servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label))
         seen["to"] = time.time()
 
