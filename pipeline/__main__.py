@@ -17,7 +17,6 @@ import os
 import secrets
 import signal
 import sys
-import time
 from pathlib import Path
 
 from pipeline.errors import CannotRun
@@ -253,8 +252,8 @@ def _run(args) -> dict:
 
     # on a cluster, whatever stops the day (a wrong input URL included) ends the cluster too
     with session(on_cluster(), args.deadline_min, args.keep_cluster) as current:
-        given = Settings.from_env(store_url=args.store, redis_url=args.redis, smtp_url=args.smtp,
-                                  deadline_at=time.time() + args.deadline_min * 60 if args.deadline_min else None)
+        given = Settings.from_env(store_url=args.store, redis_url=args.redis,
+                                  smtp_url=args.smtp).with_deadline(args.deadline_min)
         if credentials.owner_password(given) == PLACEHOLDER_OWNER_PASSWORD and not args.test_keys:  # before any file
             raise ConfigError("CN_OWNER_PASSWORD is not set: the placeholder owner password is public, so anyone "
                               "could lift the notes' permissions; set it, or pass --test-keys for a test run")
@@ -350,7 +349,7 @@ def cmd_rerun(args) -> int:
     from pipeline.cluster.driver import rerun
     from pipeline.errors import RunNotFound
 
-    settings = _on_redis(Settings.from_env(smtp_url=args.smtp))
+    settings = _on_redis(Settings.from_env(smtp_url=args.smtp).with_deadline())
     _pin_corrected(settings, args.pin_corrected)
     try:
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,

@@ -121,6 +121,9 @@ class Settings:
     deadline_at: float = setting("CN_DEADLINE_AT", 0.0, "the run's deadline, in seconds since the epoch (`run "
                                  "--deadline-min` sets it from the run's start): until then an HSM, relay or Redis "
                                  "outage holds the day; 0: none, each CN_*_PATIENCE_S alone", 0, 1e11)
+    day_deadline_h: float = setting("CN_DAY_DEADLINE_H", 12.0, "a run's or rerun's deadline when neither "
+                                    "--deadline-min nor CN_DEADLINE_AT gives one, in hours from its start: a "
+                                    "dependency's outage is waited out until then", 0.1, 24)
     hsm_ops_s: float = setting("CN_HSM_OPS_S", 0.0, "the HSM's signatures a second, for `plan` (CloudHSM publishes "
                                "2,000 RSA-2048 a second for a cluster of two HSMs); 0: not known", 0, 1_000_000)
     signer_key_password: str | None = setting("CN_SIGNER_KEY_PASSWORD", None, "the signing key's password",
@@ -213,6 +216,15 @@ class Settings:
         made = cls(**values)
         made.check_urls()
         return made
+
+    def with_deadline(self, minutes: float | None = None) -> "Settings":
+        """These settings with the run's deadline set: `minutes` from now (--deadline-min), else
+        the one CN_DEADLINE_AT gives, else CN_DAY_DEADLINE_H from now. A day never meets an
+        outage without a deadline to wait for."""
+        if minutes:
+            return dataclasses.replace(self, deadline_at=time.time() + minutes * 60)
+        return self if self.deadline_at else dataclasses.replace(self, deadline_at=time.time() +
+                                                                 self.day_deadline_h * 3600)
 
     def check_urls(self) -> None:
         """A malformed URL setting is one line naming it, before anything connects (a Redis URL

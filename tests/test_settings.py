@@ -106,3 +106,16 @@ def test_a_bad_or_unreachable_s3_store_is_one_line_exit_2_never_a_traceback(s3_e
         assert main(["verify", "some-run", "--store", store]) == 2, store
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and err[0].startswith("error:") and "Traceback" not in err[0], (store, err)
+
+
+def test_a_run_without_a_deadline_has_one_all_the_same(monkeypatch):
+    """Before, `run` without --deadline-min had none: an HSM outage past CN_HSM_PATIENCE_S (120 s)
+    failed every later note though the day had hours left. Now CN_DAY_DEADLINE_H (12 h) from its start."""
+    import time
+
+    monkeypatch.delenv("CN_DEADLINE_AT", raising=False)
+    now = time.time()
+    assert abs(Settings.from_env().with_deadline().deadline_at - (now + 12 * 3600)) < 60
+    assert abs(Settings.from_env().with_deadline(30).deadline_at - (now + 1800)) < 60
+    monkeypatch.setenv("CN_DEADLINE_AT", str(now + 99))
+    assert Settings.from_env().with_deadline().deadline_at == now + 99
