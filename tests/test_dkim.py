@@ -197,3 +197,15 @@ def test_the_mail_stage_sends_mail_that_verifies_as_the_relay_received_it(settin
     assert all(dkim.verify(m, dnsfunc=local_dns(dkim_pem)) for m in received)
     tampered = re.sub(rb"Client \d", b"Mallory", received[0], count=1)
     assert tampered != received[0] and not dkim.verify(tampered, dnsfunc=local_dns(dkim_pem))
+
+
+def test_a_day_mails_every_note_dkim_signed(ray_session, settings, day, smtp_sink, dkim_key_file, dkim_pem):
+    """A real day: the driver's first notes and the MailerActors' shards, each message as the
+    relay received it verified against the published key."""
+    from pipeline.cluster.driver import RunRequest, run_day
+
+    summary = run_day(dkim_settings(settings, dkim_key_file), RunRequest(TRADE_DATE, str(day)))
+    received = [p.read_bytes() for p in sorted(smtp_sink.outbox.glob("*.eml"))]
+    assert summary["delivered"] > 0 and len(received) == summary["delivered"]
+    unverified = [m[:300] for m in received if not dkim.verify(m, dnsfunc=local_dns(dkim_pem))]
+    assert not unverified
