@@ -9,8 +9,10 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -175,23 +177,7 @@ def test_the_mail_stage_sends_mail_that_verifies_as_the_relay_received_it(settin
                                                                           dkim_pem):
     """Through the mailer's own path: credentials.for_mailer loads the key once, mail_context
     holds it, mail_stage signs; the sink keeps each message byte for byte as it arrived."""
-    from pipeline.stages import Batch, mail_context, mail_stage
-
-    resolved, signer = credentials.for_mailer(dkim_settings(settings, dkim_key_file))
-    run_id = f"dkim-{uuid.uuid4().hex[:6]}"
-    store, state = open_store(resolved.store_url), RunState(resolved.redis_url, run_id)
-    state.start({})
-    items = [{"ucc": f"D{i:03d}", "name": f"Client {i}", "email": f"d{i}@example.com", "pan": "ABCPD1234E",
-              "ecn": True, "pdf": b"%PDF-1.7\n" + bytes([i]) * 40_000} for i in range(5)]
-
-    async def mail() -> dict:
-        ctx = mail_context(resolved, state, store, dkim=signer)
-        try:
-            return await mail_stage(Batch(run_id, TRADE_DATE, 0, items, lease=state.take_lease(120).token), ctx)
-        finally:
-            await ctx.pool.close()
-
-    assert asyncio.new_event_loop().run_until_complete(mail())["tally"] == {"ok": 5}
+    assert mailed_through(dkim_settings(settings, dkim_key_file), 5) == {"ok": 5}
     received = [p.read_bytes() for p in sorted(smtp_sink.outbox.glob("*.eml"))]
     assert len(received) == 5
     assert all(dkim.verify(m, dnsfunc=local_dns(dkim_pem)) for m in received)
@@ -209,3 +195,57 @@ def test_a_day_mails_every_note_dkim_signed(ray_session, settings, day, smtp_sin
     assert summary["delivered"] > 0 and len(received) == summary["delivered"]
     unverified = [m[:300] for m in received if not dkim.verify(m, dnsfunc=local_dns(dkim_pem))]
     assert not unverified
+
+
+def test_a_postfix_relay_with_opendkim_signs_the_unsigned_mail_and_it_verifies(settings, tmp_path, dkim_pem):
+    """CN_DKIM_* unset: the mailers send unsigned, and the relay signs (Postfix with Debian's
+    OpenDKIM as its milter, relaxed/relaxed, d= the From domain); what reaches the mailbox,
+    with the relay's own headers on top, verifies against the same published key."""
+    from tests import servers
+
+    key = tmp_path / "opendkim.key.pem"
+    key.write_bytes(dkim_pem)
+    key.chmod(0o600)
+    milter = servers.start_opendkim(tmp_path / "opendkim", key, SELECTOR, DOMAIN)
+    mta = servers.start_postfix({"@example.com": "clients"}, {"example.com"}, settings.bounce_domain, milter=milter.url)
+    try:
+        unsigned = dataclasses.replace(settings, smtp_url=mta.url, mail_from=LETTER.sender)
+        assert mailed_through(unsigned, 3) == {"ok": 3}
+        delivered = wait_for_files(mta.root / "vmail" / "clients" / "new", 3)
+    finally:
+        mta.stop()
+        milter.stop()
+        shutil.rmtree(mta.root, ignore_errors=True)
+    assert all(m.count(b"DKIM-Signature:") == 1 for m in delivered), "signed once, by the relay"
+    assert all(dkim.verify(m, dnsfunc=local_dns(dkim_pem)) for m in delivered)
+
+
+def mailed_through(settings: Settings, n: int) -> dict:
+    """The mail stage's tally for `n` notes mailed with these settings, as a mailer would."""
+    from pipeline.stages import Batch, mail_context, mail_stage
+
+    resolved, signer = credentials.for_mailer(settings)
+    run_id = f"dkim-{uuid.uuid4().hex[:6]}"
+    store, state = open_store(resolved.store_url), RunState(resolved.redis_url, run_id)
+    state.start({})
+    items = [{"ucc": f"R{i:03d}", "name": f"Client {i}", "email": f"r{i}@example.com", "pan": "ABCPD1234E",
+              "ecn": True, "pdf": b"%PDF-1.7\n" + bytes([i]) * 20_000} for i in range(n)]
+
+    async def mail() -> dict:
+        ctx = mail_context(resolved, state, store, dkim=signer)
+        try:
+            return await mail_stage(Batch(run_id, TRADE_DATE, 0, items, lease=state.take_lease(120).token), ctx)
+        finally:
+            await ctx.pool.close()
+
+    return asyncio.new_event_loop().run_until_complete(mail())["tally"]
+
+
+def wait_for_files(folder: Path, n: int, timeout_s: float = 30) -> list[bytes]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = sorted(folder.glob("*")) if folder.exists() else []
+        if len(files) >= n:
+            return [f.read_bytes() for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"{folder}: {len(files)} of {n} messages delivered within {timeout_s} s")
