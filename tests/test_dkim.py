@@ -185,6 +185,20 @@ def test_the_mail_stage_sends_mail_that_verifies_as_the_relay_received_it(settin
     assert tampered != received[0] and not dkim.verify(tampered, dnsfunc=local_dns(dkim_pem))
 
 
+def test_the_key_is_loaded_once_a_mailer_never_once_a_message(settings, smtp_sink, dkim_key_file, monkeypatch):
+    loads = []
+    monkeypatch.setattr(credentials, "dkim_from_pem", lambda *a: loads.append(a[3]) or dkim_from_pem(*a))
+    assert mailed_through(dkim_settings(settings, dkim_key_file), 6) == {"ok": 6}
+    assert loads == [f"CN_DKIM_KEY {dkim_key_file}"]
+
+
+def test_a_run_whose_dkim_key_cannot_be_read_is_refused_before_anything_starts(settings, day, tmp_path):
+    from pipeline.cluster.driver import RunRequest, preflight
+
+    with pytest.raises(ConfigError, match=f"CN_DKIM_KEY {tmp_path}/missing.pem: cannot read it"):
+        preflight(dkim_settings(settings, tmp_path / "missing.pem"), RunRequest(TRADE_DATE, str(day)))
+
+
 def test_a_day_mails_every_note_dkim_signed(ray_session, settings, day, smtp_sink, dkim_key_file, dkim_pem):
     """A real day: the driver's first notes and the MailerActors' shards, each message as the
     relay received it verified against the published key."""
