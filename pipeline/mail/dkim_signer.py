@@ -23,6 +23,7 @@ from dkim.canonicalization import CanonicalizationPolicy, Relaxed, correct_empty
 
 from pipeline.settings import ConfigError
 
+# the headers a receiver shows or acts on; Reply-To too: where a client's answer goes is what a forger would change
 SIGNED = (b"from", b"reply-to", b"to", b"subject", b"date", b"message-id", b"mime-version", b"content-type")
 POLICY = CanonicalizationPolicy.from_c_value(b"relaxed/relaxed")
 HEADER = b"DKIM-Signature"
@@ -45,11 +46,11 @@ class DkimSigner:
         """The message with its DKIM-Signature header on top (CRLF line ends, as build_message's)."""
         return self.header(message) + message
 
-    def header(self, message: bytes, now: float | None = None) -> bytes:
+    def header(self, message: bytes) -> bytes:
         """The DKIM-Signature header line, CRLF-terminated, as dkimpy's `sign` makes it."""
         head, _, body = message.partition(b"\r\n\r\n")
         headers, _ = dkim.rfc822_parse(head + b"\r\n\r\n")
-        fields = self._fields(body, int(time.time() if now is None else now))
+        fields = self._fields(body, int(time.time()))
         unsigned = _folded(fields)
         digest = _header_digest(headers, unsigned, fields)
         signature = self.key.sign(digest, padding.PKCS1v15(), Prehashed(hashes.SHA256()))
