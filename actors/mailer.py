@@ -24,7 +24,8 @@ from pipeline.stages import Batch, mail_context, mail_stage
 class MailerActor:
     def __init__(self, settings: Settings, run_id: str, force: bool = False, resend_unconfirmed: bool = False,
                  relays: str = ""):
-        self.settings = credentials.resolve(settings)  # the relays' credentials may be in the secret
+        # the relays' credentials and the DKIM key may be in the secret: read once, the key loaded once
+        self.settings, self.dkim = credentials.for_mailer(settings)
         if relays:  # a rerun mails through its run's relays, with the credentials held here
             self.settings = self.settings.pinned_to(relays)
         self.run_id, self.force, self.resend = run_id, force, resend_unconfirmed
@@ -34,7 +35,7 @@ class MailerActor:
         if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
             state = RunState.of(self.settings, self.run_id)
             self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
-                                    self.resend)
+                                    self.resend, self.dkim)
             notes = RunState.of(self.settings, self.run_id, patience_retries=0)  # said now or not at all
             self.ctx.pool.told = lambda since: notes.note_wait("relay", since)  # the page: waiting for the relays
         started = time.perf_counter()

@@ -17,10 +17,13 @@ alone (pipeline/mail/pacing.py against the real Redis: two mailers' pacers on on
 sends each at a time, at 200 a second: SES's rate in docs/operations.md, a batch of 40 send
 times) gives its CPU and Redis calls per mail. Its CPU is mostly the event loop's timer
 wake-ups (20 a second at most, ~0.2 ms each on this VM), so per mail it falls as the rate rises.
+With `--dkim`, (b) runs once more with a DKIM key (CN_DKIM_*: every message signed, RSA-2048),
+and the signing alone is timed in this process over the same messages (`dkim_sign_cpu_ms_per_mail`:
+no Ray, no relay, so the VM's noise is smaller than the mailer's difference).
 Prints one JSON object a run; with --save (and --runs 3 or more) the runs' medians and spread go to pipeline/cluster/measured.json
 (`plan` reads the mail rate there; bench/measured.py).
 
-    python bench/mail.py [--mails 600] [--turns 3] [--runs 3 --save]
+    python bench/mail.py [--mails 600] [--turns 3] [--dkim] [--runs 3 --save]
 """
 
 from __future__ import annotations
@@ -73,6 +76,46 @@ def baseline(host: str, port: int, pdfs: list[bytes]) -> tuple[float, float]:
         with smtplib.SMTP(host, port) as smtp:
             smtp.send_message(msg)
     return time.perf_counter() - started, time.thread_time() - cpu
+
+
+def dkim_key(folder: Path) -> Path:
+    """An RSA-2048 DKIM key, as a broker publishes (2048 bits: what Gmail and Yahoo ask for)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    path = folder / "dkim.key.pem"
+    path.write_bytes(rsa.generate_private_key(65537, 2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return path
+
+
+def dkim_signing(pdfs: list[bytes], key: Path) -> float:
+    """CPU ms a mail of DKIM signing alone: the messages built first, then signed, in this thread."""
+    from pipeline.mail.dkim_signer import dkim_from_pem
+    from pipeline.mail.message import Letter, build_message
+
+    letter = Letter("Contract Notes <notes@broker.example.com>", "Desk <desk@broker.example.com>")
+    messages = [build_message(letter, "Client", f"d{i}@example.com", TRADE_DATE, f"D{i}", f"<d{i}@bench.invalid>",
+                              pdf) for i, pdf in enumerate(pdfs)]
+    signer = dkim_from_pem(key.read_bytes(), "bench", "broker.example.com", str(key))
+    cpu = time.thread_time()
+    for message in messages:
+        signer.sign(message)
+    return (time.thread_time() - cpu) * 1000 / len(messages)
+
+
+def with_dkim(settings: Settings, work: Path, pdfs: list[bytes]) -> dict:
+    """(b) again with every message DKIM-signed, and the signing alone."""
+    import dataclasses
+
+    key = dkim_key(work)
+    signed = dataclasses.replace(settings, dkim_key=str(key), dkim_selector="bench", dkim_domain="broker.example.com",
+                                 mail_from="Contract Notes <notes@broker.example.com>")
+    mailer, lease = warm_mailer(signed, "bench-dkim", pdfs[0])
+    seconds, cpu = ours(mailer, "bench-dkim", lease, pdfs, "D")
+    return {"dkim_mails_per_s": round(len(pdfs) / seconds, 1),
+            "dkim_client_cpu_ms_per_mail": round(cpu * 1000 / len(pdfs), 2),
+            "dkim_sign_cpu_ms_per_mail": round(dkim_signing(pdfs, key), 3)}
 
 
 def limiter(redis_url: str, mails: int = 2000, rate: float = LIMITER_RATE) -> tuple[float, float]:
@@ -134,6 +177,7 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3, help="turns of the baseline and ours, side by side")
     parser.add_argument("--rate", type=float, default=1000.0, help="the relay's rate in the limited run (messages/s)")
+    parser.add_argument("--dkim", action="store_true", help="also mail with every message DKIM-signed (CN_DKIM_*)")
     measured.run("mail", parser, once, {"mails": 40, "turns": 1})
 
 
@@ -165,6 +209,7 @@ def once(args) -> dict:
                                         store_url=str(work / "store"), smtp_connections=args.connections)
             mailer, lease = warm_mailer(limited, "bench-limited", pdfs[0])
             limited_s, limited_cpu = ours(mailer, "bench-limited", lease, pdfs, "L")
+            signed = with_dkim(settings, work, pdfs) if args.dkim else {}
             ray.shutdown()
             limiter_cpu_ms, limiter_calls = limiter(redis.url)
             received = len(os.listdir(work / "outbox"))
@@ -196,6 +241,7 @@ def once(args) -> dict:
         "limiter_cpu_ms_per_mail": round(limiter_cpu_ms, 4),
         "limiter_redis_calls_per_mail": round(limiter_calls, 4),
         "attachment_kb": round(sum(map(len, pdfs)) / n / 1024, 1),
+        **signed,
     }
     return result
 

@@ -605,7 +605,7 @@ def cmd_config(args) -> int:
 
 
 @command("secret-json", "print the cluster secret (CN_SECRET's JSON) made from CN_SIGNER_KEY, CN_SIGNER_CERT, "
-                        "CN_SIGNER_CHAIN, CN_OWNER_PASSWORD and SMTP_URL")
+                        "CN_SIGNER_CHAIN, CN_OWNER_PASSWORD, SMTP_URL and CN_DKIM_KEY")
 def cmd_secret_json(args) -> int:
     from pipeline.credentials import secret_json
 

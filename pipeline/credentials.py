@@ -21,6 +21,8 @@ The secret is one JSON object (make it with `python -m pipeline secret-json`):
   smtp_url             smtp://user:pass@relay:587 (comma-separated relays)    optional
   redis_password       the head's Redis user `cn` (pipeline/record/redis_acl.py)  optional
   token_key            keys the VERP addresses' and the client links' HMACs       optional
+  dkim_key_pem         PEM RSA key the mailers sign with (DKIM), with CN_DKIM_SELECTOR and
+                       CN_DKIM_DOMAIN; else CN_DKIM_KEY's file; neither: unsigned  optional
 
 Without CN_SECRET the settings' own files and variables apply (one machine, CI). A REDIS_URL
 naming the user `cn` and no password (the cluster's: redis://cn@HEAD:6380/0) gets the
@@ -43,6 +45,7 @@ from urllib.parse import unquote, urlsplit
 
 from cryptography import x509
 
+from pipeline.mail.dkim_signer import DkimSigner, dkim_from_pem
 from pipeline.record import keys
 from pipeline.record.state import redis_client
 from pipeline.seal.signer import Signer, SignerSetupError, load_signer, signer_from_pem
@@ -52,7 +55,7 @@ from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
 REQUIRED = ("owner_password",)
 KEY_FILE = ("signer_key_pem", "signer_cert_pem")  # required unless the key is on a token (pkcs11_pin)
 OPTIONAL = ("signer_key_pem", "signer_cert_pem", "signer_chain_pem", "signer_key_password", "smtp_url",
-            "redis_password", "token_key", "pkcs11_pin")
+            "redis_password", "token_key", "pkcs11_pin", "dkim_key_pem")
 log = logging.getLogger("pipeline.credentials")
 _ARN_REGION = re.compile(r"^arn:aws[\w-]*:secretsmanager:([a-z0-9-]+):")
 
@@ -120,6 +123,39 @@ def resolve(settings: Settings) -> Settings:
         _own_key_file(settings)
         return settings
     return _laid_over(settings, fetch(settings.secret))
+
+
+def for_mailer(settings: Settings) -> tuple[Settings, DkimSigner | None]:
+    """What a mailer holds, from one read of the secret: the resolved settings, and the DKIM
+    key loaded once (None: the mail goes unsigned, for the relay to sign)."""
+    if not settings.secret:
+        return resolve(settings), dkim_signer(settings)
+    secret = fetch(settings.secret)
+    return _laid_over(settings, secret), dkim_signer(settings, secret)
+
+
+def dkim_signer(settings: Settings, secret: dict[str, str] | None = None) -> DkimSigner | None:
+    """The DKIM signer: the secret's dkim_key_pem, else CN_DKIM_KEY's file; None without
+    CN_DKIM_DOMAIN. A key that cannot be read or used is one line naming where it is from."""
+    if not settings.dkim_domain:
+        return None
+    if secret is None:
+        secret = fetch(settings.secret) if settings.secret else {}
+    if secret.get("dkim_key_pem"):
+        pem, where = secret["dkim_key_pem"].encode(), f"the DKIM key in {settings.secret}"
+    elif settings.dkim_key:
+        pem, where = _dkim_file(settings.dkim_key), f"CN_DKIM_KEY {settings.dkim_key}"
+    else:
+        raise ConfigError("CN_DKIM_DOMAIN and CN_DKIM_SELECTOR are set, but no DKIM key: CN_DKIM_KEY, or the "
+                          "secret's dkim_key_pem")
+    return dkim_from_pem(pem, settings.dkim_selector, settings.dkim_domain, where)
+
+
+def _dkim_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"CN_DKIM_KEY {path}: cannot read it ({e.strerror})") from None
 
 
 def owner_password(settings: Settings) -> str:
@@ -316,6 +352,8 @@ def secret_json(settings: Settings) -> str:
     if settings.signer_key_password:
         secret["signer_key_password"] = settings.signer_key_password
     secret["smtp_url"] = settings.smtp_url
+    if settings.dkim_key:
+        secret["dkim_key_pem"] = read(settings.dkim_key)
     secret["redis_password"] = secrets.token_urlsafe(32)  # the head's Redis (redis_acl.py): no one types it
     secret["token_key"] = secrets.token_hex(32)
     return json.dumps(secret)

@@ -14,6 +14,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from email.utils import parseaddr
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
@@ -23,6 +24,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)  # the repository: a str, it 
 TEMPLATES = Path(ROOT) / "templates"  # the note's Typst template, broker.json, the e-mail texts
 DEFAULT_KEY_DIR = Path(".keys")
 PLACEHOLDER_OWNER_PASSWORD = "change-me-broker-owner-secret"  # public: in this repository
+SELECTOR = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 HOSTNAME = re.compile(r"(?=.{1,253}\Z)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z][A-Za-z0-9-]{0,62}\Z")
 
 
@@ -139,6 +141,13 @@ class Settings:
     mail_from: str = setting("CN_MAIL_FROM", "Contract Notes <contract-notes@broker.example.com>", "the From header")
     mail_reply_to: str = setting("CN_MAIL_REPLY_TO", "Client Support <support@broker.example.com>",
                                  "the Reply-To header")
+    dkim_key: str = setting("CN_DKIM_KEY", "", "the DKIM signing key (PEM, RSA): with CN_DKIM_SELECTOR and "
+                            "CN_DKIM_DOMAIN the mailers sign each message; on a cluster the secret's dkim_key_pem. "
+                            "Unset: unsigned, for a relay that signs (SES Easy DKIM, OpenDKIM; docs/aws.md)")
+    dkim_selector: str = setting("CN_DKIM_SELECTOR", "", "the DKIM selector (s=): the key's TXT record is "
+                                 "SELECTOR._domainkey.DOMAIN")
+    dkim_domain: str = setting("CN_DKIM_DOMAIN", "", "the DKIM signing domain (d=): the From domain, or a parent "
+                               "or child of it (DMARC's relaxed alignment)")
     holidays_file: str = setting("CN_HOLIDAYS_FILE", "", "the broker's trading-holiday list, laid over "
                                  "pipeline/day/data/holidays.json")
     state_ttl_s: int = setting("CN_STATE_TTL_S", 14 * 24 * 3600, "how long Redis keeps a run's state", 60,
@@ -201,6 +210,31 @@ class Settings:
         if not HOSTNAME.match(self.message_id_domain):
             raise ConfigError(f"CN_MESSAGE_ID_DOMAIN={self.message_id_domain!r} is not a domain name")
         self.domain_limits()
+        self.check_dkim()
+
+    def check_dkim(self) -> None:
+        """DKIM is all of key, selector and domain or none of them, and its d= aligns with the
+        From domain: a signature that does not align passes DKIM and still fails DMARC, and
+        1.5M notes would go to spam. Without the Public Suffix List, aligned means the same
+        domain, a parent or a child (sibling subdomains are refused)."""
+        if not (self.dkim_selector or self.dkim_domain):
+            if self.dkim_key:
+                raise ConfigError("CN_DKIM_KEY is set without CN_DKIM_SELECTOR and CN_DKIM_DOMAIN: set both to sign")
+            return
+        if not (self.dkim_selector and self.dkim_domain):
+            raise ConfigError("CN_DKIM_SELECTOR and CN_DKIM_DOMAIN go together: set both, or neither")
+        if not HOSTNAME.match(self.dkim_domain):
+            raise ConfigError(f"CN_DKIM_DOMAIN={self.dkim_domain!r} is not a domain name")
+        if not SELECTOR.match(self.dkim_selector):
+            raise ConfigError(f"CN_DKIM_SELECTOR={self.dkim_selector!r} is not a selector (labels: letters, digits, "
+                              "hyphens, dots)")
+        sender = self.mail_from_domain()
+        if not aligned(sender, self.dkim_domain.lower()):
+            raise ConfigError(f"CN_DKIM_DOMAIN={self.dkim_domain} does not align with the From domain {sender!r} "
+                              "(CN_MAIL_FROM): DMARC would fail; sign as the From domain, a parent or a subdomain of it")
+
+    def mail_from_domain(self) -> str:
+        return parseaddr(self.mail_from)[1].rpartition("@")[2].lower()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
@@ -327,7 +361,7 @@ class Settings:
         """These settings with every folder and file made absolute: what a run records and
         passes on, so that a command typed later, elsewhere, or a worker with another working
         folder, finds the same store and keys."""
-        names = KEY_FILES + ("holidays_file", "pkcs11_pin_file")
+        names = KEY_FILES + ("holidays_file", "pkcs11_pin_file", "dkim_key")
         files = {f: str(Path(getattr(self, f)).resolve()) for f in names if getattr(self, f)
                  and not (self.pkcs11_module and f == "signer_key")}  # with a token, only a key named is a key
         return dataclasses.replace(self, store_url=absolute_store(self.store_url), **files)
@@ -348,7 +382,13 @@ class Settings:
             "mailers": str(self.mailers),
             "encryption": self.encryption,
             "secret": self.secret,
+            "dkim": f"{self.dkim_selector}._domainkey.{self.dkim_domain}" if self.dkim_domain else "",
         }
+
+
+def aligned(sender: str, signer: str) -> bool:
+    """DMARC relaxed alignment, short of the Public Suffix List: one domain equal to, or under, the other."""
+    return bool(sender) and (sender == signer or sender.endswith("." + signer) or signer.endswith("." + sender))
 
 
 def effective(env: dict[str, str] | None = None) -> list[dict[str, str]]:

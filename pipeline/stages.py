@@ -21,6 +21,7 @@ from typing import Callable, Container
 
 from pipeline.day.dumps import EMAIL, Client, Trade
 from pipeline.mail import link
+from pipeline.mail.dkim_signer import DkimSigner
 from pipeline.mail.message import (
     Letter,
     PermanentMailError,
@@ -263,6 +264,7 @@ class MailContext:
     link_s: float = 90 * 86400
     key: bytes = b""  # the HMAC key of the links and the Message-IDs
     mid_domain: str = "contract-notes.invalid"  # the run's Message-IDs' domain (CN_MESSAGE_ID_DOMAIN)
+    dkim: DkimSigner | None = None  # signs each message (CN_DKIM_*); None: unsigned, the relay may sign
     unrecorded: list[Outcome] = field(default_factory=list)  # relays' replies not yet in Redis (_record)
     record_timer: asyncio.TimerHandle | None = None
 
@@ -280,8 +282,9 @@ class MailContext:
 
 
 def mail_context(settings, state: RunState, store: Store, force: bool = False,
-                 resend_unconfirmed: bool = False) -> MailContext:
-    """Everything a mailer holds; call it on the event loop that will send."""
+                 resend_unconfirmed: bool = False, dkim: DkimSigner | None = None) -> MailContext:
+    """Everything a mailer holds; call it on the event loop that will send. `dkim`: the key
+    credentials.for_mailer loaded once for this mailer, never per message."""
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
@@ -298,7 +301,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
                        RetryPolicy(attempts=settings.smtp_attempts), force, resend_unconfirmed, epoch,
                        verp=Verp(settings.bounce_local, settings.bounce_domain, key),
                        link_base=settings.link_base.rstrip("/"), link_s=settings.link_days * 86400, key=key,
-                       mid_domain=settings.message_id_domain)
+                       mid_domain=settings.message_id_domain, dkim=dkim)
 
 
 async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
@@ -352,6 +355,8 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
                 raise pdf
             message = build_message(ctx.letter, item["name"], item["email"], batch.trade_date, ucc, mid, pdf,
                                     ctx.note_link(batch.run_id, ucc, batch.trade_date))
+            if ctx.dkim is not None:
+                message = ctx.dkim.sign(message)
         except Exception as e:  # storage, or a message that cannot be built: nothing has left
             outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
             ctx.state.record([outcome])

@@ -36,3 +36,8 @@ def smoke(bench: str, *more: str) -> list[dict]:
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stdout[-2000:]
     return lines
+
+
+def test_the_mail_bench_measures_dkim_signing_with_dkim():
+    result = smoke("mail.py", "--dkim")[-1]
+    assert result["dkim_sign_cpu_ms_per_mail"] > 0 and result["dkim_client_cpu_ms_per_mail"] > 0

@@ -351,7 +351,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     """What would stop the run, found before anything starts: Redis unreachable (or keeping
     nothing on disk, when persistence is required), storage not writable, an input file
     missing or lacking a column (unless the run was already split), no calendar for the date,
-    a signing key or secret that cannot be read, a store that takes a second create-only write.
+    a signing key, DKIM key or secret that cannot be read, a store that takes a second create-only write.
     Before any actor asks for a node. Returns the settings with the secret laid over them, and
     the signing key they read (its certificate is recorded with the run)."""
     where = settings.summary()["redis_url"]
@@ -376,6 +376,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
             raise ConfigError(f"--date {req.trade_date}: no exchange traded that day ({closed})")
         check_inputs(open_store(req.input_url), req.trade_date)
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
+    credentials.dkim_signer(settings)  # loaded again by each mailer: here only to refuse a bad one at the start
     return credentials.read(settings)
 
 

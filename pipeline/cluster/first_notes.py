@@ -20,8 +20,10 @@ import threading
 from concurrent.futures import Future
 from functools import partial
 
+from pipeline import credentials
 from pipeline.day import trading_calendar
 from pipeline.day.split import DUMPS, Plan, first_accounts, make_plan, shard_line
+from pipeline.mail.dkim_signer import DkimSigner
 from pipeline.note.render import render_all
 from pipeline.record import keys, note_numbers
 from pipeline.record.records import Outcome
@@ -119,11 +121,11 @@ def mail_notes(settings: Settings, resolved: Settings, signer: Signer, batch: Ba
     batch = render_stage(batch, accounts, state, render_notes=partial(render_all, tagged=settings.pdf_tags))
     batch = sign_stage(batch, signer, resolved.owner_password, resolved.encryption, store, state,
                        SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact))
-    return asyncio.run(_mailed(resolved, state, store, batch))
+    return asyncio.run(_mailed(resolved, state, store, batch, credentials.dkim_signer(settings)))
 
 
-async def _mailed(settings: Settings, state: RunState, store: Store, batch: Batch) -> dict:
-    ctx = mail_context(settings, state, store)  # on the loop that sends: the pool belongs to it
+async def _mailed(settings: Settings, state: RunState, store: Store, batch: Batch, dkim: DkimSigner | None) -> dict:
+    ctx = mail_context(settings, state, store, dkim=dkim)  # on the loop that sends: the pool belongs to it
     try:
         return await mail_stage(batch, ctx)
     finally:
