@@ -228,9 +228,9 @@ def one_row(args) -> None:
         cpu_over_file=round(statistics.median(t[args.row][1] / t["file"][1] for t in turns), 3))
     if args.row == "softhsm":  # where a signature's CPU goes: the module's own work, against the key file's
         attrs = signers["file"].signed_attributes(b"\0" * 32)
-        session, raw = key._free.get()
-        module = cpu_ms(lambda _: raw.sign(attrs, mechanism=pkcs11.Mechanism.SHA256_RSA_PKCS), range(300))
-        key._free.put((session, raw))
+        held = key._free.get()  # (session, key, its generation): the module's own key object
+        module = cpu_ms(lambda _: held[1].sign(attrs, mechanism=pkcs11.Mechanism.SHA256_RSA_PKCS), range(300))
+        key._free.put(held)
         rows[args.row].update(module_sign_ms=round(module, 3),
                               wrapped_sign_ms=round(cpu_ms(key.sign, [attrs] * 300), 3),
                               file_sign_ms=round(cpu_ms(signers["file"].sign, [attrs] * 300), 3))
