@@ -193,3 +193,17 @@ def test_the_hsm_lost_after_the_warrant_fails_close_in_one_line_before_the_seal_
         back.stop()
     assert not done["already_sealed"], done
     assert "Signatory on an HSM" in sealed(store, run_id)["signed_by"]
+
+
+def test_an_unsigned_proof_is_signed_only_where_close_s_signed_warrant_vouches_for_it(closed_run, tmp_path):
+    """A sealed run whose proof signature and warrant signature were removed (a proof rewritten
+    with the chains to agree would look the same): the next close refuses to sign the proof. Before,
+    a missing .p7s read as a close begun and any proof matching the record was signed again."""
+    settings, run_id, _, sealed_store, _ = closed_run
+    store_dir = copy(sealed_store, tmp_path / "store")
+    store = open_store(str(store_dir))
+    for key in (keys.proof_keys(run_id)[1], keys.closing_keys(run_id)[1]):
+        (store_dir / key).unlink()
+    with pytest.raises(proof.SealBroken, match="warrant does not vouch"):
+        proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(store_dir))
+    assert not store.exists(keys.proof_keys(run_id)[1]), "nothing signed"

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pipeline.errors import CannotRun
 from pipeline.followup import chains, closing, opened
 from pipeline.followup.seal_state import SEALED, seal_state
-from pipeline.followup.verify import verify
+from pipeline.followup.verify import signed_warrant, verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import proof_keys, timestamp_key
@@ -167,9 +167,22 @@ def finish(settings: Settings, store: Store, run_id: str, signer: Signer) -> Non
     _matches(store, run_id, "began its seal, and its record no longer matches its proof")
     found = seal_state(store, run_id)
     data = store.get(proof_keys(run_id)[0])
+    if not found.signed:
+        _vouched(run_id, json.loads(data), signed_warrant(store, run_id))
     tsa = (settings.tsa_url or found.tsa) if found.tsa and not found.stamped else ""
     for key, body in _made(run_id, data, signer, sign=not found.signed, tsa=tsa):
         _write(store, run_id, key, body)
+
+
+def _vouched(run_id: str, proof: dict, warrant: dict | None) -> None:
+    """An unsigned proof is signed only if close's signed warrant vouches for it: the same
+    closed_at, and each chain's head where close began on the proof's chain. A proof and chains
+    rewritten to agree, with the signature removed, would otherwise be signed by the next close."""
+    heads_on_chains = warrant is not None and all(
+        not sha or sha in proof.get("objects", {}).get(str(shard), []) for shard, (_, sha) in warrant["heads"].items())
+    if not heads_on_chains or proof.get("closed_at") != report.iso(warrant["closed_at"]):
+        raise SealBroken(f"run {run_id}: its proof is not signed, and close's signed warrant does not vouch for it "
+                         "(missing, changed, or naming other chain heads or another closed_at): not signed again")
 
 
 def _proof(settings: Settings, store: Store, run_id: str, chains: dict[int, tuple[str, list[str]]]) -> dict:

@@ -142,6 +142,13 @@ def _is_sha(value) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
+def signed_warrant(store: Store, run_id: str) -> dict | None:
+    """close's warrant, whole and signed by the run's recorded key, or None: what an unsigned
+    proof must agree with before a close signs it."""
+    json_key = keys.report_keys(run_id)[0]
+    return _warrant(store, run_id, None, read_report(store, json_key) if store.exists(json_key) else {}, [])
+
+
 def _warrant(store: Store, run_id: str, cert_pem: bytes | None, run_report: dict, problems: list[str]) -> dict | None:
     """close's warrant, when a close began and wrote it whole and signed by the run's key."""
     key, sig_key = closing_keys(run_id)
