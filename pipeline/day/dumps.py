@@ -113,9 +113,10 @@ class Trade:
     price: Decimal
     product: str
     status: str
+    close: Decimal | None = None  # derivatives: the day's closing (futures: settlement) price
+    # after close, so a Trade built by position as before stays what it was
     multiplier: int = 1  # price units a lot holds: 1,000 on currency, e.g. 100 on gold (10 g quotes, 1 kg lot)
     agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
-    close: Decimal | None = None  # derivatives: the day's closing (futures: settlement) price
 
     @property
     def turnover(self) -> Decimal:
@@ -141,12 +142,13 @@ class Trade:
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
         return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
-                   *row[_AT_PRICE + 1:_AT_MULTIPLIER], int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1],
-                   Decimal(close) if close else None)
+                   *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
+                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1])
 
 
-# Trade's fields are TRADE_FIELDS, in order, then close: from_row builds one by position (a
-# 2,000-page note rebuilds 125,000), test_dumps holds the two orders together
+# A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
+# which comes before multiplier and agri: from_row builds one by position (a 2,000-page note
+# rebuilds 125,000), test_dumps holds the two orders together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 
