@@ -97,8 +97,10 @@ def pdftotext(pdf: bytes, tmp_path: Path) -> str:
                           check=True).stdout
 
 
-def split_and_render(tmp_path: Path, redis_url: str, run_id: str) -> tuple[str, dict]:
-    inputs, store = open_store(str(write_day(tmp_path / "in"))), open_store(str(tmp_path / "store"))
+def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY
+                     ) -> tuple[str, dict]:
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav)))
+    store = open_store(str(tmp_path / "store"))
     split = split_day(inputs, store, RunState(redis_url, run_id), run_id, DATE, 100, "CNT")
     assert split.accounts == 1 and split.rejected == 0, split
     save_manifest(store, run_id, split)
@@ -112,7 +114,7 @@ def parse_rows(text: str) -> dict[str, list[tuple[str, D]]]:
     rows: dict[str, list] = {}
     segment = None
     for line in text.splitlines():
-        label = re.match(r"\s*(NSE|BSE) / (CM|FO)\s+·\s+Settlement", line)
+        label = re.match(r"\s*(NSE|BSE|MCX|NCDEX) / (CM|FO|CDS|COM)\b[^·]*·\s+Settlement", line)
         if label:
             segment = f"{label[1]}-{label[2]}"
             continue
@@ -171,6 +173,70 @@ def test_the_hand_made_day_shows_every_trade_once_every_value_whole_and_reconcil
     # the pro-rata brokerage of one order in three fills adds up to the order's brokerage
     fills = [v for line, v in rows["NSE-CM"] if "INFY" in line]
     assert sum(fills) == -3 * D("70000.00") - D("20.00")
+
+
+def bhav(src, sgmt, kind, symbol, expiry, close, strike="", option=""):
+    return {"TradDt": DATE, "Src": src, "Sgmt": sgmt, "FinInstrmTp": kind, "TckrSymb": symbol, "XpryDt": expiry,
+            "StrkPric": strike, "OptnTp": option, "ClsPric": close, "SttlmPric": close, "Extra": ""}
+
+
+def lots(exchange, segment, instrument, symbol, expiry, side, quantity, price, n, multiplier="", agri="", strike="",
+         option_type=""):
+    return row(exchange=exchange, segment=segment, settlement_no=f"{segment}2026327", order_no=N(n),
+               trade_no=N(n + 1), symbol=symbol, isin="", instrument=instrument, expiry=expiry, side=side,
+               quantity=quantity, price=price, product="NRML", multiplier=multiplier, agri=agri, strike=strike,
+               option_type=option_type)
+
+
+EVERY_SEGMENT = [
+    lots("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", "S", "5", "84.1250", 200),
+    lots("BSE", "CDS", "OPTCUR", "USDINR", "2026-11-26", "B", "10", "0.2500", 202, "1000", strike="84.2500",
+         option_type="CE"),
+    lots("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", "S", "1", "76543", 204, "100", "N"),
+    lots("MCX", "COM", "OPTFUT", "GOLD", "2027-01-27", "S", "1", "1210.50", 206, "100", "N", "77000", "CE"),
+    lots("NCDEX", "COM", "FUTCOM", "GUARSEED10", "2026-12-19", "B", "2", "5400", 208, "100", "Y"),
+    lots("BSE", "FO", "OPTIDX", "SENSEX", "2026-11-26", "B", "20", "310.50", 210, strike="80000", option_type="PE"),
+]
+EVERY_BHAVCOPY = [
+    bhav("NSE", "CD", "FUTCUR", "USDINR", "2026-11-26", "84.2000"),
+    bhav("BSE", "CD", "OPTCUR", "USDINR", "2026-11-26", "0.2600", "84.25", "CE"),
+    bhav("MCX", "CO", "FUTCOM", "GOLD", "2027-02-05", "76500"),
+    bhav("MCX", "CO", "OPTFUT", "GOLD", "2027-01-27", "1200", "77000", "CE"),
+    bhav("NCDEX", "CO", "FUTCOM", "GUARSEED10", "2026-12-19", "5390"),
+    bhav("BSE", "FO", "IDO", "SENSEX", "2026-11-26", "305.00", "80000", "PE"),
+]
+
+
+def test_a_day_in_every_segment_shows_each_exchange_and_segment_apart_and_reconciles(tmp_path, redis_url):
+    text, note = split_and_render(tmp_path, redis_url, "every-segment", EVERY_SEGMENT, EVERY_BHAVCOPY)
+    rows = parse_rows(text)
+    heads = next(line for line in text.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == ["BSE-CDS", "BSE-FO", "MCX-COM", "NCDEX-COM", "NSE-CDS", "Total", "(Net)"]
+    assert sorted(rows) == sorted(heads[:5])
+    for title in ("MCX / COM (commodity derivatives)", "NSE / CDS (currency derivatives)", "BSE / FO"):
+        assert title in text, title
+    # the lot multiplier is on the row: 5 x 1,000 x 84.1250 sold, carried forward at 84.2000
+    assert re.search(r"FUTCUR USDINR 26-11-2026 x1000\s+S\s+5\s+84\.1250\s+0\.0040\s+84\.1210\s+84\.2000"
+                     r"\s+4,20,605\.00\s+NRML", text)
+    assert re.search(r"FUTCUR USDINR 26-11-2026 x1000\s+B\s+5\s+84\.2000\s.*\(4,21,000\.00\)\s+C/F", text)
+    # the obligations, worked out here from quantity x multiplier x price and the settlement prices
+    obligation, brokerage = levies_line(text, "Pay-in/Pay-out obligation"), levies_line(text, "Brokerage")
+    expected = {"BSE-CDS": -10 * 1000 * D("0.25"), "BSE-FO": -20 * D("310.50"),
+                "MCX-COM": 100 * (D(76543) - D(76500)) + 100 * D("1210.50"),
+                "NCDEX-COM": 2 * 100 * (D(5390) - D(5400)), "NSE-CDS": 5 * 1000 * (D("84.1250") - D("84.2000"))}
+    assert obligation == [expected[h] for h in heads[:5]] + [sum(expected.values())]
+    for i, segment in enumerate(heads[:5]):
+        assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment
+    # CTT only on MCX's non-agricultural sells: 0.01% of 76,54,300 + 0.05% of 1,21,050 = 825.955 -> 826
+    assert levies_line(text, "Commodities transaction tax") == [D(0), D(0), D(-826), D(0), D(0), D(-826)]
+    assert levies_line(text, "Securities transaction tax") == [D(0)] * 6  # every sell here is currency or commodity
+    # stamp on the buys: BSE-CDS 0.0001% of 2,500 = 0.0025 -> 0.00; SENSEX 0.003% of 6,210 = 0.19;
+    # guar 0.002% of 10,80,000 = 21.60
+    assert levies_line(text, "Stamp duty") == [D(0), D("-0.19"), D(0), D("-21.60"), D(0), D("-21.79")]
+    net = levies_line(text, "Net amount receivable/(payable) by client")
+    assert net[-1] == sum(net[:-1])
+    # MCX and NCDEX settle on their own calendars, which the run was not given
+    assert sum("per the exchange's calendar" in s["date"] for s in note["note"]["settlements"]) == 2
 
 
 def test_a_derivatives_trade_whose_contract_is_not_in_the_bhavcopy_rejects_its_account_by_row(tmp_path, redis_url):
@@ -259,7 +325,10 @@ def test_cells_are_never_cut_in_the_stored_lines(tmp_path, redis_url):
 
 
 KINDS = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "FUTIDX"),
-         ("FO", "NRML", "OPTIDX")]
+         ("FO", "NRML", "OPTIDX"), ("CDS", "NRML", "FUTCUR"), ("CDS", "MIS", "OPTCUR"), ("COM", "NRML", "FUTCOM"),
+         ("COM", "NRML", "OPTFUT")]
+# where a currency or commodity kind trades, its lot multiplier and whether it is agricultural
+LOT_TERMS = {"CDS": (("NSE", "BSE"), 1000, ""), "COM": (("MCX", "NCDEX"), 100, "N")}
 day_strategy = st.lists(
     st.tuples(st.sampled_from(KINDS), st.sampled_from(["NSE", "BSE"]), st.sampled_from("BS"),
               st.integers(1, 200_000), st.decimals(D("0.05"), D("150000"), places=2),
@@ -278,10 +347,14 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     trades = []
     for i, ((segment, product, instrument), exchange, side, qty, price, close, order, contract) in enumerate(specs):
         exchange = "NSE" if segment == "FO" else exchange
+        exchanges, multiplier, agri = LOT_TERMS.get(segment, ((exchange,), 1, ""))
+        exchange = exchanges[contract % len(exchanges)]
+        agri = "Y" if agri and exchange == "NCDEX" and contract % 2 else agri
+        derivative = segment != "CM"
         trades.append(Trade(DATE, exchange, segment, f"{segment}1", "H1", N(order or 100 + i), "10:00:00", N(i % 5),
-                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if segment == "FO" else "",
+                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if derivative else "",
                             "100" if instrument.startswith("OPT") else "", "CE" if instrument.startswith("OPT") else "",
-                            side, qty, price, product, "11", close if segment == "FO" else None))
+                            side, qty, price, product, "11", close if derivative else None, multiplier, agri))
     trades = sorted({t.key: t for t in trades}.values(), key=lambda t: (t.exchange, t.segment, t.trade_no))
     b = broker()
     charges = compute(trades, DATE, intra, b["tariff"])
@@ -290,17 +363,18 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     for t in trades:
         order = [o for o in trades if o.order_key == t.order_key]
         order_brokerage = sum(charges.brokerage_share[o.key] for o in order)
-        exact = (t.turnover if t.side == "S" else -t.turnover) - order_brokerage * t.quantity / sum(
-            o.quantity for o in order)
+        gross = t.quantity * t.multiplier * t.price  # the trade's value, worked out here, not by Trade.turnover
+        exact = (gross if t.side == "S" else -gross) - order_brokerage * t.quantity / sum(o.quantity for o in order)
         assert abs(rows[t.key] - exact) <= D("0.015")
     # segment by segment: the column sums to obligation - brokerage, exactly
     for segment, levies in charges.segments.items():
         column = [v for t, v in ((t, rows[t.key]) for t in trades) if f"{t.exchange}-{t.segment}" == segment]
-        column += [carried[i] for i, c in enumerate(charges.carried) if f"{c.trade.exchange}-FO" == segment]
+        column += [carried[i] for i, c in enumerate(charges.carried)
+                   if f"{c.trade.exchange}-{c.trade.segment}" == segment]
         assert sum(column) == levies.obligation - levies.brokerage
     # Total = sum of segments, for every line of the levies table
     total = charges.total
-    for f in ("obligation", "brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst"):
+    for f in ("obligation", "brokerage", "stt", "ctt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst"):
         assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
     assert total.net == sum(s.net for s in charges.segments.values())
     # and the printed lines carry exactly those amounts, never cut
