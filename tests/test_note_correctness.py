@@ -392,3 +392,45 @@ def test_the_trade_table_s_columns_stand_apart_in_headings_and_values():
 
     first, _ = table_heads()
     assert "Gross Rate  Brokerage" in first and "Rate Brokerage" not in first, first
+
+
+def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_trades(tmp_path, redis_url):
+    """Each mixed client's obligation per exchange and segment, worked out here from the trade file's
+    rows (quantity x multiplier x price, open futures at the bhavcopy's settlement price), against the note."""
+    import datetime as dt
+    from collections import defaultdict
+
+    from pipeline.day.dumps import effective_trades, parse_trade
+    from pipeline.day.synth import SynthOptions, write_dumps
+
+    write_dumps(tmp_path / "in", SynthOptions(dt.date(2026, 11, 20), 120, seed=11, segment_share=0.3))
+    raw = list(csv.DictReader((tmp_path / "in" / "trades.csv").open(newline="")))
+    bhav = {(r["Src"], r["TckrSymb"], r["XpryDt"], r["StrkPric"], r["OptnTp"]): D(r["SttlmPric"])
+            for r in csv.DictReader((tmp_path / "in" / "bhavcopy.csv").open(newline=""))}
+    mixed = sorted({r["ucc"] for r in raw if r["segment"] in ("CDS", "COM")})
+    assert len(mixed) >= 5
+    store = open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(tmp_path / "in")), store, RunState(redis_url, "mixed"), "mixed", "2026-11-20",
+                      50, "CNT")
+    assert split.rejected == 0
+    save_manifest(store, "mixed", split)
+    for ucc in mixed[:8]:
+        mine = effective_trades([parse_trade("t", n, r, "2026-11-20") for n, r in enumerate(raw, 1) if r["ucc"] == ucc])
+        expected: dict[str, D] = defaultdict(D)
+        open_lots: dict[tuple, int] = defaultdict(int)
+        for t in mine:
+            units = t.quantity * (1000 if t.segment == "CDS" else int(t.multiplier))
+            expected[f"{t.exchange}-{t.segment}"] += units * t.price * (1 if t.side == "S" else -1)
+            if t.instrument.startswith("FUT"):
+                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, t.multiplier)] += units * (1 if t.side == "B" else -1)
+        for (exchange, segment, symbol, expiry, _), units in open_lots.items():
+            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")]
+        account = find_account(store, "mixed", ucc)
+        note = stages.note_data(account, Client(**account["client"]), "2026-11-20", {"NSE": "2026-11-23",
+                                                                                     "BSE": "2026-11-23"})
+        obligation = note["levies"]["lines"][0].split()[2:]  # after "Pay-in/Pay-out obligation"
+        heads = note["levies"]["head"].split()[1:-2]
+        assert heads == sorted(expected), ucc
+        assert [amount(v) for v in obligation[:-1]] == [expected[h].quantize(D("0.01")) for h in heads], ucc
+    text = pdftotext(render(note), tmp_path)
+    assert "(commodity derivatives)" in text or "(currency derivatives)" in text
