@@ -434,3 +434,55 @@ def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_t
         assert [amount(v) for v in obligation[:-1]] == [expected[h].quantize(D("0.01")) for h in heads], ucc
     text = pdftotext(render(note), tmp_path)
     assert "(commodity derivatives)" in text or "(currency derivatives)" in text
+
+
+def test_a_day_after_1_april_2027_takes_the_new_financial_year_s_note_numbers(tmp_path):
+    """One sequence per financial year (April to March): 31 March 2027 is the last day of 2026-27,
+    1 April 2027 starts 2027-28 at 1, and a late rerun of 31 March carries on 2026-27's sequence."""
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis")
+    store = open_store(str(tmp_path / "store"))
+    try:
+        numbers = []
+        for run, date in [("mar31", "2027-03-31"), ("apr01", "2027-04-01"), ("apr02", "2027-04-02"),
+                          ("mar31-again", "2027-03-31")]:
+            day = [{**r, "trade_date": date} for r in HAND_MADE if r["segment"] == "CM"]
+            inputs = open_store(str(write_day(tmp_path / run, trades=day)))
+            save_manifest(store, run, split_day(inputs, store, RunState(redis.url, run), run, date, 100, "CNT"))
+            numbers.append(find_account(store, run, "H1")["note_no"])
+        assert numbers == ["CNT-26/27-0000001", "CNT-27/28-0000001", "CNT-27/28-0000002", "CNT-26/27-0000002"]
+    finally:
+        redis.stop()
+
+
+def test_a_rate_that_changes_on_a_date_applies_by_trade_date(tmp_path):
+    """A new schedule from 2027-04-01 (a made-up change: CTT on commodity futures to 0.02% and NSE's
+    currency futures charge to 0.0004%) leaves 31 March's trades at the old rates."""
+    import json
+
+    from pipeline.day.dumps import Trade
+    from pipeline.note.charges import RATES_FILE, compute
+    from pipeline.stages import broker
+
+    data = json.loads(RATES_FILE.read_text())
+    changed = json.loads(json.dumps(data["schedules"][-1]))
+    changed["effective_from"] = "2027-04-01"
+    changed["ctt"]["commodity_futures"] = ["0.0002", "sell"]
+    changed["txn"]["NSE"]["currency_futures"] = "0.000004"
+    data["schedules"].append(changed)
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(data))
+
+    def levies(date: str, segment: str, exchange: str, symbol: str, price: str, multiplier: int):
+        t = Trade(date, exchange, segment, "S1", "H1", N(1), "10:00:00", N(2), "10:00:01", symbol, "", "FUT" + (
+            "COM" if segment == "COM" else "CUR"), "2027-04-28", "", "", "S", 1, D(price), "NRML", "11", D(price),
+            multiplier, "N" if segment == "COM" else "")
+        return compute([t], date, True, broker()["tariff"], rates).total
+
+    # gold: 1 x 100 x 76,543 = 76,54,300 sold: CTT 0.01% = 765.43 -> 765, then 0.02% = 1,530.86 -> 1,531
+    assert levies("2027-03-31", "COM", "MCX", "GOLD", "76543", 100).ctt == D(765)
+    assert levies("2027-04-01", "COM", "MCX", "GOLD", "76543", 100).ctt == D(1531)
+    # USDINR: 1 x 1,000 x 84.1250 = 84,125: 0.00035% = 0.2944 -> 0.29, then 0.0004% = 0.3365 -> 0.34
+    assert levies("2027-03-31", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.29")
+    assert levies("2027-04-01", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.34")
