@@ -486,3 +486,16 @@ def test_a_rate_that_changes_on_a_date_applies_by_trade_date(tmp_path):
     # USDINR: 1 x 1,000 x 84.1250 = 84,125: 0.00035% = 0.2944 -> 0.29, then 0.0004% = 0.3365 -> 0.34
     assert levies("2027-03-31", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.29")
     assert levies("2027-04-01", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.34")
+
+
+def test_a_note_across_every_segment_signs_and_verifies_with_pdfsig_and_qpdf(tmp_path, redis_url, keys_dir):
+    from pipeline.seal.sign import SignatureInfo, protect
+    from pipeline.seal.signer import load_signer
+    from tests.helpers import assert_signed_and_encrypted
+
+    _, note = split_and_render(tmp_path, redis_url, "every-segment-signed", EVERY_SEGMENT, EVERY_BHAVCOPY)
+    signer = load_signer(str(keys_dir / "signer.key.pem"), str(keys_dir / "signer.cert.pem"), None,
+                         str(keys_dir / "root.cert.pem"))
+    path = tmp_path / "signed.pdf"
+    path.write_bytes(protect(render(note), CLIENT["pan"].lower(), "owner-secret", signer, SignatureInfo(), "aes256"))
+    assert_signed_and_encrypted(path, CLIENT["pan"])
