@@ -132,8 +132,13 @@ class Trade:
         return (self.exchange, self.segment, self.order_no)
 
     def as_row(self) -> list[str]:
+        """A multiplier of 1 is written empty, as an equity row gives it: the fast path then
+        passes those rows on as they came."""
         # not asdict(): it deep-copies, 10x slower
-        return [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
+        row = [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
+        if self.multiplier == 1:
+            row[_AT_MULTIPLIER] = ""
+        return row
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
@@ -289,7 +294,8 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
                 and int(values[16]) <= MAX_QUANTITY and (multiplier := _fits_segment(values)) is not None
                 and MIN_PRICES.get(segment, MIN_PRICE) <= Decimal(values[17]) <= MAX_PRICE):
-            values = [*values[:_AT_MULTIPLIER], multiplier, values[_AT_MULTIPLIER + 1]]
+            if multiplier != values[_AT_MULTIPLIER]:
+                values = [*values[:_AT_MULTIPLIER], multiplier, values[_AT_MULTIPLIER + 1]]
             if segment == "CM":
                 return [*values, ""]
             contracts = {} if contracts is None else contracts
@@ -307,6 +313,8 @@ def _fits_segment(v) -> str | None:
     the multiplier as Trade.as_row writes it (a currency row's 1000 whether the file gave it or
     not), or None for a row that parse_trade must look at and name the field of."""
     segment, multiplier, agri = v[2], v[_AT_MULTIPLIER], v[_AT_MULTIPLIER + 1]
+    if not multiplier and not agri and segment in _EQUITY:  # most rows: one test, then the exchange's
+        return "" if v[1] in _EQUITY_EXCHANGES else None
     if v[1] not in EXCHANGES[segment]:
         return None
     if segment == "COM":
@@ -315,7 +323,10 @@ def _fits_segment(v) -> str | None:
         return None
     if segment == "CDS":
         return _CURRENCY if multiplier in ("", _CURRENCY) and INR_PAIR.match(v[9]) else None
-    return "1" if multiplier in ("", "1") else None
+    return "" if multiplier in ("", "1") else None
+
+
+_EQUITY, _EQUITY_EXCHANGES = ("CM", "FO"), EXCHANGES["CM"] | EXCHANGES["FO"]
 
 
 def _fo_close(v: list[str], trade_date: str, instrument: str, closes) -> Decimal | None:
