@@ -64,6 +64,7 @@ def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and
     kinds = {(t["exchange"], t["segment"]) for t in mixed}
     assert kinds >= {("NSE", "CDS"), ("BSE", "CDS"), ("MCX", "COM"), ("NCDEX", "COM"), ("BSE", "FO")}
     assert {t["agri"] for t in mixed if t["exchange"] == "NCDEX"} == {"Y"}
+    assert any(t["trade_time"] > "17:00:00" for t in mixed if t["exchange"] == "MCX")  # its evening session
     traders = {t["ucc"] for t in mixed if t["segment"] in ("CDS", "COM") or t["exchange"] == "BSE" and t["segment"] == "FO"}
     assert 0.03 < len(traders) / 600 < 0.2  # a small share of clients
     # the same trades a client, numbers and times as the equity-only day: only some rows moved segment

@@ -215,6 +215,8 @@ def _other_segment(rng: random.Random, date: dt.date, row: dict) -> dict:
     kind = rng.random()
     other = _currency(rng, date) if kind < 0.4 else _commodity(rng, date) if kind < 0.75 else _bse_index_option(rng, date)
     other = {**row, "isin": "", "strike": "", "option_type": "", "multiplier": "", "agri": "", **other}
+    if other["exchange"] == "MCX" and rng.random() < 0.4:
+        other.update(_evening(rng, date))
     other["settlement_no"] = f"{other['segment']}{date:%Y}{date.timetuple().tm_yday:03d}"
     return other
 
@@ -252,6 +254,13 @@ def _bse_index_option(rng: random.Random, date: dt.date) -> dict:
     return dict(exchange="BSE", segment="FO", symbol=symbol, instrument="OPTIDX", expiry=expiry, strike=str(strike),
                 option_type=rng.choice(["CE", "PE"]), product="NRML", quantity=str(lot * rng.randrange(1, 5)),
                 price=_price(rng, spot * 0.005))
+
+
+def _evening(rng: random.Random, date: dt.date) -> dict:
+    """MCX trades on after equity closes, in its evening session (to 23:30 here)."""
+    when = dt.datetime.combine(date, dt.time(17, 0)) + dt.timedelta(seconds=rng.randrange(23_400))
+    return {"trade_time": when.strftime("%H:%M:%S"),
+            "order_time": (when - dt.timedelta(seconds=rng.randrange(1, 30))).strftime("%H:%M:%S")}
 
 
 def _month_end(date: dt.date, months_ahead: int = 0) -> dt.date:
