@@ -27,6 +27,11 @@ from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
 ROWS_FOR_LEVIES = 28
+# The page sizes above leave room for three section headings a page and five settlement lines
+# in the header (the client block's height). A note across more exchanges and segments pays
+# for the rest in rows: measured, a heading is under 1.5 rows and a header line about one.
+HEADINGS_FREE, HEADING_ROWS = 3, 2
+SETTLEMENTS_FREE, SETTLEMENT_ROWS = 5, 2
 # (heading line 1, heading line 2, least width in characters, right-aligned)
 TRADE_COLUMNS = [
     ("Order No", "", 16, False), ("Order", "Time", 8, False), ("Trade No", "", 16, False),
@@ -87,14 +92,16 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     widths = column_widths([cells for _, cells in rows])
     layout = _layout(widths)
     lines = [{"label": label, "text": layout.format(*cells).rstrip()} for label, cells in rows]
-    pages = paginate(lines)
+    settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
+    with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
+    pages = paginate(lines, max(0, len(settlements) - SETTLEMENTS_FREE) * SETTLEMENT_ROWS, int(with_ctt))
     return {
         "broker": broker_block(broker),
         "note": {
             "number": number,
             "trade_date": _dmy(trade_date),
-            "settlements": _settlements(trades, settles or trading_calendar.settlement_dates(trade_date)),
+            "settlements": settlements,
         },
         "client": {
             "name": client.name, "address": client.address, "state": client.state,
@@ -158,18 +165,39 @@ def _layout(widths: list[int]) -> str:
     return GAP.join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
-def paginate(lines: list[dict]) -> list[dict]:
-    """Fixed rows per page; the levies block goes on the last page if it fits, else a new one."""
-    pages, start, capacity = [], 0, ROWS_FIRST_PAGE
+def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
+    """Fixed rows per page, less what headings past the page's allowance take; the levies block
+    goes on the last page if it fits, else a new one. `header_rows`: the first page's header
+    past its usual height; `levy_rows`: the levies block's lines past the usual (the CTT line)."""
+    first = ROWS_FIRST_PAGE - header_rows
+    pages, start, capacity = [], 0, first
     while start < len(lines) or not pages:
-        pages.append({"groups": _groups(lines[start:start + capacity]), "rows": min(capacity, len(lines) - start)})
-        start += capacity
+        take = _fitting(lines, start, capacity)
+        pages.append({"groups": _groups(lines[start:start + take]), "rows": take})
+        start += take
         capacity = ROWS_PER_PAGE
-    used = pages[-1]["rows"] + len(pages[-1]["groups"])
-    room = (ROWS_FIRST_PAGE if len(pages) == 1 else ROWS_PER_PAGE) - used
-    if room < ROWS_FOR_LEVIES:
+    groups = len(pages[-1]["groups"])
+    used = pages[-1]["rows"] + groups + _heading_rows(groups)
+    room = (first if len(pages) == 1 else ROWS_PER_PAGE) - used
+    if room < ROWS_FOR_LEVIES + levy_rows:
         pages.append({"groups": [], "rows": 0})
     return pages
+
+
+def _fitting(lines: list[dict], start: int, capacity: int) -> int:
+    """How many lines from `start` fit in `capacity` rows with their section headings (at least one)."""
+    headings, label, take = 0, None, 0
+    for i in range(start, min(len(lines), start + capacity)):
+        if lines[i]["label"] != label:
+            headings, label = headings + 1, lines[i]["label"]
+        if take + 1 + _heading_rows(headings) > capacity:
+            break
+        take += 1
+    return max(1, take) if start < len(lines) else 0
+
+
+def _heading_rows(headings: int) -> int:
+    return max(0, headings - HEADINGS_FREE) * HEADING_ROWS
 
 
 def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[str]]]:
