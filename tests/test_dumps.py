@@ -155,6 +155,8 @@ def test_bse_index_options_are_an_fo_trade_of_bse():
     (USDINR, "agri", "N", "only for commodities"),
     (USDINR, "price", "0.00001", "not a number"),
     (GOOD, "multiplier", "10", "must be 1"),
+    (GOLD, "quantity", "10000001", "over 1,000,000,000 units"),
+    (USDINR, "quantity", "1000001", "over 1,000,000,000 units"),
     (GOOD, "segment", "CUR", "CM, FO, CDS or COM"),
 ])
 def test_a_row_that_does_not_fit_its_segment_names_the_field(base, field, value, problem):
@@ -170,7 +172,8 @@ def test_the_fast_check_agrees_with_parse_trade_on_the_new_segments():
     closes = {("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", None, ""): Decimal("84.2"),
               ("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", None, ""): Decimal("76600")}
     cases = [USDINR, {**USDINR, "multiplier": "1000"}, GOLD, {**GOLD, "agri": ""}, {**USDINR, "symbol": "EURUSD"},
-             {**GOLD, "exchange": "BSE"}, {**GOOD, "multiplier": "1"}, {**GOOD, "agri": "Y"}]
+             {**GOLD, "exchange": "BSE"}, {**GOOD, "multiplier": "1"}, {**GOOD, "agri": "Y"},
+             {**GOLD, "quantity": "10000001"}, {**USDINR, "quantity": "1000000"}, {**USDINR, "quantity": "1000001"}]
     for n, raw in enumerate(cases, 1):
         values = [raw.get(f, "") for f in TRADE_FIELDS]
         try:

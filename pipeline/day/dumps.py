@@ -60,7 +60,7 @@ DERIVATIVES = {"FO", "CDS", "COM"}
 CURRENCY_MULTIPLIER = 1000
 _CURRENCY = str(CURRENCY_MULTIPLIER)
 INR_PAIR = re.compile(r"^[A-Z]{3}INR\Z")
-MULTIPLIER = re.compile(r"^[1-9][0-9]{0,6}\Z")  # a commodity lot is at most 10 lakh price units
+MULTIPLIER = re.compile(r"^[1-9][0-9]{0,6}\Z")  # a commodity lot holds under a crore of price units
 # Currency premiums are quoted to 4 places with a tick of 0.0025 rupee: under equity's 1 paisa
 MIN_PRICES = {"CDS": Decimal("0.0001")}
 STATUSES = {"11", "12", "13"}
@@ -231,6 +231,8 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     quantity = int(v["quantity"])
     price = _price(v["price"], lambda p: fail("price", p), MIN_PRICES.get(v["segment"], MIN_PRICE))
     multiplier = _lot_terms(v, fail)
+    if quantity * multiplier > MAX_QUANTITY:  # a trade's value stays under 10^16 rupees: exact in Decimal's 28 digits
+        fail("quantity", f"{quantity:,} lots of {multiplier:,} is over {MAX_QUANTITY:,} units")
     trade = Trade(**{**v, "quantity": quantity, "price": price, "multiplier": multiplier})
     if closes is None or trade.segment not in DERIVATIVES:
         return trade
@@ -318,11 +320,13 @@ def _fits_segment(v) -> str | None:
     if v[1] not in EXCHANGES[segment]:
         return None
     if segment == "COM":
-        return multiplier if multiplier and agri else None
+        fits = multiplier and agri and int(v[16]) * int(multiplier) <= MAX_QUANTITY
+        return multiplier if fits else None
     if agri:
         return None
     if segment == "CDS":
-        return _CURRENCY if multiplier in ("", _CURRENCY) and INR_PAIR.match(v[9]) else None
+        fits = multiplier in ("", _CURRENCY) and INR_PAIR.match(v[9]) and int(v[16]) <= MAX_QUANTITY // 1000
+        return _CURRENCY if fits else None
     return "" if multiplier in ("", "1") else None
 
 
