@@ -52,8 +52,11 @@ CLIENT = Client("C0000042", "Aarav Iyer", "ABCPD1234E", "c42@example.com", "12, 
 
 
 def trades(n: int, seed: int):
+    """A note's trades; one note in ten also trades currency, commodities and BSE's index options,
+    the synthetic day's default share, so the typical note is timed with those sections too."""
     rng = random.Random(seed)
-    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), CLIENT.ucc, n, synth._Numbers(rng)))
+    mix = random.Random(seed + 7919) if seed % 10 == 0 else None
+    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), CLIENT.ucc, n, synth._Numbers(rng), mix))
     closes = synth.closing_prices(dt.date.fromisoformat(TRADE_DATE), rows)
     return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE, closes) for i, r in enumerate(rows, 1)])
 

@@ -147,6 +147,13 @@ def _date(text: str) -> dt.date:
         raise argparse.ArgumentTypeError(f"{text!r} is not a date (YYYY-MM-DD)") from None
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share from 0 to 1")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -189,11 +196,14 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
 @command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
          arg("--date", required=True, type=_date), arg("--accounts", required=True, type=_positive),
          arg("--out", required=True, type=Path), arg("--seed", type=int, default=1),
-         arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"))
+         arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"),
+         arg("--segment-share", type=_share, default=0.1,
+             help="the share of clients who also trade currency, commodities and BSE index options (0 to 1)"))
 def cmd_synth(args) -> int:
     from pipeline.day.synth import SynthOptions, write_dumps
 
-    clients, trades = write_dumps(args.out, SynthOptions(args.date, args.accounts, args.seed, args.volatile))
+    options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share)
+    clients, trades = write_dumps(args.out, options)
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
                       "accounts": args.accounts}), file=args.stdout)
     return 0

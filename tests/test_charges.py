@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal as D
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,7 +127,113 @@ def test_rates_follow_the_trade_date():
     assert rates_for("2026-04-01")["effective_from"] == "2026-04-01"
 
 
-CATEGORIES = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "OPTIDX")]
+def lot(side, qty, price, segment, instrument, exchange, multiplier, symbol, agri="", close=None):
+    """A currency or commodity trade: `qty` lots of `multiplier` quoted units each."""
+    option = instrument.startswith("OPT")
+    t = trade(side, qty, price, "FO", "NRML", instrument, exchange, close=close)
+    return Trade(**{**t.__dict__, "segment": segment, "symbol": symbol, "strike": "100" if option else "",
+                    "multiplier": multiplier, "agri": agri})
+
+
+def test_currency_futures_on_nse_pay_no_stt_and_are_marked_to_market_by_the_thousand():
+    # sell 5 lots USDINR @ 84.1250: 5 x 1,000 x 84.1250 = 4,20,625.00. No STT or CTT on currency.
+    # NSE currency futures txn 0.00035% = 1.4721875 -> 1.47; SEBI 0.0001% = 0.420625 -> 0.42;
+    # IPFT 0.00005% = 0.2103125 -> 0.21; stamp none (a sell); brokerage min(0.03% = 126.19, 20) = 20.00;
+    # IGST 18% of (20 + 1.47 + 0.42 = 21.89) = 3.9402 -> 3.94. The short is carried forward at the
+    # settlement price 84.2000: 5 x 1,000 x 84.2 = 4,21,000, so the obligation is (375.00).
+    # Net = -375 - 20 - 1.47 - 0.42 - 0.21 - 3.94 = (401.04).
+    t = lot("S", 5, "84.1250", "CDS", "FUTCUR", "NSE", 1000, "USDINR", close="84.2000")
+    charges = compute([t], NEW, False, TARIFF)
+    c = charges.segments["NSE-CDS"]
+    assert (c.stt, c.ctt, c.txn, c.sebi, c.ipft, c.stamp, c.brokerage, c.igst) == (
+        D(0), D(0), D("1.47"), D("0.42"), D("0.21"), D("0.00"), D("20.00"), D("3.94"))
+    assert (c.sells, c.carry, c.obligation, c.net) == (D("420625.0000"), D("-421000.0000"), D("-375.00"), D("-401.04"))
+    assert charges.brokerage_per_unit(t) == D("0.0040")  # 20 over 5,000 dollars
+
+
+def test_currency_options_on_bse_on_premium():
+    # buy 10 lots USDINR options @ 0.2500 premium: 10 x 1,000 x 0.25 = 2,500.00. BSE currency options
+    # txn 0.001% = 0.025 -> 0.03; SEBI 0.0025 -> 0.00; stamp 0.0001% = 0.0025 -> 0.00; IPFT 0.002% =
+    # 0.05; brokerage flat 20; CGST = SGST = 9% of 20.03 = 1.8027 -> 1.80.
+    # Net = -2,500 - 20 - 0.03 - 0.05 - 1.80 - 1.80 = (2,523.68).
+    c = levies([lot("B", 10, "0.2500", "CDS", "OPTCUR", "BSE", 1000, "USDINR")])
+    assert (c.txn, c.sebi, c.stamp, c.ipft, c.brokerage, c.cgst, c.sgst) == (
+        D("0.03"), D("0.00"), D("0.00"), D("0.05"), D("20.00"), D("1.80"), D("1.80"))
+    assert c.net == D("-2523.68")
+
+
+def test_gold_futures_on_mcx_pay_ctt_on_the_sell_to_the_rupee():
+    # sell 1 lot GOLD @ 76,543 per 10 g, a 1 kg lot = multiplier 100: 76,54,300.00.
+    # CTT 0.01% of a non-agricultural future's sell = 765.43 -> 765; MCX futures txn 0.0021% =
+    # 160.7403 -> 160.74; SEBI 7.6543 -> 7.65; no stamp on a sell; no IPFT; brokerage capped 20;
+    # CGST = SGST = 9% of (20 + 160.74 + 7.65 = 188.39) = 16.9551 -> 16.96. Carried forward at
+    # 76,500: obligation 76,54,300 - 76,50,000 = 4,300.00.
+    # Net = 4,300 - 20 - 160.74 - 7.65 - 765 - 16.96 - 16.96 = 3,312.69.
+    c = levies([lot("S", 1, "76543", "COM", "FUTCOM", "MCX", 100, "GOLD", agri="N", close="76500")])
+    assert (c.stt, c.ctt, c.txn, c.sebi, c.stamp, c.ipft, c.cgst) == (
+        D(0), D(765), D("160.74"), D("7.65"), D("0.00"), D("0.00"), D("16.96"))
+    assert (c.obligation, c.net) == (D("4300.00"), D("3312.69"))
+
+
+def test_gold_options_on_mcx_pay_ctt_on_the_premium():
+    # sell 1 lot GOLD options @ 1,210.50 premium, multiplier 100: 1,21,050.00. CTT 0.05% of premium =
+    # 60.525 -> 61; MCX options txn 0.0418% = 50.5989 -> 50.60; SEBI 0.12105 -> 0.12; brokerage flat 20;
+    # CGST = SGST = 9% of 70.72 = 6.3648 -> 6.36. Net = 1,21,050 - 20 - 50.60 - 0.12 - 61 - 12.72 = 1,20,905.56.
+    c = levies([lot("S", 1, "1210.50", "COM", "OPTFUT", "MCX", 100, "GOLD", agri="N")])
+    assert (c.ctt, c.txn, c.sebi, c.cgst, c.sgst) == (D(61), D("50.60"), D("0.12"), D("6.36"), D("6.36"))
+    assert c.net == D("120905.56")
+
+
+def test_an_agricultural_future_on_ncdex_pays_no_ctt_and_sebi_s_agricultural_fee():
+    # buy 2 lots GUARSEED10 @ 5,400 a quintal, a 10 t lot = multiplier 100: 10,80,000.00. Agricultural:
+    # no CTT (and none on a buy anyway); NCDEX futures txn 0.0058% = 62.64; SEBI Rs 1 a crore =
+    # 0.108 -> 0.11; stamp 0.002% of the buy = 21.60; brokerage capped 20; IGST 18% of
+    # (20 + 62.64 + 0.11 = 82.75) = 14.895 -> 14.90. Carried forward at 5,390: obligation
+    # -10,80,000 + 10,78,000 = (2,000.00). Net = -2,000 - 20 - 62.64 - 0.11 - 21.60 - 14.90 = (2,119.25).
+    guar = dict(segment="COM", instrument="FUTCOM", exchange="NCDEX", multiplier=100, symbol="GUARSEED10", agri="Y")
+    c = levies([lot("B", 2, "5400", close="5390", **guar)], intra=False)
+    assert (c.ctt, c.txn, c.sebi, c.stamp, c.igst) == (D(0), D("62.64"), D("0.11"), D("21.60"), D("14.90"))
+    assert (c.obligation, c.net) == (D("-2000.00"), D("-2119.25"))
+    # sold instead, still no CTT: the exemption is the contract's, not the side's
+    assert levies([lot("S", 2, "5400", close="5390", **guar)]).ctt == D(0)
+
+
+def test_bse_sensex_options_pay_bse_s_option_rate():
+    # buy 20 SENSEX options @ 310.50 = 6,210.00. No STT on a buy; stamp 0.003% = 0.1863 -> 0.19;
+    # BSE options txn 0.0325% = 2.01825 -> 2.02; SEBI 0.00621 -> 0.01; IPFT 0.0005% = 0.03105 -> 0.03;
+    # brokerage flat 20; IGST 18% of 22.03 = 3.9654 -> 3.97. Net = (6,236.22).
+    c = levies([trade("B", 20, "310.50", "FO", "NRML", "OPTIDX", "BSE")], intra=False)
+    assert (c.stt, c.stamp, c.txn, c.sebi, c.ipft, c.igst) == (D(0), D("0.19"), D("2.02"), D("0.01"), D("0.03"),
+                                                               D("3.97"))
+    assert c.net == D("-6236.22")
+
+
+def test_each_exchange_and_segment_is_charged_apart_and_the_total_is_their_sum():
+    trades = [trade("B", 100, "1000.00"), lot("S", 5, "84.1250", "CDS", "FUTCUR", "NSE", 1000, "USDINR", close="84.2"),
+              lot("S", 1, "76543", "COM", "FUTCOM", "MCX", 100, "GOLD", agri="N", close="76500")]
+    charges = compute(trades, NEW, True, TARIFF)
+    assert sorted(charges.segments) == ["MCX-COM", "NSE-CDS", "NSE-CM"]
+    assert charges.total.net == sum(s.net for s in charges.segments.values())
+    assert charges.segments["MCX-COM"].stt == 0 and charges.segments["NSE-CM"].ctt == 0
+
+
+def test_a_schedule_without_a_segment_s_rate_is_an_error_naming_the_levy(tmp_path):
+    import json
+
+    from pipeline.note.charges import RATES_FILE
+
+    data = json.loads(RATES_FILE.read_text())
+    for schedule in data["schedules"]:
+        del schedule["txn"]["NCDEX"]["commodity_futures"]
+    (tmp_path / "rates.json").write_text(json.dumps(data))
+    guar = lot("B", 2, "5400", "COM", "FUTCOM", "NCDEX", 100, "GUARSEED10", agri="Y", close="5390")
+    with pytest.raises(ValueError, match="no NCDEX rate for commodity_futures"):
+        compute([guar], NEW, True, TARIFF, tmp_path / "rates.json")
+
+
+CATEGORIES = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "OPTIDX"),
+              ("CDS", "NRML", "FUTCUR"), ("CDS", "MIS", "OPTCUR"), ("COM", "NRML", "FUTCOM"), ("COM", "NRML", "OPTFUT")]
+LOTS = {"CDS": ("NSE", 1000, "USDINR", ""), "COM": ("MCX", 100, "GOLD", "N")}
 trades_strategy = st.lists(
     st.tuples(st.sampled_from(CATEGORIES), st.sampled_from(["NSE", "BSE"]), st.sampled_from("BS"),
               st.integers(1, 5000), st.decimals(D("0.05"), D("90000"), places=2), st.integers(0, 5)),
@@ -137,6 +244,12 @@ def as_trades(specs):
     out = []
     for (segment, product, instrument), exchange, side, qty, price, order in specs:
         exchange = "NSE" if segment == "FO" else exchange
+        if segment in LOTS:
+            exchange, multiplier, symbol, agri = LOTS[segment]
+            agri = "Y" if agri and qty % 3 == 0 else agri
+            t = lot(side, qty, price, segment, instrument, exchange, multiplier, symbol, agri)
+            out.append(Trade(**{**t.__dict__, "product": product, "order_no": f"{order:016d}" if order else t.order_no}))
+            continue
         out.append(trade(side, qty, price, segment, product, instrument, exchange, order=f"{order:016d}"
                          if order else None))
     return out
@@ -154,10 +267,11 @@ def test_invariants_hold_for_any_day(specs, intra):
         assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
     for seg in charges.segments.values():
         assert all(getattr(seg, f) >= 0 for f in LEVY_FIELDS)
-        assert seg.stt == seg.stt.to_integral_value()
+        assert seg.stt == seg.stt.to_integral_value() and seg.ctt == seg.ctt.to_integral_value()
         assert all(-getattr(seg, f).as_tuple().exponent <= 2 for f in LEVY_FIELDS)
         assert (seg.igst == 0) if intra else (seg.cgst == seg.sgst == 0)
         assert seg.cgst == seg.sgst
     assert total.buys == sum(t.turnover for t in trades if t.side == "B")
+    assert total.ctt <= sum(t.turnover for t in trades if t.segment == "COM" and t.side == "S") / 1000  # at most 0.1%
     if not any(t.side == "B" for t in trades):
         assert total.stamp == 0

@@ -1,3 +1,4 @@
+import re
 from decimal import Decimal
 
 import pytest
@@ -107,3 +108,114 @@ def test_the_shard_holding_the_heaviest_account_is_dispatched_first(redis_url, t
     assert dict(zip(split.shards, split.trades)) == counted
     order = split.heaviest_first(split.shards)
     assert [counted[s] for s in order] == sorted(counted.values(), reverse=True)
+
+
+USDINR = {**GOOD, "segment": "CDS", "settlement_no": "CD2026324", "symbol": "USDINR", "isin": "",
+          "instrument": "FUTCUR", "expiry": "2026-11-26", "product": "NRML", "quantity": "3", "price": "84.1225"}
+GOLD = {**GOOD, "exchange": "MCX", "segment": "COM", "settlement_no": "CO2026324", "symbol": "GOLD", "isin": "",
+        "instrument": "FUTCOM", "expiry": "2027-02-05", "product": "NRML", "quantity": "1", "price": "76543",
+        "multiplier": "100", "agri": "N"}
+
+
+def test_a_currency_lot_is_a_thousand_units_priced_to_four_places():
+    t = parse_trade("trades.csv", 1, USDINR, "2026-11-20")
+    assert (t.multiplier, t.agri) == (1000, "")
+    assert t.turnover == Decimal("252367.5000")  # 3 lots x 1,000 USD x 84.1225
+    premium = parse_trade("trades.csv", 1, {**USDINR, "instrument": "OPTCUR", "strike": "84.25", "option_type": "CE",
+                                            "price": "0.0025", "multiplier": "1000"}, "2026-11-20")
+    assert premium.turnover == Decimal("7.5000")  # a premium under a paisa is a currency option's tick
+
+
+def test_a_commodity_row_carries_its_multiplier_and_agricultural_flag():
+    gold = parse_trade("trades.csv", 1, GOLD, "2026-11-20")
+    assert (gold.multiplier, gold.agri, gold.turnover) == (100, "N", Decimal("7654300"))  # 1 kg at 76,543 per 10 g
+    assert Trade.from_row(gold.as_row()) == gold
+    guar = parse_trade("trades.csv", 1, {**GOLD, "exchange": "NCDEX", "symbol": "GUARSEED10", "multiplier": "10",
+                                         "agri": "Y", "price": "5400"}, "2026-11-20")
+    assert guar.agri == "Y" and guar.turnover == Decimal("54000")
+
+
+def test_bse_index_options_are_an_fo_trade_of_bse():
+    sensex = {**GOOD, "exchange": "BSE", "segment": "FO", "symbol": "SENSEX", "isin": "", "instrument": "OPTIDX",
+              "expiry": "2026-11-26", "strike": "80000", "option_type": "PE", "product": "NRML", "quantity": "20",
+              "price": "310.5"}
+    assert parse_trade("trades.csv", 1, sensex, "2026-11-20").turnover == Decimal("6210.0")
+
+
+@pytest.mark.parametrize("base,field,value,problem", [
+    (GOLD, "multiplier", "", "not a whole number"),
+    (GOLD, "multiplier", "0", "not a whole number"),
+    (GOLD, "agri", "", "must be Y"),
+    (GOLD, "exchange", "NSE", "MCX or NCDEX in segment COM"),
+    (GOLD, "instrument", "FUTCUR", "not traded in segment COM"),
+    (GOLD, "expiry", "", "not a date"),
+    (USDINR, "multiplier", "100", "must be 1000"),
+    (USDINR, "symbol", "EURUSD", "not an INR pair"),
+    (USDINR, "exchange", "MCX", "BSE or NSE in segment CDS"),
+    (USDINR, "agri", "N", "only for commodities"),
+    (USDINR, "price", "0.00001", "not a number"),
+    (GOOD, "multiplier", "10", "must be 1"),
+    (GOLD, "quantity", "10000001", "over 1,000,000,000 units"),
+    (USDINR, "quantity", "1000001", "over 1,000,000,000 units"),
+    (GOOD, "segment", "CUR", "CM, FO, CDS or COM"),
+])
+def test_a_row_that_does_not_fit_its_segment_names_the_field(base, field, value, problem):
+    with pytest.raises(RowError) as e:
+        parse_trade("trades.csv", 9, {**base, field: value}, "2026-11-20")
+    assert (e.value.row, e.value.field, e.value.ucc) == (9, field, "C1")
+    assert problem in str(e.value)
+
+
+def test_the_fast_check_agrees_with_parse_trade_on_the_new_segments():
+    from pipeline.day.dumps import TRADE_FIELDS, trade_row
+
+    closes = {("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", None, ""): Decimal("84.2"),
+              ("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", None, ""): Decimal("76600")}
+    cases = [USDINR, {**USDINR, "multiplier": "1000"}, GOLD, {**GOLD, "agri": ""}, {**USDINR, "symbol": "EURUSD"},
+             {**GOLD, "exchange": "BSE"}, {**GOOD, "multiplier": "1"}, {**GOOD, "agri": "Y"},
+             {**GOLD, "quantity": "10000001"}, {**USDINR, "quantity": "1000000"}, {**USDINR, "quantity": "1000001"}]
+    for n, raw in enumerate(cases, 1):
+        values = [raw.get(f, "") for f in TRADE_FIELDS]
+        try:
+            want = parse_trade("trades.csv", n, raw, "2026-11-20", closes).as_row()
+        except RowError as e:
+            with pytest.raises(RowError, match=re.escape(str(e))):
+                trade_row("trades.csv", n, values, "2026-11-20", closes, {})
+            continue
+        assert trade_row("trades.csv", n, values, "2026-11-20", closes, {}) == want, raw
+
+
+def test_the_bhavcopy_prices_currency_and_commodity_contracts_and_refuses_a_stranger_type():
+    from pipeline.day import bhavcopy
+
+    head = "TradDt,Src,Sgmt,FinInstrmTp,TckrSymb,XpryDt,StrkPric,OptnTp,ClsPric,SttlmPric"
+    lines = [head, "2026-11-20,NSE,CD,FUTCUR,USDINR,2026-11-26,,,84.2000,84.1975",
+             "2026-11-20,MCX,CO,OPTFUT,GOLD,2027-01-27,77000,CE,1210.5,1211",
+             "2026-11-20,NCDEX,CO,IDF,GUARSEED10,2026-12-19,,,5400,5400"]
+    errors: list[dict] = []
+    closes = bhavcopy.read(lines, "2026-11-20", errors)
+    assert closes == {("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", None, ""): Decimal("84.1975"),
+                      ("MCX", "COM", "OPTFUT", "GOLD", "2027-01-27", Decimal("77000"), "CE"): Decimal("1210.5")}
+    assert [(e["row"], e["field"]) for e in errors] == [(3, "FinInstrmTp")]
+
+
+def test_a_trade_file_without_the_multiplier_and_agri_columns_is_read_as_before(tmp_path, redis_url):
+    import csv
+    import datetime as dt
+
+    from pipeline.day.split import split_day
+    from pipeline.day.synth import SynthOptions, write_dumps
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    write_dumps(tmp_path / "in", SynthOptions(dt.date(2026, 11, 20), 30, seed=3))
+    path = tmp_path / "in" / "trades.csv"
+    rows = [r for r in csv.DictReader(path.open(newline="")) if r["segment"] in ("CM", "FO")]
+    with path.open("w", newline="") as f:
+        old = [c for c in rows[0] if c not in ("multiplier", "agri")]
+        writer = csv.DictWriter(f, old, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    split = split_day(open_store(str(tmp_path / "in")), open_store(str(tmp_path / "s")), RunState(redis_url, "old"),
+                      "old", "2026-11-20", 10, "CNT")
+    assert split.rejected == 0 and split.accounts > 0

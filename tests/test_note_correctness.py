@@ -97,8 +97,10 @@ def pdftotext(pdf: bytes, tmp_path: Path) -> str:
                           check=True).stdout
 
 
-def split_and_render(tmp_path: Path, redis_url: str, run_id: str) -> tuple[str, dict]:
-    inputs, store = open_store(str(write_day(tmp_path / "in"))), open_store(str(tmp_path / "store"))
+def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY
+                     ) -> tuple[str, dict]:
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav)))
+    store = open_store(str(tmp_path / "store"))
     split = split_day(inputs, store, RunState(redis_url, run_id), run_id, DATE, 100, "CNT")
     assert split.accounts == 1 and split.rejected == 0, split
     save_manifest(store, run_id, split)
@@ -112,7 +114,7 @@ def parse_rows(text: str) -> dict[str, list[tuple[str, D]]]:
     rows: dict[str, list] = {}
     segment = None
     for line in text.splitlines():
-        label = re.match(r"\s*(NSE|BSE) / (CM|FO)\s+·\s+Settlement", line)
+        label = re.match(r"\s*(NSE|BSE|MCX|NCDEX) / (CM|FO|CDS|COM)\b[^·]*·\s+Settlement", line)
         if label:
             segment = f"{label[1]}-{label[2]}"
             continue
@@ -171,6 +173,70 @@ def test_the_hand_made_day_shows_every_trade_once_every_value_whole_and_reconcil
     # the pro-rata brokerage of one order in three fills adds up to the order's brokerage
     fills = [v for line, v in rows["NSE-CM"] if "INFY" in line]
     assert sum(fills) == -3 * D("70000.00") - D("20.00")
+
+
+def bhav(src, sgmt, kind, symbol, expiry, close, strike="", option=""):
+    return {"TradDt": DATE, "Src": src, "Sgmt": sgmt, "FinInstrmTp": kind, "TckrSymb": symbol, "XpryDt": expiry,
+            "StrkPric": strike, "OptnTp": option, "ClsPric": close, "SttlmPric": close, "Extra": ""}
+
+
+def lots(exchange, segment, instrument, symbol, expiry, side, quantity, price, n, multiplier="", agri="", strike="",
+         option_type=""):
+    return row(exchange=exchange, segment=segment, settlement_no=f"{segment}2026327", order_no=N(n),
+               trade_no=N(n + 1), symbol=symbol, isin="", instrument=instrument, expiry=expiry, side=side,
+               quantity=quantity, price=price, product="NRML", multiplier=multiplier, agri=agri, strike=strike,
+               option_type=option_type)
+
+
+EVERY_SEGMENT = [
+    lots("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", "S", "5", "84.1250", 200),
+    lots("BSE", "CDS", "OPTCUR", "USDINR", "2026-11-26", "B", "10", "0.2500", 202, "1000", strike="84.2500",
+         option_type="CE"),
+    lots("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", "S", "1", "76543", 204, "100", "N"),
+    lots("MCX", "COM", "OPTFUT", "GOLD", "2027-01-27", "S", "1", "1210.50", 206, "100", "N", "77000", "CE"),
+    lots("NCDEX", "COM", "FUTCOM", "GUARSEED10", "2026-12-19", "B", "2", "5400", 208, "100", "Y"),
+    lots("BSE", "FO", "OPTIDX", "SENSEX", "2026-11-26", "B", "20", "310.50", 210, strike="80000", option_type="PE"),
+]
+EVERY_BHAVCOPY = [
+    bhav("NSE", "CD", "FUTCUR", "USDINR", "2026-11-26", "84.2000"),
+    bhav("BSE", "CD", "OPTCUR", "USDINR", "2026-11-26", "0.2600", "84.25", "CE"),
+    bhav("MCX", "CO", "FUTCOM", "GOLD", "2027-02-05", "76500"),
+    bhav("MCX", "CO", "OPTFUT", "GOLD", "2027-01-27", "1200", "77000", "CE"),
+    bhav("NCDEX", "CO", "FUTCOM", "GUARSEED10", "2026-12-19", "5390"),
+    bhav("BSE", "FO", "IDO", "SENSEX", "2026-11-26", "305.00", "80000", "PE"),
+]
+
+
+def test_a_day_in_every_segment_shows_each_exchange_and_segment_apart_and_reconciles(tmp_path, redis_url):
+    text, note = split_and_render(tmp_path, redis_url, "every-segment", EVERY_SEGMENT, EVERY_BHAVCOPY)
+    rows = parse_rows(text)
+    heads = next(line for line in text.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == ["BSE-CDS", "BSE-FO", "MCX-COM", "NCDEX-COM", "NSE-CDS", "Total", "(Net)"]
+    assert sorted(rows) == sorted(heads[:5])
+    for title in ("MCX / COM (commodity derivatives)", "NSE / CDS (currency derivatives)", "BSE / FO"):
+        assert title in text, title
+    # the lot multiplier is on the row: 5 x 1,000 x 84.1250 sold, carried forward at 84.2000
+    assert re.search(r"FUTCUR USDINR 26-11-2026 x1000\s+S\s+5\s+84\.1250\s+0\.0040\s+84\.1210\s+84\.2000"
+                     r"\s+4,20,605\.00\s+NRML", text)
+    assert re.search(r"FUTCUR USDINR 26-11-2026 x1000\s+B\s+5\s+84\.2000\s.*\(4,21,000\.00\)\s+C/F", text)
+    # the obligations, worked out here from quantity x multiplier x price and the settlement prices
+    obligation, brokerage = levies_line(text, "Pay-in/Pay-out obligation"), levies_line(text, "Brokerage")
+    expected = {"BSE-CDS": -10 * 1000 * D("0.25"), "BSE-FO": -20 * D("310.50"),
+                "MCX-COM": 100 * (D(76543) - D(76500)) + 100 * D("1210.50"),
+                "NCDEX-COM": 2 * 100 * (D(5390) - D(5400)), "NSE-CDS": 5 * 1000 * (D("84.1250") - D("84.2000"))}
+    assert obligation == [expected[h] for h in heads[:5]] + [sum(expected.values())]
+    for i, segment in enumerate(heads[:5]):
+        assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment
+    # CTT only on MCX's non-agricultural sells: 0.01% of 76,54,300 + 0.05% of 1,21,050 = 825.955 -> 826
+    assert levies_line(text, "Commodities transaction tax") == [D(0), D(0), D(-826), D(0), D(0), D(-826)]
+    assert levies_line(text, "Securities transaction tax") == [D(0)] * 6  # every sell here is currency or commodity
+    # stamp on the buys: BSE-CDS 0.0001% of 2,500 = 0.0025 -> 0.00; SENSEX 0.003% of 6,210 = 0.19;
+    # guar 0.002% of 10,80,000 = 21.60
+    assert levies_line(text, "Stamp duty") == [D(0), D("-0.19"), D(0), D("-21.60"), D(0), D("-21.79")]
+    net = levies_line(text, "Net amount receivable/(payable) by client")
+    assert net[-1] == sum(net[:-1])
+    # MCX and NCDEX settle on their own calendars, which the run was not given
+    assert sum("per the exchange's calendar" in s["date"] for s in note["note"]["settlements"]) == 2
 
 
 def test_a_derivatives_trade_whose_contract_is_not_in_the_bhavcopy_rejects_its_account_by_row(tmp_path, redis_url):
@@ -259,7 +325,10 @@ def test_cells_are_never_cut_in_the_stored_lines(tmp_path, redis_url):
 
 
 KINDS = [("CM", "CNC", "EQ"), ("CM", "MIS", "EQ"), ("FO", "NRML", "FUTSTK"), ("FO", "NRML", "FUTIDX"),
-         ("FO", "NRML", "OPTIDX")]
+         ("FO", "NRML", "OPTIDX"), ("CDS", "NRML", "FUTCUR"), ("CDS", "MIS", "OPTCUR"), ("COM", "NRML", "FUTCOM"),
+         ("COM", "NRML", "OPTFUT")]
+# where a currency or commodity kind trades, its lot multiplier and whether it is agricultural
+LOT_TERMS = {"CDS": (("NSE", "BSE"), 1000, ""), "COM": (("MCX", "NCDEX"), 100, "N")}
 day_strategy = st.lists(
     st.tuples(st.sampled_from(KINDS), st.sampled_from(["NSE", "BSE"]), st.sampled_from("BS"),
               st.integers(1, 200_000), st.decimals(D("0.05"), D("150000"), places=2),
@@ -278,10 +347,14 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     trades = []
     for i, ((segment, product, instrument), exchange, side, qty, price, close, order, contract) in enumerate(specs):
         exchange = "NSE" if segment == "FO" else exchange
+        exchanges, multiplier, agri = LOT_TERMS.get(segment, ((exchange,), 1, ""))
+        exchange = exchanges[contract % len(exchanges)]
+        agri = "Y" if agri and exchange == "NCDEX" and contract % 2 else agri
+        derivative = segment != "CM"
         trades.append(Trade(DATE, exchange, segment, f"{segment}1", "H1", N(order or 100 + i), "10:00:00", N(i % 5),
-                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if segment == "FO" else "",
+                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if derivative else "",
                             "100" if instrument.startswith("OPT") else "", "CE" if instrument.startswith("OPT") else "",
-                            side, qty, price, product, "11", close if segment == "FO" else None))
+                            side, qty, price, product, "11", close if derivative else None, multiplier, agri))
     trades = sorted({t.key: t for t in trades}.values(), key=lambda t: (t.exchange, t.segment, t.trade_no))
     b = broker()
     charges = compute(trades, DATE, intra, b["tariff"])
@@ -290,17 +363,18 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     for t in trades:
         order = [o for o in trades if o.order_key == t.order_key]
         order_brokerage = sum(charges.brokerage_share[o.key] for o in order)
-        exact = (t.turnover if t.side == "S" else -t.turnover) - order_brokerage * t.quantity / sum(
-            o.quantity for o in order)
+        gross = t.quantity * t.multiplier * t.price  # the trade's value, worked out here, not by Trade.turnover
+        exact = (gross if t.side == "S" else -gross) - order_brokerage * t.quantity / sum(o.quantity for o in order)
         assert abs(rows[t.key] - exact) <= D("0.015")
     # segment by segment: the column sums to obligation - brokerage, exactly
     for segment, levies in charges.segments.items():
         column = [v for t, v in ((t, rows[t.key]) for t in trades) if f"{t.exchange}-{t.segment}" == segment]
-        column += [carried[i] for i, c in enumerate(charges.carried) if f"{c.trade.exchange}-FO" == segment]
+        column += [carried[i] for i, c in enumerate(charges.carried)
+                   if f"{c.trade.exchange}-{c.trade.segment}" == segment]
         assert sum(column) == levies.obligation - levies.brokerage
     # Total = sum of segments, for every line of the levies table
     total = charges.total
-    for f in ("obligation", "brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst"):
+    for f in ("obligation", "brokerage", "stt", "ctt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst"):
         assert getattr(total, f) == sum(getattr(s, f) for s in charges.segments.values())
     assert total.net == sum(s.net for s in charges.segments.values())
     # and the printed lines carry exactly those amounts, never cut
@@ -318,3 +392,110 @@ def test_the_trade_table_s_columns_stand_apart_in_headings_and_values():
 
     first, _ = table_heads()
     assert "Gross Rate  Brokerage" in first and "Rate Brokerage" not in first, first
+
+
+def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_trades(tmp_path, redis_url):
+    """Each mixed client's obligation per exchange and segment, worked out here from the trade file's
+    rows (quantity x multiplier x price, open futures at the bhavcopy's settlement price), against the note."""
+    import datetime as dt
+    from collections import defaultdict
+
+    from pipeline.day.dumps import effective_trades, parse_trade
+    from pipeline.day.synth import SynthOptions, write_dumps
+
+    write_dumps(tmp_path / "in", SynthOptions(dt.date(2026, 11, 20), 120, seed=11, segment_share=0.3))
+    raw = list(csv.DictReader((tmp_path / "in" / "trades.csv").open(newline="")))
+    bhav = {(r["Src"], r["TckrSymb"], r["XpryDt"], r["StrkPric"], r["OptnTp"]): D(r["SttlmPric"])
+            for r in csv.DictReader((tmp_path / "in" / "bhavcopy.csv").open(newline=""))}
+    mixed = sorted({r["ucc"] for r in raw if r["segment"] in ("CDS", "COM")})
+    assert len(mixed) >= 5
+    store = open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(tmp_path / "in")), store, RunState(redis_url, "mixed"), "mixed", "2026-11-20",
+                      50, "CNT")
+    assert split.rejected == 0
+    save_manifest(store, "mixed", split)
+    for ucc in mixed[:8]:
+        mine = effective_trades([parse_trade("t", n, r, "2026-11-20") for n, r in enumerate(raw, 1) if r["ucc"] == ucc])
+        expected: dict[str, D] = defaultdict(D)
+        open_lots: dict[tuple, int] = defaultdict(int)
+        for t in mine:
+            units = t.quantity * (1000 if t.segment == "CDS" else int(t.multiplier))
+            expected[f"{t.exchange}-{t.segment}"] += units * t.price * (1 if t.side == "S" else -1)
+            if t.instrument.startswith("FUT"):
+                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, t.multiplier)] += units * (1 if t.side == "B" else -1)
+        for (exchange, segment, symbol, expiry, _), units in open_lots.items():
+            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")]
+        account = find_account(store, "mixed", ucc)
+        note = stages.note_data(account, Client(**account["client"]), "2026-11-20", {"NSE": "2026-11-23",
+                                                                                     "BSE": "2026-11-23"})
+        obligation = note["levies"]["lines"][0].split()[2:]  # after "Pay-in/Pay-out obligation"
+        heads = note["levies"]["head"].split()[1:-2]
+        assert heads == sorted(expected), ucc
+        assert [amount(v) for v in obligation[:-1]] == [expected[h].quantize(D("0.01")) for h in heads], ucc
+    text = pdftotext(render(note), tmp_path)
+    assert "(commodity derivatives)" in text or "(currency derivatives)" in text
+
+
+def test_a_day_after_1_april_2027_takes_the_new_financial_year_s_note_numbers(tmp_path):
+    """One sequence per financial year (April to March): 31 March 2027 is the last day of 2026-27,
+    1 April 2027 starts 2027-28 at 1, and a late rerun of 31 March carries on 2026-27's sequence."""
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis")
+    store = open_store(str(tmp_path / "store"))
+    try:
+        numbers = []
+        for run, date in [("mar31", "2027-03-31"), ("apr01", "2027-04-01"), ("apr02", "2027-04-02"),
+                          ("mar31-again", "2027-03-31")]:
+            day = [{**r, "trade_date": date} for r in HAND_MADE if r["segment"] == "CM"]
+            inputs = open_store(str(write_day(tmp_path / run, trades=day)))
+            save_manifest(store, run, split_day(inputs, store, RunState(redis.url, run), run, date, 100, "CNT"))
+            numbers.append(find_account(store, run, "H1")["note_no"])
+        assert numbers == ["CNT-26/27-0000001", "CNT-27/28-0000001", "CNT-27/28-0000002", "CNT-26/27-0000002"]
+    finally:
+        redis.stop()
+
+
+def test_a_rate_that_changes_on_a_date_applies_by_trade_date(tmp_path):
+    """A new schedule from 2027-04-01 (a made-up change: CTT on commodity futures to 0.02% and NSE's
+    currency futures charge to 0.0004%) leaves 31 March's trades at the old rates."""
+    import json
+
+    from pipeline.day.dumps import Trade
+    from pipeline.note.charges import RATES_FILE, compute
+    from pipeline.stages import broker
+
+    data = json.loads(RATES_FILE.read_text())
+    changed = json.loads(json.dumps(data["schedules"][-1]))
+    changed["effective_from"] = "2027-04-01"
+    changed["ctt"]["commodity_futures"] = ["0.0002", "sell"]
+    changed["txn"]["NSE"]["currency_futures"] = "0.000004"
+    data["schedules"].append(changed)
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(data))
+
+    def levies(date: str, segment: str, exchange: str, symbol: str, price: str, multiplier: int):
+        t = Trade(date, exchange, segment, "S1", "H1", N(1), "10:00:00", N(2), "10:00:01", symbol, "", "FUT" + (
+            "COM" if segment == "COM" else "CUR"), "2027-04-28", "", "", "S", 1, D(price), "NRML", "11", D(price),
+            multiplier, "N" if segment == "COM" else "")
+        return compute([t], date, True, broker()["tariff"], rates).total
+
+    # gold: 1 x 100 x 76,543 = 76,54,300 sold: CTT 0.01% = 765.43 -> 765, then 0.02% = 1,530.86 -> 1,531
+    assert levies("2027-03-31", "COM", "MCX", "GOLD", "76543", 100).ctt == D(765)
+    assert levies("2027-04-01", "COM", "MCX", "GOLD", "76543", 100).ctt == D(1531)
+    # USDINR: 1 x 1,000 x 84.1250 = 84,125: 0.00035% = 0.2944 -> 0.29, then 0.0004% = 0.3365 -> 0.34
+    assert levies("2027-03-31", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.29")
+    assert levies("2027-04-01", "CDS", "NSE", "USDINR", "84.1250", 1000).txn == D("0.34")
+
+
+def test_a_note_across_every_segment_signs_and_verifies_with_pdfsig_and_qpdf(tmp_path, redis_url, keys_dir):
+    from pipeline.seal.sign import SignatureInfo, protect
+    from pipeline.seal.signer import load_signer
+    from tests.helpers import assert_signed_and_encrypted
+
+    _, note = split_and_render(tmp_path, redis_url, "every-segment-signed", EVERY_SEGMENT, EVERY_BHAVCOPY)
+    signer = load_signer(str(keys_dir / "signer.key.pem"), str(keys_dir / "signer.cert.pem"), None,
+                         str(keys_dir / "root.cert.pem"))
+    path = tmp_path / "signed.pdf"
+    path.write_bytes(protect(render(note), CLIENT["pan"].lower(), "owner-secret", signer, SignatureInfo(), "aes256"))
+    assert_signed_and_encrypted(path, CLIENT["pan"])

@@ -22,9 +22,11 @@ from pipeline.stages import broker
 TRADE_DATE = "2026-11-20"
 
 
-def sample_trades(n: int, ucc: str = "C0000042", seed: int = 5):
+def sample_trades(n: int, ucc: str = "C0000042", seed: int = 5, mixed: bool = False):
+    """`mixed`: a client who also trades currency, commodities and BSE's index options."""
     rng = random.Random(seed)
-    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), ucc, n, synth._Numbers(rng)))
+    mix = random.Random(seed + 1) if mixed else None
+    rows = list(synth._trades(rng, dt.date.fromisoformat(TRADE_DATE), ucc, n, synth._Numbers(rng), mix))
     closes = synth.closing_prices(dt.date.fromisoformat(TRADE_DATE), rows)
     return effective_trades([parse_trade("trades.csv", i, r, TRADE_DATE, closes) for i, r in enumerate(rows, 1)])
 
@@ -82,6 +84,20 @@ def test_no_trade_count_overflows_a_page_or_pushes_the_levies_off(tmp_path):
     for trades in range(1, 170, 4):
         note = sample_note(trades)
         assert page_count(render(note), tmp_path) == note["total_pages"], f"{trades} trades"
+
+
+def test_a_note_across_every_segment_never_overflows_a_page_either(tmp_path):
+    """Up to eight sections and their headings, and the CTT line in the levies."""
+    from pipeline.note.charges import compute
+    from pipeline.note.content import build_note
+    from pipeline.stages import broker
+
+    b = broker()
+    for n in range(1, 170, 3):
+        trades = sample_trades(n, seed=n, mixed=True)
+        note = build_note(sample_client(), trades, compute(trades, TRADE_DATE, False, b["tariff"]), b, TRADE_DATE,
+                          "CNT-26/27-0000042")
+        assert page_count(render(note), tmp_path) == note["total_pages"], f"{n} trades"
 
 
 def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):

@@ -40,7 +40,7 @@ def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_pat
     assert errors == []
     rows = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
     derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", closes) for n, r in enumerate(rows, 1)
-                   if r["segment"] == "FO"]
+                   if r["segment"] != "CM"]
     assert derivatives and all(t.close is not None for t in derivatives)
     assert {contract_id(t) for t in derivatives} == set(closes)
     assert all(abs(t.close - t.price) / t.price < Decimal("0.1") for t in derivatives)  # trades vary ±3%
@@ -51,3 +51,29 @@ def test_a_volatile_day_has_a_client_with_sixty_thousand_trades(tmp_path):
     counts = Counter(t["ucc"] for t in csv.DictReader((tmp_path / "trades.csv").open(newline=""))
                      if t["status"] == "11")
     assert max(counts.values()) >= 60_000
+
+
+def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and_the_rest_is_as_before(tmp_path):
+    from pipeline.day.dumps import parse_trade
+
+    date = dt.date(2026, 11, 20)
+    write_dumps(tmp_path / "mixed", SynthOptions(date, 600, seed=3))
+    write_dumps(tmp_path / "equity", SynthOptions(date, 600, seed=3, segment_share=0))
+    mixed = list(csv.DictReader((tmp_path / "mixed" / "trades.csv").open(newline="")))
+    equity = list(csv.DictReader((tmp_path / "equity" / "trades.csv").open(newline="")))
+    kinds = {(t["exchange"], t["segment"]) for t in mixed}
+    assert kinds >= {("NSE", "CDS"), ("BSE", "CDS"), ("MCX", "COM"), ("NCDEX", "COM"), ("BSE", "FO")}
+    assert {t["agri"] for t in mixed if t["exchange"] == "NCDEX"} == {"Y"}
+    assert any(t["trade_time"] > "17:00:00" for t in mixed if t["exchange"] == "MCX")  # its evening session
+    traders = {t["ucc"] for t in mixed if t["segment"] in ("CDS", "COM") or t["exchange"] == "BSE" and t["segment"] == "FO"}
+    assert 0.03 < len(traders) / 600 < 0.2  # a small share of clients
+    # the same trades a client, numbers and times as the equity-only day: only some rows moved segment
+    assert [(t["ucc"], t["trade_no"]) for t in mixed] == [(t["ucc"], t["trade_no"]) for t in equity]
+    assert not {(t["exchange"], t["segment"]) for t in equity} - {("NSE", "CM"), ("BSE", "CM"), ("NSE", "FO")}
+    errors: list[dict] = []
+    from pipeline.day import bhavcopy
+    with (tmp_path / "mixed" / "bhavcopy.csv").open() as f:
+        closes = bhavcopy.read(f, "2026-11-20", errors)
+    assert errors == []
+    for n, r in enumerate(mixed, 1):
+        parse_trade("trades.csv", n, r, "2026-11-20", closes)  # every row fits its segment

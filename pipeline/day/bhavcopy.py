@@ -2,7 +2,9 @@
 closing and settlement prices, so a note can show the Closing Rate and mark futures to market.
 
 Only the columns we need are required (extra ones are ignored); rows of other days and of
-the cash segment are skipped. A bad row names no account, so it is an input error of the run;
+the cash segment are skipped. Currency (Sgmt CD) and commodity (CO) rows name their
+instrument as the trade file does (FUTCUR, OPTCUR, FUTCOM, OPTFUT): the exchanges' UDiFF type
+codes for those segments are to be confirmed, so both files share one vocabulary meanwhile. A bad row names no account, so it is an input error of the run;
 an account whose contract is then missing is rejected with its own trade row named.
 """
 
@@ -12,13 +14,18 @@ import csv
 from decimal import Decimal
 from typing import Iterable
 
+from pipeline.day.dumps import INSTRUMENTS as SEGMENT_INSTRUMENTS
 from pipeline.day.dumps import PRICE, RowError, check_header
 
 FILE = "bhavcopy.csv"
 FIELDS = ["TradDt", "Src", "Sgmt", "FinInstrmTp", "TckrSymb", "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric"]
 # UDiFF instrument types -> the trade file's instrument codes
-INSTRUMENTS = {"IDF": "FUTIDX", "STF": "FUTSTK", "IDO": "OPTIDX", "STO": "OPTSTK"}
+INSTRUMENTS = {"IDF": "FUTIDX", "STF": "FUTSTK", "IDO": "OPTIDX", "STO": "OPTSTK",
+               "FUTCUR": "FUTCUR", "OPTCUR": "OPTCUR", "FUTCOM": "FUTCOM", "OPTFUT": "OPTFUT"}
 UDIFF_TYPES = {v: k for k, v in INSTRUMENTS.items()}
+# UDiFF's Sgmt -> the trade file's segment (the trade file's own codes are taken too)
+SEGMENTS = {"FO": "FO", "CD": "CDS", "CDS": "CDS", "CO": "COM", "COM": "COM"}
+SGMT = {"FO": "FO", "CDS": "CD", "COM": "CO"}  # what a bhavcopy row says for a trade file's segment
 
 
 def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: int = 1000) -> dict[tuple, Decimal]:
@@ -30,7 +37,7 @@ def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: 
     rows: dict[tuple, int] = {}  # the row that gave each contract its price
     ambiguous: set[tuple] = set()
     for n, row in enumerate(reader, start=1):
-        if row.get("TradDt") != trade_date or row.get("Sgmt") != "FO":
+        if row.get("TradDt") != trade_date or row.get("Sgmt") not in SEGMENTS:
             continue
         try:
             key, price = _contract_price(n, row)
@@ -48,14 +55,20 @@ def read(lines: Iterable[str], trade_date: str, errors: list[dict], max_errors: 
 
 
 def _contract_price(n: int, row: dict[str, str]) -> tuple[tuple, Decimal]:
+    segment = SEGMENTS[row["Sgmt"]]
     instrument = INSTRUMENTS.get(row["FinInstrmTp"] or "")
-    if instrument is None:
-        raise RowError(FILE, n, "FinInstrmTp", f"{row['FinInstrmTp']!r} is not IDF, STF, IDO or STO")
+    if instrument not in SEGMENT_INSTRUMENTS[segment]:
+        raise RowError(FILE, n, "FinInstrmTp", f"{row['FinInstrmTp']!r} is not an instrument of segment "
+                                               f"{row['Sgmt']} ({', '.join(sorted(_types(segment)))})")
     option = instrument.startswith("OPT")
     strike = _price(n, "StrkPric", row["StrkPric"]) if option else None
     price = _price(n, "ClsPric" if option else "SttlmPric", row["ClsPric"] if option else row["SttlmPric"])
-    key = (row["Src"], "FO", instrument, row["TckrSymb"], row["XpryDt"], strike, row["OptnTp"] if option else "")
+    key = (row["Src"], segment, instrument, row["TckrSymb"], row["XpryDt"], strike, row["OptnTp"] if option else "")
     return key, price
+
+
+def _types(segment: str) -> list[str]:
+    return [t for t, instrument in INSTRUMENTS.items() if instrument in SEGMENT_INSTRUMENTS[segment]]
 
 
 def _price(n: int, field: str, text: str) -> Decimal:

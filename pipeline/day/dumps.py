@@ -23,8 +23,11 @@ CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_c
 TRADE_FIELDS = [
     "trade_date", "exchange", "segment", "settlement_no", "ucc", "order_no", "order_time",
     "trade_no", "trade_time", "symbol", "isin", "instrument", "expiry", "strike",
-    "option_type", "side", "quantity", "price", "product", "status",
+    "option_type", "side", "quantity", "price", "product", "status", "multiplier", "agri",
 ]
+# Columns a file may leave out, last in TRADE_FIELDS: a day of equity alone has no use for them,
+# and files written before currency and commodity segments came must still be read
+OPTIONAL_TRADE_FIELDS = ("multiplier", "agri")
 
 PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]\Z")
 UCC = re.compile(r"^[A-Za-z0-9]{1,10}\Z")
@@ -44,8 +47,22 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 UNDECODED = re.compile(r"[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogateescape)
 NUMBER16 = re.compile(r"^[0-9]{16}\Z")
 TIME = re.compile(r"^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\Z")
-INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}}
-PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}}
+# Per segment: the exchanges that run it, its instruments and products. CDS is currency
+# derivatives (NSE, BSE), COM commodity derivatives (MCX, NCDEX; OPTFUT an option on a future).
+EXCHANGES = {"CM": {"NSE", "BSE"}, "FO": {"NSE", "BSE"}, "CDS": {"NSE", "BSE"}, "COM": {"MCX", "NCDEX"}}
+INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}, "CDS": {"FUTCUR", "OPTCUR"},
+               "COM": {"FUTCOM", "OPTFUT"}}
+PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}, "CDS": {"NRML", "MIS"}, "COM": {"NRML", "MIS"}}
+DERIVATIVES = {"FO", "CDS", "COM"}
+# A currency lot is 1,000 units of the base currency (JPYINR: 1,00,000 yen quoted per 100 yen):
+# quantity is in lots, price in rupees per unit. Cross-currency pairs settle through a reference
+# rate and are not taken: a CDS symbol is an INR pair.
+CURRENCY_MULTIPLIER = 1000
+_CURRENCY = str(CURRENCY_MULTIPLIER)
+INR_PAIR = re.compile(r"^[A-Z]{3}INR\Z")
+MULTIPLIER = re.compile(r"^[1-9][0-9]{0,6}\Z")  # a commodity lot holds under a crore of price units
+# Currency premiums are quoted to 4 places with a tick of 0.0025 rupee: under equity's 1 paisa
+MIN_PRICES = {"CDS": Decimal("0.0001")}
 STATUSES = {"11", "12", "13"}
 
 
@@ -97,10 +114,14 @@ class Trade:
     product: str
     status: str
     close: Decimal | None = None  # derivatives: the day's closing (futures: settlement) price
+    # after close, so a Trade built by position as before stays what it was
+    multiplier: int = 1  # price units a lot holds: 1,000 on currency, e.g. 100 on gold (10 g quotes, 1 kg lot)
+    agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
 
     @property
     def turnover(self) -> Decimal:
-        return self.price * self.quantity
+        """Rupees: lots x multiplier x price (equity: shares x price, the multiplier being 1)."""
+        return self.price * self.quantity * self.multiplier
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -111,24 +132,34 @@ class Trade:
         return (self.exchange, self.segment, self.order_no)
 
     def as_row(self) -> list[str]:
+        """A multiplier of 1 is written empty, as an equity row gives it: the fast path then
+        passes those rows on as they came."""
         # not asdict(): it deep-copies, 10x slower
-        return [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
+        row = [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
+        if self.multiplier == 1:
+            row[_AT_MULTIPLIER] = ""
+        return row
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
         """Rebuild a trade that was already validated (from a shard file)."""
+        if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
+            row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
-        return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]), *row[_AT_PRICE + 1:_AT_CLOSE],
-                   Decimal(close) if close else None)
+        return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
+                   *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
+                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1])
 
 
-# Trade's fields are TRADE_FIELDS, in order, then close: from_row builds one by position (a
-# 2,000-page note rebuilds 125,000), test_dumps holds the two orders together
+# A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
+# which comes before multiplier and agri: from_row builds one by position (a 2,000-page note
+# rebuilds 125,000), test_dumps holds the two orders together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
+_AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
-    missing = [f for f in expected if f not in header]
+    missing = [f for f in expected if f not in header and f not in OPTIONAL_TRADE_FIELDS]
     if missing:
         raise InputError(f"{file}: the header lacks column(s) {', '.join(missing)}")
 
@@ -163,10 +194,10 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
         fail("ucc", "must be 1-10 letters or digits")
     if v["trade_date"] != trade_date:
         fail("trade_date", f"is {v['trade_date']!r}, the run is for {trade_date}")
-    if v["exchange"] not in ("NSE", "BSE"):
-        fail("exchange", "must be NSE or BSE")
     if v["segment"] not in INSTRUMENTS:
-        fail("segment", "must be CM or FO")
+        fail("segment", "must be CM, FO, CDS or COM")
+    if v["exchange"] not in EXCHANGES[v["segment"]]:
+        fail("exchange", f"must be {' or '.join(sorted(EXCHANGES[v['segment']]))} in segment {v['segment']}")
     if v["instrument"] not in INSTRUMENTS[v["segment"]]:
         fail("instrument", f"{v['instrument']!r} is not traded in segment {v['segment']}")
     if v["product"] not in PRODUCTS[v["segment"]]:
@@ -189,7 +220,7 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
         fail("status", "must be 11, 12 or 13")
     if v["instrument"].startswith("OPT") and v["option_type"] not in ("CE", "PE"):
         fail("option_type", "must be CE or PE for an option")
-    if v["segment"] == "FO":
+    if v["segment"] in DERIVATIVES:
         expiry = _iso_date(v["expiry"], lambda p: fail("expiry", p))
         if expiry < trade_date:
             fail("expiry", f"{v['expiry']} is before the trade date")
@@ -198,14 +229,41 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     if not QUANTITY.match(v["quantity"]) or not 0 < int(v["quantity"]) <= MAX_QUANTITY:
         fail("quantity", f"{v['quantity']!r} is not a whole number of units from 1 to {MAX_QUANTITY:,}")
     quantity = int(v["quantity"])
-    price = _price(v["price"], lambda p: fail("price", p))
-    trade = Trade(**{**v, "quantity": quantity, "price": price})
-    if closes is None or trade.segment != "FO":
+    price = _price(v["price"], lambda p: fail("price", p), MIN_PRICES.get(v["segment"], MIN_PRICE))
+    multiplier = _lot_terms(v, fail)
+    if quantity * multiplier > MAX_QUANTITY:  # a trade's value stays under 10^16 rupees: exact in Decimal's 28 digits
+        fail("quantity", f"{quantity:,} lots of {multiplier:,} is over {MAX_QUANTITY:,} units")
+    trade = Trade(**{**v, "quantity": quantity, "price": price, "multiplier": multiplier})
+    if closes is None or trade.segment not in DERIVATIVES:
         return trade
     close = closes.get(contract_id(trade))
     if close is None:
         fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
     return Trade(**{**trade.__dict__, "close": close})
+
+
+def _lot_terms(v: dict[str, str], fail) -> int:
+    """The row's multiplier, checked against its segment (and its agricultural flag): a
+    wrong multiplier misstates every rupee of the trade, so it is never guessed for a commodity."""
+    segment, multiplier, agri = v["segment"], v["multiplier"], v["agri"]
+    if segment == "COM":
+        if not MULTIPLIER.match(multiplier):
+            fail("multiplier", f"{multiplier[:40]!r} is not a whole number from 1 to 9,999,999 (a commodity "
+                               "contract's price units a lot)")
+        if agri not in ("Y", "N"):
+            fail("agri", "must be Y (agricultural) or N for a commodity")
+        return int(multiplier)
+    if agri:
+        fail("agri", f"is only for commodities (segment COM), not {segment}")
+    if segment == "CDS":
+        if not INR_PAIR.match(v["symbol"]):
+            fail("symbol", f"{v['symbol']!r} is not an INR pair (e.g. USDINR); cross-currency pairs are not taken")
+        if multiplier not in ("", str(CURRENCY_MULTIPLIER)):
+            fail("multiplier", f"must be {CURRENCY_MULTIPLIER} (or empty) for a currency lot, not {multiplier[:40]!r}")
+        return CURRENCY_MULTIPLIER
+    if multiplier not in ("", "1"):
+        fail("multiplier", f"must be 1 (or empty) in segment {segment}: quantity is in units")
+    return 1
 
 
 SEP = "\x1f"  # a control character: never inside an accepted field
@@ -217,9 +275,10 @@ _FREE = r"[^\s\x00-\x1f\x7f-\x9f\u2028\u2029\udc80-\udcff]{0,%d}" % MAX_FIELD
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
 _PRICE = r"(?:0|[1-9][0-9]{0,8})(?:\.[0-9]{1,4})?"  # no leading zero: the text is str(Decimal(text))
 _TRADE_PATTERN = SEP.join([
-    "%s", "(?:NSE|BSE)", "(?:CM|FO)", _FREE, "[A-Za-z0-9]{1,10}", "[0-9]{16}", _TIME, "[0-9]{16}", _TIME,
-    "[A-Z0-9][A-Z0-9&._-]{0,29}", "(?:IN[A-Z0-9]{9}[0-9])?", "(?:EQ|FUTSTK|FUTIDX|OPTSTK|OPTIDX)", _FREE, _FREE,
-    _FREE, "[BS]", "[1-9][0-9]{0,9}", _PRICE, "(?:CNC|MIS|NRML)", "1[123]"])
+    "%s", "(?:NSE|BSE|MCX|NCDEX)", "(?:CM|FO|CDS|COM)", _FREE, "[A-Za-z0-9]{1,10}", "[0-9]{16}", _TIME, "[0-9]{16}", _TIME,
+    "[A-Z0-9][A-Z0-9&._-]{0,29}", "(?:IN[A-Z0-9]{9}[0-9])?", "(?:EQ|FUTSTK|FUTIDX|OPTSTK|OPTIDX|FUTCUR|OPTCUR|FUTCOM|OPTFUT)",
+    _FREE, _FREE, _FREE, "[BS]", "[1-9][0-9]{0,9}", _PRICE, "(?:CNC|MIS|NRML)", "1[123]", "(?:[1-9][0-9]{0,6})?",
+    "[YN]?"])
 
 
 @lru_cache(maxsize=8)
@@ -235,7 +294,10 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
     if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None:
         segment, isin, instrument, product = values[2], values[10], values[11], values[18]
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
-                and int(values[16]) <= MAX_QUANTITY and MIN_PRICE <= Decimal(values[17]) <= MAX_PRICE):
+                and int(values[16]) <= MAX_QUANTITY and (multiplier := _fits_segment(values)) is not None
+                and MIN_PRICES.get(segment, MIN_PRICE) <= Decimal(values[17]) <= MAX_PRICE):
+            if multiplier != values[_AT_MULTIPLIER]:
+                values = [*values[:_AT_MULTIPLIER], multiplier, values[_AT_MULTIPLIER + 1]]
             if segment == "CM":
                 return [*values, ""]
             contracts = {} if contracts is None else contracts
@@ -246,6 +308,29 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
             if close is not None:
                 return [*values, str(close)]
     return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
+
+
+def _fits_segment(v) -> str | None:
+    """The fast path's check of exchange, multiplier and agricultural flag against the segment:
+    the multiplier as Trade.as_row writes it (a currency row's 1000 whether the file gave it or
+    not), or None for a row that parse_trade must look at and name the field of."""
+    segment, multiplier, agri = v[2], v[_AT_MULTIPLIER], v[_AT_MULTIPLIER + 1]
+    if not multiplier and not agri and segment in _EQUITY:  # most rows: one test, then the exchange's
+        return "" if v[1] in _EQUITY_EXCHANGES else None
+    if v[1] not in EXCHANGES[segment]:
+        return None
+    if segment == "COM":
+        fits = multiplier and agri and int(v[16]) * int(multiplier) <= MAX_QUANTITY
+        return multiplier if fits else None
+    if agri:
+        return None
+    if segment == "CDS":
+        fits = multiplier in ("", _CURRENCY) and INR_PAIR.match(v[9]) and int(v[16]) <= MAX_QUANTITY // 1000
+        return _CURRENCY if fits else None
+    return "" if multiplier in ("", "1") else None
+
+
+_EQUITY, _EQUITY_EXCHANGES = ("CM", "FO"), EXCHANGES["CM"] | EXCHANGES["FO"]
 
 
 def _fo_close(v: list[str], trade_date: str, instrument: str, closes) -> Decimal | None:
@@ -303,12 +388,12 @@ def _iso_date(text: str, fail) -> str:
         fail(f"{text!r} is not a date (YYYY-MM-DD)")
 
 
-def _price(text: str, fail) -> Decimal:
+def _price(text: str, fail, least: Decimal = MIN_PRICE) -> Decimal:
     if not PRICE.match(text):
         fail(f"{text[:40]!r} is not a number (digits, at most 4 decimal places)")
     value = Decimal(text)
-    if not MIN_PRICE <= value <= MAX_PRICE:
-        fail(f"{text} is outside {MIN_PRICE} to {MAX_PRICE:,}")
+    if not least <= value <= MAX_PRICE:
+        fail(f"{text} is outside {least} to {MAX_PRICE:,}")
     return value
 
 

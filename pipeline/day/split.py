@@ -27,6 +27,7 @@ from pipeline.day import bhavcopy
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
+    OPTIONAL_TRADE_FIELDS,
     SEP,
     TRADE_FIELDS,
     UCC,
@@ -147,7 +148,9 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
         next(reader, None)  # the header
     lines: dict[int, list[str]] = defaultdict(list)
     weights: dict[int, int] = defaultdict(int)
-    pick, width = operator.itemgetter(*columns), max(columns) + 1
+    present = [c for c in columns if c >= 0]  # a missing optional column is -1, and last
+    pad = ("",) * (len(columns) - len(present))
+    pick, width = operator.itemgetter(*present), max(present) + 1
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
     errors, n = [], 0
     for n, raw in _rows(reader):
@@ -156,7 +159,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                 if wanted is not None:  # it names no account
                     continue
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
-            values = pick(raw) if len(raw) >= width else [raw[i] if i < len(raw) else "" for i in columns]
+            values = (pick(raw) if len(raw) >= width else tuple(raw[i] if i < len(raw) else "" for i in present)) + pad
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
             if kind == "t":
@@ -311,7 +314,10 @@ def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:
         raise InputError(f"{name}: not found in the input {getattr(inputs, 'url', '')}")
     header = next(csv.reader(_csv_lines(inputs, name)), [])
     check_header(name, header, fields)
-    return [header.index(f) for f in fields]
+    columns = [header.index(f) if f in header else -1 for f in fields]
+    if -1 in columns and columns[columns.index(-1):] != [-1] * (len(columns) - columns.index(-1)):
+        raise InputError(f"{name}: give the columns {', '.join(OPTIONAL_TRADE_FIELDS)} together or neither")
+    return columns
 
 
 def _estimate_rows(inputs: Store, name: str, size: int) -> int:

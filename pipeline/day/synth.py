@@ -1,7 +1,10 @@
 """Synthetic end-of-day dumps shaped like exchange trade files.
 
 Trades per client are heavy-tailed (Pareto: median ~4, 99th percentile in the hundreds),
-as on a real day; e-mail addresses are only on reserved domains, so nothing can reach a
+as on a real day; a share of clients (10% unless told) also trade currency derivatives (NSE,
+BSE), commodity derivatives (MCX; NCDEX's agricultural contracts) and BSE's SENSEX and BANKEX
+options. Those choices draw on a random stream of their own, so the rest of a seed's day is
+the day it always was; e-mail addresses are only on reserved domains, so nothing can reach a
 real person. Some names carry Typst syntax and non-Latin scripts on purpose.
 """
 
@@ -32,6 +35,18 @@ EQUITIES = [
     ("TATAMOTORS", "INE155A01022", 980), ("WIPRO", "INE075A01022", 560),
 ]
 INDICES = [("NIFTY", 24500, 75), ("BANKNIFTY", 52000, 30)]
+BSE_INDICES = [("SENSEX", 80000, 20), ("BANKEX", 60000, 30)]  # symbol, level, lot
+CURRENCIES = [("USDINR", 84.1), ("EURINR", 90.5), ("GBPINR", 106.2), ("JPYINR", 55.6)]  # rupees a unit (JPY: 100)
+# symbol, exchange, price, multiplier (quoted units a lot), agricultural, options traded
+COMMODITIES = [
+    ("GOLD", "MCX", 76500, 100, "N", True),  # per 10 g, a 1 kg lot
+    ("SILVER", "MCX", 92000, 30, "N", False),  # per kg, a 30 kg lot
+    ("CRUDEOIL", "MCX", 6000, 100, "N", True),  # per barrel, 100 barrels
+    ("NATURALGAS", "MCX", 250, 1250, "N", False),  # per mmBtu, 1,250 mmBtu
+    ("GUARSEED10", "NCDEX", 5400, 100, "Y", False),  # per quintal, a 10 t lot
+    ("DHANIYA", "NCDEX", 7500, 50, "Y", False),  # per quintal, a 5 t lot
+]
+MIXED_TRADES = 0.3  # of a mixed client's trades, the share in the other segments
 
 
 @dataclass
@@ -41,6 +56,7 @@ class SynthOptions:
     seed: int = 1
     volatile: bool = False
     volatile_trades: int = 60_000  # the volatile client's trades (a bench's smoke run takes fewer)
+    segment_share: float = 0.1  # clients who also trade currency, commodities and BSE's index options
 
 
 def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
@@ -54,11 +70,13 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
         clients.writerow(CLIENT_FIELDS)
         trades.writeheader()
         counter = _Numbers(rng)
+        mixing = random.Random(opts.seed + 7919)
         for i in range(opts.accounts):
             ucc = f"C{i + 1:07d}"
             clients.writerow(_client(rng, ucc, i))
             n = opts.volatile_trades if (opts.volatile and i == 0) else _trade_count(rng)
-            rows = list(_trades(rng, opts.trade_date, ucc, n, counter))
+            mix = mixing if mixing.random() < opts.segment_share else None
+            rows = list(_trades(rng, opts.trade_date, ucc, n, counter, mix))
             _note_contracts(rows, contracts)
             trades.writerows(rows)
     with (out / bhavcopy.FILE).open("w", newline="") as f:
@@ -92,6 +110,7 @@ BHAV_FIELDS = ["TradDt", "BizDt", "Sgmt", "Src", "FinInstrmTp", "FinInstrmId", "
 
 
 def _contract(row: dict) -> tuple:
+    """A contract as the bhavcopy prices it (the multiplier is the contract's, the same on every row)."""
     return (row["exchange"], row["segment"], row["instrument"], row["symbol"], row["isin"], row["expiry"],
             row["strike"], row["option_type"])
 
@@ -100,10 +119,12 @@ def _bhav_row(trade_date: dt.date, contract: tuple, traded_price: str) -> dict:
     """A closing price within 1% of a price traded that day, on the 0.05 tick, the same on every run."""
     exchange, segment, instrument, symbol, isin, expiry, strike, option_type = contract
     move = Decimal(10_000 + keys.stable_hash(repr(contract)) % 201 - 100) / 10_000
-    ticks = max(Decimal(1), (Decimal(traded_price) * move * 20).to_integral_value())
-    close = str((ticks / 20).quantize(Decimal("0.01")))
+    per_rupee, places = (400, Decimal("0.0001")) if segment == "CDS" else (20, Decimal("0.01"))  # ticks 0.0025, 0.05
+    ticks = max(Decimal(1), (Decimal(traded_price) * move * per_rupee).to_integral_value())
+    close = str((ticks / per_rupee).quantize(places))
     kind = bhavcopy.UDIFF_TYPES.get(instrument, "STK")
-    return {"TradDt": trade_date.isoformat(), "BizDt": trade_date.isoformat(), "Sgmt": segment, "Src": exchange,
+    return {"TradDt": trade_date.isoformat(), "BizDt": trade_date.isoformat(), "Sgmt": bhavcopy.SGMT.get(segment, segment),
+            "Src": exchange,
             "FinInstrmTp": kind, "FinInstrmId": "", "ISIN": isin, "TckrSymb": symbol,
             "SctySrs": "EQ" if segment == "CM" else "", "XpryDt": expiry, "StrkPric": strike,
             "OptnTp": option_type, "ClsPric": close, "SttlmPric": close, "TtlTradgVol": ""}
@@ -134,10 +155,14 @@ class _Numbers:
         return f"{self.next:016d}"
 
 
-def _trades(rng, date, ucc, n, numbers):
+def _trades(rng, date, ucc, n, numbers, mix: random.Random | None = None):
+    """`mix`: this client also trades the other segments, drawn from that stream; a mixed trade
+    takes the place of one the client's own stream made, so its count (and the tail) stays."""
     base = dt.datetime.combine(date, dt.time(9, 15))
     for _ in range(n):
         row = _one_trade(rng, date, ucc, numbers, base + dt.timedelta(seconds=rng.randrange(22_500)))
+        if mix is not None and mix.random() < MIXED_TRADES:
+            row = _other_segment(mix, date, row)
         yield row
         roll = rng.random()
         if roll < 0.02:
@@ -183,6 +208,74 @@ def _derivative(rng, date, kind):
         row.update(instrument="OPT" + prefix, strike=str(strike), option_type=rng.choice(["CE", "PE"]),
                    price=_price(rng, max(5, spot * 0.01)))
     return row
+
+
+def _other_segment(rng: random.Random, date: dt.date, row: dict) -> dict:
+    """The same trade's identity (client, numbers, times, side) in currency, commodity or BSE index options."""
+    kind = rng.random()
+    other = _currency(rng, date) if kind < 0.4 else _commodity(rng, date) if kind < 0.75 else _bse_index_option(rng, date)
+    other = {**row, "isin": "", "strike": "", "option_type": "", "multiplier": "", "agri": "", **other}
+    if other["exchange"] == "MCX" and rng.random() < 0.4:
+        other.update(_evening(rng, date))
+    other["settlement_no"] = f"{other['segment']}{date:%Y}{date.timetuple().tm_yday:03d}"
+    return other
+
+
+def _currency(rng: random.Random, date: dt.date) -> dict:
+    """USDINR and the other INR pairs: lots of 1,000, quotes to 4 places on a 0.0025 tick."""
+    symbol, spot = rng.choice(CURRENCIES)
+    row = dict(exchange="NSE" if rng.random() < 0.8 else "BSE", segment="CDS", symbol=symbol,
+               expiry=_month_end(date).isoformat(), product=rng.choice(["NRML", "MIS"]),
+               quantity=str(rng.randrange(1, 50)), multiplier="1000")
+    if rng.random() < 0.7:
+        return {**row, "instrument": "FUTCUR", "price": _quote(rng, spot, 400)}
+    strike = round(spot * 4) / 4 + 0.25 * rng.randrange(-4, 5)
+    return {**row, "instrument": "OPTCUR", "strike": f"{strike:.4f}", "option_type": rng.choice(["CE", "PE"]),
+            "price": _quote(rng, max(0.05, spot * 0.003), 400)}
+
+
+def _commodity(rng: random.Random, date: dt.date) -> dict:
+    """An MCX or NCDEX future (options on MCX's futures where MCX lists them), a few lots."""
+    symbol, exchange, spot, multiplier, agri, options = rng.choice(COMMODITIES)
+    row = dict(exchange=exchange, segment="COM", symbol=symbol, expiry=_month_end(date, 1).isoformat(),
+               product="NRML", quantity=str(rng.randrange(1, 6)), multiplier=str(multiplier), agri=agri)
+    if not options or rng.random() < 0.75:
+        return {**row, "instrument": "FUTCOM", "price": _price(rng, spot)}
+    step = 100 if spot > 10_000 else 50
+    return {**row, "instrument": "OPTFUT", "strike": str(round(spot / step) * step + step * rng.randrange(-3, 4)),
+            "option_type": rng.choice(["CE", "PE"]), "price": _price(rng, spot * 0.015)}
+
+
+def _bse_index_option(rng: random.Random, date: dt.date) -> dict:
+    """SENSEX and BANKEX options, weekly, on BSE's F&O segment."""
+    symbol, spot, lot = rng.choice(BSE_INDICES)
+    expiry = (date + dt.timedelta(days=(1 - date.weekday()) % 7 or 7)).isoformat()  # a Tuesday
+    strike = round(spot / 100) * 100 + 100 * rng.randrange(-5, 6)
+    return dict(exchange="BSE", segment="FO", symbol=symbol, instrument="OPTIDX", expiry=expiry, strike=str(strike),
+                option_type=rng.choice(["CE", "PE"]), product="NRML", quantity=str(lot * rng.randrange(1, 5)),
+                price=_price(rng, spot * 0.005))
+
+
+def _evening(rng: random.Random, date: dt.date) -> dict:
+    """MCX trades on after equity closes, in its evening session (to 23:30 here)."""
+    when = dt.datetime.combine(date, dt.time(17, 0)) + dt.timedelta(seconds=rng.randrange(23_400))
+    return {"trade_time": when.strftime("%H:%M:%S"),
+            "order_time": (when - dt.timedelta(seconds=rng.randrange(1, 30))).strftime("%H:%M:%S")}
+
+
+def _month_end(date: dt.date, months_ahead: int = 0) -> dt.date:
+    """The last weekday of this month (or one after): near enough to an expiry for a synthetic day."""
+    first = dt.date(date.year + (date.month + months_ahead) // 12, (date.month + months_ahead) % 12 + 1, 1)
+    last = first - dt.timedelta(days=1)
+    while last.weekday() > 4:
+        last -= dt.timedelta(days=1)
+    return last if last >= date else _month_end(date, months_ahead + 1)
+
+
+def _quote(rng: random.Random, around: float, per_rupee: int) -> str:
+    """A price on a tick of 1/per_rupee rupee (400: currency's 0.0025), to 4 places."""
+    ticks = max(1, int(around * rng.uniform(0.97, 1.03) * per_rupee))
+    return str((Decimal(ticks) / per_rupee).quantize(Decimal("0.0001")))
 
 
 def _price(rng: random.Random, around: float) -> str:

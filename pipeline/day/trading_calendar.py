@@ -18,6 +18,9 @@ from pipeline.errors import CannotRun
 
 HOLIDAYS_FILE = Path(__file__).parent / "data" / "holidays.json"
 EXCHANGES = ("NSE", "BSE")
+# Commodity exchanges keep their own holidays (MCX trades some equity holidays, in the evening
+# session): their settlement dates come only from a list given for them, never from NSE's
+COMMODITY_EXCHANGES = ("MCX", "NCDEX")
 
 
 class CalendarError(CannotRun, ValueError):
@@ -89,9 +92,16 @@ def no_session(trade_date: str, path: str = "") -> str | None:
 
 
 def settlement_dates(trade_date: str, path: str = "") -> dict[str, str]:
-    """Each exchange's settlement date for the day's trades (ISO dates)."""
+    """Each exchange's settlement date for the day's trades (ISO dates); a commodity exchange
+    only when its holiday list for the year is given (the note says so otherwise)."""
     cal, day = load(path), dt.date.fromisoformat(trade_date)
-    return {ex: cal.next_trading_day(ex, day).isoformat() for ex in EXCHANGES}
+    dates = {ex: cal.next_trading_day(ex, day).isoformat() for ex in EXCHANGES}
+    for ex in COMMODITY_EXCHANGES:
+        try:
+            dates[ex] = cal.next_trading_day(ex, day).isoformat()
+        except CalendarError:
+            continue
+    return dates
 
 
 def trade_date_warnings(trade_date: str, path: str = "") -> list[str]:

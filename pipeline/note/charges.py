@@ -1,7 +1,7 @@
 """Brokerage and statutory levies for one client's day: pure functions over Decimal.
 
 Rounding rules, all here and nowhere else (one rule: half up):
-  - STT is rounded to the nearest rupee, per segment (exchange + segment);
+  - STT and CTT are rounded to the nearest rupee, per segment (exchange + segment);
   - every other levy, the brokerage and every printed amount is rounded to the paisa;
   - levies are computed on a segment's turnover per product category, then rounded once,
     so a total never depends on the order trades arrive in;
@@ -18,6 +18,10 @@ calculate the marked-to-market value of the future ... based on that day's closi
 https://upstox.freshdesk.com/support/solutions/articles/248951-what-is-a-contract-note-).
 So a futures segment's obligation is the day's MTM, not the notional value. Levies stay on
 the traded turnover; the C/F line is not a trade. Options stay at premium.
+
+Every segment's levies come from one table per levy in the schedule, keyed by the trade's
+category (delivery, intraday, futures, options, currency_futures, currency_options,
+commodity_futures, commodity_options): a segment is a row in each table, not a branch here.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.day.dumps import Trade, contract_id
+from pipeline.day.dumps import DERIVATIVES, Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")
 RATES_FILE = Path(__file__).parent / "data" / "rates.json"
-LEVY_FIELDS = ("brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst")
+LEVY_FIELDS = ("brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst", "ctt")
+# The derivatives segments' categories are named apart: each has its own rates in every table
+KINDS = {"FO": "", "CDS": "currency_", "COM": "commodity_"}
 
 
 def rupees(x: Decimal) -> Decimal:
@@ -60,6 +66,7 @@ class Levies:
     cgst: Decimal = Decimal(0)
     sgst: Decimal = Decimal(0)
     igst: Decimal = Decimal(0)
+    ctt: Decimal = Decimal(0)  # commodities transaction tax (non-agricultural commodity derivatives)
 
     @property
     def taxable_value(self) -> Decimal:
@@ -84,7 +91,7 @@ class CarryForward:
 
     @property
     def value(self) -> Decimal:
-        return self.price * self.quantity * (1 if self.side == "S" else -1)
+        return self.price * self.quantity * self.trade.multiplier * (1 if self.side == "S" else -1)
 
 
 @dataclass(frozen=True)
@@ -98,36 +105,41 @@ class Charges:
         return sum(self.segments.values(), Levies())
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
-        """For display: the trade's share of its order's brokerage, per unit, to 4 places."""
-        return (self.brokerage_share[t.key] / t.quantity).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
+        """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
+        `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts."""
+        units = t.quantity * t.multiplier
+        return (self.brokerage_share[t.key] / units).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
 
 
 def category(trade: Trade) -> str:
     if trade.segment == "CM":
         return "delivery" if trade.product == "CNC" else "intraday"
-    return "futures" if trade.instrument.startswith("FUT") else "options"
+    return KINDS[trade.segment] + ("futures" if trade.instrument.startswith("FUT") else "options")
 
 
 def segment_of(trade: Trade) -> str:
     return f"{trade.exchange}-{trade.segment}"
 
 
-@lru_cache(maxsize=1)
-def _schedules(path: Path = RATES_FILE) -> list[dict]:
+@lru_cache(maxsize=4)
+def _schedules(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     return sorted(data["schedules"], key=lambda s: s["effective_from"])
 
 
-def rates_for(trade_date: str) -> dict:
-    """The schedule in force on trade_date, so a rerun of an old day uses that day's rates."""
-    applicable = [s for s in _schedules() if s["effective_from"] <= trade_date]
+def rates_for(trade_date: str, path: Path | None = None) -> dict:
+    """The schedule in force on trade_date, so a rerun of an old day uses that day's rates.
+    `path`: another schedule file (tests of a change of rate that is not yet law)."""
+    schedules = _schedules(path or RATES_FILE)
+    applicable = [s for s in schedules if s["effective_from"] <= trade_date]
     if not applicable:
-        raise ValueError(f"no levy rates in force on {trade_date} (earliest {_schedules()[0]['effective_from']})")
+        raise ValueError(f"no levy rates in force on {trade_date} (earliest {schedules[0]['effective_from']})")
     return applicable[-1]
 
 
-def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dict) -> Charges:
-    rates = rates_for(trade_date)
+def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dict,
+            rates_file: Path | None = None) -> Charges:
+    rates = rates_for(trade_date, rates_file)
     by_segment: dict[str, list[Trade]] = defaultdict(list)
     for t in trades:
         by_segment[segment_of(t)].append(t)
@@ -149,7 +161,7 @@ def carry_forward(trades: list[Trade]) -> list[CarryForward]:
     net: dict[tuple, int] = defaultdict(int)
     first: dict[tuple, Trade] = {}
     for t in trades:
-        if t.segment == "FO" and t.instrument.startswith("FUT"):
+        if t.segment in DERIVATIVES and t.instrument.startswith("FUT"):
             net[contract_id(t)] += t.quantity if t.side == "B" else -t.quantity
             first.setdefault(contract_id(t), t)
     out = []
@@ -193,17 +205,15 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
     buys = sum((t.turnover for t in trades if t.side == "B"), Decimal(0))
     sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
     carry = sum((c.value for c in carried), Decimal(0))
-    stt = txn = sebi = stamp = ipft = Decimal(0)
-    for t in trades:
-        cat, value = category(t), t.turnover
-        stt_rate, stt_side = rates["stt"][cat]
-        if stt_side == "both" or (stt_side == "sell" and t.side == "S"):
-            stt += value * Decimal(stt_rate)
-        if t.side == "B":
-            stamp += value * Decimal(rates["stamp"][cat])
-        txn += value * Decimal(rates["txn"][t.exchange][cat])
-        sebi += value * Decimal(rates["sebi"])
-        ipft += value * Decimal(rates["ipft"][cat])
+    stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
+    for (cat, exchange, agri, side), value in _turnover_by_kind(trades).items():
+        stt += value * _tax_rate(rates, "stt", cat, side)
+        ctt += Decimal(0) if agri else value * _tax_rate(rates, "ctt", cat, side)
+        if side == "B":
+            stamp += value * _rate(rates, "stamp", cat)
+        txn += value * _rate(rates["txn"], exchange, cat, rates["effective_from"])
+        sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
+        ipft += value * _rate(rates, "ipft", cat)
     brokerage = sum((fees[key] for key in {t.order_key for t in trades}), Decimal(0))
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
@@ -216,7 +226,36 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
         igst = paise(gst_base * gst_rate)
     return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
                   stt=rupees(stt), txn=txn, sebi=sebi, stamp=paise(stamp), ipft=paise(ipft),
-                  cgst=cgst, sgst=sgst, igst=igst)
+                  cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
+
+
+def _turnover_by_kind(trades: list[Trade]) -> dict[tuple[str, str, bool, str], Decimal]:
+    """Turnover summed by what decides its rates (category, exchange, agricultural, side): each
+    rate is then applied once to an exact sum, and a levy is the same whatever the trades' order."""
+    sums: dict[tuple[str, str, bool, str], Decimal] = defaultdict(Decimal)
+    for t in trades:
+        sums[(category(t), t.exchange, t.agri == "Y", t.side)] += t.turnover
+    return sums
+
+
+def _tax_rate(rates: dict, tax: str, cat: str, side: str) -> Decimal:
+    """STT or CTT on this side of a trade of `cat`: a category the tax does not name pays none
+    (currency derivatives pay neither; equity no CTT, commodities no STT)."""
+    rule = rates.get(tax, {}).get(cat)
+    if rule is None:
+        return Decimal(0)
+    rate, sides = rule
+    return Decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
+
+
+def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal:
+    """A levy's rate for a category: one the schedule lacks is an error naming the levy, never a
+    zero, since a missing row would drop a charge from every note of the segment."""
+    try:
+        return Decimal(table[levy][cat])
+    except KeyError:
+        since = effective_from or table.get("effective_from", "?")
+        raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None
 
 
 def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:
@@ -227,7 +266,10 @@ def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:
 
 
 def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
-    rule = tariff[category(order[0])]
+    """The tariff's rule for the order's category; a currency or commodity category the tariff
+    does not name takes its futures or options rule."""
+    cat = category(order[0])
+    rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
         return paise(Decimal(rule["flat"]))
     turnover = sum((t.turnover for t in order), Decimal(0))

@@ -8,6 +8,10 @@ page ranges in parallel and still say "Page X of Y" continuously.
 
 No value is ever cut: each column is as wide as the note's widest value (never narrower
 than the standard layout), and the table's font shrinks if a note's lines grow past the page.
+
+One note covers every exchange and segment the client traded that day (the broker holding
+each membership): a section of trades per exchange, segment and settlement, and in the levies
+table a column per exchange and segment with its own obligation and net, then the grand total.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
 ROWS_FOR_LEVIES = 28
+# The page sizes above leave room for three section headings a page and five settlement lines
+# in the header (the client block's height). A note across more exchanges and segments pays
+# for the rest in rows: measured, a heading is under 1.5 rows and a header line about one.
+HEADINGS_FREE, HEADING_ROWS = 3, 2
+SETTLEMENTS_FREE, SETTLEMENT_ROWS = 5, 2
 # (heading line 1, heading line 2, least width in characters, right-aligned)
 TRADE_COLUMNS = [
     ("Order No", "", 16, False), ("Order", "Time", 8, False), ("Trade No", "", 16, False),
@@ -47,10 +56,14 @@ LEVY_LINES = [
     ("SGST @ 9%", lambda l: -l.sgst),
     ("IGST @ 18%", lambda l: -l.igst),
     ("Securities transaction tax", lambda l: -l.stt),
+    ("Commodities transaction tax", lambda l: -l.ctt),
     ("Stamp duty", lambda l: -l.stamp),
     ("IPFT charges", lambda l: -l.ipft),
     ("Net amount receivable/(payable) by client", lambda l: l.net),
 ]
+CTT_LINE = "Commodities transaction tax"  # printed only on a note with commodity trades
+SEGMENT_NAMES = {"CDS": "currency derivatives", "COM": "commodity derivatives"}
+NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange whose holidays we lack
 
 
 def money(amount: Decimal, places: int = 2) -> str:
@@ -79,14 +92,16 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     widths = column_widths([cells for _, cells in rows])
     layout = _layout(widths)
     lines = [{"label": label, "text": layout.format(*cells).rstrip()} for label, cells in rows]
-    pages = paginate(lines)
+    settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
+    with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
+    pages = paginate(lines, max(0, len(settlements) - SETTLEMENTS_FREE) * SETTLEMENT_ROWS, int(with_ctt))
     return {
         "broker": broker_block(broker),
         "note": {
             "number": number,
             "trade_date": _dmy(trade_date),
-            "settlements": _settlements(trades, settles or trading_calendar.settlement_dates(trade_date)),
+            "settlements": settlements,
         },
         "client": {
             "name": client.name, "address": client.address, "state": client.state,
@@ -104,7 +119,10 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
 
 
 def broker_block(broker: dict) -> dict:
-    return {k: v for k, v in broker.items() if k != "tariff"}
+    """The broker's details as printed; member codes as one line, however many exchanges."""
+    block = {k: v for k, v in broker.items() if k != "tariff"}
+    block["member_codes_text"] = ", ".join(f"{ex} {code}" for ex, code in broker["member_codes"].items())
+    return block
 
 
 def page_range(note: dict, start: int, stop: int) -> dict:
@@ -118,12 +136,15 @@ def fitting_size(chars: int) -> float:
 
 
 def levies_table(charges: Charges) -> dict:
+    """A column per exchange and segment, each with its obligation and net, then the grand total."""
     columns = list(charges.segments.items()) + [("Total (Net)", charges.total)]
-    cells = [[money(value(l)) for _, l in columns] for _, value in LEVY_LINES]
+    commodities = any(segment.endswith("-COM") for segment in charges.segments)
+    lines = [line for line in LEVY_LINES if commodities or line[0] != CTT_LINE]
+    cells = [[money(value(l)) for _, l in columns] for _, value in lines]
     width = max([LEVY_VALUE_WIDTH] + [len(c) + 2 for row in cells for c in row] + [len(n) + 2 for n, _ in columns])
     head = "Particulars".ljust(LEVY_LABEL_WIDTH) + "".join(n.rjust(width) for n, _ in columns)
     rows = [label.ljust(LEVY_LABEL_WIDTH) + "".join(c.rjust(width) for c in row)
-            for (label, _), row in zip(LEVY_LINES, cells)]
+            for (label, _), row in zip(lines, cells)]
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
 
 
@@ -144,18 +165,39 @@ def _layout(widths: list[int]) -> str:
     return GAP.join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
-def paginate(lines: list[dict]) -> list[dict]:
-    """Fixed rows per page; the levies block goes on the last page if it fits, else a new one."""
-    pages, start, capacity = [], 0, ROWS_FIRST_PAGE
+def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
+    """Fixed rows per page, less what headings past the page's allowance take; the levies block
+    goes on the last page if it fits, else a new one. `header_rows`: the first page's header
+    past its usual height; `levy_rows`: the levies block's lines past the usual (the CTT line)."""
+    first = ROWS_FIRST_PAGE - header_rows
+    pages, start, capacity = [], 0, first
     while start < len(lines) or not pages:
-        pages.append({"groups": _groups(lines[start:start + capacity]), "rows": min(capacity, len(lines) - start)})
-        start += capacity
+        take = _fitting(lines, start, capacity)
+        pages.append({"groups": _groups(lines[start:start + take]), "rows": take})
+        start += take
         capacity = ROWS_PER_PAGE
-    used = pages[-1]["rows"] + len(pages[-1]["groups"])
-    room = (ROWS_FIRST_PAGE if len(pages) == 1 else ROWS_PER_PAGE) - used
-    if room < ROWS_FOR_LEVIES:
+    groups = len(pages[-1]["groups"])
+    used = pages[-1]["rows"] + groups + _heading_rows(groups)
+    room = (first if len(pages) == 1 else ROWS_PER_PAGE) - used
+    if room < ROWS_FOR_LEVIES + levy_rows:
         pages.append({"groups": [], "rows": 0})
     return pages
+
+
+def _fitting(lines: list[dict], start: int, capacity: int) -> int:
+    """How many lines from `start` fit in `capacity` rows with their section headings (at least one)."""
+    headings, label, take = 0, None, 0
+    for i in range(start, min(len(lines), start + capacity)):
+        if lines[i]["label"] != label:
+            headings, label = headings + 1, lines[i]["label"]
+        if take + 1 + _heading_rows(headings) > capacity:
+            break
+        take += 1
+    return max(1, take) if start < len(lines) else 0
+
+
+def _heading_rows(headings: int) -> int:
+    return max(0, headings - HEADINGS_FREE) * HEADING_ROWS
 
 
 def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[str]]]:
@@ -165,11 +207,17 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[s
     rows = []
     key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
     for (segment, settlement), group in groupby(trades, key=key):
-        label = f"{segment.replace('-', ' / ')}  ·  Settlement {settlement}"
+        label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
         rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
     return rows
+
+
+def _segment_title(segment: str) -> str:
+    """NSE / CM, MCX / COM (commodity derivatives): the exchange and segment a section holds."""
+    name = SEGMENT_NAMES.get(segment.partition("-")[2])
+    return segment.replace("-", " / ") + (f" ({name})" if name else "")
 
 
 def _groups(lines: list[dict]) -> list[dict]:
@@ -196,16 +244,22 @@ def _carried_cells(c: CarryForward, net_total: Decimal) -> list[str]:
 
 
 def _describe(t: Trade) -> str:
+    """The contract, with its lot multiplier where a lot is not one unit (x1000 on currency,
+    x100 on gold): the reader needs it to get from the rate to the Net Total."""
     if t.instrument == "EQ":
         return f"{t.symbol} EQ {t.isin}".strip()
-    parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type]
+    parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type,
+             f"x{t.multiplier}" if t.multiplier != 1 else ""]
     return " ".join(p for p in parts if p)
 
 
 def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
-    """CM settles T+1; F&O settles daily (T+1 pay-in/pay-out): the next trading day of the exchange."""
+    """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
+    exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
+    one) says so rather than print a date that may be wrong."""
     seen = sorted({(t.exchange, segment_of(t), t.settlement_no) for t in trades})
-    return [{"segment": s, "number": n, "date": _dmy(settles[ex])} for ex, s, n in seen]
+    return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
+            for ex, s, n in seen]
 
 
 def _dmy(iso: str) -> str:
