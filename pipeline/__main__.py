@@ -744,7 +744,7 @@ def cmd_demo(args) -> int:
         key = _demo_key(work, args.file_key)
         settings = Settings.from_env(store_url=str(work / "store"), redis_url=services[0].url,
                                      smtp_url=services[1].url, token_key_file=str(work / "keys" / "token.key"),
-                                     owner_password=owner, **key)
+                                     owner_password=owner, **key).with_deadline()
         summary = run_day(settings, RunRequest(args.date.isoformat(), str(work / "input"),  # Ray starts in it
                                                bounce_window_h=args.bounce_window_h))
         summary["outbox"] = str(work / "outbox")

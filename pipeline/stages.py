@@ -243,7 +243,7 @@ def _archived(store: Store, trade_date: str, ucc: str, signed: bytes) -> bytes:
     signature, and this attempt carries those bytes on to be mailed, not the ones it just signed,
     so the client gets exactly what the archive holds."""
     kept = write_once(store, keys.signed_pdf_key(trade_date, ucc), signed)
-    if kept is not signed:
+    if kept != signed:
         log.info("account %s: archived by an earlier attempt; its archived note goes on", ucc)
     return kept
 

@@ -71,7 +71,7 @@ def test_an_unreadable_drain_list_is_said_at_warning_once(ray_session, monkeypat
         raise AttributeError("get_draining_nodes")  # as a Ray that renamed it would
 
     monkeypatch.setattr(ray._private.state.state, "get_draining_nodes", broken)
-    monkeypatch.setattr(nodes, "_unreadable", [], raising=False)
+    monkeypatch.setitem(nodes._said, "unreadable", False)
     with caplog.at_level(logging.DEBUG, logger="pipeline.cluster.fleet"):
         views = [nodes.look() for _ in range(3)]
     assert all(v.draining == frozenset() and v.alive for v in views)

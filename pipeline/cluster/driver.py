@@ -314,7 +314,6 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "run_id": run_id,
         "trade_date": req.trade_date,
         "input": req.input_url,
-        "accounts": split.accounts + split.rejected,
         **state.final_counts(meta),  # accounts, delivered ... paper_owed: as every view of the run counts them
         "delivered_now": tally["statuses"].get("ok", 0),
         "physical_now": tally["statuses"].get("physical", 0),

@@ -71,7 +71,7 @@ def look() -> NodeView:
     return NodeView(frozenset(alive), draining, slots, dead)
 
 
-_unreadable: list[str] = []  # said once a process: look() runs every second
+_said: dict[str, bool] = {"unreadable": False}  # said once a process: look() runs every second
 
 
 def _draining() -> set[str]:
@@ -80,10 +80,10 @@ def _draining() -> set[str]:
     try:
         return ray_private.draining_nodes()
     except Exception as e:  # a Ray whose private call changed (tests/test_ray_private.py), or a GCS blip
-        if not _unreadable:
+        if not _said["unreadable"]:
             log.warning("the nodes Ray is draining are not readable (%s): a spot-noticed node's actors are "
                         "still chosen until it is lost", e)
-        _unreadable.append(str(e))
+        _said["unreadable"] = True
         return set()
 
 

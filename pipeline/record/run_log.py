@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pipeline.record.redact import mask_text
-from pipeline.record.storage import Store
+from pipeline.record.storage import Store, write_once
 
 SHIP_EVERY_S = 10.0
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -40,21 +40,23 @@ class Shipper(logging.Handler):
         self.store, self.run_id, self.held, self.ship_lock = store, run_id, [], threading.Lock()
         self.next = sum(1 for _ in store.keys(prefix(run_id)))  # a rerun's chunks follow the run's
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def emit(self, record: logging.LogRecord) -> None:  # under the handler's own lock (Handler.handle)
         self.held.append(mask_text(self.format(record)) + "\n")
 
     def ship(self) -> None:
         with self.ship_lock:
-            lines, self.held = self.held, []
+            with self.lock:
+                lines, self.held = self.held, []
             if not lines:
                 return
             data = "".join(lines).encode()
-            try:
-                while not self.store.put_new(chunk_key(self.run_id, self.next), data):
+            try:  # a lost reply is settled by reading the key back, never by writing the lines again
+                while write_once(self.store, chunk_key(self.run_id, self.next), data) != data:
                     self.next += 1  # taken by another driver of the run: the next number
                 self.next += 1
             except Exception:  # storage errors come in many types: kept for the next ship, never the day's failure
-                self.held = lines + self.held
+                with self.lock:
+                    self.held = lines + self.held
 
 
 @contextmanager

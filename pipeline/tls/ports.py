@@ -22,7 +22,7 @@ from dataclasses import dataclass
 NODE = "the node itself"
 NODE_AND_HEAD = "the node itself and the head"
 CLUSTER = "the cluster's nodes"
-BASTION = "the bastion"
+BASTION_AND_HEAD = "the bastion, and the head (its autoscaler sets up each worker over SSH)"
 CHAIN = "CN-PORTS"  # the node's own iptables chain: made anew at each `ray up`, jumped to from INPUT
 
 
@@ -49,7 +49,7 @@ def _one(port: int, where: str, peers: str, wire: str, serves: str, proof: str) 
 
 
 PORTS = (
-    _one(22, "every node", BASTION, "SSH", "SSH: `ray up`'s set-up, `ray submit`, the dashboard's tunnel", "an SSH key"),
+    _one(22, "every node", BASTION_AND_HEAD, "SSH", "SSH: `ray up`'s set-up, `ray submit`, the dashboard's tunnel", "an SSH key"),
     _one(6379, "head", CLUSTER, "TLS", "Ray's GCS (gRPC)", "mutual TLS with the cluster's CA, then the token"),
     _one(6380, "head", CLUSTER, "TLS", "the run's Redis", "a certificate from the cluster's CA, then an ACL user"),
     _one(6381, "head", CLUSTER, "HTTP", "the certificate service (`tls serve`): CSRs in, certificates out",
@@ -85,7 +85,7 @@ def firewall(head_ip: str) -> str:
     """The node's rules as a shell script for `sudo sh`: its own chain, emptied and filled again
     (a second `ray up` leaves one copy), a DROP for every port that answers fewer than the
     cluster. A connection from the node to its own address is LOCAL, as its raylet's to its agents
-    is. CLUSTER and BASTION ports are the security groups' to hold (docs/aws.md)."""
+    is. CLUSTER and BASTION_AND_HEAD ports are the security groups' to hold (docs/aws.md)."""
     lines = [f"iptables -N {CHAIN} 2>/dev/null || iptables -F {CHAIN}",
              f"iptables -C INPUT -j {CHAIN} 2>/dev/null || iptables -I INPUT -j {CHAIN}"]
     for p in PORTS:
