@@ -48,7 +48,7 @@ def test_the_page_follows_a_run_and_its_rerun_button_delivers_the_failure(
     traded = sorted({line.split(",")[4] for line in (tmp_path / "input" / "trades.csv").read_text().splitlines()[1:]})
     victim = traded[len(traded) // 2]
     faults = tmp_path / "faults.json"
-    faults.write_text('{"delay_ms": 30}')
+    faults.write_text('{"delay_ms": 200}')
     smtp = start_smtp_sink(tmp_path / "outbox", tmp_path / "smtp.log", ["--faults", str(faults)])
     good = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, smtp_url=smtp.url, shard_size=4,
                     window=3, signers=1, mailers=1, smtp_connections=2, signer_key=str(keys_dir / "signer.key.pem"),
