@@ -8,6 +8,7 @@ becomes `unconfirmed`, never resent blindly.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ray
@@ -29,15 +30,17 @@ class MailerActor:
         if relays:  # a rerun mails through its run's relays, with the credentials held here
             self.settings = self.settings.pinned_to(relays)
         self.run_id, self.force, self.resend = run_id, force, resend_unconfirmed
-        self.ctx = None
+        self.ctx, self.ready = None, asyncio.Lock()
 
     async def send(self, batch: Batch) -> dict:
-        if self.ctx is None:  # the pool belongs to the actor's event loop, which __init__ does not run on
-            state = RunState.of(self.settings, self.run_id)
-            self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
-                                    self.resend, self.dkim)
-            notes = RunState.of(self.settings, self.run_id, patience_retries=0)  # said now or not at all
-            self.ctx.pool.told = lambda since: notes.note_wait("relay", since)  # the page: waiting for the relays
+        async with self.ready:  # the pool belongs to the actor's event loop, which __init__ does not run on
+            if self.ctx is None:
+                state = RunState.of(self.settings, self.run_id)
+                epoch = await asyncio.to_thread(state.epoch)  # Redis may be away: the loop is not held
+                self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
+                                        self.resend, self.dkim, epoch)
+                notes = RunState.of(self.settings, self.run_id, patience_retries=0)  # said now or not at all
+                self.ctx.pool.told = lambda since: notes.note_wait("relay", since)  # the page: waiting for the relays
         started = time.perf_counter()
         result = await mail_stage(batch, self.ctx)
         metrics.observe("mail", result["tally"], time.perf_counter() - started)

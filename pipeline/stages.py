@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parseaddr
@@ -49,6 +50,7 @@ from pipeline.settings import TEMPLATES
 
 log = logging.getLogger("pipeline.stages")
 RECORD_WAIT_S = 0.005  # longest a relay's reply waits for a claim to ride to Redis with
+_REDIS_CALLS = ThreadPoolExecutor(8, "redis")  # a mailer's Redis calls (MailContext.redis)
 
 
 @dataclass
@@ -267,6 +269,13 @@ class MailContext:
     dkim: DkimSigner | None = None  # signs each message (CN_DKIM_*); None: unsigned, the relay may sign
     unrecorded: list[Outcome] = field(default_factory=list)  # relays' replies not yet in Redis (_record)
     record_timer: asyncio.TimerHandle | None = None
+    flushes: set[asyncio.Task] = field(default_factory=set)  # records on their way to Redis (held: not collected)
+
+    async def redis(self, call: Callable, *args):
+        """A Redis call, off the event loop: during an outage it waits (up to the run's
+        deadline) in a thread, while the loop goes on reading the relays' replies and
+        answering the driver; storage's threads are not among those it holds."""
+        return await asyncio.get_running_loop().run_in_executor(_REDIS_CALLS, call, *args)
 
     def mail_from(self, run_id: str, ucc: str) -> str:
         return self.verp.address(run_id, ucc) if self.verp else _envelope_sender(self.letter.sender)
@@ -282,16 +291,18 @@ class MailContext:
 
 
 def mail_context(settings, state: RunState, store: Store, force: bool = False,
-                 resend_unconfirmed: bool = False, dkim: DkimSigner | None = None) -> MailContext:
+                 resend_unconfirmed: bool = False, dkim: DkimSigner | None = None,
+                 epoch: str | None = None) -> MailContext:
     """Everything a mailer holds; call it on the event loop that will send. `dkim`: the key
-    credentials.for_mailer loaded once for this mailer, never per message."""
+    credentials.for_mailer loaded once for this mailer, never per message; `epoch`: the run's,
+    read off the loop by an async caller (None: read here)."""
     options = PoolOptions(size=settings.smtp_connections, idle_s=settings.smtp_idle_s, wait_s=settings.smtp_wait_s,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
                           patience_s=settings.smtp_patience_s, deadline_at=settings.deadline_at)
     b = broker()
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], parseaddr(settings.mail_reply_to)[1])
-    epoch = state.epoch()
+    epoch = state.epoch() if epoch is None else epoch
     if not epoch:
         raise StateLostError(f"Redis holds no run {state.run_id}: not mailing (run it again to rebuild its state)")
     key = settings.hmac_key()
@@ -319,7 +330,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
                   for i in mailable if "sha256" in i]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
-    _flush_records(ctx)
+    await asyncio.gather(_flush_records(ctx), *ctx.flushes, return_exceptions=True)  # Redis has them all, or the log
     outcomes = [r for r in results if isinstance(r, Outcome)]
     if mailable:
         sent = {i["ucc"]: i for i in mailable}
@@ -345,7 +356,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
     leaves no claim, and a crash leaves only the mails then in flight as unconfirmed."""
     outcome = _not_mailable(item)
     if outcome is not None:
-        ctx.state.record([outcome])
+        await ctx.redis(ctx.state.record, [outcome])
         return outcome
     async with ctx.sending:
         ucc, mid = item["ucc"], item["message_id"]
@@ -359,14 +370,14 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
                 message = ctx.dkim.sign(message)
         except Exception as e:  # storage, or a message that cannot be built: nothing has left
             outcome = Outcome(ucc, "delivered", "failed", reason=f"mail not built, nothing sent: {e}"[:300])
-            ctx.state.record([outcome])
+            await ctx.redis(ctx.state.record, [outcome])
             return outcome
         await ctx.pool.ready()
-        resend = ctx.force or (ctx.resend_unconfirmed and _is_unconfirmed(ucc, ctx))
+        resend = ctx.force or (ctx.resend_unconfirmed and await ctx.redis(_is_unconfirmed, ucc, ctx))
         if resend:
-            ctx.state.release_mail(ucc)
-        claimed = ctx.state.claim_mail(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx))
-        outcome = await _send(item, ctx, mid, message) if claimed else _already_claimed(ucc, ctx)
+            await ctx.redis(ctx.state.release_mail, ucc)
+        claimed = await ctx.state.claim_mail_async(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx), ctx.redis)
+        outcome = await _send(item, ctx, mid, message) if claimed else await ctx.redis(_already_claimed, ucc, ctx)
         if resend and not ctx.force:  # the first mail may have reached the client: kept from now on
             outcome.extra["possible_duplicate"] = True
         if outcome.status != "skipped":
@@ -395,7 +406,13 @@ def _record(ctx: MailContext, outcome: Outcome) -> None:
     log still gets it at the end of the batch, and a resumed run restores it from there."""
     ctx.unrecorded.append(outcome)
     if ctx.record_timer is None:
-        ctx.record_timer = asyncio.get_running_loop().call_later(RECORD_WAIT_S, _flush_records, ctx)
+        ctx.record_timer = asyncio.get_running_loop().call_later(RECORD_WAIT_S, _flush_later, ctx)
+
+
+def _flush_later(ctx: MailContext) -> None:
+    task = asyncio.get_running_loop().create_task(_flush_records(ctx))
+    ctx.flushes.add(task)
+    task.add_done_callback(ctx.flushes.discard)
 
 
 def _unrecorded(ctx: MailContext) -> list[Outcome]:
@@ -406,10 +423,10 @@ def _unrecorded(ctx: MailContext) -> list[Outcome]:
     return outcomes
 
 
-def _flush_records(ctx: MailContext) -> None:
+async def _flush_records(ctx: MailContext) -> None:
     outcomes = _unrecorded(ctx)
     try:
-        ctx.state.record(outcomes)
+        await ctx.redis(ctx.state.record, outcomes)
     except Exception as e:  # redis errors of every kind: the outcomes are not lost, they are in the batch's log
         log.warning("%d outcomes not recorded in Redis (kept in the delivery log): %s", len(outcomes), e)
 
@@ -454,14 +471,14 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outco
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
             f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
     except QuotaError as e:
-        ctx.state.release_mail(ucc)
+        await ctx.redis(ctx.state.release_mail, ucc)
         return Outcome(ucc, "delivered", "failed", reason=str(e), message_id=mid, extra={"attempts": e.attempts})
     except PermanentMailError as e:
-        ctx.state.release_mail(ucc)
+        await ctx.redis(ctx.state.release_mail, ucc)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid,
                        extra={"attempts": e.attempts})
     except TransientMailError as e:
-        ctx.state.release_mail(ucc)
+        await ctx.redis(ctx.state.release_mail, ucc)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp gave up after {e.attempts} attempts: {e}",
                        message_id=mid, extra={"attempts": e.attempts})
     return Outcome(ucc, "delivered", message_id=mid, reply=reply, extra={"attempts": attempts})

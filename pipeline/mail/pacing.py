@@ -10,6 +10,7 @@ bursts: in any second the cluster sends at most rate x (1 + TICK_S + STALE_S) me
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -66,7 +67,10 @@ class Buckets(Protocol):
 
 
 class Pacer:
-    """One relay's or one domain's send times, as this mailer holds them."""
+    """One relay's or one domain's send times, as this mailer holds them. Its Redis calls run
+    in a thread, one at a time, never on the event loop: while Redis is away the mailer's
+    loop goes on reading replies and answering the driver, and this pacer's sends wait for
+    the answer a tick at a time; an error the call ended with is raised by the next send."""
 
     def __init__(self, name: str, ceiling: float, buckets: Buckets, daily: int = 0):
         self.name, self.ceiling, self.daily, self.buckets = name, ceiling, daily, buckets
@@ -77,16 +81,26 @@ class Pacer:
         self._start = self._step = 0.0
         self._left = self._unused = 0
         self._room_at = 0.0
+        self._asking: asyncio.Future | None = None
+        self._error: BaseException | None = None
 
     def next_at(self, now: float) -> float:
         """When this pacer's next send may leave (inf: its quota is spent today). Asks Redis
-        for a batch when none is held and the bucket had room at the last ask."""
+        for a batch when none is held and the bucket had room at the last ask; until it
+        answers, `now` (the caller waits a tick and asks again)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         self._drop_stale(now)
-        if not self._left and not self.quota_out and now >= self._room_at:
-            self._refill(now)
+        if not self._left and not self.quota_out and now >= self._room_at and self._asking is None:
+            unused = self._unused
+            self._asking = self._ask(lambda n: self._refilled(unused, *n), self.buckets.take, self.name, self.batch,
+                                     self.ceiling, self.daily, self.horizon_s, unused)
         if self.quota_out:
             return math.inf
-        return self._start if self._left else self._room_at
+        if self._left:
+            return self._start
+        return self._room_at if self._asking is None else now
 
     def _pop(self) -> float:
         at = self._start
@@ -116,21 +130,36 @@ class Pacer:
         """The relay said slow down: the cluster's rate is cut; the times held at the old rate
         are given back."""
         self.throttles += 1
-        self.rate = self.buckets.throttled(self.name, self.ceiling, self.horizon_s)
-        self.calls += 1
+        self._ask(self._cut, self.buckets.throttled, self.name, self.ceiling, self.horizon_s)
         self._give_back()
 
     def out_of_quota(self) -> None:
         if not self.quota_out:
-            self.buckets.stop_for_day(self.name)
-            self.calls += 1
+            self._ask(None, self.buckets.stop_for_day, self.name)
         self.quota_out = True
         self._give_back()
 
-    def _refill(self, now: float) -> None:
-        n, start_in, self.rate = self.buckets.take(self.name, self.batch, self.ceiling, self.daily, self.horizon_s,
-                                                   self._unused)
-        self.calls, self._unused = self.calls + 1, 0
+    def _ask(self, then, call, *args) -> asyncio.Future:
+        self.calls += 1
+        asking = asyncio.get_running_loop().run_in_executor(None, call, *args)
+        asking.add_done_callback(lambda f: self._answered(f, then))
+        return asking
+
+    def _answered(self, answer: asyncio.Future, then) -> None:
+        if answer is self._asking:
+            self._asking = None
+        if answer.exception() is not None:
+            self._error = answer.exception()
+        elif then is not None:
+            then(answer.result())
+
+    def _cut(self, rate: float) -> None:
+        self.rate = rate
+
+    def _refilled(self, unused: int, n: int, start_in: float, rate: float) -> None:
+        """Redis's answer, timed from when it came (after an outage, long after the ask)."""
+        now = time.monotonic()
+        self.rate, self._unused = rate, self._unused - unused
         if n < 0:
             self.quota_out = True
         elif n == 0:

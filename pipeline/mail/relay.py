@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -243,6 +244,7 @@ class SmtpPool:
         self.domains = {d: Pacer(f"domain:{d}", r, buckets) for d, r in (domain_rates or {}).items()} if buckets else {}
         self.buckets, self.patience_s, self.deadline_at = buckets, options.patience_s, options.deadline_at
         self.told: Callable[[float], None] = lambda since: None
+        self._telling = ThreadPoolExecutor(1, "told")  # one thread: told in order, off the loop
         self.down_at = 0.0  # when every relay was found down (epoch), while they still are
         self._turn = itertools.count()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(options.idle_s))
@@ -290,8 +292,8 @@ class SmtpPool:
         elif relay.pacer:
             relay.pacer.throttled()
         else:
-            if self.buckets:
-                self.buckets.throttled(f"relay:{relay.target.name}", 0, 0)
+            if self.buckets:  # counted for the page, off the loop (Redis may be away)
+                await asyncio.to_thread(self.buckets.throttled, f"relay:{relay.target.name}", 0, 0)
             await asyncio.sleep(random.uniform(0.5, 2.0))
 
     async def ready(self) -> None:
@@ -355,6 +357,9 @@ class SmtpPool:
             self._tell(0.0)
 
     def _tell(self, since: float) -> None:
+        self._telling.submit(self._told, since)  # a Redis call
+
+    def _told(self, since: float) -> None:
         try:
             self.told(since)
         except Exception as e:  # the page's note is a courtesy: the mail does not wait on it
@@ -379,6 +384,7 @@ class SmtpPool:
         self._sweeper.cancel()
         for relay in self.relays:
             relay.close()
+        await asyncio.to_thread(self._telling.shutdown)
 
 
 async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes) -> str:

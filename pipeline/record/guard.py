@@ -4,14 +4,16 @@ account is mailed at most once per run, whatever Ray retries.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 import uuid
 from functools import lru_cache
-from typing import Iterable
+from typing import Awaitable, Callable, Iterable
 
 import hiredis
 import redis
+import redis.asyncio
 
 from pipeline.errors import CannotRun
 from pipeline.record import keys
@@ -58,14 +60,34 @@ class MailGuard:
         LeaseLostError if the run's lease is not `lease` (another driver holds the run).
         `recording`: outcomes written by the same call, first (a mailer's replies since its
         last claim: one round trip a mail, not two)."""
+        return self._claimed(self._claim_patiently(self._claim_args(ucc, epoch, lease, recording)))
+
+    async def claim_mail_async(self, ucc: str, message_id: str, epoch: str, lease: str,
+                               recording: Iterable[Outcome], in_thread: Callable[..., Awaitable]) -> bool:
+        """claim_mail on a mailer's event loop, which it never holds: on a connection of the
+        loop's own, which awaits Redis's reply rather than blocking for it. A connection that
+        fails (Redis restarting) hands the same call to the client's patient retries in a
+        thread (`in_thread`); the claim's token makes it safe to repeat."""
+        args = self._claim_args(ucc, epoch, lease, recording)
+        try:
+            claimed = await self._evalsha_async(args)
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoScriptError, OSError):
+            claimed = await in_thread(self._claim_patiently, args)
+        return self._claimed(claimed)
+
+    def _claim_args(self, ucc: str, epoch: str, lease: str, recording: Iterable[Outcome]) -> list:
         token, now = uuid.uuid4().hex[:16], round(time.time(), 3)
-        args = [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
+        return [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
                 *self._record_keys(), ucc, epoch, self.ttl_s, token, lease, now,
                 *self._record_args(recording, now)]  # Records, beside it in RunState
+
+    def _claim_patiently(self, args: list) -> int:
         try:
-            claimed = _evalsha(self.r, args)
+            return _evalsha(self.r, args)
         except redis.exceptions.NoScriptError:
-            claimed = self.r.eval(_CLAIM, 7, *args)
+            return self.r.eval(_CLAIM, 7, *args)
+
+    def _claimed(self, claimed: int) -> bool:
         if claimed == -2:
             raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: not mailed")
         if claimed == -1:
@@ -73,6 +95,26 @@ class MailGuard:
                                  "persistence): mailing stopped; run the same run id again to rebuild its state "
                                  "from the delivery log in storage")
         return bool(claimed)
+
+    async def _evalsha_async(self, args: list) -> int:
+        """One connection at a time from this loop's own pool, kept between claims (as _evalsha's)."""
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_aio", (None,))[0] is not loop:
+            self._aio = (loop, redis.asyncio.ConnectionPool.from_url(self.redis_url), [])
+        _, pool, spares = self._aio
+        conn = spares.pop() if spares else await pool.get_connection()
+        try:
+            await conn.send_packed_command([hiredis.pack_command(("EVALSHA", _CLAIM_SHA, 7, *args))],
+                                           check_health=False)
+            claimed = await conn.read_response()
+        except redis.ResponseError:  # the reply was read whole: the connection is clean
+            spares.append(conn)
+            raise
+        except BaseException:  # lost, or cancelled with a reply unread: never used again
+            await conn.disconnect()
+            raise
+        spares.append(conn)
+        return claimed
 
     def claimed(self, uccs: list[str]) -> set[str]:
         if not uccs:

@@ -50,7 +50,7 @@ class RunState(Records, MailGuard, RunLease):
     def __init__(self, redis_url: str, run_id: str, ttl_s: int = 14 * 24 * 3600,
                  patience_retries: int = PATIENCE_RETRIES, patience_s: float = Settings.redis_patience_s,
                  deadline_at: float = 0.0):
-        self.run_id, self.ttl_s = run_id, ttl_s
+        self.run_id, self.ttl_s, self.redis_url = run_id, ttl_s, redis_url
         self.r = redis_client(redis_url, patience_retries, patience_s, deadline_at)
 
     @classmethod
