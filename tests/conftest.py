@@ -22,6 +22,7 @@ from pipeline.settings import Settings
 from tests import servers
 
 TRADE_DATE = "2026-11-20"
+NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's notes are one run's)
 # The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
 # cloud of namespaces, a whole demo or a benchmark. Whatever needs one of these runs in the full suite.
 SLOW_FIXTURES = {"ray_session", "cloud", "api_run"}
@@ -175,4 +176,12 @@ def day(tmp_path) -> Path:
     """A small synthetic day: 30 accounts, heavy-tailed trades."""
     out = tmp_path / "input"
     write_dumps(out, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 30, seed=7))
+    return out
+
+
+@pytest.fixture
+def next_day(tmp_path) -> Path:
+    """The next trading day's dumps, the same accounts trading again."""
+    out = tmp_path / "input-next"
+    write_dumps(out, SynthOptions(dt.date.fromisoformat(NEXT_DATE), 30, seed=7))
     return out

@@ -167,6 +167,10 @@ def first_notes_key(run_id: str) -> str:
     return f"reports/{run_id}.first-notes.json"
 
 
+def day_claim_key(trade_date: str) -> str:
+    return f"reports/day-{trade_date}.json"
+
+
 def note_sequence_key(fy: str) -> str:
     return f"reports/noteseq-{fy}.json"
 
