@@ -326,7 +326,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key, ctx.mid_domain)
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
         await asyncio.to_thread(_attach, ctx.store, batch.trade_date, mailable)
-        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"])
+        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"], i["md5"])
                   for i in mailable if "sha256" in i]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
@@ -386,7 +386,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
 
 
 def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
-    """Each item's attachment and its SHA-256 (`sha256`, hex), before the batch's "sending"
+    """Each item's attachment and its SHA-256 and MD5 (hex), before the batch's "sending"
     entry, so the delivery log names the exact bytes each mail carries (and `verify` can prove
     the archive is what the client got). A note archived by an earlier attempt is read from the
     archive; one that cannot be read keeps its error as its `pdf`, and fails alone, unsent."""
@@ -397,7 +397,7 @@ def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
             except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
                 item["pdf"] = e
                 continue
-        item["sha256"] = hashlib.sha256(item["pdf"]).hexdigest()
+        item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), hashlib.md5(item["pdf"]).hexdigest()
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:

@@ -65,10 +65,13 @@ def seq_of(key: str) -> int:
     return int(key.rsplit("/", 1)[1][:8])
 
 
-def sending(ucc: str, message_id: str, mail_from: str = "", sha256: str = "") -> dict:
-    """An account about to be mailed; `sha256`, of the exact bytes it attaches (hex)."""
+def sending(ucc: str, message_id: str, mail_from: str = "", sha256: str = "", md5: str = "") -> dict:
+    """An account about to be mailed; `sha256` and `md5`, of the exact bytes it attaches (hex):
+    the MD5 is what an S3 listing gives of each archived note (its ETag), so verify checks
+    the archive without reading it, and reads a note only where the two disagree."""
     e = {"ucc": ucc, "status": "sending", "message_id": message_id, "at": time.time()}
-    return e | ({"mail_from": mail_from} if mail_from else {}) | ({"sha256": sha256} if sha256 else {})
+    return e | ({"mail_from": mail_from} if mail_from else {}) | ({"sha256": sha256} if sha256 else {}) | (
+        {"md5": md5} if md5 else {})
 
 
 def not_sent(ucc: str, why: str) -> dict:

@@ -152,7 +152,11 @@ def shard_key(run_id: str, shard: int) -> str:
 
 
 def signed_pdf_key(trade_date: str, ucc: str) -> str:
-    return f"{partition(ucc)}-signed-pdf/{trade_date}/{ucc}.pdf"
+    return f"{signed_pdf_prefix(trade_date, partition(ucc))}{ucc}.pdf"
+
+
+def signed_pdf_prefix(trade_date: str, part: int) -> str:
+    return f"{part}-signed-pdf/{trade_date}/"
 
 
 def delivery_log_prefix(run_id: str, shard: int) -> str:

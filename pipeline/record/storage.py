@@ -100,6 +100,7 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
     def lines(self, key: str) -> Iterator[str]: ...
     def keys(self, prefix: str) -> Iterator[str]: ...
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]: ...
     def size(self, key: str) -> int: ...
     def read_range(self, key: str, start: int, end: int) -> bytes: ...
     def put_file(self, key: str, path: str) -> None: ...
@@ -192,6 +193,11 @@ class FolderStore:
             for path in sorted(folder.rglob("*")):
                 if path.is_file() and not path.name.startswith(".tmp-"):
                     yield path.relative_to(self.root).as_posix()
+
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
+        for key in self.keys(prefix):
+            yield key, hashlib.md5(self._path(key).read_bytes()).hexdigest()
 
     def lines(self, key: str) -> Iterator[str]:
         """Bytes that are not UTF-8 come through as surrogates, for the row check to name;
@@ -308,6 +314,18 @@ class S3Store:
         for page in pages:
             for item in page.get("Contents", []):
                 yield item["Key"][skip:]
+
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """The keys under a prefix with each object's MD5 (hex) as the listing gives it: S3's
+        ETag of an object written in one PUT without SSE-KMS or SSE-C; "" for any other (a
+        multipart upload's ETag, "...-N"). Under SSE-KMS an ETag is not the MD5: a reader that
+        finds them differ reads the object."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        for page in pages:
+            for item in page.get("Contents", []):
+                etag = item.get("ETag", "").strip('"')
+                yield item["Key"][skip:], etag if len(etag) == 32 and "-" not in etag else ""
 
     def lines(self, key: str) -> Iterator[str]:
         """Streams the object: a day's trade file is never held in memory whole."""
