@@ -24,7 +24,7 @@ from pipeline.record import keys, report
 from pipeline.settings import ROOT
 from tests.doc_blocks import (a_reader_s_env, all_blocks, block, clean_clone, commands, pipeline_argvs, ray_argvs,
                               shown, typed)
-from tests.helpers import client_rows
+from tests.helpers import assert_signed_and_encrypted, client_rows
 
 # (page, a marker only that block holds, class, why, or which test runs it)
 CLASSIFIED = [
@@ -108,10 +108,17 @@ def test_the_readme_s_demo_reports_exactly_the_accounts_the_relay_bounced_and_le
     work, summary, statuses = demo["work"], demo["summary"], demo["statuses"]
     said = (Path(ROOT) / "README.md").read_text().split("The demo ends with one JSON line (", 1)[1].split(")", 1)[0]
     assert set(re.findall(r"`(\w+)`", said)) <= set(summary), said
-    assert list(work.glob("store/*-signed-pdf/2026-11-20/*.pdf")) and list((work / "store" / "reports").iterdir())
-    assert demo["outbox"] > 0 and (work / "input" / "clients.csv").exists()
+    notes = sorted(work.glob("store/*-signed-pdf/2026-11-20/*.pdf"))
+    assert notes and list((work / "store" / "reports").iterdir()) and demo["outbox"] > 0
+    # "password: the client's PAN, in demo/input/clients.csv"; "pdfsig shows the signature valid and the issuer
+    # untrusted"; its certificate labelled "local test"
+    clients = client_rows(work / "input")
+    assert_signed_and_encrypted(notes[0], clients[notes[0].stem]["pan"])
+    checked = subprocess.run(["pdfsig", "-upw", clients[notes[0].stem]["pan"], str(notes[0])], capture_output=True,
+                             text=True).stdout
+    assert "issuer isn't Trusted" in checked and "LOCAL TEST" in checked, checked
     sent = [json.loads(line) for line in (work / "bounces.jsonl").read_text().splitlines()]
-    by_email = {c["email"]: u for u, c in client_rows(work / "input").items()}
+    by_email = {c["email"]: u for u, c in clients.items()}
     expected = {by_email[s["rcpt"]]: s["kind"] for s in sent}
     assert 12 <= len(expected) <= 75, f"about 8% of {summary['accounts']}: {len(expected)}"
     assert {u: s for u, s in statuses.items() if s in ("bounced", "deferred")} == expected
