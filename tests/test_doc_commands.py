@@ -315,3 +315,17 @@ EXTRA = {
     "signer_smtp:": _counted(1, 0),
     "--imap 'imaps://": _counted(1, 0),
 }
+
+
+def test_every_flag_the_readme_s_commands_table_names_is_one_its_command_takes():
+    """Not a fenced block, but the README's words too: a flag renamed in the code and not in the
+    table (or the other way) fails here."""
+    from pipeline.__main__ import _parser
+
+    commands_ = next(a for a in _parser()._actions if a.dest == "command").choices
+    table = (Path(ROOT) / "README.md").read_text().split("## Commands", 1)[1].split("\n\n", 2)[2].split("\n\n")[0]
+    rows = [row.split(" | ")[0].lstrip("| ") for row in table.splitlines()[2:]]
+    wrong = [(name, flag) for cell in rows for span in re.findall(r"`([^`]+)`", cell)
+             for name in [span.split()[0]] for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)
+             if name not in commands_ or flag not in commands_[name]._option_string_actions]
+    assert len(rows) >= 15 and not wrong, wrong
