@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parseaddr
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Container
 
 from pipeline.day.dumps import EMAIL, Client, Trade
@@ -389,15 +389,23 @@ def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
     """Each item's attachment and its SHA-256 and MD5 (hex), before the batch's "sending"
     entry, so the delivery log names the exact bytes each mail carries (and `verify` can prove
     the archive is what the client got). A note archived by an earlier attempt is read from the
-    archive; one that cannot be read keeps its error as its `pdf`, and fails alone, unsent."""
+    archive, a resent batch's together (a round trip each); one that cannot be read keeps its
+    error as its `pdf`, and fails alone, unsent."""
+    archived = [item for item in items if item["pdf"] is None]
+    if archived:
+        with ThreadPoolExecutor(min(16, len(archived)), "archive") as reads:
+            for item, pdf in zip(archived, reads.map(partial(_archived_note, store, trade_date), archived)):
+                item["pdf"] = pdf
     for item in items:
-        if item["pdf"] is None:  # archived on an earlier attempt: mailed from the archive
-            try:
-                item["pdf"] = store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
-            except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
-                item["pdf"] = e
-                continue
-        item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), hashlib.md5(item["pdf"]).hexdigest()
+        if not isinstance(item["pdf"], Exception):
+            item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), hashlib.md5(item["pdf"]).hexdigest()
+
+
+def _archived_note(store: Store, trade_date: str, item: dict) -> bytes | Exception:
+    try:
+        return store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
+    except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
+        return e
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:
