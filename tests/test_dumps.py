@@ -219,3 +219,21 @@ def test_a_trade_file_without_the_multiplier_and_agri_columns_is_read_as_before(
     split = split_day(open_store(str(tmp_path / "in")), open_store(str(tmp_path / "s")), RunState(redis_url, "old"),
                       "old", "2026-11-20", 10, "CNT")
     assert split.rejected == 0 and split.accounts > 0
+
+
+def test_a_trades_derived_values_are_the_same_however_it_was_made_and_survive_a_pickle():
+    """turnover, key and order_key are slots filled when the trade is made (from_row fills them
+    itself): the same as the fields give, kept through pickle and copy, and outside __dict__."""
+    import copy
+    import pickle
+
+    for row in ({**GOOD, "quantity": "7"}, {**GOOD, "segment": "CDS", "symbol": "USDINR", "isin": "",
+                                            "instrument": "FUTCUR", "expiry": "2026-11-26", "product": "NRML",
+                                            "price": "83.1225", "multiplier": "1000"}):
+        made = Trade(**{f: (int(v) if f in ("quantity", "multiplier") else Decimal(v) if f == "price" else v)
+                        for f, v in row.items()})
+        for t in (made, Trade.from_row(made.as_row()), pickle.loads(pickle.dumps(made)), copy.deepcopy(made)):
+            assert t == made and "key" not in t.__dict__
+            assert str(t.turnover) == str(made.price * made.quantity * made.multiplier)
+            assert t.key == (t.exchange, t.segment, t.trade_no) and t.order_key == (t.exchange, t.segment, t.order_no)
+        assert Trade(**Trade.from_row(made.as_row()).__dict__) == made

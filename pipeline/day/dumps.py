@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from decimal import Decimal
 from functools import lru_cache
 from operator import attrgetter
@@ -118,18 +118,21 @@ class Trade:
     multiplier: int = 1  # price units a lot holds: 1,000 on currency, e.g. 100 on gold (10 g quotes, 1 kg lot)
     agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
 
-    @property
-    def turnover(self) -> Decimal:
-        """Rupees: lots x multiplier x price (equity: shares x price, the multiplier being 1)."""
-        return self.price * self.quantity * self.multiplier
+    # Derived once, when the trade is made, not at each of their ~15 uses a trade (a 2,000-page note
+    # asks for them 1.4 million times): slots beside the fields' __dict__, so equality, hash, repr
+    # and a `Trade(**t.__dict__)` see the fields alone.
+    # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1);
+    # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no)
+    __slots__ = ("turnover", "key", "order_key", "__dict__", "__weakref__")
 
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.exchange, self.segment, self.trade_no)
+    def __post_init__(self) -> None:
+        _set_turnover(self, self.price * self.quantity * self.multiplier)
+        _set_key(self, (self.exchange, self.segment, self.trade_no))
+        _set_order_key(self, (self.exchange, self.segment, self.order_no))
 
-    @property
-    def order_key(self) -> tuple[str, str, str]:
-        return (self.exchange, self.segment, self.order_no)
+    def __reduce__(self):
+        """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
+        return type(self), tuple(self.__dict__[f] for f in _FIELDS)
 
     def as_row(self) -> list[str]:
         """A multiplier of 1 is written empty, as an equity row gives it: the fast path then
@@ -146,9 +149,16 @@ class Trade:
         if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
-        return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
-                   *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
-                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1])
+        quantity, price, multiplier = int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]), int(row[_AT_MULTIPLIER] or 1)
+        # what the dataclass's __init__ and __post_init__ do, without a setattr a field
+        t = _new(cls)
+        _set_fields(t, dict(zip(_FIELDS, (*row[:_AT_QUANTITY], quantity, price, *row[_AT_PRICE + 1:_AT_MULTIPLIER],
+                                          Decimal(close) if close else None, multiplier, row[_AT_MULTIPLIER + 1]))))
+        _set_turnover(t, price * quantity * multiplier if multiplier != 1 else price * quantity)
+        exchange, segment = row[1], row[2]
+        _set_key(t, (exchange, segment, row[_AT_TRADE_NO]))
+        _set_order_key(t, (exchange, segment, row[_AT_ORDER_NO]))
+        return t
 
 
 # A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
@@ -156,6 +166,10 @@ class Trade:
 # rebuilds 125,000), test_dumps holds the two orders together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
+_AT_ORDER_NO, _AT_TRADE_NO = TRADE_FIELDS.index("order_no"), TRADE_FIELDS.index("trade_no")
+_FIELDS = tuple(f.name for f in fields(Trade))
+_new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
+_set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
