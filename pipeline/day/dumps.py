@@ -149,15 +149,12 @@ class Trade:
         if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
-        quantity, price, multiplier = int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]), int(row[_AT_MULTIPLIER] or 1)
-        # what the dataclass's __init__ and __post_init__ do, without a setattr a field
-        t = _new(cls)
-        _set_fields(t, dict(zip(_FIELDS, (*row[:_AT_QUANTITY], quantity, price, *row[_AT_PRICE + 1:_AT_MULTIPLIER],
-                                          Decimal(close) if close else None, multiplier, row[_AT_MULTIPLIER + 1]))))
-        _set_turnover(t, price * quantity * multiplier if multiplier != 1 else price * quantity)
-        exchange, segment = row[1], row[2]
-        _set_key(t, (exchange, segment, row[_AT_TRADE_NO]))
-        _set_order_key(t, (exchange, segment, row[_AT_ORDER_NO]))
+        t = _new(cls)  # the dataclass's __init__ without a setattr a field, then its __post_init__
+        _set_fields(t, dict(zip(_FIELDS, (
+            *row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
+            *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
+            int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1]))))
+        t.__post_init__()
         return t
 
 
@@ -166,7 +163,6 @@ class Trade:
 # rebuilds 125,000), test_dumps holds the two orders together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
-_AT_ORDER_NO, _AT_TRADE_NO = TRADE_FIELDS.index("order_no"), TRADE_FIELDS.index("trade_no")
 _FIELDS = tuple(f.name for f in fields(Trade))
 _new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
 _set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
