@@ -122,13 +122,15 @@ class Trade:
     # asks for them 1.4 million times): slots beside the fields' __dict__, so equality, hash, repr
     # and a `Trade(**t.__dict__)` see the fields alone.
     # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1);
-    # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no)
-    __slots__ = ("turnover", "key", "order_key", "__dict__", "__weakref__")
+    # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no);
+    # exchange_segment: "NSE-CM", the note's section and levies column it goes in
+    __slots__ = ("turnover", "key", "order_key", "exchange_segment", "__dict__", "__weakref__")
 
     def __post_init__(self) -> None:
         _set_turnover(self, self.price * self.quantity * self.multiplier)
         _set_key(self, (self.exchange, self.segment, self.trade_no))
         _set_order_key(self, (self.exchange, self.segment, self.order_no))
+        _set_exchange_segment(self, f"{self.exchange}-{self.segment}")
 
     def __reduce__(self):
         """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
@@ -166,6 +168,7 @@ _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 _FIELDS = tuple(f.name for f in fields(Trade))
 _new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
 _set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
+_set_exchange_segment = Trade.exchange_segment.__set__
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:

@@ -78,7 +78,10 @@ class Levies:
         return self.obligation - sum(getattr(self, f) for f in LEVY_FIELDS)
 
     def __add__(self, other: "Levies") -> "Levies":
-        return Levies(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})
+
+
+_LEVIES_FIELDS = tuple(f.name for f in fields(Levies))
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def category(trade: Trade) -> str:
 
 
 def segment_of(trade: Trade) -> str:
-    return f"{trade.exchange}-{trade.segment}"
+    return trade.exchange_segment  # f"{trade.exchange}-{trade.segment}", made with the trade
 
 
 @lru_cache(maxsize=4)
@@ -152,7 +155,10 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
     }
     shares: dict[tuple, Decimal] = {}
     for key, order in orders.items():
-        shares.update(split_pro_rata(fees[key], order))
+        if len(order) == 1:  # most orders: one trade, the whole fee
+            shares[order[0].key] = fees[key]
+        else:
+            shares.update(split_pro_rata(fees[key], order))
     return Charges(segments=segments, brokerage_share=shares, carried=carried)
 
 
@@ -162,8 +168,9 @@ def carry_forward(trades: list[Trade]) -> list[CarryForward]:
     first: dict[tuple, Trade] = {}
     for t in trades:
         if t.segment in DERIVATIVES and t.instrument.startswith("FUT"):
-            net[contract_id(t)] += t.quantity if t.side == "B" else -t.quantity
-            first.setdefault(contract_id(t), t)
+            contract = contract_id(t)
+            net[contract] += t.quantity if t.side == "B" else -t.quantity
+            first.setdefault(contract, t)
     out = []
     for contract, qty in net.items():
         if qty:
@@ -180,14 +187,15 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     brokerage; a segment's rounding residue goes, a paisa at a time, to the rows that rounding
     moved furthest, so every segment's column sums to obligation - brokerage exactly."""
     by_segment: dict[str, list[tuple[tuple, Decimal]]] = defaultdict(list)  # segment -> (row key, exact)
+    shares = charges.brokerage_share
     for t in trades:
-        gross = t.turnover if t.side == "S" else -t.turnover
-        by_segment[segment_of(t)].append((t.key, gross - charges.brokerage_share[t.key]))
+        key = t.key
+        by_segment[t.exchange_segment].append((key, (t.turnover if t.side == "S" else -t.turnover) - shares[key]))
     for i, c in enumerate(charges.carried):
         by_segment[segment_of(c.trade)].append((("C/F", i), c.value))
     rounded: dict[tuple, Decimal] = {}
     for segment, rows in by_segment.items():
-        values = {k: paise(exact) for k, exact in rows}
+        values = {k: exact.quantize(PAISA, ROUND_HALF_UP) for k, exact in rows}  # paise(), a call a row the less
         levies = charges.segments[segment]
         residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
         if residue:
@@ -196,8 +204,8 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
             for k, _ in rows[:int(abs(residue) / PAISA)]:
                 values[k] += step
         rounded.update(values)
-    return ({k: v for k, v in rounded.items() if k[0] != "C/F"},
-            {k[1]: v for k, v in rounded.items() if k[0] == "C/F"})
+    carried = {i: rounded.pop(("C/F", i)) for i in range(len(charges.carried))}  # the trades' are left
+    return rounded, carried
 
 
 def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,
@@ -271,11 +279,14 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     cat = category(order[0])
     rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
-        return paise(Decimal(rule["flat"]))
-    turnover = sum((t.turnover for t in order), Decimal(0))
-    fee = turnover * Decimal(rule["percent"])
-    cap = Decimal(rule["cap"])
+        return paise(_decimal(rule["flat"]))
+    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
+    fee = turnover * _decimal(rule["percent"])
+    cap = _decimal(rule["cap"])
     return paise(min(fee, cap) if cap > 0 else fee)
+
+
+_decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order
 
 
 def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
+from functools import lru_cache
 from itertools import groupby
 
 from pipeline.day import trading_calendar
@@ -68,17 +69,17 @@ NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange wh
 
 def money(amount: Decimal, places: int = 2) -> str:
     """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. Below a
-    lakh it is the grouping Python's format gives, in one C call: the rows' amounts mostly are,
-    and this runs four times a trade."""
+    lakh it is the grouping Python's format gives, in one C call; below a crore one comma more:
+    the rows' amounts mostly are, and this runs four times a trade."""
     exact = abs(amount).quantize(_STEPS[places], rounding=ROUND_HALF_UP)
     if exact < _LAKH:
-        text = f"{exact:,f}"
-    else:
-        whole, dot, frac = f"{exact:f}".partition(".")
-        head, odd = whole[:-3], (len(whole) - 3) % 2
-        groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
-        text = ",".join(groups) + "," + whole[-3:] + dot + frac
-    return f"({text})" if amount < 0 else text
+        return f"({exact:,f})" if amount < 0 else f"{exact:,f}"
+    whole, dot, frac = f"{exact:f}".partition(".")
+    head = whole[:-3]
+    if len(head) > 2:  # a crore or more: the lakhs and crores in pairs
+        odd = len(head) % 2
+        head = ",".join(([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)])
+    return f"({head},{whole[-3:]}{dot}{frac})" if amount < 0 else f"{head},{whole[-3:]}{dot}{frac}"
 
 
 _LAKH = Decimal(100_000)
@@ -186,11 +187,12 @@ def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> lis
 
 def _fitting(lines: list[dict], start: int, capacity: int) -> int:
     """How many lines from `start` fit in `capacity` rows with their section headings (at least one)."""
-    headings, label, take = 0, None, 0
+    headings, label, take, room = 0, None, 0, capacity
     for i in range(start, min(len(lines), start + capacity)):
         if lines[i]["label"] != label:
             headings, label = headings + 1, lines[i]["label"]
-        if take + 1 + _heading_rows(headings) > capacity:
+            room = capacity - _heading_rows(headings)  # the rows left for lines once the headings are in
+        if take + 1 > room:
             break
         take += 1
     return max(1, take) if start < len(lines) else 0
@@ -262,5 +264,6 @@ def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
             for ex, s, n in seen]
 
 
+@lru_cache(maxsize=256)  # a note's expiries and dates are few, its contracts' lines many
 def _dmy(iso: str) -> str:
     return dt.date.fromisoformat(iso).strftime("%d-%m-%Y")
