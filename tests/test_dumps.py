@@ -3,7 +3,7 @@ from decimal import Decimal
 
 import pytest
 
-from pipeline.day.dumps import Trade, RowError, effective_trades, parse_client, parse_trade
+from pipeline.day.dumps import TRADE_FIELDS, Trade, RowError, effective_trades, parse_client, parse_trade
 from pipeline.day.split import shard_count
 from pipeline.record import keys
 
@@ -237,3 +237,15 @@ def test_a_trades_derived_values_are_the_same_however_it_was_made_and_survive_a_
             assert str(t.turnover) == str(made.price * made.quantity * made.multiplier)
             assert t.key == (t.exchange, t.segment, t.trade_no) and t.order_key == (t.exchange, t.segment, t.order_no)
         assert Trade(**Trade.from_row(made.as_row()).__dict__) == made
+
+
+def test_from_row_takes_each_field_from_its_own_column():
+    """A row of a distinct text a column: each field of the rebuilt trade is its column's (from_row
+    names every column by its index)."""
+    row = [f"v{i}" for i in range(len(TRADE_FIELDS))] + ["7.5"]
+    row[TRADE_FIELDS.index("quantity")], row[TRADE_FIELDS.index("price")] = "3", "2.25"
+    row[TRADE_FIELDS.index("multiplier")] = "5"
+    t = Trade.from_row(row)
+    for i, f in enumerate(TRADE_FIELDS):
+        assert str(getattr(t, f)) == row[i], f
+    assert t.close == Decimal("7.5") and t.turnover == Decimal("33.75")

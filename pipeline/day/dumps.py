@@ -150,19 +150,21 @@ class Trade:
         """Rebuild a trade that was already validated (from a shard file)."""
         if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
-        close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
-        t = _new(cls)  # the dataclass's __init__ without a setattr a field, then its __post_init__
-        _set_fields(t, dict(zip(_FIELDS, (
-            *row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
-            *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
-            int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1]))))
+        r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
+        t = _new(cls)  # the dataclass's __init__ without a setattr a field (its dict made whole), then __post_init__
+        _set_fields(t, {
+            "trade_date": r[0], "exchange": r[1], "segment": r[2], "settlement_no": r[3], "ucc": r[4], "order_no": r[5],
+            "order_time": r[6], "trade_no": r[7], "trade_time": r[8], "symbol": r[9], "isin": r[10], "instrument": r[11],
+            "expiry": r[12], "strike": r[13], "option_type": r[14], "side": r[15], "quantity": int(r[16]),
+            "price": Decimal(r[17]), "product": r[18], "status": r[19], "close": Decimal(close) if close else None,
+            "multiplier": int(r[20] or 1), "agri": r[21]})
         t.__post_init__()
         return t
 
 
 # A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
 # which comes before multiplier and agri: from_row builds one by position (a 2,000-page note
-# rebuilds 125,000), test_dumps holds the two orders together
+# rebuilds 125,000), test_dumps holds the two orders and from_row's columns together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 _FIELDS = tuple(f.name for f in fields(Trade))

@@ -44,11 +44,11 @@ KINDS = {"FO": "", "CDS": "currency_", "COM": "commodity_"}
 
 
 def rupees(x: Decimal) -> Decimal:
-    return x.quantize(RUPEE, rounding=ROUND_HALF_UP)
+    return x.quantize(RUPEE, ROUND_HALF_UP)  # by position: half the cost of rounding=
 
 
 def paise(x: Decimal) -> Decimal:
-    return x.quantize(PAISA, rounding=ROUND_HALF_UP)
+    return x.quantize(PAISA, ROUND_HALF_UP)
 
 
 @dataclass(frozen=True)
@@ -253,14 +253,14 @@ def _tax_rate(rates: dict, tax: str, cat: str, side: str) -> Decimal:
     if rule is None:
         return Decimal(0)
     rate, sides = rule
-    return Decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
+    return _decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
 
 
 def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal:
     """A levy's rate for a category: one the schedule lacks is an error naming the levy, never a
     zero, since a missing row would drop a charge from every note of the segment."""
     try:
-        return Decimal(table[levy][cat])
+        return _decimal(table[levy][cat])
     except KeyError:
         since = effective_from or table.get("effective_from", "?")
         raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None

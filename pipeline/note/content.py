@@ -68,22 +68,30 @@ NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange wh
 
 
 def money(amount: Decimal, places: int = 2) -> str:
-    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. Below a
-    lakh it is the grouping Python's format gives, in one C call; below a crore one comma more:
-    the rows' amounts mostly are, and this runs four times a trade."""
-    exact = abs(amount).quantize(_STEPS[places], rounding=ROUND_HALF_UP)
-    if exact < _LAKH:
-        return f"({exact:,f})" if amount < 0 else f"{exact:,f}"
-    whole, dot, frac = f"{exact:f}".partition(".")
-    head = whole[:-3]
-    if len(head) > 2:  # a crore or more: the lakhs and crores in pairs
-        odd = len(head) % 2
-        head = ",".join(([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)])
-    return f"({head},{whole[-3:]}{dot}{frac})" if amount < 0 else f"{head},{whole[-3:]}{dot}{frac}"
+    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. This runs
+    four times a trade and ~60 times a levies table, so each size has its cheapest exact path:
+    zero; below a thousand, str() (the rounded value's exponent is -places: never scientific);
+    below a lakh, Python's own grouping; below a crore one comma more; past that, pairs."""
+    if not amount:
+        return _ZEROS[places]  # -0 too: no brackets
+    exact = abs(amount).quantize(_STEPS[places], ROUND_HALF_UP)
+    if exact < _THOUSAND:
+        text = str(exact)
+    elif exact < _LAKH:
+        text = f"{exact:,f}"
+    else:
+        whole, dot, frac = f"{exact:f}".partition(".")
+        head = whole[:-3]
+        if len(head) > 2:  # a crore or more: the lakhs and crores in pairs
+            odd = len(head) % 2
+            head = ",".join(([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)])
+        text = f"{head},{whole[-3:]}{dot}{frac}"
+    return f"({text})" if amount < 0 else text
 
 
-_LAKH = Decimal(100_000)
-_STEPS = {places: Decimal(1).scaleb(-places) for places in range(5)}
+_THOUSAND, _LAKH = Decimal(1000), Decimal(100_000)
+_STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
+_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
@@ -92,7 +100,7 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     rows = _trade_rows(trades, charges)
     widths = column_widths([cells for _, cells in rows])
     layout = _layout(widths)
-    lines = [{"label": label, "text": layout.format(*cells).rstrip()} for label, cells in rows]
+    lines = [{"label": label, "text": (layout % cells).rstrip()} for label, cells in rows]
     settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
     with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
@@ -158,12 +166,13 @@ def column_widths(rows: list[list[str]]) -> list[int]:
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
     layout = _layout(widths or column_widths([]))
-    return [layout.format(*[c[i] for c in TRADE_COLUMNS]).rstrip() for i in (0, 1)]
+    return [(layout % tuple(c[i] for c in TRADE_COLUMNS)).rstrip() for i in (0, 1)]
 
 
 def _layout(widths: list[int]) -> str:
-    """One format string per note: padding a row is then a single C-level call."""
-    return GAP.join(f"{{:{'>' if right else '<'}{w}}}" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
+    """One %-template per note (a tuple of cells % it): padding a row is then a single C-level call,
+    ~40% fewer instructions than str.format's, which parses its fields' specs again every row."""
+    return GAP.join(f"%{'' if right else '-'}{w}s" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
 def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
@@ -202,7 +211,7 @@ def _heading_rows(headings: int) -> int:
     return max(0, headings - HEADINGS_FREE) * HEADING_ROWS
 
 
-def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, list[str]]]:
+def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[str, ...]]]:
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
     C/F lines after its trades."""
     totals, carried_totals = net_totals(trades, charges)
@@ -228,21 +237,21 @@ def _groups(lines: list[dict]) -> list[dict]:
             for label, rows in groupby(lines, key=lambda l: l["label"])]
 
 
-def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> list[str]:
+def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
     net_rate = t.price + brokerage_unit if t.side == "B" else t.price - brokerage_unit
     remarks = t.product + (" (modified)" if t.status == "12" else "")
     closing = money(t.close, 4) if t.close is not None else ""
-    return [
+    return (
         t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side,
         str(t.quantity), money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4),
         closing, money(net_total), remarks,
-    ]
+    )
 
 
-def _carried_cells(c: CarryForward, net_total: Decimal) -> list[str]:
+def _carried_cells(c: CarryForward, net_total: Decimal) -> tuple[str, ...]:
     rate = money(c.price, 4)
-    return ["", "", "", "", _describe(c.trade), c.side, str(c.quantity), rate, money(Decimal(0), 4), rate,
-            rate, money(net_total), "C/F"]
+    return ("", "", "", "", _describe(c.trade), c.side, str(c.quantity), rate, money(Decimal(0), 4), rate,
+            rate, money(net_total), "C/F")
 
 
 def _describe(t: Trade) -> str:
