@@ -84,6 +84,14 @@ class Levies:
 _LEVIES_FIELDS = tuple(f.name for f in fields(Levies))
 
 
+def _levies(**values: Decimal) -> Levies:
+    """Levies(**values), every field given, without the frozen dataclass's setattr a field (a
+    fifth of a typical note's charges went to making its segments' Levies and their total)."""
+    levies = object.__new__(Levies)
+    levies.__dict__.update(values)
+    return levies
+
+
 @dataclass(frozen=True)
 class CarryForward:
     """A futures position carried forward: a notional trade closing it at the settlement price."""
@@ -105,7 +113,9 @@ class Charges:
 
     @property
     def total(self) -> Levies:
-        return sum(self.segments.values(), Levies())
+        """The segments' sum, field by field from Decimal(0) as Levies() + each would add them, made once."""
+        segments = self.segments.values()
+        return _levies(**{f: sum([getattr(s, f) for s in segments], Decimal(0)) for f in _LEVIES_FIELDS})
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
@@ -232,7 +242,7 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
     else:
         cgst = sgst = Decimal(0)
         igst = paise(gst_base * gst_rate)
-    return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
+    return _levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
                   stt=rupees(stt), txn=txn, sebi=sebi, stamp=paise(stamp), ipft=paise(ipft),
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 

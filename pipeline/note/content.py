@@ -69,27 +69,25 @@ NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange wh
 
 def money(amount: Decimal, places: int = 2) -> str:
     """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. This runs
-    four times a trade and ~60 times a levies table, so each size has its cheapest exact path:
-    zero; below a thousand, str() (the rounded value's exponent is -places: never scientific);
-    below a lakh, Python's own grouping; below a crore one comma more; past that, pairs."""
+    four times a trade and ~60 times a levies table: the rounded amount's str() (its exponent is
+    -places, so never scientific), commas by slicing below a crore, Python's format and a Decimal
+    comparison or two cost more than all of it (tests/test_money.py holds it to the plain rule)."""
     if not amount:
         return _ZEROS[places]  # -0 too: no brackets
-    exact = abs(amount).quantize(_STEPS[places], ROUND_HALF_UP)
-    if exact < _THOUSAND:
-        text = str(exact)
-    elif exact < _LAKH:
-        text = f"{exact:,f}"
-    else:
-        whole, dot, frac = f"{exact:f}".partition(".")
-        head = whole[:-3]
-        if len(head) > 2:  # a crore or more: the lakhs and crores in pairs
-            odd = len(head) % 2
-            head = ",".join(([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)])
-        text = f"{head},{whole[-3:]}{dot}{frac}"
+    text = str(abs(amount).quantize(_STEPS[places], ROUND_HALF_UP))
+    whole = len(text) - places - 1 if places else len(text)  # digits before the point
+    if whole > 3:
+        if whole < 6:
+            text = f"{text[:whole - 3]},{text[whole - 3:]}"
+        elif whole < 8:
+            text = f"{text[:whole - 5]},{text[whole - 5:whole - 3]},{text[whole - 3:]}"
+        else:  # a crore or more: the lakhs and crores in pairs
+            head, odd = text[:whole - 3], (whole - 3) % 2
+            groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
+            text = f"{','.join(groups)},{text[whole - 3:]}"
     return f"({text})" if amount < 0 else text
 
 
-_THOUSAND, _LAKH = Decimal(1000), Decimal(100_000)
 _STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
 _ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
 
@@ -165,8 +163,13 @@ def column_widths(rows: list[list[str]]) -> list[int]:
 
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
-    layout = _layout(widths or column_widths([]))
-    return [(layout % tuple(c[i] for c in TRADE_COLUMNS)).rstrip() for i in (0, 1)]
+    return list(_heads(tuple(widths or column_widths([]))))
+
+
+@lru_cache(maxsize=64)  # most notes' columns are the least widths
+def _heads(widths: tuple[int, ...]) -> tuple[str, str]:
+    layout = _layout(widths)
+    return tuple((layout % tuple(c[i] for c in TRADE_COLUMNS)).rstrip() for i in (0, 1))
 
 
 def _layout(widths: list[int]) -> str:
