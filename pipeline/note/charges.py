@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
+from heapq import nlargest
 from pathlib import Path
 
 from pipeline.day.dumps import DERIVATIVES, Trade, contract_id
@@ -157,18 +158,20 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
     for t in trades:
         by_segment[segment_of(t)].append(t)
     carried = carry_forward(trades)
-    orders = _orders(trades)
-    fees = {key: _order_brokerage(order, tariff) for key, order in orders.items()}
+    shares: dict[tuple, Decimal] = {}
+    brokerage: dict[str, Decimal] = defaultdict(Decimal)  # a segment's orders' fees: an order is in one segment
+    for order in _orders(trades).values():  # one pass: each order's fee, its segment's sum, the trades' shares
+        fee = _order_brokerage(order, tariff)
+        brokerage[segment_of(order[0])] += fee
+        if len(order) == 1:  # most orders: one trade, the whole fee
+            shares[order[0].key] = fee
+        else:
+            shares.update(split_pro_rata(fee, order))
     segments = {
-        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], fees, rates, intra_state)
+        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], brokerage[seg], rates,
+                             intra_state)
         for seg, ts in sorted(by_segment.items())
     }
-    shares: dict[tuple, Decimal] = {}
-    for key, order in orders.items():
-        if len(order) == 1:  # most orders: one trade, the whole fee
-            shares[order[0].key] = fees[key]
-        else:
-            shares.update(split_pro_rata(fees[key], order))
     return Charges(segments=segments, brokerage_share=shares, carried=carried)
 
 
@@ -210,16 +213,17 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
         residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
         if residue:
             step = PAISA if residue > 0 else -PAISA
-            rows.sort(key=lambda r: (r[1] - values[r[0]]) * step, reverse=True)
-            for k, _ in rows[:int(abs(residue) / PAISA)]:
+            # the rows a sort by that, largest first and stable, would put first (a few hundred of 60,000)
+            for k, _ in nlargest(int(abs(residue) / PAISA), rows, key=lambda r: (r[1] - values[r[0]]) * step):
                 values[k] += step
         rounded.update(values)
     carried = {i: rounded.pop(("C/F", i)) for i in range(len(charges.carried))}  # the trades' are left
     return rounded, carried
 
 
-def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,
+def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage: Decimal, rates: dict,
                     intra_state: bool) -> Levies:
+    """`brokerage`: the fees of the segment's orders (compute sums them as it makes them)."""
     buys = sum((t.turnover for t in trades if t.side == "B"), Decimal(0))
     sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
     carry = sum((c.value for c in carried), Decimal(0))
@@ -232,7 +236,6 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
         txn += value * _rate(rates["txn"], exchange, cat, rates["effective_from"])
         sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
         ipft += value * _rate(rates, "ipft", cat)
-    brokerage = sum((fees[key] for key in {t.order_key for t in trades}), Decimal(0))
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
     gst_rate = Decimal(rates["gst"])
