@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
+from operator import attrgetter
 from heapq import nlargest
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from pipeline.day.dumps import DERIVATIVES, Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")
+_UNIT_STEP = Decimal("0.0001")  # a rate's, per unit
 RATES_FILE = Path(__file__).parent / "data" / "rates.json"
 LEVY_FIELDS = ("brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst", "ctt")
 # The derivatives segments' categories are named apart: each has its own rates in every table
@@ -76,13 +78,14 @@ class Levies:
     @property
     def net(self) -> Decimal:
         """Receivable by the client if positive, payable if negative."""
-        return self.obligation - sum(getattr(self, f) for f in LEVY_FIELDS)
+        return self.obligation - sum(_levy_values(self))
 
     def __add__(self, other: "Levies") -> "Levies":
         return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})
 
 
 _LEVIES_FIELDS = tuple(f.name for f in fields(Levies))
+_all_values, _levy_values = attrgetter(*_LEVIES_FIELDS), attrgetter(*LEVY_FIELDS)  # a tuple of them, in one call
 
 
 def _levies(**values: Decimal) -> Levies:
@@ -115,14 +118,16 @@ class Charges:
     @property
     def total(self) -> Levies:
         """The segments' sum, field by field from Decimal(0) as Levies() + each would add them, made once."""
-        segments = self.segments.values()
-        return _levies(**{f: sum([getattr(s, f) for s in segments], Decimal(0)) for f in _LEVIES_FIELDS})
+        rows = [_all_values(s) for s in self.segments.values()]
+        if not rows:
+            return Levies()
+        return _levies(**{f: sum(column, Decimal(0)) for f, column in zip(_LEVIES_FIELDS, zip(*rows))})
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
         `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts."""
         units = t.quantity * t.multiplier
-        return (self.brokerage_share[t.key] / units).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
+        return (self.brokerage_share[t.key] / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
 
 
 def category(trade: Trade) -> str:

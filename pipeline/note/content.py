@@ -20,6 +20,7 @@ import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from itertools import groupby
+from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import Client, Trade
@@ -74,7 +75,8 @@ def money(amount: Decimal, places: int = 2) -> str:
     comparison or two cost more than all of it (tests/test_money.py holds it to the plain rule)."""
     if not amount:
         return _ZEROS[places]  # -0 too: no brackets
-    text = str(abs(amount).quantize(_STEPS[places], ROUND_HALF_UP))
+    negative = amount < _ZERO
+    text = str((-amount if negative else amount).quantize(_STEPS[places], ROUND_HALF_UP))
     whole = len(text) - places - 1 if places else len(text)  # digits before the point
     if whole > 3:
         if whole < 6:
@@ -85,11 +87,12 @@ def money(amount: Decimal, places: int = 2) -> str:
             head, odd = text[:whole - 3], (whole - 3) % 2
             groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
             text = f"{','.join(groups)},{text[whole - 3:]}"
-    return f"({text})" if amount < 0 else text
+    return f"({text})" if negative else text
 
 
 _STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
-_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
+_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)
+_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison  # 0, 0.0, 0.00 ...
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
@@ -156,10 +159,13 @@ def levies_table(charges: Charges) -> dict:
 
 
 def column_widths(rows: list[list[str]]) -> list[int]:
-    widths = [max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS]
+    widths = _LEAST_WIDTHS
     if not rows:
-        return widths
+        return list(widths)
     return [max(w, max(map(len, column))) for w, column in zip(widths, zip(*rows))]
+
+
+_LEAST_WIDTHS = tuple(max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS)
 
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
@@ -219,7 +225,7 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
     C/F lines after its trades."""
     totals, carried_totals = net_totals(trades, charges)
     rows = []
-    key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
+    key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
         rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
@@ -236,8 +242,10 @@ def _segment_title(segment: str) -> str:
 
 def _groups(lines: list[dict]) -> list[dict]:
     """Consecutive rows of one label become one block of text."""
-    return [{"label": label, "lines": [r["text"] for r in rows]}
-            for label, rows in groupby(lines, key=lambda l: l["label"])]
+    return [{"label": label, "lines": list(map(_TEXT, rows))} for label, rows in groupby(lines, key=_LABEL)]
+
+
+_LABEL, _TEXT = itemgetter("label"), itemgetter("text")
 
 
 def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
@@ -271,7 +279,7 @@ def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
     one) says so rather than print a date that may be wrong."""
-    seen = sorted({(t.exchange, segment_of(t), t.settlement_no) for t in trades})
+    seen = sorted({(t.exchange, t.exchange_segment, t.settlement_no) for t in trades})  # segment_of(t)
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
 
