@@ -91,8 +91,8 @@ def money(amount: Decimal, places: int = 2) -> str:
 
 
 _STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
-_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)
-_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison  # 0, 0.0, 0.00 ...
+_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
+_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
