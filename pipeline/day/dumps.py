@@ -128,10 +128,8 @@ class Trade:
     __slots__ = ("turnover", "key", "order_key", "exchange_segment", "__dict__", "__weakref__")
 
     def __post_init__(self) -> None:
-        _set_turnover(self, self.price * self.quantity * self.multiplier)
-        _set_key(self, (self.exchange, self.segment, self.trade_no))
-        _set_order_key(self, (self.exchange, self.segment, self.order_no))
-        _set_exchange_segment(self, f"{self.exchange}-{self.segment}")
+        _derive(self, self.exchange, self.segment, self.trade_no, self.order_no, self.price, self.quantity,
+                self.multiplier)
 
     def __reduce__(self):
         """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
@@ -157,17 +155,19 @@ class Trade:
         # The fields of few values (exchange, segment, product, a contract's) are interned: JSON made
         # each row its own "NSE", and a 125,000-trade note's passes over its trades missed the cache
         # on each (~1.5 µs a trade); order and trade numbers and times are the trade's own
+        exchange, segment, quantity, price = _intern(r[1]), _intern(r[2]), int(r[16]), Decimal(r[17])
+        multiplier = int(r[20] or 1)
         d = _SHARED_DICT.copy()
-        d["trade_date"], d["exchange"], d["segment"] = _intern(r[0]), _intern(r[1]), _intern(r[2])
+        d["trade_date"], d["exchange"], d["segment"] = _intern(r[0]), exchange, segment
         d["settlement_no"], d["ucc"], d["order_no"], d["order_time"] = _intern(r[3]), _intern(r[4]), r[5], r[6]
         d["trade_no"], d["trade_time"], d["symbol"], d["isin"] = r[7], r[8], _intern(r[9]), _intern(r[10])
         d["instrument"], d["expiry"], d["strike"] = _intern(r[11]), _intern(r[12]), _intern(r[13])
-        d["option_type"], d["side"], d["quantity"], d["price"] = _intern(r[14]), r[15], int(r[16]), Decimal(r[17])
+        d["option_type"], d["side"], d["quantity"], d["price"] = _intern(r[14]), r[15], quantity, price
         d["product"], d["status"], d["close"] = _intern(r[18]), _intern(r[19]), Decimal(close) if close else None
-        d["multiplier"], d["agri"] = int(r[20] or 1), _intern(r[21])
+        d["multiplier"], d["agri"] = multiplier, _intern(r[21])
         t = _new(cls)
         _set_fields(t, d)
-        t.__post_init__()
+        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier)  # as __post_init__, from the locals
         return t
 
 
@@ -180,6 +180,17 @@ _FIELDS = tuple(f.name for f in fields(Trade))
 _new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
 _set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
 _set_exchange_segment = Trade.exchange_segment.__set__
+
+
+def _derive(t: Trade, exchange: str, segment: str, trade_no: str, order_no: str, price: Decimal, quantity: int,
+            multiplier: int) -> None:
+    """A trade's slots from its fields: the one place they are worked out, however the trade is made."""
+    _set_turnover(t, price * quantity * multiplier if multiplier != 1 else price * quantity)
+    _set_key(t, (exchange, segment, trade_no))
+    _set_order_key(t, (exchange, segment, order_no))
+    _set_exchange_segment(t, f"{exchange}-{segment}")
+
+
 _SHARED_DICT = Trade(*[""] * _AT_QUANTITY, 0, Decimal(0), "", "").__dict__  # keys shared with the class's
 
 

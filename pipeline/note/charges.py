@@ -160,12 +160,14 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
             rates_file: Path | None = None) -> Charges:
     rates = rates_for(trade_date, rates_file)
     by_segment: dict[str, list[Trade]] = defaultdict(list)
+    orders: dict[tuple, list[Trade]] = defaultdict(list)
     for t in trades:
         by_segment[segment_of(t)].append(t)
+        orders[t.order_key].append(t)
     carried = carry_forward(trades)
     shares: dict[tuple, Decimal] = {}
     brokerage: dict[str, Decimal] = defaultdict(Decimal)  # a segment's orders' fees: an order is in one segment
-    for order in _orders(trades).values():  # one pass: each order's fee, its segment's sum, the trades' shares
+    for order in orders.values():  # one pass: each order's fee, its segment's sum, the trades' shares
         fee = _order_brokerage(order, tariff)
         brokerage[segment_of(order[0])] += fee
         if len(order) == 1:  # most orders: one trade, the whole fee
@@ -282,13 +284,6 @@ def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal
     except KeyError:
         since = effective_from or table.get("effective_from", "?")
         raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None
-
-
-def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:
-    orders: dict[tuple, list[Trade]] = defaultdict(list)
-    for t in trades:
-        orders[t.order_key].append(t)
-    return orders
 
 
 def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:

@@ -101,7 +101,7 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     rows = _trade_rows(trades, charges)
     widths = column_widths([cells for _, cells in rows])
     layout = _layout(widths)
-    lines = [{"label": label, "text": (layout % cells).rstrip()} for label, cells in rows]
+    lines = [(label, (layout % cells).rstrip()) for label, cells in rows]
     settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
     with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
@@ -184,8 +184,8 @@ def _layout(widths: list[int]) -> str:
     return GAP.join(f"%{'' if right else '-'}{w}s" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
-def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
-    """Fixed rows per page, less what headings past the page's allowance take; the levies block
+def paginate(lines: list[tuple[str, str]], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
+    """`lines`: (section label, text). Fixed rows per page, less what headings past the page's allowance take; the levies block
     goes on the last page if it fits, else a new one. `header_rows`: the first page's header
     past its usual height; `levy_rows`: the levies block's lines past the usual (the CTT line)."""
     first = ROWS_FIRST_PAGE - header_rows
@@ -203,12 +203,12 @@ def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> lis
     return pages
 
 
-def _fitting(lines: list[dict], start: int, capacity: int) -> int:
+def _fitting(lines: list[tuple[str, str]], start: int, capacity: int) -> int:
     """How many lines from `start` fit in `capacity` rows with their section headings (at least one)."""
     headings, label, take, room = 0, None, 0, capacity
     for i in range(start, min(len(lines), start + capacity)):
-        if lines[i]["label"] != label:
-            headings, label = headings + 1, lines[i]["label"]
+        if lines[i][0] != label:
+            headings, label = headings + 1, lines[i][0]
             room = capacity - _heading_rows(headings)  # the rows left for lines once the headings are in
         if take + 1 > room:
             break
@@ -240,12 +240,12 @@ def _segment_title(segment: str) -> str:
     return segment.replace("-", " / ") + (f" ({name})" if name else "")
 
 
-def _groups(lines: list[dict]) -> list[dict]:
+def _groups(lines: list[tuple[str, str]]) -> list[dict]:
     """Consecutive rows of one label become one block of text."""
     return [{"label": label, "lines": list(map(_TEXT, rows))} for label, rows in groupby(lines, key=_LABEL)]
 
 
-_LABEL, _TEXT = itemgetter("label"), itemgetter("text")
+_LABEL, _TEXT = itemgetter(0), itemgetter(1)
 
 
 def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
