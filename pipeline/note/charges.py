@@ -292,14 +292,20 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     cat = category(order[0])
     rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
-        return paise(_decimal(rule["flat"]))
+        return _flat_fee(rule["flat"])
     turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
     fee = turnover * _decimal(rule["percent"])
     cap = _decimal(rule["cap"])
-    return paise(min(fee, cap) if cap > 0 else fee)
+    return (cap if _NOUGHT < cap < fee else fee).quantize(PAISA, ROUND_HALF_UP)  # paise(min(fee, cap) if capped)
 
 
 _decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order
+_NOUGHT = Decimal(0)
+
+
+@lru_cache(maxsize=64)
+def _flat_fee(text: str) -> Decimal:
+    return paise(Decimal(text))
 
 
 def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:
