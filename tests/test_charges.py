@@ -162,6 +162,26 @@ def test_currency_options_on_bse_on_premium():
     assert c.net == D("-2523.68")
 
 
+def test_a_cross_currency_future_is_charged_and_marked_to_market_in_rupees_at_the_reference_rate():
+    # sell 3 lots EURUSD @ 1.0852 USD, RBI's USD reference rate 84.1234: 3 x 1,000 x 1.0852 = 3,255.60 USD
+    # = 2,73,872.14104 rupees. No STT or CTT. NSE currency futures txn 0.00035% = 0.9585525 -> 0.96;
+    # SEBI 0.0001% = 0.27387 -> 0.27; IPFT 0.00005% = 0.13694 -> 0.14; no stamp on a sell; brokerage
+    # min(0.03% = 82.16, 20) = 20.00; IGST 18% of 21.23 = 3.8214 -> 3.82. The short is carried forward at
+    # the settlement price 1.0860 USD: 3,258 USD x 84.1234 = 2,74,074.0372, so the obligation is the MTM
+    # 3,000 x (1.0852 - 1.0860) x 84.1234 = (201.89616) -> (201.90).
+    # Net = -201.90 - 20 - 0.96 - 0.27 - 0.14 - 3.82 = (227.09).
+    t = Trade(**{**lot("S", 3, "1.0852", "CDS", "FUTCUR", "NSE", 1000, "EURUSD", close="1.0860").__dict__,
+                 "fx": D("84.1234")})
+    charges = compute([t], NEW, False, TARIFF)
+    c = charges.segments["NSE-CDS"]
+    assert (c.stt, c.ctt, c.txn, c.sebi, c.ipft, c.stamp, c.brokerage, c.igst) == (
+        D(0), D(0), D("0.96"), D("0.27"), D("0.14"), D("0.00"), D("20.00"), D("3.82"))
+    assert (c.sells, c.carry, c.obligation, c.net) == (D("273872.14104"), D("-274074.0372"), D("-201.90"),
+                                                       D("-227.09"))
+    # the brokerage a unit is in dollars, as the rate it sits beside: 20 / (3,000 x 84.1234) = 0.0000792 -> 0.0001
+    assert charges.brokerage_per_unit(t) == D("0.0001")
+
+
 def test_gold_futures_on_mcx_pay_ctt_on_the_sell_to_the_rupee():
     # sell 1 lot GOLD @ 76,543 per 10 g, a 1 kg lot = multiplier 100: 76,54,300.00.
     # CTT 0.01% of a non-agricultural future's sell = 765.43 -> 765; MCX futures txn 0.0021% =

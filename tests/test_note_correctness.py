@@ -82,11 +82,13 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def write_day(folder: Path, trades=HAND_MADE, bhav=BHAVCOPY, clients=(CLIENT,)) -> Path:
+def write_day(folder: Path, trades=HAND_MADE, bhav=BHAVCOPY, clients=(CLIENT,), refs=()) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     write_csv(folder / "clients.csv", CLIENT_FIELDS, list(clients))
     write_csv(folder / "trades.csv", TRADE_FIELDS, list(trades))
     write_csv(folder / "bhavcopy.csv", list(bhav[0]), list(bhav))
+    if refs:
+        write_csv(folder / "reference_rates.csv", ["date", "currency", "units", "rate"], list(refs))
     return folder
 
 
@@ -97,9 +99,9 @@ def pdftotext(pdf: bytes, tmp_path: Path) -> str:
                           check=True).stdout
 
 
-def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY
+def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY, refs=()
                      ) -> tuple[str, dict]:
-    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav)))
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav, refs=refs)))
     store = open_store(str(tmp_path / "store"))
     split = split_day(inputs, store, RunState(redis_url, run_id), run_id, DATE, 100, "CNT")
     assert split.accounts == 1 and split.rejected == 0, split
@@ -237,6 +239,46 @@ def test_a_day_in_every_segment_shows_each_exchange_and_segment_apart_and_reconc
     assert net[-1] == sum(net[:-1])
     # MCX and NCDEX settle on their own calendars, which the run was not given
     assert sum("per the exchange's calendar" in s["date"] for s in note["note"]["settlements"]) == 2
+
+
+CROSS = [
+    lots("NSE", "CDS", "FUTCUR", "EURUSD", "2026-11-26", "S", "3", "1.0852", 220),
+    lots("BSE", "CDS", "OPTCUR", "USDJPY", "2026-11-26", "B", "2", "0.85", 222, strike="150", option_type="CE"),
+    lots("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", "B", "1", "84.1000", 224),
+]
+CROSS_BHAVCOPY = [bhav("NSE", "CD", "FUTCUR", "EURUSD", "2026-11-26", "1.0860"),
+                  bhav("BSE", "CD", "OPTCUR", "USDJPY", "2026-11-26", "0.90", "150.00", "CE"),
+                  bhav("NSE", "CD", "FUTCUR", "USDINR", "2026-11-26", "84.2000")]
+REFERENCE = [{"date": DATE, "currency": "USD", "units": "1", "rate": "84.1234"},
+             {"date": DATE, "currency": "JPY", "units": "100", "rate": "55.12"}]
+
+
+def test_a_cross_currency_pair_shows_its_quote_and_reference_rate_and_settles_in_rupees(tmp_path, redis_url):
+    text, _ = split_and_render(tmp_path, redis_url, "cross", CROSS, CROSS_BHAVCOPY, REFERENCE)
+    rows = parse_rows(text)
+    # the rate in dollars, the rupee value at RBI's rate: 3 x 1,000 x 1.0852 x 84.1234 = 2,73,872.14104,
+    # less 20 of brokerage = 2,73,852.14; the short carried forward at 1.0860: (2,74,074.04)
+    assert re.search(r"FUTCUR EURUSD 26-11-2026 x1000 INR/USD 84\.1234\s+S\s+3\s+1\.0852\s+0\.0001\s+1\.0851\s+"
+                     r"1\.0860\s+2,73,852\.14\s+NRML", text), text
+    assert re.search(r"FUTCUR EURUSD .*\(2,74,074\.04\)\s+C/F", text)
+    # USDJPY options at premium in yen: 2 x 1,000 x 0.85 = 1,700 yen at 0.5512 rupees = 937.04, plus 20
+    assert re.search(r"OPTCUR USDJPY 26-11-2026 150 CE x1000 INR/JPY 0\.5512\s+B\s+2\s+0\.8500.*\(957\.04\)", text)
+    heads = next(line for line in text.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == ["BSE-CDS", "NSE-CDS", "Total", "(Net)"]
+    obligation, brokerage = levies_line(text, "Pay-in/Pay-out obligation"), levies_line(text, "Brokerage")
+    # NSE: EURUSD's MTM 3,000 x (1.0852 - 1.0860) x 84.1234 = (201.89616) and USDINR's 1,000 x (84.2 - 84.1) = 100
+    assert obligation == [D("-937.04"), D("-101.90"), D("-1038.94")]
+    for i, segment in enumerate(heads[:2]):
+        assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment
+
+
+def test_a_cross_currency_trade_without_its_reference_rate_rejects_its_account_by_row(tmp_path, redis_url):
+    inputs = open_store(str(write_day(tmp_path / "in", trades=CROSS, bhav=CROSS_BHAVCOPY, refs=REFERENCE[1:])))
+    state = RunState(redis_url, "no-rate")
+    split = split_day(inputs, open_store(str(tmp_path / "store")), state, "no-rate", DATE, 100, "CNT")
+    assert (split.accounts, split.rejected) == (0, 1)
+    assert state.accounts(["H1"])["H1"]["reason"].startswith(
+        "trades.csv row 1 field 'symbol': EURUSD settles in rupees at RBI's reference rate for USD")
 
 
 def test_a_derivatives_trade_whose_contract_is_not_in_the_bhavcopy_rejects_its_account_by_row(tmp_path, redis_url):
@@ -407,6 +449,11 @@ def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_t
     raw = list(csv.DictReader((tmp_path / "in" / "trades.csv").open(newline="")))
     bhav = {(r["Src"], r["TckrSymb"], r["XpryDt"], r["StrkPric"], r["OptnTp"]): D(r["SttlmPric"])
             for r in csv.DictReader((tmp_path / "in" / "bhavcopy.csv").open(newline=""))}
+    # a cross pair's rupees at RBI's rate for the currency it is quoted in (JPY's given for 100 yen)
+    rbi = {r["currency"]: D(r["rate"]) / int(r["units"])
+           for r in csv.DictReader((tmp_path / "in" / "reference_rates.csv").open(newline=""))}
+    inr = lambda t: rbi[{"EURUSD": "USD", "GBPUSD": "USD", "USDJPY": "JPY"}[t.symbol]] if t.symbol[3:] != "INR" \
+        and t.segment == "CDS" else 1  # noqa: E731
     mixed = sorted({r["ucc"] for r in raw if r["segment"] in ("CDS", "COM")})
     assert len(mixed) >= 5
     store = open_store(str(tmp_path / "store"))
@@ -420,11 +467,11 @@ def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_t
         open_lots: dict[tuple, int] = defaultdict(int)
         for t in mine:
             units = t.quantity * (1000 if t.segment == "CDS" else int(t.multiplier))
-            expected[f"{t.exchange}-{t.segment}"] += units * t.price * (1 if t.side == "S" else -1)
+            expected[f"{t.exchange}-{t.segment}"] += units * t.price * inr(t) * (1 if t.side == "S" else -1)
             if t.instrument.startswith("FUT"):
-                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, t.multiplier)] += units * (1 if t.side == "B" else -1)
-        for (exchange, segment, symbol, expiry, _), units in open_lots.items():
-            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")]
+                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, inr(t))] += units * (1 if t.side == "B" else -1)
+        for (exchange, segment, symbol, expiry, rate), units in open_lots.items():
+            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")] * rate
         account = find_account(store, "mixed", ucc)
         note = stages.note_data(account, Client(**account["client"]), "2026-11-20", {"NSE": "2026-11-23",
                                                                                      "BSE": "2026-11-23"})

@@ -37,9 +37,11 @@ def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_pat
     errors: list[dict] = []
     with (tmp_path / "bhavcopy.csv").open() as f:
         closes = bhavcopy.read(f, "2026-11-20", errors)
-    assert errors == []
+    with (tmp_path / "reference_rates.csv").open() as f:
+        rates = bhavcopy.read_reference_rates(f, "2026-11-20", errors)
+    assert errors == [] and set(rates) == {("RBI", "USD"), ("RBI", "JPY")}
     rows = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
-    derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", closes) for n, r in enumerate(rows, 1)
+    derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", {**closes, **rates}) for n, r in enumerate(rows, 1)
                    if r["segment"] != "CM"]
     assert derivatives and all(t.close is not None for t in derivatives)
     assert {contract_id(t) for t in derivatives} == set(closes)
@@ -70,10 +72,14 @@ def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and
     # the same trades a client, numbers and times as the equity-only day: only some rows moved segment
     assert [(t["ucc"], t["trade_no"]) for t in mixed] == [(t["ucc"], t["trade_no"]) for t in equity]
     assert not {(t["exchange"], t["segment"]) for t in equity} - {("NSE", "CM"), ("BSE", "CM"), ("NSE", "FO")}
+    assert {t["symbol"] for t in mixed if t["segment"] == "CDS"} >= {"USDINR", "EURUSD", "USDJPY"}  # cross pairs too
+    assert {t["instrument"] for t in mixed if t["exchange"] == "NCDEX"} == {"FUTCOM", "OPTFUT"}
     errors: list[dict] = []
     from pipeline.day import bhavcopy
     with (tmp_path / "mixed" / "bhavcopy.csv").open() as f:
         closes = bhavcopy.read(f, "2026-11-20", errors)
+    with (tmp_path / "mixed" / "reference_rates.csv").open() as f:
+        closes.update(bhavcopy.read_reference_rates(f, "2026-11-20", errors))
     assert errors == []
     for n, r in enumerate(mixed, 1):
         parse_trade("trades.csv", n, r, "2026-11-20", closes)  # every row fits its segment

@@ -55,11 +55,16 @@ INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}, "CD
 PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}, "CDS": {"NRML", "MIS"}, "COM": {"NRML", "MIS"}}
 DERIVATIVES = {"FO", "CDS", "COM"}
 # A currency lot is 1,000 units of the base currency (JPYINR: 1,00,000 yen quoted per 100 yen):
-# quantity is in lots, price in rupees per unit. Cross-currency pairs settle through a reference
-# rate and are not taken: a CDS symbol is an INR pair.
+# quantity is in lots, price in rupees per unit. A cross-currency pair (NSE's and BSE's EURUSD,
+# GBPUSD, USDJPY: 1,000 of the base currency a lot) is quoted in its second currency and settles
+# in rupees at RBI's reference rate for that currency on the trade date (reference_rates.csv).
 CURRENCY_MULTIPLIER = 1000
 _CURRENCY = str(CURRENCY_MULTIPLIER)
 INR_PAIR = re.compile(r"^[A-Z]{3}INR\Z")
+CROSS_PAIRS = {"EURUSD": "USD", "GBPUSD": "USD", "USDJPY": "JPY"}  # pair -> the currency it is quoted in
+# A cross-currency quote (about 1.1 or 150) is bounded well under MAX_PRICE, so its rupee value,
+# the quote times a reference rate of at most 6 places, stays exact in Decimal's 28 digits
+MAX_CROSS_PRICE = Decimal("10000")
 MULTIPLIER = re.compile(r"^[1-9][0-9]{0,6}\Z")  # a commodity lot holds under a crore of price units
 # Currency premiums are quoted to 4 places with a tick of 0.0025 rupee: under equity's 1 paisa
 MIN_PRICES = {"CDS": Decimal("0.0001")}
@@ -117,11 +122,15 @@ class Trade:
     # after close, so a Trade built by position as before stays what it was
     multiplier: int = 1  # price units a lot holds: 1,000 on currency, e.g. 100 on gold (10 g quotes, 1 kg lot)
     agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
+    # cross-currency pairs: rupees a unit of the quote currency (RBI's reference rate); None: quoted in rupees
+    fx: Decimal | None = None
 
     @property
     def turnover(self) -> Decimal:
-        """Rupees: lots x multiplier x price (equity: shares x price, the multiplier being 1)."""
-        return self.price * self.quantity * self.multiplier
+        """Rupees: lots x multiplier x price (equity: shares x price, the multiplier being 1); a
+        cross-currency pair's value in its quote currency, at the reference rate."""
+        value = self.price * self.quantity * self.multiplier
+        return value if self.fx is None else value * self.fx
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -138,6 +147,8 @@ class Trade:
         row = [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
         if self.multiplier == 1:
             row[_AT_MULTIPLIER] = ""
+        if self.fx is not None:  # a cross-currency pair's reference rate, after close: other rows end there
+            row.append(str(self.fx))
         return row
 
     @classmethod
@@ -148,7 +159,8 @@ class Trade:
         close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
         return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
                    *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
-                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1])
+                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1],
+                   Decimal(row[_AT_FX]) if len(row) > _AT_FX else None)
 
 
 # A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
@@ -156,6 +168,7 @@ class Trade:
 # rebuilds 125,000), test_dumps holds the two orders together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
+_AT_FX = _AT_CLOSE + 1
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
@@ -185,8 +198,9 @@ def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
 
 def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
                 closes: Mapping[tuple, Decimal] | None = None) -> Trade:
-    """`closes` (from the bhavcopy) gives each derivatives contract its closing price; a
-    contract missing from it is this row's error, since the note could not show its rate."""
+    """`closes` (from the bhavcopy) gives each derivatives contract its closing price, and each
+    currency a cross-currency pair is quoted in its RBI reference rate (reference_key); a
+    contract or rate missing from it is this row's error, since the note could not show it."""
     ucc = (raw.get("ucc") or "").strip()
     fail = _failer(file, row, ucc if UCC.match(ucc) else "")
     v = _clean(raw, TRADE_FIELDS, fail)
@@ -239,7 +253,21 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     close = closes.get(contract_id(trade))
     if close is None:
         fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
-    return Trade(**{**trade.__dict__, "close": close})
+    fx = None
+    if trade.segment == "CDS" and (currency := CROSS_PAIRS.get(trade.symbol)):
+        fx = closes.get(reference_key(currency))
+        if fx is None:
+            fail("symbol", f"{trade.symbol} settles in rupees at RBI's reference rate for {currency}, and "
+                           f"{REFERENCE_FILE} gives none for {trade_date}")
+    return Trade(**{**trade.__dict__, "close": close, "fx": fx})
+
+
+REFERENCE_FILE = "reference_rates.csv"
+
+
+def reference_key(currency: str) -> tuple[str, str]:
+    """Where a currency's RBI reference rate (rupees a unit) sits among the closing prices."""
+    return ("RBI", currency)
 
 
 def _lot_terms(v: dict[str, str], fail) -> int:
@@ -256,10 +284,14 @@ def _lot_terms(v: dict[str, str], fail) -> int:
     if agri:
         fail("agri", f"is only for commodities (segment COM), not {segment}")
     if segment == "CDS":
-        if not INR_PAIR.match(v["symbol"]):
-            fail("symbol", f"{v['symbol']!r} is not an INR pair (e.g. USDINR); cross-currency pairs are not taken")
+        cross = v["symbol"] in CROSS_PAIRS
+        if not cross and not INR_PAIR.match(v["symbol"]):
+            fail("symbol", f"{v['symbol']!r} is not a currency pair taken: an INR pair (e.g. USDINR) or "
+                           f"{', '.join(CROSS_PAIRS)}")
         if multiplier not in ("", str(CURRENCY_MULTIPLIER)):
             fail("multiplier", f"must be {CURRENCY_MULTIPLIER} (or empty) for a currency lot, not {multiplier[:40]!r}")
+        if cross and Decimal(v["price"]) >= MAX_CROSS_PRICE:
+            fail("price", f"{v['price']} is not a {v['symbol']} quote (under {MAX_CROSS_PRICE:,})")
         return CURRENCY_MULTIPLIER
     if multiplier not in ("", "1"):
         fail("multiplier", f"must be 1 (or empty) in segment {segment}: quantity is in units")

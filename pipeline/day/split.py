@@ -28,6 +28,7 @@ from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
     OPTIONAL_TRADE_FIELDS,
+    REFERENCE_FILE,
     SEP,
     TRADE_FIELDS,
     UCC,
@@ -71,7 +72,7 @@ class Plan:
     shard_count: int
     ranges: list[Range]
     columns: dict[str, list[int]]  # per dump: where each expected field is in its rows
-    closes: dict  # the bhavcopy's closing prices
+    closes: dict  # the bhavcopy's closing prices, and RBI's reference rates (dumps.reference_key)
     input_errors: list[dict]  # the bhavcopy's
 
 
@@ -329,11 +330,18 @@ def _estimate_rows(inputs: Store, name: str, size: int) -> int:
 
 
 def _closing_prices(inputs: Store, trade_date: str, errors: list[dict]) -> dict:
-    """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
+    """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why).
+    With them RBI's reference rates, if the input has reference_rates.csv: only a cross-currency
+    trade needs one, and without it that trade's row says so."""
     if not inputs.exists(bhavcopy.FILE):
         errors.append(RowError(bhavcopy.FILE, 0, "", "file not found: derivatives trades have no closing price").as_dict())
-        return {}
-    return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, errors, MAX_LISTED_ERRORS)
+        closes = {}
+    else:
+        closes = bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, errors, MAX_LISTED_ERRORS)
+    if inputs.exists(REFERENCE_FILE):
+        closes.update(bhavcopy.read_reference_rates(_csv_lines(inputs, REFERENCE_FILE), trade_date, errors,
+                                                    MAX_LISTED_ERRORS))
+    return closes
 
 
 def _range_text(inputs: Store, rng: Range) -> str:

@@ -19,7 +19,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from pipeline.day import bhavcopy
-from pipeline.day.dumps import CLIENT_FIELDS, TRADE_FIELDS
+from pipeline.day.dumps import CLIENT_FIELDS, REFERENCE_FILE, TRADE_FIELDS
 from pipeline.record import keys
 
 STATES = [
@@ -36,14 +36,21 @@ EQUITIES = [
 ]
 INDICES = [("NIFTY", 24500, 75), ("BANKNIFTY", 52000, 30)]
 BSE_INDICES = [("SENSEX", 80000, 20), ("BANKEX", 60000, 30)]  # symbol, level, lot
-CURRENCIES = [("USDINR", 84.1), ("EURINR", 90.5), ("GBPINR", 106.2), ("JPYINR", 55.6)]  # rupees a unit (JPY: 100)
+# symbol, quote (rupees a unit, JPYINR's per 100 yen; a cross pair's in its second currency), ticks a unit
+# of the quote (0.0025 rupee; EURUSD and GBPUSD 0.0001 dollar; USDJPY 0.01 yen), option strikes' step
+CURRENCIES = [("USDINR", 84.1, 400, 0.25), ("EURINR", 90.5, 400, 0.25), ("GBPINR", 106.2, 400, 0.25),
+              ("JPYINR", 55.6, 400, 0.25), ("EURUSD", 1.085, 10_000, 0.005), ("GBPUSD", 1.27, 10_000, 0.005),
+              ("USDJPY", 150.2, 100, 0.5)]
+CURRENCY_TICKS = {symbol: ticks for symbol, _, ticks, _ in CURRENCIES}
+# RBI's reference rates a synthetic day's cross pairs settle at: currency -> (units, rupees)
+REFERENCE_RATES = {"USD": ("1", "84.1234"), "JPY": ("100", "55.6000")}
 # symbol, exchange, price, multiplier (quoted units a lot), agricultural, options traded
 COMMODITIES = [
     ("GOLD", "MCX", 76500, 100, "N", True),  # per 10 g, a 1 kg lot
     ("SILVER", "MCX", 92000, 30, "N", False),  # per kg, a 30 kg lot
     ("CRUDEOIL", "MCX", 6000, 100, "N", True),  # per barrel, 100 barrels
     ("NATURALGAS", "MCX", 250, 1250, "N", False),  # per mmBtu, 1,250 mmBtu
-    ("GUARSEED10", "NCDEX", 5400, 100, "Y", False),  # per quintal, a 10 t lot
+    ("GUARSEED10", "NCDEX", 5400, 100, "Y", True),  # per quintal, a 10 t lot
     ("DHANIYA", "NCDEX", 7500, 50, "Y", False),  # per quintal, a 5 t lot
 ]
 MIXED_TRADES = 0.3  # of a mixed client's trades, the share in the other segments
@@ -81,14 +88,22 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             trades.writerows(rows)
     with (out / bhavcopy.FILE).open("w", newline="") as f:
         _write_bhavcopy(f, opts.trade_date, contracts)
+    with (out / REFERENCE_FILE).open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(bhavcopy.REFERENCE_FIELDS)
+        writer.writerows([opts.trade_date.isoformat(), c, units, rate] for c, (units, rate) in REFERENCE_RATES.items())
     return clients_path, trades_path
 
 
 def closing_prices(trade_date: dt.date, trade_rows: list[dict]) -> dict:
-    """What bhavcopy.read would give for the contracts in `trade_rows` (trades built in memory)."""
+    """What the split's plan would give for the contracts in `trade_rows` (trades built in
+    memory): the bhavcopy's prices and the day's reference rates."""
     buf = io.StringIO()
     _write_bhavcopy(buf, trade_date, _note_contracts(trade_rows, {}))
-    return bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
+    closes = bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
+    rates = [",".join(bhavcopy.REFERENCE_FIELDS)] + [f"{trade_date.isoformat()},{c},{units},{rate}"
+                                                     for c, (units, rate) in REFERENCE_RATES.items()]
+    return {**closes, **bhavcopy.read_reference_rates(rates, trade_date.isoformat(), [])}
 
 
 def _note_contracts(trade_rows: list[dict], contracts: dict[tuple, str]) -> dict[tuple, str]:
@@ -119,7 +134,7 @@ def _bhav_row(trade_date: dt.date, contract: tuple, traded_price: str) -> dict:
     """A closing price within 1% of a price traded that day, on the 0.05 tick, the same on every run."""
     exchange, segment, instrument, symbol, isin, expiry, strike, option_type = contract
     move = Decimal(10_000 + keys.stable_hash(repr(contract)) % 201 - 100) / 10_000
-    per_rupee, places = (400, Decimal("0.0001")) if segment == "CDS" else (20, Decimal("0.01"))  # ticks 0.0025, 0.05
+    per_rupee, places = (CURRENCY_TICKS[symbol], Decimal("0.0001")) if segment == "CDS" else (20, Decimal("0.01"))
     ticks = max(Decimal(1), (Decimal(traded_price) * move * per_rupee).to_integral_value())
     close = str((ticks / per_rupee).quantize(places))
     kind = bhavcopy.UDIFF_TYPES.get(instrument, "STK")
@@ -223,15 +238,15 @@ def _other_segment(rng: random.Random, date: dt.date, row: dict) -> dict:
 
 def _currency(rng: random.Random, date: dt.date) -> dict:
     """USDINR and the other INR pairs: lots of 1,000, quotes to 4 places on a 0.0025 tick."""
-    symbol, spot = rng.choice(CURRENCIES)
+    symbol, spot, ticks, step = rng.choice(CURRENCIES)
     row = dict(exchange="NSE" if rng.random() < 0.8 else "BSE", segment="CDS", symbol=symbol,
                expiry=_month_end(date).isoformat(), product=rng.choice(["NRML", "MIS"]),
                quantity=str(rng.randrange(1, 50)), multiplier="1000")
     if rng.random() < 0.7:
-        return {**row, "instrument": "FUTCUR", "price": _quote(rng, spot, 400)}
-    strike = round(spot * 4) / 4 + 0.25 * rng.randrange(-4, 5)
+        return {**row, "instrument": "FUTCUR", "price": _quote(rng, spot, ticks)}
+    strike = round(spot / step) * step + step * rng.randrange(-4, 5)
     return {**row, "instrument": "OPTCUR", "strike": f"{strike:.4f}", "option_type": rng.choice(["CE", "PE"]),
-            "price": _quote(rng, max(0.05, spot * 0.003), 400)}
+            "price": _quote(rng, max(0.05 if ticks == 400 else 2 / ticks, spot * 0.003), ticks)}
 
 
 def _commodity(rng: random.Random, date: dt.date) -> dict:
@@ -273,7 +288,7 @@ def _month_end(date: dt.date, months_ahead: int = 0) -> dt.date:
 
 
 def _quote(rng: random.Random, around: float, per_rupee: int) -> str:
-    """A price on a tick of 1/per_rupee rupee (400: currency's 0.0025), to 4 places."""
+    """A price on a tick of 1/per_rupee of its unit (400: an INR pair's 0.0025 rupee), to 4 places."""
     ticks = max(1, int(around * rng.uniform(0.97, 1.03) * per_rupee))
     return str((Decimal(ticks) / per_rupee).quantize(Decimal("0.0001")))
 

@@ -94,7 +94,9 @@ class CarryForward:
 
     @property
     def value(self) -> Decimal:
-        return self.price * self.quantity * self.trade.multiplier * (1 if self.side == "S" else -1)
+        """Rupees, signed: a cross-currency position at the trade's reference rate."""
+        value = self.price * self.quantity * self.trade.multiplier * (1 if self.side == "S" else -1)
+        return value if self.trade.fx is None else value * self.trade.fx
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ class Charges:
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
-        `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts."""
-        units = t.quantity * t.multiplier
+        `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts:
+        in the currency the rate is quoted in (a cross-currency pair's at its reference rate)."""
+        units = t.quantity * t.multiplier * (1 if t.fx is None else t.fx)
         return (self.brokerage_share[t.key] / units).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
 
 
