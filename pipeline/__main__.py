@@ -193,7 +193,7 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
                     help="the HSM refused the PIN before and it has been corrected: offer it once more")
 
 
-@command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
+@command("synth", "write synthetic clients.csv, trades.csv, bhavcopy.csv and reference_rates.csv for a trade date",
          arg("--date", required=True, type=_date), arg("--accounts", required=True, type=_positive),
          arg("--out", required=True, type=Path), arg("--seed", type=int, default=1),
          arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"),
@@ -205,6 +205,7 @@ def cmd_synth(args) -> int:
     options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share)
     clients, trades = write_dumps(args.out, options)
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
+                      "reference_rates": str(args.out / "reference_rates.csv"),
                       "accounts": args.accounts}), file=args.stdout)
     return 0
 
@@ -212,7 +213,7 @@ def cmd_synth(args) -> int:
 @command("run", "the real job: one trade date's dumps to delivered contract notes",
          arg("--date", required=True, type=_date),
          arg("--input", required=True, help="folder or s3://bucket/prefix holding clients.csv, trades.csv and "
-                                            "bhavcopy.csv"),
+                                            "bhavcopy.csv (and reference_rates.csv for cross-currency pairs)"),
          arg("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)"),
          arg("--redis", help="redis://host:port/db (default: REDIS_URL)"),
          arg("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)"),

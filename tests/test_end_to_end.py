@@ -146,7 +146,7 @@ def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, 
 
 def test_a_day_on_s3_uses_fixed_partition_prefixes(settings, day, smtp_sink, s3_bucket, tmp_path):
     s3 = boto3.client("s3")
-    for name in ("clients.csv", "trades.csv", "bhavcopy.csv"):
+    for name in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         s3.upload_file(str(day / name), s3_bucket, f"input/{name}")
     on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}"})
 
