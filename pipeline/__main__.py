@@ -202,7 +202,8 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
 def cmd_synth(args) -> int:
     from pipeline.day.synth import SynthOptions, write_dumps
 
-    options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share)
+    options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share,
+                           holidays_file=os.environ.get("CN_HOLIDAYS_FILE", ""))
     clients, trades = write_dumps(args.out, options)
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
                       "reference_rates": str(args.out / "reference_rates.csv"),
@@ -712,6 +713,8 @@ def cmd_serve(args) -> int:
 @command("demo", "the embedded default: synthesize a day and run it with local services",
          arg("--accounts", type=_positive, default=500), arg("--workdir", type=Path, default=Path("demo")),
          arg("--date", type=_date, default=dt.date(2026, 11, 20)), arg("--seed", type=int, default=1),
+         arg("--segment-share", type=_share, default=0.1,
+             help="the share of clients who also trade currency, commodities and BSE index options (0 to 1)"),
          arg("--bounce-rate", type=float, default=0.0,
              help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "
                   "VERP addresses, and the demo reads them back with `bounces`"),
@@ -734,7 +737,8 @@ def cmd_demo(args) -> int:
     from pipeline.cluster.driver import RunRequest, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
 
-    write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
+    write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed, segment_share=args.segment_share,
+                                             holidays_file=os.environ.get("CN_HOLIDAYS_FILE", "")))
     services = []
     try:
         services.append(embedded.start_redis(work / "redis"))

@@ -237,8 +237,11 @@ def test_a_day_in_every_segment_shows_each_exchange_and_segment_apart_and_reconc
     assert levies_line(text, "Stamp duty") == [D(0), D("-0.19"), D(0), D("-21.60"), D(0), D("-21.79")]
     net = levies_line(text, "Net amount receivable/(payable) by client")
     assert net[-1] == sum(net[:-1])
-    # MCX and NCDEX settle on their own calendars, which the run was not given
-    assert sum("per the exchange's calendar" in s["date"] for s in note["note"]["settlements"]) == 2
+    # MCX and NCDEX settle on their own calendars: MCX's 24th is its evening session alone (Guru Nanak
+    # Jayanti), so it settles on the 25th as NSE does; NCDEX's list the run was not given
+    dates = {s["segment"]: s["date"] for s in note["note"]["settlements"]}
+    assert (dates["MCX-COM"], dates["NSE-CDS"], dates["NCDEX-COM"]) == ("25-11-2026", "25-11-2026",
+                                                                        "per the exchange's calendar")
 
 
 CROSS = [
@@ -323,7 +326,8 @@ def test_note_numbers_are_never_issued_twice_when_redis_loses_them(tmp_path):
 def test_settlement_is_the_next_trading_day_of_the_exchange(trade_date, settles):
     from pipeline.day import trading_calendar
 
-    assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles}
+    # MCX's evening sessions on the equity holidays here settle nothing, so it settles with NSE
+    assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles, "MCX": settles}
 
 
 def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session_is_named():
@@ -331,7 +335,7 @@ def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session
 
     assert trading_calendar.trade_date_warnings("2026-11-20") == []
     saturday = trading_calendar.trade_date_warnings("2026-11-21")
-    assert len(saturday) == 2 and "not a NSE trading day (weekend)" in saturday[0]
+    assert len(saturday) == 3 and "not a NSE trading day (weekend)" in saturday[0]  # NSE, BSE and MCX
     assert "special session (Muhurat trading" in trading_calendar.trade_date_warnings("2026-11-08")[0]
     assert "(Christmas)" in trading_calendar.trade_date_warnings("2026-12-25")[0]
 

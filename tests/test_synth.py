@@ -83,3 +83,30 @@ def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and
     assert errors == []
     for n, r in enumerate(mixed, 1):
         parse_trade("trades.csv", n, r, "2026-11-20", closes)  # every row fits its segment
+
+
+def test_on_an_equity_holiday_mcx_trades_in_its_evening_session_and_the_day_splits_whole(tmp_path, redis_url):
+    """Holi 2026: NSE and BSE shut, MCX's evening session open. Every trade is MCX's, after 17:00, a
+    client keeping its count of trades (the tail too); the split takes every account."""
+    from pipeline.day.split import split_day
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    holi, friday = dt.date(2026, 3, 3), dt.date(2026, 11, 20)
+    write_dumps(tmp_path / "holi", SynthOptions(holi, 200, seed=3))
+    write_dumps(tmp_path / "friday", SynthOptions(friday, 200, seed=3))
+    trades = list(csv.DictReader((tmp_path / "holi" / "trades.csv").open(newline="")))
+    usual = list(csv.DictReader((tmp_path / "friday" / "trades.csv").open(newline="")))
+    assert {(t["exchange"], t["segment"]) for t in trades} == {("MCX", "COM")}
+    assert min(t["trade_time"] for t in trades) >= "17:00:00"
+    assert Counter(t["ucc"] for t in trades) == Counter(t["ucc"] for t in usual)
+    split = split_day(open_store(str(tmp_path / "holi")), open_store(str(tmp_path / "store")),
+                      RunState(redis_url, "holi-synth"), "holi-synth", "2026-03-03", 50, "CNT")
+    assert split.rejected == 0 and split.input_errors == [] and split.accounts + split.nothing_due == 200
+
+
+def test_a_day_every_exchange_is_shut_has_nothing_to_synthesize(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="no exchange trades on 2026-01-26"):
+        write_dumps(tmp_path, SynthOptions(dt.date(2026, 1, 26), 5, seed=3))

@@ -373,7 +373,10 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     if not run_id or load_manifest(store, run_id) is None:
         if closed := trading_calendar.no_session(req.trade_date, settings.holidays_file):
             raise ConfigError(f"--date {req.trade_date}: no exchange traded that day ({closed})")
-        check_inputs(open_store(req.input_url), req.trade_date)
+        seen = check_inputs(open_store(req.input_url), req.trade_date)
+        if seen and (closed := trading_calendar.no_session(req.trade_date, settings.holidays_file, seen)):
+            raise ConfigError(f"--date {req.trade_date}: no exchange of the day's trades traded that day (the first "
+                              f"and last rows of trades.csv are on {', '.join(sorted(seen))}: {closed})")
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
     credentials.dkim_signer(settings)  # loaded again by each mailer: here only to refuse a bad one at the start
     return credentials.read(settings)

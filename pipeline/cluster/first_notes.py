@@ -89,7 +89,8 @@ def start(settings: Settings, resolved: Settings, signer: Signer, run_id: str, t
 def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Signer, run_id: str, trade_date: str,
          inputs: Store, store: Store, state: RunState, lease: str, cpus: int) -> None:
     try:
-        plan = make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus))
+        plan = make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus),
+                         holidays_file=settings.holidays_file)
         first.plan.set_result(plan)
         shard, accounts = first_accounts(inputs, plan, trade_date, COUNT)
         if not accounts:

@@ -59,7 +59,8 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
         if not input_url:
             write_dumps(Path(tmp) / "input", SynthOptions(dt.date.fromisoformat(trade_date), 3, seed=7))
         inputs, store = open_store(input_url or f"{tmp}/input"), open_store(f"{tmp}/store")
-        _, accounts = first_accounts(inputs, make_plan(inputs, trade_date, settings.shard_size, 1), trade_date, 1)
+        plan = make_plan(inputs, trade_date, settings.shard_size, 1, holidays_file=settings.holidays_file)
+        _, accounts = first_accounts(inputs, plan, trade_date, 1)
         if not accounts:
             raise NothingToSend(f"{inputs.url}: no client near the top of clients.csv traded on {trade_date}")
         ucc, client, trades = accounts[0]

@@ -197,10 +197,11 @@ def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
 
 
 def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
-                closes: Mapping[tuple, Decimal] | None = None) -> Trade:
+                closes: Mapping[tuple, Decimal] | None = None, closed: Mapping[str, str] | None = None) -> Trade:
     """`closes` (from the bhavcopy) gives each derivatives contract its closing price, and each
     currency a cross-currency pair is quoted in its RBI reference rate (reference_key); a
-    contract or rate missing from it is this row's error, since the note could not show it."""
+    contract or rate missing from it is this row's error, since the note could not show it.
+    `closed`: the exchanges shut on the trade date, and why: a trade on one is this row's error."""
     ucc = (raw.get("ucc") or "").strip()
     fail = _failer(file, row, ucc if UCC.match(ucc) else "")
     v = _clean(raw, TRADE_FIELDS, fail)
@@ -212,6 +213,8 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
         fail("segment", "must be CM, FO, CDS or COM")
     if v["exchange"] not in EXCHANGES[v["segment"]]:
         fail("exchange", f"must be {' or '.join(sorted(EXCHANGES[v['segment']]))} in segment {v['segment']}")
+    if closed and v["exchange"] in closed:
+        fail("exchange", f"{v['exchange']} held no session on {trade_date} ({closed[v['exchange']]})")
     if v["instrument"] not in INSTRUMENTS[v["segment"]]:
         fail("instrument", f"{v['instrument']!r} is not traded in segment {v['segment']}")
     if v["product"] not in PRODUCTS[v["segment"]]:
@@ -319,11 +322,13 @@ def _trade_pattern(trade_date: str) -> re.Pattern:
 
 
 def trade_row(file: str, row: int, values: list[str], trade_date: str,
-              closes: Mapping[tuple, Decimal] | None, contracts: dict | None = None) -> list[str]:
+              closes: Mapping[tuple, Decimal] | None, contracts: dict | None = None,
+              closed: Mapping[str, str] | None = None) -> list[str]:
     """A trade row (the values in TRADE_FIELDS order) checked as parse_trade checks it, about
     five times faster; returns what Trade.as_row would (the closing price last). RowError if bad.
-    `contracts` remembers each derivatives contract's checks and price across a file's rows."""
-    if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None:
+    `contracts` remembers each derivatives contract's checks and price across a file's rows;
+    `closed`: the exchanges shut that day (parse_trade)."""
+    if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None and not (closed and values[1] in closed):
         segment, isin, instrument, product = values[2], values[10], values[11], values[18]
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
                 and int(values[16]) <= MAX_QUANTITY and (multiplier := _fits_segment(values)) is not None
@@ -339,7 +344,7 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
             close = contracts[contract]
             if close is not None:
                 return [*values, str(close)]
-    return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
+    return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes, closed).as_row()
 
 
 def _fits_segment(v) -> str | None:

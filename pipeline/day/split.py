@@ -20,10 +20,10 @@ import json
 import math
 import operator
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Container
 
-from pipeline.day import bhavcopy
+from pipeline.day import bhavcopy, trading_calendar
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
@@ -74,6 +74,7 @@ class Plan:
     columns: dict[str, list[int]]  # per dump: where each expected field is in its rows
     closes: dict  # the bhavcopy's closing prices, and RBI's reference rates (dumps.reference_key)
     input_errors: list[dict]  # the bhavcopy's
+    closed: dict[str, str] = field(default_factory=dict)  # exchanges shut on the day, and why: their trades rejected
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
@@ -109,17 +110,18 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
     metas, parts = [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes)
+                                     plan.closes, closed=plan.closed)
         metas.append(meta)
         parts.append(bucket)
     assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas))
     return result(plan, metas, [assembled])
 
 
-def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Plan:
+def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holidays_file: str = "") -> Plan:
     """Raises InputError when a dump is missing or lacks a column. The shard count comes from
     the size of clients.csv and its first rows (exact for a file under 256 KB): counting a
-    day's clients exactly would mean reading the file twice."""
+    day's clients exactly would mean reading the file twice. `holidays_file`: the broker's
+    calendar (CN_HOLIDAYS_FILE), which says which exchanges were shut that day."""
     columns = {name: _columns(inputs, name, fields) for name, fields in DUMPS.items()}
     errors: list[dict] = []
     closes = _closing_prices(inputs, trade_date, errors)
@@ -130,18 +132,20 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Pl
         n = max(1, round(size / target))
         ranges += [Range(name, i, size * i // n, size * (i + 1) // n) for i in range(n)]
     return Plan(shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
-                columns, closes, errors)
+                columns, closes, errors, trading_calendar.closed_exchanges(trade_date, holidays_file))
 
 
 def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
-               closes: dict, wanted: Container[str] | None = None) -> tuple[dict, list[dict[int, str]]]:
+               closes: dict, wanted: Container[str] | None = None, closed: dict[str, str] | None = None
+               ) -> tuple[dict, list[dict[int, str]]]:
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
     text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
     identity, its place on the note and its status joined by SEP, then the row as JSON) or e (an
     error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
-    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes)."""
+    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
+    `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected."""
     kind, name = rng.file[0], rng.file
     at = DUMPS[name].index("ucc")
     reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
@@ -164,7 +168,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
             if kind == "t":
-                r = trade_row(name, n, values, trade_date, closes, contracts)
+                r = trade_row(name, n, values, trade_date, closes, contracts, closed)
                 ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
                 line = f"{r[1]}{SEP}{r[2]}{SEP}{r[7]}{RS}{r[1]}{SEP}{r[2]}{SEP}{r[3]}{SEP}{r[8]}{SEP}{r[7]}{RS}{r[19]}" \
                        f"{RS}{_json_row(r)}"
@@ -264,7 +268,7 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
     wanted, metas, lines = set(by_shard[shard][:count]), [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes, wanted)
+                                     plan.closes, wanted, plan.closed)
         metas.append(meta)
         if shard in bucket:
             lines.append(bucket[shard])
@@ -285,29 +289,37 @@ def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
                        input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
 
 
-def check_inputs(inputs: Store, trade_date: str = "") -> None:
+def check_inputs(inputs: Store, trade_date: str = "") -> set[str]:
     """Before anything starts: both dumps are there and have every column, and the trades are
-    the run's day (InputError if not)."""
+    the run's day (InputError if not). Returns the exchanges of the trades of that day in the
+    first and last rows of trades.csv (empty without a date, or without such rows)."""
     for name, fields in DUMPS.items():
         columns = _columns(inputs, name, fields)
     if trade_date:
-        _dated(inputs, "trades.csv", columns[fields.index("trade_date")], trade_date)
+        return _dated(inputs, "trades.csv", columns[fields.index("trade_date")], trade_date,
+                      columns[fields.index("exchange")])
+    return set()
 
 
-def _dated(inputs: Store, name: str, column: int, trade_date: str, sample: int = 256 * 1024) -> None:
+def _dated(inputs: Store, name: str, column: int, trade_date: str, exchange: int,
+           sample: int = 256 * 1024) -> set[str]:
     """The first and last rows of `name` (a sample of each end: the file may be GBs) carry
     `trade_date`, or at least one of them does; a date none of them carries is a mistyped --date,
-    refused in one line rather than every account rejected one by one."""
+    refused in one line rather than every account rejected one by one. Returns the exchanges of
+    the sampled rows of that date."""
     size = inputs.size(name)
     rows = inputs.read_range(name, 0, min(size, sample)).decode("utf-8", "replace").split("\n")[1:]  # past the header
     if size > sample:  # the head's cut last line, the tail's cut first one
         rows = rows[:-1] + inputs.read_range(name, max(sample, size - sample), size).decode(
             "utf-8", "replace").split("\n")[1:]
-    dates = Counter(row[column] for row in csv.reader(r for r in rows if r.strip()) if len(row) > column)
+    parsed = [row for row in csv.reader(r for r in rows if r.strip()) if len(row) > column]
+    dates = Counter(row[column] for row in parsed)
     if dates and trade_date not in dates:
         seen = ", ".join(d for d, _ in dates.most_common(3))
         raise InputError(f"{name}: no trade in its first and last rows is dated {trade_date} (they are dated "
                          f"{seen}): is the run's date right?")
+    return {row[exchange].strip() for row in parsed if row[column] == trade_date and len(row) > exchange} & set(
+        trading_calendar.ALL_EXCHANGES)
 
 
 def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from pipeline.day import bhavcopy
+from pipeline.day import bhavcopy, trading_calendar
 from pipeline.day.dumps import CLIENT_FIELDS, REFERENCE_FILE, TRADE_FIELDS
 from pipeline.record import keys
 
@@ -64,6 +64,7 @@ class SynthOptions:
     volatile: bool = False
     volatile_trades: int = 60_000  # the volatile client's trades (a bench's smoke run takes fewer)
     segment_share: float = 0.1  # clients who also trade currency, commodities and BSE's index options
+    holidays_file: str = ""  # the broker's calendar (CN_HOLIDAYS_FILE): no trades on an exchange shut that day
 
 
 def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
@@ -72,6 +73,7 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
     rng = random.Random(opts.seed)
     clients_path, trades_path = out / "clients.csv", out / "trades.csv"
     contracts: dict[tuple, str] = {}
+    day = _Day(opts.trade_date, opts.holidays_file, random.Random(opts.seed + 104_729))
     with clients_path.open("w", newline="") as cf, trades_path.open("w", newline="") as tf:
         clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_FIELDS)
         clients.writerow(CLIENT_FIELDS)
@@ -83,7 +85,7 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             clients.writerow(_client(rng, ucc, i))
             n = opts.volatile_trades if (opts.volatile and i == 0) else _trade_count(rng)
             mix = mixing if mixing.random() < opts.segment_share else None
-            rows = list(_trades(rng, opts.trade_date, ucc, n, counter, mix))
+            rows = day.held(_trades(rng, opts.trade_date, ucc, n, counter, mix))
             _note_contracts(rows, contracts)
             trades.writerows(rows)
     with (out / bhavcopy.FILE).open("w", newline="") as f:
@@ -93,6 +95,44 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
         writer.writerow(bhavcopy.REFERENCE_FIELDS)
         writer.writerows([opts.trade_date.isoformat(), c, units, rate] for c, (units, rate) in REFERENCE_RATES.items())
     return clients_path, trades_path
+
+
+class _Day:
+    """The exchanges that trade on the date, by the calendar: a row on a shut exchange becomes a
+    trade on a commodity exchange that trades (MCX, on an equity holiday in its evening session),
+    from a stream of its own, so a client keeps its count of trades; on a day every exchange is
+    shut there is nothing to make. An exchange whose list for the year is not given trades if
+    NSE does (or NSE's list is not given either)."""
+
+    def __init__(self, date: dt.date, holidays_file: str, rng: random.Random):
+        said = trading_calendar.sessions(date.isoformat(), holidays_file)
+        default = "regular" if said.get("NSE", "regular") != "shut" else "shut"
+        self.sessions = {ex: said.get(ex, default) for ex in trading_calendar.ALL_EXCHANGES}
+        self.open = {ex for ex, s in self.sessions.items() if s != "shut"}
+        if not self.open:
+            raise ValueError(f"no exchange trades on {date.isoformat()}: nothing to synthesize")
+        self.commodities = [c for c in COMMODITIES if c[1] in self.open]
+        self.date, self.rng = date, rng
+
+    def held(self, rows) -> list[dict]:
+        if self.open == set(trading_calendar.ALL_EXCHANGES) and "evening" not in self.sessions.values():
+            return list(rows)  # an ordinary day: every row as it was drawn
+        out, moved = [], {}
+        for row in rows:
+            key = (row["order_no"], row["trade_no"])  # a cancellation or modification follows its trade
+            if key not in moved:
+                made = row
+                if row["exchange"] not in self.open:
+                    if not self.commodities:
+                        continue
+                    made = {**row, "isin": "", "strike": "", "option_type": "",
+                            **_commodity(self.rng, self.date, self.commodities)}
+                    made["settlement_no"] = f"COM{self.date:%Y}{self.date.timetuple().tm_yday:03d}"
+                if self.sessions[made["exchange"]] == "evening" and made["trade_time"] < "17:00:00":
+                    made = {**made, **_evening(self.rng, self.date)}
+                moved[key] = made
+            out.append({**moved[key], "status": row["status"]})
+        return out
 
 
 def closing_prices(trade_date: dt.date, trade_rows: list[dict]) -> dict:
@@ -249,9 +289,9 @@ def _currency(rng: random.Random, date: dt.date) -> dict:
             "price": _quote(rng, max(0.05 if ticks == 400 else 2 / ticks, spot * 0.003), ticks)}
 
 
-def _commodity(rng: random.Random, date: dt.date) -> dict:
-    """An MCX or NCDEX future (options on MCX's futures where MCX lists them), a few lots."""
-    symbol, exchange, spot, multiplier, agri, options = rng.choice(COMMODITIES)
+def _commodity(rng: random.Random, date: dt.date, among: list[tuple] = COMMODITIES) -> dict:
+    """An MCX or NCDEX future (options on its futures where the exchange lists them), a few lots."""
+    symbol, exchange, spot, multiplier, agri, options = rng.choice(among)
     row = dict(exchange=exchange, segment="COM", symbol=symbol, expiry=_month_end(date, 1).isoformat(),
                product="NRML", quantity=str(rng.randrange(1, 6)), multiplier=str(multiplier), agri=agri)
     if not options or rng.random() < 0.75:
