@@ -550,3 +550,33 @@ def test_a_note_across_every_segment_signs_and_verifies_with_pdfsig_and_qpdf(tmp
     path = tmp_path / "signed.pdf"
     path.write_bytes(protect(render(note), CLIENT["pan"].lower(), "owner-secret", signer, SignatureInfo(), "aes256"))
     assert_signed_and_encrypted(path, CLIENT["pan"])
+
+
+def test_every_account_of_an_every_segment_day_agrees_with_an_independent_recomputation(tmp_path, redis_url):
+    """tests/recompute.py works every figure out again from the input files alone; every account's
+    levies table, rows and Net Total columns agree with it, EVERY1's across all eight segments."""
+    from tests.every_segment_day import DATE as DAY
+    from tests.every_segment_day import SEGMENTS, UCC, note_text, write_every_segment_day
+    from tests.recompute import recompute, check_text
+
+    folder = write_every_segment_day(tmp_path / "in", 30, seed=5)
+    store = open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(folder)), store, RunState(redis_url, "every"), "every", DAY, 10, "CNT")
+    assert split.rejected == 0 and split.input_errors == []
+    save_manifest(store, "every", split)
+    expected = recompute(folder, DAY)
+    assert sorted(expected[UCC]) == SEGMENTS
+    assert len(expected) == split.accounts == 31
+    for ucc, figures in expected.items():
+        account = find_account(store, "every", ucc)
+        note = stages.note_data(account, Client(**account["client"]), DAY, {"NSE": "2026-11-23", "BSE": "2026-11-23"})
+        assert check_text(note_text(note), figures) == [], ucc
+    # and the checker is not blind: a paisa more of brokerage on one segment is found
+    wrong = {**expected[UCC], "MCX-COM": {**expected[UCC]["MCX-COM"],
+                                          "brokerage": expected[UCC]["MCX-COM"]["brokerage"] + D("0.01")}}
+    assert any(w.startswith("Brokerage:") for w in check_text(note_text(note_of(store, UCC, DAY)), wrong))
+
+
+def note_of(store, ucc: str, day: str) -> dict:
+    account = find_account(store, "every", ucc)
+    return stages.note_data(account, Client(**account["client"]), day, {"NSE": "2026-11-23", "BSE": "2026-11-23"})
