@@ -139,7 +139,8 @@ def _segment(trades, rates, tariff, settle, rbi, intra) -> dict[str, D]:
             sums["stamp"] += value * D(rates["stamp"][cat])
         sums["txn"] += value * _txn_rate(rates, t, cat)
         sums["sebi"] += value * D(rates["sebi_agri" if agri else "sebi"])
-        sums["ipft"] += value * D(rates["ipft"][cat])
+        if t["exchange"] in rates["ipft"]:  # NSE's levy alone
+            sums["ipft"] += value * D(rates["ipft"][t["exchange"]][cat])
     orders: dict[str, list] = defaultdict(list)
     for t in trades:
         orders[t["order_no"]].append(t)

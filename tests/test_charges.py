@@ -46,8 +46,10 @@ def test_delivery_buy_inter_state_pays_igst_rounded_once():
     assert t.net == D("-100118.72")
 
 
-def test_bse_delivery_uses_the_bse_transaction_rate():
-    assert levies([trade("B", 100, "1000.00", exchange="BSE")]).txn == D("3.75")  # 0.00375%
+def test_bse_delivery_uses_the_bse_transaction_rate_and_pays_no_ipft():
+    # 1,00,000 bought on BSE: 0.00375% = 3.75; IPFT is NSE's Investor Protection Fund Trust's levy alone
+    t = levies([trade("B", 100, "1000.00", exchange="BSE")])
+    assert (t.txn, t.ipft) == (D("3.75"), D("0.00"))
 
 
 def test_intraday_round_trip():
@@ -153,13 +155,14 @@ def test_currency_futures_on_nse_pay_no_stt_and_are_marked_to_market_by_the_thou
 
 def test_currency_options_on_bse_on_premium():
     # buy 10 lots USDINR options @ 0.2500 premium: 10 x 1,000 x 0.25 = 2,500.00. BSE currency options
-    # txn 0.001% = 0.025 -> 0.03; SEBI 0.0025 -> 0.00; stamp 0.0001% = 0.0025 -> 0.00; IPFT 0.002% =
-    # 0.05; brokerage flat 20; CGST = SGST = 9% of 20.03 = 1.8027 -> 1.80.
-    # Net = -2,500 - 20 - 0.03 - 0.05 - 1.80 - 1.80 = (2,523.68).
+    # txn 0.001% = 0.025 -> 0.03; SEBI 0.0025 -> 0.00; stamp 0.0001% = 0.0025 -> 0.00; no IPFT (NSE's
+    # levy: on NSE this would be 0.002% = 0.05); brokerage flat 20; CGST = SGST = 9% of 20.03 = 1.8027 -> 1.80.
+    # Net = -2,500 - 20 - 0.03 - 1.80 - 1.80 = (2,523.63).
     c = levies([lot("B", 10, "0.2500", "CDS", "OPTCUR", "BSE", 1000, "USDINR")])
     assert (c.txn, c.sebi, c.stamp, c.ipft, c.brokerage, c.cgst, c.sgst) == (
-        D("0.03"), D("0.00"), D("0.00"), D("0.05"), D("20.00"), D("1.80"), D("1.80"))
-    assert c.net == D("-2523.68")
+        D("0.03"), D("0.00"), D("0.00"), D("0.00"), D("20.00"), D("1.80"), D("1.80"))
+    assert c.net == D("-2523.63")
+    assert levies([lot("B", 10, "0.2500", "CDS", "OPTCUR", "NSE", 1000, "USDINR")]).ipft == D("0.05")
 
 
 def test_a_cross_currency_future_is_charged_and_marked_to_market_in_rupees_at_the_reference_rate():
@@ -221,12 +224,12 @@ def test_an_agricultural_future_on_ncdex_pays_no_ctt_and_sebi_s_agricultural_fee
 def test_bse_sensex_options_pay_bse_s_sensex_and_bankex_rate():
     # buy 20 SENSEX options @ 310.50 = 6,210.00. No STT on a buy; stamp 0.003% = 0.1863 -> 0.19;
     # BSE's SENSEX and BANKEX options txn Rs 3,250 a crore = 0.0325% = 2.01825 -> 2.02; SEBI 0.00621
-    # -> 0.01; IPFT 0.0005% = 0.03105 -> 0.03; brokerage flat 20; IGST 18% of 22.03 = 3.9654 -> 3.97.
-    # Net = (6,236.22).
+    # -> 0.01; no IPFT (NSE's levy); brokerage flat 20; IGST 18% of 22.03 = 3.9654 -> 3.97.
+    # Net = -6,210 - 0.19 - 2.02 - 0.01 - 20 - 3.97 = (6,236.19).
     c = levies([trade("B", 20, "310.50", "FO", "NRML", "OPTIDX", "BSE", symbol="SENSEX")], intra=False)
-    assert (c.stt, c.stamp, c.txn, c.sebi, c.ipft, c.igst) == (D(0), D("0.19"), D("2.02"), D("0.01"), D("0.03"),
+    assert (c.stt, c.stamp, c.txn, c.sebi, c.ipft, c.igst) == (D(0), D("0.19"), D("2.02"), D("0.01"), D("0.00"),
                                                                D("3.97"))
-    assert c.net == D("-6236.22")
+    assert c.net == D("-6236.19")
     # BANKEX is in the same group: buy 30 @ 400 = 12,000: 0.0325% = 3.90
     assert levies([trade("B", 30, "400", "FO", "NRML", "OPTIDX", "BSE", symbol="BANKEX")]).txn == D("3.90")
 

@@ -239,7 +239,8 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
         txn += value * (Decimal(rates["txn_groups"][exchange][group][cat]) if group else
                         _rate(rates["txn"], exchange, cat, rates["effective_from"]))
         sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
-        ipft += value * _rate(rates, "ipft", cat)
+        if exchange in rates["ipft"]:  # NSE's Investor Protection Fund Trust: an exchange it does not name pays none
+            ipft += value * _rate(rates["ipft"], exchange, cat, rates["effective_from"])
     brokerage = sum((fees[key] for key in {t.order_key for t in trades}), Decimal(0))
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
