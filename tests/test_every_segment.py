@@ -114,3 +114,29 @@ def test_the_demo_command_runs_a_day_with_every_segment(ray_session, tmp_path):
         pdf = work / "store" / keys.signed_pdf_key(DATE, ucc)
         assert check_text(note_text(pdf, clients[ucc]["pan"]), figures) == [], ucc
     assert len(list((work / "outbox").glob("*.eml"))) == 16
+
+
+def test_an_entity_of_its_own_runs_the_commodity_notes_with_its_details(settings, smtp_sink, tmp_path):
+    """CN_BROKER_FILE names the commodity company's file: its run makes notes of MCX's and NCDEX's
+    trades alone, in its name and note numbers, and counts the rest as the other entity's."""
+    import dataclasses
+
+    from tests.test_entities import COMMODITY, OTHERS, entity_file
+
+    day = write_every_segment_day(tmp_path / "input", 12, seed=9)
+    name = "Example Commodities Private Limited"
+    own = dataclasses.replace(settings, broker_file=entity_file(
+        tmp_path, name, COMMODITY, dict.fromkeys(OTHERS, "Example Securities Private Limited"), "CNC"))
+    summary = run_day(own, RunRequest(DATE, str(day)))
+
+    expected = {u: {s: f for s, f in a.items() if s in COMMODITY} for u, a in recompute(day, DATE).items()}
+    expected = {u: a for u, a in expected.items() if a}
+    assert summary["rejected"] == summary["failed"] == 0
+    assert summary["delivered"] == summary["accounts"] == len(expected)
+    assert set(summary["left_to_other_entities"]) == set(OTHERS)
+    clients, store = client_rows(day), Path(settings.store_url)
+    for ucc, figures in expected.items():
+        text = note_text(store / keys.signed_pdf_key(DATE, ucc), clients[ucc]["pan"])
+        assert check_text(text, figures) == [], ucc
+        assert name in text and "CNC-26/27-" in text
+    assert all(name in m["Subject"] or name in m.get_body().get_content() for m in outbox_messages(smtp_sink.outbox))

@@ -54,6 +54,8 @@ INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}, "CD
                "COM": {"FUTCOM", "OPTFUT"}}
 PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}, "CDS": {"NRML", "MIS"}, "COM": {"NRML", "MIS"}}
 DERIVATIVES = {"FO", "CDS", "COM"}
+# every exchange-segment a note can hold, as a levies column names it: NSE-CM ... NCDEX-COM
+SEGMENTS = [f"{exchange}-{segment}" for segment, exchanges in EXCHANGES.items() for exchange in sorted(exchanges)]
 # A currency lot is 1,000 units of the base currency (JPYINR: 1,00,000 yen quoted per 100 yen):
 # quantity is in lots, price in rupees per unit. A cross-currency pair (NSE's and BSE's EURUSD,
 # GBPUSD, USDJPY: 1,000 of the base currency a lot) is quoted in its second currency and settles

@@ -29,6 +29,7 @@ from pipeline.day.dumps import (
     MAX_FIELD,
     OPTIONAL_TRADE_FIELDS,
     REFERENCE_FILE,
+    SEGMENTS,
     SEP,
     TRADE_FIELDS,
     UCC,
@@ -75,9 +76,14 @@ class Plan:
     closes: dict  # the bhavcopy's closing prices, and RBI's reference rates (dumps.reference_key)
     input_errors: list[dict]  # the bhavcopy's
     closed: dict[str, str] = field(default_factory=dict)  # exchanges shut on the day, and why: their trades rejected
+    # the issuing entity's memberships, where it is not every one (broker.json's segments): a trade on
+    # another is rejected, unless `left_to` names the entity whose own run makes its notes
+    segments: frozenset[str] | None = None
+    left_to: dict[str, str] = field(default_factory=dict)
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
+_SEGMENTS = frozenset(SEGMENTS)
 
 
 def find_account(store: Store, run_id: str, ucc: str) -> dict | None:
@@ -103,25 +109,28 @@ def shard_count(clients: int, shard_size: int) -> int:
 
 
 def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_date: str,
-              shard_size: int, note_prefix: str) -> SplitResult:
-    """The whole split in this process, one range per dump and one group.
+              shard_size: int, note_prefix: str, entity: dict | None = None) -> SplitResult:
+    """The whole split in this process, one range per dump and one group (`entity`: make_plan's).
     Raises InputError when a file is missing or unusable; a bad row only rejects its account."""
-    plan = make_plan(inputs, trade_date, shard_size, parts=1)
+    plan = make_plan(inputs, trade_date, shard_size, parts=1, entity=entity)
     metas, parts = [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes, closed=plan.closed)
+                                     plan.closes, closed=plan.closed, segments=plan.segments, left_to=plan.left_to)
         metas.append(meta)
         parts.append(bucket)
     assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas))
     return result(plan, metas, [assembled])
 
 
-def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holidays_file: str = "") -> Plan:
+def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holidays_file: str = "",
+              entity: dict | None = None) -> Plan:
     """Raises InputError when a dump is missing or lacks a column. The shard count comes from
     the size of clients.csv and its first rows (exact for a file under 256 KB): counting a
     day's clients exactly would mean reading the file twice. `holidays_file`: the broker's
-    calendar (CN_HOLIDAYS_FILE), which says which exchanges were shut that day."""
+    calendar (CN_HOLIDAYS_FILE), which says which exchanges were shut that day; `entity`: the
+    issuing entity's broker.json (its `segments`, and `left_to`: the segments another entity's
+    own run makes notes for)."""
     columns = {name: _columns(inputs, name, fields) for name, fields in DUMPS.items()}
     errors: list[dict] = []
     closes = _closing_prices(inputs, trade_date, errors)
@@ -131,12 +140,15 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holid
     for name, size in sizes.items():
         n = max(1, round(size / target))
         ranges += [Range(name, i, size * i // n, size * (i + 1) // n) for i in range(n)]
+    held = frozenset((entity or {}).get("segments") or SEGMENTS)
     return Plan(shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
-                columns, closes, errors, trading_calendar.closed_exchanges(trade_date, holidays_file))
+                columns, closes, errors, trading_calendar.closed_exchanges(trade_date, holidays_file),
+                None if held == frozenset(SEGMENTS) else held, dict((entity or {}).get("left_to") or {}))
 
 
 def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
-               closes: dict, wanted: Container[str] | None = None, closed: dict[str, str] | None = None
+               closes: dict, wanted: Container[str] | None = None, closed: dict[str, str] | None = None,
+               segments: frozenset[str] | None = None, left_to: dict[str, str] | None = None
                ) -> tuple[dict, list[dict[int, str]]]:
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
@@ -145,7 +157,9 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
     `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
-    `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected."""
+    `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected; `segments` and
+    `left_to`: the issuing entity's memberships (Plan.segments): a trade of a segment left to
+    another entity is counted and left out, one of a segment no entity holds rejects its account."""
     kind, name = rng.file[0], rng.file
     at = DUMPS[name].index("ucc")
     reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
@@ -158,6 +172,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     pick, width = operator.itemgetter(*present), max(present) + 1
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
     errors, n = [], 0
+    entity = kind == "t" and (segments is not None or bool(left_to))
+    left: dict[str, int] = defaultdict(int)
     for n, raw in _rows(reader):
         try:
             if raw is None:
@@ -167,6 +183,15 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
             values = (pick(raw) if len(raw) >= width else tuple(raw[i] if i < len(raw) else "" for i in present)) + pad
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
+            if entity and (segment := f"{values[1].strip()}-{values[2].strip()}") in _SEGMENTS:
+                if left_to and segment in left_to:
+                    left[segment] += 1
+                    continue
+                if segments is not None and segment not in segments:
+                    ucc = values[at].strip()
+                    raise RowError(name, n, "segment", f"{segment} is not a membership of the issuing entity (its broker "
+                                                       "file's segments), nor left to another's (left_to)",
+                                   ucc if UCC.match(ucc) else "")
             if kind == "t":
                 r = trade_row(name, n, values, trade_date, closes, contracts, closed)
                 ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
@@ -190,7 +215,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     buckets: list[dict[int, str]] = [{} for _ in range(groups)]
     for shard, rows in lines.items():
         buckets[shard % groups][shard] = "\n".join(rows)
-    return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights)}, buckets
+    return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights),
+            "left_to": dict(left)}, buckets
 
 
 def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
@@ -268,7 +294,7 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
     wanted, metas, lines = set(by_shard[shard][:count]), [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes, wanted, plan.closed)
+                                     plan.closes, wanted, plan.closed, plan.segments, plan.left_to)
         metas.append(meta)
         if shard in bucket:
             lines.append(bucket[shard])
@@ -282,11 +308,16 @@ def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
     errors = list(plan.input_errors)
     for meta in sorted(metas, key=lambda m: (m["file"] != "clients.csv", m["index"])):
         errors += [_moved(e, offsets) for e in meta["errors"]]
+    left: dict[str, int] = defaultdict(int)
+    for meta in metas:
+        for segment, count in meta.get("left_to", {}).items():
+            left[segment] += count
     return SplitResult(shards=[s for s, _ in shards], shard_count=plan.shard_count,
                        accounts=sum(n for _, (n, _) in shards), rejected=sum(a["rejected"] for a in assembled),
                        nothing_due=sum(a["nothing_due"] for a in assembled),
                        nothing_due_accounts=sorted(u for a in assembled for u in a["nothing_due_accounts"])[:NAMED],
-                       input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
+                       input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards],
+                       left_to_others={s: {"entity": plan.left_to[s], "trades": n} for s, n in sorted(left.items())})
 
 
 def check_inputs(inputs: Store, trade_date: str = "") -> set[str]:
