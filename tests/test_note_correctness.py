@@ -397,10 +397,13 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
         exchange = exchanges[contract % len(exchanges)]
         agri = "Y" if agri and exchange == "NCDEX" and contract % 2 else agri
         derivative = segment != "CM"
+        # a currency contract in three is a cross-currency pair, valued at a reference rate of six places
+        cross = segment == "CDS" and contract % 3 == 0
         trades.append(Trade(DATE, exchange, segment, f"{segment}1", "H1", N(order or 100 + i), "10:00:00", N(i % 5),
-                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if derivative else "",
-                            "100" if instrument.startswith("OPT") else "", "CE" if instrument.startswith("OPT") else "",
-                            side, qty, price, product, "11", close if derivative else None, multiplier, agri))
+                            "10:00:01", ("USDJPY" if cross else f"SYM{contract}"), "", instrument,
+                            "2026-11-26" if derivative else "", "100" if instrument.startswith("OPT") else "",
+                            "CE" if instrument.startswith("OPT") else "", side, qty, price, product, "11",
+                            close if derivative else None, multiplier, agri, D("0.556789") if cross else None))
     trades = sorted({t.key: t for t in trades}.values(), key=lambda t: (t.exchange, t.segment, t.trade_no))
     b = broker()
     charges = compute(trades, DATE, intra, b["tariff"])
@@ -409,7 +412,7 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     for t in trades:
         order = [o for o in trades if o.order_key == t.order_key]
         order_brokerage = sum(charges.brokerage_share[o.key] for o in order)
-        gross = t.quantity * t.multiplier * t.price  # the trade's value, worked out here, not by Trade.turnover
+        gross = t.quantity * t.multiplier * t.price * (t.fx or 1)  # worked out here, not by Trade.turnover
         exact = (gross if t.side == "S" else -gross) - order_brokerage * t.quantity / sum(o.quantity for o in order)
         assert abs(rows[t.key] - exact) <= D("0.015")
     # segment by segment: the column sums to obligation - brokerage, exactly
