@@ -50,9 +50,12 @@ def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_pat
 
 def test_a_volatile_day_has_a_client_with_sixty_thousand_trades(tmp_path):
     write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 3, seed=3, volatile=True))
-    counts = Counter(t["ucc"] for t in csv.DictReader((tmp_path / "trades.csv").open(newline=""))
-                     if t["status"] == "11")
+    trades = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
+    counts = Counter(t["ucc"] for t in trades if t["status"] == "11")
     assert max(counts.values()) >= 60_000
+    # its trades span the exchanges and segments (a mixed client's: 30% of them in the other segments)
+    spans = Counter(f"{t['exchange']}-{t['segment']}" for t in trades if t["ucc"] == "C0000001")
+    assert len(spans) == 8 and 0.2 < sum(n for s, n in spans.items() if s[-2:] in ("DS", "OM")) / sum(spans.values())
 
 
 def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and_the_rest_is_as_before(tmp_path):

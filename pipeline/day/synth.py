@@ -84,7 +84,9 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             ucc = f"C{i + 1:07d}"
             clients.writerow(_client(rng, ucc, i))
             n = opts.volatile_trades if (opts.volatile and i == 0) else _trade_count(rng)
-            mix = mixing if mixing.random() < opts.segment_share else None
+            drawn = mixing.random() < opts.segment_share  # drawn for every client: the stream stays the seed's
+            # the volatile client trades every segment too, unless the day has none but equity
+            mix = mixing if drawn or (opts.volatile and i == 0 and opts.segment_share > 0) else None
             rows = day.held(_trades(rng, opts.trade_date, ucc, n, counter, mix))
             _note_contracts(rows, contracts)
             trades.writerows(rows)
