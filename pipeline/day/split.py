@@ -341,15 +341,12 @@ CHUNK = 1 << 20  # bytes of a range read at a time: io.StringIO holds them as 4 
 
 def _range_lines(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[str]:
     """The range's own lines: from the first line starting at or after `start` (the header's,
-    for the first range) to the end of the line holding byte end-1. Read CHUNK bytes at a time,
-    each cut at its last newline: a range is never held whole (a 20,000-account day's trades
+    for the first range) to the end of the line holding byte end-1. Read in one request, CHUNK
+    bytes at a time, each cut at its last newline: a range is never held whole (a 20,000-account day's trades
     as text were most of the driver's memory, read for its first notes). Lines are split as
     io.StringIO(newline="") splits them, for the csv module."""
     at, left, skip, first = max(0, rng.start - 1), b"", rng.start > 0, rng.start == 0
-    while at < rng.end:
-        data = inputs.read_range(rng.file, at, min(at + chunk, rng.end))
-        if not data:
-            break
+    for data in inputs.stream_range(rng.file, at, rng.end, chunk):
         at += len(data)
         if skip:  # the line that began before `start` is the previous range's
             cut = data.find(b"\n")
