@@ -18,6 +18,7 @@ requests made one after another, and a part per account). The goal: both under
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -39,6 +40,7 @@ GOAL_S = 120.0
 GOAL_MB = 200.0
 SHARD_SIZE = 100
 BOUNCED = 0.02
+NOTE = b"%PDF-1.7\n" + bytes(range(256)) * 4  # an archived note's stand-in (1 KB), the account's own at its end
 
 
 def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
@@ -72,10 +74,16 @@ def lay_out(work: Path, accounts: int, redis_url: str) -> tuple[Settings, str]:
     for shard, mine in by_shard.items():
         store.put(keys.shard_key(run_id, shard), "".join(json.dumps({"ucc": u}) + "\n" for u in mine).encode())
         mids = {u: keys.message_id(run_id, u, key) for u in mine}
-        end = delivery_log.append(store, run_id, shard, [delivery_log.sending(u, mids[u]) for u in mine])
+        notes = {u: NOTE + u.encode() for u in mine}  # each archived, as the run archives it, and its hashes logged
+        for u in mine:
+            store.put(keys.signed_pdf_key("2026-11-20", u), notes[u])
+        sha, md5 = ({u: f(notes[u]).hexdigest() for u in mine} for f in (hashlib.sha256, hashlib.md5))
+        end = delivery_log.append(store, run_id, shard, [delivery_log.sending(u, mids[u], "", sha[u], md5[u])
+                                                         for u in mine])
         outcomes = [Outcome(u, "delivered", message_id=mids[u], reply="250 2.0.0 queued", extra={"attempts": 1})
                     for u in mine]
-        end = delivery_log.append(store, run_id, shard, [delivery_log.entry(o) for o in outcomes], end)
+        end = delivery_log.append(store, run_id, shard, [delivery_log.entry(o, "", sha[o.ucc]) for o in outcomes],
+                                  end)
         state.record(outcomes)
         bounced = mine[:max(0, round(len(mine) * BOUNCED))]
         if bounced:

@@ -47,6 +47,13 @@ class SlowStore:
                 self._wait()
             yield key
 
+    def md5s(self, prefix: str):
+        self._wait()  # a listing page, as keys: each key's ETag comes with it
+        for n, listed in enumerate(self.store.md5s(prefix), 1):
+            if n % 1000 == 0:
+                self._wait()
+            yield listed
+
 
 class TreeMemory:
     """The peak of this process's RSS plus its descendants' (the processes a step spreads its

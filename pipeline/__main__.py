@@ -558,26 +558,32 @@ def cmd_test_send(args) -> int:
 
 @command("logs", "the driver's log of a run, from storage (kept beside its record while the day runs, and after "
                  "the cluster is gone); PANs and e-mail addresses masked", RUN_ID,
-         arg("--follow", "-f", action="store_true", help="print each new part as it comes, until the run ends"),
+         arg("--follow", "-f", action="store_true",
+             help="print each new part as it comes, until the log says the run's last driver (a rerun's too) ended"),
+         arg("--silence-s", type=float, default=180.0, metavar="S",
+             help="with --follow: a driver that wrote nothing for S seconds and no end is gone (killed, its host "
+                  "lost): said in one line, exit 3 (a live one writes at least once a minute)"),
          STORE)
 def cmd_logs(args) -> int:
     from pipeline.errors import RunNotFound
     from pipeline.followup.located import locate
     from pipeline.record import run_log
-    from pipeline.record.keys import report_keys
 
     settings = _on_redis(Settings.from_env())
     try:
         found = locate(settings, args.run_id, args.store, command="logs", redis_optional=True)
     except RunNotFound as e:
         return _not_found(args, e)
-    report = report_keys(args.run_id)[0]
-    chunks = run_log.follow(found.store, args.run_id, lambda: found.store.exists(report)) if args.follow else \
+    chunks = run_log.follow(found.store, args.run_id, silence_s=args.silence_s) if args.follow else \
         (text for _, text in run_log.read(found.store, args.run_id))
     shown = 0
-    for text in chunks:
-        print(text, end="", file=args.stdout, flush=True)
-        shown += 1
+    try:
+        for text in chunks:
+            print(text, end="", file=args.stdout, flush=True)
+            shown += 1
+    except run_log.DriverGone as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     if not shown:
         raise RunNotFound(f"run {args.run_id}: {found.store.url} holds no log for it (a run before logs were kept, "
                           "or one refused before it started)")

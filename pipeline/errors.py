@@ -18,3 +18,8 @@ class RunNotFound(CannotRun, LookupError):
 
 class NotInRun(CannotRun, LookupError):
     """Accounts named to a command that the run does not hold: a typo is never a success."""
+
+
+class DayTaken(CannotRun, ValueError):
+    """A fresh run for a trade date another run has started: its notes are archived under the
+    date (and may be mailed), so a second run would mail that run's notes again."""

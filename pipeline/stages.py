@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parseaddr
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Container
 
@@ -343,7 +343,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         i["message_id"] = message_id(batch.run_id, i["ucc"], ctx.key, ctx.mid_domain)
     if mailable:  # storage calls block: off the event loop, which is busy with other batches' mail
         await asyncio.to_thread(_attach, ctx.store, batch.trade_date, mailable)
-        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"])
+        intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"], i["md5"])
                   for i in mailable if "sha256" in i]
         end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
@@ -403,18 +403,26 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
 
 
 def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
-    """Each item's attachment and its SHA-256 (`sha256`, hex), before the batch's "sending"
+    """Each item's attachment and its SHA-256 and MD5 (hex), before the batch's "sending"
     entry, so the delivery log names the exact bytes each mail carries (and `verify` can prove
     the archive is what the client got). A note archived by an earlier attempt is read from the
-    archive; one that cannot be read keeps its error as its `pdf`, and fails alone, unsent."""
+    archive, a resent batch's together (a round trip each); one that cannot be read keeps its
+    error as its `pdf`, and fails alone, unsent."""
+    archived = [item for item in items if item["pdf"] is None]
+    if archived:
+        with ThreadPoolExecutor(min(16, len(archived)), "archive") as reads:
+            for item, pdf in zip(archived, reads.map(partial(_archived_note, store, trade_date), archived)):
+                item["pdf"] = pdf
     for item in items:
-        if item["pdf"] is None:  # archived on an earlier attempt: mailed from the archive
-            try:
-                item["pdf"] = store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
-            except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
-                item["pdf"] = e
-                continue
-        item["sha256"] = hashlib.sha256(item["pdf"]).hexdigest()
+        if not isinstance(item["pdf"], Exception):
+            item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), hashlib.md5(item["pdf"]).hexdigest()
+
+
+def _archived_note(store: Store, trade_date: str, item: dict) -> bytes | Exception:
+    try:
+        return store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
+    except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
+        return e
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:

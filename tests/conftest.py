@@ -22,11 +22,12 @@ from pipeline.settings import Settings
 from tests import servers
 
 TRADE_DATE = "2026-11-20"
+NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's notes are one run's)
 # The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
 # cloud of namespaces, a whole demo or a benchmark. Whatever needs one of these runs in the full suite.
-SLOW_FIXTURES = {"ray_session", "cloud", "api_run"}
+SLOW_FIXTURES = {"ray_session", "cloud", "api_run", "clone"}  # clone: the README typed on a copy, after its demo
 SLOW_FILES = {"test_ray_up.py", "test_benches.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
-              "test_readme_seal.py", "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
+              "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
               "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py"}
 SLOW_TESTS = {"test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run"}
 
@@ -175,4 +176,12 @@ def day(tmp_path) -> Path:
     """A small synthetic day: 30 accounts, heavy-tailed trades."""
     out = tmp_path / "input"
     write_dumps(out, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 30, seed=7))
+    return out
+
+
+@pytest.fixture
+def next_day(tmp_path) -> Path:
+    """The next trading day's dumps, the same accounts trading again."""
+    out = tmp_path / "input-next"
+    write_dumps(out, SynthOptions(dt.date.fromisoformat(NEXT_DATE), 30, seed=7))
     return out

@@ -200,66 +200,6 @@ def test_a_vERP_token_survives_case_folding_and_a_mangled_one_names_no_account()
     assert not verp.genuine(b"k", "2026-11-20-abc", verp.parse(token[:-1] + ("0" if token[-1] != "0" else "1")))
 
 
-def test_demo_with_a_bounce_rate_reports_exactly_the_accounts_the_relay_bounced(tmp_path):
-    """The README's demo, as a user runs it: the test relay accepts every message, then returns
-    DSNs (half permanent, half delayed) to the VERP addresses; the demo reads them back."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "CN_", "REDIS_", "SMTP_"))}
-    done = subprocess.run([sys.executable, "-m", "pipeline", "demo", "--accounts", "200", "--bounce-rate", "0.08",
-                           "--workdir", str(tmp_path / "demo")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    work = tmp_path / "demo"
-    sent = [json.loads(line) for line in (work / "bounces.jsonl").read_text().splitlines()]
-    by_email = {c["email"]: u for u, c in client_rows(work / "input").items()}
-    expected = {by_email[s["rcpt"]]: s["kind"] for s in sent}
-    assert 4 <= len(expected) <= 30, f"about 8% of 200: {len(expected)}"
-    report_csv = work / "store" / keys.report_keys(summary["run_id"])[1]
-    statuses = {r["ucc"]: r["status"] for r in csv.DictReader(report_csv.open())}
-    assert {u: s for u, s in statuses.items() if s in ("bounced", "deferred")} == expected
-    assert summary["bounces"]["refused"] == 0
-    paper = {r["ucc"] for r in csv.DictReader((work / "store" / report.paper_key(summary["run_id"])).open())}
-    physical = {u for u, s in statuses.items() if s == "physical"}
-    assert paper == physical | {u for u, k in expected.items() if k == "bounced"}
-    # the headline says it too (before: "delivered": 500, "physical": 0 while paper notes were owed)
-    assert (summary["delivered"], summary["bounced"], summary["paper_owed"]) == (
-        list(statuses.values()).count("delivered"), list(expected.values()).count("bounced"), len(paper)), summary
-
-    # the README's "After the demo", as printed, from the folder the demo ran in: each command works
-    lines = after_the_demo(work)
-    said = _typed(lines, env)
-    exits = [code for _, code, _ in said]
-    assert exits == [0, 0, 0, 0, 0, 2, 3, 0], "\n".join(f"{line} -> {code}\n{out[-1500:]}" for line, code, out in said)
-    assert "open until" in said[5][2] and "not sealed" in said[6][2], said[5][2] + said[6][2]
-    mailed = sum(s in ("delivered", "bounced", "deferred") for s in statuses.values())
-    assert len(list((work / "outbox").glob("*.eml"))) == mailed + 1, "the one client mailed again"
-    # then the clock past the bounce window, as close asks: it seals, and verify finds the record whole
-    past = [line for line in lines if line.startswith("source")] + [
-        "faketime -f +73h " + line for line in lines if " close " in line or " verify " in line]
-    sealed = _typed([lines[0]] + past + [lines[-1]], env)
-    assert [code for _, code, _ in sealed] == [0, 0, 0, 0, 0], "\n".join(f"{l} -> {c}\n{o[-1500:]}" for l, c, o in sealed)
-
-
-def after_the_demo(work: Path) -> list[str]:
-    """The README's "After the demo" commands, their folder `demo` being `work`."""
-    text = (Path(ROOT) / "README.md").read_text().split("### After the demo", 1)[1]
-    block = text.split("```sh\n", 1)[1].split("```", 1)[0]
-    return [line.split("  #", 1)[0].strip().replace("--workdir demo", f"--workdir {work}")
-            .replace("demo/", f"{work}/") for line in block.splitlines() if line.strip()]
-
-
-def _typed(lines: list[str], env: dict) -> list[tuple[str, int, str]]:
-    """Each line typed into one shell in the repository's folder: its exit status and output."""
-    script = "".join(f"{line} 2>&1\necho \"@@exit $?@@\"\n" for line in lines)
-    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    said, out = [], done.stdout
-    for line in lines:
-        before, _, out = out.partition("@@exit ")
-        code, _, out = out.partition("@@")
-        said.append((line, int(code) if code.isdigit() else -1, before + (done.stderr if not code else "")))
-    return said
-
-
 def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_read_over_imap_into_paper_notes(
         ray_session, settings, day, tmp_path):
     """Postfix takes every message with a 250, then bounces those for unknown users back to

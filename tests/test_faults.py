@@ -31,7 +31,7 @@ from pipeline.record.guard import StateLostError
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
-from tests.conftest import TRADE_DATE
+from tests.conftest import NEXT_DATE, TRADE_DATE
 from tests.helpers import attachment, client_rows, outbox_messages
 
 ACCOUNTS = int(os.environ.get("CN_FAULT_ACCOUNTS", "60"))  # the closing note's matrix ran with 300-500
@@ -196,7 +196,9 @@ def test_redis_restarted_mid_run(ray_session, settings, busy_day, smtp_server, t
             summary = first = run_day(live, RunRequest(TRADE_DATE, str(busy_day), run_id))
             assert summary["unconfirmed"] == 0, "every mail in flight at the loss was logged with its answer"
             elsewhere = settings.__class__(**{**live.__dict__, "smtp_url": smtp_server("later").url})
-            later = run_day(elsewhere, RunRequest(TRADE_DATE, str(busy_day)))
+            next_day = tmp_path / "next"  # the date's notes are the first run's: the next day's numbers follow on
+            write_dumps(next_day, SynthOptions(dt.date.fromisoformat(NEXT_DATE), ACCOUNTS, seed=11))
+            later = run_day(elsewhere, RunRequest(NEXT_DATE, str(next_day)))
             first_issued, last_issued = _note_numbers(live, run_id), _note_numbers(live, later["run_id"])
             assert min(last_issued) > max(first_issued), "a note number was issued twice"
         assert summary["delivered"] == len(mailable(busy_day))

@@ -383,6 +383,40 @@ def test_close_and_verify_on_s3_read_and_write_in_parallel_and_agree(ray_session
     assert verify(store, run_id)["first_problem"].startswith(f"{edited}: changed"), edited
 
 
+def test_verify_on_s3_holds_the_archive_to_the_log_by_its_listing_and_reads_only_a_note_that_differs(
+        ray_session, settings, day, s3_bucket):
+    """The archive against the log at a broker's size: S3's listing gives each note's MD5 (its
+    ETag), the log the MD5 and SHA-256 of what was mailed. Untouched, verify reads no note; a
+    note replaced after mailing is named, and is the one note read. Before, verify read every
+    archived note (1.5M GETs on a day)."""
+    from pipeline.record.storage import S3Store
+
+    on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
+    run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
+    proof.close(on_s3, run_id, now=after_the_window(on_s3, run_id))
+    notes_read = []
+
+    class Counted(S3Store):
+        def get(self, key: str) -> bytes:
+            if "-signed-pdf/" in key:
+                notes_read.append(key)
+            return super().get(key)
+
+    plain = open_store(on_s3.store_url)
+    store = Counted(plain.url, plain.bucket, plain.prefix)
+    found = verify(store, run_id)
+    assert found["ok"] and found["sealed"], found
+    assert notes_read == [], f"{len(notes_read)} notes read where the listing said each was what was mailed"
+    mailed = sorted(e["ucc"] for e in delivery_log.entries(store, run_id) if e["status"] == "delivered")
+    key = keys.signed_pdf_key(TRADE_DATE, mailed[len(mailed) // 2])
+    store.client.put_object(Bucket=store.bucket, Key=store._key(key),  # the bucket edited behind the run's back
+                            Body=store.get(key).replace(b"%%EOF", b"%%EOF\n% signed again", 1))
+    notes_read.clear()
+    found = verify(store, run_id)
+    assert not found["ok"] and found["first_problem"].startswith(f"{key}: differs from what was mailed"), found
+    assert notes_read == [key], notes_read
+
+
 class _EndsElsewhere(FolderStore):
     """A folder store that ends, at its first read, any process but the one that made it."""
 

@@ -207,3 +207,30 @@ def test_rerun_of_accounts_the_run_lacks_is_refused_before_ray_starts_naming_eac
     said = [line for line in done.stderr.splitlines() if line.strip()]
     assert said[-1] == (f"error: run {run_id} has no account C9999999, c0000001 (client codes are upper-case: "
                         "C0000001)"), done.stderr
+
+
+def test_a_second_fresh_run_of_a_day_is_refused_before_it_mails_the_first_run_s_notes_again(
+        ray_session, settings, day, smtp_sink, tmp_path):
+    """A day run, then the same date run again under a new run id on the same store: refused at
+    once, one line naming the first run and `rerun`; the relay got each note once. Before, the
+    second run found every note archived, rendered none and mailed the first run's notes again
+    under its own mail guard: each client twice. A run that held the date and never started
+    (refused at preflight) leaves it to the next."""
+    from pipeline.errors import DayTaken
+    from pipeline.record import day_claim
+    from pipeline.record.storage import open_store
+
+    first = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+    assert first["delivered"] > 0
+    mailed = mids(smtp_sink.outbox)
+    try:
+        run_day(settings, RunRequest(TRADE_DATE, str(day)))
+        raise AssertionError("the second run of the day was not refused")
+    except DayTaken as e:
+        assert f"run {first['run_id']}'s" in str(e) and f"rerun {first['run_id']}" in str(e), e
+    assert mids(smtp_sink.outbox) == mailed and set(mailed.values()) == {1}
+
+    other = open_store(str(tmp_path / "other-store"))
+    day_claim.claim(other, TRADE_DATE, "never-started", lambda run: False)
+    day_claim.claim(other, TRADE_DATE, "the-next", lambda run: False)  # the holder never started: taken over
+    assert json.loads(other.get(keys.day_claim_key(TRADE_DATE)))["run_id"] == "the-next"

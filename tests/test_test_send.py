@@ -66,3 +66,43 @@ def test_a_relay_that_refuses_or_never_greets_is_said_in_one_line_within_ten_sec
             assert len(errors) == 1 and relay.split("?")[0] in errors[0] and said in errors[0], errors
     finally:
         silent.close()
+
+
+def test_a_test_send_to_an_smtps_relay_checks_its_certificate_with_the_mailers_ca(settings, day, monkeypatch, capsys,
+                                                                                   tmp_path):
+    """An smtps:// relay whose certificate chains to the broker's own CA (CN_SMTP_CA_FILE): the
+    test send greets it and mails through it, as a day's mailers would. Before, the greeting
+    was checked against the system's CAs alone: "refused: certificate verify failed", exit 2,
+    for a relay the day mails through. Without the CA, that refusal is right, and said."""
+    import ssl
+
+    from aiosmtpd.controller import Controller
+
+    from pipeline.embedded import free_port
+    from pipeline.mail.smtp_sink import Faults, OutboxHandler
+    from tests.servers import make_tls_certificate
+
+    cert, key = make_tls_certificate(tmp_path / "tls")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    outbox = tmp_path / "smtps-outbox"
+    outbox.mkdir()
+    port = free_port()
+    relay = Controller(OutboxHandler(outbox, Faults()), hostname="127.0.0.1", port=port, ssl_context=context)
+    relay.start()
+    try:
+        for name, value in {"REDIS_URL": settings.redis_url, "CN_STORE": settings.store_url,
+                            "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+                            "CN_SIGNER_CHAIN": settings.signer_chain, "CN_OWNER_PASSWORD": settings.owner_password,
+                            "CN_TOKEN_KEY_FILE": settings.token_key_file}.items():
+            monkeypatch.setenv(name, value)
+        smtps = ["--smtp", f"smtps://127.0.0.1:{port}"]
+        assert main(["test-send", "--to", "ops@broker.example.com", "--input", str(day), *smtps]) == 2
+        assert "certificate verify failed" in capsys.readouterr().err
+        monkeypatch.setenv("CN_SMTP_CA_FILE", str(cert))
+        assert main(["test-send", "--to", "ops@broker.example.com", "--input", str(day), *smtps]) == 0
+        sent = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert sent["status"] == "delivered", sent
+        assert [m["Message-ID"] for m in outbox_messages(outbox)] == [sent["message_id"]]
+    finally:
+        relay.stop()

@@ -45,7 +45,7 @@ from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
 from pipeline.note.render import render, render_all
-from pipeline.record import keys, report, run_log
+from pipeline.record import day_claim, keys, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
@@ -53,7 +53,7 @@ from pipeline.record.records import Outcome
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
-from pipeline.record.storage import StorageError, check_create_only, open_store
+from pipeline.record.storage import StorageError, Store, check_create_only, open_store
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
@@ -383,7 +383,15 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
     broker(settings.broker_file)  # the issuing entity's file: a bad one refused here, not at the first note
     credentials.dkim_signer(settings)  # loaded again by each mailer: here only to refuse a bad one at the start
-    return credentials.read(settings)
+    checked = credentials.read(settings)
+    if run_id and not started(store, run_id):  # last: a run refused above leaves the date to the next
+        day_claim.claim(store, req.trade_date, run_id, partial(started, store))
+    return checked
+
+
+def started(store: Store, run_id: str) -> bool:
+    """Whether a run got as far as its split or its first notes (it may have archived and mailed)."""
+    return load_manifest(store, run_id) is not None or first_notes.recorded(store, run_id) is not None
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,

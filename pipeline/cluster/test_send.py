@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import smtplib
+import ssl
 import tempfile
 import uuid
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
     if not EMAIL.match(to):
         raise NothingToSend(f"--to {to!r} is not an e-mail address a relay takes (ASCII, user@domain)")
     for target in settings.smtp():
-        _greets(target)
+        _greets(target, settings.smtp_ca_file)
     # one mail, not a day: a relay that stops answering mid-way is said within seconds too
     settings = dataclasses.replace(settings, smtp_patience_s=ANSWER_S, smtp_wait_s=ANSWER_S, smtp_attempts=1)
     run_id = f"test-send-{uuid.uuid4().hex[:8]}"
@@ -82,11 +83,16 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
             "reply": record.get("reply", ""), "reason": record.get("reason", ""), "relays": resolved.relays()}
 
 
-def _greets(target) -> None:
-    """The relay answers with its greeting within ANSWER_S, before a note is made for it."""
+def _greets(target, ca_file: str = "") -> None:
+    """The relay answers with its greeting within ANSWER_S, before a note is made for it; an
+    smtps:// relay's certificate checked as the mailers check it (CN_SMTP_CA_FILE, else the
+    system's CAs)."""
     try:
-        client = (smtplib.SMTP_SSL if target.implicit_tls else smtplib.SMTP)(target.host, target.port,
-                                                                             timeout=ANSWER_S)
+        if target.implicit_tls:
+            client = smtplib.SMTP_SSL(target.host, target.port, timeout=ANSWER_S,
+                                      context=ssl.create_default_context(cafile=ca_file or None))
+        else:
+            client = smtplib.SMTP(target.host, target.port, timeout=ANSWER_S)
         client.close()
     except (OSError, smtplib.SMTPException) as e:
         silent = isinstance(e, TimeoutError) or "timed out" in str(e)  # smtplib says a silent greeting its way

@@ -21,7 +21,7 @@ import math
 import operator
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Container, Iterator
 
 from pipeline.day import bhavcopy, trading_calendar
 from pipeline.day.dumps import (
@@ -162,7 +162,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     another entity is counted and left out, one of a segment no entity holds rejects its account."""
     kind, name = rng.file[0], rng.file
     at = DUMPS[name].index("ucc")
-    reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
+    reader = csv.reader(_range_lines(inputs, rng))
     if rng.index == 0:
         next(reader, None)  # the header
     lines: dict[int, list[str]] = defaultdict(list)
@@ -387,25 +387,45 @@ def _closing_prices(inputs: Store, trade_date: str, errors: list[dict]) -> dict:
     return closes
 
 
-def _range_text(inputs: Store, rng: Range) -> str:
+CHUNK = 1 << 20  # bytes of a range read at a time: io.StringIO holds them as 4 bytes a character
+
+
+def _range_lines(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[str]:
     """The range's own lines: from the first line starting at or after `start` (the header's,
-    for the first range) to the end of the line holding byte end-1."""
-    base = max(0, rng.start - 1)
-    data = inputs.read_range(rng.file, base, rng.end)
-    if rng.start > 0:
-        cut = data.find(b"\n")
-        data = data[cut + 1:] if cut >= 0 else b""
-    if data and not data.endswith(b"\n"):
-        at = rng.end
-        while True:
-            more = inputs.read_range(rng.file, at, at + 64 * 1024)
-            cut = more.find(b"\n")
-            if cut >= 0 or not more:
-                data += more[:cut + 1] if cut >= 0 else more
-                break
-            data, at = data + more, at + len(more)
+    for the first range) to the end of the line holding byte end-1. Read in one request, CHUNK
+    bytes at a time, each cut at its last newline: a range is never held whole (a 20,000-account day's trades
+    as text were most of the driver's memory, read for its first notes). Lines are split as
+    io.StringIO(newline="") splits them, for the csv module."""
+    at, left, skip, first = max(0, rng.start - 1), b"", rng.start > 0, rng.start == 0
+    for data in inputs.stream_range(rng.file, at, rng.end, chunk):
+        at += len(data)
+        if skip:  # the line that began before `start` is the previous range's
+            cut = data.find(b"\n")
+            if cut < 0:
+                continue
+            data, skip = data[cut + 1:], False
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            left += data
+            continue
+        whole, left = left + data[:cut + 1], data[cut + 1:]
+        yield from _lines(whole, first)
+        first = False
+    if skip or not left:
+        return
+    while True:  # the range's last line runs on past its end
+        more = inputs.read_range(rng.file, at, at + 64 * 1024)
+        cut = more.find(b"\n")
+        if cut >= 0 or not more:
+            left += more[:cut + 1] if cut >= 0 else more
+            break
+        left, at = left + more, at + len(more)
+    yield from _lines(left, first)
+
+
+def _lines(data: bytes, first: bool) -> Iterator[str]:
     text = data.decode("utf-8", "surrogateescape")
-    return text.removeprefix("\ufeff") if rng.start == 0 else text
+    return iter(io.StringIO(text.removeprefix("\ufeff") if first else text, newline=""))
 
 
 def _csv_lines(inputs: Store, name: str):

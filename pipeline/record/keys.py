@@ -152,7 +152,11 @@ def shard_key(run_id: str, shard: int) -> str:
 
 
 def signed_pdf_key(trade_date: str, ucc: str) -> str:
-    return f"{partition(ucc)}-signed-pdf/{trade_date}/{ucc}.pdf"
+    return f"{signed_pdf_prefix(trade_date, partition(ucc))}{ucc}.pdf"
+
+
+def signed_pdf_prefix(trade_date: str, part: int) -> str:
+    return f"{part}-signed-pdf/{trade_date}/"
 
 
 def delivery_log_prefix(run_id: str, shard: int) -> str:
@@ -165,6 +169,10 @@ def manifest_key(run_id: str) -> str:
 
 def first_notes_key(run_id: str) -> str:
     return f"reports/{run_id}.first-notes.json"
+
+
+def day_claim_key(trade_date: str) -> str:
+    return f"reports/day-{trade_date}.json"
 
 
 def note_sequence_key(fy: str) -> str:

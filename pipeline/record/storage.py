@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -100,8 +101,10 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
     def lines(self, key: str) -> Iterator[str]: ...
     def keys(self, prefix: str) -> Iterator[str]: ...
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]: ...
     def size(self, key: str) -> int: ...
     def read_range(self, key: str, start: int, end: int) -> bytes: ...
+    def stream_range(self, key: str, start: int, end: int, chunk: int) -> Iterator[bytes]: ...
     def put_file(self, key: str, path: str) -> None: ...
 
 
@@ -177,6 +180,14 @@ class FolderStore:
             f.seek(start)
             return f.read(max(0, end - start))
 
+    def stream_range(self, key: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        """Bytes start..end-1, `chunk` at a time."""
+        with self._path(key).open("rb") as f:
+            f.seek(start)
+            while start < end and (data := f.read(min(chunk, end - start))):
+                start += len(data)
+                yield data
+
     def put_file(self, key: str, path: str) -> None:
         path_to = self._path(key)
         path_to.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +203,11 @@ class FolderStore:
             for path in sorted(folder.rglob("*")):
                 if path.is_file() and not path.name.startswith(".tmp-"):
                     yield path.relative_to(self.root).as_posix()
+
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
+        for key in self.keys(prefix):
+            yield key, hashlib.md5(self._path(key).read_bytes()).hexdigest()
 
     def lines(self, key: str) -> Iterator[str]:
         """Bytes that are not UTF-8 come through as surrogates, for the row check to name;
@@ -288,6 +304,20 @@ class S3Store:
                 return b""
             raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
 
+    def stream_range(self, key: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
+        """One ranged GET, its body read `chunk` at a time: a split task holds a chunk of its
+        part of a day's dump, never the part, for one request."""
+        if end <= start:
+            return
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}")["Body"]
+        except self.client.exceptions.ClientError as e:
+            if e.response["Error"]["Code"] == "InvalidRange":
+                return
+            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+        with closing(body):
+            yield from body.iter_chunks(chunk)
+
     def put_file(self, key: str, path: str) -> None:
         """A multipart upload for a large file (boto3 switches at 8 MB): memory stays flat."""
         self.client.upload_file(path, self.bucket, self._key(key))
@@ -308,6 +338,18 @@ class S3Store:
         for page in pages:
             for item in page.get("Contents", []):
                 yield item["Key"][skip:]
+
+    def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """The keys under a prefix with each object's MD5 (hex) as the listing gives it: S3's
+        ETag of an object written in one PUT without SSE-KMS or SSE-C; "" for any other (a
+        multipart upload's ETag, "...-N"). Under SSE-KMS an ETag is not the MD5: a reader that
+        finds them differ reads the object."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        for page in pages:
+            for item in page.get("Contents", []):
+                etag = item.get("ETag", "").strip('"')
+                yield item["Key"][skip:], etag if len(etag) == 32 and "-" not in etag else ""
 
     def lines(self, key: str) -> Iterator[str]:
         """Streams the object: a day's trade file is never held in memory whole."""
