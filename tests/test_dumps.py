@@ -3,7 +3,7 @@ from decimal import Decimal
 
 import pytest
 
-from pipeline.day.dumps import Trade, RowError, effective_trades, parse_client, parse_trade
+from pipeline.day.dumps import TRADE_FIELDS, Trade, RowError, effective_trades, parse_client, parse_trade
 from pipeline.day.split import shard_count
 from pipeline.record import keys
 
@@ -277,3 +277,33 @@ def test_a_currency_given_twice_at_two_rates_has_no_rate_and_its_trades_are_reje
                                            "2026-11-20,JPY,100,55.1200"], "2026-11-20", errors)
     assert list(rates) == [("RBI", "JPY")]  # the same rate twice is one rate
     assert [(e["row"], e["field"]) for e in errors] == [(2, "rate")]
+
+
+def test_a_trades_derived_values_are_the_same_however_it_was_made_and_survive_a_pickle():
+    """turnover, key and order_key are slots filled when the trade is made (from_row fills them
+    itself): the same as the fields give, kept through pickle and copy, and outside __dict__."""
+    import copy
+    import pickle
+
+    for row in ({**GOOD, "quantity": "7"}, {**GOOD, "segment": "CDS", "symbol": "USDINR", "isin": "",
+                                            "instrument": "FUTCUR", "expiry": "2026-11-26", "product": "NRML",
+                                            "price": "83.1225", "multiplier": "1000"}):
+        made = Trade(**{f: (int(v) if f in ("quantity", "multiplier") else Decimal(v) if f == "price" else v)
+                        for f, v in row.items()})
+        for t in (made, Trade.from_row(made.as_row()), pickle.loads(pickle.dumps(made)), copy.deepcopy(made)):
+            assert t == made and "key" not in t.__dict__
+            assert str(t.turnover) == str(made.price * made.quantity * made.multiplier)
+            assert t.key == (t.exchange, t.segment, t.trade_no) and t.order_key == (t.exchange, t.segment, t.order_no)
+        assert Trade(**Trade.from_row(made.as_row()).__dict__) == made
+
+
+def test_from_row_takes_each_field_from_its_own_column():
+    """A row of a distinct text a column: each field of the rebuilt trade is its column's (from_row
+    names every column by its index)."""
+    row = [f"v{i}" for i in range(len(TRADE_FIELDS))] + ["7.5"]
+    row[TRADE_FIELDS.index("quantity")], row[TRADE_FIELDS.index("price")] = "3", "2.25"
+    row[TRADE_FIELDS.index("multiplier")] = "5"
+    t = Trade.from_row(row)
+    for i, f in enumerate(TRADE_FIELDS):
+        assert str(getattr(t, f)) == row[i], f
+    assert t.close == Decimal("7.5") and t.turnover == Decimal("33.75")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from decimal import Decimal
 from functools import lru_cache
 from operator import attrgetter
@@ -127,20 +127,25 @@ class Trade:
     # cross-currency pairs: rupees a unit of the quote currency (RBI's reference rate); None: quoted in rupees
     fx: Decimal | None = None
 
-    @property
-    def turnover(self) -> Decimal:
-        """Rupees: lots x multiplier x price (equity: shares x price, the multiplier being 1); a
-        cross-currency pair's value in its quote currency, at the reference rate."""
+    # Derived once, when the trade is made, not at each of their ~15 uses a trade (a 2,000-page note
+    # asks for them 1.4 million times): slots beside the fields' __dict__, so equality, hash, repr
+    # and a `Trade(**t.__dict__)` see the fields alone.
+    # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1), a
+    # cross-currency pair's value in its quote currency at the reference rate;
+    # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no);
+    # exchange_segment: "NSE-CM", the note's section and levies column it goes in
+    __slots__ = ("turnover", "key", "order_key", "exchange_segment", "__dict__", "__weakref__")
+
+    def __post_init__(self) -> None:
         value = self.price * self.quantity * self.multiplier
-        return value if self.fx is None else value * self.fx
+        _set_turnover(self, value if self.fx is None else value * self.fx)
+        _set_key(self, (self.exchange, self.segment, self.trade_no))
+        _set_order_key(self, (self.exchange, self.segment, self.order_no))
+        _set_exchange_segment(self, f"{self.exchange}-{self.segment}")
 
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.exchange, self.segment, self.trade_no)
-
-    @property
-    def order_key(self) -> tuple[str, str, str]:
-        return (self.exchange, self.segment, self.order_no)
+    def __reduce__(self):
+        """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
+        return type(self), tuple(self.__dict__[f] for f in _FIELDS)
 
     def as_row(self) -> list[str]:
         """A multiplier of 1 is written empty, as an equity row gives it: the fast path then
@@ -158,19 +163,33 @@ class Trade:
         """Rebuild a trade that was already validated (from a shard file)."""
         if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
-        close = row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""
-        return cls(*row[:_AT_QUANTITY], int(row[_AT_QUANTITY]), Decimal(row[_AT_PRICE]),
-                   *row[_AT_PRICE + 1:_AT_MULTIPLIER], Decimal(close) if close else None,
-                   int(row[_AT_MULTIPLIER] or 1), row[_AT_MULTIPLIER + 1],
-                   Decimal(row[_AT_FX]) if len(row) > _AT_FX else None)
+        r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
+        # The dataclass's __init__ without its setattr a field: a copy of a trade's dict, whose keys
+        # every trade's shares (a third of the memory of a dict of its own), each value replaced
+        d = _SHARED_DICT.copy()
+        d["trade_date"], d["exchange"], d["segment"], d["settlement_no"], d["ucc"] = r[0], r[1], r[2], r[3], r[4]
+        d["order_no"], d["order_time"], d["trade_no"], d["trade_time"], d["symbol"] = r[5], r[6], r[7], r[8], r[9]
+        d["isin"], d["instrument"], d["expiry"], d["strike"], d["option_type"] = r[10], r[11], r[12], r[13], r[14]
+        d["side"], d["quantity"], d["price"], d["product"], d["status"] = r[15], int(r[16]), Decimal(r[17]), r[18], r[19]
+        d["close"], d["multiplier"], d["agri"] = Decimal(close) if close else None, int(r[20] or 1), r[21]
+        d["fx"] = Decimal(r[_AT_FX]) if len(r) > _AT_FX else None
+        t = _new(cls)
+        _set_fields(t, d)
+        t.__post_init__()
+        return t
 
 
 # A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
 # which comes before multiplier and agri: from_row builds one by position (a 2,000-page note
-# rebuilds 125,000), test_dumps holds the two orders together
+# rebuilds 125,000), test_dumps holds the two orders and from_row's columns together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 _AT_FX = _AT_CLOSE + 1
+_FIELDS = tuple(f.name for f in fields(Trade))
+_new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
+_set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
+_set_exchange_segment = Trade.exchange_segment.__set__
+_SHARED_DICT = Trade(*[""] * _AT_QUANTITY, 0, Decimal(0), "", "").__dict__  # keys shared with the class's
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:

@@ -47,11 +47,11 @@ KINDS = {"FO": "", "CDS": "currency_", "COM": "commodity_"}
 
 
 def rupees(x: Decimal) -> Decimal:
-    return x.quantize(RUPEE, rounding=ROUND_HALF_UP)
+    return x.quantize(RUPEE, ROUND_HALF_UP)  # by position: half the cost of rounding=
 
 
 def paise(x: Decimal) -> Decimal:
-    return x.quantize(PAISA, rounding=ROUND_HALF_UP)
+    return x.quantize(PAISA, ROUND_HALF_UP)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,18 @@ class Levies:
         return self.obligation - sum(getattr(self, f) for f in LEVY_FIELDS)
 
     def __add__(self, other: "Levies") -> "Levies":
-        return Levies(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})
+
+
+_LEVIES_FIELDS = tuple(f.name for f in fields(Levies))
+
+
+def _levies(**values: Decimal) -> Levies:
+    """Levies(**values), every field given, without the frozen dataclass's setattr a field (a
+    fifth of a typical note's charges went to making its segments' Levies and their total)."""
+    levies = object.__new__(Levies)
+    levies.__dict__.update(values)
+    return levies
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,9 @@ class Charges:
 
     @property
     def total(self) -> Levies:
-        return sum(self.segments.values(), Levies())
+        """The segments' sum, field by field from Decimal(0) as Levies() + each would add them, made once."""
+        segments = self.segments.values()
+        return _levies(**{f: sum([getattr(s, f) for s in segments], Decimal(0)) for f in _LEVIES_FIELDS})
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
@@ -124,7 +137,7 @@ def category(trade: Trade) -> str:
 
 
 def segment_of(trade: Trade) -> str:
-    return f"{trade.exchange}-{trade.segment}"
+    return trade.exchange_segment  # f"{trade.exchange}-{trade.segment}", made with the trade
 
 
 @lru_cache(maxsize=4)
@@ -177,7 +190,10 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
     }
     shares: dict[tuple, Decimal] = {}
     for key, order in orders.items():
-        shares.update(split_pro_rata(fees[key], order))
+        if len(order) == 1:  # most orders: one trade, the whole fee
+            shares[order[0].key] = fees[key]
+        else:
+            shares.update(split_pro_rata(fees[key], order))
     return Charges(segments=segments, brokerage_share=shares, carried=carried)
 
 
@@ -187,8 +203,9 @@ def carry_forward(trades: list[Trade]) -> list[CarryForward]:
     first: dict[tuple, Trade] = {}
     for t in trades:
         if t.segment in DERIVATIVES and t.instrument.startswith("FUT"):
-            net[contract_id(t)] += t.quantity if t.side == "B" else -t.quantity
-            first.setdefault(contract_id(t), t)
+            contract = contract_id(t)
+            net[contract] += t.quantity if t.side == "B" else -t.quantity
+            first.setdefault(contract, t)
     out = []
     for contract, qty in net.items():
         if qty:
@@ -205,14 +222,15 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     brokerage; a segment's rounding residue goes, a paisa at a time, to the rows that rounding
     moved furthest, so every segment's column sums to obligation - brokerage exactly."""
     by_segment: dict[str, list[tuple[tuple, Decimal]]] = defaultdict(list)  # segment -> (row key, exact)
+    shares = charges.brokerage_share
     for t in trades:
-        gross = t.turnover if t.side == "S" else -t.turnover
-        by_segment[segment_of(t)].append((t.key, gross - charges.brokerage_share[t.key]))
+        key = t.key
+        by_segment[t.exchange_segment].append((key, (t.turnover if t.side == "S" else -t.turnover) - shares[key]))
     for i, c in enumerate(charges.carried):
         by_segment[segment_of(c.trade)].append((("C/F", i), c.value))
     rounded: dict[tuple, Decimal] = {}
     for segment, rows in by_segment.items():
-        values = {k: paise(exact) for k, exact in rows}
+        values = {k: exact.quantize(PAISA, ROUND_HALF_UP) for k, exact in rows}  # paise(), a call a row the less
         levies = charges.segments[segment]
         residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
         if residue:
@@ -221,8 +239,8 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
             for k, _ in rows[:int(abs(residue) / PAISA)]:
                 values[k] += step
         rounded.update(values)
-    return ({k: v for k, v in rounded.items() if k[0] != "C/F"},
-            {k[1]: v for k, v in rounded.items() if k[0] == "C/F"})
+    carried = {i: rounded.pop(("C/F", i)) for i in range(len(charges.carried))}  # the trades' are left
+    return rounded, carried
 
 
 def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,
@@ -251,7 +269,7 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
     else:
         cgst = sgst = Decimal(0)
         igst = paise(gst_base * gst_rate)
-    return Levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
+    return _levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
                   stt=rupees(stt), txn=txn, sebi=sebi, stamp=paise(stamp), ipft=paise(ipft),
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
@@ -285,14 +303,14 @@ def _tax_rate(rates: dict, tax: str, cat: str, side: str) -> Decimal:
     if rule is None:
         return Decimal(0)
     rate, sides = rule
-    return Decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
+    return _decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
 
 
 def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal:
     """A levy's rate for a category: one the schedule lacks is an error naming the levy, never a
     zero, since a missing row would drop a charge from every note of the segment."""
     try:
-        return Decimal(table[levy][cat])
+        return _decimal(table[levy][cat])
     except KeyError:
         since = effective_from or table.get("effective_from", "?")
         raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None
@@ -311,11 +329,14 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     cat = category(order[0])
     rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
-        return paise(Decimal(rule["flat"]))
-    turnover = sum((t.turnover for t in order), Decimal(0))
-    fee = turnover * Decimal(rule["percent"])
-    cap = Decimal(rule["cap"])
+        return paise(_decimal(rule["flat"]))
+    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
+    fee = turnover * _decimal(rule["percent"])
+    cap = _decimal(rule["cap"])
     return paise(min(fee, cap) if cap > 0 else fee)
+
+
+_decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order
 
 
 def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:

@@ -1,0 +1,52 @@
+"""content.money's fast paths print every amount exactly as the plain rule does: half up to the
+paisa (or the places asked), Indian grouping, brackets for what the client pays (issue 73)."""
+
+from __future__ import annotations
+
+import random
+from decimal import ROUND_HALF_UP, Decimal
+
+from pipeline.note.content import money
+
+
+def plain(amount: Decimal, places: int = 2) -> str:
+    """The rule as it was written before the fast paths: round, then group by hand."""
+    exact = abs(amount).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
+    whole, dot, frac = f"{exact:f}".partition(".")
+    if len(whole) > 3:
+        head, odd = whole[:-3], (len(whole) - 3) % 2
+        groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
+        whole = ",".join(groups) + "," + whole[-3:]
+    text = whole + dot + frac
+    return f"({text})" if amount < 0 else text
+
+
+EDGES = ["0", "-0", "0.00", "-0.00", "0.001", "-0.001", "0.005", "-0.005", "0.0049999", "-0.0049999", "0.01", "-0.01",
+         "999.995", "-999.995", "999.994", "99999.99", "99999.994", "99999.995", "-99999.995", "100000", "-100000",
+         "9999999.995", "-9999999.995", "10000000", "99999999.99", "100000000", "123456789.125", "-123456789.125",
+         "1E+5", "1E+7", "-1E+9", "12345678901234.565", "-999999999999999.99", "1E-28", "-1E-28", "0.00005",
+         "0.00004999", "2983.9", "5.72888805E+5", "12.5", "-12.5"]
+
+
+def test_money_matches_the_plain_rule_at_the_edges():
+    for text in EDGES:
+        for places in range(5):
+            value = Decimal(text)
+            assert money(value, places) == plain(value, places), (text, places)
+
+
+def test_money_matches_the_plain_rule_on_a_random_sweep():
+    rng = random.Random(73)
+    for _ in range(40_000):
+        digits = rng.randint(1, 18)
+        value = Decimal(rng.randrange(10 ** digits)).scaleb(-rng.randint(0, 6))
+        if rng.random() < 0.5:
+            value = -value
+        places = rng.choice((2, 2, 4, 0, 1, 3))
+        assert money(value, places) == plain(value, places), (value, places)
+
+
+def test_money_as_the_note_prints_it():
+    assert money(Decimal("-0")) == "0.00" and money(Decimal("-0.001")) == "(0.00)"
+    assert money(Decimal("99999.995")) == "1,00,000.00" and money(Decimal("-123456789.125")) == "(12,34,56,789.13)"
+    assert money(Decimal("1E+7"), 0) == "1,00,00,000" and money(Decimal("2983.9"), 4) == "2,983.9000"
