@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_US = 15.0
-BASELINE = "2565356a34d3118c8e51749897c3eb50bdf953ec"  # main before issue 73's note data work
+BASELINE = "4ccda34acde9e661b3dea17618b32b2d54d5d09d"  # main before the note data work (every segment's charges in)
 TYPICAL_TRADES = 20
 
 

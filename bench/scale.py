@@ -298,7 +298,7 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
                           aws_secret_access_key=S3_SECRET_KEY, region_name="us-east-1")
     for bucket in ("cn-archive", "cn-input"):
         client.create_bucket(Bucket=bucket)
-    for f in ("clients.csv", "trades.csv", "bhavcopy.csv"):
+    for f in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         client.upload_file(str(day / f), "cn-input", f"day/{f}")
     before = _requests(log)
     summary = run(s3env, "s3://cn-input/day", "scale-s3")

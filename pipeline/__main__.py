@@ -193,7 +193,7 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
                     help="the HSM refused the PIN before and it has been corrected: offer it once more")
 
 
-@command("synth", "write synthetic clients.csv, trades.csv and bhavcopy.csv for a trade date",
+@command("synth", "write synthetic clients.csv, trades.csv, bhavcopy.csv and reference_rates.csv for a trade date",
          arg("--date", required=True, type=_date), arg("--accounts", required=True, type=_positive),
          arg("--out", required=True, type=Path), arg("--seed", type=int, default=1),
          arg("--volatile", action="store_true", help="add one client with 60,000 trades (~2000 pages)"),
@@ -202,9 +202,11 @@ PIN_CORRECTED = arg("--pin-corrected", action="store_true",
 def cmd_synth(args) -> int:
     from pipeline.day.synth import SynthOptions, write_dumps
 
-    options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share)
+    options = SynthOptions(args.date, args.accounts, args.seed, args.volatile, segment_share=args.segment_share,
+                           holidays_file=os.environ.get("CN_HOLIDAYS_FILE", ""))
     clients, trades = write_dumps(args.out, options)
     print(json.dumps({"clients": str(clients), "trades": str(trades), "bhavcopy": str(args.out / "bhavcopy.csv"),
+                      "reference_rates": str(args.out / "reference_rates.csv"),
                       "accounts": args.accounts}), file=args.stdout)
     return 0
 
@@ -212,7 +214,7 @@ def cmd_synth(args) -> int:
 @command("run", "the real job: one trade date's dumps to delivered contract notes",
          arg("--date", required=True, type=_date),
          arg("--input", required=True, help="folder or s3://bucket/prefix holding clients.csv, trades.csv and "
-                                            "bhavcopy.csv"),
+                                            "bhavcopy.csv (and reference_rates.csv for cross-currency pairs)"),
          arg("--store", help="folder or s3://bucket[/prefix] (default: CN_STORE)"),
          arg("--redis", help="redis://host:port/db (default: REDIS_URL)"),
          arg("--smtp", help="smtp://[user:pass@]host:port or smtps://... (default: SMTP_URL)"),
@@ -717,6 +719,8 @@ def cmd_serve(args) -> int:
 @command("demo", "the embedded default: synthesize a day and run it with local services",
          arg("--accounts", type=_positive, default=500), arg("--workdir", type=Path, default=Path("demo")),
          arg("--date", type=_date, default=dt.date(2026, 11, 20)), arg("--seed", type=int, default=1),
+         arg("--segment-share", type=_share, default=0.1,
+             help="the share of clients who also trade currency, commodities and BSE index options (0 to 1)"),
          arg("--bounce-rate", type=float, default=0.0,
              help="the test relay returns DSNs for this share of the mail (half permanent, half delayed) to the "
                   "VERP addresses, and the demo reads them back with `bounces`"),
@@ -739,7 +743,8 @@ def cmd_demo(args) -> int:
     from pipeline.cluster.driver import RunRequest, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
 
-    write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed))
+    write_dumps(work / "input", SynthOptions(args.date, args.accounts, args.seed, segment_share=args.segment_share,
+                                             holidays_file=os.environ.get("CN_HOLIDAYS_FILE", "")))
     services = []
     try:
         services.append(embedded.start_redis(work / "redis"))

@@ -150,6 +150,9 @@ class Settings:
                                "or child of it (DMARC's relaxed alignment)")
     holidays_file: str = setting("CN_HOLIDAYS_FILE", "", "the broker's trading-holiday list, laid over "
                                  "pipeline/day/data/holidays.json")
+    broker_file: str = setting("CN_BROKER_FILE", "", "the issuing entity's details, memberships and tariff (default: "
+                               "templates/broker.json); a broker whose commodity membership is a company of its own "
+                               "runs the day once per entity, each with its file (docs/input.md)")
     state_ttl_s: int = setting("CN_STATE_TTL_S", 14 * 24 * 3600, "how long Redis keeps a run's state", 60,
                                10 * 365 * 86_400)
     api_token: str = setting("CN_API_TOKEN", "", "bearer token for reruns and unmasked PII in the status service",
@@ -361,7 +364,7 @@ class Settings:
         """These settings with every folder and file made absolute: what a run records and
         passes on, so that a command typed later, elsewhere, or a worker with another working
         folder, finds the same store and keys."""
-        names = KEY_FILES + ("holidays_file", "pkcs11_pin_file", "dkim_key")
+        names = KEY_FILES + ("holidays_file", "broker_file", "pkcs11_pin_file", "dkim_key")
         files = {f: str(Path(getattr(self, f)).resolve()) for f in names if getattr(self, f)
                  and not (self.pkcs11_module and f == "signer_key")}  # with a token, only a key named is a key
         return dataclasses.replace(self, store_url=absolute_store(self.store_url), **files)

@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Callable, Container
 
-from pipeline.day.dumps import EMAIL, Client, Trade
+from pipeline.day.dumps import EMAIL, SEGMENTS, Client, Trade
 from pipeline.mail import link
 from pipeline.mail.dkim_signer import DkimSigner
 from pipeline.mail.message import (
@@ -46,7 +47,7 @@ from pipeline.record.state import RunState
 from pipeline.record.storage import Store, write_once
 from pipeline.seal.sign import SignatureInfo, protect_all, user_half
 from pipeline.seal.signer import SignError
-from pipeline.settings import TEMPLATES
+from pipeline.settings import TEMPLATES, ConfigError
 
 log = logging.getLogger("pipeline.stages")
 RECORD_WAIT_S = 0.005  # longest a relay's reply waits for a claim to ride to Redis with
@@ -62,6 +63,7 @@ class Batch:
     cpu_s: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # accounts that left the batch early, by status
     settles: dict[str, str] = field(default_factory=dict)  # exchange -> settlement date (ISO)
+    broker_file: str = ""  # the issuing entity's (CN_BROKER_FILE): its details and tariff on the notes
     lease: str = ""  # the token of the run's lease its driver held: checked before archiving and mailing
     waits: list[tuple[str, float, float]] = field(default_factory=list)  # (on what, from, to): epoch seconds held
 
@@ -72,9 +74,24 @@ class Batch:
         self.cpu_s[stage] = self.cpu_s.get(stage, 0.0) + time.process_time() - started
 
 
-@lru_cache(maxsize=1)
-def broker() -> dict:
-    return json.loads((TEMPLATES / "broker.json").read_text())
+def broker(path: str = "") -> dict:
+    """The issuing entity's details, memberships and tariff: `path` (CN_BROKER_FILE), else
+    templates/broker.json."""
+    return _broker(str(Path(path).resolve()) if path else str(TEMPLATES / "broker.json"))
+
+
+@lru_cache(maxsize=4)
+def _broker(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the broker file {path}: {e}") from None
+    for segment in [*data.get("segments", []), *data.get("left_to", {})]:
+        if segment not in SEGMENTS:
+            raise ConfigError(f"{path}: {segment!r} is not an exchange-segment ({', '.join(SEGMENTS)})")
+    if both := set(data.get("segments", [])) & set(data.get("left_to", {})):
+        raise ConfigError(f"{path}: {', '.join(sorted(both))} both in its segments and left to another entity")
+    return data
 
 
 def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
@@ -154,7 +171,7 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 batch.items.append(item)
                 continue
             try:
-                todo.append((item, note_data(account, client, batch.trade_date, batch.settles)))
+                todo.append((item, note_data(account, client, batch.trade_date, batch.settles, batch.broker_file)))
             except Exception as e:
                 failed(ucc, e)
         for (item, _), pdf in zip(todo, render_notes([note for _, note in todo])):
@@ -170,14 +187,14 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
     return batch
 
 
-def note_data(account: dict, client: Client, trade_date: str, settles: dict[str, str]) -> dict:
+def note_data(account: dict, client: Client, trade_date: str, settles: dict[str, str], broker_file: str = "") -> dict:
     """An account of a shard file to its note's data, with the cycle collector paused: a huge
     note's trades and rows live until the note is built, and the collections their allocation
     set off scanned them again and again, 40% of a 125,000-trade note's build (10.8 -> 6.3 s).
     What is freed meanwhile is freed by reference counts; a cycle waits for the next collection."""
     with _collector_paused():
         trades = [Trade.from_row(r) for r in account["trades"]]
-        b = broker()
+        b = broker(broker_file)
         charges = compute(trades, trade_date, client.gst_state_code == b["gst_state_code"], b["tariff"])
         return build_note(client, trades, charges, b, trade_date, account["note_no"], settles)
 
@@ -300,7 +317,7 @@ def mail_context(settings, state: RunState, store: Store, force: bool = False,
                           max_messages=settings.smtp_max_per_conn, helo=settings.smtp_helo or None,
                           starttls=settings.smtp_starttls, ca_file=settings.smtp_ca_file or None,
                           patience_s=settings.smtp_patience_s, deadline_at=settings.deadline_at)
-    b = broker()
+    b = broker(settings.broker_file)
     letter = Letter(settings.mail_from, settings.mail_reply_to, b["name"], parseaddr(settings.mail_reply_to)[1])
     epoch = state.epoch() if epoch is None else epoch
     if not epoch:

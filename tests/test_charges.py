@@ -18,10 +18,10 @@ _numbers = iter(range(10**15, 10**16))
 
 
 def trade(side, qty, price, segment="CM", product="CNC", instrument="EQ", exchange="NSE", order=None, date=NEW,
-          close=None, number=None):
+          close=None, number=None, symbol="NIFTY"):
     n = number or f"{next(_numbers):016d}"
     return Trade(date, exchange, segment, f"{segment}2026324", "C1", order or n, "10:00:00", n, "10:00:01",
-                 "NIFTY", "", instrument, "2026-11-26" if segment == "FO" else "", "", "CE" if instrument.startswith(
+                 symbol, "", instrument, "2026-11-26" if segment == "FO" else "", "", "CE" if instrument.startswith(
                      "OPT") else "", side, qty, D(price), product, "11",
                  D(close or price) if segment == "FO" else None)
 
@@ -46,8 +46,10 @@ def test_delivery_buy_inter_state_pays_igst_rounded_once():
     assert t.net == D("-100118.72")
 
 
-def test_bse_delivery_uses_the_bse_transaction_rate():
-    assert levies([trade("B", 100, "1000.00", exchange="BSE")]).txn == D("3.75")  # 0.00375%
+def test_bse_delivery_uses_the_bse_transaction_rate_and_pays_no_ipft():
+    # 1,00,000 bought on BSE: 0.00375% = 3.75; IPFT is NSE's Investor Protection Fund Trust's levy alone
+    t = levies([trade("B", 100, "1000.00", exchange="BSE")])
+    assert (t.txn, t.ipft) == (D("3.75"), D("0.00"))
 
 
 def test_intraday_round_trip():
@@ -153,13 +155,34 @@ def test_currency_futures_on_nse_pay_no_stt_and_are_marked_to_market_by_the_thou
 
 def test_currency_options_on_bse_on_premium():
     # buy 10 lots USDINR options @ 0.2500 premium: 10 x 1,000 x 0.25 = 2,500.00. BSE currency options
-    # txn 0.001% = 0.025 -> 0.03; SEBI 0.0025 -> 0.00; stamp 0.0001% = 0.0025 -> 0.00; IPFT 0.002% =
-    # 0.05; brokerage flat 20; CGST = SGST = 9% of 20.03 = 1.8027 -> 1.80.
-    # Net = -2,500 - 20 - 0.03 - 0.05 - 1.80 - 1.80 = (2,523.68).
+    # txn 0.001% = 0.025 -> 0.03; SEBI 0.0025 -> 0.00; stamp 0.0001% = 0.0025 -> 0.00; no IPFT (NSE's
+    # levy: on NSE this would be 0.002% = 0.05); brokerage flat 20; CGST = SGST = 9% of 20.03 = 1.8027 -> 1.80.
+    # Net = -2,500 - 20 - 0.03 - 1.80 - 1.80 = (2,523.63).
     c = levies([lot("B", 10, "0.2500", "CDS", "OPTCUR", "BSE", 1000, "USDINR")])
     assert (c.txn, c.sebi, c.stamp, c.ipft, c.brokerage, c.cgst, c.sgst) == (
-        D("0.03"), D("0.00"), D("0.00"), D("0.05"), D("20.00"), D("1.80"), D("1.80"))
-    assert c.net == D("-2523.68")
+        D("0.03"), D("0.00"), D("0.00"), D("0.00"), D("20.00"), D("1.80"), D("1.80"))
+    assert c.net == D("-2523.63")
+    assert levies([lot("B", 10, "0.2500", "CDS", "OPTCUR", "NSE", 1000, "USDINR")]).ipft == D("0.05")
+
+
+def test_a_cross_currency_future_is_charged_and_marked_to_market_in_rupees_at_the_reference_rate():
+    # sell 3 lots EURUSD @ 1.0852 USD, RBI's USD reference rate 84.1234: 3 x 1,000 x 1.0852 = 3,255.60 USD
+    # = 2,73,872.14104 rupees. No STT or CTT. NSE currency futures txn 0.00035% = 0.9585525 -> 0.96;
+    # SEBI 0.0001% = 0.27387 -> 0.27; IPFT 0.00005% = 0.13694 -> 0.14; no stamp on a sell; brokerage
+    # min(0.03% = 82.16, 20) = 20.00; IGST 18% of 21.23 = 3.8214 -> 3.82. The short is carried forward at
+    # the settlement price 1.0860 USD: 3,258 USD x 84.1234 = 2,74,074.0372, so the obligation is the MTM
+    # 3,000 x (1.0852 - 1.0860) x 84.1234 = (201.89616) -> (201.90).
+    # Net = -201.90 - 20 - 0.96 - 0.27 - 0.14 - 3.82 = (227.09).
+    t = Trade(**{**lot("S", 3, "1.0852", "CDS", "FUTCUR", "NSE", 1000, "EURUSD", close="1.0860").__dict__,
+                 "fx": D("84.1234")})
+    charges = compute([t], NEW, False, TARIFF)
+    c = charges.segments["NSE-CDS"]
+    assert (c.stt, c.ctt, c.txn, c.sebi, c.ipft, c.stamp, c.brokerage, c.igst) == (
+        D(0), D(0), D("0.96"), D("0.27"), D("0.14"), D("0.00"), D("20.00"), D("3.82"))
+    assert (c.sells, c.carry, c.obligation, c.net) == (D("273872.14104"), D("-274074.0372"), D("-201.90"),
+                                                       D("-227.09"))
+    # the brokerage a unit is in dollars, as the rate it sits beside: 20 / (3,000 x 84.1234) = 0.0000792 -> 0.0001
+    assert charges.brokerage_per_unit(t) == D("0.0001")
 
 
 def test_gold_futures_on_mcx_pay_ctt_on_the_sell_to_the_rupee():
@@ -198,14 +221,85 @@ def test_an_agricultural_future_on_ncdex_pays_no_ctt_and_sebi_s_agricultural_fee
     assert levies([lot("S", 2, "5400", close="5390", **guar)]).ctt == D(0)
 
 
-def test_bse_sensex_options_pay_bse_s_option_rate():
+def test_bse_sensex_options_pay_bse_s_sensex_and_bankex_rate():
     # buy 20 SENSEX options @ 310.50 = 6,210.00. No STT on a buy; stamp 0.003% = 0.1863 -> 0.19;
-    # BSE options txn 0.0325% = 2.01825 -> 2.02; SEBI 0.00621 -> 0.01; IPFT 0.0005% = 0.03105 -> 0.03;
-    # brokerage flat 20; IGST 18% of 22.03 = 3.9654 -> 3.97. Net = (6,236.22).
-    c = levies([trade("B", 20, "310.50", "FO", "NRML", "OPTIDX", "BSE")], intra=False)
-    assert (c.stt, c.stamp, c.txn, c.sebi, c.ipft, c.igst) == (D(0), D("0.19"), D("2.02"), D("0.01"), D("0.03"),
+    # BSE's SENSEX and BANKEX options txn Rs 3,250 a crore = 0.0325% = 2.01825 -> 2.02; SEBI 0.00621
+    # -> 0.01; no IPFT (NSE's levy); brokerage flat 20; IGST 18% of 22.03 = 3.9654 -> 3.97.
+    # Net = -6,210 - 0.19 - 2.02 - 0.01 - 20 - 3.97 = (6,236.19).
+    c = levies([trade("B", 20, "310.50", "FO", "NRML", "OPTIDX", "BSE", symbol="SENSEX")], intra=False)
+    assert (c.stt, c.stamp, c.txn, c.sebi, c.ipft, c.igst) == (D(0), D("0.19"), D("2.02"), D("0.01"), D("0.00"),
                                                                D("3.97"))
-    assert c.net == D("-6236.22")
+    assert c.net == D("-6236.19")
+    # BANKEX is in the same group: buy 30 @ 400 = 12,000: 0.0325% = 3.90
+    assert levies([trade("B", 30, "400", "FO", "NRML", "OPTIDX", "BSE", symbol="BANKEX")]).txn == D("3.90")
+
+
+def test_bse_s_other_options_pay_its_lower_rate():
+    # BSE charges Rs 500 a crore of premium (0.005%) on SENSEX 50 and stock options (its circular of
+    # 27 September 2024, from 1 October 2024), Rs 3,250 on SENSEX and BANKEX alone.
+    # buy 25 SENSEX50 @ 100 = 2,500: 0.005% = 0.125 -> 0.13 (SENSEX at the same premium: 0.8125 -> 0.81);
+    # sell 500 RELIANCE stock options @ 30 = 15,000: 0.005% = 0.75.
+    assert levies([trade("B", 25, "100", "FO", "NRML", "OPTIDX", "BSE", symbol="SENSEX50")]).txn == D("0.13")
+    assert levies([trade("B", 25, "100", "FO", "NRML", "OPTIDX", "BSE", symbol="SENSEX")]).txn == D("0.81")
+    assert levies([trade("S", 500, "30", "FO", "NRML", "OPTSTK", "BSE", symbol="RELIANCE")]).txn == D("0.75")
+    # both kinds in one segment: each rate on its own turnover, then one rounding: 0.125 + 0.8125 = 0.9375 -> 0.94
+    both = [trade("B", 25, "100", "FO", "NRML", "OPTIDX", "BSE", symbol=s) for s in ("SENSEX50", "SENSEX")]
+    assert levies(both).txn == D("0.94")
+
+
+def test_a_named_ncdex_contract_pays_its_own_rate_and_the_rest_of_the_exchange_its_rate():
+    # NCDEX's options pay 0.03% of premium; guar seed options 0.015% (the named contract's rate).
+    # sell 2 lots GUARSEED10 options @ 120.00 a quintal, multiplier 100: 24,000.00. Agricultural: no CTT;
+    # txn 0.015% = 3.60; SEBI's agricultural Rs 1 a crore = 0.0024 -> 0.00; no stamp on a sell; brokerage
+    # flat 20; IGST 18% of 23.60 = 4.248 -> 4.25. Net = 24,000 - 20 - 3.60 - 4.25 = 23,972.15.
+    guar = lot("S", 2, "120.00", "COM", "OPTFUT", "NCDEX", 100, "GUARSEED10", agri="Y")
+    c = levies([guar], intra=False)
+    assert (c.ctt, c.txn, c.sebi, c.stamp, c.igst, c.net) == (D(0), D("3.60"), D("0.00"), D("0.00"), D("4.25"),
+                                                              D("23972.15"))
+    # a DHANIYA option, in no group: NCDEX's 0.03%: sell 1 lot @ 150, multiplier 50 = 7,500: 2.25
+    assert levies([lot("S", 1, "150", "COM", "OPTFUT", "NCDEX", 50, "DHANIYA", agri="Y")]).txn == D("2.25")
+    # guar seed futures: the group names options only, so NCDEX's futures rate 0.0058%: 2 x 100 x 5,400
+    # = 10,80,000: 62.64
+    assert levies([lot("B", 2, "5400", "COM", "FUTCOM", "NCDEX", 100, "GUARSEED10", agri="Y",
+                       close="5400")]).txn == D("62.64")
+
+
+def test_a_commodity_group_from_a_later_schedule_applies_by_trade_date(tmp_path):
+    """A group A/B split of MCX's futures (a made-up one, from 2027-04-01): group B's metals at
+    0.0013%, the rest of MCX at its 0.0021%; before the date, every contract at 0.0021%."""
+    import json
+
+    from pipeline.note.charges import RATES_FILE
+
+    data = json.loads(RATES_FILE.read_text())
+    later = json.loads(json.dumps(data["schedules"][-1]))
+    later["effective_from"] = "2027-04-01"
+    later["txn_groups"]["MCX"] = {"B": {"symbols": ["COPPER", "ZINC"], "commodity_futures": "0.000013"}}
+    data["schedules"].append(later)
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps(data))
+
+    def txn(date, symbol):
+        t = Trade(**{**lot("S", 1, "800", "COM", "FUTCOM", "MCX", 2500, symbol, agri="N", close="800").__dict__,
+                     "trade_date": date})
+        return compute([t], date, True, TARIFF, rates).total.txn
+
+    # 1 lot of 2,500 kg at 800 = 20,00,000: group B 0.0013% = 26.00; MCX's 0.0021% = 42.00
+    assert (txn("2027-04-01", "COPPER"), txn("2027-04-01", "GOLDM")) == (D("26.00"), D("42.00"))
+    assert txn("2027-03-31", "COPPER") == D("42.00")
+
+
+def test_a_contract_in_two_groups_for_one_category_is_refused_when_the_schedule_is_read(tmp_path):
+    import json
+
+    from pipeline.note.charges import RATES_FILE
+
+    data = json.loads(RATES_FILE.read_text())
+    data["schedules"][-1]["txn_groups"]["NCDEX"]["pulses"] = {"symbols": ["GUARSEED10"], "commodity_options": "0.0001"}
+    (tmp_path / "rates.json").write_text(json.dumps(data))
+    guar = lot("S", 2, "120.00", "COM", "OPTFUT", "NCDEX", 100, "GUARSEED10", agri="Y")
+    with pytest.raises(ValueError, match="GUARSEED10 is in the transaction groups 'guar seed options' and 'pulses'"):
+        compute([guar], NEW, True, TARIFF, tmp_path / "rates.json")
 
 
 def test_each_exchange_and_segment_is_charged_apart_and_the_total_is_their_sum():

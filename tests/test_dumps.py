@@ -150,7 +150,9 @@ def test_bse_index_options_are_an_fo_trade_of_bse():
     (GOLD, "instrument", "FUTCUR", "not traded in segment COM"),
     (GOLD, "expiry", "", "not a date"),
     (USDINR, "multiplier", "100", "must be 1000"),
-    (USDINR, "symbol", "EURUSD", "not an INR pair"),
+    (USDINR, "symbol", "EURGBP", "not a currency pair taken"),
+    (USDINR, "symbol", "USDINRX", "not a currency pair taken"),
+    ({**USDINR, "symbol": "EURUSD"}, "price", "10000", "not a EURUSD quote"),
     (USDINR, "exchange", "MCX", "BSE or NSE in segment CDS"),
     (USDINR, "agri", "N", "only for commodities"),
     (USDINR, "price", "0.00001", "not a number"),
@@ -171,7 +173,8 @@ def test_the_fast_check_agrees_with_parse_trade_on_the_new_segments():
 
     closes = {("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", None, ""): Decimal("84.2"),
               ("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", None, ""): Decimal("76600")}
-    cases = [USDINR, {**USDINR, "multiplier": "1000"}, GOLD, {**GOLD, "agri": ""}, {**USDINR, "symbol": "EURUSD"},
+    cases = [USDINR, {**USDINR, "multiplier": "1000"}, GOLD, {**GOLD, "agri": ""}, {**USDINR, "symbol": "EURGBP"},
+             {**USDINR, "symbol": "EURUSD"},
              {**GOLD, "exchange": "BSE"}, {**GOOD, "multiplier": "1"}, {**GOOD, "agri": "Y"},
              {**GOLD, "quantity": "10000001"}, {**USDINR, "quantity": "1000000"}, {**USDINR, "quantity": "1000001"}]
     for n, raw in enumerate(cases, 1):
@@ -219,6 +222,61 @@ def test_a_trade_file_without_the_multiplier_and_agri_columns_is_read_as_before(
     split = split_day(open_store(str(tmp_path / "in")), open_store(str(tmp_path / "s")), RunState(redis_url, "old"),
                       "old", "2026-11-20", 10, "CNT")
     assert split.rejected == 0 and split.accounts > 0
+
+
+EURUSD = {**USDINR, "symbol": "EURUSD", "price": "1.0852"}
+CROSS_CLOSES = {("NSE", "CDS", "FUTCUR", "EURUSD", "2026-11-26", None, ""): Decimal("1.0860"),
+                ("NSE", "CDS", "FUTCUR", "USDJPY", "2026-11-26", None, ""): Decimal("150.25")}
+
+
+def test_a_cross_currency_pair_is_valued_in_rupees_at_the_reference_rate_of_its_quote_currency():
+    from pipeline.day import bhavcopy
+    from pipeline.day.dumps import reference_key
+
+    errors: list[dict] = []
+    rates = bhavcopy.read_reference_rates(["date,currency,units,rate", "2026-11-19,USD,1,83.0000",
+                                           "2026-11-20,USD,1,84.1234", "2026-11-20,JPY,100,55.12"], "2026-11-20", errors)
+    assert errors == [] and rates == {reference_key("USD"): Decimal("84.1234"), reference_key("JPY"): Decimal("0.5512")}
+    closes = {**CROSS_CLOSES, **rates}
+    # 3 lots of 1,000 EUR at 1.0852 USD = 3,255.60 USD, at 84.1234 rupees a dollar = 2,73,872.14...
+    eur = parse_trade("trades.csv", 1, EURUSD, "2026-11-20", closes)
+    assert (eur.multiplier, eur.fx, eur.close) == (1000, Decimal("84.1234"), Decimal("1.0860"))
+    assert eur.turnover == Decimal("3255.6000") * Decimal("84.1234") == Decimal("273872.14104")
+    # USDJPY: 2 lots of 1,000 USD at 150.25 yen = 3,00,500 yen, at 0.5512 rupees a yen (55.12 a hundred)
+    jpy = parse_trade("trades.csv", 1, {**EURUSD, "symbol": "USDJPY", "quantity": "2", "price": "150.25"},
+                      "2026-11-20", closes)
+    assert jpy.turnover == Decimal("165635.6")
+    assert Trade.from_row(eur.as_row()) == eur and Trade.from_row(jpy.as_row()) == jpy
+    assert Trade.from_row(parse_trade("trades.csv", 1, USDINR, "2026-11-20").as_row()).fx is None
+    # no reference rate for the day: the row names its symbol and the file that lacks it
+    with pytest.raises(RowError, match="EURUSD settles in rupees at RBI's reference rate for USD, and "
+                                       "reference_rates.csv gives none for 2026-11-20") as e:
+        parse_trade("trades.csv", 4, EURUSD, "2026-11-20", CROSS_CLOSES)
+    assert (e.value.row, e.value.field) == (4, "symbol")
+
+
+@pytest.mark.parametrize("line,field", [
+    ("2026-11-20,usd,1,84.1", "currency"), ("2026-11-20,USDX,1,84.1", "currency"), ("2026-11-20,USD,10,84.1", "units"),
+    ("2026-11-20,USD,1,0", "rate"), ("2026-11-20,USD,1,1000", "rate"), ("2026-11-20,USD,1,8e1", "rate"),
+    ("2026-11-20,JPY,100,100000", "rate"),
+])
+def test_a_bad_reference_rate_row_is_an_input_error_naming_its_field(line, field):
+    from pipeline.day import bhavcopy
+
+    errors: list[dict] = []
+    assert bhavcopy.read_reference_rates(["date,currency,units,rate", line], "2026-11-20", errors) == {}
+    assert [(e["file"], e["row"], e["field"]) for e in errors] == [("reference_rates.csv", 1, field)]
+
+
+def test_a_currency_given_twice_at_two_rates_has_no_rate_and_its_trades_are_rejected():
+    from pipeline.day import bhavcopy
+
+    errors: list[dict] = []
+    rates = bhavcopy.read_reference_rates(["date,currency,units,rate", "2026-11-20,USD,1,84.1234",
+                                           "2026-11-20,USD,1,84.2", "2026-11-20,JPY,100,55.12",
+                                           "2026-11-20,JPY,100,55.1200"], "2026-11-20", errors)
+    assert list(rates) == [("RBI", "JPY")]  # the same rate twice is one rate
+    assert [(e["row"], e["field"]) for e in errors] == [(2, "rate")]
 
 
 def test_a_trades_derived_values_are_the_same_however_it_was_made_and_survive_a_pickle():

@@ -146,7 +146,7 @@ def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, 
 
 def test_a_day_on_s3_uses_fixed_partition_prefixes(settings, day, smtp_sink, s3_bucket, tmp_path):
     s3 = boto3.client("s3")
-    for name in ("clients.csv", "trades.csv", "bhavcopy.csv"):
+    for name in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         s3.upload_file(str(day / name), s3_bucket, f"input/{name}")
     on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}"})
 
@@ -225,7 +225,8 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     from pipeline.note.content import ROWS_PER_PAGE
 
     day = tmp_path / "volatile"
-    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 3, seed=11))
+    # every client trades the other segments too: the huge note spans exchanges and segments, as a volatile day's does
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(TRADE_DATE), 3, seed=16, segment_share=1.0))
     trades = (day / "trades.csv").read_text().splitlines()
     whale = [t for t in trades[1:] if ",C0000002," in t]
     wanted = (PARALLEL_FROM_PAGES + 20) * ROWS_PER_PAGE
@@ -249,6 +250,10 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     text = subprocess.run(["pdftotext", "-upw", pan, "-f", str(pages), "-l", str(pages), str(pdf), "-"],
                           capture_output=True, text=True).stdout
     assert f"Page {pages} of {pages}" in text and "Levies and charges" in text
+    laid = subprocess.run(["pdftotext", "-layout", "-upw", pan, "-f", str(pages), "-l", str(pages), str(pdf), "-"],
+                          capture_output=True, text=True).stdout
+    heads = next(line for line in laid.splitlines() if line.strip().startswith("Particulars")).split()[1:-2]
+    assert len(heads) == 7 and any(h.endswith(("-CDS", "-COM")) for h in heads), heads
     [msg] = [m for m in outbox_messages(smtp_sink.outbox) if "C0000002" in m["Subject"]]
     assert attachment(msg)[1] == pdf.read_bytes()
 

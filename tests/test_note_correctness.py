@@ -82,11 +82,13 @@ def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def write_day(folder: Path, trades=HAND_MADE, bhav=BHAVCOPY, clients=(CLIENT,)) -> Path:
+def write_day(folder: Path, trades=HAND_MADE, bhav=BHAVCOPY, clients=(CLIENT,), refs=()) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     write_csv(folder / "clients.csv", CLIENT_FIELDS, list(clients))
     write_csv(folder / "trades.csv", TRADE_FIELDS, list(trades))
     write_csv(folder / "bhavcopy.csv", list(bhav[0]), list(bhav))
+    if refs:
+        write_csv(folder / "reference_rates.csv", ["date", "currency", "units", "rate"], list(refs))
     return folder
 
 
@@ -97,9 +99,9 @@ def pdftotext(pdf: bytes, tmp_path: Path) -> str:
                           check=True).stdout
 
 
-def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY
+def split_and_render(tmp_path: Path, redis_url: str, run_id: str, trades=HAND_MADE, bhav=BHAVCOPY, refs=()
                      ) -> tuple[str, dict]:
-    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav)))
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, bhav=bhav, refs=refs)))
     store = open_store(str(tmp_path / "store"))
     split = split_day(inputs, store, RunState(redis_url, run_id), run_id, DATE, 100, "CNT")
     assert split.accounts == 1 and split.rejected == 0, split
@@ -235,8 +237,51 @@ def test_a_day_in_every_segment_shows_each_exchange_and_segment_apart_and_reconc
     assert levies_line(text, "Stamp duty") == [D(0), D("-0.19"), D(0), D("-21.60"), D(0), D("-21.79")]
     net = levies_line(text, "Net amount receivable/(payable) by client")
     assert net[-1] == sum(net[:-1])
-    # MCX and NCDEX settle on their own calendars, which the run was not given
-    assert sum("per the exchange's calendar" in s["date"] for s in note["note"]["settlements"]) == 2
+    # MCX and NCDEX settle on their own calendars: MCX's 24th is its evening session alone (Guru Nanak
+    # Jayanti), so it settles on the 25th as NSE does; NCDEX's list the run was not given
+    dates = {s["segment"]: s["date"] for s in note["note"]["settlements"]}
+    assert (dates["MCX-COM"], dates["NSE-CDS"], dates["NCDEX-COM"]) == ("25-11-2026", "25-11-2026",
+                                                                        "per the exchange's calendar")
+
+
+CROSS = [
+    lots("NSE", "CDS", "FUTCUR", "EURUSD", "2026-11-26", "S", "3", "1.0852", 220),
+    lots("BSE", "CDS", "OPTCUR", "USDJPY", "2026-11-26", "B", "2", "0.85", 222, strike="150", option_type="CE"),
+    lots("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", "B", "1", "84.1000", 224),
+]
+CROSS_BHAVCOPY = [bhav("NSE", "CD", "FUTCUR", "EURUSD", "2026-11-26", "1.0860"),
+                  bhav("BSE", "CD", "OPTCUR", "USDJPY", "2026-11-26", "0.90", "150.00", "CE"),
+                  bhav("NSE", "CD", "FUTCUR", "USDINR", "2026-11-26", "84.2000")]
+REFERENCE = [{"date": DATE, "currency": "USD", "units": "1", "rate": "84.1234"},
+             {"date": DATE, "currency": "JPY", "units": "100", "rate": "55.12"}]
+
+
+def test_a_cross_currency_pair_shows_its_quote_and_reference_rate_and_settles_in_rupees(tmp_path, redis_url):
+    text, _ = split_and_render(tmp_path, redis_url, "cross", CROSS, CROSS_BHAVCOPY, REFERENCE)
+    rows = parse_rows(text)
+    # the rate in dollars, the rupee value at RBI's rate: 3 x 1,000 x 1.0852 x 84.1234 = 2,73,872.14104,
+    # less 20 of brokerage = 2,73,852.14; the short carried forward at 1.0860: (2,74,074.04)
+    assert re.search(r"FUTCUR EURUSD 26-11-2026 x1000 INR/USD 84\.1234\s+S\s+3\s+1\.0852\s+0\.0001\s+1\.0851\s+"
+                     r"1\.0860\s+2,73,852\.14\s+NRML", text), text
+    assert re.search(r"FUTCUR EURUSD .*\(2,74,074\.04\)\s+C/F", text)
+    # USDJPY options at premium in yen: 2 x 1,000 x 0.85 = 1,700 yen at 0.5512 rupees = 937.04, plus 20
+    assert re.search(r"OPTCUR USDJPY 26-11-2026 150 CE x1000 INR/JPY 0\.5512\s+B\s+2\s+0\.8500.*\(957\.04\)", text)
+    heads = next(line for line in text.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == ["BSE-CDS", "NSE-CDS", "Total", "(Net)"]
+    obligation, brokerage = levies_line(text, "Pay-in/Pay-out obligation"), levies_line(text, "Brokerage")
+    # NSE: EURUSD's MTM 3,000 x (1.0852 - 1.0860) x 84.1234 = (201.89616) and USDINR's 1,000 x (84.2 - 84.1) = 100
+    assert obligation == [D("-937.04"), D("-101.90"), D("-1038.94")]
+    for i, segment in enumerate(heads[:2]):
+        assert sum(v for _, v in rows[segment]) == obligation[i] + brokerage[i], segment
+
+
+def test_a_cross_currency_trade_without_its_reference_rate_rejects_its_account_by_row(tmp_path, redis_url):
+    inputs = open_store(str(write_day(tmp_path / "in", trades=CROSS, bhav=CROSS_BHAVCOPY, refs=REFERENCE[1:])))
+    state = RunState(redis_url, "no-rate")
+    split = split_day(inputs, open_store(str(tmp_path / "store")), state, "no-rate", DATE, 100, "CNT")
+    assert (split.accounts, split.rejected) == (0, 1)
+    assert state.accounts(["H1"])["H1"]["reason"].startswith(
+        "trades.csv row 1 field 'symbol': EURUSD settles in rupees at RBI's reference rate for USD")
 
 
 def test_a_derivatives_trade_whose_contract_is_not_in_the_bhavcopy_rejects_its_account_by_row(tmp_path, redis_url):
@@ -281,7 +326,8 @@ def test_note_numbers_are_never_issued_twice_when_redis_loses_them(tmp_path):
 def test_settlement_is_the_next_trading_day_of_the_exchange(trade_date, settles):
     from pipeline.day import trading_calendar
 
-    assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles}
+    # MCX's evening sessions on the equity holidays here settle nothing, so it settles with NSE
+    assert trading_calendar.settlement_dates(trade_date) == {"NSE": settles, "BSE": settles, "MCX": settles}
 
 
 def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session_is_named():
@@ -289,7 +335,7 @@ def test_a_trade_date_that_is_not_a_trading_day_is_flagged_and_a_special_session
 
     assert trading_calendar.trade_date_warnings("2026-11-20") == []
     saturday = trading_calendar.trade_date_warnings("2026-11-21")
-    assert len(saturday) == 2 and "not a NSE trading day (weekend)" in saturday[0]
+    assert len(saturday) == 3 and "not a NSE trading day (weekend)" in saturday[0]  # NSE, BSE and MCX
     assert "special session (Muhurat trading" in trading_calendar.trade_date_warnings("2026-11-08")[0]
     assert "(Christmas)" in trading_calendar.trade_date_warnings("2026-12-25")[0]
 
@@ -351,10 +397,13 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
         exchange = exchanges[contract % len(exchanges)]
         agri = "Y" if agri and exchange == "NCDEX" and contract % 2 else agri
         derivative = segment != "CM"
+        # a currency contract in three is a cross-currency pair, valued at a reference rate of six places
+        cross = segment == "CDS" and contract % 3 == 0
         trades.append(Trade(DATE, exchange, segment, f"{segment}1", "H1", N(order or 100 + i), "10:00:00", N(i % 5),
-                            "10:00:01", f"SYM{contract}", "", instrument, "2026-11-26" if derivative else "",
-                            "100" if instrument.startswith("OPT") else "", "CE" if instrument.startswith("OPT") else "",
-                            side, qty, price, product, "11", close if derivative else None, multiplier, agri))
+                            "10:00:01", ("USDJPY" if cross else f"SYM{contract}"), "", instrument,
+                            "2026-11-26" if derivative else "", "100" if instrument.startswith("OPT") else "",
+                            "CE" if instrument.startswith("OPT") else "", side, qty, price, product, "11",
+                            close if derivative else None, multiplier, agri, D("0.556789") if cross else None))
     trades = sorted({t.key: t for t in trades}.values(), key=lambda t: (t.exchange, t.segment, t.trade_no))
     b = broker()
     charges = compute(trades, DATE, intra, b["tariff"])
@@ -363,7 +412,7 @@ def test_every_note_reconciles_row_by_row_column_by_column_segment_by_segment(sp
     for t in trades:
         order = [o for o in trades if o.order_key == t.order_key]
         order_brokerage = sum(charges.brokerage_share[o.key] for o in order)
-        gross = t.quantity * t.multiplier * t.price  # the trade's value, worked out here, not by Trade.turnover
+        gross = t.quantity * t.multiplier * t.price * (t.fx or 1)  # worked out here, not by Trade.turnover
         exact = (gross if t.side == "S" else -gross) - order_brokerage * t.quantity / sum(o.quantity for o in order)
         assert abs(rows[t.key] - exact) <= D("0.015")
     # segment by segment: the column sums to obligation - brokerage, exactly
@@ -407,6 +456,11 @@ def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_t
     raw = list(csv.DictReader((tmp_path / "in" / "trades.csv").open(newline="")))
     bhav = {(r["Src"], r["TckrSymb"], r["XpryDt"], r["StrkPric"], r["OptnTp"]): D(r["SttlmPric"])
             for r in csv.DictReader((tmp_path / "in" / "bhavcopy.csv").open(newline=""))}
+    # a cross pair's rupees at RBI's rate for the currency it is quoted in (JPY's given for 100 yen)
+    rbi = {r["currency"]: D(r["rate"]) / int(r["units"])
+           for r in csv.DictReader((tmp_path / "in" / "reference_rates.csv").open(newline=""))}
+    inr = lambda t: rbi[{"EURUSD": "USD", "GBPUSD": "USD", "USDJPY": "JPY"}[t.symbol]] if t.symbol[3:] != "INR" \
+        and t.segment == "CDS" else 1  # noqa: E731
     mixed = sorted({r["ucc"] for r in raw if r["segment"] in ("CDS", "COM")})
     assert len(mixed) >= 5
     store = open_store(str(tmp_path / "store"))
@@ -420,11 +474,11 @@ def test_a_synthetic_day_s_mixed_clients_get_notes_whose_obligations_are_their_t
         open_lots: dict[tuple, int] = defaultdict(int)
         for t in mine:
             units = t.quantity * (1000 if t.segment == "CDS" else int(t.multiplier))
-            expected[f"{t.exchange}-{t.segment}"] += units * t.price * (1 if t.side == "S" else -1)
+            expected[f"{t.exchange}-{t.segment}"] += units * t.price * inr(t) * (1 if t.side == "S" else -1)
             if t.instrument.startswith("FUT"):
-                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, t.multiplier)] += units * (1 if t.side == "B" else -1)
-        for (exchange, segment, symbol, expiry, _), units in open_lots.items():
-            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")]
+                open_lots[(t.exchange, t.segment, t.symbol, t.expiry, inr(t))] += units * (1 if t.side == "B" else -1)
+        for (exchange, segment, symbol, expiry, rate), units in open_lots.items():
+            expected[f"{exchange}-{segment}"] += units * bhav[(exchange, symbol, expiry, "", "")] * rate
         account = find_account(store, "mixed", ucc)
         note = stages.note_data(account, Client(**account["client"]), "2026-11-20", {"NSE": "2026-11-23",
                                                                                      "BSE": "2026-11-23"})
@@ -499,3 +553,33 @@ def test_a_note_across_every_segment_signs_and_verifies_with_pdfsig_and_qpdf(tmp
     path = tmp_path / "signed.pdf"
     path.write_bytes(protect(render(note), CLIENT["pan"].lower(), "owner-secret", signer, SignatureInfo(), "aes256"))
     assert_signed_and_encrypted(path, CLIENT["pan"])
+
+
+def test_every_account_of_an_every_segment_day_agrees_with_an_independent_recomputation(tmp_path, redis_url):
+    """tests/recompute.py works every figure out again from the input files alone; every account's
+    levies table, rows and Net Total columns agree with it, EVERY1's across all eight segments."""
+    from tests.every_segment_day import DATE as DAY
+    from tests.every_segment_day import SEGMENTS, UCC, note_text, write_every_segment_day
+    from tests.recompute import recompute, check_text
+
+    folder = write_every_segment_day(tmp_path / "in", 30, seed=5)
+    store = open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(folder)), store, RunState(redis_url, "every"), "every", DAY, 10, "CNT")
+    assert split.rejected == 0 and split.input_errors == []
+    save_manifest(store, "every", split)
+    expected = recompute(folder, DAY)
+    assert sorted(expected[UCC]) == SEGMENTS
+    assert len(expected) == split.accounts == 31
+    for ucc, figures in expected.items():
+        account = find_account(store, "every", ucc)
+        note = stages.note_data(account, Client(**account["client"]), DAY, {"NSE": "2026-11-23", "BSE": "2026-11-23"})
+        assert check_text(note_text(note), figures) == [], ucc
+    # and the checker is not blind: a paisa more of brokerage on one segment is found
+    wrong = {**expected[UCC], "MCX-COM": {**expected[UCC]["MCX-COM"],
+                                          "brokerage": expected[UCC]["MCX-COM"]["brokerage"] + D("0.01")}}
+    assert any(w.startswith("Brokerage:") for w in check_text(note_text(note_of(store, UCC, DAY)), wrong))
+
+
+def note_of(store, ucc: str, day: str) -> dict:
+    account = find_account(store, "every", ucc)
+    return stages.note_data(account, Client(**account["client"]), day, {"NSE": "2026-11-23", "BSE": "2026-11-23"})

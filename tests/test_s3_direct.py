@@ -8,7 +8,7 @@ import types
 import boto3
 import pytest
 
-from pipeline.record import delivery_log, http1, s3_direct
+from pipeline.record import delivery_log, s3_direct, s3_pool
 from pipeline.record.storage import StorageError, open_store
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_certificate, start_versitygw
 
@@ -93,8 +93,8 @@ def test_a_put_changed_on_the_way_is_refused_and_not_stored(s3_bucket, between):
 
 
 def test_over_https_the_endpoint_is_held_to_the_ca_bundle(tmp_path, monkeypatch):
-    """A kept connection of http1.Pool over TLS: reads and writes with the endpoint's CA bundle,
-    and refuses an endpoint whose certificate that bundle does not vouch for."""
+    """Kept connections of s3_pool over TLS: reads and writes with the endpoint's CA bundle, and
+    refuses an endpoint whose certificate that bundle does not vouch for, at once (not retried)."""
     s3 = start_versitygw(tmp_path / "s3", keep_alive=True, tls=make_tls_certificate(tmp_path))
     try:
         for k, v in {"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_DEFAULT_REGION": "us-east-1",
@@ -106,18 +106,21 @@ def test_over_https_the_endpoint_is_held_to_the_ca_bundle(tmp_path, monkeypatch)
         assert store.put_new("0/x", b"over TLS") and not store.put_new("0/x", b"again")
         assert [store.get("0/x") for _ in range(3)] == [b"over TLS"] * 3
         monkeypatch.setenv("AWS_CA_BUNDLE", str(make_tls_certificate(tmp_path / "other")[0]))
-        with pytest.raises(StorageError, match="CERTIFICATE_VERIFY_FAILED"):
+        monkeypatch.setattr(s3_direct, "time", types.SimpleNamespace(sleep=lambda s: pytest.fail("retried")))
+        with pytest.raises(StorageError, match="certificate is refused.*CERTIFICATE_VERIFY_FAILED"):
             open_store("s3://tls-bucket").get("0/x")
     finally:
         s3.stop()
 
 
 class Replies:
-    """A bare HTTP/1.1 server giving each request the next of `replies` (raw bytes), then closing
-    the connection when told to: what http1.Pool must read as S3 servers and proxies send it."""
+    """A bare HTTP/1.1 server giving each request the next of `replies` (raw bytes; None: no
+    reply at all), then closing the connection when told to: what s3_pool must read as S3
+    servers and proxies send it. `closed` is set each time it has closed a connection."""
 
-    def __init__(self, replies: list[tuple[bytes, bool]]):
+    def __init__(self, replies: list[tuple[bytes | None, bool]]):
         self.replies, self.requests, self.connections = list(replies), [], 0
+        self.closed = threading.Event()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -128,38 +131,131 @@ class Replies:
             self.connections += 1
             with conn, conn.makefile("rb") as f:
                 while self.replies:
-                    head = b"".join(iter(lambda: f.readline(), b"\r\n"))
-                    if not head:
+                    head = _head(f)
+                    if not head:  # the client closed it
                         break
-                    self.requests.append(head.split(b" ", 2)[1])
+                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), 0)
+                    f.read(length)
+                    self.requests.append(b" ".join(head.split(b" ", 2)[:2]))
                     reply, close = self.replies.pop(0)
-                    conn.sendall(reply)
-                    if close:
+                    if reply is not None:
+                        conn.sendall(reply)
+                    if close or reply is None:
                         break
+            self.closed.set()
+
+    def request(self, connections, target: str, method: str = "GET", body: bytes = b""):
+        return s3_pool.request(connections, method, target, {}, body)
+
+
+def _head(f) -> bytes:
+    """A request's line and headers, b"" at the connection's end."""
+    lines = []
+    while (line := f.readline()) not in (b"\r\n", b""):
+        lines.append(line)
+    return b"".join(lines) if line else b""
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
 
 
 def test_a_kept_connection_the_server_closed_is_replaced_and_replies_are_read_as_framed():
     """The first reply closes its connection after it (as a server whose idle timeout passed):
     the next request goes on a new connection, not to the caller as an error. Chunked replies and
     one ended by the connection's close come back whole."""
-    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nsec\r\n4;x=y\r\nond!\r\n0\r\nA: b\r\n\r\n"
     empty = b"HTTP/1.1 204 No Content\r\n\r\n"
     to_close = b"HTTP/1.0 404 Not Found\r\nX-Amz-Request-Id: 1\r\n\r\n<Error>third</Error>"
-    server = Replies([(ok, True), (chunked, False), (empty, False), (to_close, True)])
-    pool = http1.Pool(server.url, None, 4)
-    assert pool.request("GET", "/a", {})[:2] == (200, b"first")
-    assert pool.request("GET", "/b", {})[:2] == (200, b"second!")
-    assert pool.request("PUT", "/b2", {}, b"")[:2] == (204, b"")
-    status, body, headers = pool.request("GET", "/c", {})
+    server = Replies([(OK, True), (chunked, False), (empty, False), (to_close, True)])
+    connections = s3_pool.pool(server.url, None, 4)
+    assert server.request(connections, "/a")[:2] == (200, b"first")
+    assert server.closed.wait(10)
+    assert server.request(connections, "/b")[:2] == (200, b"second!")
+    assert server.request(connections, "/b2", "PUT")[:2] == (204, b"")
+    status, body, headers = server.request(connections, "/c")
     assert (status, body, headers["x-amz-request-id"]) == (404, b"<Error>third</Error>", "1")
-    assert server.requests == [b"/a", b"/b", b"/b2", b"/c"] and server.connections == 2
+    assert server.requests == [b"GET /a", b"GET /b", b"PUT /b2", b"GET /c"] and server.connections == 2
 
 
 def test_a_reply_cut_short_is_a_connection_error_not_a_short_object():
     server = Replies([(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nonly", True)])
-    with pytest.raises(ConnectionError, match="cut short"):
-        http1.Pool(server.url, None, 4).request("GET", "/a", {})
+    with pytest.raises(s3_pool.NoReply, match="IncompleteRead") as e:
+        server.request(s3_pool.pool(server.url, None, 4), "/a")
+    assert e.value.sent
+
+
+def test_interim_replies_are_skipped_and_the_final_one_read_as_its_own_requests():
+    """A 103 Early Hints and a 102 Processing before a request's reply are not its reply: taken as
+    one, the real reply would stay in the connection and be read as the next request's."""
+    early = b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n"
+    second = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond"
+    server = Replies([(early + OK, False), (second, False)])
+    connections = s3_pool.pool(server.url, None, 4)
+    assert server.request(connections, "/a")[:2] == (200, b"first")
+    assert server.request(connections, "/b")[:2] == (200, b"second")
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\nthe rest, to the close",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5x\r\n\r\nfirst",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nfirst!",
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+])
+def test_a_reply_not_framed_as_http_says_is_refused_and_its_connection_not_reused(reply):
+    """A negative or malformed Content-Length, two that differ, a 101 nobody asked for: no reply
+    is read from them (not a body read to the close), and the next request takes a new connection."""
+    server = Replies([(reply, False), (OK, False)])
+    connections = s3_pool.pool(server.url, None, 4)
+    with pytest.raises(s3_pool.NoReply, match="Content-Length|interim"):
+        server.request(connections, "/a")
+    assert server.request(connections, "/b")[:2] == (200, b"first")
+    assert server.connections == 2
+
+
+@pytest.fixture
+def sender(monkeypatch):
+    """s3_direct's sender for a Replies server, its backoff a millisecond."""
+    monkeypatch.setattr(s3_direct, "random", types.SimpleNamespace(random=lambda: 0.001))
+    for k, v in {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+
+    def make(server):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
+        return open_store("s3://bucket")._send
+    return make
+
+
+@pytest.mark.parametrize("method, headers, resent", [
+    ("GET", {}, True),
+    ("PUT", {"If-None-Match": "*"}, True),
+    ("PUT", {}, False),
+])
+def test_a_request_that_got_no_reply_is_sent_again_only_where_that_is_safe(sender, method, headers, resent):
+    """The server took the request and closed the connection without a reply: it may have acted.
+    A GET is sent again, and a create-only PUT (a second one that finds its own object is refused,
+    for write_once to read back); any other write would be done twice, and fails instead."""
+    server = Replies([(None, True), (OK, False)])
+    send = sender(server)
+    if resent:
+        assert send(method, "bucket", "0/x", b"data" if method == "PUT" else b"", headers)[:2] == (200, b"first")
+    else:
+        with pytest.raises(s3_direct.RequestError, match="does not answer"):
+            send(method, "bucket", "0/x", b"data", headers)
+    assert server.requests == [f"{method} /bucket/0/x".encode()] * (2 if resent else 1)
+
+
+def test_a_request_whose_connection_could_not_be_made_is_sent_again(sender, monkeypatch):
+    """No connection, no request sent: any request may try again (here until the attempts run out)."""
+    server, slept = Replies([]), []
+    server.sock.close()  # the port refuses
+    send = sender(server)
+    monkeypatch.setattr(s3_direct, "time", types.SimpleNamespace(sleep=slept.append))
+    with pytest.raises(s3_direct.RequestError, match="does not answer"):
+        send("PUT", "bucket", "0/x", b"data", {})
+    assert len(slept) == s3_direct.MAX_ATTEMPTS - 1
 
 
 def test_a_delivery_log_object_whose_reply_was_lost_is_written_once(s3_bucket, between):

@@ -196,3 +196,35 @@ def test_the_driver_keeps_one_trade_count_a_shard_however_many_ranges_the_dumps_
         for shard, n in meta["weights"].items():
             counted[shard] = counted.get(shard, 0) + n
     assert split.weights == counted and len(counted) >= len(done.shards) > 100
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+def test_a_range_read_a_chunk_at_a_time_gives_the_lines_of_the_range_read_whole(tmp_path, chunk):
+    """split._range_lines reads a range CHUNK bytes at a time (a range is never held whole); its
+    lines are exactly those of the range read whole and split as io.StringIO(newline="") does:
+    a byte-order mark dropped at the top, CRLF and lone CR endings, a quoted field holding line
+    breaks, a last line with no newline, ranges cut anywhere."""
+    from pipeline.day import split
+
+    text = ("\ufeffucc,name\r\nC1,\"two\nlines\"\r\nC2,plain\nC3,\"cr\rinside\"\rC4,é ünïcode\n\nC5,last").encode()
+    (tmp_path / "f.csv").write_bytes(text)
+    store = open_store(str(tmp_path))
+
+    def whole(rng: Range) -> list[str]:
+        data = text[max(0, rng.start - 1):rng.end]
+        if rng.start > 0:
+            cut = data.find(b"\n")
+            data = data[cut + 1:] if cut >= 0 else b""
+        if data and not data.endswith(b"\n"):
+            rest = text[rng.end:]
+            cut = rest.find(b"\n")
+            data += rest[:cut + 1] if cut >= 0 else rest
+        decoded = data.decode("utf-8", "surrogateescape")
+        return list(io.StringIO(decoded.removeprefix("\ufeff") if rng.start == 0 else decoded, newline=""))
+
+    for step in (3, 10, len(text)):
+        cuts = list(range(0, len(text), step)) + [len(text)]
+        ranges = [Range("f.csv", i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        got = [list(split._range_lines(store, r, chunk)) for r in ranges]
+        assert got == [whole(r) for r in ranges], (step, chunk)
+        assert "".join(line for lines in got for line in lines) == text.decode().removeprefix("\ufeff")

@@ -37,9 +37,11 @@ def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_pat
     errors: list[dict] = []
     with (tmp_path / "bhavcopy.csv").open() as f:
         closes = bhavcopy.read(f, "2026-11-20", errors)
-    assert errors == []
+    with (tmp_path / "reference_rates.csv").open() as f:
+        rates = bhavcopy.read_reference_rates(f, "2026-11-20", errors)
+    assert errors == [] and set(rates) == {("RBI", "USD"), ("RBI", "JPY")}
     rows = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
-    derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", closes) for n, r in enumerate(rows, 1)
+    derivatives = [parse_trade("trades.csv", n, r, "2026-11-20", {**closes, **rates}) for n, r in enumerate(rows, 1)
                    if r["segment"] != "CM"]
     assert derivatives and all(t.close is not None for t in derivatives)
     assert {contract_id(t) for t in derivatives} == set(closes)
@@ -48,9 +50,12 @@ def test_the_synthetic_bhavcopy_prices_every_derivatives_contract_traded(tmp_pat
 
 def test_a_volatile_day_has_a_client_with_sixty_thousand_trades(tmp_path):
     write_dumps(tmp_path, SynthOptions(dt.date(2026, 11, 20), 3, seed=3, volatile=True))
-    counts = Counter(t["ucc"] for t in csv.DictReader((tmp_path / "trades.csv").open(newline=""))
-                     if t["status"] == "11")
+    trades = list(csv.DictReader((tmp_path / "trades.csv").open(newline="")))
+    counts = Counter(t["ucc"] for t in trades if t["status"] == "11")
     assert max(counts.values()) >= 60_000
+    # its trades span the exchanges and segments (a mixed client's: 30% of them in the other segments)
+    spans = Counter(f"{t['exchange']}-{t['segment']}" for t in trades if t["ucc"] == "C0000001")
+    assert len(spans) == 8 and 0.2 < sum(n for s, n in spans.items() if s[-2:] in ("DS", "OM")) / sum(spans.values())
 
 
 def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and_the_rest_is_as_before(tmp_path):
@@ -70,10 +75,41 @@ def test_a_share_of_clients_trade_currency_commodities_and_bse_index_options_and
     # the same trades a client, numbers and times as the equity-only day: only some rows moved segment
     assert [(t["ucc"], t["trade_no"]) for t in mixed] == [(t["ucc"], t["trade_no"]) for t in equity]
     assert not {(t["exchange"], t["segment"]) for t in equity} - {("NSE", "CM"), ("BSE", "CM"), ("NSE", "FO")}
+    assert {t["symbol"] for t in mixed if t["segment"] == "CDS"} >= {"USDINR", "EURUSD", "USDJPY"}  # cross pairs too
+    assert {t["instrument"] for t in mixed if t["exchange"] == "NCDEX"} == {"FUTCOM", "OPTFUT"}
     errors: list[dict] = []
     from pipeline.day import bhavcopy
     with (tmp_path / "mixed" / "bhavcopy.csv").open() as f:
         closes = bhavcopy.read(f, "2026-11-20", errors)
+    with (tmp_path / "mixed" / "reference_rates.csv").open() as f:
+        closes.update(bhavcopy.read_reference_rates(f, "2026-11-20", errors))
     assert errors == []
     for n, r in enumerate(mixed, 1):
         parse_trade("trades.csv", n, r, "2026-11-20", closes)  # every row fits its segment
+
+
+def test_on_an_equity_holiday_mcx_trades_in_its_evening_session_and_the_day_splits_whole(tmp_path, redis_url):
+    """Holi 2026: NSE and BSE shut, MCX's evening session open. Every trade is MCX's, after 17:00, a
+    client keeping its count of trades (the tail too); the split takes every account."""
+    from pipeline.day.split import split_day
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    holi, friday = dt.date(2026, 3, 3), dt.date(2026, 11, 20)
+    write_dumps(tmp_path / "holi", SynthOptions(holi, 200, seed=3))
+    write_dumps(tmp_path / "friday", SynthOptions(friday, 200, seed=3))
+    trades = list(csv.DictReader((tmp_path / "holi" / "trades.csv").open(newline="")))
+    usual = list(csv.DictReader((tmp_path / "friday" / "trades.csv").open(newline="")))
+    assert {(t["exchange"], t["segment"]) for t in trades} == {("MCX", "COM")}
+    assert min(t["trade_time"] for t in trades) >= "17:00:00"
+    assert Counter(t["ucc"] for t in trades) == Counter(t["ucc"] for t in usual)
+    split = split_day(open_store(str(tmp_path / "holi")), open_store(str(tmp_path / "store")),
+                      RunState(redis_url, "holi-synth"), "holi-synth", "2026-03-03", 50, "CNT")
+    assert split.rejected == 0 and split.input_errors == [] and split.accounts + split.nothing_due == 200
+
+
+def test_a_day_every_exchange_is_shut_has_nothing_to_synthesize(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="no exchange trades on 2026-01-26"):
+        write_dumps(tmp_path, SynthOptions(dt.date(2026, 1, 26), 5, seed=3))

@@ -56,7 +56,7 @@ from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, Store, check_create_only, open_store
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
-from pipeline.stages import Batch, load_shard, render_stage, restore_from_log
+from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
 
 log = logging.getLogger("pipeline.cluster.driver")
 PARALLEL_FROM_PAGES = 100
@@ -180,7 +180,8 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     if skip:
         accounts = [a for a in accounts if a["ucc"] not in skip]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
-    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease), accounts, state,
+    batch = render_stage(Batch(run_id, trade_date, shard, settles=settles, lease=lease, broker_file=settings.broker_file),
+                         accounts, state,
                          set(only) if only else None, partial(render_notes, tagged=settings.pdf_tags), force,
                          lambda ucc: store.exists(keys.signed_pdf_key(trade_date, ucc)), settings.encryption)
     metrics.observe("render", {"ok": len(batch.items), **batch.dropped}, time.perf_counter() - started)
@@ -256,6 +257,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
+                         "broker_file": settings.broker_file,  # the issuing entity: a rerun's notes are its too
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -319,6 +321,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "physical_now": tally["statuses"].get("physical", 0),
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
+        "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for
         "started_at": float(meta.get("started") or started),  # the run's first start, a rerun's too
         "last_started_at": float(meta.get("last_started") or started),  # this driver's: a rerun's own start
         "finished_at": finished,  # the bounce window runs from here
@@ -373,8 +376,12 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     if not run_id or load_manifest(store, run_id) is None:
         if closed := trading_calendar.no_session(req.trade_date, settings.holidays_file):
             raise ConfigError(f"--date {req.trade_date}: no exchange traded that day ({closed})")
-        check_inputs(open_store(req.input_url), req.trade_date)
+        seen = check_inputs(open_store(req.input_url), req.trade_date)
+        if seen and (closed := trading_calendar.no_session(req.trade_date, settings.holidays_file, seen)):
+            raise ConfigError(f"--date {req.trade_date}: no exchange of the day's trades traded that day (the first "
+                              f"and last rows of trades.csv are on {', '.join(sorted(seen))}: {closed})")
     trading_calendar.settlement_dates(req.trade_date, settings.holidays_file)
+    broker(settings.broker_file)  # the issuing entity's file: a bad one refused here, not at the first note
     credentials.dkim_signer(settings)  # loaded again by each mailer: here only to refuse a bad one at the start
     checked = credentials.read(settings)
     if run_id and not started(store, run_id):  # last: a run refused above leaves the date to the next
@@ -407,6 +414,10 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
 def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
            relays: str | None, address: str | None) -> dict:
     settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
+    if "broker_file" in meta and meta["broker_file"] != settings.anchored().broker_file:  # the run's entity's notes
+        log.warning("rerun %s: its notes are the entity's of %s, as the run recorded (not CN_BROKER_FILE %s)", run_id,
+                    meta["broker_file"] or "templates/broker.json", settings.broker_file or "unset")
+        settings = dataclasses.replace(settings, broker_file=meta["broker_file"])
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
     relays = relays or recorded or credentials.resolve(settings).relays()

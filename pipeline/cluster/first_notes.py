@@ -89,12 +89,13 @@ def start(settings: Settings, resolved: Settings, signer: Signer, run_id: str, t
 def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Signer, run_id: str, trade_date: str,
          inputs: Store, store: Store, state: RunState, lease: str, cpus: int) -> None:
     try:
-        plan = make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus))
+        plan = make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus),
+                         holidays_file=settings.holidays_file, entity=broker(settings.broker_file))
         first.plan.set_result(plan)
         shard, accounts = first_accounts(inputs, plan, trade_date, COUNT)
         if not accounts:
             return
-        prefix = broker()["note_prefix"]
+        prefix = broker(settings.broker_file)["note_prefix"]
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
         numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
                    enumerate(accounts)}
@@ -105,6 +106,7 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         first.numbers.set_result(numbers)
         first.result = mail_notes(settings, resolved, signer, Batch(
             run_id, trade_date, shard, settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
+            broker_file=settings.broker_file,
             lease=lease), [json.loads(shard_line(u, c, t, numbers[u])) for u, c, t in accounts], store, state)
         log.info("run %s: %d first notes made in the driver", run_id, len(numbers))
     except BaseException as e:  # the driver says what it means for these accounts (driver.py)

@@ -35,8 +35,10 @@ def group_count(shards: int, cpus: int, ranges: int) -> int:
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
-def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict):
-    meta, buckets = read_range(open_store(input_url), rng, columns, shards, groups, trade_date, closes)
+def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict,
+              closed: dict, segments: frozenset | None = None, left_to: dict | None = None):
+    meta, buckets = read_range(open_store(input_url), rng, columns, shards, groups, trade_date, closes, closed=closed,
+                               segments=segments, left_to=left_to)
     return (meta, *buckets)
 
 
@@ -44,7 +46,8 @@ def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int,
 def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, numbered: dict,
                   *parts) -> dict:
     state = RunState.of(settings, run_id)
-    return assemble(open_store(settings.store_url), state, run_id, trade_date, broker()["note_prefix"], list(parts),
+    return assemble(open_store(settings.store_url), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
+                    list(parts),
                     offsets, reuse, numbered)
 
 
@@ -86,11 +89,13 @@ class Split:
               watch: Callable[[], None], plan: Plan | None = None, numbered: Callable[[], dict] = dict) -> "Split":
         """`plan`: the one the driver's first notes were read with, if they were; `numbered`: their
         note numbers ({ucc: number}), asked for once every range is read."""
-        plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus))
+        plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus),
+                                 holidays_file=settings.holidays_file, entity=broker(settings.broker_file))
         groups = group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(
-            input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes) for r in plan.ranges]
+            input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
+            plan.segments, plan.left_to) for r in plan.ranges]
         metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
         split = cls(plan, metas, groups, {}, weights)
         offsets, numbered = row_offsets(metas), ray.put(numbered())

@@ -30,7 +30,7 @@ from pipeline.record.lease import held
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import Settings
-from pipeline.stages import Batch
+from pipeline.stages import Batch, broker
 
 TEST_NOTE = "TEST-00000001"
 
@@ -60,7 +60,9 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
         if not input_url:
             write_dumps(Path(tmp) / "input", SynthOptions(dt.date.fromisoformat(trade_date), 3, seed=7))
         inputs, store = open_store(input_url or f"{tmp}/input"), open_store(f"{tmp}/store")
-        _, accounts = first_accounts(inputs, make_plan(inputs, trade_date, settings.shard_size, 1), trade_date, 1)
+        plan = make_plan(inputs, trade_date, settings.shard_size, 1, holidays_file=settings.holidays_file,
+                         entity=broker(settings.broker_file))
+        _, accounts = first_accounts(inputs, plan, trade_date, 1)
         if not accounts:
             raise NothingToSend(f"{inputs.url}: no client near the top of clients.csv traded on {trade_date}")
         ucc, client, trades = accounts[0]
@@ -70,7 +72,8 @@ def test_send(settings: Settings, to: str, trade_date: str, input_url: str = "")
         try:
             with held(state, settings.lease_s) as lease:
                 batch = Batch(run_id, trade_date, 0, lease=lease.token,
-                              settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file))
+                              settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
+                              broker_file=settings.broker_file)
                 result = mail_notes(settings, resolved, signer, batch, [account], store, state)
             record = state.accounts([ucc]).get(ucc, {})
         finally:

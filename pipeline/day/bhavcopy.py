@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Iterable
 
 from pipeline.day.dumps import INSTRUMENTS as SEGMENT_INSTRUMENTS
-from pipeline.day.dumps import PRICE, RowError, check_header
+from pipeline.day.dumps import PRICE, REFERENCE_FILE, RowError, check_header, reference_key
 
 FILE = "bhavcopy.csv"
 FIELDS = ["TradDt", "Src", "Sgmt", "FinInstrmTp", "TckrSymb", "XpryDt", "StrkPric", "OptnTp", "ClsPric", "SttlmPric"]
@@ -81,3 +81,44 @@ def _price(n: int, field: str, text: str) -> Decimal:
         raise RowError(FILE, n, field, f"{text!r} is not a positive price")
     return value
 
+
+
+REFERENCE_FIELDS = ["date", "currency", "units", "rate"]
+UNITS = {"1": 1, "100": 100}  # RBI quotes a rate for 1 USD, EUR or GBP and for 100 JPY
+MAX_REFERENCE = Decimal("1000")  # rupees a unit: a guard against a broken file, as MAX_PRICE is
+
+
+def read_reference_rates(lines: Iterable[str], trade_date: str, errors: list[dict],
+                         max_errors: int = 1000) -> dict[tuple, Decimal]:
+    """reference_rates.csv, RBI's reference rates for the day: reference_key(currency) -> rupees a
+    unit (a rate for 100 JPY divided by 100, exactly). A cross-currency pair's rupee value is its
+    value in the currency it is quoted in at this rate (NSE and BSE settle them so: EURUSD and
+    GBPUSD at USD's, USDJPY at JPY's). Rows of other days are skipped; a bad row, or a currency
+    given twice at two rates, is the run's input error, and that currency's trades are rejected."""
+    reader = csv.DictReader(lines)
+    check_header(REFERENCE_FILE, reader.fieldnames or [], REFERENCE_FIELDS)
+    rates: dict[tuple, Decimal] = {}
+    ambiguous: set[tuple] = set()
+    for n, row in enumerate(reader, start=1):
+        if (row.get("date") or "").strip() != trade_date:
+            continue
+        try:
+            currency, units, text = ((row.get(f) or "").strip() for f in ("currency", "units", "rate"))
+            if not currency.isascii() or not currency.isalpha() or not currency.isupper() or len(currency) != 3:
+                raise RowError(REFERENCE_FILE, n, "currency", f"{currency[:40]!r} is not a currency code (e.g. USD)")
+            if units not in UNITS:
+                raise RowError(REFERENCE_FILE, n, "units", f"{units[:40]!r} must be 1 or 100 (RBI quotes JPY per 100)")
+            if not PRICE.match(text) or not Decimal(0) < Decimal(text) < MAX_REFERENCE * UNITS[units]:
+                raise RowError(REFERENCE_FILE, n, "rate", f"{text[:40]!r} is not a rate in rupees (at most 4 "
+                                                          f"decimal places, under {MAX_REFERENCE:,} a unit)")
+            key, rate = reference_key(currency), Decimal(text) / UNITS[units]
+            if key in rates and rates[key] != rate:
+                ambiguous.add(key)
+                raise RowError(REFERENCE_FILE, n, "rate", f"{currency} is listed again, at {rate} a unit where an "
+                                                          f"earlier row says {rates[key]}: its trades are rejected")
+        except RowError as e:
+            if len(errors) < max_errors:
+                errors.append(e.as_dict())
+            continue
+        rates[key] = rate
+    return {k: v for k, v in rates.items() if k not in ambiguous}

@@ -55,12 +55,19 @@ INSTRUMENTS = {"CM": {"EQ"}, "FO": {"FUTSTK", "FUTIDX", "OPTSTK", "OPTIDX"}, "CD
                "COM": {"FUTCOM", "OPTFUT"}}
 PRODUCTS = {"CM": {"CNC", "MIS"}, "FO": {"NRML", "MIS"}, "CDS": {"NRML", "MIS"}, "COM": {"NRML", "MIS"}}
 DERIVATIVES = {"FO", "CDS", "COM"}
+# every exchange-segment a note can hold, as a levies column names it: NSE-CM ... NCDEX-COM
+SEGMENTS = [f"{exchange}-{segment}" for segment, exchanges in EXCHANGES.items() for exchange in sorted(exchanges)]
 # A currency lot is 1,000 units of the base currency (JPYINR: 1,00,000 yen quoted per 100 yen):
-# quantity is in lots, price in rupees per unit. Cross-currency pairs settle through a reference
-# rate and are not taken: a CDS symbol is an INR pair.
+# quantity is in lots, price in rupees per unit. A cross-currency pair (NSE's and BSE's EURUSD,
+# GBPUSD, USDJPY: 1,000 of the base currency a lot) is quoted in its second currency and settles
+# in rupees at RBI's reference rate for that currency on the trade date (reference_rates.csv).
 CURRENCY_MULTIPLIER = 1000
 _CURRENCY = str(CURRENCY_MULTIPLIER)
 INR_PAIR = re.compile(r"^[A-Z]{3}INR\Z")
+CROSS_PAIRS = {"EURUSD": "USD", "GBPUSD": "USD", "USDJPY": "JPY"}  # pair -> the currency it is quoted in
+# A cross-currency quote (about 1.1 or 150) is bounded well under MAX_PRICE, so its rupee value,
+# the quote times a reference rate of at most 6 places, stays exact in Decimal's 28 digits
+MAX_CROSS_PRICE = Decimal("10000")
 MULTIPLIER = re.compile(r"^[1-9][0-9]{0,6}\Z")  # a commodity lot holds under a crore of price units
 # Currency premiums are quoted to 4 places with a tick of 0.0025 rupee: under equity's 1 paisa
 MIN_PRICES = {"CDS": Decimal("0.0001")}
@@ -118,18 +125,21 @@ class Trade:
     # after close, so a Trade built by position as before stays what it was
     multiplier: int = 1  # price units a lot holds: 1,000 on currency, e.g. 100 on gold (10 g quotes, 1 kg lot)
     agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
+    # cross-currency pairs: rupees a unit of the quote currency (RBI's reference rate); None: quoted in rupees
+    fx: Decimal | None = None
 
     # Derived once, when the trade is made, not at each of their ~15 uses a trade (a 2,000-page note
     # asks for them 1.4 million times): slots beside the fields' __dict__, so equality, hash, repr
     # and a `Trade(**t.__dict__)` see the fields alone.
-    # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1);
+    # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1), a
+    # cross-currency pair's value in its quote currency at the reference rate;
     # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no);
     # exchange_segment: "NSE-CM", the note's section and levies column it goes in
     __slots__ = ("turnover", "key", "order_key", "exchange_segment", "__dict__", "__weakref__")
 
     def __post_init__(self) -> None:
         _derive(self, self.exchange, self.segment, self.trade_no, self.order_no, self.price, self.quantity,
-                self.multiplier)
+                self.multiplier, self.fx)
 
     def __reduce__(self):
         """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
@@ -142,6 +152,8 @@ class Trade:
         row = [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
         if self.multiplier == 1:
             row[_AT_MULTIPLIER] = ""
+        if self.fx is not None:  # a cross-currency pair's reference rate, after close: other rows end there
+            row.append(str(self.fx))
         return row
 
     @classmethod
@@ -156,7 +168,7 @@ class Trade:
         # each row its own "NSE", and a 125,000-trade note's passes over its trades missed the cache
         # on each (~1.5 µs a trade); order and trade numbers and times are the trade's own
         exchange, segment, quantity, price = _intern(r[1]), _intern(r[2]), int(r[16]), Decimal(r[17])
-        multiplier = int(r[20] or 1)
+        multiplier, fx = int(r[20] or 1), Decimal(r[_AT_FX]) if len(r) > _AT_FX else None
         d = _SHARED_DICT.copy()
         d["trade_date"], d["exchange"], d["segment"] = _intern(r[0]), exchange, segment
         d["settlement_no"], d["ucc"], d["order_no"], d["order_time"] = _intern(r[3]), _intern(r[4]), r[5], r[6]
@@ -164,10 +176,10 @@ class Trade:
         d["instrument"], d["expiry"], d["strike"] = _intern(r[11]), _intern(r[12]), _intern(r[13])
         d["option_type"], d["side"], d["quantity"], d["price"] = _intern(r[14]), r[15], quantity, price
         d["product"], d["status"], d["close"] = _intern(r[18]), _intern(r[19]), Decimal(close) if close else None
-        d["multiplier"], d["agri"] = multiplier, _intern(r[21])
+        d["multiplier"], d["agri"], d["fx"] = multiplier, _intern(r[21]), fx
         t = _new(cls)
         _set_fields(t, d)
-        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier)  # as __post_init__, from the locals
+        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier, fx)  # as __post_init__, from the locals
         return t
 
 
@@ -176,6 +188,7 @@ class Trade:
 # rebuilds 125,000), test_dumps holds the two orders and from_row's columns together
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
+_AT_FX = _AT_CLOSE + 1
 _FIELDS = tuple(f.name for f in fields(Trade))
 _new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
 _set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
@@ -183,9 +196,12 @@ _set_exchange_segment = Trade.exchange_segment.__set__
 
 
 def _derive(t: Trade, exchange: str, segment: str, trade_no: str, order_no: str, price: Decimal, quantity: int,
-            multiplier: int) -> None:
-    """A trade's slots from its fields: the one place they are worked out, however the trade is made."""
-    _set_turnover(t, price * quantity * multiplier if multiplier != 1 else price * quantity)
+            multiplier: int, fx: Decimal | None) -> None:
+    """A trade's slots from its fields: the one place they are worked out, however the trade is made.
+    The turnover: price x quantity x multiplier (no multiplying by a multiplier of 1), then a
+    cross-currency pair's times its reference rate, in that order (Decimal rounds each product)."""
+    value = price * quantity * multiplier if multiplier != 1 else price * quantity
+    _set_turnover(t, value if fx is None else value * fx)
     _set_key(t, (exchange, segment, trade_no))
     _set_order_key(t, (exchange, segment, order_no))
     _set_exchange_segment(t, f"{exchange}-{segment}")
@@ -220,9 +236,11 @@ def parse_client(file: str, row: int, raw: dict[str, str]) -> Client:
 
 
 def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
-                closes: Mapping[tuple, Decimal] | None = None) -> Trade:
-    """`closes` (from the bhavcopy) gives each derivatives contract its closing price; a
-    contract missing from it is this row's error, since the note could not show its rate."""
+                closes: Mapping[tuple, Decimal] | None = None, closed: Mapping[str, str] | None = None) -> Trade:
+    """`closes` (from the bhavcopy) gives each derivatives contract its closing price, and each
+    currency a cross-currency pair is quoted in its RBI reference rate (reference_key); a
+    contract or rate missing from it is this row's error, since the note could not show it.
+    `closed`: the exchanges shut on the trade date, and why: a trade on one is this row's error."""
     ucc = (raw.get("ucc") or "").strip()
     fail = _failer(file, row, ucc if UCC.match(ucc) else "")
     v = _clean(raw, TRADE_FIELDS, fail)
@@ -234,6 +252,8 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
         fail("segment", "must be CM, FO, CDS or COM")
     if v["exchange"] not in EXCHANGES[v["segment"]]:
         fail("exchange", f"must be {' or '.join(sorted(EXCHANGES[v['segment']]))} in segment {v['segment']}")
+    if closed and v["exchange"] in closed:
+        fail("exchange", f"{v['exchange']} held no session on {trade_date} ({closed[v['exchange']]})")
     if v["instrument"] not in INSTRUMENTS[v["segment"]]:
         fail("instrument", f"{v['instrument']!r} is not traded in segment {v['segment']}")
     if v["product"] not in PRODUCTS[v["segment"]]:
@@ -275,7 +295,21 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     close = closes.get(contract_id(trade))
     if close is None:
         fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
-    return Trade(**{**trade.__dict__, "close": close})
+    fx = None
+    if trade.segment == "CDS" and (currency := CROSS_PAIRS.get(trade.symbol)):
+        fx = closes.get(reference_key(currency))
+        if fx is None:
+            fail("symbol", f"{trade.symbol} settles in rupees at RBI's reference rate for {currency}, and "
+                           f"{REFERENCE_FILE} gives none for {trade_date}")
+    return Trade(**{**trade.__dict__, "close": close, "fx": fx})
+
+
+REFERENCE_FILE = "reference_rates.csv"
+
+
+def reference_key(currency: str) -> tuple[str, str]:
+    """Where a currency's RBI reference rate (rupees a unit) sits among the closing prices."""
+    return ("RBI", currency)
 
 
 def _lot_terms(v: dict[str, str], fail) -> int:
@@ -292,10 +326,14 @@ def _lot_terms(v: dict[str, str], fail) -> int:
     if agri:
         fail("agri", f"is only for commodities (segment COM), not {segment}")
     if segment == "CDS":
-        if not INR_PAIR.match(v["symbol"]):
-            fail("symbol", f"{v['symbol']!r} is not an INR pair (e.g. USDINR); cross-currency pairs are not taken")
+        cross = v["symbol"] in CROSS_PAIRS
+        if not cross and not INR_PAIR.match(v["symbol"]):
+            fail("symbol", f"{v['symbol']!r} is not a currency pair taken: an INR pair (e.g. USDINR) or "
+                           f"{', '.join(CROSS_PAIRS)}")
         if multiplier not in ("", str(CURRENCY_MULTIPLIER)):
             fail("multiplier", f"must be {CURRENCY_MULTIPLIER} (or empty) for a currency lot, not {multiplier[:40]!r}")
+        if cross and Decimal(v["price"]) >= MAX_CROSS_PRICE:
+            fail("price", f"{v['price']} is not a {v['symbol']} quote (under {MAX_CROSS_PRICE:,})")
         return CURRENCY_MULTIPLIER
     if multiplier not in ("", "1"):
         fail("multiplier", f"must be 1 (or empty) in segment {segment}: quantity is in units")
@@ -323,11 +361,13 @@ def _trade_pattern(trade_date: str) -> re.Pattern:
 
 
 def trade_row(file: str, row: int, values: list[str], trade_date: str,
-              closes: Mapping[tuple, Decimal] | None, contracts: dict | None = None) -> list[str]:
+              closes: Mapping[tuple, Decimal] | None, contracts: dict | None = None,
+              closed: Mapping[str, str] | None = None) -> list[str]:
     """A trade row (the values in TRADE_FIELDS order) checked as parse_trade checks it, about
     five times faster; returns what Trade.as_row would (the closing price last). RowError if bad.
-    `contracts` remembers each derivatives contract's checks and price across a file's rows."""
-    if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None:
+    `contracts` remembers each derivatives contract's checks and price across a file's rows;
+    `closed`: the exchanges shut that day (parse_trade)."""
+    if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None and not (closed and values[1] in closed):
         segment, isin, instrument, product = values[2], values[10], values[11], values[18]
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")
                 and int(values[16]) <= MAX_QUANTITY and (multiplier := _fits_segment(values)) is not None
@@ -343,7 +383,7 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
             close = contracts[contract]
             if close is not None:
                 return [*values, str(close)]
-    return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes).as_row()
+    return parse_trade(file, row, dict(zip(TRADE_FIELDS, values)), trade_date, closes, closed).as_row()
 
 
 def _fits_segment(v) -> str | None:

@@ -20,14 +20,16 @@ import json
 import math
 import operator
 from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import Container
+from dataclasses import dataclass, field
+from typing import Container, Iterator
 
-from pipeline.day import bhavcopy
+from pipeline.day import bhavcopy, trading_calendar
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
     OPTIONAL_TRADE_FIELDS,
+    REFERENCE_FILE,
+    SEGMENTS,
     SEP,
     TRADE_FIELDS,
     UCC,
@@ -71,11 +73,17 @@ class Plan:
     shard_count: int
     ranges: list[Range]
     columns: dict[str, list[int]]  # per dump: where each expected field is in its rows
-    closes: dict  # the bhavcopy's closing prices
+    closes: dict  # the bhavcopy's closing prices, and RBI's reference rates (dumps.reference_key)
     input_errors: list[dict]  # the bhavcopy's
+    closed: dict[str, str] = field(default_factory=dict)  # exchanges shut on the day, and why: their trades rejected
+    # the issuing entity's memberships, where it is not every one (broker.json's segments): a trade on
+    # another is rejected, unless `left_to` names the entity whose own run makes its notes
+    segments: frozenset[str] | None = None
+    left_to: dict[str, str] = field(default_factory=dict)
 
 
 MIN_SHARDS = 2 * keys.PARTITIONS
+_SEGMENTS = frozenset(SEGMENTS)
 
 
 def find_account(store: Store, run_id: str, ucc: str) -> dict | None:
@@ -101,24 +109,28 @@ def shard_count(clients: int, shard_size: int) -> int:
 
 
 def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_date: str,
-              shard_size: int, note_prefix: str) -> SplitResult:
-    """The whole split in this process, one range per dump and one group.
+              shard_size: int, note_prefix: str, entity: dict | None = None) -> SplitResult:
+    """The whole split in this process, one range per dump and one group (`entity`: make_plan's).
     Raises InputError when a file is missing or unusable; a bad row only rejects its account."""
-    plan = make_plan(inputs, trade_date, shard_size, parts=1)
+    plan = make_plan(inputs, trade_date, shard_size, parts=1, entity=entity)
     metas, parts = [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes)
+                                     plan.closes, closed=plan.closed, segments=plan.segments, left_to=plan.left_to)
         metas.append(meta)
         parts.append(bucket)
     assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas))
     return result(plan, metas, [assembled])
 
 
-def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Plan:
+def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holidays_file: str = "",
+              entity: dict | None = None) -> Plan:
     """Raises InputError when a dump is missing or lacks a column. The shard count comes from
     the size of clients.csv and its first rows (exact for a file under 256 KB): counting a
-    day's clients exactly would mean reading the file twice."""
+    day's clients exactly would mean reading the file twice. `holidays_file`: the broker's
+    calendar (CN_HOLIDAYS_FILE), which says which exchanges were shut that day; `entity`: the
+    issuing entity's broker.json (its `segments`, and `left_to`: the segments another entity's
+    own run makes notes for)."""
     columns = {name: _columns(inputs, name, fields) for name, fields in DUMPS.items()}
     errors: list[dict] = []
     closes = _closing_prices(inputs, trade_date, errors)
@@ -128,22 +140,29 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int) -> Pl
     for name, size in sizes.items():
         n = max(1, round(size / target))
         ranges += [Range(name, i, size * i // n, size * (i + 1) // n) for i in range(n)]
+    held = frozenset((entity or {}).get("segments") or SEGMENTS)
     return Plan(shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
-                columns, closes, errors)
+                columns, closes, errors, trading_calendar.closed_exchanges(trade_date, holidays_file),
+                None if held == frozenset(SEGMENTS) else held, dict((entity or {}).get("left_to") or {}))
 
 
 def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, groups: int, trade_date: str,
-               closes: dict, wanted: Container[str] | None = None) -> tuple[dict, list[dict[int, str]]]:
+               closes: dict, wanted: Container[str] | None = None, closed: dict[str, str] | None = None,
+               segments: frozenset[str] | None = None, left_to: dict[str, str] | None = None
+               ) -> tuple[dict, list[dict[int, str]]]:
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
     text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
     identity, its place on the note and its status joined by SEP, then the row as JSON) or e (an
     error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
-    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes)."""
+    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
+    `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected; `segments` and
+    `left_to`: the issuing entity's memberships (Plan.segments): a trade of a segment left to
+    another entity is counted and left out, one of a segment no entity holds rejects its account."""
     kind, name = rng.file[0], rng.file
     at = DUMPS[name].index("ucc")
-    reader = csv.reader(io.StringIO(_range_text(inputs, rng), newline=""))
+    reader = csv.reader(_range_lines(inputs, rng))
     if rng.index == 0:
         next(reader, None)  # the header
     lines: dict[int, list[str]] = defaultdict(list)
@@ -153,6 +172,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     pick, width = operator.itemgetter(*present), max(present) + 1
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
     errors, n = [], 0
+    entity = kind == "t" and (segments is not None or bool(left_to))
+    left: dict[str, int] = defaultdict(int)
     for n, raw in _rows(reader):
         try:
             if raw is None:
@@ -162,8 +183,17 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
             values = (pick(raw) if len(raw) >= width else tuple(raw[i] if i < len(raw) else "" for i in present)) + pad
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
+            if entity and (segment := f"{values[1].strip()}-{values[2].strip()}") in _SEGMENTS:
+                if left_to and segment in left_to:
+                    left[segment] += 1
+                    continue
+                if segments is not None and segment not in segments:
+                    ucc = values[at].strip()
+                    raise RowError(name, n, "segment", f"{segment} is not a membership of the issuing entity (its broker "
+                                                       "file's segments), nor left to another's (left_to)",
+                                   ucc if UCC.match(ucc) else "")
             if kind == "t":
-                r = trade_row(name, n, values, trade_date, closes, contracts)
+                r = trade_row(name, n, values, trade_date, closes, contracts, closed)
                 ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
                 line = f"{r[1]}{SEP}{r[2]}{SEP}{r[7]}{RS}{r[1]}{SEP}{r[2]}{SEP}{r[3]}{SEP}{r[8]}{SEP}{r[7]}{RS}{r[19]}" \
                        f"{RS}{_json_row(r)}"
@@ -185,7 +215,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     buckets: list[dict[int, str]] = [{} for _ in range(groups)]
     for shard, rows in lines.items():
         buckets[shard % groups][shard] = "\n".join(rows)
-    return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights)}, buckets
+    return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights),
+            "left_to": dict(left)}, buckets
 
 
 def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
@@ -263,7 +294,7 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
     wanted, metas, lines = set(by_shard[shard][:count]), [], []
     for rng in plan.ranges:
         meta, (bucket,) = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, 1, trade_date,
-                                     plan.closes, wanted)
+                                     plan.closes, wanted, plan.closed, plan.segments, plan.left_to)
         metas.append(meta)
         if shard in bucket:
             lines.append(bucket[shard])
@@ -277,36 +308,49 @@ def result(plan: Plan, metas: list[dict], assembled: list[dict]) -> SplitResult:
     errors = list(plan.input_errors)
     for meta in sorted(metas, key=lambda m: (m["file"] != "clients.csv", m["index"])):
         errors += [_moved(e, offsets) for e in meta["errors"]]
+    left: dict[str, int] = defaultdict(int)
+    for meta in metas:
+        for segment, count in meta.get("left_to", {}).items():
+            left[segment] += count
     return SplitResult(shards=[s for s, _ in shards], shard_count=plan.shard_count,
                        accounts=sum(n for _, (n, _) in shards), rejected=sum(a["rejected"] for a in assembled),
                        nothing_due=sum(a["nothing_due"] for a in assembled),
                        nothing_due_accounts=sorted(u for a in assembled for u in a["nothing_due_accounts"])[:NAMED],
-                       input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards])
+                       input_errors=errors[:MAX_LISTED_ERRORS], trades=[t for _, (_, t) in shards],
+                       left_to_others={s: {"entity": plan.left_to[s], "trades": n} for s, n in sorted(left.items())})
 
 
-def check_inputs(inputs: Store, trade_date: str = "") -> None:
+def check_inputs(inputs: Store, trade_date: str = "") -> set[str]:
     """Before anything starts: both dumps are there and have every column, and the trades are
-    the run's day (InputError if not)."""
+    the run's day (InputError if not). Returns the exchanges of the trades of that day in the
+    first and last rows of trades.csv (empty without a date, or without such rows)."""
     for name, fields in DUMPS.items():
         columns = _columns(inputs, name, fields)
     if trade_date:
-        _dated(inputs, "trades.csv", columns[fields.index("trade_date")], trade_date)
+        return _dated(inputs, "trades.csv", columns[fields.index("trade_date")], trade_date,
+                      columns[fields.index("exchange")])
+    return set()
 
 
-def _dated(inputs: Store, name: str, column: int, trade_date: str, sample: int = 256 * 1024) -> None:
+def _dated(inputs: Store, name: str, column: int, trade_date: str, exchange: int,
+           sample: int = 256 * 1024) -> set[str]:
     """The first and last rows of `name` (a sample of each end: the file may be GBs) carry
     `trade_date`, or at least one of them does; a date none of them carries is a mistyped --date,
-    refused in one line rather than every account rejected one by one."""
+    refused in one line rather than every account rejected one by one. Returns the exchanges of
+    the sampled rows of that date."""
     size = inputs.size(name)
     rows = inputs.read_range(name, 0, min(size, sample)).decode("utf-8", "replace").split("\n")[1:]  # past the header
     if size > sample:  # the head's cut last line, the tail's cut first one
         rows = rows[:-1] + inputs.read_range(name, max(sample, size - sample), size).decode(
             "utf-8", "replace").split("\n")[1:]
-    dates = Counter(row[column] for row in csv.reader(r for r in rows if r.strip()) if len(row) > column)
+    parsed = [row for row in csv.reader(r for r in rows if r.strip()) if len(row) > column]
+    dates = Counter(row[column] for row in parsed)
     if dates and trade_date not in dates:
         seen = ", ".join(d for d, _ in dates.most_common(3))
         raise InputError(f"{name}: no trade in its first and last rows is dated {trade_date} (they are dated "
                          f"{seen}): is the run's date right?")
+    return {row[exchange].strip() for row in parsed if row[column] == trade_date and len(row) > exchange} & set(
+        trading_calendar.ALL_EXCHANGES)
 
 
 def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:
@@ -329,32 +373,59 @@ def _estimate_rows(inputs: Store, name: str, size: int) -> int:
 
 
 def _closing_prices(inputs: Store, trade_date: str, errors: list[dict]) -> dict:
-    """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why)."""
+    """The bhavcopy's prices; without one, every derivatives trade is rejected (its row says why).
+    With them RBI's reference rates, if the input has reference_rates.csv: only a cross-currency
+    trade needs one, and without it that trade's row says so."""
     if not inputs.exists(bhavcopy.FILE):
         errors.append(RowError(bhavcopy.FILE, 0, "", "file not found: derivatives trades have no closing price").as_dict())
-        return {}
-    return bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, errors, MAX_LISTED_ERRORS)
+        closes = {}
+    else:
+        closes = bhavcopy.read(_csv_lines(inputs, bhavcopy.FILE), trade_date, errors, MAX_LISTED_ERRORS)
+    if inputs.exists(REFERENCE_FILE):
+        closes.update(bhavcopy.read_reference_rates(_csv_lines(inputs, REFERENCE_FILE), trade_date, errors,
+                                                    MAX_LISTED_ERRORS))
+    return closes
 
 
-def _range_text(inputs: Store, rng: Range) -> str:
+CHUNK = 1 << 20  # bytes of a range read at a time: io.StringIO holds them as 4 bytes a character
+
+
+def _range_lines(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[str]:
     """The range's own lines: from the first line starting at or after `start` (the header's,
-    for the first range) to the end of the line holding byte end-1."""
-    base = max(0, rng.start - 1)
-    data = inputs.read_range(rng.file, base, rng.end)
-    if rng.start > 0:
-        cut = data.find(b"\n")
-        data = data[cut + 1:] if cut >= 0 else b""
-    if data and not data.endswith(b"\n"):
-        at = rng.end
-        while True:
-            more = inputs.read_range(rng.file, at, at + 64 * 1024)
-            cut = more.find(b"\n")
-            if cut >= 0 or not more:
-                data += more[:cut + 1] if cut >= 0 else more
-                break
-            data, at = data + more, at + len(more)
+    for the first range) to the end of the line holding byte end-1. Read in one request, CHUNK
+    bytes at a time, each cut at its last newline: a range is never held whole (a 20,000-account day's trades
+    as text were most of the driver's memory, read for its first notes). Lines are split as
+    io.StringIO(newline="") splits them, for the csv module."""
+    at, left, skip, first = max(0, rng.start - 1), b"", rng.start > 0, rng.start == 0
+    for data in inputs.stream_range(rng.file, at, rng.end, chunk):
+        at += len(data)
+        if skip:  # the line that began before `start` is the previous range's
+            cut = data.find(b"\n")
+            if cut < 0:
+                continue
+            data, skip = data[cut + 1:], False
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            left += data
+            continue
+        whole, left = left + data[:cut + 1], data[cut + 1:]
+        yield from _lines(whole, first)
+        first = False
+    if skip or not left:
+        return
+    while True:  # the range's last line runs on past its end
+        more = inputs.read_range(rng.file, at, at + 64 * 1024)
+        cut = more.find(b"\n")
+        if cut >= 0 or not more:
+            left += more[:cut + 1] if cut >= 0 else more
+            break
+        left, at = left + more, at + len(more)
+    yield from _lines(left, first)
+
+
+def _lines(data: bytes, first: bool) -> Iterator[str]:
     text = data.decode("utf-8", "surrogateescape")
-    return text.removeprefix("\ufeff") if rng.start == 0 else text
+    return iter(io.StringIO(text.removeprefix("\ufeff") if first else text, newline=""))
 
 
 def _csv_lines(inputs: Store, name: str):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from pipeline.day import bhavcopy
-from pipeline.day.dumps import CLIENT_FIELDS, TRADE_FIELDS
+from pipeline.day import bhavcopy, trading_calendar
+from pipeline.day.dumps import CLIENT_FIELDS, REFERENCE_FILE, TRADE_FIELDS
 from pipeline.record import keys
 
 STATES = [
@@ -36,14 +36,21 @@ EQUITIES = [
 ]
 INDICES = [("NIFTY", 24500, 75), ("BANKNIFTY", 52000, 30)]
 BSE_INDICES = [("SENSEX", 80000, 20), ("BANKEX", 60000, 30)]  # symbol, level, lot
-CURRENCIES = [("USDINR", 84.1), ("EURINR", 90.5), ("GBPINR", 106.2), ("JPYINR", 55.6)]  # rupees a unit (JPY: 100)
+# symbol, quote (rupees a unit, JPYINR's per 100 yen; a cross pair's in its second currency), ticks a unit
+# of the quote (0.0025 rupee; EURUSD and GBPUSD 0.0001 dollar; USDJPY 0.01 yen), option strikes' step
+CURRENCIES = [("USDINR", 84.1, 400, 0.25), ("EURINR", 90.5, 400, 0.25), ("GBPINR", 106.2, 400, 0.25),
+              ("JPYINR", 55.6, 400, 0.25), ("EURUSD", 1.085, 10_000, 0.005), ("GBPUSD", 1.27, 10_000, 0.005),
+              ("USDJPY", 150.2, 100, 0.5)]
+CURRENCY_TICKS = {symbol: ticks for symbol, _, ticks, _ in CURRENCIES}
+# RBI's reference rates a synthetic day's cross pairs settle at: currency -> (units, rupees)
+REFERENCE_RATES = {"USD": ("1", "84.1234"), "JPY": ("100", "55.6000")}
 # symbol, exchange, price, multiplier (quoted units a lot), agricultural, options traded
 COMMODITIES = [
     ("GOLD", "MCX", 76500, 100, "N", True),  # per 10 g, a 1 kg lot
     ("SILVER", "MCX", 92000, 30, "N", False),  # per kg, a 30 kg lot
     ("CRUDEOIL", "MCX", 6000, 100, "N", True),  # per barrel, 100 barrels
     ("NATURALGAS", "MCX", 250, 1250, "N", False),  # per mmBtu, 1,250 mmBtu
-    ("GUARSEED10", "NCDEX", 5400, 100, "Y", False),  # per quintal, a 10 t lot
+    ("GUARSEED10", "NCDEX", 5400, 100, "Y", True),  # per quintal, a 10 t lot
     ("DHANIYA", "NCDEX", 7500, 50, "Y", False),  # per quintal, a 5 t lot
 ]
 MIXED_TRADES = 0.3  # of a mixed client's trades, the share in the other segments
@@ -57,6 +64,7 @@ class SynthOptions:
     volatile: bool = False
     volatile_trades: int = 60_000  # the volatile client's trades (a bench's smoke run takes fewer)
     segment_share: float = 0.1  # clients who also trade currency, commodities and BSE's index options
+    holidays_file: str = ""  # the broker's calendar (CN_HOLIDAYS_FILE): no trades on an exchange shut that day
 
 
 def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
@@ -65,6 +73,7 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
     rng = random.Random(opts.seed)
     clients_path, trades_path = out / "clients.csv", out / "trades.csv"
     contracts: dict[tuple, str] = {}
+    day = _Day(opts.trade_date, opts.holidays_file, random.Random(opts.seed + 104_729))
     with clients_path.open("w", newline="") as cf, trades_path.open("w", newline="") as tf:
         clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_FIELDS)
         clients.writerow(CLIENT_FIELDS)
@@ -75,20 +84,68 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             ucc = f"C{i + 1:07d}"
             clients.writerow(_client(rng, ucc, i))
             n = opts.volatile_trades if (opts.volatile and i == 0) else _trade_count(rng)
-            mix = mixing if mixing.random() < opts.segment_share else None
-            rows = list(_trades(rng, opts.trade_date, ucc, n, counter, mix))
+            drawn = mixing.random() < opts.segment_share  # drawn for every client: the stream stays the seed's
+            # the volatile client trades every segment too, unless the day has none but equity
+            mix = mixing if drawn or (opts.volatile and i == 0 and opts.segment_share > 0) else None
+            rows = day.held(_trades(rng, opts.trade_date, ucc, n, counter, mix))
             _note_contracts(rows, contracts)
             trades.writerows(rows)
     with (out / bhavcopy.FILE).open("w", newline="") as f:
         _write_bhavcopy(f, opts.trade_date, contracts)
+    with (out / REFERENCE_FILE).open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(bhavcopy.REFERENCE_FIELDS)
+        writer.writerows([opts.trade_date.isoformat(), c, units, rate] for c, (units, rate) in REFERENCE_RATES.items())
     return clients_path, trades_path
 
 
+class _Day:
+    """The exchanges that trade on the date, by the calendar: a row on a shut exchange becomes a
+    trade on a commodity exchange that trades (MCX, on an equity holiday in its evening session),
+    from a stream of its own, so a client keeps its count of trades; on a day every exchange is
+    shut there is nothing to make. An exchange whose list for the year is not given trades if
+    NSE does (or NSE's list is not given either)."""
+
+    def __init__(self, date: dt.date, holidays_file: str, rng: random.Random):
+        said = trading_calendar.sessions(date.isoformat(), holidays_file)
+        default = "regular" if said.get("NSE", "regular") != "shut" else "shut"
+        self.sessions = {ex: said.get(ex, default) for ex in trading_calendar.ALL_EXCHANGES}
+        self.open = {ex for ex, s in self.sessions.items() if s != "shut"}
+        if not self.open:
+            raise ValueError(f"no exchange trades on {date.isoformat()}: nothing to synthesize")
+        self.commodities = [c for c in COMMODITIES if c[1] in self.open]
+        self.date, self.rng = date, rng
+
+    def held(self, rows) -> list[dict]:
+        if self.open == set(trading_calendar.ALL_EXCHANGES) and "evening" not in self.sessions.values():
+            return list(rows)  # an ordinary day: every row as it was drawn
+        out, moved = [], {}
+        for row in rows:
+            key = (row["order_no"], row["trade_no"])  # a cancellation or modification follows its trade
+            if key not in moved:
+                made = row
+                if row["exchange"] not in self.open:
+                    if not self.commodities:
+                        continue
+                    made = {**row, "isin": "", "strike": "", "option_type": "",
+                            **_commodity(self.rng, self.date, self.commodities)}
+                    made["settlement_no"] = f"COM{self.date:%Y}{self.date.timetuple().tm_yday:03d}"
+                if self.sessions[made["exchange"]] == "evening" and made["trade_time"] < "17:00:00":
+                    made = {**made, **_evening(self.rng, self.date)}
+                moved[key] = made
+            out.append({**moved[key], "status": row["status"]})
+        return out
+
+
 def closing_prices(trade_date: dt.date, trade_rows: list[dict]) -> dict:
-    """What bhavcopy.read would give for the contracts in `trade_rows` (trades built in memory)."""
+    """What the split's plan would give for the contracts in `trade_rows` (trades built in
+    memory): the bhavcopy's prices and the day's reference rates."""
     buf = io.StringIO()
     _write_bhavcopy(buf, trade_date, _note_contracts(trade_rows, {}))
-    return bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
+    closes = bhavcopy.read(buf.getvalue().splitlines(), trade_date.isoformat(), [])
+    rates = [",".join(bhavcopy.REFERENCE_FIELDS)] + [f"{trade_date.isoformat()},{c},{units},{rate}"
+                                                     for c, (units, rate) in REFERENCE_RATES.items()]
+    return {**closes, **bhavcopy.read_reference_rates(rates, trade_date.isoformat(), [])}
 
 
 def _note_contracts(trade_rows: list[dict], contracts: dict[tuple, str]) -> dict[tuple, str]:
@@ -119,7 +176,7 @@ def _bhav_row(trade_date: dt.date, contract: tuple, traded_price: str) -> dict:
     """A closing price within 1% of a price traded that day, on the 0.05 tick, the same on every run."""
     exchange, segment, instrument, symbol, isin, expiry, strike, option_type = contract
     move = Decimal(10_000 + keys.stable_hash(repr(contract)) % 201 - 100) / 10_000
-    per_rupee, places = (400, Decimal("0.0001")) if segment == "CDS" else (20, Decimal("0.01"))  # ticks 0.0025, 0.05
+    per_rupee, places = (CURRENCY_TICKS[symbol], Decimal("0.0001")) if segment == "CDS" else (20, Decimal("0.01"))
     ticks = max(Decimal(1), (Decimal(traded_price) * move * per_rupee).to_integral_value())
     close = str((ticks / per_rupee).quantize(places))
     kind = bhavcopy.UDIFF_TYPES.get(instrument, "STK")
@@ -223,20 +280,20 @@ def _other_segment(rng: random.Random, date: dt.date, row: dict) -> dict:
 
 def _currency(rng: random.Random, date: dt.date) -> dict:
     """USDINR and the other INR pairs: lots of 1,000, quotes to 4 places on a 0.0025 tick."""
-    symbol, spot = rng.choice(CURRENCIES)
+    symbol, spot, ticks, step = rng.choice(CURRENCIES)
     row = dict(exchange="NSE" if rng.random() < 0.8 else "BSE", segment="CDS", symbol=symbol,
                expiry=_month_end(date).isoformat(), product=rng.choice(["NRML", "MIS"]),
                quantity=str(rng.randrange(1, 50)), multiplier="1000")
     if rng.random() < 0.7:
-        return {**row, "instrument": "FUTCUR", "price": _quote(rng, spot, 400)}
-    strike = round(spot * 4) / 4 + 0.25 * rng.randrange(-4, 5)
+        return {**row, "instrument": "FUTCUR", "price": _quote(rng, spot, ticks)}
+    strike = round(spot / step) * step + step * rng.randrange(-4, 5)
     return {**row, "instrument": "OPTCUR", "strike": f"{strike:.4f}", "option_type": rng.choice(["CE", "PE"]),
-            "price": _quote(rng, max(0.05, spot * 0.003), 400)}
+            "price": _quote(rng, max(0.05 if ticks == 400 else 2 / ticks, spot * 0.003), ticks)}
 
 
-def _commodity(rng: random.Random, date: dt.date) -> dict:
-    """An MCX or NCDEX future (options on MCX's futures where MCX lists them), a few lots."""
-    symbol, exchange, spot, multiplier, agri, options = rng.choice(COMMODITIES)
+def _commodity(rng: random.Random, date: dt.date, among: list[tuple] = COMMODITIES) -> dict:
+    """An MCX or NCDEX future (options on its futures where the exchange lists them), a few lots."""
+    symbol, exchange, spot, multiplier, agri, options = rng.choice(among)
     row = dict(exchange=exchange, segment="COM", symbol=symbol, expiry=_month_end(date, 1).isoformat(),
                product="NRML", quantity=str(rng.randrange(1, 6)), multiplier=str(multiplier), agri=agri)
     if not options or rng.random() < 0.75:
@@ -273,7 +330,7 @@ def _month_end(date: dt.date, months_ahead: int = 0) -> dt.date:
 
 
 def _quote(rng: random.Random, around: float, per_rupee: int) -> str:
-    """A price on a tick of 1/per_rupee rupee (400: currency's 0.0025), to 4 places."""
+    """A price on a tick of 1/per_rupee of its unit (400: an INR pair's 0.0025 rupee), to 4 places."""
     ticks = max(1, int(around * rng.uniform(0.97, 1.03) * per_rupee))
     return str((Decimal(ticks) / per_rupee).quantize(Decimal("0.0001")))
 

@@ -2,8 +2,12 @@
 
 A day is a trading day unless it is a Saturday, a Sunday or a published trading holiday;
 special sessions (Muhurat trading) happen on a non-trading day and are allowed as trade
-dates, but settle on the next regular trading day. A year with no published list is an
-error, never a guess: a wrong settlement date is on every note of the day.
+dates, but settle on the next regular trading day. MCX trades on some equity holidays in its
+evening session alone (morning closed, evening open): a trade date, but no settlement day,
+as its clearing banks are shut; a settlement holiday is a day it trades and does not settle.
+A year with no published list is an error for NSE and BSE, never a guess: a wrong settlement
+date is on every note of the day. MCX's and NCDEX's lists are used where given, and where not
+their notes say so rather than guess.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ EXCHANGES = ("NSE", "BSE")
 # Commodity exchanges keep their own holidays (MCX trades some equity holidays, in the evening
 # session): their settlement dates come only from a list given for them, never from NSE's
 COMMODITY_EXCHANGES = ("MCX", "NCDEX")
+ALL_EXCHANGES = EXCHANGES + COMMODITY_EXCHANGES
+KINDS = ("holidays", "special_sessions", "evening_sessions", "settlement_holidays")
 
 
 class CalendarError(CannotRun, ValueError):
@@ -29,7 +35,7 @@ class CalendarError(CannotRun, ValueError):
 
 @dataclass(frozen=True)
 class Calendar:
-    years: dict[tuple[str, int], dict]  # (exchange, year) -> {"holidays": {...}, "special_sessions": {...}}
+    years: dict[tuple[str, int], dict]  # (exchange, year) -> {kind: {ISO date: name}} for each of KINDS
 
     def _year(self, exchange: str, day: dt.date) -> dict:
         entry = self.years.get((exchange, day.year))
@@ -38,8 +44,23 @@ class Calendar:
                                 f"{HOLIDAYS_FILE.name} or name a file in CN_HOLIDAYS_FILE")
         return entry
 
+    def knows(self, exchange: str, day: dt.date) -> bool:
+        return (exchange, day.year) in self.years
+
     def is_trading_day(self, exchange: str, day: dt.date) -> bool:
-        return day.weekday() < 5 and day.isoformat() not in self._year(exchange, day)["holidays"]
+        """A regular day of the exchange, on which it trades and settles."""
+        entry = self._year(exchange, day)
+        iso = day.isoformat()
+        return day.weekday() < 5 and all(iso not in entry[k] for k in KINDS if k != "special_sessions")
+
+    def trades_on(self, exchange: str, day: dt.date) -> bool:
+        """The exchange holds a session: a regular day, its evening session alone, a special
+        session, or a settlement holiday (trading, no settlement)."""
+        entry = self._year(exchange, day)
+        iso = day.isoformat()
+        if iso in entry["special_sessions"] or iso in entry["evening_sessions"]:
+            return True
+        return day.weekday() < 5 and iso not in entry["holidays"]
 
     def next_trading_day(self, exchange: str, day: dt.date) -> dt.date:
         nxt = day + dt.timedelta(days=1)
@@ -51,12 +72,21 @@ class Calendar:
         """What the run report says about a trade date that is not a regular trading day."""
         if self.is_trading_day(exchange, day):
             return None
-        entry = self._year(exchange, day)
-        special = entry.get("special_sessions", {}).get(day.isoformat())
+        entry, iso = self._year(exchange, day), day.isoformat()
+        special = entry["special_sessions"].get(iso)
         if special:
-            return f"{day.isoformat()} is not a regular {exchange} trading day: special session ({special})"
-        why = entry["holidays"].get(day.isoformat(), "weekend")
-        return f"{day.isoformat()} is not a {exchange} trading day ({why}) and no special session is listed"
+            return f"{iso} is not a regular {exchange} trading day: special session ({special})"
+        if iso in entry["evening_sessions"]:
+            return f"{iso} is not a regular {exchange} trading day: evening session only ({entry['evening_sessions'][iso]})"
+        if iso in entry["settlement_holidays"]:
+            return f"{iso} is a {exchange} settlement holiday ({entry['settlement_holidays'][iso]}): it trades, " \
+                   "and settles on the next trading day"
+        why = entry["holidays"].get(iso, "weekend")
+        return f"{iso} is not a {exchange} trading day ({why}) and no special session is listed"
+
+    def closed_why(self, exchange: str, day: dt.date) -> str:
+        """Why the exchange held no session on `day` (it must not have)."""
+        return self._year(exchange, day)["holidays"].get(day.isoformat(), "weekend")
 
 
 def load(path: str = "") -> Calendar:
@@ -76,19 +106,48 @@ def _load(base: str, override: str) -> Calendar:
             if exchange.startswith("_"):
                 continue
             for year, entry in by_year.items():
-                years[(exchange, int(year))] = {"holidays": entry.get("holidays", {}),
-                                                "special_sessions": entry.get("special_sessions", {})}
+                years[(exchange, int(year))] = {k: entry.get(k, {}) for k in KINDS}
     return Calendar(years)
 
 
-def no_session(trade_date: str, path: str = "") -> str | None:
-    """Why no exchange traded on `trade_date` (no regular day, no special session on any), or
-    None: a day refused before anything starts, not one whose every account is rejected."""
+def no_session(trade_date: str, path: str = "", exchanges=None) -> str | None:
+    """Why none of `exchanges` (default: every exchange) traded on `trade_date`, or None if one
+    did: a day refused before anything starts, not one whose every account is rejected. A
+    commodity exchange whose list for the year is not given is not taken to have traded: its
+    trades on a day NSE and BSE are shut need its list (CN_HOLIDAYS_FILE)."""
     cal, day = load(path), dt.date.fromisoformat(trade_date)
-    said = [cal.trade_date_warning(ex, day) for ex in EXCHANGES]
-    if all(w and w.endswith("no special session is listed") for w in said):
-        return "; ".join(said)
-    return None
+    said = []
+    for ex in sorted(exchanges or ALL_EXCHANGES, key=ALL_EXCHANGES.index):
+        if ex in COMMODITY_EXCHANGES and not cal.knows(ex, day):
+            said.append(f"no {ex} holiday list for {day.year} says whether it traded (give one in CN_HOLIDAYS_FILE)")
+        elif cal.trades_on(ex, day):
+            return None
+        else:
+            said.append(f"{trade_date} is not a {ex} trading day ({cal.closed_why(ex, day)}) and no special session "
+                        "is listed")
+    return "; ".join(said)
+
+
+def sessions(trade_date: str, path: str = "") -> dict[str, str]:
+    """Each exchange whose list for the year is given: "regular", "evening" (its evening session
+    alone), "special" (a special session, a settlement holiday's trading) or "shut"."""
+    cal, day = load(path), dt.date.fromisoformat(trade_date)
+    out = {}
+    for ex in ALL_EXCHANGES:
+        if not cal.knows(ex, day):
+            continue
+        entry = cal.years[(ex, day.year)]
+        out[ex] = ("regular" if cal.is_trading_day(ex, day) else "evening" if day.isoformat() in
+                   entry["evening_sessions"] else "special" if cal.trades_on(ex, day) else "shut")
+    return out
+
+
+def closed_exchanges(trade_date: str, path: str = "") -> dict[str, str]:
+    """The exchanges known to have held no session on `trade_date`, each with why: their trades
+    that day are rejected (a trade file for a shut exchange is another day's, or broken). An
+    exchange whose list for the year is not given is not in it."""
+    cal, day = load(path), dt.date.fromisoformat(trade_date)
+    return {ex: cal.closed_why(ex, day) for ex in ALL_EXCHANGES if cal.knows(ex, day) and not cal.trades_on(ex, day)}
 
 
 def settlement_dates(trade_date: str, path: str = "") -> dict[str, str]:
@@ -105,5 +164,7 @@ def settlement_dates(trade_date: str, path: str = "") -> dict[str, str]:
 
 
 def trade_date_warnings(trade_date: str, path: str = "") -> list[str]:
+    """NSE's and BSE's, and a commodity exchange's whose list is given."""
     cal, day = load(path), dt.date.fromisoformat(trade_date)
-    return [w for ex in EXCHANGES if (w := cal.trade_date_warning(ex, day))]
+    return [w for ex in ALL_EXCHANGES if (ex in EXCHANGES or cal.knows(ex, day)) and
+            (w := cal.trade_date_warning(ex, day))]

@@ -22,6 +22,9 @@ the traded turnover; the C/F line is not a trade. Options stay at premium.
 Every segment's levies come from one table per levy in the schedule, keyed by the trade's
 category (delivery, intraday, futures, options, currency_futures, currency_options,
 commodity_futures, commodity_options): a segment is a row in each table, not a branch here.
+Transaction charges may differ within an exchange's category: MCX's and NCDEX's commodity
+groups, named contracts, BSE's SENSEX and BANKEX options. The schedule's txn_groups name them
+(by symbol or instrument), each with its own rate; everything else pays the exchange's rate.
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ class CarryForward:
 
     @property
     def value(self) -> Decimal:
-        return self.price * self.quantity * self.trade.multiplier * (1 if self.side == "S" else -1)
+        """Rupees, signed: a cross-currency position at the trade's reference rate."""
+        value = self.price * self.quantity * self.trade.multiplier * (1 if self.side == "S" else -1)
+        return value if self.trade.fx is None else value * self.trade.fx
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,9 @@ class Charges:
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
-        `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts."""
-        units = t.quantity * t.multiplier
+        `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts:
+        in the currency the rate is quoted in (a cross-currency pair's at its reference rate)."""
+        units = t.quantity * t.multiplier * (1 if t.fx is None else t.fx)
         return (self.brokerage_share[t.key] / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
 
 
@@ -143,7 +149,26 @@ def segment_of(trade: Trade) -> str:
 @lru_cache(maxsize=4)
 def _schedules(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
-    return sorted(data["schedules"], key=lambda s: s["effective_from"])
+    schedules = sorted(data["schedules"], key=lambda s: s["effective_from"])
+    for schedule in schedules:
+        _check_groups(schedule)
+    return schedules
+
+
+def _check_groups(schedule: dict) -> None:
+    """A contract in two groups of one exchange with a rate for the same category would be
+    charged by whichever comes first: refused when the schedule is read, naming both."""
+    for exchange, groups in (schedule.get("txn_groups") or {}).items():
+        seen: dict[tuple[str, str], str] = {}
+        for name, group in groups.items():
+            members = [*group.get("symbols", ()), *group.get("instruments", ())]
+            for cat in (k for k in group if k not in ("symbols", "instruments")):
+                Decimal(group[cat])  # a rate, or InvalidOperation naming the text
+                for member in members:
+                    if (member, cat) in seen:
+                        raise ValueError(f"the levy schedule from {schedule['effective_from']}: {exchange} {member} "
+                                         f"is in the transaction groups {seen[(member, cat)]!r} and {name!r} for {cat}")
+                    seen[(member, cat)] = name
 
 
 def rates_for(trade_date: str, path: Path | None = None) -> dict:
@@ -235,14 +260,16 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
     sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
     carry = sum((c.value for c in carried), Decimal(0))
     stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
-    for (cat, exchange, agri, side), value in _turnover_by_kind(trades).items():
+    for (cat, exchange, group, agri, side), value in _turnover_by_kind(trades, rates).items():
         stt += value * _tax_rate(rates, "stt", cat, side)
         ctt += Decimal(0) if agri else value * _tax_rate(rates, "ctt", cat, side)
         if side == "B":
             stamp += value * _rate(rates, "stamp", cat)
-        txn += value * _rate(rates["txn"], exchange, cat, rates["effective_from"])
+        txn += value * (Decimal(rates["txn_groups"][exchange][group][cat]) if group else
+                        _rate(rates["txn"], exchange, cat, rates["effective_from"]))
         sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
-        ipft += value * _rate(rates, "ipft", cat)
+        if exchange in rates["ipft"]:  # NSE's Investor Protection Fund Trust: an exchange it does not name pays none
+            ipft += value * _rate(rates["ipft"], exchange, cat, rates["effective_from"])
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
     gst_rate = Decimal(rates["gst"])
@@ -257,13 +284,26 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
 
-def _turnover_by_kind(trades: list[Trade]) -> dict[tuple[str, str, bool, str], Decimal]:
-    """Turnover summed by what decides its rates (category, exchange, agricultural, side): each
-    rate is then applied once to an exact sum, and a levy is the same whatever the trades' order."""
-    sums: dict[tuple[str, str, bool, str], Decimal] = defaultdict(Decimal)
+def _turnover_by_kind(trades: list[Trade], rates: dict) -> dict[tuple[str, str, str, bool, str], Decimal]:
+    """Turnover summed by what decides its rates (category, exchange, transaction-charge group,
+    agricultural, side): each rate is then applied once to an exact sum, and a levy is the same
+    whatever the trades' order."""
+    sums: dict[tuple[str, str, str, bool, str], Decimal] = defaultdict(Decimal)
+    groups = rates.get("txn_groups") or {}
     for t in trades:
-        sums[(category(t), t.exchange, t.agri == "Y", t.side)] += t.turnover
+        cat = category(t)
+        group = _txn_group(groups, t, cat) if t.exchange in groups else ""
+        sums[(cat, t.exchange, group, t.agri == "Y", t.side)] += t.turnover
     return sums
+
+
+def _txn_group(groups: dict, t: Trade, cat: str) -> str:
+    """The exchange's named group (a commodity group, named contracts) this trade is in and that
+    has a transaction rate for its category, or "": the exchange's own rate then applies."""
+    for name, group in groups[t.exchange].items():
+        if cat in group and (t.symbol in group.get("symbols", ()) or t.instrument in group.get("instruments", ())):
+            return name
+    return ""
 
 
 def _tax_rate(rates: dict, tax: str, cat: str, side: str) -> Decimal:

@@ -23,7 +23,7 @@ from itertools import groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
-from pipeline.day.dumps import Client, Trade
+from pipeline.day.dumps import CROSS_PAIRS, Client, Trade
 from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 
 ROWS_FIRST_PAGE = 46
@@ -272,11 +272,13 @@ def _carried_cells(c: CarryForward, net_total: Decimal) -> tuple[str, ...]:
 
 def _describe(t: Trade) -> str:
     """The contract, with its lot multiplier where a lot is not one unit (x1000 on currency,
-    x100 on gold): the reader needs it to get from the rate to the Net Total."""
+    x100 on gold), and a cross-currency pair's reference rate (INR/USD 84.1234: rupees a dollar):
+    the reader needs them to get from the rate to the Net Total."""
     if t.instrument == "EQ":
         return f"{t.symbol} EQ {t.isin}".strip()
     parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type,
-             f"x{t.multiplier}" if t.multiplier != 1 else ""]
+             f"x{t.multiplier}" if t.multiplier != 1 else "",
+             f"INR/{CROSS_PAIRS[t.symbol]} {t.fx:f}" if t.fx is not None else ""]
     return " ".join(p for p in parts if p)
 
 

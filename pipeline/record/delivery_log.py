@@ -98,22 +98,34 @@ def entry(o: Outcome, mail_from: str = "", sha256: str = "") -> dict:
 
 def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after: Link | None = None) -> Link:
     """Adds one object to the end of the shard's chain and returns the new end. `after`, the
-    end this writer last saw, saves a listing; when another writer got there first, the
-    chain is read again and the object takes the next number. A PUT sent again after its
-    reply was lost finds the key taken by itself: written once, not again at the next number."""
+    end this writer last saw, saves a listing; without it, the end this process last wrote,
+    else the chain's first object is tried (a fresh run's shards: one PUT, no listing and no
+    read). When another writer got there first, the chain is read again and the object takes
+    the next number. A PUT sent again after its reply was lost finds the key taken by itself:
+    written once, not again at the next number."""
     body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
+    chain = (store.url, run_id, shard)
+    guess = after or _ends.get(chain) or _FIRST  # no listing where this process knows the end, or none is written
     for _ in range(20):
-        end = after or head(store, run_id, shard)
+        end = guess if guess is not None else head(store, run_id, shard)
         seq, prev = (end.seq + 1, end.sha256) if end else (1, GENESIS)
         header = json.dumps({"chain": 1, "run": run_id, "shard": shard, "seq": seq, "prev": prev},
                             separators=(",", ":"))
         data = (header + "\n" + body).encode()
         key = object_key(run_id, shard, seq)
         if write_once(store, key, data) == data:  # made now, or by this very object whose reply was lost
-            return Link(key, seq, hashlib.sha256(data).hexdigest())
-        after = None
+            _ends[chain] = link = Link(key, seq, hashlib.sha256(data).hexdigest())
+            if len(_ends) > KNOWN_ENDS:  # the oldest forgotten: a long-lived process's memory stays flat
+                _ends.pop(next(iter(_ends)), None)
+            return link
+        guess = None  # another writer got there first (or a guess was wrong): the chain is listed
     raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "
                        "20 writers got there first")
+
+
+_FIRST = Link("", 0, GENESIS)  # the end of a chain with no object yet, as a guess: seq 1 after it, linked to GENESIS
+_ends: dict[tuple[str, str, int], Link] = {}  # (store, run, shard) -> the end this process last wrote
+KNOWN_ENDS = 4096
 
 
 def chain_keys(store: Store, run_id: str, shard: int) -> list[str]:

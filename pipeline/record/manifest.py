@@ -22,6 +22,8 @@ class SplitResult:
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
     trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
     complete: bool = True  # False while the split is under way: a run resumed from here splits again
+    # the trade rows of segments whose notes another entity's run makes: segment -> its entity and rows
+    left_to_others: dict[str, dict] = field(default_factory=dict)
 
     def heaviest_first(self, shards: list[int]) -> list[int]:
         """A shard holding a huge account starts first, so it never sets the day's end."""

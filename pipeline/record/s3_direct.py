@@ -6,13 +6,14 @@ chains the same way. botocore spends ~2-3 ms of CPU on each request (its event h
 agent it builds anew, the reply's headers parsed into a dict of dates and strings), and both
 commands were CPU-bound on it. The same request, signed by botocore's own SigV4 signer with the
 client's own credentials (boto3's chain, refreshed as botocore refreshes them) and sent on a
-kept-alive connection of record/http1.py, costs about 0.5 ms (1.1 ms through urllib3).
+kept-alive connection of urllib3's pool (record/s3_pool.py), costs about a third of botocore's
+CPU (bench/s3_client.py: ~0.5 against ~1.4 ms here).
 
 What botocore's client did and this keeps: its endpoint, region and path-style addressing, the
 CA bundle it would verify with, its timeouts, and its standard retry mode (up to MAX_ATTEMPTS,
-backoff `random() * 2**n`, at most 20 s) for a dropped connection, a timeout, throttling and
-5xx replies; the CRC32 of what is sent, for S3 to check, and of a whole object read, when S3
-sends one. Through a proxy, or without credentials, `sender` is None and the store keeps
+backoff `random() * 2**n`, at most 20 s) for throttling and 5xx replies, and for a connection
+that failed before a whole reply came, where sending the request again is safe (`resendable`);
+the CRC32 of what is sent, for S3 to check, and of a whole object read, when S3 sends one. Through a proxy, or without credentials, `sender` is None and the store keeps
 botocore's.
 """
 
@@ -21,13 +22,12 @@ from __future__ import annotations
 import base64
 import random
 import re
-import ssl
 import time
 import zlib
 from typing import Callable
 from urllib.parse import quote, urlsplit
 
-from pipeline.record import http1
+from pipeline.record import s3_pool
 
 MAX_ATTEMPTS = 10  # as the store's botocore client: a blip of ~80 s is ridden out
 RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -57,21 +57,21 @@ def sender(client, core, pool_size: int) -> Send | None:
     host = urlsplit(endpoint).hostname or ""
     if credentials is None or (urllib.request.getproxies() and not urllib.request.proxy_bypass(host)):
         return None
-    pool = http1.Pool(endpoint, core.get_config_variable("ca_bundle") or get_cert_path(True), pool_size)
+    connections = s3_pool.pool(endpoint, core.get_config_variable("ca_bundle") or get_cert_path(True), pool_size)
     base = urlsplit(endpoint).path
 
     def send(method: str, bucket: str, key: str, body: bytes = b"", headers: dict | None = None,
              answers: set[int] = frozenset({200})) -> tuple[int, bytes, dict]:
-        target, attempt = f"{base}/{bucket}/{quote(key, safe='/~')}", 1
+        target, attempt, again = f"{base}/{bucket}/{quote(key, safe='/~')}", 1, resendable(method, headers or {})
         while True:
             request = AWSRequest(method=method, url=endpoint + target, data=body, headers=headers or {})
             S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
             try:
-                status, data, got = pool.request(method, target, dict(request.headers.items()), body)
-            except ssl.SSLCertVerificationError as e:  # not a blip: the endpoint is not the one the CA bundle vouches for
+                status, data, got = s3_pool.request(connections, method, target, dict(request.headers.items()), body)
+            except s3_pool.CertificateRefused as e:  # not a blip: the endpoint is not the one the CA bundle vouches for
                 raise RequestError(f"the S3 endpoint's certificate is refused ({e})") from None
-            except OSError as e:
-                if attempt == MAX_ATTEMPTS:
+            except s3_pool.NoReply as e:
+                if attempt == MAX_ATTEMPTS or (e.sent and not again):
                     raise RequestError(f"the S3 endpoint does not answer ({e})") from None
             else:
                 if status in answers:
@@ -84,6 +84,14 @@ def sender(client, core, pool_size: int) -> Send | None:
             attempt += 1
 
     return send
+
+
+def resendable(method: str, headers: dict) -> bool:
+    """Whether the request may be sent again after a connection that failed once it was sent,
+    when the server may have acted on it: a GET changes nothing; a create-only PUT (If-None-Match:
+    *) that did land is refused the second time (412) by its own object, which storage.write_once
+    then reads back to settle it. Any other write could be done twice: its failure is raised."""
+    return method == "GET" or (method == "PUT" and headers.get("If-None-Match") == "*")
 
 
 def get(send: Send, bucket: str, key: str) -> bytes:

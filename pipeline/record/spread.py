@@ -1,6 +1,6 @@
 """Per-shard work on a run's record (close, verify), spread over a process per core.
 
-Every request to S3 costs the client CPU (2-3 ms through botocore, ~1 ms through storage's
+Every request to S3 costs the client CPU (1-3 ms through botocore, ~0.5 ms through storage's
 s3_direct), and reading an object's chain more, so a command that reads the whole record of a
 1.5M-account day, 45,000 objects, was bound by one core however many requests it kept in
 flight: `close` took 211 s and `verify` 217 s on two cores (bench/fullday.py). Here the jobs go
