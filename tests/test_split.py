@@ -228,3 +228,35 @@ def test_a_range_read_a_chunk_at_a_time_gives_the_lines_of_the_range_read_whole(
         got = [list(split._range_lines(store, r, chunk)) for r in ranges]
         assert got == [whole(r) for r in ranges], (step, chunk)
         assert "".join(line for lines in got for line in lines) == text.decode().removeprefix("\ufeff")
+
+
+@pytest.mark.parametrize("text", [
+    "ucc,x\nC1,a\nC2,C1b\nC3,c\nC1,d\n",  # a ucc inside another field: parsed, then left out
+    "\ufeffucc,x\nC1,a\nC2,b\nC1,last",  # a byte-order mark, no newline at the end
+    "ucc,x\nC1,a\n\nC2,b\nC1,c\n",  # a blank line: not a row
+    "ucc,x\r\nC1,a\r\nC2,b\r\nC1,c\r\n",  # CRLF
+    "ucc,x\r\nC1,a\r\n\r\nC2,b\r\nC1,c\rC1,d\r\n",  # CRLF, a blank line, a lone CR ending a row
+    'ucc,x\nC2,b\nC1,a\nC3,"open\nC1,swallowed\nC1,"\nC1,after\n',  # a quoted field across lines
+    '"ucc",x\nC1,a\nC2,b\n',  # a quoted header
+    "ucc,x\nC2,b\nC1,\0nul\nC1,c\n",  # a NUL byte: csv refuses the row
+])
+@pytest.mark.parametrize("chunk", [1, 5, 4096])
+def test_the_first_notes_read_of_a_range_gives_the_full_read_s_rows_of_the_wanted_accounts(tmp_path, text, chunk):
+    """split._wanted_rows counts lines where a chunk is a row a line, parsing only those naming
+    a wanted account; the row numbers, rows and count must be the full parse's, ranges cut anywhere."""
+    from pipeline.day import split
+
+    data = text.encode()
+    (tmp_path / "f.csv").write_bytes(data)
+    store = open_store(str(tmp_path))
+    for step in (4, 11, len(data)):
+        cuts = list(range(0, len(data), step)) + [len(data)]
+        for rng in (Range("f.csv", i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))):
+            reader = csv.reader(split._range_lines(store, rng, chunk))
+            if rng.index == 0:
+                next(reader, None)
+            full = list(split._rows(reader))
+            got = list(split._wanted_rows(store, rng, {"C1"}, chunk))
+            assert got[-1] == (full[-1][0] if full else 0, None), (step, rng)
+            assert [(n, r) for n, r in got[:-1] if r is not None and r[0].strip() == "C1"] == \
+                   [(n, r) for n, r in full if r is not None and r[0].strip() == "C1"], (step, rng)
