@@ -182,6 +182,10 @@ def main() -> None:
     parser.add_argument("--volatile-trades", type=int, default=60_000, help="the heavy day's volatile client's trades")
     parser.add_argument("--first-note-only", action="store_true",
                         help="only the cold run of the large day, up to its first note at the relay")
+    parser.add_argument("--running", action="store_true",
+                        help="with --first-note-only: the run joins a Ray the bench started (as on a cluster)")
+    parser.add_argument("--baseline", metavar="TREE",
+                        help="with --first-note-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
 
 
@@ -259,9 +263,14 @@ def run_env(redis_url: str, smtp_url: str, key: Path, cert: Path, root: Path) ->
 
 def first_note_only(args) -> dict:
     """The cold run of the large day as once() runs it, ended (SIGTERM; its reaper ends its Ray)
-    once the relay has kept its first message."""
+    once the relay has kept its first message. With --running, the run joins a Ray this bench
+    started (as on a `ray up` cluster): first_note_s_running_large. With --baseline TREE, the
+    same run of that tree's pipeline (a `git archive` of an earlier commit) goes after ours, on
+    the same Ray, Redis and relay, each in a store of its own: first_note_s_baseline."""
     if args.save:
         raise SystemExit("--first-note-only measures one figure of the bench: nothing to --save")
+    name = "first_note_s_running_large" if args.running else "first_note_s_cold_large"
+    out: dict = {"accounts_large": args.large}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         write_dumps(work / "large", SynthOptions(dt.date.fromisoformat(DATE), args.large, args.seed))
@@ -269,22 +278,38 @@ def first_note_only(args) -> dict:
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
         try:
-            env = run_env(redis.url, smtp.url, key, cert, root) | {"CN_STORE": str(work / "cold")}
-            started = time.time()
-            proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", str(work / "large"),
-                                     "--run-id", "scale-cold"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    cwd=ROOT, env=env)
-            try:
-                at_relay = _first_kept(proc, work / "outbox", set())
-            finally:
-                proc.terminate()
-                proc.wait(timeout=120)
+            env = run_env(redis.url, smtp.url, key, cert, root)
+            if args.running:
+                init_ray(Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
+                                           signer_cert=str(cert), signer_chain=str(root)))
+                env |= attach()
+            sides = [(name, ROOT)] + ([("first_note_s_baseline", Path(args.baseline))] if args.baseline else [])
+            for i, (figure, tree) in enumerate(sides):
+                out[figure] = _first_at_relay({**env, "CN_STORE": str(work / f"store-{i}"), "PYTHONPATH": str(tree)},
+                                              tree, work / "large", work / "outbox", f"scale-first-{i}")
         finally:
+            if args.running:
+                ray.shutdown()
             smtp.stop()
             redis.stop()
-    if at_relay is None:
-        raise SystemExit("the cold run ended before the relay kept a message")
-    return {"accounts_large": args.large, "first_note_s_cold_large": round(at_relay - started, 2)}
+    return out
+
+
+def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str) -> float:
+    """Seconds from `run`'s start to the relay's first new message; the run is then ended."""
+    with tempfile.TemporaryFile("w+") as err:
+        kept, started = set(os.listdir(outbox)), time.time()
+        proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", str(day), "--run-id", run_id],
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=tree, env=env)
+        try:
+            at_relay = _first_kept(proc, outbox, kept)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+        if at_relay is None:
+            err.seek(0)
+            raise SystemExit(f"the run ended before the relay kept a message:\n{err.read()[-3000:]}")
+    return round(at_relay - started, 2)
 
 
 def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:

@@ -66,9 +66,13 @@ def test_the_first_notes_are_the_accounts_the_split_makes_bad_rows_and_stray_quo
     assert all(u not in made for u in lost), "an account the first notes dropped must be one the split drops"
 
 
-@pytest.mark.usefixtures("ray_session")
-def test_a_fresh_run_mails_its_first_notes_from_the_driver_before_any_chain_once_each(settings, day, smtp_sink):
-    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+@pytest.mark.parametrize("joined", [False, True], ids=["local", "running-ray"])
+def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, day, smtp_sink, ray_session, joined):
+    """On one machine the driver signs and mails them itself; joining a running Ray (a cluster's
+    head, which neither signs nor mails) it renders them and the pools' first actors take them
+    as they start, before the split is through."""
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)),
+                      address=ray_session.address_info["address"] if joined else None)
 
     run_id = summary["run_id"]
     made = first_notes.recorded(open_store(settings.store_url), run_id)

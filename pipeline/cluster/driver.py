@@ -268,10 +268,17 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
     init_ray(settings, address)
     actors = fleet.start(settings, run_id, req.force, req.resend_unconfirmed, req.relays)  # booting while the split runs
+    if early is None and not resume and req.only is None:  # joined a running Ray: rendered here, mailed by the pools
+        lead = Chain(-1, None)
+        lead.signer, lead.mailer = actors.take(starting=True)  # the first actors, as they start
+        early = lead.first = first_notes.start(settings, resolved, None, run_id, req.trade_date,
+                                               open_store(req.input_url), store, state, lease.token, _render_cpus(),
+                                               partial(_handed, lead))
+        early.chain = lead
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
-        numbered = early.numbers.result if early else lambda: (made or {}).get("numbers", {})
+        numbered = early.numbered if early else lambda: (made or {}).get("numbers", {})
         splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
                                 _render_cpus(), resume, watch, early.plan.result() if early else None, numbered)
         save_manifest(store, run_id, splitting.partial())
@@ -282,7 +289,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         _split_done(store, state, run_id, split, on_accounts, started, save=False)
         shards, expected = split.heaviest_first(split.shards), split.accounts
     # a fresh split whose first notes the driver did not make: a light shard, among the first assembled, leads
-    leads = splitting and not resume and req.only is None and not (early and early.numbers.result())
+    leads = splitting and not resume and req.only is None and not (early and early.numbered())
     first = splitting.lead(watch) if leads else None
     if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
         wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
@@ -519,6 +526,7 @@ class Chain:
     signer: object = None
     mailer: object = None
     resends: int = 0
+    first: first_notes.FirstNotes | None = None  # the first notes' own chain (on a running Ray): theirs, not the shard's
 
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
@@ -537,10 +545,12 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     state, snapshot_at = RunState.of(settings, run_id), 0.0
     waiting = DayWaits(run_id, settings)
     try:
-        while queue or again or pending:
+        while queue or again or pending or early:
             while (queue or again) and len(pending) < window and actors.ready():
                 chain = again.pop() if again else queue.pop()
-                if chain.rendered is None:
+                if chain.rendered is None and chain.first is not None:  # lost from the object store: put again
+                    chain.rendered = ray.put(chain.first.batch)
+                elif chain.rendered is None:
                     chain.rendered = render_task.options(name="render part of a shard" if chain.part else
                                                          "render shard").remote(
                         render_settings, run_id, req.trade_date, chain.shard, req.only, req.force, resume,
@@ -561,6 +571,10 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 else:
                     _count(result, totals, progress)
             if early and not early.running():
+                if early.sent is not None:  # handed to the pools: a chain of its own from here on
+                    pending[early.sent] = early.chain
+                elif early.chain is not None:  # nothing handed: the actors taken for it are free
+                    actors.give_back(early.chain.signer, early.chain.mailer)
                 _count(_first_notes_done(early, settings, run_id), totals, progress)
                 early = None
             if lease.lost:
@@ -582,8 +596,6 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 actors.size(settings, view)  # nodes come and go
                 window = _window(settings, view.slots)
                 actors.place()
-        if early:  # still mailing when the chains are done (a relay slow to answer)
-            _count(_first_notes_done(early, settings, run_id), totals, progress)
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
     finally:
         progress.close()
@@ -607,7 +619,7 @@ def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting:
     chains not started are failed at once, for one rerun, and the day says so in one line
     (those in flight fail as they reach the dependency: its wait is spent)."""
     reason = waiting.reason()
-    results = [_fail_shard(settings, run_id, c.shard, reason, c.part, skipped(c.shard)) for c in chains]
+    results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard)) for c in chains]
     log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
     for result in results:
         _count(result, totals, progress)
@@ -655,7 +667,20 @@ def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, s
             log.warning("shard %s: sent again to the living actors (%s)", chain.shard, why(e))
             return None
         log.error("shard %s failed: %s", chain.shard, e)
-        return _fail_shard(settings, run_id, chain.shard, why(e), chain.part, skip)
+        return _fail_chain(settings, run_id, chain, why(e), skip)
+
+
+def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
+    """The first notes' batch (rendered by the driver) to the actors taken for it; called from
+    their thread, it returns the ref the chain ends with."""
+    chain.shard, chain.rendered = batch.shard, ray.put(batch)
+    return chain.mailer.send.remote(chain.signer.sign.remote(chain.rendered))
+
+
+def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip: frozenset[str]) -> dict:
+    if chain.first is not None:  # the first notes' own chain: its few accounts, not their shard
+        return _fail_accounts(settings, run_id, chain.shard, sorted(chain.first.numbered()), f"first notes: {reason}")
+    return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,

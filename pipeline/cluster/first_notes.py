@@ -9,6 +9,10 @@ then writes the same numbers into their shard, and that shard's chain leaves the
 
 Only where reading the whole day in the driver costs a few seconds at most (MAX_INPUT_BYTES):
 a day bigger than that goes straight to the split, as before.
+
+A run that joins a running Ray (a cluster's head, which neither signs nor mails) makes the same
+first notes as far as their render, in the driver, and hands them to the pools' first actors as
+they start: a task for them would wait ~1.1 s for a worker of the run's own, then read the day.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from functools import partial
+from typing import Callable
 
 from pipeline import credentials
 from pipeline.day import trading_calendar
@@ -49,15 +54,21 @@ def recorded(store: Store, run_id: str) -> dict | None:
 class FirstNotes:
     """The first notes under way in a thread of the driver. `plan` and `numbers` resolve early
     (the split waits on them: it must use the same ranges, and must not number these accounts
-    again); `result` once they are mailed, as a chain's result."""
+    again); `result` once they are mailed, as a chain's result. Handed to the pools instead
+    (`send`), `sent` is the ref their chain ends with, and the chain is counted as the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, send: Callable[[Batch], object] | None = None) -> None:
         self.plan: Future[Plan | None] = Future()
         self.numbers: Future[dict[str, str]] = Future()
         self.shard: int | None = None
         self.result: dict | None = None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
+        self.send, self.sent, self.batch = send, None, None
+        self.chain = None  # the driver's, for the batch handed to the pools
+
+    def numbered(self) -> dict[str, str]:
+        return self.numbers.result()
 
     def skipped(self, shard: int) -> frozenset[str]:
         """The accounts this shard's chain leaves out: they are mailed here."""
@@ -71,11 +82,13 @@ class FirstNotes:
             self.thread.join()
 
 
-def start(settings: Settings, resolved: Settings, signer: Signer, run_id: str, trade_date: str, inputs: Store,
-          store: Store, state: RunState, lease: str, cpus: int) -> FirstNotes:
+def start(settings: Settings, resolved: Settings, signer: Signer | None, run_id: str, trade_date: str, inputs: Store,
+          store: Store, state: RunState, lease: str, cpus: int,
+          send: Callable[[Batch], object] | None = None) -> FirstNotes:
     """Starts the first notes in a thread and returns at once; `cpus`, the render CPUs the
-    split will have, sets its plan's ranges."""
-    first = FirstNotes()
+    split will have, sets its plan's ranges. `send`: hands their rendered batch to the pools
+    (and returns the chain's last ref) instead of signing and mailing it here."""
+    first = FirstNotes(send)
     if sum(inputs.size(name) for name in DUMPS) > MAX_INPUT_BYTES:
         first.plan.set_result(None)
         first.numbers.set_result({})
@@ -104,11 +117,17 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         state.record(Outcome(ucc, "validated") for ucc in numbers)
         first.shard = shard
         first.numbers.set_result(numbers)
-        first.result = mail_notes(settings, resolved, signer, Batch(
-            run_id, trade_date, shard, settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
-            broker_file=settings.broker_file,
-            lease=lease), [json.loads(shard_line(u, c, t, numbers[u])) for u, c, t in accounts], store, state)
-        log.info("run %s: %d first notes made in the driver", run_id, len(numbers))
+        batch = Batch(run_id, trade_date, shard, settles=trading_calendar.settlement_dates(trade_date, settings.holidays_file),
+                      broker_file=settings.broker_file, lease=lease)
+        notes = [json.loads(shard_line(u, c, t, numbers[u])) for u, c, t in accounts]
+        if first.send is None:
+            first.result = mail_notes(settings, resolved, signer, batch, notes, store, state)
+            log.info("run %s: %d first notes made in the driver", run_id, len(numbers))
+        else:
+            first.batch = render_stage(batch, notes, state, render_notes=partial(render_all, tagged=settings.pdf_tags),
+                                       encryption=settings.encryption)
+            first.sent = first.send(first.batch)
+            log.info("run %s: %d first notes rendered in the driver, handed to the pools", run_id, len(numbers))
     except BaseException as e:  # the driver says what it means for these accounts (driver.py)
         first.error = e
     finally:

@@ -169,9 +169,9 @@ class Fleet:
         """Whether a chain can be handed out now: an actor of every pool is ready."""
         return all(pool.ready() for pool in self.pools)
 
-    def take(self) -> tuple:
+    def take(self, starting: bool = False) -> tuple:
         """The least-loaded living actor of each pool (signer, mailer), busy until given back."""
-        return tuple(pool.take() for pool in self.pools)
+        return tuple(pool.take(starting) for pool in self.pools)
 
     def give_back(self, *actors: Any) -> None:
         for pool, actor in zip(self.pools, actors):

@@ -89,9 +89,11 @@ class Pool:
         """Whether an actor can be chosen now."""
         return any(m.node and not m.leaving for m in self.members)
 
-    def take(self) -> Any:
-        """The least-loaded living actor, counted as busy until `give_back`."""
-        chosen = min((m for m in self.members if m.node and not m.leaving), key=lambda m: m.busy, default=None)
+    def take(self, starting: bool = False) -> Any:
+        """The least-loaded living actor, counted as busy until `give_back`. `starting`: one still
+        starting will do (the first notes on a running Ray: handed out as the actor boots)."""
+        chosen = min((m for m in self.members if (m.node or starting) and not m.leaving), key=lambda m: m.busy,
+                     default=None)
         if chosen is None:
             raise LookupError(f"no {self.role} actor is ready")
         chosen.busy += 1
