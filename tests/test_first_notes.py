@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import credentials
 from pipeline.cluster import first_notes
-from pipeline.cluster.driver import RunRequest, _first_notes_done, run_day
+from pipeline.cluster.driver import Chain, RunRequest, _fail_chain, _first_notes_done, run_day
 from pipeline.day.split import first_accounts, make_plan, split_day
 from pipeline.record import keys
 from pipeline.record.lease import held
@@ -134,6 +134,26 @@ def test_first_notes_whose_thread_failed_leave_each_account_failed_or_unconfirme
     assert records["A1"]["status"] == "failed" and "first notes: OSError: the store went away" in records["A1"]["reason"]
     assert records["A2"]["status"] == "unconfirmed"
     assert set(state.failed()) == {"A1"} and set(state.unconfirmed()) == {"A2"}
+    assert result["tally"] == {"failed": 1, "unconfirmed": 1}
+
+
+def test_the_first_notes_chain_on_a_running_ray_that_fails_fails_its_accounts_not_their_shard(settings):
+    """Handed to the pools, the first notes are a chain of their own: a failure past its resends
+    fails (or leaves unconfirmed) those accounts, never the shard their own chain mails."""
+    run_id = "first-chain-failed"
+    state = RunState(settings.redis_url, run_id)
+    epoch = state.start({})
+    lease = state.take_lease(60).token
+    early = first_notes.FirstNotes(send=lambda batch: None)
+    early.numbers.set_result({"A1": "CNT-26/27-0000001", "A2": "CNT-26/27-0000002"})
+    assert state.claim_mail("A2", "<a2@x>", epoch, lease)
+    chain = Chain(7, None, first=early)
+
+    result = _fail_chain(settings, run_id, chain, "RayActorError: the signer died", frozenset({"A1", "A2"}))
+
+    records = state.accounts(["A1", "A2", "B1"])
+    assert records["A1"]["status"] == "failed" and "first notes: RayActorError" in records["A1"]["reason"]
+    assert records["A2"]["status"] == "unconfirmed" and "B1" not in records
     assert result["tally"] == {"failed": 1, "unconfirmed": 1}
 
 
