@@ -22,7 +22,7 @@ from functools import lru_cache
 from itertools import groupby
 
 from pipeline.day import trading_calendar
-from pipeline.day.dumps import CROSS_PAIRS, Client, Trade
+from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, TRADE, Client, Trade, intrinsic
 from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 
 ROWS_FIRST_PAGE = 46
@@ -65,6 +65,8 @@ LEVY_LINES = [
 CTT_LINE = "Commodities transaction tax"  # printed only on a note with commodity trades
 SEGMENT_NAMES = {"CDS": "currency derivatives", "COM": "commodity derivatives"}
 NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange whose holidays we lack
+# A settlement row's remark, and the order its kind's lines follow a section's trades and C/F lines in
+SETTLEMENT_REMARKS = {"EX": "Exercise", "AS": "Assignment", "DL": "Delivery"}
 
 
 def money(amount: Decimal, places: int = 2) -> str:
@@ -216,15 +218,20 @@ def _heading_rows(headings: int) -> int:
 
 def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[str, ...]]]:
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
-    C/F lines after its trades."""
+    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
     totals, carried_totals = net_totals(trades, charges)
     rows = []
     key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
-        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
+        group = list(group)
+        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group
+                 if t.settlement == TRADE]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
+        for kind in SETTLEMENT_REMARKS:
+            rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group
+                     if t.settlement == kind]
     return rows
 
 
@@ -249,6 +256,21 @@ def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, 
         str(t.quantity), money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4),
         closing, money(net_total), remarks,
     )
+
+
+def _settled_cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
+    """An exercise, assignment or delivery: the Gross Rate column holds the settlement price, and
+    the Net Rate the value a unit it settles at (an option's intrinsic value; a delivery's price:
+    a future's settlement price, an option's strike) less or plus the brokerage a unit, so that
+    Net Rate x quantity x multiplier is the Net Total, as on a trade's row."""
+    if t.settlement == DELIVERY:
+        rate = Decimal(t.strike) if t.instrument.startswith("OPT") else t.price
+    else:
+        rate = intrinsic(t)
+    net_rate = rate + brokerage_unit if t.flow == "B" else rate - brokerage_unit
+    return (t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side, str(t.quantity),
+            money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4), "", money(net_total),
+            SETTLEMENT_REMARKS[t.settlement])
 
 
 def _carried_cells(c: CarryForward, net_total: Decimal) -> tuple[str, ...]:
