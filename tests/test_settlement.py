@@ -208,3 +208,41 @@ def test_the_note_shows_each_kind_on_its_own_line_in_its_section(tmp_path):
     text = pdf_text(render(note), tmp_path)
     for word in ("Exercise", "Assignment", "Delivery", "(14,80,326.25)", "Commodities transaction tax"):
         assert word in text, word
+
+
+def test_the_split_reads_the_settlement_column_with_or_without_the_lot_columns(tmp_path, redis_url):
+    """A file may give settlement_type and leave out multiplier and agri (an equity day): the rows of
+    a trade are read as before, a settlement row keeps its type into the shard, a bad one rejects its
+    account naming the field."""
+    import csv
+    import datetime as dt
+    import json
+    import os
+
+    from pipeline.day.split import split_day
+    from pipeline.day.synth import SynthOptions, write_dumps
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    day = tmp_path / "in"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(DATE), 12, seed=3, segment_share=0))
+    with (day / "trades.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    good, bad = rows[0]["ucc"], next(r["ucc"] for r in rows if r["ucc"] != rows[0]["ucc"])
+    extra = [{**NIFTY_EX, "ucc": good}, {**RELIANCE_DL, "ucc": bad, "instrument": "FUTIDX", "symbol": "NIFTY",
+                                         "isin": ""}]
+    columns = [c for c in TRADE_COLUMNS if c not in ("multiplier", "agri")]
+    with (day / "trades.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows([*rows, *extra])
+    run = f"settle-{os.urandom(3).hex()}"
+    store = tmp_path / "store"
+    split = split_day(open_store(str(day)), open_store(str(store)), RunState(redis_url, run), run, DATE, 4, "CNT")
+    assert split.rejected == 1
+    assert RunState(redis_url, run).accounts([bad])[bad]["reason"].startswith(
+        f"trades.csv row {len(rows) + 2} field 'instrument'")
+    accounts = [json.loads(line) for p in store.rglob("shard-*.jsonl") for line in p.read_text().splitlines()]
+    (mine,) = [a for a in accounts if a["ucc"] == good]
+    settled = [Trade.from_row(r) for r in mine["trades"] if r[-1] == "EX"]
+    assert len(settled) == 1 and settled[0].turnover == D("23291.25") and settled[0].flow == "S"
