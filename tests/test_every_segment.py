@@ -111,10 +111,10 @@ def test_a_day_with_every_segment_runs_and_every_note_agrees_with_the_recomputat
     # 919.50, the exercise 0.15% of 23,291.25 = 34.936875, the deliveries 0.1% of 14,75,200 and 7,50,000 =
     # 2,225.20: 3,179.636875 -> 3,180 (none on the assignment, nor on currency)
     assert levies(settle, "Securities transaction tax") == [-14, 0, 0, 0, -3180, -3194]
-    # CTT: the CRUDEOIL exercise 0.125% of its settlement value 6,123 x 200 = 1,530.75; the GOLD call delivered
-    # 0.0001% of 76,500 x 100 = 7.65: 1,538.40 -> 1,538; none on the assignment, the future delivered or the
+    # CTT: the CRUDEOIL exercise 0.0001% of its settlement value 6,123 x 200 = 1.2246; the GOLD call delivered
+    # 0.0001% of 76,500 x 100 = 7.65: 8.8746 -> 9; none on the assignment, the future delivered or the
     # agricultural guar seed
-    assert levies(settle, "Commodities transaction tax") == [0, -1538, 0, 0, 0, -1538]
+    assert levies(settle, "Commodities transaction tax") == [0, -9, 0, 0, 0, -9]
     # stamp duty: the RELIANCE future taken, 0.015% of 14,75,200 = 221.28
     assert levies(settle, "Stamp duty") == [0, 0, 0, 0, D("-221.28"), D("-221.28")]
 

@@ -105,11 +105,12 @@ def test_a_stock_put_exercised_into_delivery_is_valued_at_its_strike():
 
 
 def test_an_exercised_commodity_option_pays_ctt_on_its_settlement_value():
-    # CRUDEOIL 6000 CE exercised, 2 lots x 100 barrels, settled at 6,123: intrinsic 123 x 200 = 24,600.00
-    # received. CTT 0.125% of the settlement value (not the intrinsic): 6,123 x 200 = 12,24,600 x 0.00125
-    # = 1,530.75 -> 1,531; SEBI fee 0.0246 -> 0.02; IGST 0.0036 -> 0.00. Net 24,600 - 1,531 - 0.02 = 23,068.98
-    assert figures(levies(CRUDE_EX)) == {"obligation": D("24600.00"), "brokerage": 0, "stt": 0, "ctt": 1531, "txn": 0,
-                                         "sebi": D("0.02"), "stamp": 0, "ipft": 0, "igst": 0, "net": D("23068.98")}
+    # CRUDEOIL 6000 CE (an option on the future) exercised, 2 lots x 100 barrels, settled at 6,123: intrinsic
+    # 123 x 200 = 24,600.00 received. CTT 0.0001% of the settlement value (not the intrinsic; Finance Act 2013,
+    # s. 117's serial 5, s. 118(b)(ii)): 6,123 x 200 = 12,24,600 x 0.000001 = 1.2246 -> 1; SEBI fee 0.0246 -> 0.02;
+    # IGST 0.0036 -> 0.00. Net 24,600 - 1 - 0.02 = 24,598.98
+    assert figures(levies(CRUDE_EX)) == {"obligation": D("24600.00"), "brokerage": 0, "stt": 0, "ctt": 1, "txn": 0,
+                                         "sebi": D("0.02"), "stamp": 0, "ipft": 0, "igst": 0, "net": D("24598.98")}
 
 
 def test_an_assigned_commodity_option_pays_no_ctt():

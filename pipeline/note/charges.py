@@ -346,8 +346,8 @@ def _tax(rates: dict, tax: str, cat: str, side: str, value: Decimal, at_price: D
     none (currency derivatives pay neither; equity no CTT, commodities no STT). `side`: party();
     a rule is [rate, sides] or [rate, sides, "settlement_price"]: sides both, sell, or buy (an
     exercised option's tax, on its purchaser); the third, the base is the units at the settlement
-    price (CTT on an exercised commodity option: the Finance Act 2013's "settlement price"),
-    not the row's value (STT's, the intrinsic value since the Finance Act 2016)."""
+    price (CTT on an exercised commodity option: the Finance Act 2013's "settlement price", s. 118),
+    not the row's value (STT's: the intrinsic value, since the Finance (No. 2) Act 2019)."""
     rule = rates.get(tax, {}).get(cat)
     if rule is None:
         return Decimal(0)
