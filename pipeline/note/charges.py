@@ -280,7 +280,10 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
     sells = sum((t.turnover for t in trades if t.flow == "S"), Decimal(0))  # ... and is paid
     carry = sum((c.value for c in carried), Decimal(0))
     stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
-    for (cat, exchange, group, agri, side, payer), (value, at_price) in _turnover_by_kind(trades, rates).items():
+    sums, priced = _turnover_by_kind(trades, rates)
+    for key, value in sums.items():
+        cat, exchange, group, agri, side, payer = key
+        at_price = priced[key] if priced and key in priced else value
         stt += _tax(rates, "stt", cat, payer, value, at_price)
         ctt += Decimal(0) if agri else _tax(rates, "ctt", cat, payer, value, at_price)
         if side == "B":
@@ -305,25 +308,25 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
 
-def _turnover_by_kind(trades: list[Trade], rates: dict) -> dict[tuple[str, str, str, bool, str, str], list[Decimal]]:
+def _turnover_by_kind(trades: list[Trade], rates: dict) -> tuple[dict[tuple, Decimal], dict[tuple, Decimal]]:
     """Turnover summed by what decides its rates (category, exchange, transaction-charge group,
     agricultural, side, and the side a tax falls on: party): each rate is then applied once to
-    an exact sum, and a levy is the same whatever the trades' order. Beside each sum, the same
-    rows at their settlement price (price x units), a tax's base where its rule says so: a
-    trade's is its turnover, an exercise's the underlying's whole value, not its intrinsic."""
-    sums: dict[tuple[str, str, str, bool, str, str], list[Decimal]] = defaultdict(lambda: [Decimal(0), Decimal(0)])
+    an exact sum, and a levy is the same whatever the trades' order. Then the settlement rows'
+    sums at their settlement price (price x units), a tax's base where its rule says so (an
+    exercise's whole underlying value, not its intrinsic); a trade's base is its turnover."""
+    sums: dict[tuple, Decimal] = defaultdict(Decimal)
+    priced: dict[tuple, Decimal] = defaultdict(Decimal)
     groups = rates.get("txn_groups") or {}
     for t in trades:
         cat = category(t)
         group = _txn_group(groups, t, cat) if t.exchange in groups else ""
         if t.settlement == TRADE:
-            at, at_price = (cat, t.exchange, group, t.agri == "Y", t.side, t.side), t.turnover
-        else:
-            at, at_price = (cat, t.exchange, group, t.agri == "Y", t.side, party(t)), _at_price(t)
-        both = sums[at]
-        both[0] += t.turnover
-        both[1] += at_price
-    return sums
+            sums[(cat, t.exchange, group, t.agri == "Y", t.side, t.side)] += t.turnover
+        else:  # a settlement category: its sums hold no trade
+            key = (cat, t.exchange, group, t.agri == "Y", t.side, party(t))
+            sums[key] += t.turnover
+            priced[key] += _at_price(t)
+    return sums, priced
 
 
 def _at_price(t: Trade) -> Decimal:
