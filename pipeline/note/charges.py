@@ -34,12 +34,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
+from operator import attrgetter
+from heapq import nlargest
 from pathlib import Path
 
 from pipeline.day.dumps import ASSIGNMENT, DELIVERY, DERIVATIVES, EXERCISE, TRADE, Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")
+_UNIT_STEP = Decimal("0.0001")  # a rate's, per unit
 RATES_FILE = Path(__file__).parent / "data" / "rates.json"
 LEVY_FIELDS = ("brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst", "ctt")
 # The derivatives segments' categories are named apart: each has its own rates in every table
@@ -87,13 +90,14 @@ class Levies:
     @property
     def net(self) -> Decimal:
         """Receivable by the client if positive, payable if negative."""
-        return self.obligation - sum(getattr(self, f) for f in LEVY_FIELDS)
+        return self.obligation - sum(_levy_values(self))
 
     def __add__(self, other: "Levies") -> "Levies":
         return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})
 
 
 _LEVIES_FIELDS = tuple(f.name for f in fields(Levies))
+_all_values, _levy_values = attrgetter(*_LEVIES_FIELDS), attrgetter(*LEVY_FIELDS)  # a tuple of them, in one call
 
 
 def _levies(**values: Decimal) -> Levies:
@@ -128,15 +132,17 @@ class Charges:
     @property
     def total(self) -> Levies:
         """The segments' sum, field by field from Decimal(0) as Levies() + each would add them, made once."""
-        segments = self.segments.values()
-        return _levies(**{f: sum([getattr(s, f) for s in segments], Decimal(0)) for f in _LEVIES_FIELDS})
+        rows = [_all_values(s) for s in self.segments.values()]
+        if not rows:
+            return Levies()
+        return _levies(**{f: sum(column, Decimal(0)) for f, column in zip(_LEVIES_FIELDS, zip(*rows))})
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
         `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts:
         in the currency the rate is quoted in (a cross-currency pair's at its reference rate)."""
         units = t.quantity * t.multiplier * (1 if t.fx is None else t.fx)
-        return (self.brokerage_share[t.key] / units).quantize(Decimal("0.0001"), rounding=ROUND_HALF_UP)
+        return (self.brokerage_share[t.key] / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
 
 
 def category(trade: Trade) -> str:
@@ -210,21 +216,25 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
             rates_file: Path | None = None) -> Charges:
     rates = rates_for(trade_date, rates_file)
     by_segment: dict[str, list[Trade]] = defaultdict(list)
+    orders: dict[tuple, list[Trade]] = defaultdict(list)
     for t in trades:
         by_segment[segment_of(t)].append(t)
+        orders[t.order_key].append(t)
     carried = carry_forward(trades)
-    orders = _orders(trades)
-    fees = {key: _order_brokerage(order, tariff) for key, order in orders.items()}
+    shares: dict[tuple, Decimal] = {}
+    brokerage: dict[str, Decimal] = defaultdict(Decimal)  # a segment's orders' fees: an order is in one segment
+    for order in orders.values():  # one pass: each order's fee, its segment's sum, the trades' shares
+        fee = _order_brokerage(order, tariff)
+        brokerage[segment_of(order[0])] += fee
+        if len(order) == 1:  # most orders: one trade, the whole fee
+            shares[order[0].key] = fee
+        else:
+            shares.update(split_pro_rata(fee, order))
     segments = {
-        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], fees, rates, intra_state)
+        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], brokerage[seg], rates,
+                             intra_state)
         for seg, ts in sorted(by_segment.items())
     }
-    shares: dict[tuple, Decimal] = {}
-    for key, order in orders.items():
-        if len(order) == 1:  # most orders: one trade, the whole fee
-            shares[order[0].key] = fees[key]
-        else:
-            shares.update(split_pro_rata(fees[key], order))
     return Charges(segments=segments, brokerage_share=shares, carried=carried)
 
 
@@ -266,16 +276,17 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
         residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
         if residue:
             step = PAISA if residue > 0 else -PAISA
-            rows.sort(key=lambda r: (r[1] - values[r[0]]) * step, reverse=True)
-            for k, _ in rows[:int(abs(residue) / PAISA)]:
+            # the rows a sort by that, largest first and stable, would put first (a few hundred of 60,000)
+            for k, _ in nlargest(int(abs(residue) / PAISA), rows, key=lambda r: (r[1] - values[r[0]]) * step):
                 values[k] += step
         rounded.update(values)
     carried = {i: rounded.pop(("C/F", i)) for i in range(len(charges.carried))}  # the trades' are left
     return rounded, carried
 
 
-def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict[tuple, Decimal], rates: dict,
+def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage: Decimal, rates: dict,
                     intra_state: bool) -> Levies:
+    """`brokerage`: the fees of the segment's orders (compute sums them as it makes them)."""
     buys = sum((t.turnover for t in trades if t.flow == "B"), Decimal(0))  # what the client pays ...
     sells = sum((t.turnover for t in trades if t.flow == "S"), Decimal(0))  # ... and is paid
     carry = sum((c.value for c in carried), Decimal(0))
@@ -293,7 +304,6 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], fees: dict
         sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
         if exchange in rates["ipft"]:  # NSE's Investor Protection Fund Trust: an exchange it does not name pays none
             ipft += value * _rate(rates["ipft"], exchange, cat, rates["effective_from"])
-    brokerage = sum((fees[key] for key in {t.order_key for t in trades}), Decimal(0))
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
     gst_rate = Decimal(rates["gst"])
@@ -370,13 +380,6 @@ def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal
         raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None
 
 
-def _orders(trades: list[Trade]) -> dict[tuple, list[Trade]]:
-    orders: dict[tuple, list[Trade]] = defaultdict(list)
-    for t in trades:
-        orders[t.order_key].append(t)
-    return orders
-
-
 def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     """The tariff's rule for the order's category; a currency or commodity category the tariff
     does not name takes its futures or options rule."""
@@ -386,14 +389,20 @@ def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     else:
         rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
-        return paise(_decimal(rule["flat"]))
+        return _flat_fee(rule["flat"])
     turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
     fee = turnover * _decimal(rule["percent"])
     cap = _decimal(rule["cap"])
-    return paise(min(fee, cap) if cap > 0 else fee)
+    return (cap if _NOUGHT < cap < fee else fee).quantize(PAISA, ROUND_HALF_UP)  # paise(min(fee, cap) if capped)
 
 
 _decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order
+_NOUGHT = Decimal(0)
+
+
+@lru_cache(maxsize=64)
+def _flat_fee(text: str) -> Decimal:
+    return paise(Decimal(text))
 
 
 def split_pro_rata(amount: Decimal, order: list[Trade]) -> dict[tuple, Decimal]:

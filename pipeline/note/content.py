@@ -20,6 +20,7 @@ import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from itertools import groupby
+from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, TRADE, Client, Trade, intrinsic
@@ -76,7 +77,8 @@ def money(amount: Decimal, places: int = 2) -> str:
     comparison or two cost more than all of it (tests/test_money.py holds it to the plain rule)."""
     if not amount:
         return _ZEROS[places]  # -0 too: no brackets
-    text = str(abs(amount).quantize(_STEPS[places], ROUND_HALF_UP))
+    negative = amount < _ZERO
+    text = str((-amount if negative else amount).quantize(_STEPS[places], ROUND_HALF_UP))
     whole = len(text) - places - 1 if places else len(text)  # digits before the point
     if whole > 3:
         if whole < 6:
@@ -87,11 +89,12 @@ def money(amount: Decimal, places: int = 2) -> str:
             head, odd = text[:whole - 3], (whole - 3) % 2
             groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
             text = f"{','.join(groups)},{text[whole - 3:]}"
-    return f"({text})" if amount < 0 else text
+    return f"({text})" if negative else text
 
 
 _STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
 _ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
+_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
@@ -100,7 +103,7 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     rows = _trade_rows(trades, charges)
     widths = column_widths([cells for _, cells in rows])
     layout = _layout(widths)
-    lines = [{"label": label, "text": (layout % cells).rstrip()} for label, cells in rows]
+    lines = [(label, (layout % cells).rstrip()) for label, cells in rows]
     settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
     with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
@@ -158,10 +161,13 @@ def levies_table(charges: Charges) -> dict:
 
 
 def column_widths(rows: list[list[str]]) -> list[int]:
-    widths = [max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS]
+    widths = _LEAST_WIDTHS
     if not rows:
-        return widths
+        return list(widths)
     return [max(w, max(map(len, column))) for w, column in zip(widths, zip(*rows))]
+
+
+_LEAST_WIDTHS = tuple(max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS)
 
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
@@ -180,8 +186,8 @@ def _layout(widths: list[int]) -> str:
     return GAP.join(f"%{'' if right else '-'}{w}s" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
 
 
-def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
-    """Fixed rows per page, less what headings past the page's allowance take; the levies block
+def paginate(lines: list[tuple[str, str]], header_rows: int = 0, levy_rows: int = 0) -> list[dict]:
+    """`lines`: (section label, text). Fixed rows per page, less what headings past the page's allowance take; the levies block
     goes on the last page if it fits, else a new one. `header_rows`: the first page's header
     past its usual height; `levy_rows`: the levies block's lines past the usual (the CTT line)."""
     first = ROWS_FIRST_PAGE - header_rows
@@ -199,12 +205,12 @@ def paginate(lines: list[dict], header_rows: int = 0, levy_rows: int = 0) -> lis
     return pages
 
 
-def _fitting(lines: list[dict], start: int, capacity: int) -> int:
+def _fitting(lines: list[tuple[str, str]], start: int, capacity: int) -> int:
     """How many lines from `start` fit in `capacity` rows with their section headings (at least one)."""
     headings, label, take, room = 0, None, 0, capacity
     for i in range(start, min(len(lines), start + capacity)):
-        if lines[i]["label"] != label:
-            headings, label = headings + 1, lines[i]["label"]
+        if lines[i][0] != label:
+            headings, label = headings + 1, lines[i][0]
             room = capacity - _heading_rows(headings)  # the rows left for lines once the headings are in
         if take + 1 > room:
             break
@@ -221,18 +227,21 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
     C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
     totals, carried_totals = net_totals(trades, charges)
     rows = []
-    key = lambda t: (segment_of(t), t.settlement_no)  # noqa: E731
+    key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
         group = list(group)
-        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group
-                 if t.settlement == TRADE]
+        traded = [t for t in group if t.settlement == TRADE]
+        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in traded]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
-        for kind in SETTLEMENT_REMARKS:
-            rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group
-                     if t.settlement == kind]
+        if len(traded) < len(group):  # exercises, then assignments, then deliveries, each in the trades' order
+            settled = sorted((t for t in group if t.settlement != TRADE), key=lambda t: _KIND_ORDER[t.settlement])
+            rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in settled]
     return rows
+
+
+_KIND_ORDER = {kind: i for i, kind in enumerate(SETTLEMENT_REMARKS)}
 
 
 def _segment_title(segment: str) -> str:
@@ -241,21 +250,28 @@ def _segment_title(segment: str) -> str:
     return segment.replace("-", " / ") + (f" ({name})" if name else "")
 
 
-def _groups(lines: list[dict]) -> list[dict]:
+def _groups(lines: list[tuple[str, str]]) -> list[dict]:
     """Consecutive rows of one label become one block of text."""
-    return [{"label": label, "lines": [r["text"] for r in rows]}
-            for label, rows in groupby(lines, key=lambda l: l["label"])]
+    return [{"label": label, "lines": list(map(_TEXT, rows))} for label, rows in groupby(lines, key=_LABEL)]
+
+
+_LABEL, _TEXT = itemgetter(0), itemgetter(1)
 
 
 def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
-    net_rate = t.price + brokerage_unit if t.side == "B" else t.price - brokerage_unit
-    remarks = t.product + (" (modified)" if t.status == "12" else "")
-    closing = money(t.close, 4) if t.close is not None else ""
+    order_no, order_time, trade_no, trade_time, side, quantity, price, product, status, close = _CELL_FIELDS(t)
+    net_rate = price + brokerage_unit if side == "B" else price - brokerage_unit
+    remarks = product + (" (modified)" if status == "12" else "")
+    closing = money(close, 4) if close is not None else ""
     return (
-        t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side,
-        str(t.quantity), money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4),
+        order_no, order_time, trade_no, trade_time, _describe(t), side,
+        str(quantity), money(price, 4), money(brokerage_unit, 4), money(net_rate, 4),
         closing, money(net_total), remarks,
     )
+
+
+_CELL_FIELDS = attrgetter("order_no", "order_time", "trade_no", "trade_time", "side", "quantity", "price", "product",
+                          "status", "close")  # one call for the ten
 
 
 def _settled_cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
@@ -295,7 +311,7 @@ def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
     one) says so rather than print a date that may be wrong."""
-    seen = sorted({(t.exchange, segment_of(t), t.settlement_no) for t in trades})
+    seen = sorted({(t.exchange, t.exchange_segment, t.settlement_no) for t in trades})  # segment_of(t)
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
 
