@@ -146,10 +146,13 @@ class Charges:
 
 
 def category(trade: Trade) -> str:
+    return _traded_category(trade) if trade.settlement == TRADE else settled_category(trade)
+
+
+def _traded_category(trade: Trade) -> str:
+    """A trade's category (not a settlement row's: the callers that loop over trades have asked)."""
     if trade.segment == "CM":
         return "delivery" if trade.product == "CNC" else "intraday"
-    if trade.settlement != TRADE:
-        return settled_category(trade)
     return KINDS[trade.segment] + ("futures" if trade.instrument.startswith("FUT") else "options")
 
 
@@ -291,10 +294,7 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
     sells = sum((t.turnover for t in trades if t.flow == "S"), Decimal(0))  # ... and is paid
     carry = sum((c.value for c in carried), Decimal(0))
     stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
-    sums, priced = _turnover_by_kind(trades, rates)
-    for key, value in sums.items():
-        cat, exchange, group, agri, side, payer = key
-        at_price = priced[key] if priced and key in priced else value
+    for (cat, exchange, group, agri, side), value, at_price, payer in _turnover_by_kind(trades, rates):
         stt += _tax(rates, "stt", cat, payer, value, at_price)
         ctt += Decimal(0) if agri else _tax(rates, "ctt", cat, payer, value, at_price)
         if side == "B":
@@ -318,25 +318,29 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
 
-def _turnover_by_kind(trades: list[Trade], rates: dict) -> tuple[dict[tuple, Decimal], dict[tuple, Decimal]]:
+def _turnover_by_kind(trades: list[Trade], rates: dict) -> list[tuple[tuple, Decimal, Decimal, str]]:
     """Turnover summed by what decides its rates (category, exchange, transaction-charge group,
-    agricultural, side, and the side a tax falls on: party): each rate is then applied once to
-    an exact sum, and a levy is the same whatever the trades' order. Then the settlement rows'
-    sums at their settlement price (price x units), a tax's base where its rule says so (an
-    exercise's whole underlying value, not its intrinsic); a trade's base is its turnover."""
+    agricultural, side): each rate is then applied once to an exact sum, and a levy is the same
+    whatever the trades' order. Each sum with its base at the settlement price and the side its
+    taxes fall on (party): a trade's are its turnover and side; a settlement row's the units at
+    its settlement price (an exercise's whole underlying value, where a tax's rule says so) and
+    party(), summed apart so that the trades' loop is what it was before settlement rows came."""
     sums: dict[tuple, Decimal] = defaultdict(Decimal)
-    priced: dict[tuple, Decimal] = defaultdict(Decimal)
+    settled: dict[tuple, list[Decimal]] = {}
     groups = rates.get("txn_groups") or {}
     for t in trades:
-        cat = category(t)
+        if t.settlement != TRADE:
+            cat = settled_category(t)
+            group = _txn_group(groups, t, cat) if t.exchange in groups else ""
+            both = settled.setdefault((cat, t.exchange, group, t.agri == "Y", t.side, party(t)), [Decimal(0)] * 2)
+            both[0] += t.turnover
+            both[1] += _at_price(t)
+            continue
+        cat = _traded_category(t)
         group = _txn_group(groups, t, cat) if t.exchange in groups else ""
-        if t.settlement == TRADE:
-            sums[(cat, t.exchange, group, t.agri == "Y", t.side, t.side)] += t.turnover
-        else:  # a settlement category: its sums hold no trade
-            key = (cat, t.exchange, group, t.agri == "Y", t.side, party(t))
-            sums[key] += t.turnover
-            priced[key] += _at_price(t)
-    return sums, priced
+        sums[(cat, t.exchange, group, t.agri == "Y", t.side)] += t.turnover
+    kinds = [(key, value, value, key[4]) for key, value in sums.items()]
+    return kinds + [(key[:5], value, at_price, key[5]) for key, (value, at_price) in settled.items()]
 
 
 def _at_price(t: Trade) -> Decimal:
@@ -383,10 +387,10 @@ def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal
 def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     """The tariff's rule for the order's category; a currency or commodity category the tariff
     does not name takes its futures or options rule."""
-    cat = category(order[0])
     if order[0].settlement != TRADE:  # never a trading category's rule (physical_delivery is no delivery trade)
         rule = tariff.get(SETTLEMENT_TARIFF) or NO_BROKERAGE
     else:
+        cat = _traded_category(order[0])
         rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
         return _flat_fee(rule["flat"])
