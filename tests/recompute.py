@@ -16,7 +16,16 @@ The rules, written out again here on purpose (docs/input.md says them in words):
   times each rate, summed, then rounded once: STT and CTT to the rupee, the rest to the paisa,
   half up; brokerage per order (exchange, segment, order_no) by the tariff, to the paisa; GST
   18% of brokerage + transaction charges + SEBI fee, halves each rounded for a client in the
-  broker's state, whole otherwise.
+  broker's state, whole otherwise;
+- a settlement row (settlement_type EX, AS, DL; none or T is a trade) is valued at the
+  settlement price its price field gives: an exercise or assignment at the option's intrinsic
+  value (a call's settlement price less strike, a put's strike less settlement price) x units,
+  paid to the holder (EX) or by the writer (AS); a delivery at a future's settlement price or
+  an option's strike x units, paid by the side taking delivery (B). Its levies are its own
+  category's (options_exercise, physical_delivery ...); a tax rule on "buy" falls on the
+  option's holder (a delivered call's holder takes delivery, a put's gives it), and one marked
+  "settlement_price" is on the units at the settlement price. Its brokerage is the tariff's
+  "settlement" rule, or none. A future's delivery is no position carried forward.
 """
 
 from __future__ import annotations
@@ -99,15 +108,49 @@ def _account(trades, rates, broker, settle, rbi, intra) -> dict[str, dict[str, D
     return out
 
 
-def _value(t: dict, rbi: dict, price: D | None = None) -> D:
+def _kind(t: dict) -> str:
+    return t.get("settlement_type") or "T"
+
+
+def _units(t: dict, rbi: dict) -> D:
+    """Units a row holds, in rupees a quoted unit's worth: lots x multiplier (x the reference rate)."""
     lot = 1000 if t["segment"] == "CDS" else int(t.get("multiplier") or 1)
     fx = rbi[CROSS[t["symbol"]]] if t["segment"] == "CDS" and t["symbol"] in CROSS else D(1)
-    return int(t["quantity"]) * lot * (D(t["price"]) if price is None else price) * fx
+    return int(t["quantity"]) * lot * fx
+
+
+def _value(t: dict, rbi: dict, price: D | None = None) -> D:
+    if price is not None or _kind(t) == "T":
+        return _units(t, rbi) * (D(t["price"]) if price is None else price)
+    settle, strike = D(t["price"]), D(t["strike"] or 0)
+    if _kind(t) in ("EX", "AS"):
+        per_unit = settle - strike if t["option_type"] == "CE" else strike - settle
+        return _units(t, rbi) * max(per_unit, D(0))
+    return _units(t, rbi) * (strike if t["instrument"].startswith("OPT") else settle)
+
+
+def _pays(t: dict) -> bool:
+    """True where the client pays the row's value: a buy, an assignment, a delivery taken."""
+    return {"EX": False, "AS": True}.get(_kind(t), t["side"] == "B")
+
+
+def _taxed_side(t: dict) -> str:
+    """Whom a tax on "buy" falls on: the buyer; a delivered option's holder."""
+    if _kind(t) == "DL" and t["instrument"].startswith("OPT"):
+        return "B" if (t["option_type"] == "CE") == (t["side"] == "B") else "S"
+    return t["side"]
 
 
 def _category(t: dict) -> str:
     if t["segment"] == "CM":
         return "delivery" if t["product"] == "CNC" else "intraday"
+    kind = _kind(t)
+    if kind in ("EX", "AS"):
+        return KIND[t["segment"]] + ("options_exercise" if kind == "EX" else "options_assignment")
+    if kind == "DL":
+        if t["segment"] == "FO":
+            return "physical_delivery"
+        return "commodity_options_delivery" if t["instrument"].startswith("OPT") else "commodity_delivery"
     return KIND[t["segment"]] + ("futures" if t["instrument"].startswith("FUT") else "options")
 
 
@@ -119,11 +162,11 @@ def _txn_rate(rates: dict, t: dict, cat: str) -> D:
 
 
 def _segment(trades, rates, tariff, settle, rbi, intra) -> dict[str, D]:
-    buys = sum((_value(t, rbi) for t in trades if t["side"] == "B"), D(0))
-    sells = sum((_value(t, rbi) for t in trades if t["side"] == "S"), D(0))
+    buys = sum((_value(t, rbi) for t in trades if _pays(t)), D(0))
+    sells = sum((_value(t, rbi) for t in trades if not _pays(t)), D(0))
     held: dict[tuple, list] = {}
     for t in trades:
-        if t["instrument"].startswith("FUT"):
+        if t["instrument"].startswith("FUT") and _kind(t) == "T":
             contract = (t["exchange"], t["instrument"], t["symbol"], t["expiry"])
             units = int(t["quantity"]) * (1 if t["side"] == "B" else -1)
             held.setdefault(contract, [0, t])[0] += units
@@ -133,8 +176,12 @@ def _segment(trades, rates, tariff, settle, rbi, intra) -> dict[str, D]:
         cat, value, agri = _category(t), _value(t, rbi), t.get("agri") == "Y"
         for tax in ("stt", "ctt"):
             rule = rates[tax].get(cat)
-            if rule and not (tax == "ctt" and agri) and (rule[1] == "both" or t["side"] == "S"):
-                sums[tax] += value * D(rule[0])
+            if not rule or (tax == "ctt" and agri):
+                continue
+            if rule[1] == "both" or (rule[1] == "sell" and t["side"] == "S") or (
+                    rule[1] == "buy" and _taxed_side(t) == "B"):
+                base = _units(t, rbi) * D(t["price"]) if "settlement_price" in rule[2:] else value
+                sums[tax] += base * D(rule[0])
         if t["side"] == "B":
             sums["stamp"] += value * D(rates["stamp"][cat])
         sums["txn"] += value * _txn_rate(rates, t, cat)
@@ -149,7 +196,10 @@ def _segment(trades, rates, tariff, settle, rbi, intra) -> dict[str, D]:
         cats = {_category(t) for t in order}
         assert len(cats) == 1, f"order {order[0]['order_no']} spans categories {cats}"
         cat = cats.pop()
-        rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
+        if _kind(order[0]) != "T":
+            rule = tariff.get("settlement") or {"flat": "0"}
+        else:
+            rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
         if "flat" in rule:
             brokerage += half_up(D(rule["flat"]), "0.01")
         else:

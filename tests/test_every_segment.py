@@ -19,7 +19,7 @@ import pytest
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.record import keys
 from pipeline.settings import ROOT
-from tests.every_segment_day import DATE, SEGMENTS, UCC, write_every_segment_day
+from tests.every_segment_day import DATE, SEGMENTS, SETTLE_SEGMENTS, UCC, write_every_segment_day
 from tests.helpers import assert_signed_and_encrypted, attachment, client_rows, outbox_messages
 from tests.recompute import check_text, recompute
 
@@ -38,12 +38,12 @@ def levies(text: str, label: str) -> list[D]:
 
 
 def test_a_day_with_every_segment_runs_and_every_note_agrees_with_the_recomputation(settings, smtp_sink, tmp_path):
-    day = write_every_segment_day(tmp_path / "input", 24, seed=9)
+    day = write_every_segment_day(tmp_path / "input", 24, seed=9, settlements=True)
     summary = run_day(settings, RunRequest(DATE, str(day)))
 
     expected = recompute(day, DATE)
     assert summary["rejected"] == 0 and summary["failed"] == 0
-    assert summary["accounts"] == summary["delivered"] == len(expected) == 25
+    assert summary["accounts"] == summary["delivered"] == len(expected) == 26
     clients, store = client_rows(day), Path(settings.store_url)
     mailed = {m["Subject"].split("(")[-1].rstrip(")"): attachment(m)[1] for m in outbox_messages(smtp_sink.outbox)}
     assert sorted(mailed) == sorted(expected)
@@ -88,6 +88,35 @@ def test_a_day_with_every_segment_runs_and_every_note_agrees_with_the_recomputat
     # NSE-CM 0.1% of the delivery buy 29,005 = 29.005 and 0.025% of the intraday sell 9,000 = 2.25: 31.255 -> 31;
     # NSE-FO the option's sell, 0.15% of 8,875 = 13.3125 -> 13; none on currency or commodities
     assert levies(text, "Securities transaction tax") == [0, -12, -11, 0, 0, 0, -31, -13, -67]
+
+    # SETTLE1: its options exercised and assigned, its contracts delivered, worked by hand (SETTLE_SEGMENTS' order)
+    settle = note_text(store / keys.signed_pdf_key(DATE, "SETTLE1"), clients["SETTLE1"]["pan"])
+    for kind in ("Exercise", "Assignment", "Delivery"):
+        assert re.search(rf"^\s*\d{{16}}\s.*\s{kind}$", settle, re.M), kind
+    heads = next(line for line in settle.splitlines() if line.strip().startswith("Particulars")).split()[1:]
+    assert heads == SETTLE_SEGMENTS + ["Total", "(Net)"]
+    # BSE-FO: SENSEX 80000 CE exercised at 80,450: 450 x 20 = 9,000.00
+    # MCX-COM: CRUDEOIL 6000 CE exercised at 6,123: 123 x 2 x 100 = 24,600.00; CRUDEOIL 6100 PE assigned at 6,050:
+    #   (5,000.00); GOLD future delivered at 76,500 x 100 = (76,50,000.00); GOLD 76000 CE delivered at its strike,
+    #   76,000 x 100 = (76,00,000.00): (1,52,30,400.00)
+    # NCDEX-COM: GUARSEED10 5500 CE exercised at 5,600: 100 x 100 = 10,000.00
+    # NSE-CDS: USDINR 84 CE exercised at 84.2525: 0.2525 x 10,000 = 2,525.00; EURUSD 1.08 CE at 1.0852: 0.0052 x
+    #   2,000 x 84.1234 = 874.88336: 3,399.88336 -> 3,399.88
+    # NSE-FO: NIFTY future sold 75 at 24,520, settled 24,510.50 = 712.50; NIFTY 24000 CE exercised at 24,310.55:
+    #   310.55 x 75 = 23,291.25; NIFTY 24500 PE assigned: 189.45 x 150 = (28,417.50); RELIANCE future delivered:
+    #   500 x 2,950.40 = (14,75,200.00); RELIANCE 3000 PE's holder delivers 250 at 3,000 = 7,50,000.00: (7,29,613.75)
+    obligations = [D("9000.00"), D("-15230400.00"), D("10000.00"), D("3399.88"), D("-729613.75")]
+    assert levies(settle, "Pay-in/Pay-out obligation") == obligations + [sum(obligations)]
+    # STT: BSE-FO 0.15% of the SENSEX exercise's 9,000 = 13.50 -> 14; NSE-FO the future's sell 0.05% of 18,39,000 =
+    # 919.50, the exercise 0.15% of 23,291.25 = 34.936875, the deliveries 0.1% of 14,75,200 and 7,50,000 =
+    # 2,225.20: 3,179.636875 -> 3,180 (none on the assignment, nor on currency)
+    assert levies(settle, "Securities transaction tax") == [-14, 0, 0, 0, -3180, -3194]
+    # CTT: the CRUDEOIL exercise 0.0001% of its settlement value 6,123 x 200 = 1.2246; the GOLD call delivered
+    # 0.0001% of 76,500 x 100 = 7.65: 8.8746 -> 9; none on the assignment, the future delivered or the
+    # agricultural guar seed
+    assert levies(settle, "Commodities transaction tax") == [0, -9, 0, 0, 0, -9]
+    # stamp duty: the RELIANCE future taken, 0.015% of 14,75,200 = 221.28
+    assert levies(settle, "Stamp duty") == [0, 0, 0, 0, D("-221.28"), D("-221.28")]
 
 
 def test_the_demo_command_runs_a_day_with_every_segment(ray_session, tmp_path):

@@ -557,19 +557,20 @@ def test_a_note_across_every_segment_signs_and_verifies_with_pdfsig_and_qpdf(tmp
 
 def test_every_account_of_an_every_segment_day_agrees_with_an_independent_recomputation(tmp_path, redis_url):
     """tests/recompute.py works every figure out again from the input files alone; every account's
-    levies table, rows and Net Total columns agree with it, EVERY1's across all eight segments."""
+    levies table, rows and Net Total columns agree with it, EVERY1's across all eight segments, and
+    SETTLE1's exercises, assignments and deliveries."""
     from tests.every_segment_day import DATE as DAY
-    from tests.every_segment_day import SEGMENTS, UCC, note_text, write_every_segment_day
+    from tests.every_segment_day import SEGMENTS, SETTLE_SEGMENTS, UCC, note_text, write_every_segment_day
     from tests.recompute import recompute, check_text
 
-    folder = write_every_segment_day(tmp_path / "in", 30, seed=5)
+    folder = write_every_segment_day(tmp_path / "in", 30, seed=5, settlements=True)
     store = open_store(str(tmp_path / "store"))
     split = split_day(open_store(str(folder)), store, RunState(redis_url, "every"), "every", DAY, 10, "CNT")
     assert split.rejected == 0 and split.input_errors == []
     save_manifest(store, "every", split)
     expected = recompute(folder, DAY)
-    assert sorted(expected[UCC]) == SEGMENTS
-    assert len(expected) == split.accounts == 31
+    assert sorted(expected[UCC]) == SEGMENTS and sorted(expected["SETTLE1"]) == SETTLE_SEGMENTS
+    assert len(expected) == split.accounts == 32
     for ucc, figures in expected.items():
         account = find_account(store, "every", ucc)
         note = stages.note_data(account, Client(**account["client"]), DAY, {"NSE": "2026-11-23", "BSE": "2026-11-23"})

@@ -113,3 +113,48 @@ def test_a_day_every_exchange_is_shut_has_nothing_to_synthesize(tmp_path):
 
     with pytest.raises(ValueError, match="no exchange trades on 2026-01-26"):
         write_dumps(tmp_path, SynthOptions(dt.date(2026, 1, 26), 5, seed=3))
+
+
+def test_on_an_expiry_day_positions_are_exercised_assigned_and_delivered_and_every_note_agrees(
+        tmp_path, redis_url, monkeypatch):
+    """A Thursday (synth's equity expiry): a share of clients have index options exercised or
+    assigned and stock futures and options delivered; the split takes every row, and each such
+    client's note agrees with the independent recomputation. The day's other rows are what they
+    would be without them, and a day that is no expiry has no settlement column at all."""
+    import os
+
+    from pipeline import stages
+    from pipeline.day import synth
+    from pipeline.day.dumps import Client
+    from pipeline.day.split import find_account, split_day
+    from pipeline.record.manifest import save_manifest
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from tests.every_segment_day import note_text
+    from tests.recompute import check_text, recompute
+
+    thursday = dt.date(2026, 11, 26)
+    write_dumps(tmp_path / "day", SynthOptions(thursday, 150, seed=3))
+    with (tmp_path / "day" / "trades.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    settled = [r for r in rows if r["settlement_type"]]
+    assert {r["settlement_type"] for r in settled} == {"EX", "AS", "DL"}
+    assert {r["instrument"] for r in settled} == {"OPTIDX", "FUTSTK", "OPTSTK"}
+    monkeypatch.setattr(synth, "SETTLE_SHARE", 0)
+    write_dumps(tmp_path / "none", SynthOptions(thursday, 150, seed=3))
+    with (tmp_path / "none" / "trades.csv").open(newline="") as f:
+        assert list(csv.DictReader(f)) == [r for r in rows if not r["settlement_type"]]
+    write_dumps(tmp_path / "friday", SynthOptions(dt.date(2026, 11, 20), 5, seed=3))
+    assert "settlement_type" not in (tmp_path / "friday" / "trades.csv").read_text().splitlines()[0]
+
+    run, store = f"expiry-{os.urandom(3).hex()}", open_store(str(tmp_path / "store"))
+    split = split_day(open_store(str(tmp_path / "day")), store, RunState(redis_url, run), run, thursday.isoformat(),
+                      10, "CNT")
+    assert split.rejected == 0 and split.input_errors == []
+    save_manifest(store, run, split)
+    expected = recompute(tmp_path / "day", thursday.isoformat())
+    for ucc in sorted({r["ucc"] for r in settled}):
+        account = find_account(store, run, ucc)
+        note = stages.note_data(account, Client(**account["client"]), thursday.isoformat(),
+                                {"NSE": "2026-11-27", "BSE": "2026-11-27"})
+        assert check_text(note_text(note), expected[ucc]) == [], ucc

@@ -26,9 +26,25 @@ TRADE_FIELDS = [
     "trade_no", "trade_time", "symbol", "isin", "instrument", "expiry", "strike",
     "option_type", "side", "quantity", "price", "product", "status", "multiplier", "agri",
 ]
-# Columns a file may leave out, last in TRADE_FIELDS: a day of equity alone has no use for them,
-# and files written before currency and commodity segments came must still be read
-OPTIONAL_TRADE_FIELDS = ("multiplier", "agri")
+# The settlement-type column: T a trade (the default: a file without the column is all trades), EX an
+# option's exercise, AS its assignment, DL a contract going to physical delivery. It is read from the
+# file but kept out of TRADE_FIELDS, the shard row's positional layout: a trade's shard row stays what
+# it was, and a settlement row carries its type after close and fx (Trade.as_row)
+SETTLEMENT_FIELD = "settlement_type"
+TRADE_COLUMNS = [*TRADE_FIELDS, SETTLEMENT_FIELD]  # what trades.csv may hold
+# Columns a file may leave out: a day of equity alone has no use for the lot's terms, files written
+# before currency and commodity segments came must still be read, and a day with no settlement rows
+# needs no settlement type. LOT_FIELDS come together or not at all.
+LOT_FIELDS = ("multiplier", "agri")
+OPTIONAL_TRADE_FIELDS = (*LOT_FIELDS, SETTLEMENT_FIELD)
+TRADE, EXERCISE, ASSIGNMENT, DELIVERY = "T", "EX", "AS", "DL"
+SETTLEMENT_TYPES = {TRADE: "a trade", EXERCISE: "an exercise", ASSIGNMENT: "an assignment", DELIVERY: "a delivery"}
+# What may be exercised or assigned in cash: index, currency and commodity options (stock options
+# settle by delivery since 2018: a DL row); what may go to delivery: stock futures and options (NSE
+# and BSE, physically settled since 2018) and commodity futures and options on them. Index and
+# currency derivatives settle in cash and never go to delivery.
+EXERCISABLE = {"OPTIDX", "OPTCUR", "OPTFUT"}
+DELIVERABLE = {"FUTSTK", "OPTSTK", "FUTCOM", "OPTFUT"}
 
 PAN = re.compile(r"^[A-Z]{5}[0-9]{4}[A-Z]\Z")
 UCC = re.compile(r"^[A-Za-z0-9]{1,10}\Z")
@@ -127,6 +143,9 @@ class Trade:
     agri: str = ""  # commodities: Y for an agricultural contract (no CTT, SEBI's agricultural fee), else N
     # cross-currency pairs: rupees a unit of the quote currency (RBI's reference rate); None: quoted in rupees
     fx: Decimal | None = None
+    # T a trade; EX, AS, DL an exercise, assignment or delivery (SETTLEMENT_TYPES): its price is then
+    # the settlement price, and its value the settlement value (settlement_value)
+    settlement: str = TRADE
 
     # Derived once, when the trade is made, not at each of their ~15 uses a trade (a 2,000-page note
     # asks for them 1.4 million times): slots beside the fields' __dict__, so equality, hash, repr
@@ -134,12 +153,14 @@ class Trade:
     # turnover: rupees, lots x multiplier x price (equity: shares x price, the multiplier being 1), a
     # cross-currency pair's value in its quote currency at the reference rate;
     # key: the trade (exchange, segment, trade_no); order_key: its order (exchange, segment, order_no);
-    # exchange_segment: "NSE-CM", the note's section and levies column it goes in
-    __slots__ = ("turnover", "key", "order_key", "exchange_segment", "__dict__", "__weakref__")
+    # exchange_segment: "NSE-CM", the note's section and levies column it goes in;
+    # flow: B if the client pays the value, S if it is paid to the client (a trade's side; an
+    # exercise is paid to its holder, an assignment paid by its writer)
+    __slots__ = ("turnover", "key", "order_key", "exchange_segment", "flow", "__dict__", "__weakref__")
 
     def __post_init__(self) -> None:
         _derive(self, self.exchange, self.segment, self.trade_no, self.order_no, self.price, self.quantity,
-                self.multiplier, self.fx)
+                self.multiplier, self.fx, self.side, self.settlement)
 
     def __reduce__(self):
         """Pickled as its fields (the slots are derived again): frozen, it refuses pickle's setattr."""
@@ -152,8 +173,10 @@ class Trade:
         row = [str(getattr(self, f)) for f in TRADE_FIELDS] + ["" if self.close is None else str(self.close)]
         if self.multiplier == 1:
             row[_AT_MULTIPLIER] = ""
-        if self.fx is not None:  # a cross-currency pair's reference rate, after close: other rows end there
-            row.append(str(self.fx))
+        if self.fx is not None or self.settlement != TRADE:  # after close: a trade's row ends there
+            row.append("" if self.fx is None else str(self.fx))  # a cross-currency pair's reference rate
+        if self.settlement != TRADE:  # after fx: a trade's row is what it was before settlement rows came
+            row.append(self.settlement)
         return row
 
     @classmethod
@@ -168,7 +191,8 @@ class Trade:
         # each row its own "NSE", and a 125,000-trade note's passes over its trades missed the cache
         # on each (~1.5 µs a trade); order and trade numbers and times are the trade's own
         exchange, segment, quantity, price = _intern(r[1]), _intern(r[2]), int(r[16]), Decimal(r[17])
-        multiplier, fx = int(r[20] or 1), Decimal(r[_AT_FX]) if len(r) > _AT_FX else None
+        multiplier, fx = int(r[20] or 1), Decimal(r[_AT_FX]) if len(r) > _AT_FX and r[_AT_FX] else None
+        settlement = _intern(r[_AT_SETTLEMENT]) if len(r) > _AT_SETTLEMENT else TRADE
         d = _SHARED_DICT.copy()
         d["trade_date"], d["exchange"], d["segment"] = _intern(r[0]), exchange, segment
         d["settlement_no"], d["ucc"], d["order_no"], d["order_time"] = _intern(r[3]), _intern(r[4]), r[5], r[6]
@@ -177,9 +201,10 @@ class Trade:
         d["option_type"], d["side"], d["quantity"], d["price"] = _intern(r[14]), r[15], quantity, price
         d["product"], d["status"], d["close"] = _intern(r[18]), _intern(r[19]), Decimal(close) if close else None
         d["multiplier"], d["agri"], d["fx"] = multiplier, _intern(r[21]), fx
+        d["settlement"] = settlement
         t = _new(cls)
         _set_fields(t, d)
-        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier, fx)  # as __post_init__, from the locals
+        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier, fx, r[15], settlement)  # as __post_init__
         return t
 
 
@@ -189,25 +214,54 @@ class Trade:
 _AT_QUANTITY, _AT_PRICE, _AT_CLOSE = TRADE_FIELDS.index("quantity"), TRADE_FIELDS.index("price"), len(TRADE_FIELDS)
 _AT_MULTIPLIER = TRADE_FIELDS.index("multiplier")
 _AT_FX = _AT_CLOSE + 1
+_AT_SETTLEMENT = _AT_FX + 1
 _FIELDS = tuple(f.name for f in fields(Trade))
 _new, _set_fields = object.__new__, Trade.__dict__["__dict__"].__set__
 _set_turnover, _set_key, _set_order_key = Trade.turnover.__set__, Trade.key.__set__, Trade.order_key.__set__
-_set_exchange_segment = Trade.exchange_segment.__set__
+_set_exchange_segment, _set_flow = Trade.exchange_segment.__set__, Trade.flow.__set__
 
 
 def _derive(t: Trade, exchange: str, segment: str, trade_no: str, order_no: str, price: Decimal, quantity: int,
-            multiplier: int, fx: Decimal | None) -> None:
+            multiplier: int, fx: Decimal | None, side: str, settlement: str) -> None:
     """A trade's slots from its fields: the one place they are worked out, however the trade is made.
     The turnover: price x quantity x multiplier (no multiplying by a multiplier of 1), then a
-    cross-currency pair's times its reference rate, in that order (Decimal rounds each product)."""
-    value = price * quantity * multiplier if multiplier != 1 else price * quantity
+    cross-currency pair's times its reference rate, in that order (Decimal rounds each product);
+    a settlement row's is its settlement value (settlement_value), and its flow who pays it."""
+    if settlement == TRADE:
+        value, flow = price * quantity * multiplier if multiplier != 1 else price * quantity, side
+    else:
+        value, flow = settlement_value(t)
     _set_turnover(t, value if fx is None else value * fx)
+    _set_flow(t, flow)
     _set_key(t, (exchange, segment, trade_no))
     _set_order_key(t, (exchange, segment, order_no))
     _set_exchange_segment(t, f"{exchange}-{segment}")
 
 
 _SHARED_DICT = Trade(*[""] * _AT_QUANTITY, 0, Decimal(0), "", "").__dict__  # keys shared with the class's
+
+
+def intrinsic(t: Trade) -> Decimal:
+    """An option's value a unit at the settlement price (the row's price): a call's settlement
+    price less its strike, a put's strike less its settlement price, never below zero."""
+    gain = t.price - Decimal(t.strike) if t.option_type == "CE" else Decimal(t.strike) - t.price
+    return max(gain, Decimal(0))
+
+
+def settlement_value(t: Trade) -> tuple[Decimal, str]:
+    """A settlement row's value (before a cross-currency pair's reference rate) and who pays it.
+    EX and AS: the intrinsic value x units, paid to the holder who exercised (flow S), by the
+    writer assigned (flow B). DL: the delivery's value, paid by the side taking delivery (B) to
+    the side giving it (S): a future's at its settlement price, an option's at its strike (a
+    call's holder buys the underlying at the strike, a put's holder sells at it)."""
+    units = t.quantity * t.multiplier
+    if t.settlement == EXERCISE:
+        return intrinsic(t) * units, "S"
+    if t.settlement == ASSIGNMENT:
+        return intrinsic(t) * units, "B"
+    if t.instrument.startswith("OPT"):
+        return Decimal(t.strike) * units, t.side
+    return t.price * units, t.side
 
 
 def check_header(file: str, header: list[str], expected: list[str]) -> None:
@@ -243,7 +297,8 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     `closed`: the exchanges shut on the trade date, and why: a trade on one is this row's error."""
     ucc = (raw.get("ucc") or "").strip()
     fail = _failer(file, row, ucc if UCC.match(ucc) else "")
-    v = _clean(raw, TRADE_FIELDS, fail)
+    v = _clean(raw, TRADE_COLUMNS, fail)
+    kind = v.pop(SETTLEMENT_FIELD) or TRADE
     if not UCC.match(v["ucc"]):
         fail("ucc", "must be 1-10 letters or digits")
     if v["trade_date"] != trade_date:
@@ -289,12 +344,19 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
     multiplier = _lot_terms(v, fail)
     if quantity * multiplier > MAX_QUANTITY:  # a trade's value stays under 10^16 rupees: exact in Decimal's 28 digits
         fail("quantity", f"{quantity:,} lots of {multiplier:,} is over {MAX_QUANTITY:,} units")
-    trade = Trade(**{**v, "quantity": quantity, "price": price, "multiplier": multiplier})
+    if kind != TRADE:
+        _settlement_terms(v, kind, trade_date, fail)
+    trade = Trade(**{**v, "quantity": quantity, "price": price, "multiplier": multiplier, "settlement": kind})
+    if kind in (EXERCISE, ASSIGNMENT) and not intrinsic(trade):
+        fail("price", f"the settlement price {price} leaves the {v['option_type']} at strike {v['strike']} out of the "
+                      "money: there is nothing to exercise or assign")
     if closes is None or trade.segment not in DERIVATIVES:
         return trade
-    close = closes.get(contract_id(trade))
-    if close is None:
-        fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
+    close = None
+    if kind == TRADE:  # a settlement row is valued at its own settlement price: no closing rate is shown
+        close = closes.get(contract_id(trade))
+        if close is None:
+            fail("symbol", f"contract {describe_contract(trade)} is not in bhavcopy.csv (no closing price)")
     fx = None
     if trade.segment == "CDS" and (currency := CROSS_PAIRS.get(trade.symbol)):
         fx = closes.get(reference_key(currency))
@@ -305,6 +367,31 @@ def parse_trade(file: str, row: int, raw: dict[str, str], trade_date: str,
 
 
 REFERENCE_FILE = "reference_rates.csv"
+
+
+def _settlement_terms(v: dict[str, str], kind: str, trade_date: str, fail) -> None:
+    """A settlement row's checks: its type, and that its contract can settle so (docs/input.md).
+    A row that does not fit rejects its account rather than be charged as something it is not."""
+    if kind not in SETTLEMENT_TYPES:
+        fail(SETTLEMENT_FIELD, f"{kind[:40]!r} is not T (trade), EX (exercise), AS (assignment) or DL (delivery)")
+    name, instrument = SETTLEMENT_TYPES[kind], v["instrument"]
+    if v["segment"] not in DERIVATIVES:
+        fail(SETTLEMENT_FIELD, f"{name} is of a derivative: segment {v['segment']} has none")
+    if kind in (EXERCISE, ASSIGNMENT):
+        if instrument == "OPTSTK":
+            fail(SETTLEMENT_FIELD, f"a stock option's {name[name.index(' ') + 1:]} settles by delivery (since 2018): give it as a DL row")
+        if instrument not in EXERCISABLE:
+            fail("instrument", f"{name} is of an option; {instrument} is not one")
+        holder = "B" if kind == EXERCISE else "S"
+        if v["side"] != holder:
+            fail("side", f"{name} is of the option's {'holder' if holder == 'B' else 'writer'}: side {holder}")
+    elif instrument not in DELIVERABLE:
+        fail("instrument", f"{instrument} settles in cash: it never goes to delivery (physical delivery is of stock "
+                           "futures and options, and commodity futures and options)")
+    if v["expiry"] != trade_date:
+        fail("expiry", f"{name} is of a contract expiring on the day ({trade_date}), not {v['expiry']}")
+    if v["product"] != "NRML":
+        fail("product", f"{name} settles a carried position (NRML), not {v['product']}")
 
 
 def reference_key(currency: str) -> tuple[str, str]:
@@ -366,7 +453,13 @@ def trade_row(file: str, row: int, values: list[str], trade_date: str,
     """A trade row (the values in TRADE_FIELDS order) checked as parse_trade checks it, about
     five times faster; returns what Trade.as_row would (the closing price last). RowError if bad.
     `contracts` remembers each derivatives contract's checks and price across a file's rows;
-    `closed`: the exchanges shut that day (parse_trade)."""
+    `closed`: the exchanges shut that day (parse_trade). `values` may end with the settlement
+    type (TRADE_COLUMNS): a trade's row is the same with it or without it; any other row is
+    parse_trade's to read."""
+    if len(values) > _AT_CLOSE:
+        if values[_AT_CLOSE] not in ("", TRADE):
+            return parse_trade(file, row, dict(zip(TRADE_COLUMNS, values)), trade_date, closes, closed).as_row()
+        values = values[:_AT_CLOSE]
     if _trade_pattern(trade_date).fullmatch(SEP.join(values)) is not None and not (closed and values[1] in closed):
         segment, isin, instrument, product = values[2], values[10], values[11], values[18]
         if (instrument in INSTRUMENTS[segment] and product in PRODUCTS[segment] and (isin or instrument != "EQ")

@@ -28,11 +28,11 @@ from pipeline.day import bhavcopy, trading_calendar
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
-    OPTIONAL_TRADE_FIELDS,
+    LOT_FIELDS,
     REFERENCE_FILE,
     SEGMENTS,
     SEP,
-    TRADE_FIELDS,
+    TRADE_COLUMNS,
     UCC,
     InputError,
     RowError,
@@ -51,7 +51,7 @@ MAX_LISTED_ERRORS = 1000
 NAMED = 1000  # the accounts with no note due that the manifest and the report name (all are counted)
 RANGE_BYTES_MIN = 1 << 20
 RANGE_BYTES_MAX = 64 << 20  # a range's parsed rows stay a few hundred MB in its worker
-DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_FIELDS}
+DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_COLUMNS}
 RS = "\x1e"  # ends a bucket line's kind and account: like SEP, never inside an accepted field
 # A field longer than MAX_FIELD is a row error, not a csv.Error that ends the file
 csv.field_size_limit(max(csv.field_size_limit(), 64 * MAX_FIELD * 1024))
@@ -172,9 +172,12 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
         rows = _wanted_rows(inputs, rng, wanted)
     lines: dict[int, list[str]] = defaultdict(list)
     weights: dict[int, int] = defaultdict(int)
-    present = [c for c in columns if c >= 0]  # a missing optional column is -1, and last
+    present = [c for c in columns if c >= 0]  # a missing optional column is -1
     pad = ("",) * (len(columns) - len(present))
     pick, width = operator.itemgetter(*present), max(present) + 1
+    if columns[:len(present)] != present:  # a missing column before one given (the settlement type without
+        pick = _picker(columns)  # the lot's terms): each in its place, an empty text where it is missing
+        pad, present = (), columns
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
     errors, n = [], 0
     entity = kind == "t" and (segments is not None or bool(left_to))
@@ -185,7 +188,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                 if wanted is not None:  # it names no account (or it is _wanted_rows's count)
                     continue
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
-            values = (pick(raw) if len(raw) >= width else tuple(raw[i] if i < len(raw) else "" for i in present)) + pad
+            values = (pick(raw) if len(raw) >= width else tuple(raw[i] if 0 <= i < len(raw) else "" for i in present)) + pad
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
             if entity and (segment := f"{values[1].strip()}-{values[2].strip()}") in _SEGMENTS:
@@ -364,8 +367,8 @@ def _columns(inputs: Store, name: str, fields: list[str]) -> list[int]:
     header = next(csv.reader(_csv_lines(inputs, name)), [])
     check_header(name, header, fields)
     columns = [header.index(f) if f in header else -1 for f in fields]
-    if -1 in columns and columns[columns.index(-1):] != [-1] * (len(columns) - columns.index(-1)):
-        raise InputError(f"{name}: give the columns {', '.join(OPTIONAL_TRADE_FIELDS)} together or neither")
+    if len({f in header for f in LOT_FIELDS}) > 1 and fields is TRADE_COLUMNS:
+        raise InputError(f"{name}: give the columns {', '.join(LOT_FIELDS)} together or neither")
     return columns
 
 
@@ -519,6 +522,13 @@ def _moved(error: dict, offsets: dict) -> dict:
     if error["row"] != "":
         error["row"] += offsets[(error["file"], index)]
     return error
+
+
+def _picker(columns: list[int]):
+    """The row's fields in `columns`' order, "" for a column the file lacks (-1)."""
+    def pick(raw):
+        return tuple(raw[i] if i >= 0 else "" for i in columns)
+    return pick
 
 
 def _json_row(row: list[str]) -> str:

@@ -6,6 +6,13 @@ BSE), commodity derivatives (MCX; NCDEX's agricultural contracts) and BSE's SENS
 options. Those choices draw on a random stream of their own, so the rest of a seed's day is
 the day it always was; e-mail addresses are only on reserved domains, so nothing can reach a
 real person. Some names carry Typst syntax and non-Latin scripts on purpose.
+
+On an expiry day (a Thursday NSE trades: synth's equity derivatives expire on Thursdays) a
+share of clients (SETTLE_SHARE) also have expiring positions settled: index options exercised
+(the holder's) or assigned (the writer's), stock futures and options going to delivery, rows of
+settlement_type EX, AS and DL after their trades, from a stream and number range of their own:
+the day's other rows are those of any other day of the seed, and trades.csv has the
+settlement_type column only on such a day (every other day's files are as they were).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from pipeline.day import bhavcopy, trading_calendar
-from pipeline.day.dumps import CLIENT_FIELDS, REFERENCE_FILE, TRADE_FIELDS
+from pipeline.day.dumps import CLIENT_FIELDS, REFERENCE_FILE, TRADE_COLUMNS, TRADE_FIELDS
 from pipeline.record import keys
 
 STATES = [
@@ -54,6 +61,8 @@ COMMODITIES = [
     ("DHANIYA", "NCDEX", 7500, 50, "Y", False),  # per quintal, a 5 t lot
 ]
 MIXED_TRADES = 0.3  # of a mixed client's trades, the share in the other segments
+SETTLE_SHARE = 0.1  # on an expiry day, the clients whose expiring positions are settled
+SETTLE_NUMBERS = 5 * 10**15  # settlement rows' order and trade numbers start here: synth's trades' never reach it
 
 
 @dataclass
@@ -74,8 +83,10 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
     clients_path, trades_path = out / "clients.csv", out / "trades.csv"
     contracts: dict[tuple, str] = {}
     day = _Day(opts.trade_date, opts.holidays_file, random.Random(opts.seed + 104_729))
+    expiry = expiry_day(day)
+    settling, settle_numbers = random.Random(opts.seed + 15_485_863), _Numbers(None, SETTLE_NUMBERS)
     with clients_path.open("w", newline="") as cf, trades_path.open("w", newline="") as tf:
-        clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_FIELDS)
+        clients, trades = csv.writer(cf), csv.DictWriter(tf, TRADE_COLUMNS if expiry else TRADE_FIELDS)
         clients.writerow(CLIENT_FIELDS)
         trades.writeheader()
         counter = _Numbers(rng)
@@ -89,6 +100,8 @@ def write_dumps(out: Path, opts: SynthOptions) -> tuple[Path, Path]:
             mix = mixing if drawn or (opts.volatile and i == 0 and opts.segment_share > 0) else None
             rows = day.held(_trades(rng, opts.trade_date, ucc, n, counter, mix))
             _note_contracts(rows, contracts)
+            if expiry and settling.random() < SETTLE_SHARE:  # valued at their own settlement price: no bhavcopy row
+                rows += _settlements(settling, opts.trade_date, ucc, settle_numbers)
             trades.writerows(rows)
     with (out / bhavcopy.FILE).open("w", newline="") as f:
         _write_bhavcopy(f, opts.trade_date, contracts)
@@ -202,10 +215,11 @@ def _client(rng: random.Random, ucc: str, i: int) -> list[str]:
 
 
 class _Numbers:
-    """16-digit order and trade numbers, some with leading zeros (they are strings)."""
+    """16-digit order and trade numbers, some with leading zeros (they are strings); `start`: a
+    range of their own (settlement rows'), drawing nothing from `rng`."""
 
-    def __init__(self, rng: random.Random):
-        self.next = rng.randrange(10**14)
+    def __init__(self, rng: random.Random | None, start: int | None = None):
+        self.next = rng.randrange(10**14) if start is None else start
 
     def take(self) -> str:
         self.next += 7
@@ -311,6 +325,43 @@ def _bse_index_option(rng: random.Random, date: dt.date) -> dict:
     return dict(exchange="BSE", segment="FO", symbol=symbol, instrument="OPTIDX", expiry=expiry, strike=str(strike),
                 option_type=rng.choice(["CE", "PE"]), product="NRML", quantity=str(lot * rng.randrange(1, 5)),
                 price=_price(rng, spot * 0.005))
+
+
+def expiry_day(day: "_Day") -> bool:
+    """Synth's equity derivatives expire on Thursdays (_derivative): on one NSE trades, expiring
+    positions settle."""
+    return day.date.weekday() == 3 and "NSE" in day.open
+
+
+def _settlements(rng: random.Random, date: dt.date, ucc: str, numbers: "_Numbers") -> list[dict]:
+    """One to three of a client's positions expiring today, settled: an index option in the money
+    exercised (side B, its holder) or assigned (side S, its writer), a stock future or option
+    going to delivery (B takes it, S gives it). The price is the settlement price."""
+    rows = []
+    for _ in range(rng.randrange(1, 4)):
+        row = dict.fromkeys(TRADE_COLUMNS, "")
+        row.update(trade_date=date.isoformat(), exchange="NSE", segment="FO", ucc=ucc, order_no=numbers.take(),
+                   trade_no=numbers.take(), order_time="15:30:00", trade_time="15:30:00", expiry=date.isoformat(),
+                   product="NRML", status="11", settlement_no=f"FO{date:%Y}{date.timetuple().tm_yday:03d}")
+        kind = rng.random()
+        if kind < 0.6:
+            symbol, spot, lot = rng.choice(INDICES)
+            step, isin, instrument = 100, "", "OPTIDX"
+            settlement = rng.choice(["EX", "AS"])
+            side = "B" if settlement == "EX" else "S"
+        else:
+            symbol, isin, spot = rng.choice(EQUITIES)
+            lot, step, settlement, side = 250, 20, "DL", rng.choice("BS")
+            instrument = "FUTSTK" if kind < 0.85 else "OPTSTK"
+        price = _price(rng, spot)
+        row.update(symbol=symbol, isin=isin, instrument=instrument, side=side, price=price, settlement_type=settlement,
+                   quantity=str(lot * rng.randrange(1, 5)))
+        if instrument.startswith("OPT"):  # in the money at the settlement price: a strike below it for a call
+            option_type, below = rng.choice(["CE", "PE"]), int(Decimal(price)) // step * step
+            strike = below - step * rng.randrange(1, 6) if option_type == "CE" else below + step * rng.randrange(1, 6)
+            row.update(strike=str(strike), option_type=option_type)
+        rows.append(row)
+    return rows
 
 
 def _evening(rng: random.Random, date: dt.date) -> dict:

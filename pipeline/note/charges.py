@@ -38,7 +38,7 @@ from operator import attrgetter
 from heapq import nlargest
 from pathlib import Path
 
-from pipeline.day.dumps import DERIVATIVES, Trade, contract_id
+from pipeline.day.dumps import ASSIGNMENT, DELIVERY, DERIVATIVES, EXERCISE, TRADE, Trade, contract_id
 
 RUPEE = Decimal("1")
 PAISA = Decimal("0.01")
@@ -47,6 +47,15 @@ RATES_FILE = Path(__file__).parent / "data" / "rates.json"
 LEVY_FIELDS = ("brokerage", "stt", "txn", "sebi", "stamp", "ipft", "cgst", "sgst", "igst", "ctt")
 # The derivatives segments' categories are named apart: each has its own rates in every table
 KINDS = {"FO": "", "CDS": "currency_", "COM": "commodity_"}
+# An exercise or assignment is taxed on its intrinsic value, a delivery on the delivery's value, at
+# rates of their own (docs/input.md): each is a category of its own in every table, so a schedule
+# that lacks one stops the note rather than charge it as a trade
+SETTLED = {EXERCISE: "options_exercise", ASSIGNMENT: "options_assignment"}
+EQUITY_DELIVERY = "physical_delivery"  # stock futures and options settled by delivery (FO)
+# A settlement row's brokerage: the tariff's own entry, else none (an exercise, assignment or
+# delivery is no order the client placed); docs/input.md says why
+SETTLEMENT_TARIFF = "settlement"
+NO_BROKERAGE = {"flat": "0"}
 
 
 def rupees(x: Decimal) -> Decimal:
@@ -137,9 +146,34 @@ class Charges:
 
 
 def category(trade: Trade) -> str:
+    return _traded_category(trade) if trade.settlement == TRADE else settled_category(trade)
+
+
+def _traded_category(trade: Trade) -> str:
+    """A trade's category (not a settlement row's: the callers that loop over trades have asked)."""
     if trade.segment == "CM":
         return "delivery" if trade.product == "CNC" else "intraday"
     return KINDS[trade.segment] + ("futures" if trade.instrument.startswith("FUT") else "options")
+
+
+def settled_category(trade: Trade) -> str:
+    """options_exercise, currency_options_assignment ...; physical_delivery (stock F&O),
+    commodity_delivery (a commodity future), commodity_options_delivery (an option on one)."""
+    if trade.settlement != DELIVERY:
+        return KINDS[trade.segment] + SETTLED[trade.settlement]
+    if trade.segment == "FO":
+        return EQUITY_DELIVERY
+    return "commodity_" + ("options_delivery" if trade.instrument.startswith("OPT") else "delivery")
+
+
+def party(trade: Trade) -> str:
+    """Which side a tax charged on "buy" falls on: a trade's buyer; for a settlement row, the
+    option's holder (its purchaser, who exercised: EX rows are the holder's, B) and, on a
+    delivery, a future's side taking delivery. A delivered call's holder takes delivery (B), a
+    delivered put's holder gives it (S)."""
+    if trade.settlement != DELIVERY or not trade.instrument.startswith("OPT"):
+        return trade.side
+    return "B" if (trade.option_type == "CE") == (trade.side == "B") else "S"
 
 
 def segment_of(trade: Trade) -> str:
@@ -211,8 +245,8 @@ def carry_forward(trades: list[Trade]) -> list[CarryForward]:
     """Each futures contract's open position at the end of the day, closed at its settlement price."""
     net: dict[tuple, int] = defaultdict(int)
     first: dict[tuple, Trade] = {}
-    for t in trades:
-        if t.segment in DERIVATIVES and t.instrument.startswith("FUT"):
+    for t in trades:  # a future going to delivery is its DL row's, not a position carried
+        if t.segment in DERIVATIVES and t.instrument.startswith("FUT") and t.settlement == TRADE:
             contract = contract_id(t)
             net[contract] += t.quantity if t.side == "B" else -t.quantity
             first.setdefault(contract, t)
@@ -235,7 +269,7 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     shares = charges.brokerage_share
     for t in trades:
         key = t.key
-        by_segment[t.exchange_segment].append((key, (t.turnover if t.side == "S" else -t.turnover) - shares[key]))
+        by_segment[t.exchange_segment].append((key, (t.turnover if t.flow == "S" else -t.turnover) - shares[key]))
     for i, c in enumerate(charges.carried):
         by_segment[segment_of(c.trade)].append((("C/F", i), c.value))
     rounded: dict[tuple, Decimal] = {}
@@ -256,13 +290,13 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
 def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage: Decimal, rates: dict,
                     intra_state: bool) -> Levies:
     """`brokerage`: the fees of the segment's orders (compute sums them as it makes them)."""
-    buys = sum((t.turnover for t in trades if t.side == "B"), Decimal(0))
-    sells = sum((t.turnover for t in trades if t.side == "S"), Decimal(0))
+    buys = sum((t.turnover for t in trades if t.flow == "B"), Decimal(0))  # what the client pays ...
+    sells = sum((t.turnover for t in trades if t.flow == "S"), Decimal(0))  # ... and is paid
     carry = sum((c.value for c in carried), Decimal(0))
     stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
-    for (cat, exchange, group, agri, side), value in _turnover_by_kind(trades, rates).items():
-        stt += value * _tax_rate(rates, "stt", cat, side)
-        ctt += Decimal(0) if agri else value * _tax_rate(rates, "ctt", cat, side)
+    for (cat, exchange, group, agri, side), value, at_price, payer in _turnover_by_kind(trades, rates):
+        stt += _tax(rates, "stt", cat, payer, value, at_price)
+        ctt += Decimal(0) if agri else _tax(rates, "ctt", cat, payer, value, at_price)
         if side == "B":
             stamp += value * _rate(rates, "stamp", cat)
         txn += value * (Decimal(rates["txn_groups"][exchange][group][cat]) if group else
@@ -284,17 +318,35 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
 
-def _turnover_by_kind(trades: list[Trade], rates: dict) -> dict[tuple[str, str, str, bool, str], Decimal]:
+def _turnover_by_kind(trades: list[Trade], rates: dict) -> list[tuple[tuple, Decimal, Decimal, str]]:
     """Turnover summed by what decides its rates (category, exchange, transaction-charge group,
     agricultural, side): each rate is then applied once to an exact sum, and a levy is the same
-    whatever the trades' order."""
-    sums: dict[tuple[str, str, str, bool, str], Decimal] = defaultdict(Decimal)
+    whatever the trades' order. Each sum with its base at the settlement price and the side its
+    taxes fall on (party): a trade's are its turnover and side; a settlement row's the units at
+    its settlement price (an exercise's whole underlying value, where a tax's rule says so) and
+    party(), summed apart so that the trades' loop is what it was before settlement rows came."""
+    sums: dict[tuple, Decimal] = defaultdict(Decimal)
+    settled: dict[tuple, list[Decimal]] = {}
     groups = rates.get("txn_groups") or {}
     for t in trades:
-        cat = category(t)
+        if t.settlement != TRADE:
+            cat = settled_category(t)
+            group = _txn_group(groups, t, cat) if t.exchange in groups else ""
+            both = settled.setdefault((cat, t.exchange, group, t.agri == "Y", t.side, party(t)), [Decimal(0)] * 2)
+            both[0] += t.turnover
+            both[1] += _at_price(t)
+            continue
+        cat = _traded_category(t)
         group = _txn_group(groups, t, cat) if t.exchange in groups else ""
         sums[(cat, t.exchange, group, t.agri == "Y", t.side)] += t.turnover
-    return sums
+    kinds = [(key, value, value, key[4]) for key, value in sums.items()]
+    return kinds + [(key[:5], value, at_price, key[5]) for key, (value, at_price) in settled.items()]
+
+
+def _at_price(t: Trade) -> Decimal:
+    """A settlement row's units at its settlement price, in rupees."""
+    value = t.price * t.quantity * t.multiplier
+    return value if t.fx is None else value * t.fx
 
 
 def _txn_group(groups: dict, t: Trade, cat: str) -> str:
@@ -306,14 +358,20 @@ def _txn_group(groups: dict, t: Trade, cat: str) -> str:
     return ""
 
 
-def _tax_rate(rates: dict, tax: str, cat: str, side: str) -> Decimal:
-    """STT or CTT on this side of a trade of `cat`: a category the tax does not name pays none
-    (currency derivatives pay neither; equity no CTT, commodities no STT)."""
+def _tax(rates: dict, tax: str, cat: str, side: str, value: Decimal, at_price: Decimal) -> Decimal:
+    """STT or CTT on this side of a trade of `cat`, exact: a category the tax does not name pays
+    none (currency derivatives pay neither; equity no CTT, commodities no STT). `side`: party();
+    a rule is [rate, sides] or [rate, sides, "settlement_price"]: sides both, sell, or buy (an
+    exercised option's tax, on its purchaser); the third, the base is the units at the settlement
+    price (CTT on an exercised commodity option: the Finance Act 2013's "settlement price", s. 118),
+    not the row's value (STT's: the intrinsic value, since the Finance (No. 2) Act 2019)."""
     rule = rates.get(tax, {}).get(cat)
     if rule is None:
         return Decimal(0)
-    rate, sides = rule
-    return _decimal(rate) if sides == "both" or (sides == "sell" and side == "S") else Decimal(0)
+    sides = rule[1]
+    if not (sides == "both" or (sides == "sell" and side == "S") or (sides == "buy" and side == "B")):
+        return Decimal(0)
+    return (at_price if rule[2:] == ["settlement_price"] else value) * _decimal(rule[0])
 
 
 def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal:
@@ -329,8 +387,11 @@ def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal
 def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
     """The tariff's rule for the order's category; a currency or commodity category the tariff
     does not name takes its futures or options rule."""
-    cat = category(order[0])
-    rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
+    if order[0].settlement != TRADE:  # never a trading category's rule (physical_delivery is no delivery trade)
+        rule = tariff.get(SETTLEMENT_TARIFF) or NO_BROKERAGE
+    else:
+        cat = _traded_category(order[0])
+        rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
         return _flat_fee(rule["flat"])
     turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))

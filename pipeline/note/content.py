@@ -23,7 +23,7 @@ from itertools import groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
-from pipeline.day.dumps import CROSS_PAIRS, Client, Trade
+from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, TRADE, Client, Trade, intrinsic
 from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
 
 ROWS_FIRST_PAGE = 46
@@ -66,6 +66,8 @@ LEVY_LINES = [
 CTT_LINE = "Commodities transaction tax"  # printed only on a note with commodity trades
 SEGMENT_NAMES = {"CDS": "currency derivatives", "COM": "commodity derivatives"}
 NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange whose holidays we lack
+# A settlement row's remark, and the order its kind's lines follow a section's trades and C/F lines in
+SETTLEMENT_REMARKS = {"EX": "Exercise", "AS": "Assignment", "DL": "Delivery"}
 
 
 def money(amount: Decimal, places: int = 2) -> str:
@@ -222,16 +224,24 @@ def _heading_rows(headings: int) -> int:
 
 def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[str, ...]]]:
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
-    C/F lines after its trades."""
+    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
     totals, carried_totals = net_totals(trades, charges)
     rows = []
     key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
     for (segment, settlement), group in groupby(trades, key=key):
         label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
-        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in group]
+        group = list(group)
+        traded = [t for t in group if t.settlement == TRADE]
+        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in traded]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
+        if len(traded) < len(group):  # exercises, then assignments, then deliveries, each in the trades' order
+            settled = sorted((t for t in group if t.settlement != TRADE), key=lambda t: _KIND_ORDER[t.settlement])
+            rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in settled]
     return rows
+
+
+_KIND_ORDER = {kind: i for i, kind in enumerate(SETTLEMENT_REMARKS)}
 
 
 def _segment_title(segment: str) -> str:
@@ -262,6 +272,21 @@ def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, 
 
 _CELL_FIELDS = attrgetter("order_no", "order_time", "trade_no", "trade_time", "side", "quantity", "price", "product",
                           "status", "close")  # one call for the ten
+
+
+def _settled_cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
+    """An exercise, assignment or delivery: the Gross Rate column holds the settlement price, and
+    the Net Rate the value a unit it settles at (an option's intrinsic value; a delivery's price:
+    a future's settlement price, an option's strike) less or plus the brokerage a unit, so that
+    Net Rate x quantity x multiplier is the Net Total, as on a trade's row."""
+    if t.settlement == DELIVERY:
+        rate = Decimal(t.strike) if t.instrument.startswith("OPT") else t.price
+    else:
+        rate = intrinsic(t)
+    net_rate = rate + brokerage_unit if t.flow == "B" else rate - brokerage_unit
+    return (t.order_no, t.order_time, t.trade_no, t.trade_time, _describe(t), t.side, str(t.quantity),
+            money(t.price, 4), money(brokerage_unit, 4), money(net_rate, 4), "", money(net_total),
+            SETTLEMENT_REMARKS[t.settlement])
 
 
 def _carried_cells(c: CarryForward, net_total: Decimal) -> tuple[str, ...]:
