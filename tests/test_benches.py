@@ -41,3 +41,10 @@ def smoke(bench: str, *more: str) -> list[dict]:
 def test_the_mail_bench_measures_dkim_signing_with_dkim():
     result = smoke("mail.py", "--dkim")[-1]
     assert result["dkim_sign_cpu_ms_per_mail"] > 0 and result["dkim_client_cpu_ms_per_mail"] > 0
+
+
+def test_the_first_note_bench_times_a_run_joining_a_running_ray_beside_a_baseline_tree():
+    """`scale.py --first-note-only --running --baseline TREE` (issue 73's first note on a running
+    Ray): both sides reach the relay; this tree stands in as its own baseline."""
+    result = smoke("scale.py", "--first-note-only", "--running", "--baseline", ROOT)[-1]
+    assert 0 < result["first_note_s_running_large"] and 0 < result["first_note_s_baseline"]
