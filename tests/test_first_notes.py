@@ -15,6 +15,7 @@ from pipeline import credentials
 from pipeline.cluster import first_notes
 from pipeline.cluster.driver import Chain, RunRequest, _fail_chain, _first_notes_done, run_day
 from pipeline.day.split import first_accounts, make_plan, split_day
+from pipeline.note.content import ROWS_PER_PAGE
 from pipeline.record import keys
 from pipeline.record.lease import held
 from pipeline.record.manifest import load_manifest
@@ -116,6 +117,34 @@ def test_a_run_whose_driver_died_after_its_first_notes_resumes_with_their_number
     assert {u: shard[u]["note_no"] for u in early.numbers.result()} == early.numbers.result()
     numbers = [a["note_no"] for s in load_manifest(store, run_id).shards for a in _shard_file(settings, run_id, s).values()]
     assert len(numbers) == len(set(numbers)) == summary["accounts"]
+
+
+def test_a_heavy_account_among_the_first_is_left_to_its_shard_s_chain_and_mailed_once(settings, day, smtp_sink,
+                                                                                        ray_session):
+    """The first notes are rendered whole in the driver: a client with pages of trades among
+    them (a 60,000-trade client is often the first of clients.csv) would hold them back and
+    cost the driver the note's memory. It goes to its shard's chain, rendered in page ranges."""
+    inputs = open_store(str(day))
+    _, chosen = first_accounts(inputs, make_plan(inputs, TRADE_DATE, settings.shard_size, parts=2), TRADE_DATE, 4)
+    heavy = chosen[0][0]
+    lines = (day / "trades.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    ucc_at, trade_at = header.index("ucc"), header.index("trade_no")
+    own = [line.split(",") for line in lines[1:] if line.split(",")[ucc_at] == heavy]
+    more = []
+    for i in range(5 * ROWS_PER_PAGE // len(own) + 1):  # five pages of trades
+        for cols in own:
+            cols = list(cols)
+            cols[trade_at] = f"{8 * 10**15 + i * 1000 + len(more):016d}"
+            more.append(",".join(cols))
+    (day / "trades.csv").write_text("\n".join(lines + more) + "\n")
+
+    summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
+
+    numbers = first_notes.recorded(open_store(settings.store_url), summary["run_id"])["numbers"]
+    assert heavy not in numbers and set(numbers) == {u for u, _, _ in chosen[1:]}
+    mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
+    assert len(mailed) == len(set(mailed)) == summary["delivered"] == summary["accounts"] and heavy in mailed
 
 
 def test_first_notes_whose_thread_failed_leave_each_account_failed_or_unconfirmed_never_pending(settings):
