@@ -433,9 +433,11 @@ def _wanted_rows(inputs: Store, rng: Range, wanted: Container[str],
             for n, row in _rows(reader, counted):
                 yield n, row
             break
+        row, at = n, 0  # the rows before `at`, counted a stretch at a time (not from the chunk's top each time)
         for start in sorted({whole.rfind(b"\n", 0, hit) + 1 for needle in needles for hit in _finds(whole, needle)}):
+            row, at = row + whole.count(b"\n", at, start), start
             end = whole.find(b"\n", start) + 1 or len(whole)
-            yield n + whole.count(b"\n", 0, start) + 1, next(csv.reader([whole[start:end].decode("utf-8", "surrogateescape")]))
+            yield row + 1, next(csv.reader([whole[start:end].decode("utf-8", "surrogateescape")]))
         n += whole.count(b"\n") + (whole[-1:] not in (b"\n", b""))
     yield n, None
 
