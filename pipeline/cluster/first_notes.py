@@ -43,8 +43,8 @@ from pipeline.stages import Batch, broker, mail_context, mail_stage, render_stag
 log = logging.getLogger("pipeline.cluster.first_notes")
 COUNT = 4
 # A heavy account is left to its shard's chain, where a huge note is rendered in page ranges in
-# parallel: one among the first notes was rendered whole in this thread (a 60,000-trade client:
-# ~20 CPU-s, the first notes last, and 2,000 accounts' day 30% longer on a running Ray)
+# parallel: among the first notes (a 60,000-trade client is often the first of clients.csv) its
+# 921 pages were rendered whole in this thread, and the other first notes waited on them
 MAX_TRADES = 4 * ROWS_PER_PAGE
 MAX_INPUT_BYTES = 128 << 20  # read for a few accounts at ~55 MB/s here (a 20,000-account day, 63 MB: 1.1 s):
 # up to ~2.4 s, still well before a cold run's first chain could mail
