@@ -97,7 +97,7 @@ def test_with_every_actor_lost_there_is_none_to_take():
         p.take()
 
 
-def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_stops_a_role_left_empty():
+def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_stops_a_role_left_empty(caplog):
     from pipeline.cluster.capacity import CapacityError
     from pipeline.cluster.fleet import PREEMPTED, Fleet, NodeView
 
@@ -112,6 +112,9 @@ def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_
     assert mailers.actors == ["actor-0"] and fleet.counts() == {"lost": 1, "drained": 1, "actors_lost": 1}
     fleet.check(NodeView(frozenset(), frozenset(), {}, {"old": 2, "b": 2, "r": PREEMPTED, "a": 2}))
     assert fleet.counts() == {"lost": 2, "drained": 1, "actors_lost": 2}, "a drained node's end is no loss"
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "drained (a spot notice)" in m] == ["node(s) r drained (a spot notice): no new work goes there"]
+    assert sum("lost: their actors are dropped" in m for m in said) == 2, said
     now[0] = 59
     fleet.check(NodeView(frozenset(), frozenset(), {}, {}))
     now[0] = 61
