@@ -45,12 +45,13 @@ if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
 # Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud), the relays held to their rates (mostly waiting on the rates) and the benchmarks' smoke
-# runs (each a process of its own, with its own Ray), and the days that lose nodes (each a
-# process of its own too): with every segment's days and the documents' commands in the rest,
-# the rest took 33.5 minutes and this session 27.7 (both on a loaded machine), so the node
-# losses (3.2 minutes) moved here
-side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py)
+# cloud), the relays held to their rates (mostly waiting on the rates), the benchmarks' smoke
+# runs (each a process of its own, with its own Ray), the days that lose nodes (each a process
+# of its own too) and the faults' days (mostly waiting on a relay down, a driver killed). With the
+# three cloud losses on one cluster this session took ~21 minutes and the rest ~24 (25m36s wall
+# before), so the faults' ~2.5 minutes moved here
+side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py
+      tests/test_faults.py)
 cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
 cloud=$!
