@@ -7,6 +7,16 @@
                           2000 pages: parsing, charges, note data, page ranges rendered in
                           parallel on local Ray, merge (the render task's note_data and render_notes)
   pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work
+  pages_2000_range_task_s, pages_2000_range_tasks_sum_s, pages_2000_submit_s, pages_2000_merge_s
+                          its page ranges' tasks (fastest and slowest, all together), the
+                          ranges cut and handed to Ray, the merge: the parts of the one below
+  pages_2000_on_render_node_s
+                          the same note's wall seconds projected on one render node of
+                          cluster.yaml (its `render` slots) from this run's own times: the data
+                          built (one process), the ranges cut and handed to Ray (until the last is
+                          asked for), each range's task as Ray's task events time it (in the order
+                          Ray was given them, each to the first free slot, from the last one asked
+                          for: an overestimate), the merge
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
                           the same notes through bench/baseline_table.typ
@@ -140,7 +150,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=2000, help="the huge note's pages (0: not rendered)")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # one row, in a process of its own
-    args = measured.with_smoke(parser, {"pages": 0, "turns": 1})
+    args = measured.with_smoke(parser, {"pages": 120, "turns": 1})  # 120: past PARALLEL_FROM_PAGES, in ranges
     if args.row:
         print(one_row(args.row))
         return
@@ -173,12 +183,12 @@ def huge(pages: int) -> dict:
     import psutil
     import ray
 
-    from pipeline.cluster.driver import render_notes
+    from pipeline.cluster.driver import RANGE_PAGES, render_notes
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
-    ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
+    ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})  # the dashboard: Ray's task events, for the tasks' times
     warm = ray.remote(num_cpus=1, resources={"render": 1})(lambda: render(note_for(trades(3, 1), 1)) and None)
     ray.get([warm.remote() for _ in range(cores)])
     peak, stop = {"kb": 0}, threading.Event()
@@ -199,12 +209,16 @@ def huge(pages: int) -> dict:
     started = time.perf_counter()
     note = note_data({"trades": rows, "note_no": "CNT-26/27-0000001"}, CLIENT, TRADE_DATE,
                      trading_calendar.settlement_dates(TRADE_DATE))
-    built = time.perf_counter()
+    built, built_epoch = time.perf_counter(), time.time()
     [pdf] = render_notes([note])
-    finished = time.perf_counter()
+    finished, finished_epoch = time.perf_counter(), time.time()
     stop.set()
     sampler.join()
+    ranges = _range_tasks(-(-note["total_pages"] // RANGE_PAGES))
     ray.shutdown()
+    slots = render_node_slots()
+    submit_s = max(asked for asked, _, _ in ranges) - built_epoch  # the ranges cut from the note and handed to Ray
+    merge_s = finished_epoch - max(end for _, _, end in ranges)
     return {
         "pages_2000_pages": _pages(pdf),
         "pages_2000_wall_s": round(finished - started, 2),
@@ -212,7 +226,50 @@ def huge(pages: int) -> dict:
         "pages_2000_render_merge_s": round(finished - built, 2),
         "pages_2000_pdf_mb": round(len(pdf) / 2**20, 1),
         "pages_2000_peak_rss_mb": round(peak["kb"] / 1024),
+        "pages_2000_range_tasks": len(ranges),
+        "pages_2000_range_task_s": [round(min(e - b for _, b, e in ranges), 2),
+                                    round(max(e - b for _, b, e in ranges), 2)],
+        "pages_2000_range_tasks_sum_s": round(sum(e - b for _, b, e in ranges), 2),
+        "pages_2000_submit_s": round(submit_s, 2),
+        "pages_2000_merge_s": round(merge_s, 2),
+        "render_node_slots": slots,
+        "pages_2000_on_render_node_s": round(built - started + submit_s
+                                             + _makespan([e - b for _, b, e in ranges], slots) + merge_s, 2),
     }
+
+
+def _range_tasks(expected: int) -> list[tuple[float, float, float]]:
+    """(asked, started, ended) in epoch seconds of each of the `expected` "render pages" tasks, in
+    the order Ray was given them, from Ray's task events (flushed about once a second)."""
+    from ray.util.state import list_tasks
+
+    for _ in range(30):
+        tasks = list_tasks(filters=[("name", "=", "render pages"), ("state", "=", "FINISHED")], limit=10_000,
+                           detail=True, raise_on_missing_output=False)
+        if len(tasks) == expected and all(t.start_time_ms and t.end_time_ms for t in tasks):
+            break
+        time.sleep(0.5)
+    else:
+        raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' times")
+    return [(t.creation_time_ms / 1000, t.start_time_ms / 1000, t.end_time_ms / 1000)
+            for t in sorted(tasks, key=lambda t: t.creation_time_ms)]
+
+
+def render_node_slots() -> int:
+    """The render slots of cluster.yaml's render node type (one render task per slot)."""
+    import yaml
+
+    types = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"].values()
+    return max(int(t.get("resources", {}).get("render", 0)) for t in types)
+
+
+def _makespan(durations: list[float], slots: int) -> float:
+    """When the last task ends with `slots` of them at a time, each task to the first free slot."""
+    free = [0.0] * slots
+    for d in durations:
+        free.sort()
+        free[0] += d
+    return max(free)
 
 
 def _pages(pdf: bytes) -> int:
