@@ -214,7 +214,7 @@ def huge(pages: int) -> dict:
     finished, finished_epoch = time.perf_counter(), time.time()
     stop.set()
     sampler.join()
-    ranges = _range_tasks(-(-note["total_pages"] // RANGE_PAGES))
+    ranges = _range_tasks(-(-note["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
     slots = render_node_slots()
     submit_s = max(asked for asked, _, _ in ranges) - built_epoch  # the ranges cut from the note and handed to Ray
@@ -238,13 +238,14 @@ def huge(pages: int) -> dict:
     }
 
 
-def _range_tasks(expected: int) -> list[tuple[float, float, float]]:
+def _range_tasks(expected: int, address: str) -> list[tuple[float, float, float]]:
     """(asked, started, ended) in epoch seconds of each of the `expected` "render pages" tasks, in
-    the order Ray was given them, from Ray's task events (flushed about once a second)."""
+    the order Ray was given them, from the task events (flushed about once a second) of the Ray at
+    `address`: this bench's own, not another on the machine."""
     from ray.util.state import list_tasks
 
     for _ in range(30):
-        tasks = list_tasks(filters=[("name", "=", "render pages"), ("state", "=", "FINISHED")], limit=10_000,
+        tasks = list_tasks(address, filters=[("name", "=", "render pages"), ("state", "=", "FINISHED")], limit=10_000,
                            detail=True, raise_on_missing_output=False)
         if len(tasks) == expected and all(t.start_time_ms and t.end_time_ms for t in tasks):
             break
