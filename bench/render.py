@@ -11,9 +11,9 @@
                           its page ranges' tasks (fastest and slowest, all together), the
                           ranges cut and handed to Ray, the merge: the parts of the one below
   pages_2000_on_render_node_s
-                          the same note's wall seconds projected on one render node of
-                          cluster.yaml (its `render` slots) from this run's own times: the data
-                          built (one process), the ranges cut and handed to Ray (until the last is
+                          the same note's wall seconds projected on one render node (plan's
+                          c6a.8xlarge, cluster.yaml's: 32 render slots) from this run's own
+                          times: the data built (one process), the ranges cut and handed to Ray (until the last is
                           asked for), each range's task as Ray's task events time it (in the order
                           Ray was given them, each to the first free slot, from the last one asked
                           for: an overestimate), the merge
@@ -184,6 +184,7 @@ def huge(pages: int) -> dict:
     import ray
 
     from pipeline.cluster.driver import RANGE_PAGES, render_notes
+    from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
@@ -216,7 +217,7 @@ def huge(pages: int) -> dict:
     sampler.join()
     ranges = _range_tasks(-(-note["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
-    slots = render_node_slots()
+    slots = RENDER.vcpus  # one render task a vCPU, as the render node type's `render` resources say
     submit_s = max(asked for asked, _, _ in ranges) - built_epoch  # the ranges cut from the note and handed to Ray
     merge_s = finished_epoch - max(end for _, _, end in ranges)
     return {
@@ -254,14 +255,6 @@ def _range_tasks(expected: int, address: str) -> list[tuple[float, float, float]
         raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' times")
     return [(t.creation_time_ms / 1000, t.start_time_ms / 1000, t.end_time_ms / 1000)
             for t in sorted(tasks, key=lambda t: t.creation_time_ms)]
-
-
-def render_node_slots() -> int:
-    """The render slots of cluster.yaml's render node type (one render task per slot)."""
-    import yaml
-
-    types = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"].values()
-    return max(int(t.get("resources", {}).get("render", 0)) for t in types)
 
 
 def _makespan(durations: list[float], slots: int) -> float:

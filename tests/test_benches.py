@@ -26,7 +26,9 @@ def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
     result = smoke(bench)[-1]
     assert isinstance(result, dict)
     if bench == "render.py":  # its huge note in page ranges, and their times projected on a render node
-        assert result["pages_2000_range_tasks"] == -(-result["pages_2000_pages"] // 25) >= 2, result
+        from pipeline.cluster.driver import RANGE_PAGES
+
+        assert result["pages_2000_range_tasks"] == -(-result["pages_2000_pages"] // RANGE_PAGES) >= 2, result
         assert 0 < result["pages_2000_on_render_node_s"] < result["pages_2000_wall_s"], result
 
 

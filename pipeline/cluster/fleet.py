@@ -131,10 +131,10 @@ class Fleet:
                         ", ".join(sorted(n[:12] for n in gone)))
             for pool in self.pools:
                 pool.lose_nodes(gone)
-        if drained - self.drained:  # the laptop's `watch` shows it: a node going, the day not failing
+        if newly := drained - self.drained:  # the laptop's `watch` shows it: a node going, the day not failing
             log.warning("node(s) %s drained (a spot notice): no new work goes there",
-                        ", ".join(sorted(n[:12] for n in drained - self.drained)))
-        metrics.nodes("drained", len(drained - self.drained))
+                        ", ".join(sorted(n[:12] for n in newly)))
+        metrics.nodes("drained", len(newly))
         self.drained |= drained
         lost = (gone | {n for n, why in ended.items() if why not in ENDED_WELL}) - self.drained
         metrics.nodes("lost", len(lost - self.lost_nodes))
