@@ -50,7 +50,7 @@ def test_a_node_s_firewall_holds_each_port_to_its_peers(tmp_path):
     net = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}"
     node, rest = f"cnfw{os.getpid()}n", f"cnfw{os.getpid()}r"
     tried = {52366: "runtime-env agent", 52365: "dashboard agent", 8080: "metrics", 10001: "Ray client",
-             6382: "raylet"}
+             23000: "Ray client's server for a driver", 6382: "raylet"}
     script = tmp_path / "listen.py"
     script.write_text(textwrap.dedent(f"""
         import socket, sys, time

@@ -66,6 +66,8 @@ PORTS = (
          "mutual TLS, then the token"),
     Port(10002, 19999, "every node", CLUSTER, "TLS", "Ray's worker processes (gRPC): each task's and actor's calls",
          "mutual TLS, then the token"),
+    Port(23000, 23999, "head", NODE, "TLS", "Ray client's server for each connected driver (Ray binds them to "
+         "127.0.0.1; the rule holds them there whatever a later Ray binds)", "mutual TLS, then the token"),
     _one(44217, "head", NODE, "HTTP", "the autoscaler's metrics", "none: reachability alone"),
     _one(44227, "head", NODE, "HTTP", "the dashboard's own metrics", "none: reachability alone"),
     _one(52365, "every node", NODE_AND_HEAD, "HTTP", "the dashboard agent: the node's logs; on the head also "
