@@ -25,8 +25,11 @@ counted at its access log), measured in one go and printed as one JSON line:
                            /proc/stat), tail_floor_ratio: the least tail_ratio these cores
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
+  s3_requests_by_kind      those requests by method and what they touched (s3_kinds), e.g.
+                           "PUT delivery-log", "GET shard", "GET trades (ranged)"
 With --first-note-only, only that cold run of the large day, stopped once the relay has kept
 its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
+With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run.
 With --save (and --runs 3 or more), the runs' medians and spread go to
 pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
@@ -184,6 +187,8 @@ def main() -> None:
                         help="only the cold run of the large day, up to its first note at the relay")
     parser.add_argument("--running", action="store_true",
                         help="with --first-note-only: the run joins a Ray the bench started (as on a cluster)")
+    parser.add_argument("--s3-only", action="store_true",
+                        help="only the small day's run on S3: its requests a note, by kind")
     parser.add_argument("--baseline", metavar="TREE",
                         help="with --first-note-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
@@ -192,6 +197,8 @@ def main() -> None:
 def once(args) -> dict:
     if args.first_note_only:
         return first_note_only(args)
+    if args.s3_only:
+        return s3_only(args)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
@@ -295,6 +302,27 @@ def first_note_only(args) -> dict:
     return out
 
 
+def s3_only(args) -> dict:
+    """The S3 run as once() makes it (the small day, a cold run starting Ray itself), alone."""
+    if args.save:
+        raise SystemExit("--s3-only measures one figure of the bench: nothing to --save")
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        write_dumps(work / "small", SynthOptions(dt.date.fromisoformat(DATE), args.small, args.seed))
+        key, cert, root = make_test_certificate(work / "keys")
+        redis = start_redis(work / "redis")
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+        s3 = start_versitygw(work / "s3")
+        try:
+            env = run_env(redis.url, smtp.url, key, cert, root)
+            return {"accounts_small": args.small,
+                    **s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log")}
+        finally:
+            s3.stop()
+            smtp.stop()
+            redis.stop()
+
+
 def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str) -> float:
     """Seconds from `run`'s start to the relay's first new message; the run is then ended."""
     with tempfile.TemporaryFile("w+") as err:
@@ -325,16 +353,37 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
         client.create_bucket(Bucket=bucket)
     for f in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         client.upload_file(str(day / f), "cn-input", f"day/{f}")
-    before = _requests(log)
+    before = len(_requests(log))
     summary = run(s3env, "s3://cn-input/day", "scale-s3")
-    notes = summary["delivered_now"]
-    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": _requests(log) - before, "s3_notes": notes,
-            "s3_requests_per_note": round((_requests(log) - before) / max(1, notes), 3)}
+    notes, served = summary["delivered_now"], _requests(log)[before:]
+    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": len(served), "s3_notes": notes,
+            "s3_requests_per_note": round(len(served) / max(1, notes), 3), "s3_requests_by_kind": s3_kinds(served)}
 
 
-def _requests(log: Path) -> int:
+def _requests(log: Path) -> list[list[str]]:
     """versitygw writes one line per request it served: `time | vgw | status | took | ip | method | path | ...`."""
-    return sum(1 for line in log.open(errors="replace") if line.count(" | ") >= 6) if log.exists() else 0
+    if not log.exists():
+        return []
+    return [fields for line in log.open(errors="replace") if len(fields := line.split(" | ")) >= 7]
+
+
+KINDS = (("-signed-pdf/", "note"), ("-delivery-log/", "delivery-log"), ("-contract-notes-data/", "shard"),
+         ("/cn-input/", "input"), ("/reports/", "reports"), ("/logs/", "run-log"))
+
+
+def s3_kinds(served: list[list[str]]) -> dict[str, int]:
+    """Requests by method and what they touched, most first: "PUT note", "GET shard", "GET
+    input", "LIST delivery-log" (a GET of the bucket with a prefix), "HEAD ...". The server's
+    log names no Range, so the input's GETs are its ranged reads and its whole files together."""
+    kinds: dict[str, int] = {}
+    for fields in served:
+        method, path = fields[5].strip(), fields[6].strip()
+        where = path.split("?", 1)
+        what = next((name for part, name in KINDS if part in where[0]), "other")
+        if method == "GET" and (len(where) > 1 and ("prefix=" in where[1] or "list-type" in where[1])):
+            method, what = "LIST", next((name for part, name in KINDS if part.strip("/") in where[1]), what)
+        kinds[f"{method} {what}"] = kinds.get(f"{method} {what}", 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 if __name__ == "__main__":
