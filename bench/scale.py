@@ -26,7 +26,9 @@ counted at its access log), measured in one go and printed as one JSON line:
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
   s3_requests_by_kind      those requests by method and what they touched (s3_kinds), e.g.
-                           "PUT delivery-log", "GET shard", "GET trades (ranged)"
+                           "PUT delivery-log", "GET shard", "GET input"
+  s3_requests_per_note_less_fixed
+                           the same without the run's fixed requests (s3_fixed_requests: _fixed)
 With --first-note-only, only that cold run of the large day, stopped once the relay has kept
 its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
 With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run.
@@ -356,8 +358,10 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
     before = len(_requests(log))
     summary = run(s3env, "s3://cn-input/day", "scale-s3")
     notes, served = summary["delivered_now"], _requests(log)[before:]
+    fixed = sum(1 for fields in served if _fixed(fields))
     return {"first_note_s_cold": summary["first_note_s"], "s3_requests": len(served), "s3_notes": notes,
-            "s3_requests_per_note": round(len(served) / max(1, notes), 3), "s3_requests_by_kind": s3_kinds(served)}
+            "s3_requests_per_note": round(len(served) / max(1, notes), 3), "s3_requests_by_kind": s3_kinds(served),
+            "s3_fixed_requests": fixed, "s3_requests_per_note_less_fixed": round((len(served) - fixed) / max(1, notes), 3)}
 
 
 def _requests(log: Path) -> list[list[str]]:
@@ -367,21 +371,31 @@ def _requests(log: Path) -> list[list[str]]:
     return [fields for line in log.open(errors="replace") if len(fields := line.split(" | ")) >= 7]
 
 
+def _fixed(fields: list[str]) -> bool:
+    """A request the run makes whatever its size (issue 73's "fixed ones"): the reports, the run's
+    log, a HEAD, a listing, a whole input file read (the preflight's and the plan's looks at the
+    dumps, the closing prices). The rest grow with the day: notes, delivery log, shard files and
+    the dumps' ranged reads (206)."""
+    method, path, status = fields[5].strip(), fields[6].strip(), fields[2].strip()
+    return (method == "HEAD" or "/" not in path.strip("/") or "/reports/" in path or "/logs/" in path
+            or ("/cn-input/" in path and status != "206"))
+
+
 KINDS = (("-signed-pdf/", "note"), ("-delivery-log/", "delivery-log"), ("-contract-notes-data/", "shard"),
          ("/cn-input/", "input"), ("/reports/", "reports"), ("/logs/", "run-log"))
 
 
 def s3_kinds(served: list[list[str]]) -> dict[str, int]:
     """Requests by method and what they touched, most first: "PUT note", "GET shard", "GET
-    input", "LIST delivery-log" (a GET of the bucket with a prefix), "HEAD ...". The server's
-    log names no Range, so the input's GETs are its ranged reads and its whole files together."""
+    input", "LIST delivery-log" (a GET of the bucket, its prefix in the query), "HEAD ...". The
+    server's log names no Range: the input's GETs are its ranged reads and whole files together."""
     kinds: dict[str, int] = {}
     for fields in served:
         method, path = fields[5].strip(), fields[6].strip()
-        where = path.split("?", 1)
-        what = next((name for part, name in KINDS if part in where[0]), "other")
-        if method == "GET" and (len(where) > 1 and ("prefix=" in where[1] or "list-type" in where[1])):
-            method, what = "LIST", next((name for part, name in KINDS if part.strip("/") in where[1]), what)
+        query = fields[8].strip() if len(fields) > 8 else ""
+        what = next((name for part, name in KINDS if part in path), "other")
+        if method == "GET" and "/" not in path.strip("/"):  # the bucket's: a listing, its prefix in the query
+            method, what = "LIST", next((name for part, name in KINDS if part.strip("/") in query), "other")
         kinds[f"{method} {what}"] = kinds.get(f"{method} {what}", 0) + 1
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
