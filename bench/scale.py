@@ -31,7 +31,8 @@ counted at its access log), measured in one go and printed as one JSON line:
                            the same without the run's fixed requests (s3_fixed_requests: _fixed)
 With --first-note-only, only that cold run of the large day, stopped once the relay has kept
 its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
-With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run.
+With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run;
+with --baseline TREE too, the same run of that tree's pipeline after ours (figures *_baseline).
 With --save (and --runs 3 or more), the runs' medians and spread go to
 pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
@@ -117,14 +118,16 @@ def attach() -> dict:
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
-def run(env: dict, day: str, run_id: str, outbox: Path | None = None) -> dict:
+def run(env: dict, day: str, run_id: str, outbox: Path | None = None, tree: Path = ROOT) -> dict:
     """`python -m pipeline run`, timed from the command's start; the first note from Redis,
-    and with `outbox` (the relay's), from outside: the first message the relay kept."""
+    and with `outbox` (the relay's), from outside: the first message the relay kept. `tree`:
+    whose pipeline runs (a baseline's `git archive`), this one's by default."""
     kept = set(os.listdir(outbox)) if outbox else set()
     started, busy = time.time(), busy_s()
+    env = env if tree == ROOT else {**env, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill meanwhile
         proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", day, "--run-id", run_id],
-                                stdout=out, stderr=err, text=True, cwd=ROOT, env=env)
+                                stdout=out, stderr=err, text=True, cwd=tree, env=env)
         at_relay = _first_kept(proc, outbox, kept) if outbox else None
         proc.wait()
         stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
@@ -192,7 +195,7 @@ def main() -> None:
     parser.add_argument("--s3-only", action="store_true",
                         help="only the small day's run on S3: its requests a note, by kind")
     parser.add_argument("--baseline", metavar="TREE",
-                        help="with --first-note-only: the same run of this tree's pipeline after ours")
+                        help="with --first-note-only or --s3-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
 
 
@@ -305,24 +308,33 @@ def first_note_only(args) -> dict:
 
 
 def s3_only(args) -> dict:
-    """The S3 run as once() makes it (the small day, a cold run starting Ray itself), alone."""
+    """The S3 run as once() makes it (the small day, a cold run starting Ray itself), alone. With
+    --baseline TREE, the same run of that tree's pipeline after ours, on the same Redis and relay,
+    on an S3 server of its own: its figures end in _baseline."""
     if args.save:
         raise SystemExit("--s3-only measures one figure of the bench: nothing to --save")
+    out: dict = {"accounts_small": args.small}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         write_dumps(work / "small", SynthOptions(dt.date.fromisoformat(DATE), args.small, args.seed))
         key, cert, root = make_test_certificate(work / "keys")
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
-        s3 = start_versitygw(work / "s3")
         try:
             env = run_env(redis.url, smtp.url, key, cert, root)
-            return {"accounts_small": args.small,
-                    **s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log")}
+            sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
+            for i, (suffix, tree) in enumerate(sides):
+                s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
+                try:
+                    figures = s3_run(env, s3.url, work / "small", args.small, work / f"side-{i}" / "versitygw.log",
+                                     tree, f"scale-s3-{i}")
+                finally:
+                    s3.stop()
+                out.update({k + suffix: v for k, v in figures.items()})
         finally:
-            s3.stop()
             smtp.stop()
             redis.stop()
+    return out
 
 
 def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str) -> float:
@@ -342,8 +354,10 @@ def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str)
     return round(at_relay - started, 2)
 
 
-def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:
-    """The small day again, input and store on the S3 server; its access log counts the requests."""
+def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path, tree: Path = ROOT,
+           run_id: str = "scale-s3") -> dict:
+    """The small day again, input and store on the S3 server; its access log counts the requests.
+    `tree`: whose pipeline runs (run's)."""
     import boto3
 
     s3env = {**env, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
@@ -356,7 +370,7 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
     for f in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         client.upload_file(str(day / f), "cn-input", f"day/{f}")
     before = len(_requests(log))
-    summary = run(s3env, "s3://cn-input/day", "scale-s3")
+    summary = run(s3env, "s3://cn-input/day", run_id, tree=tree)
     notes, served = summary["delivered_now"], _requests(log)[before:]
     fixed = sum(1 for fields in served if _fixed(fields))
     return {"first_note_s_cold": summary["first_note_s"], "s3_requests": len(served), "s3_notes": notes,
