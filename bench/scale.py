@@ -25,8 +25,14 @@ counted at its access log), measured in one go and printed as one JSON line:
                            /proc/stat), tail_floor_ratio: the least tail_ratio these cores
                            allow, were that work spread over them with no idle moment
   cores_busy_*             the share of the cores busy during each run (all processes)
+  s3_requests_by_kind      those requests by method and what they touched (s3_kinds), e.g.
+                           "PUT delivery-log", "GET shard", "GET input"
+  s3_requests_per_note_less_fixed
+                           the same without the run's fixed requests (s3_fixed_requests: _fixed)
 With --first-note-only, only that cold run of the large day, stopped once the relay has kept
 its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
+With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run;
+with --baseline TREE too, the same run of that tree's pipeline after ours (figures *_baseline).
 With --save (and --runs 3 or more), the runs' medians and spread go to
 pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
@@ -112,14 +118,16 @@ def attach() -> dict:
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
-def run(env: dict, day: str, run_id: str, outbox: Path | None = None) -> dict:
+def run(env: dict, day: str, run_id: str, outbox: Path | None = None, tree: Path = ROOT) -> dict:
     """`python -m pipeline run`, timed from the command's start; the first note from Redis,
-    and with `outbox` (the relay's), from outside: the first message the relay kept."""
+    and with `outbox` (the relay's), from outside: the first message the relay kept. `tree`:
+    whose pipeline runs (a baseline's `git archive`), this one's by default."""
     kept = set(os.listdir(outbox)) if outbox else set()
     started, busy = time.time(), busy_s()
+    env = env if tree == ROOT else {**env, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill meanwhile
         proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", day, "--run-id", run_id],
-                                stdout=out, stderr=err, text=True, cwd=ROOT, env=env)
+                                stdout=out, stderr=err, text=True, cwd=tree, env=env)
         at_relay = _first_kept(proc, outbox, kept) if outbox else None
         proc.wait()
         stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
@@ -184,14 +192,18 @@ def main() -> None:
                         help="only the cold run of the large day, up to its first note at the relay")
     parser.add_argument("--running", action="store_true",
                         help="with --first-note-only: the run joins a Ray the bench started (as on a cluster)")
+    parser.add_argument("--s3-only", action="store_true",
+                        help="only the small day's run on S3: its requests a note, by kind")
     parser.add_argument("--baseline", metavar="TREE",
-                        help="with --first-note-only: the same run of this tree's pipeline after ours")
+                        help="with --first-note-only or --s3-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
 
 
 def once(args) -> dict:
     if args.first_note_only:
         return first_note_only(args)
+    if args.s3_only:
+        return s3_only(args)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
@@ -295,6 +307,36 @@ def first_note_only(args) -> dict:
     return out
 
 
+def s3_only(args) -> dict:
+    """The S3 run as once() makes it (the small day, a cold run starting Ray itself), alone. With
+    --baseline TREE, the same run of that tree's pipeline after ours, on the same Redis and relay,
+    on an S3 server of its own: its figures end in _baseline."""
+    if args.save:
+        raise SystemExit("--s3-only measures one figure of the bench: nothing to --save")
+    out: dict = {"accounts_small": args.small}
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
+        work = Path(tmp)
+        write_dumps(work / "small", SynthOptions(dt.date.fromisoformat(DATE), args.small, args.seed))
+        key, cert, root = make_test_certificate(work / "keys")
+        redis = start_redis(work / "redis")
+        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+        try:
+            env = run_env(redis.url, smtp.url, key, cert, root)
+            sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
+            for i, (suffix, tree) in enumerate(sides):
+                s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
+                try:
+                    figures = s3_run(env, s3.url, work / "small", args.small, work / f"side-{i}" / "versitygw.log",
+                                     tree, f"scale-s3-{i}")
+                finally:
+                    s3.stop()
+                out.update({k + suffix: v for k, v in figures.items()})
+        finally:
+            smtp.stop()
+            redis.stop()
+    return out
+
+
 def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str) -> float:
     """Seconds from `run`'s start to the relay's first new message; the run is then ended."""
     with tempfile.TemporaryFile("w+") as err:
@@ -312,8 +354,10 @@ def _first_at_relay(env: dict, tree: Path, day: Path, outbox: Path, run_id: str)
     return round(at_relay - started, 2)
 
 
-def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dict:
-    """The small day again, input and store on the S3 server; its access log counts the requests."""
+def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path, tree: Path = ROOT,
+           run_id: str = "scale-s3") -> dict:
+    """The small day again, input and store on the S3 server; its access log counts the requests.
+    `tree`: whose pipeline runs (run's)."""
     import boto3
 
     s3env = {**env, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
@@ -325,16 +369,49 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path) -> dic
         client.create_bucket(Bucket=bucket)
     for f in ("clients.csv", "trades.csv", "bhavcopy.csv", "reference_rates.csv"):
         client.upload_file(str(day / f), "cn-input", f"day/{f}")
-    before = _requests(log)
-    summary = run(s3env, "s3://cn-input/day", "scale-s3")
-    notes = summary["delivered_now"]
-    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": _requests(log) - before, "s3_notes": notes,
-            "s3_requests_per_note": round((_requests(log) - before) / max(1, notes), 3)}
+    before = len(_requests(log))
+    summary = run(s3env, "s3://cn-input/day", run_id, tree=tree)
+    notes, served = summary["delivered_now"], _requests(log)[before:]
+    fixed = sum(1 for fields in served if _fixed(fields))
+    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": len(served), "s3_notes": notes,
+            "s3_requests_per_note": round(len(served) / max(1, notes), 3), "s3_requests_by_kind": s3_kinds(served),
+            "s3_fixed_requests": fixed, "s3_requests_per_note_less_fixed": round((len(served) - fixed) / max(1, notes), 3)}
 
 
-def _requests(log: Path) -> int:
+def _requests(log: Path) -> list[list[str]]:
     """versitygw writes one line per request it served: `time | vgw | status | took | ip | method | path | ...`."""
-    return sum(1 for line in log.open(errors="replace") if line.count(" | ") >= 6) if log.exists() else 0
+    if not log.exists():
+        return []
+    return [fields for line in log.open(errors="replace") if len(fields := line.split(" | ")) >= 7]
+
+
+def _fixed(fields: list[str]) -> bool:
+    """A request the run makes whatever its size (issue 73's "fixed ones"): the reports, the run's
+    log, a HEAD, a listing, a whole input file read (the preflight's and the plan's looks at the
+    dumps, the closing prices). The rest grow with the day: notes, delivery log, shard files and
+    the dumps' ranged reads (206)."""
+    method, path, status = fields[5].strip(), fields[6].strip(), fields[2].strip()
+    return (method == "HEAD" or "/" not in path.strip("/") or "/reports/" in path or "/logs/" in path
+            or ("/cn-input/" in path and status != "206"))
+
+
+KINDS = (("-signed-pdf/", "note"), ("-delivery-log/", "delivery-log"), ("-contract-notes-data/", "shard"),
+         ("/cn-input/", "input"), ("/reports/", "reports"), ("/logs/", "run-log"))
+
+
+def s3_kinds(served: list[list[str]]) -> dict[str, int]:
+    """Requests by method and what they touched, most first: "PUT note", "GET shard", "GET
+    input", "LIST delivery-log" (a GET of the bucket, its prefix in the query), "HEAD ...". The
+    server's log names no Range: the input's GETs are its ranged reads and whole files together."""
+    kinds: dict[str, int] = {}
+    for fields in served:
+        method, path = fields[5].strip(), fields[6].strip()
+        query = fields[8].strip() if len(fields) > 8 else ""
+        what = next((name for part, name in KINDS if part in path), "other")
+        if method == "GET" and "/" not in path.strip("/"):  # the bucket's: a listing, its prefix in the query
+            method, what = "LIST", next((name for part, name in KINDS if part.strip("/") in query), "other")
+        kinds[f"{method} {what}"] = kinds.get(f"{method} {what}", 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class Batch:
     broker_file: str = ""  # the issuing entity's (CN_BROKER_FILE): its details and tariff on the notes
     lease: str = ""  # the token of the run's lease its driver held: checked before archiving and mailing
     waits: list[tuple[str, float, float]] = field(default_factory=list)  # (on what, from, to): epoch seconds held
+    log_end: delivery_log.Link | None = None  # where the driver saw the shard's delivery log end (its first notes')
 
     def drop(self, status: str) -> None:
         self.dropped[status] = self.dropped.get(status, 0) + 1
@@ -94,8 +95,11 @@ def _broker(path: str) -> dict:
     return data
 
 
-def load_shard(store: Store, run_id: str, shard: int) -> list[dict]:
-    return [json.loads(line) for line in store.get(keys.shard_key(run_id, shard)).decode().splitlines()]
+def load_shard(store: Store, run_id: str, shard: int, data: bytes | None = None) -> list[dict]:
+    """The shard file's accounts; `data`: its bytes, when the caller has them (the driver reads a
+    shard it cut in parts once, and hands the bytes to each part's render task)."""
+    data = store.get(keys.shard_key(run_id, shard)) if data is None else data
+    return [json.loads(line) for line in data.decode().splitlines()]
 
 
 def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, accounts: Container[str]) -> int:
@@ -345,7 +349,7 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         await asyncio.to_thread(_attach, ctx.store, batch.trade_date, mailable)
         intent = [delivery_log.sending(i["ucc"], i["message_id"], i["mail_from"], i["sha256"], i["md5"])
                   for i in mailable if "sha256" in i]
-        end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent)
+        end = await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, intent, batch.log_end)
     results = await asyncio.gather(*(_mail_one(batch, item, ctx) for item in batch.items), return_exceptions=True)
     await asyncio.gather(_flush_records(ctx), *ctx.flushes, return_exceptions=True)  # Redis has them all, or the log
     outcomes = [r for r in results if isinstance(r, Outcome)]

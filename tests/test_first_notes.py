@@ -198,3 +198,44 @@ def test_a_day_too_big_to_read_in_the_driver_makes_no_first_notes(
                               open_store(settings.store_url), state, "", 2)
     assert early.thread is None and early.plan.result() is None and early.numbers.result() == {}
     assert early.skipped(0) == frozenset() and first_notes.recorded(open_store(settings.store_url), "too-big") is None
+
+
+class _Counted:
+    """A store that counts the reads that would be requests on S3."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, []
+
+    def stream_range(self, key, start, end, chunk):
+        self.reads.append(key)
+        yield from self.store.stream_range(key, start, end, chunk)
+
+    def read_range(self, key, start, end):
+        self.reads.append(key)
+        return self.store.read_range(key, start, end)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_the_first_notes_read_each_dump_in_one_request_and_find_what_a_read_a_range_finds(settings, day, monkeypatch):
+    """The first notes' read of the day's ranges goes through one GET a dump (split.OneRead), where
+    it was a GET a range (bench/scale.py --s3-only): the accounts found are the same, lines that
+    run past their range and all."""
+    from pipeline.day import split
+
+    monkeypatch.setattr(split, "RANGE_BYTES_MIN", 4096)  # many ranges, each line on a boundary read on past it
+    inputs = _Counted(open_store(str(day)))
+    plan = make_plan(inputs, TRADE_DATE, settings.shard_size, parts=2)
+    assert sum(r.file == "trades.csv" for r in plan.ranges) > 5
+    inputs.reads.clear()
+    found = first_accounts(inputs, plan, TRADE_DATE, 4)
+    assert inputs.reads.count("trades.csv") == 1 and inputs.reads.count("clients.csv") <= 2, inputs.reads
+
+    monkeypatch.setattr(split, "OneRead", lambda store, ends: _Closing(store))  # a GET a range, as before
+    assert first_accounts(inputs, plan, TRADE_DATE, 4) == found and found[1]
+
+
+class _Closing(_Counted):
+    def close(self):
+        pass

@@ -98,14 +98,15 @@ def entry(o: Outcome, mail_from: str = "", sha256: str = "") -> dict:
 
 def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after: Link | None = None) -> Link:
     """Adds one object to the end of the shard's chain and returns the new end. `after`, the
-    end this writer last saw, saves a listing; without it, the end this process last wrote,
-    else the chain's first object is tried (a fresh run's shards: one PUT, no listing and no
+    end this writer last saw (or another process handed on: known_end), saves a listing; the
+    end this process last wrote, if later; else the chain's first object is tried (a fresh run's shards: one PUT, no listing and no
     read). When another writer got there first, the chain is read again and the object takes
     the next number. A PUT sent again after its reply was lost finds the key taken by itself:
     written once, not again at the next number."""
     body = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
     chain = (store.url, run_id, shard)
-    guess = after or _ends.get(chain) or _FIRST  # no listing where this process knows the end, or none is written
+    known = [end for end in (after, _ends.get(chain)) if end is not None]  # the later of the two: both were ends
+    guess = max(known, key=lambda end: end.seq) if known else _FIRST  # no listing where the end is known, or none is written
     for _ in range(20):
         end = guess if guess is not None else head(store, run_id, shard)
         seq, prev = (end.seq + 1, end.sha256) if end else (1, GENESIS)
@@ -121,6 +122,14 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
         guess = None  # another writer got there first (or a guess was wrong): the chain is listed
     raise StorageError(f"{store.url}: could not add to the delivery log of run {run_id} shard {shard}: "
                        "20 writers got there first")
+
+
+def known_end(store_url: str, run_id: str, shard: int) -> Link | None:
+    """Where this process last wrote the shard's chain to, if it did. The driver hands it on
+    with the shard's batch: after its first notes (its own mailing, the chain's first two
+    objects), the shard's next mailing at a mailer writes the third at once, where it found
+    the first taken and paid a refused PUT, a listing and two reads (bench/scale.py --s3-only)."""
+    return _ends.get((store_url, run_id, shard))
 
 
 _FIRST = Link("", 0, GENESIS)  # the end of a chain with no object yet, as a guess: seq 1 after it, linked to GENESIS
