@@ -141,10 +141,13 @@ class RelayPool:
         return self.pacer.next_at(now) if self.pacer else now
 
     async def send(self, sender: str, recipient: str, message: bytes) -> str:
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.options.wait_s)
-        except asyncio.TimeoutError:
-            raise TransientMailError(f"no free connection to {self.target.host} in {self.options.wait_s} s") from None
+        if self._slots.locked():  # wait_for wraps the wait in a task of its own: only when there is a wait
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.options.wait_s)
+            except asyncio.TimeoutError:
+                raise TransientMailError(f"no free connection to {self.target.host} in {self.options.wait_s} s") from None
+        else:
+            await self._slots.acquire()  # a free slot: taken without yielding
         try:
             conn = await self._take()
             try:
@@ -405,15 +408,15 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
     mail_from, rcpt_to = sender.encode(), recipient.encode()
     if COMMAND_INJECTION_REGEX.search(mail_from) or COMMAND_INJECTION_REGEX.search(rcpt_to):
         raise PermanentMailError(501, "a control character in an envelope address")
-    steps = ((b"MAIL FROM:<" + mail_from + b">\r\n", (250,)), (b"RCPT TO:<" + rcpt_to + b">\r\n", (250, 251)),
-             (b"DATA\r\n", (354,)), (message + b".\r\n", (250,)))
+    steps = (((b"MAIL FROM:<" + mail_from + b">\r\n",), (250,)), ((b"RCPT TO:<" + rcpt_to + b">\r\n",), (250, 251)),
+             ((b"DATA\r\n",), (354,)), ((message, b".\r\n"), (250,)))  # the message is not copied to add its dot
     groups = (steps[:3], steps[3:]) if conn.pipelining else tuple((s,) for s in steps)
     sent = False  # the message itself went out: a reply lost now leaves it unconfirmed
     try:
         async with asyncio.timeout(conn.timeout_s):
             for group in groups:
                 sent = group[-1] is steps[-1]
-                replies.write(b"".join(data for data, _ in group) if len(group) > 1 else group[0][0])
+                replies.write(*(data for parts, _ in group for data in parts))  # one vectored write a group
                 failed = None  # the first reply not expected: what the mail failed on
                 for _, expected in group:
                     code, text = await replies.reply()

@@ -28,6 +28,7 @@ class Replies(asyncio.Protocol):
         self._replies: deque[tuple[int, str]] = deque()
         self._waiter: asyncio.Future | None = None
         self.lost: Exception | None = None
+        self._loop = asyncio.get_running_loop()
         transport.set_protocol(self)
 
     @property
@@ -39,16 +40,21 @@ class Replies(asyncio.Protocol):
         """A reply nobody asked for (a relay's "421 idle timeout"): the session is not clean."""
         return bool(self._replies or self._buffer)
 
-    def write(self, data: bytes) -> None:
+    def write(self, *data: bytes) -> None:
+        """The parts go out in one call (a vectored write): a pipelined group, or a message and
+        its end mark, without joining them into a copy first."""
         if not self.live:
             raise RelayClosed("connection lost")
-        self.transport.write(data)
+        if len(data) == 1:
+            self.transport.write(data[0])
+        else:
+            self.transport.writelines(data)
 
     async def reply(self) -> tuple[int, str]:
         while not self._replies:
             if self.lost is not None:
                 raise self.lost
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()  # the loop kept: get_running_loop asks getpid() each call (3.11)
             try:
                 await self._waiter
             finally:
