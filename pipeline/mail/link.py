@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import hashlib
 import hmac
 import re
 import time
@@ -52,7 +51,7 @@ def check(key: bytes, token: str, now: float | None = None) -> NoteLink | None:
 
 
 def _mac(key: bytes, payload: str) -> bytes:
-    return hmac.new(key, b"note-link\0" + payload.encode(), hashlib.sha256).digest()[:18]
+    return hmac.digest(key, b"note-link\0" + payload.encode(), "sha256")[:18]  # one-shot: no HMAC object
 
 
 def _b64(data: bytes) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
-import uuid
 from functools import lru_cache
 from typing import Awaitable, Callable, Iterable
 
@@ -76,7 +76,7 @@ class MailGuard:
         return self._claimed(claimed)
 
     def _claim_args(self, ucc: str, epoch: str, lease: str, recording: Iterable[Outcome]) -> list:
-        token, now = uuid.uuid4().hex[:16], round(time.time(), 3)
+        token, now = os.urandom(8).hex(), round(time.time(), 3)  # as uuid4().hex[:16], without the UUID
         return [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
                 *self._record_keys(), ucc, epoch, self.ttl_s, token, lease, now,
                 *self._record_args(recording, now)]  # Records, beside it in RunState

@@ -124,7 +124,7 @@ def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-
     token_key): the run id is readable in a client's link, and an unkeyed digest let anyone
     write a DSN naming another client's Message-ID. Without a key: a run started before."""
     text = f"{run_id}/{ucc}".encode()
-    digest = (hmac.new(key, b"message-id\0" + text, hashlib.sha256) if key else hashlib.sha256(text)).hexdigest()[:24]
+    digest = (hmac.digest(key, b"message-id\0" + text, "sha256") if key else hashlib.sha256(text).digest()).hex()[:24]
     return message_id_of(digest, ucc, domain)
 
 
