@@ -47,6 +47,16 @@ def test_the_compiled_base64_is_the_one_in_use_and_agrees_on_every_short_length(
         assert bytes(_b64(data)) == _b64_python(data), size
 
 
+def test_the_attachment_written_in_place_in_the_message_is_its_base64_at_every_edge_of_a_line():
+    """build_message has C write the attachment's lines into the message's own buffer, after
+    the headers: the same bytes as the lines made alone, whole lines (57 bytes) or not."""
+    for size in (1, 2, 3, 56, 57, 58, 113, 114, 115, 171, 1000, 35_901):
+        pdf = bytes((i * 31 + size) % 256 for i in range(size))
+        raw = build_message(LETTER, "A", "c1@example.com", "2026-11-20", "C1", "<id@x>", pdf)
+        body = raw.split(b'filename="ContractNote_C1_20261120.pdf"\r\n\r\n')[1]
+        assert body == _b64_python(pdf) + b"\r\n--=_cn-mixed-7f3a9c--\r\n", size
+
+
 def test_message_ids_are_derived_from_run_and_account():
     assert message_id("r", "C1") == message_id("r", "C1")
     assert len({message_id("r", "C1"), message_id("r", "C2"), message_id("s", "C1")}) == 3
