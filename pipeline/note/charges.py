@@ -483,7 +483,10 @@ def _tariff_rule(tariff: dict, cat: str) -> tuple[Decimal | None, Decimal | None
         rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
         return _flat_fee(rule["flat"]), None, None
-    return None, _decimal(rule["percent"]), _decimal(rule["cap"])
+    percent, cap = _decimal(rule["percent"]), _decimal(rule["cap"])
+    if not percent:  # a turnover (never negative) at 0% is 0.00 whatever the cap: a flat fee of nothing
+        return _flat_fee("0"), None, None
+    return None, percent, cap
 
 
 _decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order

@@ -23,7 +23,7 @@ from itertools import groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
-from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, TRADE, Client, Trade, intrinsic
+from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
 from pipeline.note.charges import CarryForward, Charges, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
@@ -135,8 +135,13 @@ def broker_block(broker: dict) -> dict:
     """The broker's details as printed; member codes as one line, however many exchanges."""
     block = dict(broker)  # a copy in C, in the broker's order
     block.pop("tariff", None)
-    block["member_codes_text"] = ", ".join(f"{ex} {code}" for ex, code in broker["member_codes"].items())
+    block["member_codes_text"] = _member_codes_text(tuple(broker["member_codes"].items()))
     return block
+
+
+@lru_cache(maxsize=16)  # the same broker's, note after note
+def _member_codes_text(codes: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{ex} {code}" for ex, code in codes)
 
 
 def page_range(note: dict, start: int, stop: int) -> dict:
@@ -179,7 +184,10 @@ _LEVY_TABLE = {False: _levy_lines(False), True: _levy_lines(True)}
 
 def _commodities(charges: Charges) -> bool:
     """Whether the note has commodity trades, and so the levies table its CTT line."""
-    return any(segment.endswith("-COM") for segment in charges.segments)
+    return not _COMMODITY_SEGMENTS.isdisjoint(charges.segments)
+
+
+_COMMODITY_SEGMENTS = frozenset(s for s in SEGMENTS if s.endswith("-COM"))  # MCX-COM, NCDEX-COM
 
 
 def column_widths(rows: list[list[str]]) -> list[int]:
@@ -340,9 +348,12 @@ def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
     one) says so rather than print a date that may be wrong."""
-    seen = sorted({(t.exchange, t.exchange_segment, t.settlement_no) for t in trades})  # segment_of(t)
+    seen = sorted(set(map(_SECTION, trades)))
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
+
+
+_SECTION = attrgetter("exchange", "exchange_segment", "settlement_no")  # segment_of(t): a trade's, in one call
 
 
 @lru_cache(maxsize=256)  # a note's expiries and dates are few, its contracts' lines many
