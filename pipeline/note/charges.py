@@ -36,6 +36,7 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from operator import attrgetter
 from heapq import nlargest
+from itertools import repeat
 from pathlib import Path
 
 from pipeline.day.dumps import ASSIGNMENT, DELIVERY, DERIVATIVES, EXERCISE, TRADE, Trade, contract_id
@@ -135,7 +136,7 @@ class Charges:
         rows = [_all_values(s) for s in self.segments.values()]
         if not rows:
             return Levies()
-        return _levies(**{f: sum(column, Decimal(0)) for f, column in zip(_LEVIES_FIELDS, zip(*rows))})
+        return _levies(**dict(zip(_LEVIES_FIELDS, map(sum, zip(*rows), repeat(_NOUGHT)))))  # sum(column, Decimal(0))
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds

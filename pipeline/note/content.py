@@ -24,7 +24,7 @@ from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
-from pipeline.note.charges import CarryForward, Charges, net_totals, per_unit, segment_of
+from pipeline.note.charges import CarryForward, Charges, Levies, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
@@ -157,20 +157,23 @@ def fitting_size(chars: int) -> float:
 
 def levies_table(charges: Charges) -> dict:
     """A column per exchange and segment, each with its obligation and net, then the grand total.
-    A note of one segment prints that segment's sums as its total: the same amounts to the paisa
-    (the total adds them to a Decimal zero), without adding them up again."""
+    A note of one segment prints its segment's column as its total: the same amounts to the paisa
+    (the total adds them to a Decimal zero), without printing them again."""
     segments = charges.segments
-    total = next(iter(segments.values())) if len(segments) == 1 else charges.total
     lines = _LEVY_TABLE[_commodities(charges)]
-    values, charged = lines[1], lines[2]
-    columns = [[money(-v) if minus else money(v) for v, minus in zip(values(levies), charged)]
-               for levies in [*segments.values(), total]]
+    columns = [_levy_column(levies, lines) for levies in segments.values()]
+    columns.append(columns[0] if len(segments) == 1 else _levy_column(charges.total, lines))
     names = [*segments, "Total (Net)"]
     width = max(LEVY_VALUE_WIDTH, 2 + max([len(c) for column in columns for c in column]), 2 + max(map(len, names)))
     template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
     head = template % ("Particulars", *names)
     rows = [template % (label, *cells) for label, cells in zip(lines[0], zip(*columns))]
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
+
+
+def _levy_column(levies: Levies, lines: tuple[list[str], attrgetter, list[bool]]) -> list[str]:
+    """A column of the levies table: each line's amount printed, a charge negated."""
+    return [money(-v) if minus else money(v) for v, minus in zip(lines[1](levies), lines[2])]
 
 
 def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, list[bool]]:
@@ -338,9 +341,19 @@ def _describe(t: Trade) -> str:
     the reader needs them to get from the rate to the Net Total."""
     if t.instrument == "EQ":
         return f"{t.symbol} EQ {t.isin}".strip()
-    parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type,
-             f"x{t.multiplier}" if t.multiplier != 1 else "",
-             f"INR/{CROSS_PAIRS[t.symbol]} {t.fx:f}" if t.fx is not None else ""]
+    if t.fx is None:  # a contract's trades share its text (a Decimal's digits are not in its hash: fx is apart)
+        return _contract_text(_CONTRACT(t))
+    return f"{_contract_text(_CONTRACT(t))} INR/{CROSS_PAIRS[t.symbol]} {t.fx:f}"
+
+
+_CONTRACT = attrgetter("instrument", "symbol", "expiry", "strike", "option_type", "multiplier")
+
+
+@lru_cache(maxsize=4096)  # a day's derivatives contracts, by far fewer than their trades
+def _contract_text(contract: tuple[str, str, str, str, str, int]) -> str:
+    instrument, symbol, expiry, strike, option_type, multiplier = contract
+    parts = [instrument, symbol, _dmy(expiry) if expiry else "", strike, option_type,
+             f"x{multiplier}" if multiplier != 1 else ""]
     return " ".join(filter(None, parts))
 
 
