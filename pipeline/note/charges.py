@@ -147,8 +147,13 @@ class Charges:
 
 def per_unit(share: Decimal, t: Trade) -> Decimal:
     """Charges.brokerage_per_unit of a trade whose share is `share` (a note's rows call it a trade)."""
+    if not share:  # a delivery's at 0%: what nought over the units rounds to, without the division
+        return _NO_FEE_A_UNIT
     units = t.quantity * t.multiplier if t.fx is None else t.quantity * t.multiplier * t.fx
     return (share / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
+
+
+_NO_FEE_A_UNIT = Decimal(0).quantize(_UNIT_STEP)  # 0.0000
 
 
 def category(trade: Trade) -> str:
