@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
-from itertools import groupby
+from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
@@ -164,7 +164,7 @@ def levies_table(charges: Charges) -> dict:
     columns = [_levy_column(levies, lines) for levies in segments.values()]
     columns.append(columns[0] if len(segments) == 1 else _levy_column(charges.total, lines))
     names = [*segments, "Total (Net)"]
-    width = max(LEVY_VALUE_WIDTH, 2 + max([len(c) for column in columns for c in column]), 2 + max(map(len, names)))
+    width = max(LEVY_VALUE_WIDTH, 2 + max(map(len, chain.from_iterable(columns))), 2 + max(map(len, names)))
     template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
     head = template % ("Particulars", *names)
     rows = [template % (label, *cells) for label, cells in zip(lines[0], zip(*columns))]
@@ -300,12 +300,16 @@ _LABEL, _TEXT = itemgetter(0), itemgetter(1)
 
 def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
     order_no, order_time, trade_no, trade_time, side, quantity, price, product, status, close = _CELL_FIELDS(t)
-    net_rate = price + brokerage_unit if side == "B" else price - brokerage_unit
     remarks = product + (" (modified)" if status == "12" else "")
     closing = money(close, 4) if close is not None else ""
+    gross = money(price, 4)
+    if brokerage_unit:
+        net = money(price + brokerage_unit if side == "B" else price - brokerage_unit, 4)
+    else:  # no brokerage (a third of the trades: deliveries at 0%): the Net Rate is the Gross Rate
+        net = gross
     return (
         order_no, order_time, trade_no, trade_time, _describe(t), side,
-        str(quantity), money(price, 4), money(brokerage_unit, 4), money(net_rate, 4),
+        str(quantity), gross, money(brokerage_unit, 4), net,
         closing, money(net_total), remarks,
     )
 
