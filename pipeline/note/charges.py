@@ -353,8 +353,9 @@ def _kind_rates(memo: dict, rates: dict, kind: tuple, payer: str) -> tuple:
 
 
 def _worked_out(rates: dict) -> dict:
-    """What compute works out from a schedule (a kind's rates, a trade's category and transaction
-    group), kept a run beside the schedule: by its id, the schedule held so that the id stays its."""
+    """What compute works out from a schedule (a kind's rates, a trade's kind), kept for the run
+    beside it: by the schedule's id, the schedule itself held so that no other object takes the id.
+    A schedule is read once (_schedules) and never changed, so what was worked out stays true."""
     held = _WORKED_OUT.get(id(rates))
     if held is None or held[0] is not rates:
         if len(_WORKED_OUT) >= 16:
