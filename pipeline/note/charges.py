@@ -36,6 +36,7 @@ from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from functools import lru_cache
 from operator import attrgetter
 from heapq import nlargest
+from itertools import repeat
 from pathlib import Path
 
 from pipeline.day.dumps import ASSIGNMENT, DELIVERY, DERIVATIVES, EXERCISE, TRADE, Trade, contract_id
@@ -135,14 +136,24 @@ class Charges:
         rows = [_all_values(s) for s in self.segments.values()]
         if not rows:
             return Levies()
-        return _levies(**{f: sum(column, Decimal(0)) for f, column in zip(_LEVIES_FIELDS, zip(*rows))})
+        return _levies(**dict(zip(_LEVIES_FIELDS, map(sum, zip(*rows), repeat(_NOUGHT)))))  # sum(column, Decimal(0))
 
     def brokerage_per_unit(self, t: Trade) -> Decimal:
         """For display: the trade's share of its order's brokerage per quoted unit (a lot holds
         `multiplier` of them), to 4 places, so the Net Rate sits beside the Gross Rate it adjusts:
         in the currency the rate is quoted in (a cross-currency pair's at its reference rate)."""
-        units = t.quantity * t.multiplier * (1 if t.fx is None else t.fx)
-        return (self.brokerage_share[t.key] / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
+        return per_unit(self.brokerage_share[t.key], t)
+
+
+def per_unit(share: Decimal, t: Trade) -> Decimal:
+    """Charges.brokerage_per_unit of a trade whose share is `share` (a note's rows call it a trade)."""
+    if not share:  # a delivery's at 0%: what nought over the units rounds to, without the division
+        return _NO_FEE_A_UNIT
+    units = t.quantity * t.multiplier if t.fx is None else t.quantity * t.multiplier * t.fx
+    return (share / units).quantize(_UNIT_STEP, ROUND_HALF_UP)
+
+
+_NO_FEE_A_UNIT = Decimal(0).quantize(_UNIT_STEP)  # 0.0000
 
 
 def category(trade: Trade) -> str:
@@ -221,21 +232,23 @@ def compute(trades: list[Trade], trade_date: str, intra_state: bool, tariff: dic
     by_segment: dict[str, list[Trade]] = defaultdict(list)
     orders: dict[tuple, list[Trade]] = defaultdict(list)
     for t in trades:
-        by_segment[segment_of(t)].append(t)
+        by_segment[t.exchange_segment].append(t)  # segment_of(t)
         orders[t.order_key].append(t)
     carried = carry_forward(trades)
     shares: dict[tuple, Decimal] = {}
     brokerage: dict[str, Decimal] = defaultdict(Decimal)  # a segment's orders' fees: an order is in one segment
+    rules: dict[str, tuple] = {}  # the tariff's rule by category, read once a note (most of its orders share a few)
     for order in orders.values():  # one pass: each order's fee, its segment's sum, the trades' shares
-        fee = _order_brokerage(order, tariff)
-        brokerage[segment_of(order[0])] += fee
+        fee = _order_brokerage(order, tariff, rules)
+        brokerage[order[0].exchange_segment] += fee
         if len(order) == 1:  # most orders: one trade, the whole fee
             shares[order[0].key] = fee
         else:
             shares.update(split_pro_rata(fee, order))
+    memo = _worked_out(rates)
     segments = {
-        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg], brokerage[seg], rates,
-                             intra_state)
+        seg: _segment_levies(ts, [c for c in carried if segment_of(c.trade) == seg] if carried else carried,
+                             brokerage[seg], rates, intra_state, memo)
         for seg, ts in sorted(by_segment.items())
     }
     return Charges(segments=segments, brokerage_share=shares, carried=carried)
@@ -288,25 +301,29 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
 
 
 def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage: Decimal, rates: dict,
-                    intra_state: bool) -> Levies:
-    """`brokerage`: the fees of the segment's orders (compute sums them as it makes them)."""
-    buys = sum((t.turnover for t in trades if t.flow == "B"), Decimal(0))  # what the client pays ...
-    sells = sum((t.turnover for t in trades if t.flow == "S"), Decimal(0))  # ... and is paid
+                    intra_state: bool, memo: dict | None = None) -> Levies:
+    """`brokerage`: the fees of the segment's orders (compute sums them as it makes them); `memo`:
+    what was worked out from `rates` before (_worked_out), so a kind's rates are read once a run."""
+    memo = _worked_out(rates) if memo is None else memo
+    buys, sells, kinds = _turnover_by_kind(trades, rates, memo)
     carry = sum((c.value for c in carried), Decimal(0))
     stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
-    for (cat, exchange, group, agri, side), value, at_price, payer in _turnover_by_kind(trades, rates):
-        stt += _tax(rates, "stt", cat, payer, value, at_price)
-        ctt += Decimal(0) if agri else _tax(rates, "ctt", cat, payer, value, at_price)
-        if side == "B":
-            stamp += value * _rate(rates, "stamp", cat)
-        txn += value * (Decimal(rates["txn_groups"][exchange][group][cat]) if group else
-                        _rate(rates["txn"], exchange, cat, rates["effective_from"]))
-        sebi += value * Decimal(rates["sebi_agri"] if agri else rates["sebi"])
-        if exchange in rates["ipft"]:  # NSE's Investor Protection Fund Trust: an exchange it does not name pays none
-            ipft += value * _rate(rates["ipft"], exchange, cat, rates["effective_from"])
+    for kind, value, at_price, payer in kinds:  # a tax a kind does not pay adds nothing (its rate None)
+        stt_rate, stt_at_price, ctt_rate, ctt_at_price, stamp_rate, txn_rate, sebi_rate, ipft_rate = (
+            memo.get((kind, payer)) or _kind_rates(memo, rates, kind, payer))
+        if stt_rate is not None:
+            stt += (at_price if stt_at_price else value) * stt_rate
+        if ctt_rate is not None:
+            ctt += (at_price if ctt_at_price else value) * ctt_rate
+        if stamp_rate is not None:
+            stamp += value * stamp_rate
+        txn += value * txn_rate
+        sebi += value * sebi_rate
+        if ipft_rate is not None:
+            ipft += value * ipft_rate
     txn, sebi = paise(txn), paise(sebi)
     gst_base = brokerage + txn + sebi
-    gst_rate = Decimal(rates["gst"])
+    gst_rate = _decimal(rates["gst"])
     if intra_state:
         cgst = sgst = paise(gst_base * gst_rate / 2)
         igst = Decimal(0)
@@ -318,17 +335,56 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
                   cgst=cgst, sgst=sgst, igst=igst, ctt=rupees(ctt))
 
 
-def _turnover_by_kind(trades: list[Trade], rates: dict) -> list[tuple[tuple, Decimal, Decimal, str]]:
-    """Turnover summed by what decides its rates (category, exchange, transaction-charge group,
+def _kind_rates(memo: dict, rates: dict, kind: tuple, payer: str) -> tuple:
+    """A kind of turnover's rates, each a Decimal, or None where the levy is not charged on it:
+    (STT, on the settlement price, CTT, on the settlement price, stamp duty, transaction charge,
+    SEBI's fee, IPFT). Read from the schedule the first time a kind is met, then from `memo`; a
+    rate the schedule lacks stops the note when its kind is first met, as it always did."""
+    cat, exchange, group, agri, side = kind
+    stt = _tax_rule(rates, "stt", cat, payer)
+    ctt = (None, False) if agri else _tax_rule(rates, "ctt", cat, payer)
+    stamp = _rate(rates, "stamp", cat) if side == "B" else None
+    txn = (_decimal(rates["txn_groups"][exchange][group][cat]) if group else
+           _rate(rates["txn"], exchange, cat, rates["effective_from"]))
+    sebi = _decimal(rates["sebi_agri"] if agri else rates["sebi"])
+    ipft = _rate(rates["ipft"], exchange, cat, rates["effective_from"]) if exchange in rates["ipft"] else None
+    memo[(kind, payer)] = found = (*stt, *ctt, stamp, txn, sebi, ipft)
+    return found
+
+
+def _worked_out(rates: dict) -> dict:
+    """What compute works out from a schedule (a kind's rates, a trade's kind), kept for the run
+    beside it: by the schedule's id, the schedule itself held so that no other object takes the id.
+    A schedule is read once (_schedules) and never changed, so what was worked out stays true."""
+    held = _WORKED_OUT.get(id(rates))
+    if held is None or held[0] is not rates:
+        if len(_WORKED_OUT) >= 16:
+            _WORKED_OUT.clear()
+        held = _WORKED_OUT[id(rates)] = (rates, {})
+    return held[1]
+
+
+_WORKED_OUT: dict[int, tuple[dict, dict]] = {}
+
+
+def _turnover_by_kind(trades: list[Trade], rates: dict,
+                      memo: dict) -> tuple[Decimal, Decimal, list[tuple[tuple, Decimal, Decimal, str]]]:
+    """The segment's bought and sold turnover (what the client pays, and is paid), and its
+    turnover summed by what decides its rates (category, exchange, transaction-charge group,
     agricultural, side): each rate is then applied once to an exact sum, and a levy is the same
     whatever the trades' order. Each sum with its base at the settlement price and the side its
     taxes fall on (party): a trade's are its turnover and side; a settlement row's the units at
     its settlement price (an exercise's whole underlying value, where a tax's rule says so) and
     party(), summed apart so that the trades' loop is what it was before settlement rows came."""
+    buys = sells = Decimal(0)
     sums: dict[tuple, Decimal] = defaultdict(Decimal)
     settled: dict[tuple, list[Decimal]] = {}
     groups = rates.get("txn_groups") or {}
     for t in trades:
+        if t.flow == "B":
+            buys += t.turnover
+        else:
+            sells += t.turnover
         if t.settlement != TRADE:
             cat = settled_category(t)
             group = _txn_group(groups, t, cat) if t.exchange in groups else ""
@@ -336,11 +392,32 @@ def _turnover_by_kind(trades: list[Trade], rates: dict) -> list[tuple[tuple, Dec
             both[0] += t.turnover
             both[1] += _at_price(t)
             continue
-        cat = _traded_category(t)
-        group = _txn_group(groups, t, cat) if t.exchange in groups else ""
-        sums[(cat, t.exchange, group, t.agri == "Y", t.side)] += t.turnover
+        where = (t.segment, t.product, t.instrument, t.exchange, t.agri, t.side)
+        kind = memo.get(where) or _traded_kind(memo, groups, t, where)
+        if kind is _BY_SYMBOL:  # a category some of the exchange's transaction groups name
+            kind = memo.get((*where, t.symbol)) or _traded_kind(memo, groups, t, (*where, t.symbol))
+        sums[kind] += t.turnover
     kinds = [(key, value, value, key[4]) for key, value in sums.items()]
-    return kinds + [(key[:5], value, at_price, key[5]) for key, (value, at_price) in settled.items()]
+    return buys, sells, kinds + [(key[:5], value, at_price, key[5]) for key, (value, at_price) in settled.items()]
+
+
+def _traded_kind(memo: dict, groups: dict, t: Trade, where: tuple) -> tuple:
+    """A trade's kind (category, exchange, transaction group, agricultural, side) from the fields
+    that decide it (`where`), worked out the first time they are met. Its symbol decides it too
+    where a transaction group of its exchange names its category: `where` without the symbol is
+    then kept as _BY_SYMBOL, and each symbol's kind under `where` and the symbol."""
+    cat = _traded_category(t)
+    grouped = any(cat in group for group in groups.get(t.exchange, {}).values())
+    if grouped and len(where) == _WHERE:
+        memo[where] = _BY_SYMBOL
+        where = (*where, t.symbol)
+    group = _txn_group(groups, t, cat) if grouped else ""
+    memo[where] = kind = (cat, t.exchange, group, t.agri == "Y", t.side)
+    return kind
+
+
+_WHERE = 6  # (segment, product, instrument, exchange, agri, side)
+_BY_SYMBOL = ("by symbol",)
 
 
 def _at_price(t: Trade) -> Decimal:
@@ -358,20 +435,21 @@ def _txn_group(groups: dict, t: Trade, cat: str) -> str:
     return ""
 
 
-def _tax(rates: dict, tax: str, cat: str, side: str, value: Decimal, at_price: Decimal) -> Decimal:
-    """STT or CTT on this side of a trade of `cat`, exact: a category the tax does not name pays
-    none (currency derivatives pay neither; equity no CTT, commodities no STT). `side`: party();
-    a rule is [rate, sides] or [rate, sides, "settlement_price"]: sides both, sell, or buy (an
-    exercised option's tax, on its purchaser); the third, the base is the units at the settlement
-    price (CTT on an exercised commodity option: the Finance Act 2013's "settlement price", s. 118),
-    not the row's value (STT's: the intrinsic value, since the Finance (No. 2) Act 2019)."""
+def _tax_rule(rates: dict, tax: str, cat: str, side: str) -> tuple[Decimal | None, bool]:
+    """STT's or CTT's rate on this side of a trade of `cat`, and whether its base is the units at
+    the settlement price; None: not charged (currency derivatives pay neither; equity no CTT,
+    commodities no STT). `side`: party(); a rule is [rate, sides] or [rate, sides,
+    "settlement_price"]: sides both, sell, or buy (an exercised option's tax, on its purchaser);
+    the third, the base is the units at the settlement price (CTT on an exercised commodity
+    option: the Finance Act 2013's "settlement price", s. 118), not the row's value (STT's: the
+    intrinsic value, since the Finance (No. 2) Act 2019)."""
     rule = rates.get(tax, {}).get(cat)
     if rule is None:
-        return Decimal(0)
+        return None, False
     sides = rule[1]
     if not (sides == "both" or (sides == "sell" and side == "S") or (sides == "buy" and side == "B")):
-        return Decimal(0)
-    return (at_price if rule[2:] == ["settlement_price"] else value) * _decimal(rule[0])
+        return None, False
+    return _decimal(rule[0]), rule[2:] == ["settlement_price"]
 
 
 def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal:
@@ -384,20 +462,38 @@ def _rate(table: dict, levy: str, cat: str, effective_from: str = "") -> Decimal
         raise ValueError(f"the levy schedule from {since} has no {levy} rate for {cat}") from None
 
 
-def _order_brokerage(order: list[Trade], tariff: dict) -> Decimal:
+def _order_brokerage(order: list[Trade], tariff: dict, rules: dict | None = None) -> Decimal:
     """The tariff's rule for the order's category; a currency or commodity category the tariff
-    does not name takes its futures or options rule."""
+    does not name takes its futures or options rule. `rules`: the rules read for this note so far."""
     if order[0].settlement != TRADE:  # never a trading category's rule (physical_delivery is no delivery trade)
-        rule = tariff.get(SETTLEMENT_TARIFF) or NO_BROKERAGE
+        cat = SETTLEMENT_TARIFF
     else:
         cat = _traded_category(order[0])
+    rule = rules.get(cat) if rules is not None else None
+    if rule is None:
+        rule = _tariff_rule(tariff, cat)
+        if rules is not None:
+            rules[cat] = rule
+    flat, percent, cap = rule
+    if flat is not None:
+        return flat
+    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
+    fee = turnover * percent
+    return (cap if _NOUGHT < cap < fee else fee).quantize(PAISA, ROUND_HALF_UP)  # paise(min(fee, cap) if capped)
+
+
+def _tariff_rule(tariff: dict, cat: str) -> tuple[Decimal | None, Decimal | None, Decimal | None]:
+    """(a flat fee in paise, or None; the percent and the cap, or None): the category's rule."""
+    if cat == SETTLEMENT_TARIFF:
+        rule = tariff.get(SETTLEMENT_TARIFF) or NO_BROKERAGE
+    else:
         rule = tariff.get(cat) or tariff[cat.rpartition("_")[2]]
     if "flat" in rule:
-        return _flat_fee(rule["flat"])
-    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
-    fee = turnover * _decimal(rule["percent"])
-    cap = _decimal(rule["cap"])
-    return (cap if _NOUGHT < cap < fee else fee).quantize(PAISA, ROUND_HALF_UP)  # paise(min(fee, cap) if capped)
+        return _flat_fee(rule["flat"]), None, None
+    percent, cap = _decimal(rule["percent"]), _decimal(rule["cap"])
+    if not percent:  # a turnover (never negative) at 0% is 0.00 whatever the cap: a flat fee of nothing
+        return _flat_fee("0"), None, None
+    return None, percent, cap
 
 
 _decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order

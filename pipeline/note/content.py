@@ -19,12 +19,12 @@ from __future__ import annotations
 import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
-from itertools import groupby
+from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
-from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, TRADE, Client, Trade, intrinsic
-from pipeline.note.charges import CarryForward, Charges, net_totals, segment_of
+from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
+from pipeline.note.charges import CarryForward, Charges, Levies, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
@@ -48,20 +48,21 @@ MONO_SIZE_PT = 6.8
 MONO_ADVANCE = 0.6  # a monospaced glyph is 0.6 em wide
 GAP = "  "  # between two columns of the trade table: one space ran "Gross Rate" into "Brokerage"
 TEXT_WIDTH_PT = 770  # A4 landscape less the margins and the levies box's inset
+# (label, the Levies field it prints, a charge: printed negated, in brackets as the client pays it)
 LEVY_LINES = [
-    ("Pay-in/Pay-out obligation", lambda l: l.obligation),
-    ("Brokerage", lambda l: -l.brokerage),
-    ("Exchange transaction charges", lambda l: -l.txn),
-    ("SEBI turnover fees", lambda l: -l.sebi),
-    ("Taxable value of supply", lambda l: l.taxable_value),
-    ("CGST @ 9%", lambda l: -l.cgst),
-    ("SGST @ 9%", lambda l: -l.sgst),
-    ("IGST @ 18%", lambda l: -l.igst),
-    ("Securities transaction tax", lambda l: -l.stt),
-    ("Commodities transaction tax", lambda l: -l.ctt),
-    ("Stamp duty", lambda l: -l.stamp),
-    ("IPFT charges", lambda l: -l.ipft),
-    ("Net amount receivable/(payable) by client", lambda l: l.net),
+    ("Pay-in/Pay-out obligation", "obligation", False),
+    ("Brokerage", "brokerage", True),
+    ("Exchange transaction charges", "txn", True),
+    ("SEBI turnover fees", "sebi", True),
+    ("Taxable value of supply", "taxable_value", False),
+    ("CGST @ 9%", "cgst", True),
+    ("SGST @ 9%", "sgst", True),
+    ("IGST @ 18%", "igst", True),
+    ("Securities transaction tax", "stt", True),
+    ("Commodities transaction tax", "ctt", True),
+    ("Stamp duty", "stamp", True),
+    ("IPFT charges", "ipft", True),
+    ("Net amount receivable/(payable) by client", "net", False),
 ]
 CTT_LINE = "Commodities transaction tax"  # printed only on a note with commodity trades
 SEGMENT_NAMES = {"CDS": "currency derivatives", "COM": "commodity derivatives"}
@@ -102,11 +103,11 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
     """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""
     rows = _trade_rows(trades, charges)
     widths = column_widths([cells for _, cells in rows])
-    layout = _layout(widths)
+    layout = _layout(tuple(widths))
     lines = [(label, (layout % cells).rstrip()) for label, cells in rows]
     settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
-    with_ctt = any(line.startswith(CTT_LINE) for line in levies["lines"])
+    with_ctt = _commodities(charges)  # levies_table's CTT line
     pages = paginate(lines, max(0, len(settlements) - SETTLEMENTS_FREE) * SETTLEMENT_ROWS, int(with_ctt))
     return {
         "broker": broker_block(broker),
@@ -132,9 +133,15 @@ def build_note(client: Client, trades: list[Trade], charges: Charges, broker: di
 
 def broker_block(broker: dict) -> dict:
     """The broker's details as printed; member codes as one line, however many exchanges."""
-    block = {k: v for k, v in broker.items() if k != "tariff"}
-    block["member_codes_text"] = ", ".join(f"{ex} {code}" for ex, code in broker["member_codes"].items())
+    block = dict(broker)  # a copy in C, in the broker's order
+    block.pop("tariff", None)
+    block["member_codes_text"] = _member_codes_text(tuple(broker["member_codes"].items()))
     return block
+
+
+@lru_cache(maxsize=16)  # the same broker's, note after note
+def _member_codes_text(codes: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{ex} {code}" for ex, code in codes)
 
 
 def page_range(note: dict, start: int, stop: int) -> dict:
@@ -142,22 +149,48 @@ def page_range(note: dict, start: int, stop: int) -> dict:
     return {**note, "pages": note["pages"][start:stop], "page_offset": start}
 
 
+@lru_cache(maxsize=256)  # twice a note, over a few hundred widths
 def fitting_size(chars: int) -> float:
     """The monospaced font size at which a line of `chars` characters fits the page."""
     return round(min(MONO_SIZE_PT, TEXT_WIDTH_PT / (MONO_ADVANCE * max(1, chars))), 2)
 
 
 def levies_table(charges: Charges) -> dict:
-    """A column per exchange and segment, each with its obligation and net, then the grand total."""
-    columns = list(charges.segments.items()) + [("Total (Net)", charges.total)]
-    commodities = any(segment.endswith("-COM") for segment in charges.segments)
-    lines = [line for line in LEVY_LINES if commodities or line[0] != CTT_LINE]
-    cells = [[money(value(l)) for _, l in columns] for _, value in lines]
-    width = max([LEVY_VALUE_WIDTH] + [len(c) + 2 for row in cells for c in row] + [len(n) + 2 for n, _ in columns])
-    head = "Particulars".ljust(LEVY_LABEL_WIDTH) + "".join(n.rjust(width) for n, _ in columns)
-    rows = [label.ljust(LEVY_LABEL_WIDTH) + "".join(c.rjust(width) for c in row)
-            for (label, _), row in zip(lines, cells)]
+    """A column per exchange and segment, each with its obligation and net, then the grand total.
+    A note of one segment prints its segment's column as its total: the same amounts to the paisa
+    (the total adds them to a Decimal zero), without printing them again."""
+    segments = charges.segments
+    lines = _LEVY_TABLE[_commodities(charges)]
+    columns = [_levy_column(levies, lines) for levies in segments.values()]
+    columns.append(columns[0] if len(segments) == 1 else _levy_column(charges.total, lines))
+    names = [*segments, "Total (Net)"]
+    width = max(LEVY_VALUE_WIDTH, 2 + max(map(len, chain.from_iterable(columns))), 2 + max(map(len, names)))
+    template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
+    head = template % ("Particulars", *names)
+    rows = [template % (label, *cells) for label, cells in zip(lines[0], zip(*columns))]
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
+
+
+def _levy_column(levies: Levies, lines: tuple[list[str], attrgetter, list[bool]]) -> list[str]:
+    """A column of the levies table: each line's amount printed, a charge negated."""
+    return [money(-v) if minus else money(v) for v, minus in zip(lines[1](levies), lines[2])]
+
+
+def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, list[bool]]:
+    """The levies table's labels, its values of a Levies in one call, and which are charges."""
+    lines = [line for line in LEVY_LINES if commodities or line[0] != CTT_LINE]
+    return [label for label, _, _ in lines], attrgetter(*(f for _, f, _ in lines)), [c for _, _, c in lines]
+
+
+_LEVY_TABLE = {False: _levy_lines(False), True: _levy_lines(True)}
+
+
+def _commodities(charges: Charges) -> bool:
+    """Whether the note has commodity trades, and so the levies table its CTT line."""
+    return not _COMMODITY_SEGMENTS.isdisjoint(charges.segments)
+
+
+_COMMODITY_SEGMENTS = frozenset(s for s in SEGMENTS if s.endswith("-COM"))  # MCX-COM, NCDEX-COM
 
 
 def column_widths(rows: list[list[str]]) -> list[int]:
@@ -180,7 +213,8 @@ def _heads(widths: tuple[int, ...]) -> tuple[str, str]:
     return tuple((layout % tuple(c[i] for c in TRADE_COLUMNS)).rstrip() for i in (0, 1))
 
 
-def _layout(widths: list[int]) -> str:
+@lru_cache(maxsize=256)  # a few hundred sets of widths among a day's notes
+def _layout(widths: tuple[int, ...]) -> str:
     """One %-template per note (a tuple of cells % it): padding a row is then a single C-level call,
     ~40% fewer instructions than str.format's, which parses its fields' specs again every row."""
     return GAP.join(f"%{'' if right else '-'}{w}s" for w, (_, _, _, right) in zip(widths, TRADE_COLUMNS))
@@ -226,13 +260,14 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
     C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
     totals, carried_totals = net_totals(trades, charges)
+    shares = charges.brokerage_share
     rows = []
     key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
     for (segment, settlement), group in groupby(trades, key=key):
-        label = f"{_segment_title(segment)}  ·  Settlement {settlement}"
+        label = _section_label(segment, settlement)
         group = list(group)
         traded = [t for t in group if t.settlement == TRADE]
-        rows += [(label, _cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in traded]
+        rows += [(label, _cells(t, per_unit(shares[t.key], t), totals[t.key])) for t in traded]
         rows += [(label, _carried_cells(c, carried_totals[i])) for i, c in enumerate(charges.carried)
                  if segment_of(c.trade) == segment and c.trade.settlement_no == settlement]
         if len(traded) < len(group):  # exercises, then assignments, then deliveries, each in the trades' order
@@ -242,6 +277,11 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(SETTLEMENT_REMARKS)}
+
+
+@lru_cache(maxsize=256)  # a note's few sections, the same in most notes
+def _section_label(segment: str, settlement: str) -> str:
+    return f"{_segment_title(segment)}  ·  Settlement {settlement}"
 
 
 def _segment_title(segment: str) -> str:
@@ -260,12 +300,16 @@ _LABEL, _TEXT = itemgetter(0), itemgetter(1)
 
 def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, ...]:
     order_no, order_time, trade_no, trade_time, side, quantity, price, product, status, close = _CELL_FIELDS(t)
-    net_rate = price + brokerage_unit if side == "B" else price - brokerage_unit
     remarks = product + (" (modified)" if status == "12" else "")
     closing = money(close, 4) if close is not None else ""
+    gross = money(price, 4)
+    if brokerage_unit:
+        net = money(price + brokerage_unit if side == "B" else price - brokerage_unit, 4)
+    else:  # no brokerage (a third of the trades: deliveries at 0%): the Net Rate is the Gross Rate
+        net = gross
     return (
         order_no, order_time, trade_no, trade_time, _describe(t), side,
-        str(quantity), money(price, 4), money(brokerage_unit, 4), money(net_rate, 4),
+        str(quantity), gross, money(brokerage_unit, 4), net,
         closing, money(net_total), remarks,
     )
 
@@ -301,19 +345,32 @@ def _describe(t: Trade) -> str:
     the reader needs them to get from the rate to the Net Total."""
     if t.instrument == "EQ":
         return f"{t.symbol} EQ {t.isin}".strip()
-    parts = [t.instrument, t.symbol, _dmy(t.expiry) if t.expiry else "", t.strike, t.option_type,
-             f"x{t.multiplier}" if t.multiplier != 1 else "",
-             f"INR/{CROSS_PAIRS[t.symbol]} {t.fx:f}" if t.fx is not None else ""]
-    return " ".join(p for p in parts if p)
+    if t.fx is None:  # a contract's trades share its text (a Decimal's digits are not in its hash: fx is apart)
+        return _contract_text(_CONTRACT(t))
+    return f"{_contract_text(_CONTRACT(t))} INR/{CROSS_PAIRS[t.symbol]} {t.fx:f}"
+
+
+_CONTRACT = attrgetter("instrument", "symbol", "expiry", "strike", "option_type", "multiplier")
+
+
+@lru_cache(maxsize=4096)  # a day's derivatives contracts, by far fewer than their trades
+def _contract_text(contract: tuple[str, str, str, str, str, int]) -> str:
+    instrument, symbol, expiry, strike, option_type, multiplier = contract
+    parts = [instrument, symbol, _dmy(expiry) if expiry else "", strike, option_type,
+             f"x{multiplier}" if multiplier != 1 else ""]
+    return " ".join(filter(None, parts))
 
 
 def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
     one) says so rather than print a date that may be wrong."""
-    seen = sorted({(t.exchange, t.exchange_segment, t.settlement_no) for t in trades})  # segment_of(t)
+    seen = sorted(set(map(_SECTION, trades)))
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
+
+
+_SECTION = attrgetter("exchange", "exchange_segment", "settlement_no")  # segment_of(t): a trade's, in one call
 
 
 @lru_cache(maxsize=256)  # a note's expiries and dates are few, its contracts' lines many
