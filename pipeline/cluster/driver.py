@@ -44,7 +44,7 @@ from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.note.content import page_range
 from pipeline.note.assemble import merge
-from pipeline.note.render import render, render_all
+from pipeline.note.render import forget, render, render_all
 from pipeline.record import day_claim, delivery_log, keys, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
@@ -60,7 +60,7 @@ from pipeline.stages import Batch, broker, load_shard, render_stage, restore_fro
 
 log = logging.getLogger("pipeline.cluster.driver")
 PARALLEL_FROM_PAGES = 100
-RANGE_PAGES = 25  # Typst keeps ~10 compiles' memo cache: 25 dense pages each caps a worker near 0.7 GB
+RANGE_PAGES = 25  # a range's task forgets Typst's memo after it (render.forget): a worker near 0.2 GB, not 0.7
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
 # the first mail leaves a render, a sign and a send of 4 notes after the split, not of 100
 TAIL_PARTS = 4  # the day's last shards go in quarters: the chains still at the signer when the renders end
@@ -205,8 +205,12 @@ def shard_rows_task(settings: Settings, run_id: str, shard: int, assembled=None)
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
-    """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB."""
-    return render(part, tagged), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB. What
+    Typst memoised for it is dropped after: the next range shares none of it (render.forget)."""
+    try:
+        return render(part, tagged), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    finally:
+        forget()
 
 
 def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Exception]:
@@ -223,7 +227,7 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
 
 def _merged(refs: list) -> bytes | Exception:
     try:
-        return merge([pdf for pdf, _ in ray.get(refs)])
+        return merge(ray.get(ref)[0] for ref in refs)  # each joined as it comes, while later ones render
     except Exception as e:  # a range that failed (its own retries spent) fails its note only
         return e
 

