@@ -416,7 +416,7 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
         async with asyncio.timeout(conn.timeout_s):
             for group in groups:
                 sent = group[-1] is steps[-1]
-                replies.write(*(data for parts, _ in group for data in parts))  # one vectored write a group
+                replies.write(*(data for parts, _ in group for data in parts))  # one write a group
                 failed = None  # the first reply not expected: what the mail failed on
                 for _, expected in group:
                     code, text = await replies.reply()

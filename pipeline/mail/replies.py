@@ -41,8 +41,8 @@ class Replies(asyncio.Protocol):
         return bool(self._replies or self._buffer)
 
     def write(self, *data: bytes) -> None:
-        """The parts go out in one call (a vectored write): a pipelined group, or a message and
-        its end mark, without joining them into a copy first."""
+        """The parts go out in one call: a pipelined group, or a message and its end mark, not
+        joined into a copy first where the loop writes them vectored (uvloop's, the mailer's)."""
         if not self.live:
             raise RelayClosed("connection lost")
         if len(data) == 1:

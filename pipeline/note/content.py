@@ -305,7 +305,7 @@ def _cells(t: Trade, brokerage_unit: Decimal, net_total: Decimal) -> tuple[str, 
     gross = money(price, 4)
     if brokerage_unit:
         net = money(price + brokerage_unit if side == "B" else price - brokerage_unit, 4)
-    else:  # no brokerage (a third of the trades: deliveries at 0%): the Net Rate is the Gross Rate
+    else:  # no brokerage (deliveries at 0% on the default tariff): the Net Rate is the Gross Rate
         net = gross
     return (
         order_no, order_time, trade_no, trade_time, _describe(t), side,

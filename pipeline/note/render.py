@@ -81,8 +81,8 @@ def forget() -> None:
     the ones before (a shard's batches share the template and the header). A huge note's page
     ranges share next to nothing: each is its own pages, so a range worker held ten ranges'
     layouts (25 dense pages a range: ~680 MB). Ten compiles of an empty document, 0.2 ms each,
-    age them out: a worker rendering ranges peaked at ~195 MB, with ~5% less CPU a page
-    (7.0 against 7.4 ms, two runs each: fewer fresh pages of memory to fault in)."""
+    age them out: a worker rendering ranges peaked at ~195 MB (in one process; ~240 MB as a
+    Ray worker in bench/render.py)."""
     empty = _empty()
     for _ in range(MEMO_AGE):
         empty.compile(input=b"", format="pdf")

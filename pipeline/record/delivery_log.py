@@ -125,10 +125,11 @@ def append(store: Store, run_id: str, shard: int, entries: Iterable[dict], after
 
 
 def known_end(store_url: str, run_id: str, shard: int) -> Link | None:
-    """Where this process last wrote the shard's chain to, if it did. The driver hands it on
-    with the shard's batch: after its first notes (its own mailing, the chain's first two
-    objects), the shard's next mailing at a mailer writes the third at once, where it found
-    the first taken and paid a refused PUT, a listing and two reads (bench/scale.py --s3-only)."""
+    """Where this process last wrote the shard's chain to, if it did: a hint. The driver hands
+    it on with the shard's batch; when its first notes were mailed before the shard's chain was
+    launched (their chain's first objects), the shard's next mailing writes the next object at
+    once, where it found the first taken and paid a refused PUT, a listing and two reads. A hint
+    behind the chain costs what no hint does: the create-only PUT is refused and the chain read."""
     return _ends.get((store_url, run_id, shard))
 
 
