@@ -261,7 +261,7 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
     from pipeline.cluster.driver import Chain
 
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
-    uccs = [f"K{i:04d}" for i in range(150)]
+    uccs = [f"K{i:04d}" for i in range(400)]  # ~3 s of signing: the kill lands mid-batch on a loaded machine too
     lease = RunState(settings.redis_url, run_id).take_lease(60).token
     actors = fleet.start(settings, run_id, False, False, "")
     try:
