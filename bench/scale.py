@@ -49,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,59 +214,67 @@ def once(args) -> dict:
                                   ("heavy", args.small, True)):
             write_dumps(work / name, SynthOptions(date, n, args.seed, volatile=volatile,
                                                   volatile_trades=args.volatile_trades))
-        key, cert, root = make_test_certificate(work / "keys")
-        redis = start_redis(work / "redis")
-        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
-        s3 = start_versitygw(work / "s3")
-        try:
-            base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
-                                     signer_cert=str(cert), signer_chain=str(root))
-            init_ray(base)  # Ray as a run starts it (same role resources); the runs join it
-            env = run_env(redis.url, smtp.url, key, cert, root)
-            out: dict = {"accounts_small": args.small, "accounts_large": args.large, "cores": cores}
-            out.update(split_rates(Settings(**{**base.__dict__, "store_url": str(work / "split")}),
-                                   work / "large", work / "small"))
-            local = {**env, **attach()}
-            stores = {name: {**local, "CN_STORE": str(work / f"store-{name}")} for name in ("small", "large", "heavy")}
-            seq_rate, runs = {}, {}
-            for name in ("small", "large", "heavy"):
-                if name != "heavy":  # the baseline just before each run it is set against: this VM's speed drifts
-                    seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / f"seq-{name}")}),
-                                     work / "small", f"seq-{name}")
-                    seq_rate[name] = seq["delivered"] / seq["elapsed_s"]
-                runs[name] = run(stores[name], str(work / name), f"scale-{name}")  # a date's notes: one run's a store
-            out["sequential_notes_per_s"] = round(seq_rate["small"], 2)
-            out["sequential_notes_per_s_large"] = round(seq_rate["large"], 2)
-            for name in ("small", "large"):
-                r = runs[name]
-                out[f"notes_per_s_{name}"] = r["notes_per_s"]
-                out[f"efficiency_{name}"] = round(r["notes_per_s"] / (cores * seq_rate[name]), 3)
-                out[f"first_note_s_{name}"] = r["first_note_s"]
-                out[f"driver_peak_rss_mb_{name}"] = r["driver_peak_rss_mb"]
-                out[f"cores_busy_{name}"] = round(r["busy_s"] / (cores * r["command_s"]), 3)
-                out[f"report_peak_mb_{name}"], report_s = report_peak_mb(stores[name], f"scale-{name}")
-            out["report_s_per_100k"] = round(report_s * 100_000 / args.large, 1)
-            out["cpu_ms_per_note_large"] = runs["large"]["cpu_ms_per_note"]
-            out["rows_large"] = rows_of(work / "large")
-            out["first_note_s"] = runs["small"]["first_note_s"]
-            out["driver_rss_ratio"] = round(out["driver_peak_rss_mb_large"] / out["driver_peak_rss_mb_small"], 3)
-            growth = out["report_peak_mb_large"] - out["report_peak_mb_small"]
-            out["report_peak_mb_per_100k"] = round(max(growth, 0) * 100_000 / (args.large - args.small), 1)
-            out["redis_bytes_per_account"] = redis_bytes_per_account(redis.url, "scale-large", args.large)
-            out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
-            out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
-            out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
-            out["tail_work_s"] = round(runs["heavy"]["busy_s"] - runs["small"]["busy_s"], 1)
-            out["tail_floor_ratio"] = round(1 + out["tail_work_s"] / cores / runs["small"]["elapsed_s"], 3)
-            ray.shutdown()  # the runs below start Ray themselves: a cold start
-            cold = run(env | {"CN_STORE": str(work / "cold")}, str(work / "large"), "scale-cold", work / "outbox")
-            out["first_note_s_cold_large"] = cold["first_note_at_relay_s"]  # issue 43: within 5 s
-            out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
-        finally:
-            s3.stop()
-            smtp.stop()
-            redis.stop()
+        with _services(work) as (base, env):
+            s3 = start_versitygw(work / "s3")
+            try:
+                init_ray(base)  # Ray as a run starts it (same role resources); the runs join it
+                out: dict = {"accounts_small": args.small, "accounts_large": args.large, "cores": cores}
+                out.update(split_rates(Settings(**{**base.__dict__, "store_url": str(work / "split")}),
+                                       work / "large", work / "small"))
+                local = {**env, **attach()}
+                stores = {name: {**local, "CN_STORE": str(work / f"store-{name}")} for name in ("small", "large", "heavy")}
+                seq_rate, runs = {}, {}
+                for name in ("small", "large", "heavy"):
+                    if name != "heavy":  # the baseline just before each run it is set against: this VM's speed drifts
+                        seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / f"seq-{name}")}),
+                                         work / "small", f"seq-{name}")
+                        seq_rate[name] = seq["delivered"] / seq["elapsed_s"]
+                    runs[name] = run(stores[name], str(work / name), f"scale-{name}")  # a date's notes: one run's a store
+                out["sequential_notes_per_s"] = round(seq_rate["small"], 2)
+                out["sequential_notes_per_s_large"] = round(seq_rate["large"], 2)
+                for name in ("small", "large"):
+                    r = runs[name]
+                    out[f"notes_per_s_{name}"] = r["notes_per_s"]
+                    out[f"efficiency_{name}"] = round(r["notes_per_s"] / (cores * seq_rate[name]), 3)
+                    out[f"first_note_s_{name}"] = r["first_note_s"]
+                    out[f"driver_peak_rss_mb_{name}"] = r["driver_peak_rss_mb"]
+                    out[f"cores_busy_{name}"] = round(r["busy_s"] / (cores * r["command_s"]), 3)
+                    out[f"report_peak_mb_{name}"], report_s = report_peak_mb(stores[name], f"scale-{name}")
+                out["report_s_per_100k"] = round(report_s * 100_000 / args.large, 1)
+                out["cpu_ms_per_note_large"] = runs["large"]["cpu_ms_per_note"]
+                out["rows_large"] = rows_of(work / "large")
+                out["first_note_s"] = runs["small"]["first_note_s"]
+                out["driver_rss_ratio"] = round(out["driver_peak_rss_mb_large"] / out["driver_peak_rss_mb_small"], 3)
+                growth = out["report_peak_mb_large"] - out["report_peak_mb_small"]
+                out["report_peak_mb_per_100k"] = round(max(growth, 0) * 100_000 / (args.large - args.small), 1)
+                out["redis_bytes_per_account"] = redis_bytes_per_account(base.redis_url, "scale-large", args.large)
+                out["tail_elapsed_s_without"] = runs["small"]["elapsed_s"]
+                out["tail_elapsed_s_with"] = runs["heavy"]["elapsed_s"]
+                out["tail_ratio"] = round(runs["heavy"]["elapsed_s"] / runs["small"]["elapsed_s"], 3)
+                out["tail_work_s"] = round(runs["heavy"]["busy_s"] - runs["small"]["busy_s"], 1)
+                out["tail_floor_ratio"] = round(1 + out["tail_work_s"] / cores / runs["small"]["elapsed_s"], 3)
+                ray.shutdown()  # the runs below start Ray themselves: a cold start
+                cold = run(env | {"CN_STORE": str(work / "cold")}, str(work / "large"), "scale-cold", work / "outbox")
+                out["first_note_s_cold_large"] = cold["first_note_at_relay_s"]  # issue 43: within 5 s
+                out.update(s3_run(env, s3.url, work / "small", args.small, work / "versitygw.log"))
+            finally:
+                s3.stop()
     return out
+
+
+@contextmanager
+def _services(work: Path) -> Iterator[tuple[Settings, dict]]:
+    """A test key, a local redis-server and SMTP sink under `work`, stopped on the way out:
+    the settings a run in this process takes, and the environment of a `run` command."""
+    key, cert, root = make_test_certificate(work / "keys")
+    redis = start_redis(work / "redis")
+    smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
+    try:
+        yield (Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key), signer_cert=str(cert),
+                                 signer_chain=str(root)), run_env(redis.url, smtp.url, key, cert, root))
+    finally:
+        smtp.stop()
+        redis.stop()
 
 
 def run_env(redis_url: str, smtp_url: str, key: Path, cert: Path, root: Path) -> dict:
@@ -286,24 +296,19 @@ def first_note_only(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         write_dumps(work / "large", SynthOptions(dt.date.fromisoformat(DATE), args.large, args.seed))
-        key, cert, root = make_test_certificate(work / "keys")
-        redis = start_redis(work / "redis")
-        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
-        try:
-            env = run_env(redis.url, smtp.url, key, cert, root)
+        with _services(work) as (base, env):
             if args.running:
-                init_ray(Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
-                                           signer_cert=str(cert), signer_chain=str(root)))
+                init_ray(base)
                 env |= attach()
-            sides = [(name, ROOT)] + ([("first_note_s_baseline", Path(args.baseline))] if args.baseline else [])
-            for i, (figure, tree) in enumerate(sides):
-                out[figure] = _first_at_relay({**env, "CN_STORE": str(work / f"store-{i}"), "PYTHONPATH": str(tree)},
-                                              tree, work / "large", work / "outbox", f"scale-first-{i}")
-        finally:
-            if args.running:
-                ray.shutdown()
-            smtp.stop()
-            redis.stop()
+            try:
+                sides = [(name, ROOT)] + ([("first_note_s_baseline", Path(args.baseline))] if args.baseline else [])
+                for i, (figure, tree) in enumerate(sides):
+                    out[figure] = _first_at_relay({**env, "CN_STORE": str(work / f"store-{i}"),
+                                                   "PYTHONPATH": str(tree)},
+                                                  tree, work / "large", work / "outbox", f"scale-first-{i}")
+            finally:
+                if args.running:
+                    ray.shutdown()
     return out
 
 
@@ -317,11 +322,7 @@ def s3_only(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         write_dumps(work / "small", SynthOptions(dt.date.fromisoformat(DATE), args.small, args.seed))
-        key, cert, root = make_test_certificate(work / "keys")
-        redis = start_redis(work / "redis")
-        smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
-        try:
-            env = run_env(redis.url, smtp.url, key, cert, root)
+        with _services(work) as (_, env):
             sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
             for i, (suffix, tree) in enumerate(sides):
                 s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
@@ -331,9 +332,6 @@ def s3_only(args) -> dict:
                 finally:
                     s3.stop()
                 out.update({k + suffix: v for k, v in figures.items()})
-        finally:
-            smtp.stop()
-            redis.stop()
     return out
 
 
