@@ -21,6 +21,7 @@ from pipeline.record import note_numbers, report
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
+from tests.test_first_notes import _Counted
 from tests.test_hostile_input import split_with
 from tests.test_note_correctness import DATE, HAND_MADE
 
@@ -48,7 +49,10 @@ def test_ranges_cut_anywhere_give_the_rows_and_row_numbers_of_one_pass(tmp_path,
     run = f"ranges-{os.urandom(3).hex()}"
     one = split_day(inputs, open_store(str(tmp_path / "one")), RunState(redis_url, run + "a"), run + "a", DATE, 4, "CNT")
     state = RunState(redis_url, run + "b")
-    cut = ranged_split(inputs, open_store(str(tmp_path / "cut")), state, run + "b", cut_every)
+    counted = _Counted(inputs)
+    cut = ranged_split(counted, open_store(str(tmp_path / "cut")), state, run + "b", cut_every)
+    ranges = sum(-(-inputs.size(name) // cut_every) for name in ("clients.csv", "trades.csv"))
+    assert len(counted.reads) == ranges + 1  # a GET a range on S3 (its last line read in the same), and the plan's look
     assert (cut.accounts, cut.rejected, cut.shards, cut.trades) == (one.accounts, one.rejected, one.shards, one.trades)
     assert state.accounts(["BAD1"])["BAD1"]["reason"].startswith("trades.csv row 13 field 'price'")
     strip = lambda folder: sorted(  # noqa: E731 (the note numbers differ: each split reserved its own)

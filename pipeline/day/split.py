@@ -50,7 +50,7 @@ from pipeline.record.storage import StorageError, Store
 
 MAX_LISTED_ERRORS = 1000
 NAMED = 1000  # the accounts with no note due that the manifest and the report name (all are counted)
-RANGE_BYTES_MIN = 1 << 20
+RANGE_BYTES_MIN = 4 << 20  # a smaller range is not worth its own GET and task (a 2,000-account day: 3 ranges, not 7)
 RANGE_BYTES_MAX = 64 << 20  # a range's parsed rows stay a few hundred MB in its worker
 DUMPS = {"clients.csv": CLIENT_FIELDS, "trades.csv": TRADE_COLUMNS}
 RS = "\x1e"  # ends a bucket line's kind and account: like SEP, never inside an accepted field
@@ -399,6 +399,7 @@ def _closing_prices(inputs: Store, trade_date: str, errors: list[dict]) -> dict:
 
 
 CHUNK = 1 << 20  # bytes of a range read at a time: io.StringIO holds them as 4 bytes a character
+LOOK_AHEAD = 64 * 1024  # read past a range's end in its one GET: its last line's end, not a GET of its own
 
 
 def _range_lines(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[str]:
@@ -460,25 +461,33 @@ def _finds(data: bytes, needle: bytes) -> Iterator[int]:
 
 def _range_chunks(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[tuple[bytes, bool]]:
     """The range's bytes a chunk of whole lines at a time, and whether the chunk is the file's
-    first. Read in one request, CHUNK bytes at a time, each cut at its last newline: a range is
-    never held whole (a 20,000-account day's trades as text were most of the driver's memory,
-    read for its first notes)."""
+    first. Read in one request (on LOOK_AHEAD past its end for the line that runs on), CHUNK
+    bytes at a time, each cut at its last newline: a range is never held whole (a 20,000-account
+    day's trades as text were most of the driver's memory, read for its first notes)."""
     at, left, skip, first = max(0, rng.start - 1), b"", rng.start > 0, rng.start == 0
-    for data in inputs.stream_range(rng.file, at, rng.end, chunk):
-        at += len(data)
+    asked, ended = rng.end + LOOK_AHEAD, False
+    for data in inputs.stream_range(rng.file, at, asked, chunk):
+        begin, at = at, at + len(data)
+        if at >= rng.end:  # the range's last line ends at the first newline from byte end-1 on
+            cut = data.find(b"\n", max(0, rng.end - 1 - begin))
+            if cut >= 0:
+                data, ended = data[:cut + 1], True
         if skip:  # the line that began before `start` is the previous range's
             cut = data.find(b"\n")
-            if cut < 0:
-                continue
-            data, skip = data[cut + 1:], False
+            data, skip = (data[cut + 1:], False) if cut >= 0 else (b"", True)
         cut = data.rfind(b"\n")
-        if cut < 0:
+        if cut >= 0:
+            whole, left = left + data[:cut + 1], data[cut + 1:]
+            yield whole, first
+            first = False
+        else:
             left += data
-            continue
-        whole, left = left + data[:cut + 1], data[cut + 1:]
-        yield whole, first
-        first = False
+        if ended:
+            return
     if skip or not left:
+        return
+    if at < asked:  # the file ends in this range's last line, without its newline
+        yield left, first
         return
     while True:  # the range's last line runs on past its end
         more = inputs.read_range(rng.file, at, at + 64 * 1024)
@@ -494,7 +503,8 @@ class OneRead:
     """A dump's ranges read one after another through one GET of the dump, where each range was
     a GET of its own (the first notes' read: 11 of a 2,000-account day's 24 ranged GETs of
     trades.csv on S3). What _range_chunks asks of a store, in its order: a range from a byte
-    before its start, and the line that runs on past its end (a look ahead, nothing let go).
+    before its start, and on LOOK_AHEAD past its end for the line that runs on (held: the next
+    range starts a byte before this one's end).
     Only the bytes from a byte before the last one handed out are held, so a range is never held
     whole; a read that starts before them is the store's own. `ends`: each dump's size."""
 
@@ -515,7 +525,7 @@ class OneRead:
         while pos < end and self._has(pos):
             piece = self.held[pos - self.at:end - self.at]
             pos += len(piece)
-            self._drop_before(pos - 1)  # the next range begins a byte before this one's end
+            self._drop_before(min(pos, end - LOOK_AHEAD) - 1)  # the next range begins a byte before this one's end
             yield piece
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
