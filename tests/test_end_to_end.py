@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray._private.utils import publish_error_to_driver
 
-from pipeline.cluster.driver import FIRST_NOTES, TAIL_PARTS, RunRequest, _units, run_day
+from pipeline.cluster.driver import FIRST_NOTES, TAIL_PARTS, RunRequest, _tail, _units, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys
 from pipeline.record.storage import open_store
@@ -105,6 +105,9 @@ def test_the_days_last_shards_go_in_parts_and_every_account_is_in_one_chain():
     assert all(len(shards[s][slice(*p)]) <= 8 // TAIL_PARTS for s, p in units[3:] if p[1] is not None)
     dealt = [u for shard, part in units for u in (shards[shard][slice(*part)] if part else shards[shard])]
     assert sorted(dealt) == sorted(u for accounts in shards.values() for u in accounts)
+    for window in (6, 64):  # the last window of chains is parts, and not every shard of it is cut (a mailing each)
+        units = _units(list(range(200)), None, _tail(window), 100)
+        assert all(part is not None for _, part in units[-window:]) and _tail(window) < window
 
 
 def test_rerunning_a_run_id_delivers_nothing_new(settings, day, smtp_sink):
