@@ -110,6 +110,23 @@ def test_note_numbers_reserved_side_by_side_never_repeat_and_the_mark_never_drop
     assert note_numbers.high_water_mark(store, fy) == 300
 
 
+def test_an_assembly_run_again_keeps_the_shard_files_first_written_and_hands_them_on(tmp_path, redis_url):
+    """Ray runs an assembly task again when a node holding a shard file's bytes it handed on is
+    lost: its notes may be mailed by then, so the files (their note numbers) first written stand,
+    and the bytes handed on again are theirs."""
+    write_dumps(tmp_path / "in", SynthOptions(dt.date.fromisoformat(DATE), 60, seed=3))
+    inputs, store, run = open_store(str(tmp_path / "in")), open_store(str(tmp_path / "out")), "again"
+    plan = make_plan(inputs, DATE, 10, parts=1)
+    metas, buckets = zip(*(read_range(inputs, r, plan.columns[r.file], plan.shard_count, 1, DATE, plan.closes)
+                           for r in plan.ranges))
+    state = RunState(redis_url, f"again-{os.urandom(3).hex()}")
+    made = [assemble(store, state, run, DATE, "CNT", [b[0] for b in buckets], row_offsets(list(metas)),
+                     hand=range(plan.shard_count)) for _ in range(2)]
+    files = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("shard-*.jsonl")}
+    assert made[0]["rows"] == made[1]["rows"] and len(made[0]["rows"]) == len(files) > 3
+    assert sorted(made[1]["rows"].values()) == sorted(files.values())
+
+
 def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_url):
     state = RunState(redis_url, f"pages-{os.urandom(3).hex()}")
     n = 2 * report.PAGE + 7

@@ -328,7 +328,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         cut = _tail(_window(settings, fleet.look().slots)) if splitting and not resume and req.only is None else 0
         tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, actors,
                          resume, epoch, lease, watching,
-                         splitting.after if splitting else lambda shard: None, early)
+                         splitting.after if splitting else lambda shard: None, early, splitting.rows if splitting else {})
     finally:
         actors.close()
     if split is None:
@@ -547,28 +547,27 @@ def _units(shards: list[int], first: int | None, cut: int = 0, shard_size: int =
 
 
 class _SharedRows:
-    """The shard file's bytes for a shard cut in parts (the day's tail), read once by a task of
-    its own and handed to each part's render task: the ref is let go once the last part is
-    asked for, so Ray frees the bytes when those renders end. A shard cut for the first notes
-    is not waited on: its first part is rendered at once, and its other reads the file."""
+    """A shard file's bytes handed to its chains' render tasks through Ray's object store, where
+    each would read the file: the day's first shards' as their assembly wrote them (`handed`,
+    split_tasks.HANDED_TRADES), and a shard cut in parts at the day's tail read once by a task of
+    its own. A ref is let go once the shard's last chain is asked for, so Ray frees the bytes
+    when those renders end. A shard cut for the first notes and not handed is not waited on:
+    its first part is rendered at once, and its other reads the file."""
 
-    def __init__(self, units: list[tuple[int, tuple | None]]):
-        cut = Counter(shard for shard, part in units if part is not None)  # the first notes' shard: in two
-        self.parts = {shard: n for shard, n in cut.items() if n == TAIL_PARTS}  # shard -> its parts not yet asked for
-        self.refs: dict[int, ray.ObjectRef] = {}
+    def __init__(self, units: list[tuple[int, tuple | None]], handed: dict[int, ray.ObjectRef]):
+        self.left = Counter(shard for shard, _ in units)  # shard -> its chains not yet asked for
+        self.cut = {shard for shard, n in Counter(s for s, part in units if part is not None).items()
+                    if n == TAIL_PARTS}  # the first notes' shard: in two
+        self.refs = handed
 
     def ref(self, chain: "Chain", settings: Settings, run_id: str,
             assembled: Callable[[int], ray.ObjectRef | None]) -> ray.ObjectRef | None:
-        left = self.parts.get(chain.shard, 0)
-        if chain.part is None or chain.first is not None or (left < 2 and chain.shard not in self.refs):
-            return None
-        ref = self.refs.get(chain.shard)
-        if ref is None:
-            ref = self.refs[chain.shard] = shard_rows_task.options(name="read shard").remote(
-                settings, run_id, chain.shard, assembled(chain.shard))
-        self.parts[chain.shard] = left - 1
-        if left <= 1:
-            del self.refs[chain.shard], self.parts[chain.shard]
+        left, ref = self.left.pop(chain.shard, 0), self.refs.pop(chain.shard, None)
+        if ref is None and chain.shard in self.cut and chain.first is None and left > 1:
+            ref = shard_rows_task.options(name="read shard").remote(settings, run_id, chain.shard,
+                                                                     assembled(chain.shard))
+        if left > 1:
+            self.left[chain.shard], self.refs[chain.shard] = left - 1, ref
         return ref
 
 
@@ -586,7 +585,8 @@ class Chain:
 
 def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple[int, tuple | None]], accounts: int,
              actors: fleet.Fleet, resume: bool, epoch: str, lease: Lease, watch: Callable[[], None],
-             assembled: Callable[[int], ray.ObjectRef | None], early: first_notes.FirstNotes | None) -> dict:
+             assembled: Callable[[int], ray.ObjectRef | None], early: first_notes.FirstNotes | None,
+             handed: dict[int, ray.ObjectRef]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
     pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
@@ -596,7 +596,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     window = _window(settings, view.slots)
     render_settings = credentials.for_render(settings)
     queue = [Chain(shard, part) for shard, part in reversed(units)]
-    rows = _SharedRows(units)
+    rows = _SharedRows(units, handed)
     store_url = settings.store_url
     progress = tqdm(total=accounts, unit="note", desc=f"run {run_id}", file=sys.stderr, smoothing=0.1)
     state, snapshot_at = RunState.of(settings, run_id), 0.0

@@ -22,6 +22,9 @@ from pipeline.settings import Settings
 from pipeline.stages import broker
 
 
+HANDED_TRADES = 200_000  # the day's first shards, by their trades, whose files an assembly hands to their render
+# tasks through Ray's object store as it writes them (~50 MB there): each render reads no file, and the rest
+# of a 1.5M day's rows never wait in the object store for their turn
 GROUP_SHARDS_MAX = 500  # the most shards one assembly task holds the rows of (50,000 accounts at 100 a shard)
 
 
@@ -44,11 +47,17 @@ def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int,
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, numbered: dict,
-                  *parts) -> dict:
+                  handed: tuple[int, ...], *parts):
+    """The group's result, then the file of each `handed` shard (None: no file, every account
+    rejected), each a return of its own (num_returns) for its render tasks to take. Run again
+    for a lost return, it hands the files first written (split.assemble writes each once)."""
     state = RunState.of(settings, run_id)
-    return assemble(open_store(settings.store_url), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
-                    list(parts),
-                    offsets, reuse, numbered)
+    done = assemble(open_store(settings.store_url), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
+                    list(parts), offsets, reuse, numbered, frozenset(handed))
+    if not handed:
+        return done
+    rows = done.pop("rows")
+    return (done, *[rows.get(shard) for shard in handed])
 
 
 def tally(metas: Iterable[dict]) -> tuple[list[dict], dict[int, int]]:
@@ -83,6 +92,7 @@ class Split:
     def __init__(self, plan: Plan, metas: list[dict], groups: int, assembling: dict[int, ray.ObjectRef],
                  weights: dict[int, int]):
         self.plan, self.metas, self.groups, self.assembling, self.weights = plan, metas, groups, assembling, weights
+        self.rows: dict[int, ray.ObjectRef] = {}  # shard -> its file's bytes, as its assembly wrote it (HANDED_TRADES)
 
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
@@ -102,10 +112,24 @@ class Split:
         heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
         for shard, n in split.weights.items():
             heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
+        handed = split.handed()
         for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
-            split.assembling[g] = assemble_task.options(name="split assemble").remote(
-                settings, run_id, trade_date, offsets, reuse, numbered, *[refs[g] for refs in reads])
+            mine = tuple(s for s in handed if s % groups == g)
+            made = assemble_task.options(name="split assemble", num_returns=1 + len(mine)).remote(
+                settings, run_id, trade_date, offsets, reuse, numbered, mine, *[refs[g] for refs in reads])
+            split.assembling[g], *rows = made if mine else [made]
+            split.rows.update(zip(mine, rows))
         return split
+
+    def handed(self) -> list[int]:
+        """The first shards the fan-out takes (heaviest first), up to HANDED_TRADES trades."""
+        handed, trades = [], 0
+        for shard in self.shards():
+            trades += self.weights[shard]
+            if trades > HANDED_TRADES:
+                break
+            handed.append(shard)
+        return handed
 
     def lead(self, watch: Callable[[], None]) -> int | None:
         """The lightest shard of the group assembled first: its first notes can go out soonest.

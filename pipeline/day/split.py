@@ -46,7 +46,7 @@ from pipeline.record import keys, note_numbers
 from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import StorageError, Store, write_once
 
 MAX_LISTED_ERRORS = 1000
 NAMED = 1000  # the accounts with no note due that the manifest and the report name (all are counted)
@@ -238,19 +238,23 @@ def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
 
 
 def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_prefix: str,
-             parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None) -> dict:
+             parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None,
+             hand: Container[int] = ()) -> dict:
     """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
     are reserved for the group in one block, shard after shard; an account in `numbered` (the
     run's first notes, made before the split) keeps the number it was mailed with. With `reuse`
     (a split run again after it was cut short), a shard already in storage is kept as written:
-    its notes may have gone out with those numbers. Returns {shard: (accounts, trades)}, the
-    rejected, and the clients whose every trade was cancelled (no note is due)."""
+    its notes may have gone out with those numbers. A shard file is written once (create-only):
+    if this assembly runs again (Ray remaking what a lost node held), the file first written
+    stands, with its numbers. Returns {shard: (accounts, trades)}, the rejected, and the clients
+    whose every trade was cancelled (no note is due); with `hand`, "rows": those shards' files
+    as written, for their render tasks (split_tasks.HANDED_TRADES)."""
     numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
             by_shard[shard].append(text)
-    done, fresh, rejected, cancelled = {}, [], 0, []
+    done, fresh, rejected, cancelled, rows = {}, [], 0, [], {}
     for shard in sorted(by_shard):
         accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
@@ -260,8 +264,11 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
             continue
         key = keys.shard_key(run_id, shard)
         if reuse and store.exists(key):  # recorded when written: recording again would wipe a Message-ID
-            kept = [json.loads(line) for line in store.get(key).decode().splitlines()]
+            data = store.get(key)
+            kept = [json.loads(line) for line in data.decode().splitlines()]
             done[shard] = (len(kept), sum(len(a["trades"]) for a in kept))
+            if shard in hand:
+                rows[shard] = data
         else:
             fresh.append((shard, accounts))
     if fresh:
@@ -275,10 +282,15 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
                 else:
                     note_no, first = note_numbers.note_number(note_prefix, trade_date, first), first + 1
                 body.append(shard_line(ucc, client, trades, note_no))
-            store.put(keys.shard_key(run_id, shard), "".join(body).encode())
-            state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered)
+            data = "".join(body).encode()
+            written = write_once(store, keys.shard_key(run_id, shard), data)
+            if written == data:  # else recorded by the assembly that wrote it
+                state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered)
             done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
-    return {"shards": done, "rejected": rejected, "nothing_due": len(cancelled), "nothing_due_accounts": cancelled[:NAMED]}
+            if shard in hand:
+                rows[shard] = written
+    return {"shards": done, "rejected": rejected, "nothing_due": len(cancelled), "nothing_due_accounts": cancelled[:NAMED],
+            **({"rows": rows} if hand else {})}
 
 
 def shard_line(ucc: str, client: str, trades: list[str], note_no: str) -> str:
