@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import measured  # noqa: E402
 
+from pipeline import credentials  # noqa: E402
 from pipeline.cluster.driver import RunRequest, init_ray, run_day  # noqa: E402
 from pipeline.day.split import split_day  # noqa: E402
 from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
@@ -180,8 +181,9 @@ def main() -> None:
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
         try:
             # the signers a local run has (one, unless CN_SIGNERS says), as the loop has one
-            base = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
-                                     signer_cert=str(cert), signer_chain=str(root))
+            base = credentials.resolve(Settings.from_env(  # the HMAC key file made once, as a run makes it
+                redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key), signer_cert=str(cert),
+                signer_chain=str(root), token_key_file=str(work / "keys" / "token.key")))
             seq = sequential(Settings(**{**base.__dict__, "store_url": str(work / "seq")}), work / "input", "seq")
             init_ray(base)
             pipe = run_day(Settings(**{**base.__dict__, "store_url": str(work / "ray")}),
