@@ -17,13 +17,14 @@ table a column per exchange and segment with its own obligation and net, then th
 from __future__ import annotations
 
 import datetime as dt
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from functools import lru_cache
 from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
+from pipeline.note.amounts import money
 from pipeline.note.charges import CarryForward, Charges, Levies, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
@@ -69,33 +70,6 @@ SEGMENT_NAMES = {"CDS": "currency derivatives", "COM": "commodity derivatives"}
 NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange whose holidays we lack
 # A settlement row's remark, and the order its kind's lines follow a section's trades and C/F lines in
 SETTLEMENT_REMARKS = {"EX": "Exercise", "AS": "Assignment", "DL": "Delivery"}
-
-
-def money(amount: Decimal, places: int = 2) -> str:
-    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. This runs
-    four times a trade and ~60 times a levies table: the rounded amount's str() (its exponent is
-    -places, so never scientific), commas by slicing below a crore, Python's format and a Decimal
-    comparison or two cost more than all of it (tests/test_money.py holds it to the plain rule)."""
-    if not amount:
-        return _ZEROS[places]  # -0 too: no brackets
-    negative = amount < _ZERO
-    text = str((-amount if negative else amount).quantize(_STEPS[places], ROUND_HALF_UP))
-    whole = len(text) - places - 1 if places else len(text)  # digits before the point
-    if whole > 3:
-        if whole < 6:
-            text = f"{text[:whole - 3]},{text[whole - 3:]}"
-        elif whole < 8:
-            text = f"{text[:whole - 5]},{text[whole - 5:whole - 3]},{text[whole - 3:]}"
-        else:  # a crore or more: the lakhs and crores in pairs
-            head, odd = text[:whole - 3], (whole - 3) % 2
-            groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
-            text = f"{','.join(groups)},{text[whole - 3:]}"
-    return f"({text})" if negative else text
-
-
-_STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
-_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
-_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison
 
 
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
