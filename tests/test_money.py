@@ -81,3 +81,15 @@ def _outcome(money, *args) -> str:
         return money(*args)
     except (ArithmeticError, AttributeError, TypeError, IndexError) as e:
         return type(e).__name__
+
+
+def test_a_levies_column_is_each_value_printed_a_charge_negated():
+    rng = random.Random(7)
+    for _ in range(2_000):
+        values = tuple(Decimal(rng.randrange(-10 ** 12, 10 ** 12)).scaleb(-rng.randint(0, 4)) for _ in range(13))
+        charges = tuple(rng.random() < 0.7 for _ in values)
+        assert amounts.column(values, charges) == amounts.printed_column(values, charges) == [
+            plain(-v if c else v) for v, c in zip(values, charges)]
+    odd = (Decimal("-0"), Decimal("0.001"), Decimal("-12345678901234567890123456.785"), Decimal("1E-80"))
+    assert amounts.column(odd, (True,) * 4) == amounts.printed_column(odd, (True,) * 4) == [
+        "0.00", "(0.00)", "1,23,45,67,89,01,23,45,67,89,01,23,456.78", "(0.00)"]

@@ -17,13 +17,19 @@
 
 static PyObject *decimal_type, *fallback, *zeros[5]; /* zeros[places]: "0", "0.0", "0.00" ... */
 
-static PyObject *other(PyObject *const *args, Py_ssize_t nargs)
+/* The twin's text of `amount` (of -amount when `negate`), at `places`. */
+static PyObject *other(PyObject *amount, long places, int negate)
 {
     if (fallback == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "amounts: no fallback set");
         return NULL;
     }
-    return PyObject_Vectorcall(fallback, args, nargs, NULL);
+    PyObject *value = negate ? PyNumber_Negative(amount) : Py_NewRef(amount);
+    if (value == NULL)
+        return NULL;
+    PyObject *text = PyObject_CallFunction(fallback, "Ol", value, places);
+    Py_DECREF(value);
+    return text;
 }
 
 /* The coefficient's digits (leading zeros dropped) into `digits`, its exponent into *exponent
@@ -69,28 +75,19 @@ static int parse(const char *text, Py_ssize_t n, char *digits, int *count, long 
     return *exponent < -MAX_EXPONENT || *exponent > MAX_EXPONENT ? -1 : 0;
 }
 
-/* money(amount, places=2) */
-static PyObject *money(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The note's text of a Decimal `amount`, or of -amount when `negate` (exact, within 28 digits: its
+ * sign flipped), at `places` (0-4). */
+static PyObject *print(PyObject *amount, long places, int negate)
 {
-    long places = 2;
-    if (nargs < 1 || nargs > 2 || Py_TYPE(args[0]) != (PyTypeObject *)decimal_type)
-        return other(args, nargs);
-    if (nargs == 2) {
-        if (!PyLong_CheckExact(args[1]))
-            return other(args, nargs);
-        places = PyLong_AsLong(args[1]);
-        if (places < 0 || places > 4) {
-            PyErr_Clear();
-            return other(args, nargs);
-        }
-    }
-    int truth = PyObject_IsTrue(args[0]);
+    if (Py_TYPE(amount) != (PyTypeObject *)decimal_type)
+        return other(amount, places, negate);
+    int truth = PyObject_IsTrue(amount);
     if (truth <= 0) { /* nought, -0 too: no brackets */
         if (truth < 0)
             return NULL;
         return Py_NewRef(zeros[places]);
     }
-    PyObject *str = PyObject_Str(args[0]);
+    PyObject *str = PyObject_Str(amount);
     if (str == NULL)
         return NULL;
     Py_ssize_t n;
@@ -102,9 +99,10 @@ static PyObject *money(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(str);
         if (PyErr_Occurred())
             return NULL;
-        return other(args, nargs);
+        return other(amount, places, negate);
     }
     Py_DECREF(str);
+    negative ^= negate;
     /* to `places`: zeros appended, or digits dropped and the first dropped one rounding half up */
     if (exponent >= -places) {
         memset(digits + count, '0', exponent + places);
@@ -129,7 +127,7 @@ static PyObject *money(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (count > PRECISION)
-        return other(args, nargs); /* quantize raises: the twin says so */
+        return other(amount, places, negate); /* quantize raises: the twin says so */
     /* count digits, the last `places` of them after the point; the whole part is at least "0" */
     char out[PRECISION * 2 + 16], *o = out;
     int whole = count - places;
@@ -167,6 +165,44 @@ static PyObject *money(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyUnicode_DecodeASCII(out, o - out, NULL);
 }
 
+/* money(amount, places=2) */
+static PyObject *money(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int whole = nargs == 1 || (nargs == 2 && PyLong_CheckExact(args[1]));
+    long places = nargs == 2 && whole ? PyLong_AsLong(args[1]) : 2;
+    if (!whole || places < 0 || places > 4) { /* the twin's error, or its text */
+        PyErr_Clear();
+        if (fallback == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "amounts: no fallback set");
+            return NULL;
+        }
+        return PyObject_Vectorcall(fallback, args, nargs, NULL);
+    }
+    return print(args[0], places, 0);
+}
+
+/* column(values, charges): [money(-v) if charge else money(v) for v, charge in zip(values, charges)], both tuples
+ * of one length: a column of the levies table in one call. */
+static PyObject *column(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) ||
+        PyTuple_GET_SIZE(args[0]) != PyTuple_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "column(values, charges): two tuples of one length");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        int negate = PyObject_IsTrue(PyTuple_GET_ITEM(args[1], i));
+        PyObject *text = negate < 0 ? NULL : print(PyTuple_GET_ITEM(args[0], i), 2, negate);
+        if (text == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, text);
+    }
+    return out;
+}
+
 static PyObject *set_fallback(PyObject *self, PyObject *fn)
 {
     Py_XINCREF(fn);
@@ -176,6 +212,7 @@ static PyObject *set_fallback(PyObject *self, PyObject *fn)
 
 static PyMethodDef METHODS[] = {
     {"money", (PyCFunction)(void (*)(void))money, METH_FASTCALL, "money(amount, places=2): the note's text of it"},
+    {"column", (PyCFunction)(void (*)(void))column, METH_FASTCALL, "column(values, charges): each one's money()"},
     {"set_fallback", set_fallback, METH_O, "the Python function for what money() does not print itself"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,10 +1,10 @@
 """A money amount as a note prints it: half up to the paisa (or the places asked), Indian digit
 grouping (12,34,567.89), amounts payable by the client in brackets (-0.001 too: "(0.00)").
 
-A note prints ~140 amounts. `money` is amounts.c's, built by pipeline/native.py as an extension
-module (~0.15 µs an amount); `printed` is its Python twin (~0.4 µs), which the C hands whatever it
-does not print itself, and which runs alone where the C cannot be built. tests/test_money.py
-holds both to the plain rule.
+A note prints ~140 amounts. `money` and `column` (a levies column's) are amounts.c's, built by
+pipeline/native.py as an extension module (~0.09 µs an amount); `printed` and `printed_column` are
+their Python twins (~0.4 µs), which the C hands whatever it does not print itself, and which run
+alone where the C cannot be built. tests/test_money.py holds both to the plain rule.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def printed(amount: Decimal, places: int = 2) -> str:
     return f"({text})" if negative else text
 
 
+def printed_column(values: tuple[Decimal, ...], charges: tuple[bool, ...]) -> list[str]:
+    """A column of the levies table: each value printed, a charge negated (the client pays it)."""
+    return [printed(-v) if charge else printed(v) for v, charge in zip(values, charges)]
+
+
 _STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
 _ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
 _ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison
@@ -43,9 +48,9 @@ _ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at 
 def _compiled():
     module = native.extension(Path(__file__).with_name("amounts.c"), "amounts are printed in Python (~0.25 µs more each)")
     if module is None:
-        return None
+        return printed, printed_column
     module.set_fallback(printed)
-    return module.money
+    return module.money, module.column
 
 
-money = _compiled() or printed
+money, column = _compiled()

@@ -19,15 +19,15 @@ from __future__ import annotations
 import datetime as dt
 from decimal import Decimal
 from functools import lru_cache
-from itertools import chain, groupby
+from itertools import chain, groupby, repeat
 from operator import attrgetter, itemgetter
 from pathlib import Path
 
 from pipeline import native
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
-from pipeline.note.amounts import money
-from pipeline.note.charges import CarryForward, Charges, Levies, net_totals, per_unit, segment_of
+from pipeline.note.amounts import column, money
+from pipeline.note.charges import CarryForward, Charges, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
@@ -130,29 +130,33 @@ def fitting_size(chars: int) -> float:
 
 def levies_table(charges: Charges) -> dict:
     """A column per exchange and segment, each with its obligation and net, then the grand total.
-    A note of one segment prints its segment's column as its total: the same amounts to the paisa
-    (the total adds them to a Decimal zero), without printing them again."""
+    The total's values are the segments' summed line by line from a Decimal zero, as Charges.total's
+    fields are: its taxable value and net, sums of sums, are the same (each amount is a few paise
+    under 28 digits, so no sum rounds). A note of one segment prints its segment's column as its
+    total: the same amounts to the paisa, without printing them again."""
     segments = charges.segments
-    lines = _LEVY_TABLE[_commodities(charges)]
-    columns = [_levy_column(levies, lines) for levies in segments.values()]
-    columns.append(columns[0] if len(segments) == 1 else _levy_column(charges.total, lines))
+    labels, values_of, charged = _LEVY_TABLE[_commodities(charges)]
+    values = [values_of(levies) for levies in segments.values()]
+    if len(values) > 1:
+        values.append(tuple(map(sum, zip(*values), repeat(_NOUGHT))))
+    columns = [column(v, charged) for v in values]
+    if len(columns) == 1:
+        columns.append(columns[0])
     names = [*segments, "Total (Net)"]
     width = max(LEVY_VALUE_WIDTH, 2 + max(map(len, chain.from_iterable(columns))), 2 + max(map(len, names)))
     template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
     head = template % ("Particulars", *names)
-    rows = [template % (label, *cells) for label, cells in zip(lines[0], zip(*columns))]
+    rows = [template % (label, *cells) for label, cells in zip(labels, zip(*columns))]
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
 
 
-def _levy_column(levies: Levies, lines: tuple[list[str], attrgetter, list[bool]]) -> list[str]:
-    """A column of the levies table: each line's amount printed, a charge negated."""
-    return [money(-v) if minus else money(v) for v, minus in zip(lines[1](levies), lines[2])]
+_NOUGHT = Decimal(0)
 
 
-def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, list[bool]]:
+def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, tuple[bool, ...]]:
     """The levies table's labels, its values of a Levies in one call, and which are charges."""
     lines = [line for line in LEVY_LINES if commodities or line[0] != CTT_LINE]
-    return [label for label, _, _ in lines], attrgetter(*(f for _, f, _ in lines)), [c for _, _, c in lines]
+    return [label for label, _, _ in lines], attrgetter(*(f for _, f, _ in lines)), tuple(c for _, _, c in lines)
 
 
 _LEVY_TABLE = {False: _levy_lines(False), True: _levy_lines(True)}
