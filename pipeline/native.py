@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).parent
 LINKED = {"hash_2b": ("-lcrypto",)}  # the libraries a source needs, by its name
-EXTENSIONS = {"amounts", "padded"}  # the sources that are extension modules (PyInit_<name>), by their name
+EXTENSIONS = {"amounts", "padded", "rows"}  # the sources that are extension modules (PyInit_<name>), by their name
 
 
 def functions(source: Path, signatures: dict[str, tuple[list, type]], instead: str) -> list | None:
