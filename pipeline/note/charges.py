@@ -91,7 +91,7 @@ class Levies:
     @property
     def net(self) -> Decimal:
         """Receivable by the client if positive, payable if negative."""
-        return self.obligation - sum(_levy_values(self))
+        return self.obligation - sum(_levy_values(self), _NOUGHT)  # from a Decimal: an int 0 is converted
 
     def __add__(self, other: "Levies") -> "Levies":
         return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})

@@ -77,8 +77,9 @@ SETTLEMENT_REMARKS = {"EX": "Exercise", "AS": "Assignment", "DL": "Delivery"}
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
                trade_date: str, number: str, settles: dict[str, str] | None = None) -> dict:
     """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""
-    widths, lines = _padded(_trade_rows(trades, charges))
-    settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
+    rows, sections = _trade_rows(trades, charges)
+    widths, lines = _padded(rows)
+    settlements = _settlements(sections, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
     with_ctt = _commodities(charges)  # levies_table's CTT line
     pages = paginate(lines, max(0, len(settlements) - SETTLEMENTS_FREE) * SETTLEMENT_ROWS, int(with_ctt))
@@ -256,14 +257,17 @@ def _heading_rows(headings: int) -> int:
     return max(0, headings - HEADINGS_FREE) * HEADING_ROWS
 
 
-def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[str, ...]]]:
+def _trade_rows(trades: list[Trade], charges: Charges) -> tuple[list[tuple[str, tuple[str, ...]]], set[tuple[str, str]]]:
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
-    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
+    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time;
+    and the sections met, (segment, settlement), which the note's settlements list."""
     totals, carried_totals = net_totals(trades, charges)
     shares = charges.brokerage_share
-    rows = []
+    rows, sections = [], set()
     key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
-    for (segment, settlement), group in groupby(trades, key=key):
+    for section, group in groupby(trades, key=key):
+        sections.add(section)
+        segment, settlement = section
         label = _section_label(segment, settlement)
         group = list(group)
         traded = [t for t in group if t.settlement == TRADE]
@@ -273,7 +277,7 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
         if len(traded) < len(group):  # exercises, then assignments, then deliveries, each in the trades' order
             settled = sorted((t for t in group if t.settlement != TRADE), key=lambda t: _KIND_ORDER[t.settlement])
             rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in settled]
-    return rows
+    return rows, sections
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(SETTLEMENT_REMARKS)}
@@ -361,16 +365,14 @@ def _contract_text(contract: tuple[str, str, str, str, str, int]) -> str:
     return " ".join(filter(None, parts))
 
 
-def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
+def _settlements(sections: set[tuple[str, str]], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
-    one) says so rather than print a date that may be wrong."""
-    seen = sorted(set(map(_SECTION, trades)))
+    one) says so rather than print a date that may be wrong. `sections`: (segment, settlement),
+    in order of exchange, segment and settlement (an exchange's name, before the segment's "-")."""
+    seen = sorted((segment.partition("-")[0], segment, n) for segment, n in sections)
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
-
-
-_SECTION = attrgetter("exchange", "exchange_segment", "settlement_no")  # segment_of(t): a trade's, in one call
 
 
 @lru_cache(maxsize=256)  # a note's expiries and dates are few, its contracts' lines many
