@@ -147,7 +147,7 @@ def levies_table(charges: Charges) -> dict:
     width = max(LEVY_VALUE_WIDTH, 2 + max(map(len, chain.from_iterable(columns))), 2 + max(map(len, names)))
     template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
     head = template % ("Particulars", *names)
-    rows = [template % (label, *cells) for label, cells in zip(labels, zip(*columns))]
+    rows = [template % cells for cells in zip(labels, *columns)]  # (label, a cell a column)
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
 
 
