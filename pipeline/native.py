@@ -18,8 +18,8 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
-from types import ModuleType
 from pathlib import Path
+from types import ModuleType
 
 from pipeline.settings import cache_dir
 
