@@ -1,8 +1,10 @@
 import re
+import sys
 from decimal import Decimal
 
 import pytest
 
+from pipeline.day import dumps
 from pipeline.day.dumps import TRADE_FIELDS, Trade, RowError, effective_trades, parse_client, parse_trade
 from pipeline.day.split import shard_count
 from pipeline.record import keys
@@ -307,3 +309,23 @@ def test_from_row_takes_each_field_from_its_own_column():
     for i, f in enumerate(TRADE_FIELDS):
         assert str(getattr(t, f)) == row[i], f
     assert t.close == Decimal("7.5") and t.turnover == Decimal("33.75")
+
+
+def test_the_compiled_row_fill_is_its_twin_s_and_in_use():
+    """rows.c fills a trade's text fields as dumps.filled does: the same dict, in the same order of
+    keys, its interned fields interned and a trade's own not; a row it does not take (a tuple, a
+    column missing, a number) is the twin's."""
+    assert dumps._filled is not dumps.filled, "pipeline/native.py builds it: gcc and Python's headers"
+    row = [f"v{i}" for i in range(len(TRADE_FIELDS))] + ["7.5"]
+    row[TRADE_FIELDS.index("quantity")], row[TRADE_FIELDS.index("price")] = "3", "2.25"
+    row[TRADE_FIELDS.index("multiplier")] = "5"
+    row = ["".join(c) for c in row]  # texts of their own: not the interned constants
+    canonical = [sys.intern("".join(c)) for c in row]  # the interned text of each, another object than the row's
+    made = dumps._filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, row)
+    assert made == dumps.filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, row)
+    assert list(made) == list(dumps._SHARED_DICT) and made is not dumps._SHARED_DICT
+    for key, column, interned in dumps._TEXT_FIELDS:
+        assert made[key] is (canonical[column] if interned else row[column]), key
+    for odd in (tuple(row), row[:10], [*row[:5], 5, *row[6:]]):
+        assert dumps._filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, odd) is None
+    assert Trade.from_row(tuple(Trade.from_row(row).as_row())) == Trade.from_row(row)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, fields
 from decimal import Decimal
 from functools import lru_cache
 from operator import attrgetter
+from pathlib import Path
 from sys import intern as _intern
 from typing import Mapping
 
+from pipeline import native
 from pipeline.errors import CannotRun
 
 CLIENT_FIELDS = ["ucc", "name", "pan", "email", "address", "state", "gst_state_code", "ecn_opt_in"]
@@ -186,25 +188,21 @@ class Trade:
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
         # The dataclass's __init__ without its setattr a field: a copy of a trade's dict, whose keys
-        # every trade's shares (a third of the memory of a dict of its own), each value replaced.
-        # The fields of few values (exchange, segment, product, a contract's) are interned: JSON made
-        # each row its own "NSE", and a 125,000-trade note's passes over its trades missed the cache
-        # on each (~1.5 µs a trade); order and trade numbers and times are the trade's own
-        exchange, segment, quantity, price = _intern(r[1]), _intern(r[2]), int(r[16]), Decimal(r[17])
-        multiplier, fx = int(r[20] or 1), Decimal(r[_AT_FX]) if len(r) > _AT_FX and r[_AT_FX] else None
+        # every trade's shares (a third of the memory of a dict of its own), each value replaced,
+        # the text fields in one call (_filled: rows.c's, or its twin). The fields of few values
+        # (exchange, segment, product, a contract's) are interned: JSON made each row its own "NSE",
+        # and a 125,000-trade note's passes over its trades missed the cache on each (~1.5 µs a
+        # trade); order and trade numbers and times are the trade's own
+        d = _filled(_SHARED_DICT, _TEXT_FIELDS, r) or filled(_SHARED_DICT, _TEXT_FIELDS, r)
+        quantity, price, multiplier = int(r[16]), Decimal(r[17]), int(r[20] or 1)
+        fx = Decimal(r[_AT_FX]) if len(r) > _AT_FX and r[_AT_FX] else None
         settlement = _intern(r[_AT_SETTLEMENT]) if len(r) > _AT_SETTLEMENT else TRADE
-        d = _SHARED_DICT.copy()
-        d["trade_date"], d["exchange"], d["segment"] = _intern(r[0]), exchange, segment
-        d["settlement_no"], d["ucc"], d["order_no"], d["order_time"] = _intern(r[3]), _intern(r[4]), r[5], r[6]
-        d["trade_no"], d["trade_time"], d["symbol"], d["isin"] = r[7], r[8], _intern(r[9]), _intern(r[10])
-        d["instrument"], d["expiry"], d["strike"] = _intern(r[11]), _intern(r[12]), _intern(r[13])
-        d["option_type"], d["side"], d["quantity"], d["price"] = _intern(r[14]), r[15], quantity, price
-        d["product"], d["status"], d["close"] = _intern(r[18]), _intern(r[19]), Decimal(close) if close else None
-        d["multiplier"], d["agri"], d["fx"] = multiplier, _intern(r[21]), fx
-        d["settlement"] = settlement
+        d["quantity"], d["price"], d["close"] = quantity, price, Decimal(close) if close else None
+        d["multiplier"], d["fx"], d["settlement"] = multiplier, fx, settlement
         t = _new(cls)
         _set_fields(t, d)
-        _derive(t, exchange, segment, r[7], r[5], price, quantity, multiplier, fx, r[15], settlement)  # as __post_init__
+        _derive(t, d["exchange"], d["segment"], r[7], r[5], price, quantity, multiplier, fx, r[15],
+                settlement)  # as __post_init__
         return t
 
 
@@ -239,6 +237,27 @@ def _derive(t: Trade, exchange: str, segment: str, trade_no: str, order_no: str,
 
 
 _SHARED_DICT = Trade(*[""] * _AT_QUANTITY, 0, Decimal(0), "", "").__dict__  # keys shared with the class's
+_OWN_FIELDS = {"order_no", "order_time", "trade_no", "trade_time", "side"}  # not interned: a trade's own
+# (field, its column in a shard row, interned): a row's text fields, as from_row takes them
+_TEXT_FIELDS = tuple((f, i, f not in _OWN_FIELDS) for i, f in enumerate(TRADE_FIELDS)
+                     if f not in ("quantity", "price", "multiplier"))
+
+
+def filled(template: dict, spec: tuple[tuple[str, int, bool], ...], row: list[str]) -> dict:
+    """A copy of `template`, each (key, column, interned) of `spec` set to the row's column, interned
+    if asked: rows.c's twin, which does any row the C does not take (it says None)."""
+    d = template.copy()
+    for key, column, interned in spec:
+        d[key] = _intern(row[column]) if interned else row[column]
+    return d
+
+
+def _compiled_filled():
+    module = native.extension(Path(__file__).with_name("rows.c"), "trades are rebuilt from their rows in Python")
+    return filled if module is None else module.filled
+
+
+_filled = _compiled_filled()
 
 
 def intrinsic(t: Trade) -> Decimal:

@@ -91,7 +91,7 @@ class Levies:
     @property
     def net(self) -> Decimal:
         """Receivable by the client if positive, payable if negative."""
-        return self.obligation - sum(_levy_values(self))
+        return self.obligation - sum(_levy_values(self), _NOUGHT)  # from a Decimal: an int 0 is converted
 
     def __add__(self, other: "Levies") -> "Levies":
         return Levies(**{f: getattr(self, f) + getattr(other, f) for f in _LEVIES_FIELDS})
@@ -216,9 +216,11 @@ def _check_groups(schedule: dict) -> None:
                     seen[(member, cat)] = name
 
 
+@lru_cache(maxsize=64)  # each note of a day asks for the day's
 def rates_for(trade_date: str, path: Path | None = None) -> dict:
     """The schedule in force on trade_date, so a rerun of an old day uses that day's rates.
-    `path`: another schedule file (tests of a change of rate that is not yet law)."""
+    `path`: another schedule file (tests of a change of rate that is not yet law). Kept as the
+    schedules are (_schedules): a file is read once."""
     schedules = _schedules(path or RATES_FILE)
     applicable = [s for s in schedules if s["effective_from"] <= trade_date]
     if not applicable:
@@ -289,7 +291,7 @@ def net_totals(trades: list[Trade], charges: Charges) -> tuple[dict[tuple, Decim
     for segment, rows in by_segment.items():
         values = {k: exact.quantize(PAISA, ROUND_HALF_UP) for k, exact in rows}  # paise(), a call a row the less
         levies = charges.segments[segment]
-        residue = levies.obligation - levies.brokerage - sum(values.values(), Decimal(0))
+        residue = levies.obligation - levies.brokerage - sum(values.values(), _NOUGHT)
         if residue:
             step = PAISA if residue > 0 else -PAISA
             # the rows a sort by that, largest first and stable, would put first (a few hundred of 60,000)
@@ -306,8 +308,8 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
     what was worked out from `rates` before (_worked_out), so a kind's rates are read once a run."""
     memo = _worked_out(rates) if memo is None else memo
     buys, sells, kinds = _turnover_by_kind(trades, rates, memo)
-    carry = sum((c.value for c in carried), Decimal(0))
-    stt = ctt = txn = sebi = stamp = ipft = Decimal(0)
+    carry = sum((c.value for c in carried), _NOUGHT)
+    stt = ctt = txn = sebi = stamp = ipft = _NOUGHT
     for kind, value, at_price, payer in kinds:  # a tax a kind does not pay adds nothing (its rate None)
         stt_rate, stt_at_price, ctt_rate, ctt_at_price, stamp_rate, txn_rate, sebi_rate, ipft_rate = (
             memo.get((kind, payer)) or _kind_rates(memo, rates, kind, payer))
@@ -326,9 +328,9 @@ def _segment_levies(trades: list[Trade], carried: list[CarryForward], brokerage:
     gst_rate = _decimal(rates["gst"])
     if intra_state:
         cgst = sgst = paise(gst_base * gst_rate / 2)
-        igst = Decimal(0)
+        igst = _NOUGHT
     else:
-        cgst = sgst = Decimal(0)
+        cgst = sgst = _NOUGHT
         igst = paise(gst_base * gst_rate)
     return _levies(buys=buys, sells=sells, carry=carry, obligation=paise(sells - buys + carry), brokerage=brokerage,
                   stt=rupees(stt), txn=txn, sebi=sebi, stamp=paise(stamp), ipft=paise(ipft),
@@ -376,7 +378,7 @@ def _turnover_by_kind(trades: list[Trade], rates: dict,
     taxes fall on (party): a trade's are its turnover and side; a settlement row's the units at
     its settlement price (an exercise's whole underlying value, where a tax's rule says so) and
     party(), summed apart so that the trades' loop is what it was before settlement rows came."""
-    buys = sells = Decimal(0)
+    buys = sells = _NOUGHT
     sums: dict[tuple, Decimal] = defaultdict(Decimal)
     settled: dict[tuple, list[Decimal]] = {}
     groups = rates.get("txn_groups") or {}
@@ -477,7 +479,7 @@ def _order_brokerage(order: list[Trade], tariff: dict, rules: dict | None = None
     flat, percent, cap = rule
     if flat is not None:
         return flat
-    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), Decimal(0))
+    turnover = order[0].turnover if len(order) == 1 else sum((t.turnover for t in order), _NOUGHT)
     fee = turnover * percent
     return (cap if _NOUGHT < cap < fee else fee).quantize(PAISA, ROUND_HALF_UP)  # paise(min(fee, cap) if capped)
 
@@ -497,7 +499,7 @@ def _tariff_rule(tariff: dict, cat: str) -> tuple[Decimal | None, Decimal | None
 
 
 _decimal = lru_cache(maxsize=256)(Decimal)  # a tariff's few rates, read once an order
-_NOUGHT = Decimal(0)
+_NOUGHT = Decimal(0)  # the zero each sum and levy starts from, made once (Decimal(0) is a call each time)
 
 
 @lru_cache(maxsize=64)

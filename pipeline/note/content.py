@@ -17,14 +17,17 @@ table a column per exchange and segment with its own obligation and net, then th
 from __future__ import annotations
 
 import datetime as dt
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from functools import lru_cache
-from itertools import chain, groupby
+from itertools import chain, groupby, repeat
 from operator import attrgetter, itemgetter
+from pathlib import Path
 
+from pipeline import native
 from pipeline.day import trading_calendar
 from pipeline.day.dumps import CROSS_PAIRS, DELIVERY, SEGMENTS, TRADE, Client, Trade, intrinsic
-from pipeline.note.charges import CarryForward, Charges, Levies, net_totals, per_unit, segment_of
+from pipeline.note.amounts import column, money
+from pipeline.note.charges import CarryForward, Charges, net_totals, per_unit, segment_of
 
 ROWS_FIRST_PAGE = 46
 ROWS_PER_PAGE = 64
@@ -71,41 +74,12 @@ NO_CALENDAR = "per the exchange's calendar"  # settlement date of an exchange wh
 SETTLEMENT_REMARKS = {"EX": "Exercise", "AS": "Assignment", "DL": "Delivery"}
 
 
-def money(amount: Decimal, places: int = 2) -> str:
-    """Indian digit grouping (12,34,567.89); amounts payable by the client in brackets. This runs
-    four times a trade and ~60 times a levies table: the rounded amount's str() (its exponent is
-    -places, so never scientific), commas by slicing below a crore, Python's format and a Decimal
-    comparison or two cost more than all of it (tests/test_money.py holds it to the plain rule)."""
-    if not amount:
-        return _ZEROS[places]  # -0 too: no brackets
-    negative = amount < _ZERO
-    text = str((-amount if negative else amount).quantize(_STEPS[places], ROUND_HALF_UP))
-    whole = len(text) - places - 1 if places else len(text)  # digits before the point
-    if whole > 3:
-        if whole < 6:
-            text = f"{text[:whole - 3]},{text[whole - 3:]}"
-        elif whole < 8:
-            text = f"{text[:whole - 5]},{text[whole - 5:whole - 3]},{text[whole - 3:]}"
-        else:  # a crore or more: the lakhs and crores in pairs
-            head, odd = text[:whole - 3], (whole - 3) % 2
-            groups = ([head[:odd]] if odd else []) + [head[i:i + 2] for i in range(odd, len(head), 2)]
-            text = f"{','.join(groups)},{text[whole - 3:]}"
-    return f"({text})" if negative else text
-
-
-_STEPS = tuple(Decimal(1).scaleb(-places) for places in range(5))
-_ZEROS = tuple(f"{step - step:f}" for step in _STEPS)  # 0, 0.0, 0.00 ...
-_ZERO = Decimal(0)  # a Decimal beside a Decimal: an int 0 is made a Decimal at each comparison
-
-
 def build_note(client: Client, trades: list[Trade], charges: Charges, broker: dict,
                trade_date: str, number: str, settles: dict[str, str] | None = None) -> dict:
     """`settles`: each exchange's settlement date (ISO), from the run's trading calendar."""
-    rows = _trade_rows(trades, charges)
-    widths = column_widths([cells for _, cells in rows])
-    layout = _layout(tuple(widths))
-    lines = [(label, (layout % cells).rstrip()) for label, cells in rows]
-    settlements = _settlements(trades, settles or trading_calendar.settlement_dates(trade_date))
+    rows, sections = _trade_rows(trades, charges)
+    widths, lines = _padded(rows)
+    settlements = _settlements(sections, settles or trading_calendar.settlement_dates(trade_date))
     levies = levies_table(charges)
     with_ctt = _commodities(charges)  # levies_table's CTT line
     pages = paginate(lines, max(0, len(settlements) - SETTLEMENTS_FREE) * SETTLEMENT_ROWS, int(with_ctt))
@@ -157,29 +131,33 @@ def fitting_size(chars: int) -> float:
 
 def levies_table(charges: Charges) -> dict:
     """A column per exchange and segment, each with its obligation and net, then the grand total.
-    A note of one segment prints its segment's column as its total: the same amounts to the paisa
-    (the total adds them to a Decimal zero), without printing them again."""
+    The total's values are the segments' summed line by line from a Decimal zero, as Charges.total's
+    fields are: its taxable value and net, sums of sums, are the same (each amount is a few paise
+    under 28 digits, so no sum rounds). A note of one segment prints its segment's column as its
+    total: the same amounts to the paisa, without printing them again."""
     segments = charges.segments
-    lines = _LEVY_TABLE[_commodities(charges)]
-    columns = [_levy_column(levies, lines) for levies in segments.values()]
-    columns.append(columns[0] if len(segments) == 1 else _levy_column(charges.total, lines))
+    labels, values_of, charged = _LEVY_TABLE[_commodities(charges)]
+    values = [values_of(levies) for levies in segments.values()]
+    if len(values) > 1:
+        values.append(tuple(map(sum, zip(*values), repeat(_NOUGHT))))
+    columns = [column(v, charged) for v in values]
+    if len(columns) == 1:
+        columns.append(columns[0])
     names = [*segments, "Total (Net)"]
     width = max(LEVY_VALUE_WIDTH, 2 + max(map(len, chain.from_iterable(columns))), 2 + max(map(len, names)))
     template = f"%-{LEVY_LABEL_WIDTH}s" + f"%{width}s" * len(names)  # ljust the label, rjust each cell
     head = template % ("Particulars", *names)
-    rows = [template % (label, *cells) for label, cells in zip(lines[0], zip(*columns))]
+    rows = [template % cells for cells in zip(labels, *columns)]  # (label, a cell a column)
     return {"head": head, "lines": rows[:-1], "net": rows[-1]}
 
 
-def _levy_column(levies: Levies, lines: tuple[list[str], attrgetter, list[bool]]) -> list[str]:
-    """A column of the levies table: each line's amount printed, a charge negated."""
-    return [money(-v) if minus else money(v) for v, minus in zip(lines[1](levies), lines[2])]
+_NOUGHT = Decimal(0)
 
 
-def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, list[bool]]:
+def _levy_lines(commodities: bool) -> tuple[list[str], attrgetter, tuple[bool, ...]]:
     """The levies table's labels, its values of a Levies in one call, and which are charges."""
     lines = [line for line in LEVY_LINES if commodities or line[0] != CTT_LINE]
-    return [label for label, _, _ in lines], attrgetter(*(f for _, f, _ in lines)), [c for _, _, c in lines]
+    return [label for label, _, _ in lines], attrgetter(*(f for _, f, _ in lines)), tuple(c for _, _, c in lines)
 
 
 _LEVY_TABLE = {False: _levy_lines(False), True: _levy_lines(True)}
@@ -201,6 +179,29 @@ def column_widths(rows: list[list[str]]) -> list[int]:
 
 
 _LEAST_WIDTHS = tuple(max(w, len(h1), len(h2)) for h1, h2, w, _ in TRADE_COLUMNS)
+
+
+def padded(rows: list[tuple[str, tuple[str, ...]]]) -> tuple[list[int], list[tuple[str, str]]]:
+    """The trade table's columns' widths, and its lines as (label, text): each column as wide as
+    its widest cell (never narrower than its least), each row padded to them, its trailing
+    spaces stripped. padded.c's twin, which does a note's rows (ASCII) in one pass over its cells."""
+    widths = column_widths([cells for _, cells in rows])
+    layout = _layout(tuple(widths))
+    return widths, [(label, (layout % cells).rstrip()) for label, cells in rows]
+
+
+def _compiled_padded():
+    module = native.extension(Path(__file__).with_name("padded.c"), "a note's lines are padded in Python")
+    if module is None:
+        return padded
+    lines, right = module.lines, tuple(right for _, _, _, right in TRADE_COLUMNS)
+
+    def compiled(rows: list[tuple[str, tuple[str, ...]]]) -> tuple[list[int], list[tuple[str, str]]]:
+        return lines(rows, _LEAST_WIDTHS, right, GAP) or padded(rows)  # None: a row not the C's to pad
+    return compiled
+
+
+_padded = _compiled_padded()
 
 
 def table_heads(widths: list[int] | None = None) -> list[str]:
@@ -256,14 +257,17 @@ def _heading_rows(headings: int) -> int:
     return max(0, headings - HEADINGS_FREE) * HEADING_ROWS
 
 
-def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[str, ...]]]:
+def _trade_rows(trades: list[Trade], charges: Charges) -> tuple[list[tuple[str, tuple[str, ...]]], set[tuple[str, str]]]:
     """(group label, cells) per row: trades by segment and settlement, each futures segment's
-    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time."""
+    C/F lines after its trades, then its exercises, assignments and deliveries, a kind at a time;
+    and the sections met, (segment, settlement), which the note's settlements list."""
     totals, carried_totals = net_totals(trades, charges)
     shares = charges.brokerage_share
-    rows = []
+    rows, sections = [], set()
     key = attrgetter("exchange_segment", "settlement_no")  # segment_of(t), settlement
-    for (segment, settlement), group in groupby(trades, key=key):
+    for section, group in groupby(trades, key=key):
+        sections.add(section)
+        segment, settlement = section
         label = _section_label(segment, settlement)
         group = list(group)
         traded = [t for t in group if t.settlement == TRADE]
@@ -273,7 +277,7 @@ def _trade_rows(trades: list[Trade], charges: Charges) -> list[tuple[str, tuple[
         if len(traded) < len(group):  # exercises, then assignments, then deliveries, each in the trades' order
             settled = sorted((t for t in group if t.settlement != TRADE), key=lambda t: _KIND_ORDER[t.settlement])
             rows += [(label, _settled_cells(t, charges.brokerage_per_unit(t), totals[t.key])) for t in settled]
-    return rows
+    return rows, sections
 
 
 _KIND_ORDER = {kind: i for i, kind in enumerate(SETTLEMENT_REMARKS)}
@@ -361,16 +365,14 @@ def _contract_text(contract: tuple[str, str, str, str, str, int]) -> str:
     return " ".join(filter(None, parts))
 
 
-def _settlements(trades: list[Trade], settles: dict[str, str]) -> list[dict]:
+def _settlements(sections: set[tuple[str, str]], settles: dict[str, str]) -> list[dict]:
     """CM settles T+1; derivatives settle daily (T+1 pay-in/pay-out): the next trading day of the
     exchange. An exchange whose holiday list the run lacks (MCX, NCDEX unless the broker gives
-    one) says so rather than print a date that may be wrong."""
-    seen = sorted(set(map(_SECTION, trades)))
+    one) says so rather than print a date that may be wrong. `sections`: (segment, settlement),
+    in order of exchange, segment and settlement (an exchange's name, before the segment's "-")."""
+    seen = sorted((segment.partition("-")[0], segment, n) for segment, n in sections)
     return [{"segment": s, "number": n, "date": _dmy(settles[ex]) if ex in settles else NO_CALENDAR}
             for ex, s, n in seen]
-
-
-_SECTION = attrgetter("exchange", "exchange_segment", "settlement_no")  # segment_of(t): a trade's, in one call
 
 
 @lru_cache(maxsize=256)  # a note's expiries and dates are few, its contracts' lines many
