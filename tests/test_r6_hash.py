@@ -54,8 +54,18 @@ def test_the_compiled_hash_equals_the_reference(password, salt, owner):
     assert pdfcrypt.hash_2b(password, salt, udata) == pdfcrypt.hash_2b_reference(password, salt, udata)
 
 
+@settings(max_examples=40, deadline=None)
+@given(password=st.binary(max_size=127), salts=st.binary(min_size=16, max_size=16), owner=st.booleans())
+def test_two_hashes_in_lockstep_equal_the_reference_each(password, salts, owner):
+    """The lanes end after different rounds and take different SHA-2s; neither may disturb the other."""
+    udata = os.urandom(48) if owner else b""
+    assert pdfcrypt.hash_2b_pair(password, salts, udata) == [pdfcrypt.hash_2b_reference(password, salts[:8], udata),
+                                                            pdfcrypt.hash_2b_reference(password, salts[8:], udata)]
+
+
 def test_out_of_range_input_is_refused_not_truncated():
-    for password, salt, udata in ((b"x" * 128, bytes(8), b""), (b"x", bytes(7), b""), (b"x", bytes(8), bytes(49))):
+    for password, salt, udata in ((b"x" * 128, bytes(8), b""), (b"x", bytes(7), b""), (b"x", bytes(8), bytes(49)),
+                                  (b"x", bytes(16), b"")):
         try:
             pdfcrypt.hash_2b(password, salt, udata)
         except ValueError as e:

@@ -53,14 +53,24 @@ _owner_bytes = functools.lru_cache(maxsize=2)(password_bytes)
 
 def hash_2b(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
     """ISO 32000-2 algorithm 2.B, in C over OpenSSL (compiled.py) where it could be built."""
+    if len(salt) != 8:
+        raise ValueError(f"hash_2b: salt {len(salt)} bytes (8)")
+    return hash_2b_pair(password, salt, udata)[0]
+
+
+def hash_2b_pair(password: bytes, salts: bytes, udata: bytes = b"") -> list[bytes]:
+    """Algorithm 2.B for each 8-byte salt in `salts` (one or two) with the same password and
+    udata, as R6 needs them (U and UE; O and OE): the C runs two at once, their AES interleaved,
+    in ~0.82 of the CPU of two apart (the SHA-2s, two thirds of it, cannot be shared)."""
     fn = compiled.hash_2b()
     if fn is None:
-        return hash_2b_reference(password, salt, udata)
-    out = ctypes.create_string_buffer(32)
-    if len(salt) != 8 or fn(password, len(password), salt, udata, len(udata), out) != 0:
-        raise ValueError(f"hash_2b: password {len(password)} bytes (at most 127), salt {len(salt)} (8), "
-                         f"udata {len(udata)} (0 or 48), or OpenSSL failed")
-    return out.raw
+        return [hash_2b_reference(password, salts[i:i + 8], udata) for i in range(0, len(salts), 8)]
+    lanes = len(salts) // 8
+    out = ctypes.create_string_buffer(32 * lanes)
+    if len(salts) not in (8, 16) or fn(password, len(password), salts, lanes, udata, len(udata), out) != 0:
+        raise ValueError(f"hash_2b: password {len(password)} bytes (at most 127), salt {len(salts)} (8, or 16 for "
+                         f"two), udata {len(udata)} (0 or 48), or OpenSSL failed")
+    return [out.raw[i:i + 32] for i in range(0, 32 * lanes, 32)]
 
 
 def hash_2b_reference(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
@@ -93,8 +103,8 @@ class UserKeys:
 def user_keys(user_password: str) -> UserKeys:
     """Algorithm 8 of ISO 32000-2: U and UE for a fresh file key."""
     user, file_key, u_salts = password_bytes(user_password), os.urandom(32), os.urandom(16)
-    return UserKeys(file_key, hash_2b(user, u_salts[:8]) + u_salts,
-                    _aes256_no_iv(hash_2b(user, u_salts[8:]), file_key))
+    u_hash, ue_hash = hash_2b_pair(user, u_salts)
+    return UserKeys(file_key, u_hash + u_salts, _aes256_no_iv(ue_hash, file_key))
 
 
 def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P, made: UserKeys | None = None) -> R6Keys:
@@ -103,8 +113,8 @@ def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P, made
     made, owner = made or user_keys(user_password), _owner_bytes(owner_password)
     file_key, u = made.file_key, made.u
     o_salts = os.urandom(16)
-    o = hash_2b(owner, o_salts[:8], u) + o_salts
-    oe = _aes256_no_iv(hash_2b(owner, o_salts[8:], u), file_key)
+    o_hash, oe_hash = hash_2b_pair(owner, o_salts, u)
+    o, oe = o_hash + o_salts, _aes256_no_iv(oe_hash, file_key)
     perms_plain = struct.pack("<i", p) + b"\xff\xff\xff\xffTadb" + os.urandom(4)
     encryptor = Cipher(algorithms.AES(file_key), modes.ECB()).encryptor()
     perms = encryptor.update(perms_plain) + encryptor.finalize()
