@@ -1,12 +1,14 @@
-"""PDF standard security handler, revision 6 (AES-256), computed over OpenSSL.
+"""PDF standard security handler, revision 6 (AES-256): its keys computed over OpenSSL, the
+objects encrypted by qpdf.
 
-Why not qpdf's own encryption: the qpdf bundled with pikepdf has only its "native" crypto
-provider (no AES-NI), and R6's deliberately slow password hash (ISO 32000-2, algorithm
-2.B, run four times per document) costs ~11 ms there against ~5.5 ms here. So qpdf
-serialises the document unencrypted, we encrypt its strings and streams in place
-(pikepdf objects), and the trailer, which follows the cross-reference table, is given its
-/Encrypt entry after the write, so no object offset moves. A signature's /Contents is never
-encrypted (ISO 32000-2, 7.6.2).
+Why not qpdf's own R6: the qpdf bundled with pikepdf has only its "native" crypto provider
+(no AES-NI), and R6's deliberately slow password hash (ISO 32000-2, algorithm 2.B, run four
+times per document) costs ~11 ms there against ~2 ms here (hash_2b.c). So we make the keys
+and `declare` them in an update appended to the note, with identity crypt filters: qpdf,
+opening it with the file key, reads the objects as they are and, saving it with its
+encryption kept, encrypts every string and stream under our keys (~0.15 ms of its AES a
+note; walking the objects in Python to encrypt them one by one cost ~0.6 ms). qpdf leaves a
+signature's /Contents unencrypted (ISO 32000-2, 7.6.2).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import struct
 from dataclasses import dataclass
 
-import pikepdf
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from pyhanko.pdf_utils.crypt._saslprep import saslprep
 
@@ -27,7 +29,6 @@ from pipeline.seal import compiled
 HASHES = (hashlib.sha256, hashlib.sha384, hashlib.sha512)
 # print (bit 3) and high-quality print (bit 12), accessibility extraction (bit 10);
 # bits 7-8 and 13-32 are reserved and must be 1. As a signed 32-bit integer.
-HELD_KEY = "/XEncrypt"
 PRINT_ONLY_P = struct.unpack("<i", struct.pack("<I", 0xFFFFF000 | 0xC0 | 0x4 | 0x800 | 0x200))[0]
 
 
@@ -121,69 +122,34 @@ def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P, made
     return R6Keys(file_key, o, u, oe, made.ue, perms, p)
 
 
-def encrypt_objects(pdf: pikepdf.Pdf, file_key: bytes, skip: pikepdf.Object | None = None) -> None:
-    """Encrypts every string and stream of every indirect object, in place (AESV3).
-
-    `skip` is the signature dictionary: its /Contents stays as it is. Streams keep their
-    filters; save the file with stream_decode_level=none and compress_streams=False so
-    qpdf writes the encrypted bytes untouched.
-    """
-    for obj in pdf.objects:
-        if isinstance(obj, pikepdf.Stream):
-            obj.write(_aes(file_key, obj.read_raw_bytes()), filter=obj.get("/Filter"),
-                      decode_parms=obj.get("/DecodeParms"), type_check=False)
-            if _holds_strings(obj.stream_dict):
-                _encrypt_strings(obj.stream_dict, file_key, None)
-        elif isinstance(obj, (pikepdf.Dictionary, pikepdf.Array)):
-            if _holds_strings(obj):
-                _encrypt_strings(obj, file_key, skip)
-        elif isinstance(obj, pikepdf.String):
-            raise ValueError(f"indirect string object {obj.objgen} is not supported")
-
-
-def _holds_strings(obj) -> bool:
-    """Whether a direct string is anywhere in `obj`, from its serialisation in one call: a
-    string is written "(...)" or "<hex>" and nothing else writes "(" or a lone "<" (names
-    escape them). Walking every value instead (a font's /W array has hundreds) cost ~2 ms a
-    note, most of the encryption's time but the password hashes."""
-    text = obj.unparse(resolved=True)  # its content, not "N 0 R"
-    return b"(" in text or b"<" in text.replace(b"<<", b"")
-
-
-def attach_encryption(pdf: pikepdf.Pdf, keys: R6Keys) -> None:
-    """Adds the encryption dictionary as an indirect object, under a trailer key qpdf keeps
-    when it writes an unencrypted file (it drops /Encrypt); `mark_encrypted` renames it."""
-    pdf.trailer[HELD_KEY] = pdf.make_indirect(pikepdf.Dictionary(
-        Filter=pikepdf.Name.Standard, V=5, R=6, Length=256, P=keys.p, EncryptMetadata=True,
-        CF=pikepdf.Dictionary(StdCF=pikepdf.Dictionary(
-            AuthEvent=pikepdf.Name.DocOpen, CFM=pikepdf.Name.AESV3, Length=32)),
-        StmF=pikepdf.Name.StdCF, StrF=pikepdf.Name.StdCF,
-        O=pikepdf.String(keys.o), U=pikepdf.String(keys.u), OE=pikepdf.String(keys.oe),
-        UE=pikepdf.String(keys.ue), Perms=pikepdf.String(keys.perms)))
-
-
-def mark_encrypted(data: bytes) -> bytes:
-    """Renames the held key to /Encrypt in the last trailer: same length, after the xref."""
-    start = data.rindex(b"trailer")
-    at = data.index(HELD_KEY.encode(), start)
-    return data[:at] + b" /Encrypt" + data[at + len(HELD_KEY):]
-
-
-def _encrypt_strings(container, key: bytes, skip) -> None:
-    items = container.items() if isinstance(container, pikepdf.Dictionary) else enumerate(container)
-    is_sig = skip is not None and container.is_indirect and container.objgen == skip.objgen
-    for k, v in list(items):
-        if isinstance(v, pikepdf.String) and not (is_sig and k == "/Contents"):
-            container[k] = pikepdf.String(_aes(key, bytes(v)))
-        elif isinstance(v, (pikepdf.Dictionary, pikepdf.Array)) and not v.is_indirect and _holds_strings(v):
-            _encrypt_strings(v, key, None)  # not into a font's /W: hundreds of numbers, 1.3 ms a note
-
-
-def _aes(key: bytes, data: bytes) -> bytes:
-    iv = os.urandom(16)
-    pad = 16 - len(data) % 16
-    encryptor = Cipher(algorithms.AES(key), modes.CBC(iv)).encryptor()
-    return iv + encryptor.update(data + bytes([pad]) * pad) + encryptor.finalize()
+def declare(pdf: bytes, keys: R6Keys) -> bytes:
+    """`pdf` with an update appended whose trailer (the last one's /Root, /Info and /ID, and
+    /Prev to it) declares R6 encryption under `keys` with identity crypt filters. Open it in
+    pikepdf with password=keys.file_key.hex(), hex_password=True, and save with
+    encryption=True: qpdf then writes AES-256 (it takes AES for V 5 whatever the filters say)
+    with these O, U, OE, UE and Perms. ValueError when the last trailer cannot be read or
+    already declares encryption."""
+    try:
+        prev = int(pdf[pdf.rindex(b"startxref") + 9:].split(maxsplit=1)[0])
+    except (ValueError, IndexError):
+        raise ValueError("no startxref") from None
+    trailer = pdf[prev:pdf.rindex(b"startxref")].split(b"stream", 1)[0]  # a table's trailer, or an xref stream's dict
+    size, root = re.search(rb"/Size\s+(\d+)", trailer), re.search(rb"/Root\s+(\d+\s+\d+\s+R)", trailer)
+    if not (0 <= prev < len(pdf) and size and root) or b"/Encrypt" in trailer:
+        raise ValueError("the last trailer has no /Size or /Root, or declares encryption already")
+    info = re.search(rb"/Info\s+(\d+\s+\d+\s+R)", trailer)
+    ids = re.search(rb"/ID\s*\[\s*<([0-9A-Fa-f]*)>\s*<([0-9A-Fa-f]*)>\s*\]", trailer)
+    first, second = (ids.group(1), ids.group(2)) if ids else (os.urandom(16).hex().encode(),) * 2
+    number, at = int(size.group(1)), len(pdf) + 1
+    obj = (b"%d 0 obj\n<< /Filter /Standard /V 5 /R 6 /Length 256 /P %d /EncryptMetadata true /StmF /Identity "
+           b"/StrF /Identity /O <%s> /U <%s> /OE <%s> /UE <%s> /Perms <%s> >>\nendobj\n"
+           % (number, keys.p, *(v.hex().encode() for v in (keys.o, keys.u, keys.oe, keys.ue, keys.perms))))
+    tail = b"xref\n%d 1\n%010d 00000 n \ntrailer\n<< /Size %d /Root %s" % (number, at, number + 1, root.group(1))
+    if info:
+        tail += b" /Info " + info.group(1)
+    tail += b" /ID [<%s><%s>] /Encrypt %d 0 R /Prev %d >>\nstartxref\n%d\n%%%%EOF\n" % (
+        first, second, number, prev, at + len(obj))
+    return pdf + b"\n" + obj + tail
 
 
 def _aes256_no_iv(key: bytes, data: bytes) -> bytes:

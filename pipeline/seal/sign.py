@@ -2,7 +2,7 @@
 file's, or a logged-in session with the HSM that holds it: token.py).
 
 One pass of qpdf (via pikepdf) adds the signature field with a fixed-size placeholder and
-writes the file (encrypted by us for AES-256, see pdfcrypt.py; by qpdf for AES-128). The
+writes the file, encrypted (for AES-256 under the keys pdfcrypt.py makes and declares). The
 signature is then patched into the placeholder: SHA-256 over the file outside /Contents,
 one signature (RSA, or ECDSA P-256) over a CMS signed-attributes block, both written into a CMS SignedData
 template that was DER-encoded once, when the key was loaded. Every length is fixed, so the
@@ -24,15 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from pikepdf import Array, Dictionary, Name, String
 
-from pipeline.seal.pdfcrypt import (
-    PRINT_ONLY_P,
-    UserKeys,
-    attach_encryption,
-    encrypt_objects,
-    mark_encrypted,
-    r6_keys,
-    user_keys,
-)
+from pipeline.seal.pdfcrypt import PRINT_ONLY_P, UserKeys, declare, r6_keys, user_keys
 from pipeline.seal.signer import TEST_LABEL, SignError, Signer, issue_certificate, labelled_name
 
 FIELD_NAME = "BrokerSignature"
@@ -101,34 +93,35 @@ def _prepare(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: Si
     user = pan.upper()
     if algorithm != "none" and user == owner_password:
         raise SignError("owner password must differ from the user password")
+    keys = r6_keys(user, owner_password, PRINT_ONLY_P, made) if algorithm == "aes256" else None
     try:
-        doc = pikepdf.Pdf.open(BytesIO(pdf))
-    except pikepdf.PdfError as e:
+        if keys:
+            doc = pikepdf.Pdf.open(BytesIO(declare(pdf, keys)), password=keys.file_key.hex(), hex_password=True)
+        else:
+            doc = pikepdf.Pdf.open(BytesIO(pdf))
+    except (ValueError, pikepdf.PdfError) as e:
         raise SignError(f"not a readable PDF: {e}") from None
     try:
         with doc:
-            data = _write(doc, user, owner_password, algorithm, info, signer.size, made)
+            data = _write(doc, user, owner_password, algorithm, info, signer.size)
     except pikepdf.PdfError as e:
         raise SignError(f"cannot rewrite the PDF: {e}") from None
     return _digest(data, signer)
 
 
-def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int,
-           made: UserKeys | None) -> bytes:
-    sig = _add_signature_field(doc, info, size)
+def _write(doc: pikepdf.Pdf, user: str, owner: str, algorithm: str, info: SignatureInfo, size: int) -> bytes:
+    """AES-256: the encryption `declare`d when the note was opened, kept (qpdf encrypts)."""
+    _add_signature_field(doc, info, size)
     out = BytesIO()
     if algorithm == "aes256":
-        keys = r6_keys(user, owner, PRINT_ONLY_P, made)
-        encrypt_objects(doc, keys.file_key, skip=sig)
-        attach_encryption(doc, keys)
-        doc.save(out, stream_decode_level=pikepdf.StreamDecodeLevel.none, compress_streams=False, **SAVE_OPTIONS)
-        return mark_encrypted(out.getvalue())
-    encryption = pikepdf.Encryption(owner=owner, user=user, R=4, aes=True, allow=PRINT_ONLY)
-    doc.save(out, encryption=encryption if algorithm == "aes128" else False, **SAVE_OPTIONS)
+        doc.save(out, encryption=True, compress_streams=False, **SAVE_OPTIONS)
+    else:
+        encryption = pikepdf.Encryption(owner=owner, user=user, R=4, aes=True, allow=PRINT_ONLY)
+        doc.save(out, encryption=encryption if algorithm == "aes128" else False, **SAVE_OPTIONS)
     return out.getvalue()
 
 
-def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> pikepdf.Object:
+def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> None:
     now = dt.datetime.now(dt.timezone.utc).strftime("D:%Y%m%d%H%M%SZ")
     sig = doc.make_indirect(Dictionary(
         Type=Name.Sig, Filter=Name("/Adobe.PPKLite"), SubFilter=Name("/ETSI.CAdES.detached"),
@@ -147,7 +140,6 @@ def _add_signature_field(doc: pikepdf.Pdf, info: SignatureInfo, size: int) -> pi
         doc.Root.AcroForm.SigFlags = 3
     else:
         doc.Root.AcroForm = Dictionary(Fields=Array([widget]), SigFlags=3)
-    return sig
 
 
 def _digest(data: bytes, signer: Signer) -> tuple[bytes, int, int, bytes]:
