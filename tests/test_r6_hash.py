@@ -63,6 +63,13 @@ def test_two_hashes_in_lockstep_equal_the_reference_each(password, salts, owner)
                                                             pdfcrypt.hash_2b_reference(password, salts[8:], udata)]
 
 
+@given(password=st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=140))
+def test_printable_ascii_is_its_own_saslprep(password):
+    from pyhanko.pdf_utils.crypt._saslprep import saslprep
+
+    assert pdfcrypt.password_bytes(password) == (saslprep(password).encode()[:127] if password else b"")
+
+
 def test_out_of_range_input_is_refused_not_truncated():
     for password, salt, udata in ((b"x" * 128, bytes(8), b""), (b"x", bytes(7), b""), (b"x", bytes(8), bytes(49)),
                                   (b"x", bytes(16), b"")):

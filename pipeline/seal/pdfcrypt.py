@@ -44,6 +44,10 @@ class R6Keys:
 
 
 def password_bytes(password: str) -> bytes:
+    """SASLprep, UTF-8, the first 127 bytes. Printable ASCII (a PAN) is its own SASLprep: no
+    mapping, normalisation or prohibition touches it, and pyhanko's saslprep cost ~20 us."""
+    if password.isascii() and password.isprintable():
+        return password.encode()[:127]
     return saslprep(password).encode("utf-8")[:127] if password else b""
 
 
