@@ -124,8 +124,6 @@ int cn_hash_2b(const unsigned char *password, size_t password_len, const unsigne
     int ok = all && sha2[0] && sha2[1] && sha2[2] && md && cipher && aes;
 #if defined(__x86_64__)
     int aesni = __builtin_cpu_supports("aes");
-#else
-    int aesni = 0;
 #endif
 
     for (int i = 0; ok && i < lanes; i++) {
