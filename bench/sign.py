@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--notes", type=int, default=400)
     parser.add_argument("--runs", type=int, default=3, help="rounds of the HSM rows, each row in turn (0: none)")
-    for hidden in ("--row", "--key", "--cert", "--root", "--token"):  # one HSM row, in a process of its own
+    for hidden in ("--row", "--key", "--cert", "--root", "--token", "--core"):  # one HSM row, in a process of its own
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--turns", type=int, default=8, help="turns of each HSM row (CHUNK notes each, both ways)")
     args = measured.with_smoke(parser, {"notes": 10, "runs": 1, "turns": 1})
@@ -152,7 +152,11 @@ def hsm_rows(tmp: Path, key: Path, cert: Path, root: Path, notes: int, runs: int
     from tests.servers import DelayingProxy, start_p11kit_server
 
     token = make_test_token(tmp / "hsm")
+    cores = sorted(os.sched_getaffinity(0))
+    elsewhere = set(cores[1:]) or set(cores)  # the "machine across the network": all but the signer's core
     server = start_p11kit_server(tmp / "p11-kit.sock", SOFTHSM, token.label)
+    os.sched_setaffinity(server.process.pid, elsewhere)  # its children, one a connection, inherit it
+    os.sched_setaffinity(0, elsewhere)  # the delaying link's threads are this process's
     proxy = DelayingProxy(tmp / "slow.sock", tmp / "p11-kit.sock", 0.005)
     address = {"p11kit": server.url, "p11kit_5ms": proxy.address}
     rounds: dict[str, list[dict]] = {r: [] for r in ROWS}
@@ -160,13 +164,14 @@ def hsm_rows(tmp: Path, key: Path, cert: Path, root: Path, notes: int, runs: int
         for _ in range(runs):
             for row in ROWS:
                 out = subprocess.run([sys.executable, __file__, "--row", row, "--notes", str(notes), "--turns", str(turns), "--key", str(key),
-                                      "--cert", str(cert), "--root", str(root), "--token", str(tmp / "hsm")],
+                                      "--cert", str(cert), "--root", str(root), "--token", str(tmp / "hsm"), "--core", str(cores[0])],
                                      env={**os.environ, "P11_KIT_SERVER_ADDRESS": address.get(row, "")},
                                      capture_output=True, text=True, check=True)
                 rounds[row].append(json.loads(out.stdout.splitlines()[-1]))
     finally:
         proxy.stop()
         server.stop()
+        os.sched_setaffinity(0, cores)
     files = [r["file"] for row in ROWS for r in rounds[row]]
     result = {"file": {k: statistics.median(f[k] for f in files) for k in ("notes_per_s", "cpu_ms")}}
     for row in ROWS:
@@ -198,7 +203,7 @@ def one_row(args) -> None:
     from pipeline.seal.signer import Signer
     from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, TokenConfig, TokenKey, make_test_token
 
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.sched_setaffinity(0, {int(args.core)})
     notes = [render(sample_note(trades=5 + i % 15)) for i in range(args.notes)]
     items = [(note, f"ABCPD{i % 10000:04d}E", None) for i, note in enumerate(notes)]  # all four hashes here
     token = make_test_token(Path(args.token))
