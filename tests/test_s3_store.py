@@ -92,6 +92,17 @@ def test_a_create_only_put_writes_once_and_is_refused_the_second_time(s3_bucket)
     assert store.get("0/log/a b+c.jsonl") == b"first"
 
 
+def test_every_write_carries_a_checksum_s3_keeps(s3_bucket, tmp_path):
+    """A PUT to a bucket under Object Lock's default retention (docs/aws.md) must carry
+    Content-MD5 or an x-amz-checksum: each write does, multipart uploads' parts too."""
+    store, big = open_store(f"s3://{s3_bucket}"), tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * (6 << 12))
+    store.put("0/a", b"a"), store.put_new("0/b", b"b"), store.put_file("0/c", str(big))
+    checked = [boto3.client("s3").head_object(Bucket=s3_bucket, Key=k, ChecksumMode="ENABLED").get("ChecksumSHA256")
+               for k in ("0/a", "0/b", "0/c")]
+    assert all(checked) and checked[2].endswith("-2"), checked
+
+
 def test_a_throttled_put_is_retried_and_lands_once(s3_bucket, between):
     proxy = between(throttle=3)
     assert open_store(f"s3://{s3_bucket}").put_new("0/x", b"the record" * 100)

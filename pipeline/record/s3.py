@@ -10,13 +10,16 @@ once kept (bench/s3_client.py, issue 73).
 What botocore's client did and this keeps: boto3's credential chain (botocore's own, handed to
 obstore and refreshed as botocore refreshes it), the endpoint (AWS_ENDPOINT_URL_S3 or
 AWS_ENDPOINT_URL), the region, path-style addressing, the CA bundle botocore would verify with
-(AWS_CA_BUNDLE or the config file's ca_bundle), proxies from the environment (HTTPS_PROXY,
-NO_PROXY: reqwest reads them as urllib does), timeouts of 60 s to connect and between reads,
-and up to MAX_ATTEMPTS attempts with backoff up to 20 s for 5xx replies (503 SlowDown among
-them) and for a connection that failed before a whole reply came. A create-only PUT sent again
-after its reply was lost is refused by its own object (412): storage.write_once reads it back.
-The SHA-256 of what is sent is signed (S3 refuses a body changed on the way), and each object
-the store writes whole carries its CRC32 in its metadata, checked when it is read whole.
+(AWS_CA_BUNDLE or the config file's ca_bundle), proxies from the environment (reqwest reads
+HTTP_PROXY and HTTPS_PROXY), timeouts of 60 s to connect and between reads, and up to
+MAX_ATTEMPTS attempts with backoff up to 20 s for 5xx replies (503 SlowDown among them) and for
+a connection refused, or lost before its reply came (a body cut short is read on from where it
+stopped, by a ranged GET). Not kept: an endpoint_url in the AWS config file (the environment's
+only), S3's own x-amz-checksum headers of a GET (obstore does not show them). A create-only PUT
+sent again after its reply was lost is refused by its own object (412): storage.write_once reads
+it back. The SHA-256 of what is sent is signed (S3 refuses a body changed on the way) and sent as
+its x-amz-checksum-sha256 (as botocore's CRC32 was: a PUT under Object Lock needs one), and each
+object the store writes whole carries its CRC32 in its metadata, checked when it is read whole.
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ def store(bucket: str, prefix: str, region: str | None, quick: bool = False):
     options = {"connect_timeout": timedelta(seconds=5 if quick else 60), "read_timeout": timedelta(seconds=60),
                "timeout": timedelta(hours=1), "pool_max_idle_per_host": "64",
                "allow_http": bool(endpoint) and urlsplit(endpoint).scheme == "http"}
-    bundle = core.get_config_variable("ca_bundle")  # none: obstore's own roots (Mozilla's, as botocore's certifi)
+    bundle = core.get_config_variable("ca_bundle")  # none: obstore's default roots
     if bundle:
         with open(bundle, "rb") as f:
             options["root_certificate"] = f.read()
     where = {"region": region or "us-east-1"} | ({"endpoint": endpoint} if endpoint else {})  # botocore's default
     return S3Store(bucket, prefix=prefix or None, virtual_hosted_style_request=False, **where, client_options=options,
+                   checksum_algorithm="sha256",  # a PUT to a bucket under Object Lock retention must carry one
                    retry_config={"max_retries": 1 if quick else MAX_ATTEMPTS - 1, "backoff": BACKOFF,
                                  "retry_timeout": timedelta(minutes=5)},
                    credential_provider=credentials(core))
