@@ -13,7 +13,7 @@ import importlib.util
 from datetime import timedelta
 from urllib.parse import quote, urlsplit
 
-MAX_ATTEMPTS = 10  # as s3_direct's
+from pipeline.record.s3 import MAX_ATTEMPTS  # the store's
 
 
 def missing() -> list[str]:

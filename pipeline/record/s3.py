@@ -49,7 +49,7 @@ def store(bucket: str, prefix: str, region: str | None, quick: bool = False):
     core = botocore.session.get_session()
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     options = {"connect_timeout": timedelta(seconds=5 if quick else 60), "read_timeout": timedelta(seconds=60),
-               "timeout": timedelta(hours=1), "pool_max_idle_per_host": "64",
+               "timeout": timedelta(hours=1), "pool_max_idle_per_host": "64",  # storage.IN_FLIGHT
                "allow_http": bool(endpoint) and urlsplit(endpoint).scheme == "http"}
     bundle = core.get_config_variable("ca_bundle")  # none: obstore's default roots
     if bundle:

@@ -228,8 +228,8 @@ class S3Store:
         return S3Store, (self.url, self.bucket, self.prefix)
 
     def probe(self) -> None:
-        """One HEAD, two attempts, five seconds to connect: any answer at all (a 403, a 404) is
-        the command's to say; no answer is said here."""
+        """One HEAD (of a key "probe"), two attempts, five seconds to connect: any answer at all
+        (a 403, a 404) is the command's to say; no answer is said here."""
         import obstore
 
         try:
