@@ -3,13 +3,16 @@ against `s3_direct` as it was at `--previous` (a git revision), in one run on on
 
   get_us.<row>      CPU microseconds of this process a GET of a --size object (process time)
   put_new_us.<row>  the same for a create-only PUT (If-None-Match: *) of a new key
-  ours_over_previous, ours_over_botocore  the ratios, GET and PUT
-Rows: `ours` is the store's own (`S3Store._send`, pipeline/record/s3_direct.py), `botocore` the
-boto3 client's get_object and put_object(IfNoneMatch="*"), `previous` s3_direct.py (and the
-http1.py it used, if it did) read from git at `--previous`: issue 73's baseline is the
-hand-written HTTP/1.1 client of 2565356. The requests go --threads at a time, as `close` and
-`verify` keep theirs in flight, to a versitygw on loopback that keeps connections as S3 does.
-The rows take turns --chunk requests at a time, so each meets the same drift of this VM's speed;
+  ours_over_previous, ours_over_botocore, obstore_over_previous, awscrt_over_previous
+                    the ratios, GET and PUT
+Rows: `ours` is the store's own (`S3Store.get`, `S3Store.put_new`: obstore, pipeline/record/s3.py,
+its CRC32 in the object's metadata), `botocore` the boto3 client's get_object and
+put_object(IfNoneMatch="*"), `previous` s3_direct.py (and the http1.py it used, if it did) read
+from git at `--previous`: issue 73's baseline is the hand-written HTTP/1.1 client of 2565356;
+`obstore` (bare, as the store calls it) and `awscrt` clients that sign and frame in native code
+(bench/s3_native.py), each where it is installed. The requests go --threads at a time, as
+`close` and `verify` keep theirs in flight, to a versitygw on loopback that keeps connections as
+S3 does. The rows take turns --chunk requests at a time, so each meets the same drift of this VM's speed;
 versitygw's own CPU is in its own process, not counted.
 
     python bench/s3_client.py [--requests 3000] [--size 2048] [--threads 16] [--runs 3]
@@ -32,8 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import measured  # noqa: E402
-from pipeline.record import s3_direct  # noqa: E402
+os.environ.setdefault("BOTO_DISABLE_CRT", "true")  # awscrt's row installed: botocore's rows keep botocore's signer
+
+from bench import measured, s3_native  # noqa: E402
 from pipeline.record.storage import IN_FLIGHT, open_store  # noqa: E402
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw  # noqa: E402
 
@@ -62,9 +66,10 @@ def previous_module(rev: str) -> types.ModuleType | None:
     return module
 
 
-def rows(store, previous: types.ModuleType | None) -> dict[str, tuple]:
-    """Each row's (get(key), put_new(key, data)) on the store's bucket."""
-    client, bucket = store.client, store.bucket
+def rows(store, client, previous: types.ModuleType | None) -> dict[str, tuple]:
+    """Each row's (get(key), put_new(key, data)) on the store's bucket; `client` boto3's, as the
+    store made it before issue 73."""
+    bucket = store.bucket
 
     def boto_get(key):
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -72,16 +77,24 @@ def rows(store, previous: types.ModuleType | None) -> dict[str, tuple]:
     def boto_put(key, data):
         client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
 
-    made = {"ours": (lambda key: s3_direct.get(store._send, bucket, key),
-                     lambda key, data: s3_direct.put_new(store._send, bucket, key, data)),
-            "botocore": (boto_get, boto_put)}
+    made = {"ours": (store.get, store.put_new), "botocore": (boto_get, boto_put)}
     if previous is not None:
         import botocore.session
 
         send = previous.sender(client, botocore.session.get_session(), IN_FLIGHT)
         made["previous"] = (lambda key: previous.get(send, bucket, key),
                             lambda key, data: previous.put_new(send, bucket, key, data))
-    return made
+    return made | s3_native.rows(client.meta.endpoint_url, client.meta.region_name, bucket, S3_ACCESS_KEY, S3_SECRET_KEY)
+
+
+def boto_client():
+    """boto3's S3 client as the store configured it before issue 73."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"mode": "adaptive", "max_attempts": 10}, max_pool_connections=IN_FLIGHT,
+                    s3={"addressing_style": "path"})
+    return boto3.client("s3", config=config)
 
 
 def timed(threads: ThreadPoolExecutor, fn, jobs: list[tuple]) -> float:
@@ -98,10 +111,9 @@ def once(args) -> dict:
     try:
         os.environ.update({"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
                            "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"})
-        store = open_store("s3://bench-s3-client")
-        store.client.create_bucket(Bucket=store.bucket)
-        assert store._send is not None, "the store fell back to botocore's client"
-        made = rows(store, previous_module(args.previous))
+        store, client = open_store("s3://bench-s3-client"), boto_client()
+        client.create_bucket(Bucket=store.bucket)
+        made = rows(store, client, previous_module(args.previous))
         data = os.urandom(args.size)
         objects = [f"{n % 10}/get/{n:06d}" for n in range(args.requests)]
         with ThreadPoolExecutor(args.threads) as threads:
@@ -123,6 +135,12 @@ def once(args) -> dict:
             if base in us:
                 result[f"ours_over_{base}"] = {"get": round(us["ours"][0] / us[base][0], 3),
                                               "put_new": round(us["ours"][1] / us[base][1], 3)}
+        for name in s3_native.missing():
+            result[name] = "not installed"
+        for native in ("obstore", "awscrt"):
+            if native in us and "previous" in us:
+                result[f"{native}_over_previous"] = {"get": round(us[native][0] / us["previous"][0], 3),
+                                                     "put_new": round(us[native][1] / us["previous"][1], 3)}
         return result | ({} if "previous" in us else {"previous": f"{args.previous} is not in this clone"})
     finally:
         s3.stop()

@@ -86,6 +86,35 @@ def make_tls_certificate(directory: Path) -> tuple[Path, Path]:
                        (x509.BasicConstraints(ca=True, path_length=None), True))
 
 
+def make_tls_chain(directory: Path) -> tuple[Path, Path, Path]:
+    """(CA bundle, certificate, key) of a server at 127.0.0.1 whose certificate a CA of its own
+    issued: rustls (obstore's TLS) refuses a self-signed CA certificate as a server's own, as
+    make_tls_certificate makes for servers OpenSSL checks."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    ca_path, ca_key_path = self_signed(directory, "ca", "test CA", (x509.BasicConstraints(ca=True, path_length=None), True))
+    ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
+    key, now = rsa.generate_private_key(public_exponent=65537, key_size=2048), dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = directory / "server.crt", directory / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return ca_path, cert_path, key_path
+
+
 DOVECOT_USER, DOVECOT_PASSWORD = "bounces", "bounce-box-secret"
 
 

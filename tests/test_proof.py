@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import boto3
 import psutil
 import pytest
 
@@ -409,8 +410,8 @@ def test_verify_on_s3_holds_the_archive_to_the_log_by_its_listing_and_reads_only
     assert notes_read == [], f"{len(notes_read)} notes read where the listing said each was what was mailed"
     mailed = sorted(e["ucc"] for e in delivery_log.entries(store, run_id) if e["status"] == "delivered")
     key = keys.signed_pdf_key(TRADE_DATE, mailed[len(mailed) // 2])
-    store.client.put_object(Bucket=store.bucket, Key=store._key(key),  # the bucket edited behind the run's back
-                            Body=store.get(key).replace(b"%%EOF", b"%%EOF\n% signed again", 1))
+    boto3.client("s3").put_object(Bucket=store.bucket, Key=f"{store.prefix}/{key}",  # the bucket edited behind the run's back
+                                  Body=store.get(key).replace(b"%%EOF", b"%%EOF\n% signed again", 1))
     notes_read.clear()
     found = verify(store, run_id)
     assert not found["ok"] and found["first_problem"].startswith(f"{key}: differs from what was mailed"), found

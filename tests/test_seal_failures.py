@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import boto3
@@ -20,7 +21,7 @@ from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.errors import CannotRun
 from pipeline.followup import close as proof
 from pipeline.followup.verify import exit_status, verify
-from pipeline.record import keys, s3_direct
+from pipeline.record import keys, s3
 from pipeline.record.storage import open_store
 from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM
 from tests import servers
@@ -64,7 +65,7 @@ def on_s3(s3_endpoint, monkeypatch):
     """put(folder) -> the URL of a new bucket holding the folder store's objects, reached through
     a proxy (servers.S3Between) with the faults given; retries back off by milliseconds."""
     proxies = []
-    monkeypatch.setattr(s3_direct, "random", types.SimpleNamespace(random=lambda: 0.001))
+    monkeypatch.setattr(s3, "BACKOFF", {"init_backoff": timedelta(milliseconds=1), "max_backoff": timedelta(milliseconds=5)})
 
     def put(root: Path, **faults) -> tuple[str, servers.S3Between]:
         bucket = f"seal-{len(proxies)}-{abs(hash(root)) % 10**8}"

@@ -1,7 +1,7 @@
 """Per-shard work on a run's record (close, verify), spread over a process per core.
 
-Every request to S3 costs the client CPU (1-3 ms through botocore, ~0.5 ms through storage's
-s3_direct), and reading an object's chain more, so a command that reads the whole record of a
+Every request to S3 costs the client CPU (1-3 ms through botocore, ~0.1 ms through obstore,
+record/s3.py), and reading an object's chain more, so a command that reads the whole record of a
 1.5M-account day, 45,000 objects, was bound by one core however many requests it kept in
 flight: `close` took 211 s and `verify` 217 s on two cores (bench/fullday.py). Here the jobs go
 out in slices to a process per core (this one among them), each keeping its share of IN_FLIGHT

@@ -1,11 +1,9 @@
 """One storage interface, two backends: a local folder and S3 (or anything speaking S3).
 
-`open_store("s3://bucket/prefix")` or `open_store("/some/folder")`. The S3 endpoint comes
-from boto3's standard AWS_ENDPOINT_URL; throttling (503 SlowDown) is retried by botocore's
-adaptive retry mode, which also slows the client down instead of hammering the bucket, and a
-whole object's GET and a create-only PUT by s3_direct, with the same number of attempts and
-backoff but no client-wide rate (`close` makes ~60,000 at 1.5M accounts, under S3's 3,500 PUTs
-and 5,500 GETs a second a prefix).
+`open_store("s3://bucket/prefix")` or `open_store("/some/folder")`. Every S3 request goes
+through obstore (record/s3.py): the endpoint from boto3's standard AWS_ENDPOINT_URL, throttling
+(503 SlowDown) and a connection lost retried with backoff, without a client-wide rate (`close`
+makes ~60,000 requests at 1.5M accounts, under S3's 3,500 PUTs and 5,500 GETs a second a prefix).
 Keys start with a partition digit (see pipeline.record.keys), so leave the prefix empty in
 production: S3 partitions by the leading characters of the key.
 """
@@ -19,12 +17,11 @@ import os
 import re
 import shutil
 import tempfile
-from contextlib import closing
 from pathlib import Path
 from typing import Iterator, Protocol
 
 from pipeline.errors import CannotRun
-from pipeline.record import s3_direct
+from pipeline.record import s3
 from pipeline.settings import aws_region
 
 
@@ -83,7 +80,7 @@ def check_create_only(store: Store, key: str) -> None:
         second = store.put_new(key, b"create-only check, a second write\n")
     except StorageError:
         raise
-    except Exception as e:  # botocore's NotImplemented, an OSError from a file system without hard links
+    except Exception as e:  # an OSError from a file system without hard links
         raise StorageError(f"storage {store.url} does not support create-only writes (If-None-Match): "
                            f"{str(e).splitlines()[0][:200]}; the delivery log needs them") from None
     if second or not (first or store.exists(key)):
@@ -220,141 +217,153 @@ class FolderStore:
 
 
 class S3Store:
-    def __init__(self, url: str, bucket: str, prefix: str = ""):
-        import boto3  # only S3 runs pay for importing boto3
-        import botocore.session
-        from botocore.config import Config
+    """A bucket (keys under a prefix) through obstore (record/s3.py), every request of it."""
 
+    def __init__(self, url: str, bucket: str, prefix: str = ""):
         self.url, self.bucket, self.prefix = url, bucket, prefix
-        config = Config(retries={"mode": "adaptive", "max_attempts": s3_direct.MAX_ATTEMPTS},
-                        max_pool_connections=IN_FLIGHT, s3={"addressing_style": "path"})
-        core = botocore.session.get_session()
-        self.client = boto3.session.Session(botocore_session=core).client("s3", config=config, region_name=aws_region())
-        self._send = s3_direct.sender(self.client, core, IN_FLIGHT)  # None: botocore's
+        self.objects = s3.store(bucket, prefix, aws_region())
 
     def __reduce__(self):
         """Sent to another process (record/spread.py) as its URL: a client of its own there."""
         return S3Store, (self.url, self.bucket, self.prefix)
 
     def probe(self) -> None:
-        """One HEAD of the bucket, two attempts, five seconds to connect: any answer at all (a
-        403, a 404) is the command's to say; no answer is said here."""
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
+        """One HEAD (of a key "probe"), two attempts, five seconds to connect: any answer at all
+        (a 403, a 404) is the command's to say; no answer is said here."""
+        import obstore
 
-        quick = boto3.client("s3", region_name=aws_region(), config=Config(
-            retries={"mode": "standard", "total_max_attempts": 2}, connect_timeout=5, read_timeout=15,
-            s3={"addressing_style": "path"}))
         try:
-            quick.head_bucket(Bucket=self.bucket)
-        except ClientError:
-            pass
-        except BotoCoreError as e:
-            raise StorageError(f"{self.url}: the S3 endpoint does not answer ({e})") from None
+            obstore.head(s3.store(self.bucket, self.prefix, aws_region(), quick=True), "probe")
+        except Exception as e:
+            if not s3.answered(e) and not isinstance(e, FileNotFoundError):
+                raise StorageError(f"{self.url}: {s3.reason(e)}") from None
 
-    def _key(self, key: str) -> str:
-        key = inside(self.url, key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+    def _failed(self, doing: str, key: str, e: Exception) -> StorageError:
+        return StorageError(f"{self.url}: cannot {doing} {key!r}: {s3.reason(e)}")
 
     def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        import obstore
+
+        try:
+            obstore.put(self.objects, inside(self.url, key), data, attributes={s3.CRC32: s3.crc32(data)})
+        except Exception as e:
+            raise self._failed("write", key, e) from None
 
     def put_new(self, key: str, data: bytes) -> bool:
-        """A conditional PUT (If-None-Match: *): S3 refuses it when the key exists. Through
-        s3_direct: a close adds one to each of a day's 15,000 chains."""
+        """A conditional PUT (If-None-Match: *): S3 refuses it (412, or 409 while another such PUT
+        of the key is under way) when the key exists; False then. A close adds one to each of a
+        day's 15,000 chains."""
+        import obstore
+
         try:
-            if self._send:
-                return s3_direct.put_new(self._send, self.bucket, self._key(key), data)
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+            obstore.put(self.objects, inside(self.url, key), data, mode="create",
+                        attributes={s3.CRC32: s3.crc32(data)})
             return True
-        except s3_direct.RequestError as e:
-            raise StorageError(f"{self.url}: cannot write {key!r}: {e}") from None
-        except self.client.exceptions.ClientError as e:
-            if e.response["Error"]["Code"] in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+        except obstore.exceptions.AlreadyExistsError:
+            return False
+        except Exception as e:
+            said = s3.reason(e)
+            if said in ("ConditionalRequestConflict", "409"):
                 return False
-            raise
+            if said == "NotImplemented":
+                raise StorageError(f"storage {self.url} does not support create-only writes (If-None-Match): "
+                                   "NotImplemented; the delivery log needs them") from None
+            raise self._failed("write", key, e) from None
 
     def get(self, key: str) -> bytes:
-        """The whole object, through s3_direct: the record's readers make tens of thousands of these."""
+        """The whole object, held to the CRC32 it was written with: the record's readers make
+        tens of thousands of these."""
+        import obstore
+
         try:
-            if self._send:
-                return s3_direct.get(self._send, self.bucket, self._key(key))
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except s3_direct.RequestError as e:
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e}") from None
-        except self.client.exceptions.ClientError as e:
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+            got = obstore.get(self.objects, inside(self.url, key))
+            return s3.checked(got.bytes().to_bytes(), got.attributes)
+        except Exception as e:
+            raise self._failed("read", key, e) from None
 
     def size(self, key: str) -> int:
+        import obstore
+
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
-        except self.client.exceptions.ClientError as e:
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+            return obstore.head(self.objects, inside(self.url, key))["size"]
+        except Exception as e:
+            raise self._failed("read", key, e) from None
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """One ranged GET: a split task reads only its own part of a day's dump."""
-        if end <= start:
-            return b""
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key),
-                                          Range=f"bytes={start}-{end - 1}")["Body"].read()
-        except self.client.exceptions.ClientError as e:
-            if e.response["Error"]["Code"] == "InvalidRange":  # starts at or past the end
-                return b""
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
+        return b"".join(self.stream_range(key, start, end, max(1, end - start)))
 
     def stream_range(self, key: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """One ranged GET, its body read `chunk` at a time: a split task holds a chunk of its
-        part of a day's dump, never the part, for one request."""
+        part of a day's dump, never the part, for one request. Fewer bytes at the object's end,
+        none from past it."""
+        import obstore
+
         if end <= start:
             return
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}")["Body"]
-        except self.client.exceptions.ClientError as e:
-            if e.response["Error"]["Code"] == "InvalidRange":
+            got = obstore.get(self.objects, inside(self.url, key), options={"range": (start, end)})
+        except Exception as e:
+            if s3.reason(e) == "InvalidRange":  # starts at or past the end
                 return
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
-        with closing(body):
-            yield from body.iter_chunks(chunk)
+            raise self._failed("read", key, e) from None
+        try:
+            for data in got.stream(min_chunk_size=chunk):
+                yield bytes(data)
+        except Exception as e:
+            raise self._failed("read", key, e) from None
 
     def put_file(self, key: str, path: str) -> None:
-        """A multipart upload for a large file (boto3 switches at 8 MB): memory stays flat."""
-        self.client.upload_file(path, self.bucket, self._key(key))
+        """A multipart upload for a file over 5 MB, four parts in flight: memory stays flat."""
+        import obstore
+
+        try:
+            obstore.put(self.objects, inside(self.url, key), Path(path), max_concurrency=4)
+        except Exception as e:
+            raise self._failed("write", key, e) from None
 
     def exists(self, key: str) -> bool:
+        import obstore
+
         try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            obstore.head(self.objects, inside(self.url, key))
             return True
-        except self.client.exceptions.ClientError as e:
-            if e.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise
+        except FileNotFoundError:
+            return False
+        except Exception as e:
+            raise self._failed("read", key, e) from None
+
+    def _listed(self, prefix: str) -> Iterator[dict]:
+        """The objects under a folder-like prefix (ending in '/'), in order (ListObjectsV2, a
+        page per 1000 keys)."""
+        import obstore
+
+        try:
+            for page in obstore.list(self.objects, prefix=inside(self.url, prefix.rstrip("/")) if prefix else None):
+                yield from page
+        except Exception as e:
+            raise self._failed("list", prefix, e) from None
 
     def keys(self, prefix: str) -> Iterator[str]:
-        """The keys under a prefix, in order (ListObjectsV2, a page per 1000 keys)."""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-        skip = len(self.prefix) + 1 if self.prefix else 0
-        for page in pages:
-            for item in page.get("Contents", []):
-                yield item["Key"][skip:]
+        for item in self._listed(prefix):
+            yield item["path"]
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
         """The keys under a prefix with each object's MD5 (hex) as the listing gives it: S3's
         ETag of an object written in one PUT without SSE-KMS or SSE-C; "" for any other (a
         multipart upload's ETag, "...-N"). Under SSE-KMS an ETag is not the MD5: a reader that
         finds them differ reads the object."""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-        skip = len(self.prefix) + 1 if self.prefix else 0
-        for page in pages:
-            for item in page.get("Contents", []):
-                etag = item.get("ETag", "").strip('"')
-                yield item["Key"][skip:], etag if len(etag) == 32 and "-" not in etag else ""
+        for item in self._listed(prefix):
+            etag = (item["e_tag"] or "").strip('"')
+            yield item["path"], etag if len(etag) == 32 and "-" not in etag else ""
 
     def lines(self, key: str) -> Iterator[str]:
         """Streams the object: a day's trade file is never held in memory whole."""
+        import obstore
+
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
-        except self.client.exceptions.ClientError as e:
-            raise StorageError(f"{self.url}: cannot read {key!r}: {e.response['Error']['Code']}") from None
-        yield from io.TextIOWrapper(body, encoding="utf-8-sig", errors="surrogateescape", newline="")
+            body = s3.Body(iter(obstore.get(self.objects, inside(self.url, key)).stream(min_chunk_size=1 << 20)))
+        except Exception as e:
+            raise self._failed("read", key, e) from None
+        yield from io.TextIOWrapper(io.BufferedReader(body, 1 << 20), encoding="utf-8-sig",
+                                    errors="surrogateescape", newline="")
