@@ -530,7 +530,7 @@ class S3Between:
     lists the key of every PUT that reached the server, in order."""
 
     def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False, lose: int = 0,
-                 faults: dict[str, str] | None = None, passed=None, arriving=None):
+                 faults: dict[str, str] | None = None, passed=None, arriving=None, timed_out: int = 0):
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -538,7 +538,7 @@ class S3Between:
 
         self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
         self.lose, self.puts, self.faults, self.passed, self.put_keys = lose, 0, faults or {}, passed, []
-        self.arriving = arriving
+        self.arriving, self.timed_out = arriving, timed_out  # timed_out: the first PUTs answered 400 RequestTimeout
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -554,6 +554,10 @@ class S3Between:
             def do_PUT(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 fault = proxy.fault(self._key())
+                if proxy.timed_out > 0:  # S3's answer to an upload that stalled: nothing stored, send it again
+                    proxy.timed_out -= 1
+                    error = b"<Error><Code>RequestTimeout</Code><Message>Your socket connection to the server was not read from or written to within the timeout period.</Message></Error>"
+                    return self._answer(400, {"Content-Type": "application/xml"}, error)
                 if fault == "refuse":
                     error = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
                     return self._answer(500, {"Content-Type": "application/xml"}, error)

@@ -10,7 +10,7 @@ import boto3
 import pytest
 
 from pipeline.record import delivery_log, s3
-from pipeline.record.storage import StorageError, open_store
+from pipeline.record.storage import StorageError, open_store, write_once
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_chain, start_versitygw
 
 QUICK = {"init_backoff": timedelta(milliseconds=1), "max_backoff": timedelta(milliseconds=5), "base": 2}
@@ -108,6 +108,17 @@ def test_a_throttled_put_is_retried_and_lands_once(s3_bucket, between):
     assert open_store(f"s3://{s3_bucket}").put_new("0/x", b"the record" * 100)
     assert proxy.requests == 4
     assert open_store(f"s3://{s3_bucket}").get("0/x") == b"the record" * 100
+
+
+@pytest.mark.parametrize("write", ["put", "put_new", "put_file"])
+def test_an_upload_s3_timed_out_is_sent_again(s3_bucket, between, tmp_path, write):
+    """S3 answers an upload that stalled with 400 RequestTimeout (nothing stored): botocore sent
+    it again, and obstore, which retries only 5xx, does not."""
+    (tmp_path / "f").write_bytes(b"the record" * 100)
+    proxy = between(timed_out=2)
+    store = open_store(f"s3://{s3_bucket}")
+    getattr(store, write)("0/x", str(tmp_path / "f") if write == "put_file" else b"the record" * 100)
+    assert proxy.timed_out == 0 and store.get("0/x") == b"the record" * 100
 
 
 def test_a_put_changed_on_the_way_is_refused_and_not_stored(s3_bucket, between):
@@ -301,3 +312,30 @@ def test_a_delivery_log_object_whose_reply_was_lost_is_written_once(s3_bucket, b
     assert proxy.puts == 2 and link.seq == 1
     assert delivery_log.chain_keys(store, "run-1", 3) == [link.key]
     assert [e["ucc"] for e in delivery_log.entries(store, "run-1", 3)] == ["A"]
+
+
+def test_a_create_only_write_whose_every_reply_was_lost_is_settled_by_reading_it_back(s3_bucket, between):
+    """The client gave up on replies that never came, but the first PUT landed: write_once reads
+    the key back rather than calling the write failed (which would stop a mailing that did log)."""
+    proxy = between(lose=100)
+    assert write_once(open_store(f"s3://{s3_bucket}"), "0/x", b"the record") == b"the record"
+    assert proxy.puts == s3.MAX_ATTEMPTS
+
+
+def test_credentials_about_to_expire_are_not_kept_past_their_expiry():
+    """botocore hands back the old credentials when a refresh fails; obstore keeps what it is
+    given until `expires_at`, which must not be later than they are good for."""
+    from datetime import datetime, timezone
+
+    from botocore.credentials import RefreshableCredentials
+
+    ends = datetime.now(timezone.utc) + timedelta(minutes=3)
+    same = {"access_key": "AK", "secret_key": "SK", "token": "TOKEN", "expiry_time": ends.isoformat()}
+    found = RefreshableCredentials("AK", "SK", "TOKEN", ends, refresh_using=lambda: same, method="test")
+
+    class Session:
+        def get_credentials(self):
+            return found
+
+    assert s3.credentials(Session())()["expires_at"] <= ends - timedelta(minutes=1)
+

@@ -27,7 +27,9 @@ from __future__ import annotations
 import base64
 import io
 import os
+import random
 import re
+import time
 import zlib
 from datetime import datetime, timedelta, timezone
 from typing import Iterator
@@ -37,6 +39,7 @@ MAX_ATTEMPTS = 10  # as botocore's client was given: a blip of ~80 s is ridden o
 BACKOFF = {"init_backoff": timedelta(seconds=1), "max_backoff": timedelta(seconds=20), "base": 2}
 CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 CRC32 = "crc32"  # the user metadata (x-amz-meta-crc32) holding an object's CRC32, base64 as S3 writes its own
+AGAIN = {"RequestTimeout", "Throttling", "ThrottlingException"}  # 400s that S3 means as "send it again"
 REFRESH = timedelta(minutes=10)  # how long obstore keeps refreshable credentials before asking again
 
 
@@ -63,6 +66,20 @@ def store(bucket: str, prefix: str, region: str | None, quick: bool = False):
                    credential_provider=credentials(core))
 
 
+def sent(write):
+    """write(), sent again while S3 answers it with a 400 that means "send it again" (an upload
+    that stalled, throttling), which obstore, retrying 5xx alone, raises: as botocore did, up to
+    MAX_ATTEMPTS with BACKOFF. S3 stored nothing of such a request."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            return write()
+        except Exception as e:
+            if attempt == MAX_ATTEMPTS or reason(e) not in AGAIN:
+                raise
+            wait = BACKOFF["init_backoff"].total_seconds() * BACKOFF["base"] ** attempt * random.random()
+            time.sleep(min(wait, BACKOFF["max_backoff"].total_seconds()))
+
+
 def credentials(core):
     """obstore's credential callback on botocore's chain (environment, profiles, SSO, the
     instance's role...): refreshable ones are asked for again every REFRESH, botocore renewing
@@ -74,7 +91,11 @@ def credentials(core):
         if found is None:
             raise PermissionError("no AWS credentials found (environment, profile, SSO or instance role)")
         frozen = found.get_frozen_credentials()
-        expires = datetime.now(timezone.utc) + REFRESH if isinstance(found, RefreshableCredentials) else None
+        expires = None
+        if isinstance(found, RefreshableCredentials):  # never past their own expiry (a refresh that failed keeps old ones)
+            expires = datetime.now(timezone.utc) + REFRESH
+            if found._expiry_time is not None:
+                expires = min(expires, found._expiry_time.astimezone(timezone.utc) - timedelta(minutes=1))
         return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
                 "token": frozen.token, "expires_at": expires}
     return provide

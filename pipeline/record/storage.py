@@ -55,8 +55,16 @@ def write_once(store: Store, key: str, data: bytes) -> bytes:
     object, else what was there first. What is written once is never replaced (the signed archive,
     a delivery-log object), so the first writer's bytes are the ones every later attempt carries
     on. A write sent again after its reply was lost finds its own bytes there, equal to `data`:
-    a lost reply is settled by reading the key back, never by writing again."""
-    return data if store.put_new(key, data) else store.get(key)
+    a lost reply is settled by reading the key back, never by writing again: here too when the
+    client gave up on a reply that never came (the write may have landed)."""
+    try:
+        made = store.put_new(key, data)
+    except StorageError as e:
+        try:
+            return store.get(key)
+        except StorageError:
+            raise e from None
+    return data if made else store.get(key)
 
 
 def read_json(store: Store, key: str) -> dict:
@@ -245,7 +253,7 @@ class S3Store:
         import obstore
 
         try:
-            obstore.put(self.objects, inside(self.url, key), data, attributes={s3.CRC32: s3.crc32(data)})
+            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data, attributes={s3.CRC32: s3.crc32(data)}))
         except Exception as e:
             raise self._failed("write", key, e) from None
 
@@ -256,8 +264,8 @@ class S3Store:
         import obstore
 
         try:
-            obstore.put(self.objects, inside(self.url, key), data, mode="create",
-                        attributes={s3.CRC32: s3.crc32(data)})
+            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data, mode="create",
+                                        attributes={s3.CRC32: s3.crc32(data)}))
             return True
         except obstore.exceptions.AlreadyExistsError:
             return False
@@ -318,7 +326,7 @@ class S3Store:
         import obstore
 
         try:
-            obstore.put(self.objects, inside(self.url, key), Path(path), max_concurrency=4)
+            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), Path(path), max_concurrency=4))
         except Exception as e:
             raise self._failed("write", key, e) from None
 
