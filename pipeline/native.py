@@ -51,9 +51,13 @@ def extension(source: Path, instead: str) -> ModuleType | None:
     if isinstance(target, str):
         log.warning("%s: %s", instead, target)
         return None
-    spec = importlib.util.spec_from_file_location(source.stem, target)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec = importlib.util.spec_from_file_location(source.stem, target)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:  # a cached build cut short, or not this Python's
+        log.warning("%s: %s cannot be imported (%s)", instead, target, e)
+        return None
     return module
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from decimal import ROUND_HALF_UP, Decimal
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.note import amounts, content
@@ -93,3 +95,17 @@ def test_a_levies_column_is_each_value_printed_a_charge_negated():
     odd = (Decimal("-0"), Decimal("0.001"), Decimal("-12345678901234567890123456.785"), Decimal("1E-80"))
     assert amounts.column(odd, (True,) * 4) == amounts.printed_column(odd, (True,) * 4) == [
         "0.00", "(0.00)", "1,23,45,67,89,01,23,45,67,89,01,23,456.78", "(0.00)"]
+
+
+def test_a_cached_build_that_cannot_be_imported_leaves_the_twin_in_use(tmp_path, monkeypatch, caplog):
+    """A cached file that is not a module this Python can load (one built elsewhere, edited): the
+    twin runs, with a warning, and the module that asked is still imported."""
+    from pipeline import native
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    source = Path(amounts.__file__).with_suffix(".c")
+    target = native.built(source)
+    target.write_bytes(b"not a shared object")
+    assert native.extension(source, "the Python twin prints amounts") is None
+    assert "cannot be imported" in caplog.text
+
