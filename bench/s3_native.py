@@ -3,8 +3,8 @@
 requests as the store's own row, path-style to the same endpoint with the same credentials: a
 whole object's GET, and a create-only PUT (If-None-Match: *) carrying its CRC32 (obstore's put
 sends none: it has no CRC32, only SHA-256 or CRC64NVME; S3 checks the body by its SigV4 SHA-256
-payload hash all the same). Neither is one of the project's requirements: a row is left out, and
-said to be, where its package is not installed.
+payload hash all the same). obstore is the store's own client; awscrt is not one of the project's
+requirements: a row is left out, and said to be, where its package is not installed.
 """
 
 from __future__ import annotations
