@@ -502,7 +502,7 @@ def _range_chunks(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[tup
         yield left, first
         return
     while True:  # the range's last line runs on past its end
-        more = inputs.read_range(rng.file, at, at + 64 * 1024)
+        more = inputs.read_range(rng.file, at, at + LOOK_AHEAD)
         cut = more.find(b"\n")
         if cut >= 0 or not more:
             left += more[:cut + 1] if cut >= 0 else more
