@@ -5,12 +5,14 @@ ray_cn_notes_total, ray_cn_batch_seconds_{bucket,sum,count}, ray_cn_relay_rate{r
 a second a relay or paced domain is sent at now, cluster-wide, as each mailer last heard it),
 ray_cn_relay_throttles_total{relay}, ray_cn_day_accounts_total, ray_cn_bounces_total{kind},
 ray_cn_nodes_total{event} (lost, drained) and ray_cn_waited_seconds_total{on} (the HSM); the last
-four are counted on the head (by the driver, and by `bounces` on a cluster), so the day's totals
-outlive the workers."""
+four are the day's totals, added up on the head by one detached actor (Totals) for the life of the
+cluster and shown there as gauges that carry the whole total each export (see Totals: a counter's
+lost export would leave them short for good), so the day's totals outlive the workers and drivers."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import urllib.request
 from functools import lru_cache
@@ -20,74 +22,146 @@ from ray.util.metrics import Counter, Gauge, Histogram
 log = logging.getLogger("actors.metrics")
 
 
-@lru_cache(maxsize=1)
-def _day() -> Counter:
-    return Counter("cn_day_accounts", description="Accounts of the day by final status, counted by the driver.",
-                   tag_keys=("status",))
+# The day's totals: (metric as Prometheus names it, its label) -> description.
+DAY, BOUNCES = ("ray_cn_day_accounts_total", "status"), ("ray_cn_bounces_total", "kind")
+NODES, WAITED = ("ray_cn_nodes_total", "event"), ("ray_cn_waited_seconds_total", "on")
+TOTALS = {DAY: "Accounts of the day by final status, counted by the driver.",
+          BOUNCES: "Bounces recorded after delivery, by kind (bounced, deferred).",
+          NODES: "Nodes lost or drained mid-run, counted by the driver.",
+          WAITED: "Seconds the run's batches were held waiting on a dependency (each outage once), counted by the "
+                  "driver."}
+KEEPER, NAMESPACE = "cn_day_totals", "contract_notes"
+REFRESH_S = 1.0  # well inside Ray's export interval (metrics_report_interval_ms, 10 s; 1 s at the least)
+_counted: dict[tuple, float] = {}  # what this process has added to the head's totals: (metric, label) -> n
+_last = None  # the keeper's answer to this process's last addition: (its totals then, its worker id, its port)
+_keeper_of: dict = {}  # Ray job id -> the keeper's handle
 
 
-@lru_cache(maxsize=1)
-def _bounces() -> Counter:
-    return Counter("cn_bounces", description="Bounces recorded after delivery, by kind (bounced, deferred).",
-                   tag_keys=("kind",))
+class Totals:
+    """The day's totals, kept by one detached actor on the head for the life of the cluster, and
+    shown there as gauges set to the whole total again every REFRESH_S.
+
+    Not counters: Ray (2.60, OpenTelemetry) exports a counter from each process as the increase
+    since its last export, and the node's metrics agent adds each one it receives. An export the
+    agent does not take within the deadline (10 s: a busy node, a stalled agent) is not sent again,
+    so that increase never shows; and one the agent took but answered late is added all the same,
+    so adding the difference again could count it twice. A gauge's export carries the total: the
+    next export after a missed one shows the same number, whatever became of the one before. The
+    agent keeps a gauge two export intervals after its last report (the value of a process gone
+    goes with it): the keeper outlives the drivers, and says its totals again every REFRESH_S."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._totals: dict[tuple, float] = {}
+        self._gauges = {metric: Gauge(metric[0].removeprefix("ray_"), description=TOTALS[metric],
+                                      tag_keys=(metric[1],)) for metric in TOTALS}
+        self._url = node_metrics_url()
+        threading.Thread(target=self._say_again, name="cn-totals", daemon=True).start()
+
+    def add(self, counts: dict[tuple, float]) -> tuple[dict, str, str]:
+        """`counts`: (metric, label) -> n. Returns the totals then, the worker id their series are
+        shown under, and the metrics port that shows them."""
+        import ray
+
+        with self._lock:
+            for key, n in counts.items():
+                self._totals[key] = self._totals.get(key, 0) + n
+            self._set()
+            return dict(self._totals), ray.get_runtime_context().get_worker_id(), self._url
+
+    def _say_again(self) -> None:
+        while True:
+            time.sleep(REFRESH_S)
+            with self._lock:
+                self._set()
+
+    def _set(self) -> None:
+        for (metric, value), total in self._totals.items():
+            self._gauges[metric].set(total, tags={metric[1]: value})
 
 
-@lru_cache(maxsize=1)
-def _fleet() -> tuple[Counter, Counter]:
-    return (Counter("cn_nodes", description="Nodes lost or drained mid-run, counted by the driver.",
-                    tag_keys=("event",)),
-            Counter("cn_waited_seconds", description="Seconds the run's batches were held waiting on a dependency "
-                    "(each outage once), counted by the driver.", tag_keys=("on",)))
+def _keeper():
+    """The head's keeper of the day's totals: made by the first process that counts, then found by
+    name (in one namespace whatever the job's own)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    if job not in _keeper_of:
+        _keeper_of.clear()
+        _keeper_of[job] = ray.remote(Totals).options(
+            name=KEEPER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0, max_restarts=-1,
+            resources={"node:__internal_head__": 0.001}).remote()
+    return _keeper_of[job]
+
+
+def _add(counts: dict[tuple, float]) -> None:
+    global _last
+    counts = {key: n for key, n in counts.items() if n > 0}
+    if counts:
+        _last = _keeper().add.remote(counts)  # one caller's calls run in order: the last answer has them all
+        for key, n in counts.items():
+            _counted[key] = _counted.get(key, 0) + n
 
 
 def nodes(event: str, n: int) -> None:
-    if n > 0:
-        _fleet()[0].inc(n, tags={"event": event})
+    _add({(NODES, event): n})
 
 
 def waited(on: str, seconds: float) -> None:
-    if seconds > 0:
-        _fleet()[1].inc(seconds, tags={"on": on})
-
-
-DAY, BOUNCES = ("ray_cn_day_accounts_total", "status"), ("ray_cn_bounces_total", "kind")
-_counted: dict[tuple, int] = {}  # what this process has added to the head's counters: (metric, label) -> n
+    _add({(WAITED, on): seconds})
 
 
 def day(tally: dict[str, int]) -> None:
+    counts: dict[tuple, int] = {}
     for status, n in tally.items():
-        if n:
-            status = "delivered" if status == "ok" else status
-            _day().inc(n, tags={"status": status})
-            _counted[(DAY, status)] = _counted.get((DAY, status), 0) + n
+        key = (DAY, "delivered" if status == "ok" else status)
+        counts[key] = counts.get(key, 0) + n
+    _add(counts)
 
 
 def bounces(kind: str, n: int) -> None:
-    _bounces().inc(n, tags={"kind": kind})
-    _counted[(BOUNCES, kind)] = _counted.get((BOUNCES, kind), 0) + n
+    _add({(BOUNCES, kind): n})
 
 
 def wait_exported(timeout_s: float = 30.0) -> bool:
-    """Waits until this node's metrics port shows every count this process made. Ray hands a
-    process's metrics to its node about every 10 s, and what is not handed over dies with the
-    process: a driver that exits right after its last chains would leave the day's totals short."""
+    """Waits until the head's metrics port shows the day's totals with every count this process
+    made in them (the keeper's totals as of its last addition). The keeper tells its node's
+    agent every REFRESH_S; the agent takes it at its next export (about every 10 s)."""
     import ray
 
-    url, worker = node_metrics_url(), f'WorkerId="{ray.get_runtime_context().get_worker_id()}"'
+    if _last is None:
+        return True
     deadline = time.monotonic() + timeout_s
+    try:
+        totals, worker, url = ray.get(_last, timeout=timeout_s)
+    except Exception as e:  # the keeper lost (its node with it): the totals it had are gone
+        log.warning("the keeper of the day's totals did not answer: %r; counted %s", e, _counted)
+        return False
+    worker = f'WorkerId="{worker}"'
     while True:
         try:
             text = urllib.request.urlopen(url, timeout=2).read().decode()
-            shown = {(m, label): v for m in (DAY, BOUNCES) for label, v in _shown(text, worker, *m).items()}
+            shown = {(m, label): v for m in TOTALS for label, v in _shown(text, worker, *m).items()}
         except OSError:
             shown = {}
-        if all(shown.get(key, 0) >= n for key, n in _counted.items()):
+        if all(shown.get(key, 0) >= n * (1 - 1e-12) for key, n in totals.items()):
             return True
         if time.monotonic() > deadline:
-            log.warning("the day's counters did not reach %s within %.0f s: shown %s, counted %s", url, timeout_s,
-                        shown, _counted)
+            log.warning("the day's totals did not reach %s within %.0f s: shown %s, the keeper's %s (counted here %s)",
+                        url, timeout_s, shown, totals, _counted)
             return False
         time.sleep(1)
+
+
+def shown_totals() -> dict[tuple, float]:
+    """The day's totals the head's metrics port shows now, as the keeper exports them."""
+    import ray
+
+    totals, worker, url = ray.get(_keeper().add.remote({}))
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(m, label): v for m in TOTALS for label, v in _shown(text, f'WorkerId="{worker}"', *m).items()}
 
 
 def node_metrics_url() -> str:
@@ -103,8 +177,13 @@ def _shown(text: str, worker: str, metric: str = DAY[0], label: str = DAY[1]) ->
     for line in text.splitlines():
         if line.startswith(metric + "{") and worker in line:
             labels, value = line.rsplit(" ", 1)
-            shown[labels.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(value)
+            named = dict(_LABEL.findall(labels[len(metric) + 1:-1]))
+            if label in named:
+                shown[named[label]] = float(value)
     return shown
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @lru_cache(maxsize=1)

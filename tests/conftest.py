@@ -28,7 +28,8 @@ NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's
 SLOW_FIXTURES = {"ray_session", "cloud", "api_run", "clone"}  # clone: the README typed on a copy, after its demo
 SLOW_FILES = {"test_ray_up.py", "test_benches.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
               "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
-              "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py"}
+              "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py",
+              "test_metrics_export.py"}
 SLOW_TESTS = {"test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run"}
 
 
