@@ -47,11 +47,12 @@ fi
 # Beside the rest, in two sessions of their own: the `ray up` tests (mostly waiting on a simulated
 # cloud), and the relays held to their rates (mostly waiting on the rates), the benchmarks' smoke
 # runs (each a process of its own, with its own Ray), the days that lose nodes (each a process of
-# its own too) and the faults' days (mostly waiting on a relay down, a driver killed). In one
-# session beside the rest, the two took 24m51s against the rest's 22m41s, from a clean clone with
-# the machine to itself: the cloud's waiting then waited on the rest of its session.
+# its own too), the faults' days (mostly waiting on a relay down, a driver killed) and a metrics
+# agent stopped for 16 s. In one session beside the rest, the two took 24m51s against the rest's
+# 22m41s, from a clean clone with the machine to itself: the cloud's waiting then waited on the
+# rest of its session.
 sides=("tests/test_ray_up.py"
-       "tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py tests/test_faults.py")
+       "tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py tests/test_faults.py tests/test_metrics_export.py")
 logs=() pids=() ignored=()
 for side in "${sides[@]}"; do
   log=$(mktemp -t cn-side-tests.XXXXXX)
