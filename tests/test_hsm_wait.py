@@ -115,26 +115,36 @@ from pkcs11 import types
 
 pkcs11_lib, pkcs11_sign = pkcs11.lib, types.SignMixin.sign
 count = threading.Lock()
-seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0}
+seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0, "libraries": 0}
+libraries = {}  # a token's id: the instance of the library it came from
+hold = float(sys.argv[5]) if len(sys.argv) > 5 else 0.3
 
 def sign(self, *args, **kwargs):  # the library's C_Sign, with the signatures inside it counted
+    lib = libraries[id(self.session.token)]
     with count:
         seen["inside"] += 1
+        lib.inside += 1
     try:
-        time.sleep(0.3)  # a slow HSM's round trip: the signatures spend their time inside the library
+        time.sleep(hold)  # a slow HSM's round trip: the signatures spend their time inside the library
         return pkcs11_sign(self, *args, **kwargs)
     finally:
         with count:
             seen["inside"] -= 1
+            lib.inside -= 1
 
-class Lib:  # the module, its C_Finalize + C_Initialize counted against the signatures inside it
+class Lib:  # an instance of the module, its C_Finalize + C_Initialize counted against the signatures inside it
     def __init__(self, path):
-        self.lib = pkcs11_lib(path)
+        self.lib, self.inside = pkcs11_lib(path), 0
+        seen["libraries"] += 1
     def reinitialize(self):
         with count:
             seen["reinits"] += 1
-            seen["overlaps"] += seen["inside"] > 0
+            seen["overlaps"] += self.inside > 0
         return self.lib.reinitialize()
+    def get_token(self, **kwargs):
+        token = self.lib.get_token(**kwargs)
+        libraries[id(token)] = self
+        return token
     def __getattr__(self, name):
         return getattr(self.lib, name)
 
@@ -192,4 +202,66 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, t
     assert signer.returncode == 0, err[-1500:]
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["reinits"] >= 3 and seen["signed"] > 0 and seen["errors"] == [], seen
+    assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
+
+
+CUT_SHORT = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Once the file $CUT_SHORT exists, the server's next reply header (a 12-byte write to a socket)
+   is sent and the server's process group killed before the reply's body. */
+ssize_t write(int fd, const void *buf, size_t len) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    ssize_t n = real(fd, buf, len);
+    const char *trigger = getenv("CUT_SHORT");
+    struct stat st;
+    if (trigger && len == 12 && n == 12 && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && unlink(trigger) == 0)
+        kill(0, SIGKILL);
+    return n;
+}
+"""
+
+
+def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
+    """Eight threads sign through `p11-kit server` with no pause between signatures, and the
+    server dies between a reply's header and its body (its own `write`, preloaded, kills it
+    there: a loaded machine's SIGKILL landing between the two writes). p11-kit's client then
+    never returns the calls waiting on that socket (the reply's number stays claimed, and no
+    one is woken). Every signature still ends, through a fresh instance of the module, with no
+    error, and no instance is started again under a signature inside it. Before, the
+    reconnection waited for those calls for good: the signer hung ("the HSM is taken as lost",
+    never "back")."""
+    shim, trigger, sock = tmp_path / "cut_short.so", tmp_path / "cut-short-now", tmp_path / "p11.sock"
+    (tmp_path / "cut_short.c").write_text(CUT_SHORT)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "cut_short.c"), "-ldl"], check=True)
+    server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
+                                                                        "CUT_SHORT": str(trigger)})
+    signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
+                               hsm.key_label, "6", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
+    try:
+        signer.stdin.write(hsm.pin_file.read_text() + "\n")
+        signer.stdin.flush()
+        assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
+        time.sleep(1.0)
+        trigger.touch()  # the next reply is cut short
+        server.process.wait(timeout=30)
+        assert not trigger.exists(), "the server died mid-reply"
+        time.sleep(0.3)
+        server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+        out, err = signer.communicate(timeout=120)
+    finally:
+        signer.kill()
+        server.stop()
+    assert signer.returncode == 0, err[-1500:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
+    assert seen["signed"] > 0 and seen["errors"] == [], seen
     assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
