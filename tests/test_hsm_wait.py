@@ -194,7 +194,7 @@ class Said:
         until = time.monotonic() + within
         while sum("the HSM is back" in line for line in self.lines) < times:
             assert self.signer.poll() is None and time.monotonic() < until, \
-                f"the signer did not reconnect a {times}th time: {self.text()[-1500:]}"
+                f"the signer was not back {times} time(s): {self.text()[-1500:]}"
             time.sleep(0.05)
 
     def stop(self) -> tuple[str, str]:
