@@ -248,18 +248,22 @@ CUT_SHORT = r"""
 #include <dlfcn.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 /* Once the file $CUT_SHORT exists, the server's next reply header (a 12-byte write to a socket)
-   is sent and the server's process group killed before the reply's body. */
+   with another request already waiting on that socket is sent, and the server's process group
+   killed before the reply's body: the other request's caller waits on the socket. */
 ssize_t write(int fd, const void *buf, size_t len) {
     static ssize_t (*real)(int, const void *, size_t);
     if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
     ssize_t n = real(fd, buf, len);
     const char *trigger = getenv("CUT_SHORT");
     struct stat st;
-    if (trigger && len == 12 && n == 12 && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) && unlink(trigger) == 0)
+    int waiting = 0;
+    if (trigger && len == 12 && n == 12 && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode)
+        && ioctl(fd, FIONREAD, &waiting) == 0 && waiting > 0 && unlink(trigger) == 0)
         kill(0, SIGKILL);
     return n;
 }
@@ -268,8 +272,9 @@ ssize_t write(int fd, const void *buf, size_t len) {
 
 def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
     """Eight threads sign through `p11-kit server` with no pause between signatures, and the
-    server dies between a reply's header and its body (its own `write`, preloaded, kills it
-    there: a loaded machine's SIGKILL landing between the two writes). p11-kit's client then
+    server dies between a reply's header and its body, another request waiting (its own
+    `write`, preloaded, kills it there: a loaded machine's SIGKILL landing between the two
+    writes; with no other request waiting, nothing is stranded). p11-kit's client then
     never returns the calls waiting on that socket (the reply's number stays claimed, and no
     one is woken). Every signature still ends, through a fresh instance of the module, with no
     error, and no instance is started again under a signature inside it. Before, the
