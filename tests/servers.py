@@ -419,12 +419,13 @@ class RatePolicy:
 
 
 def start_p11kit_server(socket_path: Path, provider: str, token_label: str,
-                        softhsm_conf: Path | None = None) -> "HsmService":
+                        softhsm_conf: Path | None = None, env: dict[str, str] | None = None) -> "HsmService":
     """p11-kit server: the token behind a socket, as a network HSM is behind its client module
     (p11-kit-client.so, with P11_KIT_SERVER_ADDRESS=unix:path=SOCKET). Needs SOFTHSM2_CONF, or
-    `softhsm_conf`: the HSM's own configuration (the mechanisms it offers, say)."""
+    `softhsm_conf`: the HSM's own configuration (the mechanisms it offers, say); `env`, more of
+    the server's environment."""
     socket_path.unlink(missing_ok=True)
-    env = {**os.environ, **({"SOFTHSM2_CONF": str(softhsm_conf)} if softhsm_conf else {})}
+    env = {**os.environ, **({"SOFTHSM2_CONF": str(softhsm_conf)} if softhsm_conf else {}), **(env or {})}
     process = subprocess.Popen(["p11-kit", "server", "-f", "-n", str(socket_path), "--provider", provider,
                                 f"pkcs11:token={token_label}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                start_new_session=True, env=env)  # a connection is served by a child: the group is the HSM

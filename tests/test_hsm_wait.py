@@ -115,26 +115,36 @@ from pkcs11 import types
 
 pkcs11_lib, pkcs11_sign = pkcs11.lib, types.SignMixin.sign
 count = threading.Lock()
-seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0}
+seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0, "libraries": 0}
+libraries = {}  # a token's id: the instance of the library it came from
+hold = float(sys.argv[5]) if len(sys.argv) > 5 else 0.3
 
 def sign(self, *args, **kwargs):  # the library's C_Sign, with the signatures inside it counted
+    lib = libraries[id(self.session.token)]
     with count:
         seen["inside"] += 1
+        lib.inside += 1
     try:
-        time.sleep(0.3)  # a slow HSM's round trip: the signatures spend their time inside the library
+        time.sleep(hold)  # a slow HSM's round trip: the signatures spend their time inside the library
         return pkcs11_sign(self, *args, **kwargs)
     finally:
         with count:
             seen["inside"] -= 1
+            lib.inside -= 1
 
-class Lib:  # the module, its C_Finalize + C_Initialize counted against the signatures inside it
+class Lib:  # an instance of the module, its C_Finalize + C_Initialize counted against the signatures inside it
     def __init__(self, path):
-        self.lib = pkcs11_lib(path)
+        self.lib, self.inside = pkcs11_lib(path), 0
+        seen["libraries"] += 1
     def reinitialize(self):
         with count:
             seen["reinits"] += 1
-            seen["overlaps"] += seen["inside"] > 0
+            seen["overlaps"] += self.inside > 0
         return self.lib.reinitialize()
+    def get_token(self, **kwargs):
+        token = self.lib.get_token(**kwargs)
+        libraries[id(token)] = self
+        return token
     def __getattr__(self, name):
         return getattr(self.lib, name)
 
@@ -142,11 +152,12 @@ types.SignMixin.sign, pkcs11.lib = sign, Lib
 from pipeline.seal.token import TokenConfig, TokenKey
 module, label, key_label = sys.argv[1:4]
 key = TokenKey(TokenConfig(module, label, key_label, pin=sys.stdin.readline().strip(), sessions=8, patience_s=60))
-stop, errors = time.monotonic() + float(sys.argv[4]), []
+stop, errors, told = time.monotonic() + float(sys.argv[4]), [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), told.set()), daemon=True).start()  # "stop", or the bound
 
 def signing(nth):
     time.sleep(nth * 0.04)  # staggered: a signature is always about to end while the others are inside
-    while time.monotonic() < stop:
+    while time.monotonic() < stop and not told.is_set():
         try:
             key.sign(b"contract-notes: a note")
             with count:
@@ -164,32 +175,139 @@ print(json.dumps({**seen, "errors": errors[:3], "gate_overlaps": key.gate.overla
 """
 
 
+class Said:
+    """The signer's stderr, read as it comes: how many times it said the HSM is back."""
+
+    def __init__(self, signer: subprocess.Popen):
+        self.signer, self.lines = signer, []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.signer.stderr:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def back(self, times: int, within: float = 90) -> None:
+        until = time.monotonic() + within
+        while sum("the HSM is back" in line for line in self.lines) < times:
+            assert self.signer.poll() is None and time.monotonic() < until, \
+                f"the signer was not back {times} time(s): {self.text()[-1500:]}"
+            time.sleep(0.05)
+
+    def stop(self) -> tuple[str, str]:
+        """The signer told to stop; its output and its stderr once it ended."""
+        self.signer.stdin.write("stop\n")
+        self.signer.stdin.flush()
+        self.signer.wait(timeout=120)
+        self.reader.join(10)
+        return self.signer.stdout.read(), self.text()
+
+
 def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, tmp_path):
     """Eight threads sign through `p11-kit server` while it is killed and started again three
     times: each loss is a reconnection (C_Finalize, C_Initialize, login), and none of them runs
     while a thread is inside the library's C_Sign (counted by wrapping python-pkcs11's own
     entry points). Before, the thread that reconnected re-initialised the library under the
-    others' signatures."""
+    others' signatures. The next kill waits for the signer to be back (a loaded machine's
+    reconnection can take longer than the second between kills), and the signer signs until
+    told to stop, not for a fixed time."""
     sock = tmp_path / "p11.sock"
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
     signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                               hsm.key_label, "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               hsm.key_label, "300"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=PROJECT,
                               env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
     try:
         signer.stdin.write(hsm.pin_file.read_text() + "\n")
         signer.stdin.flush()
         assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
-        for _ in range(3):  # the HSM lost and back, mid-signature
+        said = Said(signer)
+        for times in range(1, 4):  # the HSM lost and back, mid-signature
             time.sleep(1.0)
             server.kill()
             time.sleep(0.3)
             server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
-        out, err = signer.communicate(timeout=120)
+            said.back(times)
+        time.sleep(1.0)  # signatures through the last start
+        out, err = said.stop()
     finally:
         signer.kill()
         server.stop()
     assert signer.returncode == 0, err[-1500:]
     seen = json.loads(out.strip().splitlines()[-1])
-    assert seen["reinits"] >= 3 and seen["signed"] > 0 and seen["errors"] == [], seen
+    reconnections = seen["reinits"] + seen["libraries"] - 1  # a fresh instance of the module is one too
+    assert reconnections >= 3 and seen["signed"] > 0 and seen["errors"] == [], seen
+    assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
+
+
+CUT_SHORT = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Once the file $CUT_SHORT exists, the server's next reply header (a 12-byte write to a socket)
+   with another request already waiting on that socket is sent, and the server's process group
+   killed before the reply's body: the other request's caller waits on the socket. */
+ssize_t write(int fd, const void *buf, size_t len) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    ssize_t n = real(fd, buf, len);
+    const char *trigger = getenv("CUT_SHORT");
+    struct stat st;
+    int waiting = 0;
+    if (trigger && len == 12 && n == 12 && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode)
+        && ioctl(fd, FIONREAD, &waiting) == 0 && waiting > 0 && unlink(trigger) == 0)
+        kill(0, SIGKILL);
+    return n;
+}
+"""
+
+
+def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
+    """Eight threads sign through `p11-kit server` with no pause between signatures, and the
+    server dies between a reply's header and its body, another request waiting (its own
+    `write`, preloaded, kills it there: a loaded machine's SIGKILL landing between the two
+    writes; with no other request waiting, nothing is stranded). p11-kit's client then
+    never returns the calls waiting on that socket (the reply's number stays claimed, and no
+    one is woken). Every signature still ends, through a fresh instance of the module, with no
+    error, and no instance is started again under a signature inside it. Before, the
+    reconnection waited for those calls for good: the signer hung ("the HSM is taken as lost",
+    never "back")."""
+    shim, trigger, sock = tmp_path / "cut_short.so", tmp_path / "cut-short-now", tmp_path / "p11.sock"
+    (tmp_path / "cut_short.c").write_text(CUT_SHORT)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "cut_short.c"), "-ldl"], check=True)
+    server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
+                                                                        "CUT_SHORT": str(trigger)})
+    signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
+                               hsm.key_label, "300", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
+    try:
+        signer.stdin.write(hsm.pin_file.read_text() + "\n")
+        signer.stdin.flush()
+        assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
+        said = Said(signer)
+        time.sleep(1.0)
+        trigger.touch()  # the next reply is cut short
+        server.process.wait(timeout=30)
+        assert not trigger.exists(), "the server died mid-reply"
+        time.sleep(0.3)
+        server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+        said.back(1)
+        time.sleep(1.0)  # signatures through the fresh instance
+        out, err = said.stop()
+    finally:
+        signer.kill()
+        server.stop()
+    assert signer.returncode == 0, err[-1500:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
+    assert seen["signed"] > 0 and seen["errors"] == [], seen
     assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen

@@ -5,7 +5,10 @@ while another thread is inside C_Sign, that thread signs through freed state (p1
 answers with a wrong handle at best; a module started without locking crashes). So a reconnect
 waits until no signature is in flight, and holds new ones back meanwhile (it goes first: a busy
 signer would otherwise keep it out for good). One gate a module and process: every key of a
-module shares its library.
+module shares its library. A call that never comes out of the library (p11-kit 0.24-0.26's client
+strands every thread waiting on its socket when a reply is cut short between its header and its
+body) would keep a reconnect out for good: `alone(within=...)` gives up on them (Stranded), and the
+caller starts a fresh instance of the module behind a gate of its own (token.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ def gate_for(module: str) -> "Gate":
     """The gate of a PKCS#11 module's library in this process."""
     with _MADE:
         return _GATES.setdefault(module, Gate())
+
+
+class Stranded(Exception):
+    """Calls into the library did not come out within the wait given to `alone()`."""
 
 
 class Gate:
@@ -50,13 +57,18 @@ class Gate:
                 self._cond.notify_all()
 
     @contextmanager
-    def alone(self) -> Iterator[None]:
+    def alone(self, within: float | None = None) -> Iterator[None]:
+        """Alone in the library; the calls in it waited for up to `within` seconds (None: for
+        good), past which Stranded is raised and new calls are let in again."""
         me = threading.get_ident()
         with self._cond:
             if self._owner != me:
                 self._cond.wait_for(lambda: self._owner is None)
                 self._owner = me  # new calls wait from here
-                self._cond.wait_for(lambda: self.inside == 0)
+                if not self._cond.wait_for(lambda: self.inside == 0, timeout=within):
+                    self._owner = None
+                    self._cond.notify_all()
+                    raise Stranded(f"{self.inside} calls in the library for over {within:g} s")
                 self.overlaps += self.inside > 0
             self._depth += 1
         try:

@@ -10,7 +10,13 @@ An HSM lost mid-run (CKR_DEVICE_ERROR, CKR_DEVICE_REMOVED, CKR_GENERAL_ERROR, a 
 gone: what a network HSM's client answers when its socket drops) is waited for, up to the later
 of CN_HSM_PATIENCE_S and the run's deadline; any other refusal (a mechanism the key does not do,
 a key not for signing) is the same on every try, so it fails the note at once, named. The
-library is started again only when no signature is in flight (gate.py).
+library is started again only when no signature is in flight (gate.py). A signature is made on a
+thread of the key's own, its caller waiting for it: a call the library never returns (p11-kit's
+client strands every call waiting on its socket when the server dies between a reply's header and
+its body) holds that thread, not the caller; past `stranded_s` the reconnection leaves that
+instance of the library as it is (never finalized: calls are inside it) and signs through a fresh
+one, if the module gives one (a network HSM's client does; an in-process module does not, and its
+signatures then fail with "HSM unreachable" at the patience's end, not never).
 
 One login per process: the first session logs in, the others share its login, as PKCS#11
 defines. A refused PIN is never offered again by this process (HSMs lock a user after a few
@@ -47,7 +53,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
-from pipeline.seal.gate import gate_for
+from pipeline.seal.gate import Gate, Stranded, gate_for
 from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
 from pipeline.settings import clock, gives_up_at
 
@@ -60,6 +66,8 @@ LOST = (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresen
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
+STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
+_ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +91,7 @@ class TokenConfig:
     sessions: int = 0  # signatures in flight; 0: sized from the measured round trip
     patience_s: float = 120.0  # the least a lost HSM's signatures wait for it before they fail
     deadline_at: float = field(default=0.0, compare=False)  # the run's deadline (epoch): waited for until then
+    stranded_s: float = STRANDED_S  # a lost HSM's calls waited for before its library is started afresh
 
     def gives_up_at(self, since: float) -> float:
         """When an outage begun at `since` (epoch) stops being waited for (settings.gives_up_at)."""
@@ -117,6 +126,9 @@ class TokenKey:
         self._generation = 0  # the library's starts: a session of an earlier one is gone with it
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
+        self._calls = _Calls()  # the threads that call into the library for the signatures
+        self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
+        self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self._sessions: list = []
         self.extractable = False
         self.kind = ""
@@ -127,6 +139,7 @@ class TokenKey:
             self.round_trip_s, self.wait_s, blocks = self._measure()
         except HsmRefused as e:  # before the day: one line, exit 2, nothing split
             raise SignerSetupError(str(e)) from None
+        self._inline = False
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
@@ -168,13 +181,25 @@ class TokenKey:
 
     def _sign_once(self, data: bytes) -> bytes:
         session, key, made = self._take()
-        keep = True
-        try:
-            with self.gate.shared():
+        gate, keep = self.gate, True
+
+        def inside() -> bytes:
+            with gate.shared():
                 if made != self._generation:  # taken before the library was started again: gone with it
-                    keep = False
                     raise _Down("a session of the HSM's last connection")
-                raw = self._raw(key, data)
+                return self._raw(key, data)
+
+        try:
+            if self._inline:
+                raw = inside()
+                return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
+            call = self._calls.run(inside)
+            while not call.done.wait(0.25):
+                if made != self._generation:  # the library started afresh while this call was in it: stranded
+                    raise _Down("a signature stranded in the HSM's last library")
+            if call.error is not None:
+                raise call.error
+            raw = call.value
         except _Down:
             keep = False
             raise
@@ -402,17 +427,42 @@ class TokenKey:
 
     def _reconnect(self) -> None:
         """The library started again and the sessions opened anew, alone in it (gate.py): the
-        sessions of its last start are dropped by whoever holds one."""
-        with self.gate.alone():
-            self._generation += 1
-            self._close_sessions()
+        sessions of its last start are dropped by whoever holds one. Calls still in the library
+        after `stranded_s` never come out: that instance is left as it is, and a fresh one is
+        started behind a gate of its own."""
+        if not self._stranded or not self.gate.inside:  # (once stranded, a try waits no more, unless they came out)
             try:
-                self.lib.reinitialize()
-                self._connect_once()
-                self._open_more(self.sessions - 1)
-            except BaseException:
-                self._close_sessions()
-                raise
+                with self.gate.alone(within=self.config.stranded_s):
+                    self._open_again(self.lib.reinitialize)
+                self._stranded = ""
+                return
+            except Stranded as e:
+                self._stranded = str(e)
+                self._generation += 1  # their callers give up on them (and on every session of that start)
+        try:
+            fresh = pkcs11.lib(self.config.module)  # C_GetFunctionList and C_Initialize anew
+        except Exception as e:  # CKR_CRYPTOKI_ALREADY_INITIALIZED: one instance a process, the stranded calls' own
+            raise _NotReached(f"{self._stranded}; no fresh instance of {self.config.module} "
+                              f"({type(e).__name__})") from None
+        _ABANDONED.append((self.lib, self.gate))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.lib))  # never freed, so never finalized, even at exit
+        log.warning("the HSM's library is started afresh: %s (%s)", self._stranded, self.config.module)
+        self.lib, self.gate, self._stranded = fresh, Gate(), ""
+        with self.gate.alone():
+            self._open_again(lambda: None, close=False)
+
+    def _open_again(self, start: Callable[[], None], close: bool = True) -> None:
+        """The sessions of the library's last start dropped (closed, unless calls are stranded in
+        it), `start`, and the sessions opened anew; alone in the library."""
+        self._generation += 1
+        self._close_sessions(close)
+        try:
+            start()
+            self._connect_once()
+            self._open_more(self.sessions - 1)
+        except BaseException:
+            self._close_sessions()
+            raise
 
     def _back(self, now: float) -> None:
         log.warning("the HSM is back after %.1f s (%s)", now - self._down_since, self.config.module)
@@ -427,15 +477,62 @@ class TokenKey:
         except Exception as e:  # the page's note is a courtesy: the signatures do not wait on it
             log.warning("the HSM's outage could not be noted: %s", e)
 
-    def _close_sessions(self) -> None:
+    def _close_sessions(self, close: bool = True) -> None:
         while not self._free.empty():
             self._free.get_nowait()
-        for session in self._sessions:
+        for session in self._sessions if close else ():
             try:
                 session.close()
             except Exception:  # the HSM is gone: its sessions are too
                 pass
         self._sessions = []
+
+
+class _Call:
+    """One call into the library, made on a thread of _Calls: `done` once it returned or raised."""
+
+    __slots__ = ("fn", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[], bytes]):
+        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class _Calls:
+    """Daemon threads, as many as calls at once, that make the calls into the library: one the
+    library never returns holds its thread for good, not the signature's caller (nor the
+    process's exit)."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], bytes]) -> _Call:
+        call = _Call(fn)
+        with self._lock:
+            spawn = not self._idle
+            self._idle -= not spawn
+        if spawn:
+            threading.Thread(target=self._work, args=(call,), name="pkcs11-call", daemon=True).start()
+        else:
+            self._tasks.put(call)
+        return call
+
+    def _work(self, call: _Call) -> None:
+        while True:
+            call.run()
+            del call
+            with self._lock:
+                self._idle += 1
+            call = self._tasks.get()
 
 
 def returned(e: p11.PKCS11Error) -> str:
