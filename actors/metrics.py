@@ -57,19 +57,19 @@ class Totals:
         self._totals: dict[tuple, float] = {}
         self._gauges = {metric: Gauge(metric[0].removeprefix("ray_"), description=TOTALS[metric],
                                       tag_keys=(metric[1],)) for metric in TOTALS}
-        self._url = node_metrics_url()
+        import ray
+
+        self._url, self._worker = node_metrics_url(), ray.get_runtime_context().get_worker_id()
         threading.Thread(target=self._say_again, name="cn-totals", daemon=True).start()
 
     def add(self, counts: dict[tuple, float]) -> tuple[dict, str, str]:
         """`counts`: (metric, label) -> n. Returns the totals then, the worker id their series are
         shown under, and the metrics port that shows them."""
-        import ray
-
         with self._lock:
             for key, n in counts.items():
                 self._totals[key] = self._totals.get(key, 0) + n
             self._set()
-            return dict(self._totals), ray.get_runtime_context().get_worker_id(), self._url
+            return dict(self._totals), self._worker, self._url
 
     def _say_again(self) -> None:
         while True:
