@@ -329,3 +329,42 @@ def test_the_compiled_row_fill_is_its_twin_s_and_in_use():
     for odd in (tuple(row), row[:10], [*row[:5], 5, *row[6:]]):
         assert dumps._filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, odd) is None
     assert Trade.from_row(tuple(Trade.from_row(row).as_row())) == Trade.from_row(row)
+
+
+def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_what_is_not_a_trade_s_row(monkeypatch):
+    """rows.c's made() builds a trade's row as from_row's Python lines do: the same fields in the
+    same order, of the same types and digits (a Decimal's exponent is printed on the note), and
+    the same derived slots; a settlement row, a legacy short row and a row that does not parse are
+    declined (None) and go the Python way, which raises what it raises."""
+    import json
+
+    from bench.render import trades
+    from pipeline.day.dumps import reference_key
+    from tests.test_settlement import CRUDE_EX, GOLD_DL, NIFTY_AS, USDINR_EX, parsed
+
+    closes = {**CROSS_CLOSES, reference_key("USD"): Decimal("84.1234")}
+    cross = [parse_trade("trades.csv", 1, EURUSD, "2026-11-20", closes).as_row()]
+    settled = [t.as_row() for t in parsed(NIFTY_AS, CRUDE_EX, USDINR_EX, GOLD_DL)]
+    day = [t.as_row() for seed in (0, 10, 20, 3) for t in trades(40, seed)]  # seeds 0, 10, 20: every segment
+    rows = json.loads(json.dumps(day + cross + settled))  # as a shard file gives them
+    slots = ("turnover", "key", "order_key", "exchange_segment", "flow")
+
+    def whole(t: Trade) -> str:  # every field and slot, a Decimal by its digits, each with its type
+        return repr([(k, type(v), v) for k, v in t.__dict__.items()] + [(s, getattr(t, s)) for s in slots])
+
+    assert dumps._made(rows[0]) is not None, "pipeline/native.py builds it: gcc and Python's headers"
+    taken = [dumps._made(row) for row in rows]
+    assert all(t is not None for t in taken[:len(day) + len(cross)]) and taken[len(day) + len(cross):] == [None] * 4
+    assert {t.segment for t in taken[:len(day)]} == {"CM", "FO", "CDS", "COM"} and taken[len(day)].fx is not None
+    for t, row in zip(taken[:len(day)], rows):  # the fields of few values interned, a trade's own its row's
+        for key, column, interned in dumps._TEXT_FIELDS:
+            assert t.__dict__[key] is (sys.intern(row[column]) if interned else row[column]), key
+    short = rows[0][:dumps._AT_MULTIPLIER] + rows[0][dumps._AT_MULTIPLIER + 2:-1]  # before multiplier and agri
+    bad = [[*rows[0][:16], "ten", *rows[0][17:]], [*rows[0][:17], "1,800", *rows[0][18:]], [*rows[0][:16], 10, *rows[0][17:]]]
+    assert dumps._made(short) is None and all(dumps._made(row) is None for row in bad)
+    compiled = [Trade.from_row(row) for row in rows + [short]]
+    monkeypatch.setattr(dumps, "_made", lambda row: None)  # from_row's Python lines alone
+    assert [whole(Trade.from_row(row)) for row in rows + [short]] == list(map(whole, compiled))
+    for row in bad[:2]:
+        with pytest.raises(Exception):
+            Trade.from_row(row)

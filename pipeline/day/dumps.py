@@ -183,7 +183,12 @@ class Trade:
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
-        """Rebuild a trade that was already validated (from a shard file)."""
+        """Rebuild a trade that was already validated (from a shard file). A trade's row is built
+        whole by rows.c's made(), whose twin is the rest of this function."""
+        if cls is Trade:
+            t = _made(row)
+            if t is not None:
+                return t
         if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
             row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
         r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
@@ -252,12 +257,20 @@ def filled(template: dict, spec: tuple[tuple[str, int, bool], ...], row: list[st
     return d
 
 
-def _compiled_filled():
+def _compiled_rows():
+    """rows.c's filled and made; their twins where it cannot be built (made's: None, from_row's own lines)."""
     module = native.extension(Path(__file__).with_name("rows.c"), "trades are rebuilt from their rows in Python")
-    return filled if module is None else module.filled
+    if module is None:
+        return filled, lambda row: None
+    setters = (Trade.__dict__["__dict__"], Trade.turnover, Trade.key, Trade.order_key, Trade.exchange_segment,
+               Trade.flow)
+    columns = (_AT_QUANTITY, _AT_PRICE, _AT_MULTIPLIER, _AT_CLOSE, _AT_FX, _AT_SETTLEMENT,
+               *map(TRADE_FIELDS.index, ("exchange", "segment", "trade_no", "order_no", "side")))
+    module.configure(Trade, _SHARED_DICT, _TEXT_FIELDS, Decimal, TRADE, setters, columns)
+    return module.filled, module.made
 
 
-_filled = _compiled_filled()
+_filled, _made = _compiled_rows()
 
 
 def intrinsic(t: Trade) -> Decimal:
