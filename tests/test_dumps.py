@@ -366,5 +366,5 @@ def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_w
     monkeypatch.setattr(dumps, "_made", lambda row: None)  # from_row's Python lines alone
     assert [whole(Trade.from_row(row)) for row in rows + [short]] == list(map(whole, compiled))
     for row in bad[:2]:
-        with pytest.raises(Exception):
+        with pytest.raises((ValueError, ArithmeticError)):  # int() and Decimal()'s own refusals
             Trade.from_row(row)
