@@ -346,6 +346,10 @@ def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_w
     cross = [parse_trade("trades.csv", 1, EURUSD, "2026-11-20", closes).as_row()]
     settled = [t.as_row() for t in parsed(NIFTY_AS, CRUDE_EX, USDINR_EX, GOLD_DL)]
     day = [t.as_row() for seed in (0, 10, 20, 3) for t in trades(40, seed)]  # seeds 0, 10, 20: every segment
+    first, lot = day[0], next(r for r in day if r[dumps._AT_MULTIPLIER])
+    odd = [[*first, "", "T"], [*first, ""], [*first, "", "T", "more"],  # the type given, fx empty, a column past
+           [*lot[:dumps._AT_MULTIPLIER], f" 0{lot[dumps._AT_MULTIPLIER]}", *lot[dumps._AT_MULTIPLIER + 1:]]]
+    day += odd
     rows = json.loads(json.dumps(day + cross + settled))  # as a shard file gives them
     slots = ("turnover", "key", "order_key", "exchange_segment", "flow")
 

@@ -264,8 +264,7 @@ def _compiled_rows():
         return filled, lambda row: None
     setters = (Trade.__dict__["__dict__"], Trade.turnover, Trade.key, Trade.order_key, Trade.exchange_segment,
                Trade.flow)
-    columns = (_AT_QUANTITY, _AT_PRICE, _AT_MULTIPLIER, _AT_CLOSE, _AT_FX, _AT_SETTLEMENT,
-               *map(TRADE_FIELDS.index, ("exchange", "segment", "trade_no", "order_no", "side")))
+    columns = (_AT_QUANTITY, _AT_PRICE, _AT_MULTIPLIER, _AT_CLOSE, _AT_FX, _AT_SETTLEMENT)
     module.configure(Trade, _SHARED_DICT, _TEXT_FIELDS, Decimal, TRADE, setters, columns)
     return module.filled, module.made
 

@@ -52,12 +52,12 @@ static PyObject *filled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* What made() builds a trade with, given once by dumps.py (configure): the class, its fields'
  * dict to copy and the text fields' spec (as filled's), Decimal, the trade settlement's code, the
  * setters of the instance's __dict__ and of its derived slots (turnover, key, order_key,
- * exchange_segment, flow), and the row's columns by name. */
-enum { QUANTITY, PRICE, MULTIPLIER, CLOSE, FX, SETTLEMENT, EXCHANGE, SEGMENT, TRADE_NO, ORDER_NO, SIDE, COLUMNS };
+ * exchange_segment, flow), and the columns of a row's numbers and settlement type. */
+enum { QUANTITY, PRICE, MULTIPLIER, CLOSE, FX, SETTLEMENT, COLUMNS };
 enum { SET_DICT, SET_TURNOVER, SET_KEY, SET_ORDER_KEY, SET_EXCHANGE_SEGMENT, SET_FLOW, SETTERS };
 static PyTypeObject *cls;
-static PyObject *template, *spec, *decimal, *trade_code, *setters[SETTERS], *k_quantity, *k_price, *k_close,
-    *k_multiplier, *k_fx, *k_settlement, *k_exchange, *k_segment;
+static PyObject *template, *decimal, *trade_code, *setters[SETTERS], *k_quantity, *k_price, *k_close,
+    *k_multiplier, *k_fx, *k_settlement, *k_exchange, *k_segment, *k_trade_no, *k_order_no, *k_side;
 static Py_ssize_t column[COLUMNS];
 /* spec, read once: each text field's key and column, and for an interned one the last text met in
  * its column and that text interned (a note's trades repeat their exchange, segment, product...:
@@ -69,46 +69,71 @@ static int field_interned[MAX_FIELDS];
 
 static PyObject *configure(PyObject *self, PyObject *args)
 {
-    PyObject *setter_tuple, *column_tuple;
-    if (!PyArg_ParseTuple(args, "O!O!O!OUO!O!", &PyType_Type, &cls, &PyDict_Type, &template, &PyTuple_Type, &spec,
-                          &decimal, &trade_code, &PyTuple_Type, &setter_tuple, &PyTuple_Type, &column_tuple))
-        return NULL;
-    if (PyTuple_GET_SIZE(setter_tuple) != SETTERS || PyTuple_GET_SIZE(column_tuple) != COLUMNS) {
-        PyErr_SetString(PyExc_ValueError, "configure: 6 setters and 11 columns");
+    PyObject *type, *fields_dict, *text_spec, *decimal_type, *code, *setter_tuple, *column_tuple;
+    Py_ssize_t columns[COLUMNS], keys_column[MAX_FIELDS];
+    int keys_interned[MAX_FIELDS];
+    if (cls != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "configure: once a process");
         return NULL;
     }
-    for (int i = 0; i < SETTERS; i++) {
-        PyObject *setter = PyTuple_GET_ITEM(setter_tuple, i);
-        if (Py_TYPE(setter)->tp_descr_set == NULL) {
+    if (!PyArg_ParseTuple(args, "O!O!O!OUO!O!", &PyType_Type, &type, &PyDict_Type, &fields_dict, &PyTuple_Type,
+                          &text_spec, &decimal_type, &code, &PyTuple_Type, &setter_tuple, &PyTuple_Type, &column_tuple))
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(text_spec);
+    if (PyTuple_GET_SIZE(setter_tuple) != SETTERS || PyTuple_GET_SIZE(column_tuple) != COLUMNS || count > MAX_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "configure: 6 setters, 6 columns, at most 32 text fields");
+        return NULL;
+    }
+    for (int i = 0; i < SETTERS; i++)
+        if (Py_TYPE(PyTuple_GET_ITEM(setter_tuple, i))->tp_descr_set == NULL) {
             PyErr_SetString(PyExc_TypeError, "configure: a setter is not a data descriptor");
             return NULL;
         }
-        setters[i] = Py_NewRef(setter);
-    }
     for (int i = 0; i < COLUMNS; i++)
-        if ((column[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(column_tuple, i))) < 0)
+        if ((columns[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(column_tuple, i))) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "configure: a negative column");
             return NULL;
-    fields = PyTuple_GET_SIZE(spec);
-    if (fields > MAX_FIELDS) {
-        PyErr_SetString(PyExc_ValueError, "configure: too many text fields");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < fields; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(spec, i);
+        }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(text_spec, i);
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(entry, 0))) {
             PyErr_SetString(PyExc_TypeError, "configure: spec is (key, column, interned) a field");
             return NULL;
         }
-        if ((field_column[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1))) < 0
-                || (field_interned[i] = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 2))) < 0)
+        if ((keys_column[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1))) < 0
+                || (keys_interned[i] = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 2))) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "configure: a negative column");
             return NULL;
-        field_key[i] = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+        }
     }
-    Py_INCREF(cls), Py_INCREF(template), Py_INCREF(spec), Py_INCREF(decimal), Py_INCREF(trade_code);
-    k_quantity = PyUnicode_InternFromString("quantity"), k_price = PyUnicode_InternFromString("price");
-    k_close = PyUnicode_InternFromString("close"), k_multiplier = PyUnicode_InternFromString("multiplier");
-    k_fx = PyUnicode_InternFromString("fx"), k_settlement = PyUnicode_InternFromString("settlement");
-    k_exchange = PyUnicode_InternFromString("exchange"), k_segment = PyUnicode_InternFromString("segment");
+    /* all checked: nothing below fails but the interning of a few names */
+    PyObject *names[] = {PyUnicode_InternFromString("quantity"), PyUnicode_InternFromString("price"),
+                         PyUnicode_InternFromString("close"), PyUnicode_InternFromString("multiplier"),
+                         PyUnicode_InternFromString("fx"), PyUnicode_InternFromString("settlement"),
+                         PyUnicode_InternFromString("exchange"), PyUnicode_InternFromString("segment"),
+                         PyUnicode_InternFromString("trade_no"), PyUnicode_InternFromString("order_no"),
+                         PyUnicode_InternFromString("side")};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (names[i] == NULL) {
+            for (size_t j = 0; j < sizeof names / sizeof *names; j++)
+                Py_XDECREF(names[j]);
+            return NULL;
+        }
+    k_quantity = names[0], k_price = names[1], k_close = names[2], k_multiplier = names[3], k_fx = names[4];
+    k_settlement = names[5], k_exchange = names[6], k_segment = names[7], k_trade_no = names[8];
+    k_order_no = names[9], k_side = names[10];
+    for (int i = 0; i < SETTERS; i++)
+        setters[i] = Py_NewRef(PyTuple_GET_ITEM(setter_tuple, i));
+    memcpy(column, columns, sizeof column);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        field_key[i] = Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(text_spec, i), 0));
+        field_column[i] = keys_column[i], field_interned[i] = keys_interned[i];
+    }
+    fields = count;
+    template = Py_NewRef(fields_dict), decimal = Py_NewRef(decimal_type), trade_code = Py_NewRef(code);
+    cls = (PyTypeObject *)Py_NewRef(type);  /* last: made() takes rows from here on */
     Py_RETURN_NONE;
 }
 
@@ -217,13 +242,16 @@ static PyObject *made(PyObject *self, PyObject *row)
         Py_SETREF(value, PyNumber_Multiply(value, fx));
     if (value == NULL || (t = cls->tp_alloc(cls, 0)) == NULL)
         goto done;
+    /* the fields from d, which holds them (the row's cells, or their interned texts) */
     PyObject *exchange = PyDict_GetItemWithError(d, k_exchange), *segment = PyDict_GetItemWithError(d, k_segment);
-    if (exchange == NULL || segment == NULL
+    PyObject *trade_no = PyDict_GetItemWithError(d, k_trade_no), *order_no = PyDict_GetItemWithError(d, k_order_no);
+    PyObject *side = PyDict_GetItemWithError(d, k_side);
+    if (exchange == NULL || segment == NULL || trade_no == NULL || order_no == NULL || side == NULL
             || set(SET_DICT, t, Py_NewRef(d))
             || set(SET_TURNOVER, t, Py_NewRef(value))
-            || set(SET_FLOW, t, Py_NewRef(PyList_GET_ITEM(row, column[SIDE])))
-            || set(SET_KEY, t, PyTuple_Pack(3, exchange, segment, PyList_GET_ITEM(row, column[TRADE_NO])))
-            || set(SET_ORDER_KEY, t, PyTuple_Pack(3, exchange, segment, PyList_GET_ITEM(row, column[ORDER_NO])))
+            || set(SET_FLOW, t, Py_NewRef(side))
+            || set(SET_KEY, t, PyTuple_Pack(3, exchange, segment, trade_no))
+            || set(SET_ORDER_KEY, t, PyTuple_Pack(3, exchange, segment, order_no))
             || set(SET_EXCHANGE_SEGMENT, t, exchange_segment(exchange, segment)))
         Py_CLEAR(t);
 done:
