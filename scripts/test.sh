@@ -48,10 +48,11 @@ fi
 # cloud), the relays held to their rates (mostly waiting on the rates), the benchmarks' smoke
 # runs (each a process of its own, with its own Ray) and the days that lose nodes (each a process
 # of its own too). With the faults' days and the metrics agent stopped for 16 s here too, this
-# session ended last in every run measured, by 0.5-3 minutes (19m00s against 15m58s for the rest
-# on a quiet hour, 30m03s against 26m59s on a slow one): those two files (~2 minutes) went back to
-# the rest. Three sessions (the `ray up` tests in one of their own) took 33m47s: on two cores the
-# simulated cloud's nodes are busy too (16m41s beside the others, against ~10 minutes among them).
+# session ended last in every run recorded, by 3 s to 3 minutes (19m00s against 15m58s for the
+# rest on a quiet hour, 30m03s against 26m59s on a slow one): those two files (~2.5 minutes) went
+# back to the rest, which then ended last, 21m41s against 20m10s (22m35s in all, a busier hour than
+# the 19m43s before the move). Three sessions (the `ray up` tests in one of their own) took 33m47s:
+# on two cores the simulated cloud's nodes are busy too (16m41s beside the others, ~10 minutes among them).
 side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py)
 cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
