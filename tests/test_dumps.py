@@ -1,6 +1,7 @@
 import re
 import sys
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
@@ -372,3 +373,26 @@ def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_w
     for row in bad[:2]:
         with pytest.raises((ValueError, ArithmeticError)):  # int() and Decimal()'s own refusals
             Trade.from_row(row)
+
+
+def test_dumps_imported_again_makes_trades_of_its_own_class():
+    """rows.c keeps what it builds with until dumps configures it again: a module imported afresh
+    (a new Trade class) gets trades of its class from the C, not the first module's. In a process
+    of its own: reloading dumps here would leave the session's other tests another Trade."""
+    import subprocess
+
+    code = """
+import importlib, json
+from pipeline.day import dumps
+from bench.render import trades
+rows = json.loads(json.dumps([t.as_row() for t in trades(20, 0)]))
+first = [dumps.Trade.from_row(r) for r in rows]
+again = importlib.reload(dumps)
+second = [again.Trade.from_row(r) for r in rows]
+assert again._made(rows[0]) is not None and {type(t) for t in second} == {again.Trade} != {type(t) for t in first}
+assert [t.__dict__ for t in first] == [t.__dict__ for t in second]
+print("ok")
+"""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -49,7 +49,7 @@ static PyObject *filled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return fill(args[0], args[1], args[2]);
 }
 
-/* What made() builds a trade with, given once by dumps.py (configure): the class, its fields'
+/* What made() builds a trade with, given by dumps.py when it is imported (configure): the class, its fields'
  * dict to copy and the text fields' spec (as filled's), Decimal, the trade settlement's code, the
  * setters of the instance's __dict__ and of its derived slots (turnover, key, order_key,
  * exchange_segment, flow), and the columns of a row's numbers and settlement type. */
@@ -72,10 +72,6 @@ static PyObject *configure(PyObject *self, PyObject *args)
     PyObject *type, *fields_dict, *text_spec, *decimal_type, *code, *setter_tuple, *column_tuple;
     Py_ssize_t columns[COLUMNS], keys_column[MAX_FIELDS];
     int keys_interned[MAX_FIELDS];
-    if (cls != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "configure: once a process");
-        return NULL;
-    }
     if (!PyArg_ParseTuple(args, "O!O!O!OUO!O!", &PyType_Type, &type, &PyDict_Type, &fields_dict, &PyTuple_Type,
                           &text_spec, &decimal_type, &code, &PyTuple_Type, &setter_tuple, &PyTuple_Type, &column_tuple))
         return NULL;
@@ -121,18 +117,28 @@ static PyObject *configure(PyObject *self, PyObject *args)
                 Py_XDECREF(names[j]);
             return NULL;
         }
-    k_quantity = names[0], k_price = names[1], k_close = names[2], k_multiplier = names[3], k_fx = names[4];
-    k_settlement = names[5], k_exchange = names[6], k_segment = names[7], k_trade_no = names[8];
-    k_order_no = names[9], k_side = names[10];
+    /* a second call (dumps imported again: a new Trade class) replaces what the first kept */
+    Py_CLEAR(cls);  /* first: made() declines every row until the end */
+    PyObject **kept[] = {&k_quantity, &k_price, &k_close, &k_multiplier, &k_fx, &k_settlement, &k_exchange,
+                         &k_segment, &k_trade_no, &k_order_no, &k_side};
+    for (size_t i = 0; i < sizeof kept / sizeof *kept; i++)
+        Py_XSETREF(*kept[i], names[i]);
     for (int i = 0; i < SETTERS; i++)
-        setters[i] = Py_NewRef(PyTuple_GET_ITEM(setter_tuple, i));
+        Py_XSETREF(setters[i], Py_NewRef(PyTuple_GET_ITEM(setter_tuple, i)));
     memcpy(column, columns, sizeof column);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        field_key[i] = Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(text_spec, i), 0));
-        field_column[i] = keys_column[i], field_interned[i] = keys_interned[i];
+    for (Py_ssize_t i = 0; i < MAX_FIELDS; i++) {
+        Py_CLEAR(field_key[i]);
+        Py_CLEAR(last_text[i]);
+        Py_CLEAR(last_interned[i]);
+        if (i < count) {
+            field_key[i] = Py_NewRef(PyTuple_GET_ITEM(PyTuple_GET_ITEM(text_spec, i), 0));
+            field_column[i] = keys_column[i], field_interned[i] = keys_interned[i];
+        }
     }
     fields = count;
-    template = Py_NewRef(fields_dict), decimal = Py_NewRef(decimal_type), trade_code = Py_NewRef(code);
+    Py_XSETREF(template, Py_NewRef(fields_dict));
+    Py_XSETREF(decimal, Py_NewRef(decimal_type));
+    Py_XSETREF(trade_code, Py_NewRef(code));
     cls = (PyTypeObject *)Py_NewRef(type);  /* last: made() takes rows from here on */
     Py_RETURN_NONE;
 }
