@@ -54,17 +54,17 @@ fi
 # the 19m43s before the move). Three sessions (the `ray up` tests in one of their own) took 33m47s:
 # on two cores the simulated cloud's nodes are busy too (16m41s beside the others, ~10 minutes among them).
 side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py)
-cloud_log=$(mktemp -t cn-ray-up-tests.XXXXXX)
-.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$cloud_log" 2>&1 &
-cloud=$!
-trap 'kill "$cloud" 2>/dev/null || true' EXIT  # this script's own session, by PID
+side_log=$(mktemp -t cn-side-tests.XXXXXX)
+.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$side_log" 2>&1 &
+side_pid=$!
+trap 'kill "$side_pid" 2>/dev/null || true' EXIT  # this script's own session, by PID
 rest=0
 .venv/bin/python -m pytest "${side[@]/#/--ignore=}" || rest=$?
-cloud_rc=0
-wait "$cloud" || cloud_rc=$?
+side_rc=0
+wait "$side_pid" || side_rc=$?
 trap - EXIT
 echo "=== ${side[*]}, in their own session beside the rest ==="
-cat "$cloud_log"
-rm -f "$cloud_log"
-echo "=== pytest exit status: the rest $rest, ${side[*]} $cloud_rc ==="
-((rest == 0 && cloud_rc == 0)) || exit $((rest ? rest : cloud_rc))
+cat "$side_log"
+rm -f "$side_log"
+echo "=== pytest exit status: the rest $rest, ${side[*]} $side_rc ==="
+((rest == 0 && side_rc == 0)) || exit $((rest ? rest : side_rc))

@@ -316,23 +316,25 @@ def test_the_compiled_row_fill_is_its_twin_s_and_in_use():
     """rows.c fills a trade's text fields as dumps.filled does: the same dict, in the same order of
     keys, its interned fields interned and a trade's own not; a row it does not take (a tuple, a
     column missing, a number) is the twin's."""
-    assert dumps._filled is not dumps.filled, "pipeline/native.py builds it: gcc and Python's headers"
     row = [f"v{i}" for i in range(len(TRADE_FIELDS))] + ["7.5"]
     row[TRADE_FIELDS.index("quantity")], row[TRADE_FIELDS.index("price")] = "3", "2.25"
     row[TRADE_FIELDS.index("multiplier")] = "5"
     row = ["".join(c) for c in row]  # texts of their own: not the interned constants
     canonical = [sys.intern("".join(c)) for c in row]  # the interned text of each, another object than the row's
-    made = dumps._filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, row)
-    assert made == dumps.filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, row)
+    made = dumps._made(row)
+    assert made is not None, "pipeline/native.py builds it: gcc and Python's headers"
+    made = made.__dict__
+    twin = dumps.filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, row)
+    assert {k: made[k] for k, _, _ in dumps._TEXT_FIELDS} == {k: twin[k] for k, _, _ in dumps._TEXT_FIELDS}
     assert list(made) == list(dumps._SHARED_DICT) and made is not dumps._SHARED_DICT
     for key, column, interned in dumps._TEXT_FIELDS:
         assert made[key] is (canonical[column] if interned else row[column]), key
     for odd in (tuple(row), row[:10], [*row[:5], 5, *row[6:]]):
-        assert dumps._filled(dumps._SHARED_DICT, dumps._TEXT_FIELDS, odd) is None
+        assert dumps._made(odd) is None
     assert Trade.from_row(tuple(Trade.from_row(row).as_row())) == Trade.from_row(row)
 
 
-def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_what_is_not_a_trade_s_row(monkeypatch):
+def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_what_is_not_a_trade_s_row():
     """rows.c's made() builds a trade's row as from_row's Python lines do: the same fields in the
     same order, of the same types and digits (a Decimal's exponent is printed on the note), and
     the same derived slots; a settlement row, a legacy short row and a row that does not parse are
@@ -368,8 +370,7 @@ def test_the_compiled_trade_is_its_twin_s_to_the_decimal_s_digits_and_declines_w
     bad = [[*rows[0][:16], "ten", *rows[0][17:]], [*rows[0][:17], "1,800", *rows[0][18:]], [*rows[0][:16], 10, *rows[0][17:]]]
     assert dumps._made(short) is None and all(dumps._made(row) is None for row in bad)
     compiled = [Trade.from_row(row) for row in rows + [short]]
-    monkeypatch.setattr(dumps, "_made", lambda row: None)  # from_row's Python lines alone
-    assert [whole(Trade.from_row(row)) for row in rows + [short]] == list(map(whole, compiled))
+    assert [whole(dumps.from_row_in_python(Trade, row)) for row in rows + [short]] == list(map(whole, compiled))
     for row in bad[:2]:
         with pytest.raises((ValueError, ArithmeticError)):  # int() and Decimal()'s own refusals
             Trade.from_row(row)

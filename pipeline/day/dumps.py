@@ -183,32 +183,11 @@ class Trade:
 
     @classmethod
     def from_row(cls, row: list[str]) -> "Trade":
-        """Rebuild a trade that was already validated (from a shard file). A trade's row is built
-        whole by rows.c's made(), whose twin is the rest of this function."""
-        if cls is Trade:
-            t = _made(row)
-            if t is not None:
-                return t
-        if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
-            row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
-        r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
-        # The dataclass's __init__ without its setattr a field: a copy of a trade's dict, whose keys
-        # every trade's shares (a third of the memory of a dict of its own), each value replaced,
-        # the text fields in one call (_filled: rows.c's, or its twin). The fields of few values
-        # (exchange, segment, product, a contract's) are interned: JSON made each row its own "NSE",
-        # and a 125,000-trade note's passes over its trades missed the cache on each (~1.5 µs a
-        # trade); order and trade numbers and times are the trade's own
-        d = _filled(_SHARED_DICT, _TEXT_FIELDS, r) or filled(_SHARED_DICT, _TEXT_FIELDS, r)
-        quantity, price, multiplier = int(r[16]), Decimal(r[17]), int(r[20] or 1)
-        fx = Decimal(r[_AT_FX]) if len(r) > _AT_FX and r[_AT_FX] else None
-        settlement = _intern(r[_AT_SETTLEMENT]) if len(r) > _AT_SETTLEMENT else TRADE
-        d["quantity"], d["price"], d["close"] = quantity, price, Decimal(close) if close else None
-        d["multiplier"], d["fx"], d["settlement"] = multiplier, fx, settlement
-        t = _new(cls)
-        _set_fields(t, d)
-        _derive(t, d["exchange"], d["segment"], r[7], r[5], price, quantity, multiplier, fx, r[15],
-                settlement)  # as __post_init__
-        return t
+        """Rebuild a trade that was already validated (from a shard file): a trade's row whole by
+        rows.c's made(); any other row (a settlement's, one written before the multiplier and agri
+        columns), and every row where the C cannot be built, by its Python twin, from_row_in_python."""
+        t = _made(row) if cls is Trade else None
+        return from_row_in_python(cls, row) if t is None else t
 
 
 # A shard row is TRADE_FIELDS, in order, then close; Trade's fields are the same but for close,
@@ -250,26 +229,50 @@ _TEXT_FIELDS = tuple((f, i, f not in _OWN_FIELDS) for i, f in enumerate(TRADE_FI
 
 def filled(template: dict, spec: tuple[tuple[str, int, bool], ...], row: list[str]) -> dict:
     """A copy of `template`, each (key, column, interned) of `spec` set to the row's column, interned
-    if asked: rows.c's twin, which does any row the C does not take (it says None)."""
+    if asked (rows.c does the same for a trade's row)."""
     d = template.copy()
     for key, column, interned in spec:
         d[key] = _intern(row[column]) if interned else row[column]
     return d
 
 
-def _compiled_rows():
-    """rows.c's filled and made; their twins where it cannot be built (made's: None, from_row's own lines)."""
+def _compiled_made():
+    """rows.c's made, told what it builds with; where it cannot be built, None for every row (from_row
+    then builds each in Python)."""
     module = native.extension(Path(__file__).with_name("rows.c"), "trades are rebuilt from their rows in Python")
     if module is None:
-        return filled, lambda row: None
+        return lambda row: None
     setters = (Trade.__dict__["__dict__"], Trade.turnover, Trade.key, Trade.order_key, Trade.exchange_segment,
                Trade.flow)
     columns = (_AT_QUANTITY, _AT_PRICE, _AT_MULTIPLIER, _AT_CLOSE, _AT_FX, _AT_SETTLEMENT)
     module.configure(Trade, _SHARED_DICT, _TEXT_FIELDS, Decimal, TRADE, setters, columns)
-    return module.filled, module.made
+    return module.made
 
 
-_filled, _made = _compiled_rows()
+_made = _compiled_made()
+
+
+def from_row_in_python(cls: type[Trade], row: list[str]) -> Trade:
+    """Trade.from_row in Python: rows.c's made() is its C twin, for a trade's row."""
+    if len(row) <= _AT_MULTIPLIER + 1:  # a shard written before the multiplier and agri columns
+        row = [*row[:_AT_MULTIPLIER], "1", "", *row[_AT_MULTIPLIER:]]
+    r, close = row, row[_AT_CLOSE] if len(row) > _AT_CLOSE else ""  # r[i]: TRADE_FIELDS[i]'s column
+    # The dataclass's __init__ without its setattr a field: a copy of a trade's dict, whose keys
+    # every trade's shares (a third of the memory of a dict of its own), each value replaced. The
+    # fields of few values (exchange, segment, product, a contract's) are interned: JSON made each
+    # row its own "NSE", and a 125,000-trade note's passes over its trades missed the cache on each
+    # (~1.5 µs a trade); order and trade numbers and times are the trade's own
+    d = filled(_SHARED_DICT, _TEXT_FIELDS, r)
+    quantity, price, multiplier = int(r[16]), Decimal(r[17]), int(r[20] or 1)
+    fx = Decimal(r[_AT_FX]) if len(r) > _AT_FX and r[_AT_FX] else None
+    settlement = _intern(r[_AT_SETTLEMENT]) if len(r) > _AT_SETTLEMENT else TRADE
+    d["quantity"], d["price"], d["close"] = quantity, price, Decimal(close) if close else None
+    d["multiplier"], d["fx"], d["settlement"] = multiplier, fx, settlement
+    t = _new(cls)
+    _set_fields(t, d)
+    _derive(t, d["exchange"], d["segment"], r[7], r[5], price, quantity, multiplier, fx, r[15],
+            settlement)  # as __post_init__
+    return t
 
 
 def intrinsic(t: Trade) -> Decimal:

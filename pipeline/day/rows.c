@@ -2,55 +2,16 @@
  * module built by pipeline/native.py. In Python each of a trade's 19 text fields cost a subscript,
  * a store and most an intern() call (~1.5 us a trade, a 2,000-page note's 125,000 of them), and
  * its numbers, its dict and its derived slots another ~1.5 us; here a trade's row is one call.
- * dumps.filled and from_row's own lines are the Python twins, and do any row this does not take
- * (not a list of str, a column missing, a settlement row, a number that does not parse): filled()
- * and made() return None, and the twin then builds the trade or raises what it raises.
+ * dumps.from_row_in_python is the Python twin, and does any row this does not take (not a list of
+ * str, a column missing, a settlement row, a number that does not parse): made() returns None,
+ * and the twin then builds the trade or raises what it raises.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
 
-/* filled(template, spec, row) -> a copy of the dict `template` (a split table stays one: its keys
- * shared), each (key, column, interned) of the tuple `spec` set to row[column], interned if
- * `interned` is true; None where `row` is not a list whose columns in `spec` are each a str. */
-static PyObject *fill(PyObject *template, PyObject *spec, PyObject *row)
-{
-    if (!PyDict_CheckExact(template) || !PyTuple_CheckExact(spec) || !PyList_CheckExact(row))
-        Py_RETURN_NONE;
-    Py_ssize_t fields = PyTuple_GET_SIZE(spec), columns = PyList_GET_SIZE(row);
-    for (Py_ssize_t i = 0; i < fields; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(spec, i);
-        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
-            Py_RETURN_NONE;
-        Py_ssize_t column = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
-        if (column < 0 || column >= columns || !PyUnicode_CheckExact(PyList_GET_ITEM(row, column))) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *d = PyDict_Copy(template);
-    for (Py_ssize_t i = 0; d != NULL && i < fields; i++) {
-        PyObject *entry = PyTuple_GET_ITEM(spec, i);
-        PyObject *value = Py_NewRef(PyList_GET_ITEM(row, PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1))));
-        int interned = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 2));
-        if (interned > 0)
-            PyUnicode_InternInPlace(&value);
-        if (interned < 0 || PyDict_SetItem(d, PyTuple_GET_ITEM(entry, 0), value) < 0)
-            Py_CLEAR(d);
-        Py_DECREF(value);
-    }
-    return d;
-}
-
-static PyObject *filled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3)
-        Py_RETURN_NONE;
-    return fill(args[0], args[1], args[2]);
-}
-
 /* What made() builds a trade with, given by dumps.py when it is imported (configure): the class, its fields'
- * dict to copy and the text fields' spec (as filled's), Decimal, the trade settlement's code, the
+ * dict to copy and the text fields' spec (dumps._TEXT_FIELDS), Decimal, the trade settlement's code, the
  * setters of the instance's __dict__ and of its derived slots (turnover, key, order_key,
  * exchange_segment, flow), and the columns of a row's numbers and settlement type. */
 enum { QUANTITY, PRICE, MULTIPLIER, CLOSE, FX, SETTLEMENT, COLUMNS };
@@ -143,7 +104,8 @@ static PyObject *configure(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* fill()'s work for made(), from the spec read once; NULL on an error, None if a column is not a str. */
+/* The trade's dict, its text fields set (as dumps.filled sets them); NULL on an error, None if a
+ * column is not a str. */
 static PyObject *filled_trade(PyObject *row)
 {
     Py_ssize_t columns = PyList_GET_SIZE(row);
@@ -272,7 +234,6 @@ decline:
 }
 
 static PyMethodDef METHODS[] = {
-    {"filled", (PyCFunction)(void (*)(void))filled, METH_FASTCALL, "filled(template, spec, row): the row's fields"},
     {"configure", configure, METH_VARARGS, "configure(cls, template, spec, decimal, trade, setters, columns)"},
     {"made", made, METH_O, "made(row): the trade of a trade's row, or None"},
     {NULL, NULL, 0, NULL},
