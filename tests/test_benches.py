@@ -30,6 +30,10 @@ def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
 
         assert result["pages_2000_range_tasks"] == -(-result["pages_2000_pages"] // RANGE_PAGES) >= 2, result
         assert 0 < result["pages_2000_on_render_node_s"] < result["pages_2000_wall_s"], result
+    if bench == "scale.py":  # the cores' busy time by whose it was: each of the run's own processes spent some
+        spent = result["all_cpu_ms_per_note_by_process_large"]
+        assert all(spent[g] > 0 for g in ("tasks (split, render)", "signer", "mailer", "driver", "relay")), spent
+        assert abs(spent["unattributed"]) < 0.25 * result["all_cpu_ms_per_note_large"], result
 
 
 def smoke(bench: str, *more: str) -> list[dict]:
