@@ -1,11 +1,12 @@
-"""Whose CPU a run's busy cores were: every process on the machine, sampled from /proc.
+"""Whose CPU a run's busy cores were, read from /proc.
 
 `/proc/stat` gives the cores' busy time and nothing about who spent it. A note's CPU is spent
 in several processes at once (Ray's task workers, the signer and mailer actors, the driver,
-Redis, the relay, Ray's own daemons), so the sampler reads each process's utime + stime every
-`every` seconds (~2.5 ms of CPU each time with 70 processes) while the run goes on and attributes the growth to a group by its command
-line. A process that ends between two samples loses what it spent after the last one: the
-groups add up to a little less than the busy time, and `unattributed` says by how much.
+Redis, the relay, Ray's own daemons), so `sampled` reads the CPU of every process descended
+from the bench every `every` seconds while a run goes on, and adds each one's growth to a group
+named for what it runs. A process that ends between two samples loses what it spent after the
+last one, and nothing outside the bench's tree is counted (the kernel's threads, anything else
+on the machine): the busy time less the groups is both.
 """
 
 from __future__ import annotations
@@ -13,19 +14,31 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 HZ = os.sysconf("SC_CLK_TCK")
 ACTORS = {"ray::SignerActor": "signer", "ray::MailerActor": "mailer", "ray::Totals": "day totals"}
-TASKS, OTHER = "tasks (split, render)", "other"
+TASKS, OTHER = "task workers (split, render)", "other"
 RAY_OWN = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "ray::DashboardAgent",
            "ray::RuntimeEnvAgent", "ray/_private", "--raylet_socket_name", "--session-dir", "--logs-dir")
 
 
-def group(cmdline: str, comm: str) -> str:
-    """A process's group, from what it runs. Ray retitles a worker with what it runs now, so a
-    task worker seen idle last is still a task worker."""
-    if cmdline.startswith("ray::"):
-        name = cmdline.split()[0].split(".")[0]  # ray::SignerActor.sign while in a call
+def group(cmdline: str) -> str:
+    """A process's group, from its command line: ours by the program it runs first, since a
+    path among its arguments may hold any word; then Ray's, which retitles a worker with what it
+    runs now (`ray::IDLE` between tasks, the actor's class in an actor)."""
+    argv = cmdline.split()
+    if not argv:
+        return OTHER  # a zombie, or a process between fork and exec
+    if "-m pipeline run" in cmdline or "-m pipeline demo" in cmdline:
+        return "driver"
+    if "pipeline.mail.smtp_sink" in argv:
+        return "relay"
+    if argv[0].endswith("redis-server"):
+        return "redis"
+    if argv[0].startswith("ray::"):
+        name = argv[0].split(".")[0]  # ray::SignerActor.sign while in a call
         if name in ACTORS:
             return ACTORS[name]
         if name not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent"):
@@ -34,17 +47,11 @@ def group(cmdline: str, comm: str) -> str:
         return TASKS
     if any(part in cmdline for part in RAY_OWN):
         return "ray's own"
-    if "-m pipeline run" in cmdline or "-m pipeline demo" in cmdline:
-        return "driver"
-    if "smtp_sink" in cmdline:
-        return "relay"
-    if "redis-server" in cmdline or comm == "redis-server":
-        return "redis"
     return OTHER
 
 
-def _read() -> dict[tuple[str, str], tuple[str, float]]:
-    """(pid, start time) -> (group, CPU seconds so far) for every process now."""
+def _read() -> dict[tuple[str, str], tuple[str, float, str]]:
+    """(pid, start time) -> (group, CPU seconds so far, parent pid) for every process now."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -57,38 +64,51 @@ def _read() -> dict[tuple[str, str], tuple[str, float]]:
         except OSError:  # gone meanwhile
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        name = "the bench (this sampler's)" if int(pid) == os.getpid() else group(cmdline, comm)
-        out[(pid, fields[19])] = (name, (int(fields[11]) + int(fields[12])) / HZ)
+        name = "the bench process" if int(pid) == os.getpid() else group(cmdline)
+        out[(pid, fields[19])] = (name, (int(fields[11]) + int(fields[12])) / HZ, fields[1])
     return out
 
 
-class Sampler:
-    """Started before the run, stopped after it: CPU seconds by group in between."""
+@contextmanager
+def sampled(every: float = 0.5) -> Iterator[dict[str, float]]:
+    """CPU seconds by group spent inside the block by this process and its descendants (~2.5 ms
+    of CPU a sample with 70 processes); the dict is filled when the block ends."""
+    now = _read()
+    base = {key: cpu for key, (_, cpu, _) in now.items()}
+    me = str(os.getpid())
+    ours = {key for key in now if key[0] == me}  # (pid, start): kept once seen, as a child outlives its parent
+    last: dict[tuple[str, str], tuple[str, float]] = {}
+    stop = threading.Event()
 
-    def __init__(self, every: float = 0.5) -> None:
-        self.every, self._stop = every, threading.Event()
-        self._base = {key: cpu for key, (_, cpu) in _read().items()}
-        self._last: dict[tuple[str, str], tuple[str, float]] = {}
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-        self._thread.start()
+    def take() -> None:
+        now = _read()
+        key_of = {key[0]: key for key in now}
+        parent = {pid: ppid for (pid, _), (_, _, ppid) in now.items()}
+        for key, (name, cpu, _) in now.items():
+            up, seen = key[0], set()
+            while key_of.get(up) not in ours and up in parent and up not in seen:
+                seen.add(up)
+                up = parent[up]
+            if key_of.get(up) not in ours:
+                continue
+            ours.add(key)
+            had = last.get(key, (OTHER,))[0]
+            last[key] = (had if name == OTHER else name, cpu)  # a process seen as it ends keeps its group
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            self._take()
+    def run() -> None:
+        while not stop.wait(every):
+            take()
 
-    def _take(self) -> None:
-        for key, (name, cpu) in _read().items():
-            had = self._last.get(key, (OTHER,))[0]
-            if had != OTHER and (name == OTHER or (name == TASKS and had != TASKS)):
-                name = had  # an actor's worker seen idle, a process seen as it ends (no command line): as before
-            self._last[key] = (name, cpu)
-
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join()
-        self._take()
-        spent: Counter = Counter()
-        for key, (name, cpu) in self._last.items():
-            spent[name] += cpu - self._base.get(key, 0.0)
-        return {name: round(s, 2) for name, s in spent.most_common()}
+    thread = threading.Thread(target=run, name="cpu-sampler", daemon=True)
+    thread.start()
+    spent: dict[str, float] = {}
+    try:
+        yield spent
+    finally:
+        stop.set()
+        thread.join()
+        take()
+        by = Counter()
+        for key, (name, cpu) in last.items():
+            by[name] += cpu - base.get(key, 0.0)
+        spent.update((name, round(s, 2)) for name, s in by.most_common())

@@ -29,8 +29,10 @@ counted at its access log), measured in one go and printed as one JSON line:
                            the driver, Ray, its workers, Redis, the relay; run the bench alone)
                            over the notes it mailed (issue 73: at most 8 ms at 20,000 accounts)
   all_cpu_ms_per_note_by_process_*
-                           the same by whose it was (bench/processes.py: each process's CPU
-                           read from /proc every 0.5 s, grouped by what it runs)
+                           the same by whose it was (bench/processes.py: the CPU of each process
+                           the bench started, read from /proc every 0.5 s, grouped by what it
+                           runs; "elsewhere, or missed": the kernel's threads, anything else on
+                           the machine, and what a process spent after its last sample)
   s3_requests_by_kind      those requests by method and what they touched (s3_kinds), e.g.
                            "PUT delivery-log", "GET shard", "GET input"
   s3_requests_per_note_less_fixed
@@ -66,7 +68,7 @@ import ray  # noqa: E402
 
 from bench import measured  # noqa: E402
 from bench.e2e import busy_s, sequential  # noqa: E402
-from bench.processes import Sampler  # noqa: E402
+from bench.processes import sampled  # noqa: E402
 from pipeline import credentials  # noqa: E402
 from pipeline.cluster.driver import init_ray  # noqa: E402
 from pipeline.day.synth import SynthOptions, write_dumps  # noqa: E402
@@ -133,14 +135,15 @@ def run(env: dict, day: str, run_id: str, outbox: Path | None = None, tree: Path
     and with `outbox` (the relay's), from outside: the first message the relay kept. `tree`:
     whose pipeline runs (a baseline's `git archive`), this one's by default."""
     kept = set(os.listdir(outbox)) if outbox else set()
-    sampler, started, busy = Sampler(), time.time(), busy_s()
+    started, busy = time.time(), busy_s()
     env = env if tree == ROOT else {**env, "PYTHONPATH": str(tree)}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill meanwhile
+    with (tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err,  # no pipe to fill meanwhile
+          sampled() as by_process):
         proc = subprocess.Popen([PY, "-m", "pipeline", "run", "--date", DATE, "--input", day, "--run-id", run_id],
                                 stdout=out, stderr=err, text=True, cwd=tree, env=env)
         at_relay = _first_kept(proc, outbox, kept) if outbox else None
         proc.wait()
-        busy, command_s, by_process = busy_s() - busy, time.time() - started, sampler.stop()  # the run's alone
+        busy, command_s = busy_s() - busy, time.time() - started  # the run's alone, not the reads below
         stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
     if proc.returncode not in (0, 1):
         raise SystemExit(f"run {run_id} failed:\n{stderr[-3000:]}")
@@ -148,7 +151,7 @@ def run(env: dict, day: str, run_id: str, outbox: Path | None = None, tree: Path
     state = RunState(env["REDIS_URL"], run_id)
     first = min(rec["updated"] for rec in state.all_accounts() if rec["stage"] == "delivered")
     out = {**summary, "first_note_s": round(first - started, 2), "command_s": round(command_s, 2), "busy_s": busy,
-           "busy_s_by_process": by_process | {"unattributed": round(busy - sum(by_process.values()), 2)}}
+           "busy_s_by_process": by_process | {"elsewhere, or missed": round(busy - sum(by_process.values()), 2)}}
     if at_relay is not None:
         out["first_note_at_relay_s"] = round(at_relay - started, 2)
     return out
@@ -250,7 +253,8 @@ def once(args) -> dict:
                     out[f"cores_busy_{name}"] = round(r["busy_s"] / (cores * r["command_s"]), 3)
                     out[f"all_cpu_ms_per_note_{name}"] = round(r["busy_s"] * 1000 / max(1, r["delivered_now"]), 2)
                     out[f"all_cpu_ms_per_note_by_process_{name}"] = {
-                        group: round(s * 1000 / max(1, r["delivered_now"]), 2) for group, s in r["busy_s_by_process"].items()}
+                        group: round(s * 1000 / max(1, r["delivered_now"]), 2)
+                        for group, s in r["busy_s_by_process"].items()}
                     out[f"report_peak_mb_{name}"], report_s = report_peak_mb(stores[name], f"scale-{name}")
                 out["report_s_per_100k"] = round(report_s * 100_000 / args.large, 1)
                 out["cpu_ms_per_note_large"] = runs["large"]["cpu_ms_per_note"]
@@ -277,7 +281,9 @@ def once(args) -> dict:
 @contextmanager
 def _services(work: Path) -> Iterator[tuple[Settings, dict]]:
     """A test key, a local redis-server and SMTP sink under `work`, stopped on the way out:
-    the settings a run in this process takes, and the environment of a `run` command."""
+    the settings a run in this process takes, and the environment of a `run` command. The HMAC
+    key file is made there too, as a run makes it on one machine: the sequential loop before
+    the first run needs it, and no run leaves one in the repository."""
     key, cert, root = make_test_certificate(work / "keys")
     redis = start_redis(work / "redis")
     smtp = start_smtp_sink(work / "outbox", work / "smtp.log")

@@ -32,8 +32,8 @@ def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
         assert 0 < result["pages_2000_on_render_node_s"] < result["pages_2000_wall_s"], result
     if bench == "scale.py":  # the cores' busy time by whose it was: each of the run's own processes spent some
         spent = result["all_cpu_ms_per_note_by_process_large"]
-        assert all(spent[g] > 0 for g in ("tasks (split, render)", "signer", "mailer", "driver", "relay")), spent
-        assert abs(spent["unattributed"]) < 0.25 * result["all_cpu_ms_per_note_large"], result
+        groups = ("task workers (split, render)", "signer", "mailer", "driver", "relay", "redis")
+        assert all(spent.get(g, 0) > 0 for g in groups), spent
 
 
 def smoke(bench: str, *more: str) -> list[dict]:
