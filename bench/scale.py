@@ -288,7 +288,7 @@ def _services(work: Path) -> Iterator[tuple[Settings, dict]]:
     redis = start_redis(work / "redis")
     smtp = start_smtp_sink(work / "outbox", work / "smtp.log")
     try:
-        token_key = work / "keys" / "token.key"  # the HMAC key file made once, as a run makes it
+        token_key = work / "keys" / "token.key"
         yield (credentials.resolve(Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, signer_key=str(key),
                                                      signer_cert=str(cert), signer_chain=str(root),
                                                      token_key_file=str(token_key))),
