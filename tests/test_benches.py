@@ -16,9 +16,9 @@ import pytest
 from pipeline.settings import ROOT
 
 # bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes; measured.py,
-# s3_native.py and slow_store.py are parts of the others
+# processes.py, s3_native.py and slow_store.py are parts of the others
 BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")
-                 if p.name not in ("measured.py", "node_loss.py", "s3_native.py", "slow_store.py"))
+                 if p.name not in ("measured.py", "node_loss.py", "processes.py", "s3_native.py", "slow_store.py"))
 
 
 @pytest.mark.parametrize("bench", BENCHES)
