@@ -138,6 +138,22 @@ def write_env(work: Path, run_id: str, redis_url: str, smtp_url: str, bounce_rat
     (work / "services.json").write_text(json.dumps({"redis": redis_url, "smtp": smtp_url, "bounce_rate": bounce_rate}))
 
 
+def _wait_free(port: int, wait_s: float = 5.0) -> None:
+    """Waits for the port to be free, as it is once services just killed have exited: a service
+    started while the old one still listened would be taken for up by the old one's answer,
+    then fail to bind and leave nothing listening (a `close` right after met Connection refused).
+    Still taken after `wait_s`: the start fails below, saying they may be running already."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind: a listener refuses it,
+            try:                                                     # a closed connection's TIME_WAIT does not
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                time.sleep(0.05)
+
+
 def serve_again(work: Path) -> int:
     """`demo --services`: the demo's Redis and SMTP sink on the ports its run recorded, left
     running in the background once they listen; their PIDs in DIR/services.pid for `kill`."""
@@ -147,6 +163,8 @@ def serve_again(work: Path) -> int:
     urls = json.loads(recorded.read_text())
     port = lambda url: int(url.rsplit(":", 1)[1].split("/")[0])  # noqa: E731
     started = []
+    for url in (urls["redis"], urls["smtp"]):
+        _wait_free(port(url))
     try:
         started.append(start_redis(work / "redis", port=port(urls["redis"])))
         started.append(start_smtp_sink(work / "outbox", work / "smtp.log", sink_args(work, urls["bounce_rate"]),
