@@ -47,16 +47,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: float = 20) -> None:
+def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: float = 20, own: bool = False) -> None:
+    """Until something answers on the port; with `own`, until `process` itself listens on it:
+    another listener's answer (the Redis a `kill` is still taking down, or a program that took the
+    port after free_port) would pass for ours, which then failed to bind and left nobody there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise EmbeddedError(f"{name} exited with code {process.returncode} before listening on {port}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
+        if own:
+            if listening(process.pid, port):
+                return
+        else:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
         time.sleep(0.05)
     process.kill()
     raise EmbeddedError(f"{name} did not listen on port {port} within {timeout_s} s")
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port` (IPv4 or IPv6), from /proc:
+    the listening sockets' inodes in /proc/net/tcp*, against the sockets among its descriptors."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            next(rows)  # the column names
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return True
+    return False
 
 
 def start_redis(workdir: Path, aof: bool = True, port: int | None = None, tls_dir: Path | None = None) -> Service:
@@ -78,7 +106,7 @@ def start_redis(workdir: Path, aof: bool = True, port: int | None = None, tls_di
         [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port, process, "redis-server")
+    wait_for_port(port, process, "redis-server", own=True)
     if tls_dir is None:
         return Service("redis", process, f"redis://127.0.0.1:{port}/0")
     return Service("redis", process, with_tls_files(f"rediss://127.0.0.1:{port}/0", str(tls_dir)))
@@ -140,9 +168,8 @@ def write_env(work: Path, run_id: str, redis_url: str, smtp_url: str, bounce_rat
 
 def _wait_free(port: int, wait_s: float = 5.0) -> None:
     """Waits for the port to be free, as it is once services just killed have exited: a service
-    started while the old one still listened would be taken for up by the old one's answer,
-    then fail to bind and leave nothing listening (a `close` right after met Connection refused).
-    Still taken after `wait_s`: the start fails below, saying they may be running already."""
+    started while the old one still listened would fail to bind. Still taken after `wait_s`: the
+    start fails below, saying they may be running already."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         with socket.socket() as s:

@@ -149,3 +149,27 @@ def test_a_paced_relay_s_send_times_are_asked_of_redis_off_the_event_loop(tmp_pa
             service.stop()
     assert waited > 2.5, waited
     assert max(gaps) < 1.0, f"the event loop was held {max(gaps):.1f} s while Redis was away"
+
+
+def test_a_redis_started_on_a_port_another_program_listens_on_fails_rather_than_pass_for_it(tmp_path):
+    """The start waited for an answer on the port: anybody's. A listener already there (the Redis
+    a `kill` is still taking down, or a program that took the port after free_port) answered, the
+    new redis-server failed to bind, and the caller was handed a URL with nobody of ours behind it."""
+    import socket
+
+    from pipeline.embedded import EmbeddedError
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(EmbeddedError, match=rf"redis-server exited with code \d+ before listening on {port}"):
+            start_redis(tmp_path / "redis", port=port).stop()
+    server = start_redis(tmp_path / "redis", port=port)  # the port free again: ours, and it answers
+    try:
+        state = RunState(server.url, "ours")
+        state.update_meta(up=1)
+        assert state.meta().get("up") == "1"
+    finally:
+        server.stop()
