@@ -183,6 +183,28 @@ class Said:
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
+    @classmethod
+    def signing(cls, hsm, server, *args: str) -> "Said":
+        """SIGN_THROUGH_RESTARTS through `server`, once its threads sign (`args`: after the pause)."""
+        signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
+                                   hsm.key_label, "300", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+                                  env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
+        try:
+            signer.stdin.write(hsm.pin_file.read_text() + "\n")
+            signer.stdin.flush()
+            assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
+        except BaseException:
+            signer.kill()
+            raise
+        return cls(signer)
+
+    def __enter__(self) -> "Said":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.signer.kill()
+
     def _read(self) -> None:
         for line in self.signer.stderr:
             self.lines.append(line)
@@ -216,27 +238,19 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, t
     told to stop, not for a fixed time."""
     sock = tmp_path / "p11.sock"
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
-    signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                               hsm.key_label, "300"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=PROJECT,
-                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
     try:
-        signer.stdin.write(hsm.pin_file.read_text() + "\n")
-        signer.stdin.flush()
-        assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
-        said = Said(signer)
-        for times in range(1, 4):  # the HSM lost and back, mid-signature
-            time.sleep(1.0)
-            server.kill()
-            time.sleep(0.3)
-            server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
-            said.back(times)
-        time.sleep(1.0)  # signatures through the last start
-        out, err = said.stop()
+        with Said.signing(hsm, server) as said:
+            for times in range(1, 4):  # the HSM lost and back, mid-signature
+                time.sleep(1.0)
+                server.kill()
+                time.sleep(0.3)
+                server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+                said.back(times)
+            time.sleep(1.0)  # signatures through the last start
+            out, err = said.stop()
     finally:
-        signer.kill()
         server.stop()
-    assert signer.returncode == 0, err[-1500:]
+    assert said.signer.returncode == 0, err[-1500:]
     seen = json.loads(out.strip().splitlines()[-1])
     reconnections = seen["reinits"] + seen["libraries"] - 1  # a fresh instance of the module is one too
     assert reconnections >= 3 and seen["signed"] > 0 and seen["errors"] == [], seen
@@ -285,28 +299,20 @@ def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "cut_short.c"), "-ldl"], check=True)
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
                                                                         "CUT_SHORT": str(trigger)})
-    signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                               hsm.key_label, "300", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=PROJECT,
-                              env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
     try:
-        signer.stdin.write(hsm.pin_file.read_text() + "\n")
-        signer.stdin.flush()
-        assert signer.stdout.readline().strip() == "signing", signer.stderr.read()[-1500:]
-        said = Said(signer)
-        time.sleep(1.0)
-        trigger.touch()  # the next reply is cut short
-        server.process.wait(timeout=30)
-        assert not trigger.exists(), "the server died mid-reply"
-        time.sleep(0.3)
-        server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
-        said.back(1)
-        time.sleep(1.0)  # signatures through the fresh instance
-        out, err = said.stop()
+        with Said.signing(hsm, server, "0") as said:
+            time.sleep(1.0)
+            trigger.touch()  # the next reply is cut short
+            server.process.wait(timeout=30)
+            assert not trigger.exists(), "the server died mid-reply"
+            time.sleep(0.3)
+            server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+            said.back(1)
+            time.sleep(1.0)  # signatures through the fresh instance
+            out, err = said.stop()
     finally:
-        signer.kill()
         server.stop()
-    assert signer.returncode == 0, err[-1500:]
+    assert said.signer.returncode == 0, err[-1500:]
     seen = json.loads(out.strip().splitlines()[-1])
     assert "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
     assert seen["signed"] > 0 and seen["errors"] == [], seen
