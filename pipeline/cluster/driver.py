@@ -204,10 +204,14 @@ def shard_rows_task(settings: Settings, run_id: str, shard: int, assembled=None)
     return open_store(settings.store_url).get(keys.shard_key(run_id, shard))
 
 
-@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+@ray.remote(num_cpus=1, resources={"render": 0.001}, max_retries=3)  # on a render node, by its CPUs: see below
 def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
     """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB. What
-    Typst memoised for it is dropped after: the next range shares none of it (render.forget)."""
+    Typst memoised for it is dropped after: the next range shares none of it (render.forget).
+    A range holds a CPU, not a render slot: the render task waiting on the ranges keeps its slot
+    (Ray lends a blocked task's CPUs, not its custom resources), so ranges that each asked for a
+    slot ran on one core fewer than the node has, one at a time on two cores (where Typst's own
+    threads filled both cores either way: the 1,961-page note took as long)."""
     pdf = render(part, tagged)
     try:
         forget()
@@ -220,7 +224,7 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
     """A shard's notes: those of a few pages compiled together here; each huge one (a volatile
     day's 2000 pages) cut into page ranges rendered in parallel, then merged with continuous page
     numbers. The ranges are asked for first, so they run while this task compiles the rest; while
-    it then waits on them, Ray lends its CPU to the range tasks. Each note's PDF, or its error."""
+    it then waits on them, Ray lends its CPU to a range. Each note's PDF, or its error."""
     huge = {i: [render_pages_task.options(name="render pages").remote(
                 page_range(note, a, min(a + RANGE_PAGES, n)), tagged) for a in range(0, n, RANGE_PAGES)]
             for i, note in enumerate(notes) if (n := note["total_pages"]) > PARALLEL_FROM_PAGES}
