@@ -156,8 +156,8 @@ def main() -> None:
     if args.row:
         print(one_row(args.row))
         return
-    if args.huge:
-        print(json.dumps(huge_alone(args.pages)))
+    if args.huge:  # in a process of its own: the ratios' corpora and the baseline's memo stay out of its peak
+        print(json.dumps(huge(args.pages)))
         return
 
     _, typical = corpus(120)
@@ -184,33 +184,32 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def huge_alone(pages: int) -> dict:
-    """The huge note in a process of its own, as a render worker that has rendered shards before
-    builds it: first 240 typical notes in batches (eleven compiles: Typst's memo of the last ten
-    held, as a worker's is), then the note. Measured in the bench's own process, the peak was
-    that process's: the ratios' corpora, the per-cell baseline's compiles and their memo, ~440 MB
-    no render task carries (1,021 MB, of which the note's work 577 MB, one run on 11-29)."""
-    _, typical = corpus(240)
-    render_all(typical)
-    del typical
-    return huge(pages)
-
-
 def huge(pages: int) -> dict:
-    """Trades to a merged PDF through the product's own render_notes, on a local Ray;
-    a sampler thread records the peak RSS of every process under this one."""
+    """Trades to a merged PDF through the product's own note_data and render_notes, in a Ray
+    task that holds a render slot as render_task does, on a local Ray of the machine's cores:
+    its ranges then run beside a task that waits on them, as a shard's do (the bench's process
+    asking for them had the two slots to them, which the product's did not: see
+    render_pages_task). That task first renders 240 typical notes in batches (eleven compiles:
+    Typst's memo of the last ten held), as a render worker that has rendered shards has. A
+    sampler thread records the peak RSS of every process under this one."""
     import psutil
     import ray
 
-    from pipeline.cluster.driver import RANGE_PAGES, render_notes
+    from pipeline.cluster.driver import RANGE_PAGES
     from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
     ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})  # the dashboard: Ray's task events, for the tasks' times
-    warm = ray.remote(num_cpus=1, resources={"render": 1})(lambda: render(note_for(trades(3, 1), 1)) and None)
-    ray.get([warm.remote() for _ in range(cores)])
+    # As a render node's workers are once it has rendered shards: one a slot, and the one the
+    # waiting render task's lent CPU calls for (started once a node, then kept). Without it the
+    # ranges' first moments went to starting that worker (~1 CPU-s of imports and fonts).
+    def warm() -> None:
+        render(note_for(trades(3, 1), 1))
+        time.sleep(1)  # the others start meanwhile, each in a worker of its own
+
+    ray.get([ray.remote(num_cpus=0)(warm).remote() for _ in range(cores + 1)])
     peak, stop = {"kb": 0}, threading.Event()
 
     def sample() -> None:
@@ -225,26 +224,21 @@ def huge(pages: int) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    rows = [t.as_row() for t in trades(pages * ROWS_PER_PAGE, seed=7)]  # as a shard file holds them
-    started = time.perf_counter()
-    note = note_data({"trades": rows, "note_no": "CNT-26/27-0000001"}, CLIENT, TRADE_DATE,
-                     trading_calendar.settlement_dates(TRADE_DATE))
-    built, built_epoch = time.perf_counter(), time.time()
-    [pdf] = render_notes([note])
-    finished, finished_epoch = time.perf_counter(), time.time()
+    done = ray.get(ray.remote(num_cpus=1, resources={"render": 1})(_volatile_shard).remote(pages))  # as render_task
     stop.set()
     sampler.join()
-    ranges = _range_tasks(-(-note["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
+    started, built, finished = done["started"], done["built"], done["finished"]
+    ranges = _range_tasks(-(-done["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
     slots = RENDER.vcpus  # one render task a vCPU, as the render node type's `render` resources say
-    submit_s = max(asked for asked, _, _ in ranges) - built_epoch  # the ranges cut from the note and handed to Ray
-    merge_s = finished_epoch - max(end for _, _, end in ranges)
+    submit_s = max(asked for asked, _, _ in ranges) - built  # the ranges cut from the note and handed to Ray
+    merge_s = finished - max(end for _, _, end in ranges)
     return {
-        "pages_2000_pages": _pages(pdf),
+        "pages_2000_pages": done["pages"],
         "pages_2000_wall_s": round(finished - started, 2),
         "pages_2000_build_s": round(built - started, 2),
         "pages_2000_render_merge_s": round(finished - built, 2),
-        "pages_2000_pdf_mb": round(len(pdf) / 2**20, 1),
+        "pages_2000_pdf_mb": done["pdf_mb"],
         "pages_2000_peak_rss_mb": round(peak["kb"] / 1024),
         "pages_2000_range_tasks": len(ranges),
         "pages_2000_range_task_s": [round(min(e - b for _, b, e in ranges), 2),
@@ -256,6 +250,25 @@ def huge(pages: int) -> dict:
         "pages_2000_on_render_node_s": round(built - started + submit_s
                                              + _makespan([e - b for _, b, e in ranges], slots) + merge_s, 2),
     }
+
+
+def _volatile_shard(pages: int) -> dict:
+    """In a render task's place: the note built from its shard rows and rendered, timed by the
+    wall clock (epoch seconds, to set beside Ray's task events)."""
+    from pipeline.cluster.driver import render_notes
+
+    _, typical = corpus(240)
+    render_all(typical)
+    del typical
+    rows = [t.as_row() for t in trades(pages * ROWS_PER_PAGE, seed=7)]  # as a shard file holds them
+    started = time.time()
+    note = note_data({"trades": rows, "note_no": "CNT-26/27-0000001"}, CLIENT, TRADE_DATE,
+                     trading_calendar.settlement_dates(TRADE_DATE))
+    built = time.time()
+    [pdf] = render_notes([note])
+    finished = time.time()
+    return {"started": started, "built": built, "finished": finished, "total_pages": note["total_pages"],
+            "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1)}
 
 
 def _range_tasks(expected: int, address: str) -> list[tuple[float, float, float]]:
