@@ -28,6 +28,7 @@ from typing import Callable
 
 import ray
 import redis
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from actors import metrics
@@ -160,7 +161,10 @@ def _start_reaper() -> None:
                                    stdin=subprocess.PIPE, start_new_session=True)
 
 
-@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+RENDER_SLOT = {"num_cpus": 1, "resources": {"render": 1}}  # a render task's: one of a render node's slots
+
+
+@ray.remote(**RENDER_SLOT, max_retries=3)
 def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
                 only: frozenset[str] | None, force: bool = False, resume: bool = False, assembled=None,
                 part: tuple[int, int | None] | None = None, lease: str = "", skip: frozenset[str] = frozenset(),
@@ -204,14 +208,14 @@ def shard_rows_task(settings: Settings, run_id: str, shard: int, assembled=None)
     return open_store(settings.store_url).get(keys.shard_key(run_id, shard))
 
 
-@ray.remote(num_cpus=1, resources={"render": 0.001}, max_retries=3)  # on a render node, by its CPUs: see below
+@ray.remote(num_cpus=1, max_retries=3)  # on the node of the render task that asks (render_notes)
 def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
     """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB. What
     Typst memoised for it is dropped after: the next range shares none of it (render.forget).
-    A range holds a CPU, not a render slot: the render task waiting on the ranges keeps its slot
-    (Ray lends a blocked task's CPUs, not its custom resources), so ranges that each asked for a
-    slot ran on one core fewer than the node has, one at a time on two cores (where Typst's own
-    threads filled both cores either way: the 1,961-page note took as long)."""
+    A range holds a CPU of its render task's node, not a render slot: the render task waiting on
+    the ranges keeps its slot (Ray lends a blocked task's CPUs, not its custom resources), so a
+    range that needed a slot could not have the CPU it lends, and with every slot held by such
+    tasks no range could run at all."""
     pdf = render(part, tagged)
     try:
         forget()
@@ -224,10 +228,14 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
     """A shard's notes: those of a few pages compiled together here; each huge one (a volatile
     day's 2000 pages) cut into page ranges rendered in parallel, then merged with continuous page
     numbers. The ranges are asked for first, so they run while this task compiles the rest; while
-    it then waits on them, Ray lends its CPU to a range. Each note's PDF, or its error."""
-    huge = {i: [render_pages_task.options(name="render pages").remote(
-                page_range(note, a, min(a + RANGE_PAGES, n)), tagged) for a in range(0, n, RANGE_PAGES)]
-            for i, note in enumerate(notes) if (n := note["total_pages"]) > PARALLEL_FROM_PAGES}
+    it then waits on them, Ray lends its CPU to a range. They run on this task's node (its loss is
+    this task's, which Ray runs again elsewhere). Each note's PDF, or its error."""
+    huge = {i: note for i, note in enumerate(notes) if note["total_pages"] > PARALLEL_FROM_PAGES}
+    if huge:
+        ranges = render_pages_task.options(name="render pages", scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False))
+        huge = {i: [ranges.remote(page_range(note, a, min(a + RANGE_PAGES, note["total_pages"])), tagged)
+                    for a in range(0, note["total_pages"], RANGE_PAGES)] for i, note in huge.items()}
     small = iter(render_all([note for i, note in enumerate(notes) if i not in huge], tagged))
     return [_merged(huge[i]) if i in huge else next(small) for i in range(len(notes))]
 
