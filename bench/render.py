@@ -13,10 +13,10 @@
                           ranges cut and handed to Ray, the merge: the parts of the one below
   pages_2000_on_render_node_s
                           the same note's wall seconds projected on one render node (plan's
-                          c6a.8xlarge, cluster.yaml's: 32 render slots) from this run's own
+                          c6a.8xlarge, cluster.yaml's: 32 vCPUs) from this run's own
                           times: the data built (one process), the ranges cut and handed to Ray (until the last is
                           asked for), each range's task as Ray's task events time it (in the order
-                          Ray was given them, each to the first free slot, from the last one asked
+                          Ray was given them, each to the first free vCPU, from the last one asked
                           for: an overestimate), the merge
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
@@ -186,30 +186,25 @@ def main() -> None:
 
 def huge(pages: int) -> dict:
     """Trades to a merged PDF through the product's own note_data and render_notes, in a Ray
-    task that holds a render slot as render_task does, on a local Ray of the machine's cores:
-    its ranges then run beside a task that waits on them, as a shard's do (the bench's process
-    asking for them had the two slots to them, which the product's did not: see
-    render_pages_task). That task first renders 240 typical notes in batches (eleven compiles:
+    task that holds a render slot as render_task does, on a local Ray of the machine's cores,
+    its workers warm. That task first renders 240 typical notes in batches (eleven compiles:
     Typst's memo of the last ten held), as a render worker that has rendered shards has. A
     sampler thread records the peak RSS of every process under this one."""
     import psutil
     import ray
 
-    from pipeline.cluster.driver import RANGE_PAGES
+    from pipeline.cluster.driver import RANGE_PAGES, RENDER_SLOT
     from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
     ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})  # the dashboard: Ray's task events, for the tasks' times
-    # As a render node's workers are once it has rendered shards: one a slot, and the one the
-    # waiting render task's lent CPU calls for (started once a node, then kept). Without it the
-    # ranges' first moments went to starting that worker (~1 CPU-s of imports and fonts).
-    def warm() -> None:
-        render(note_for(trades(3, 1), 1))
-        time.sleep(1)  # the others start meanwhile, each in a worker of its own
-
-    ray.get([ray.remote(num_cpus=0)(warm).remote() for _ in range(cores + 1)])
+    # A worker a slot, as a render node's are once it has rendered shards. The range on the CPU
+    # the waiting render task lends needs one more: Ray starts it, as on a node (and stops it
+    # a second after it is idle, past a worker a CPU).
+    warm = ray.remote(**RENDER_SLOT)(lambda: render(note_for(trades(3, 1), 1)) and None)
+    ray.get([warm.remote() for _ in range(cores)])
     peak, stop = {"kb": 0}, threading.Event()
 
     def sample() -> None:
@@ -224,13 +219,13 @@ def huge(pages: int) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    done = ray.get(ray.remote(num_cpus=1, resources={"render": 1})(_volatile_shard).remote(pages))  # as render_task
+    done = ray.get(ray.remote(**RENDER_SLOT)(_volatile_shard).remote(pages))
     stop.set()
     sampler.join()
     started, built, finished = done["started"], done["built"], done["finished"]
     ranges = _range_tasks(-(-done["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
-    slots = RENDER.vcpus  # one render task a vCPU, as the render node type's `render` resources say
+    slots = RENDER.vcpus  # a range a vCPU of the render task's node
     submit_s = max(asked for asked, _, _ in ranges) - built  # the ranges cut from the note and handed to Ray
     merge_s = finished - max(end for _, _, end in ranges)
     return {
