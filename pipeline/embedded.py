@@ -48,17 +48,18 @@ def free_port() -> int:
 
 
 def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: float = 20, own: bool = False) -> None:
-    """Until something answers on the port; with `own`, until `process` itself listens on it:
-    another listener's answer (the Redis a `kill` is still taking down, or a program that took the
-    port after free_port) would pass for ours, which then failed to bind and left nobody there."""
+    """Until something answers on the port; with `own`, until `process` itself listens on it (as
+    /proc tells, where there is one): another listener's answer (the Redis a `kill` is still
+    taking down, or a program that took the port after free_port) would pass for ours, which
+    then failed to bind and left nobody there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise EmbeddedError(f"{name} exited with code {process.returncode} before listening on {port}")
-        if own:
-            if listening(process.pid, port):
+        if own and Path("/proc/net/tcp").exists():
+            if _listening(process.pid, port):
                 return
-        else:
+        else:  # anybody's answer (no /proc to tell whose)
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
         time.sleep(0.05)
@@ -66,7 +67,7 @@ def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: fl
     raise EmbeddedError(f"{name} did not listen on port {port} within {timeout_s} s")
 
 
-def listening(pid: int, port: int) -> bool:
+def _listening(pid: int, port: int) -> bool:
     """Whether process `pid` holds a socket listening on TCP `port` (IPv4 or IPv6), from /proc:
     the listening sockets' inodes in /proc/net/tcp*, against the sockets among its descriptors."""
     inodes = set()

@@ -5,12 +5,13 @@ process says once that it waits, and when Redis is back."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
 import pytest
 
-from pipeline.embedded import start_redis
+from pipeline.embedded import EmbeddedError, start_redis
 from pipeline.record.state import RunState
 from pipeline.record.waiting import RedisGone
 
@@ -155,12 +156,7 @@ def test_a_redis_started_on_a_port_another_program_listens_on_fails_rather_than_
     """The start waited for an answer on the port: anybody's. A listener already there (the Redis
     a `kill` is still taking down, or a program that took the port after free_port) answered, the
     new redis-server failed to bind, and the caller was handed a URL with nobody of ours behind it."""
-    import socket
-
-    from pipeline.embedded import EmbeddedError
-
     with socket.socket() as other:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
