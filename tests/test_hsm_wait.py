@@ -176,7 +176,8 @@ print(json.dumps({**seen, "errors": errors[:3], "gate_overlaps": key.gate.overla
 
 
 class Said:
-    """The signer's stderr, read as it comes: how many times it said the HSM is back."""
+    """A SIGN_THROUGH_RESTARTS signer, its stderr read as it comes: how many times it said the
+    HSM is back."""
 
     def __init__(self, signer: subprocess.Popen):
         self.signer, self.lines = signer, []
@@ -184,12 +185,14 @@ class Said:
         self.reader.start()
 
     @classmethod
-    def signing(cls, hsm, server, *args: str) -> "Said":
-        """SIGN_THROUGH_RESTARTS through `server`, once its threads sign (`args`: after the pause)."""
+    def signing(cls, hsm, server_url: str, hold_s: float | None = None) -> "Said":
+        """Started through the server at `server_url`, once its threads sign; `hold_s`: how long
+        each signature stays inside C_Sign (its default, unless given)."""
+        hold = [] if hold_s is None else [str(hold_s)]
         signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                                   hsm.key_label, "300", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   hsm.key_label, "300", *hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=PROJECT,
-                                  env={**os.environ, "P11_KIT_SERVER_ADDRESS": server.url})
+                                  env={**os.environ, "P11_KIT_SERVER_ADDRESS": server_url})
         try:
             signer.stdin.write(hsm.pin_file.read_text() + "\n")
             signer.stdin.flush()
@@ -204,6 +207,10 @@ class Said:
 
     def __exit__(self, *exc) -> None:
         self.signer.kill()
+        self.signer.wait()
+        self.reader.join(10)  # at the end of stderr, now the signer is gone
+        for pipe in (self.signer.stdin, self.signer.stdout, self.signer.stderr):
+            pipe.close()
 
     def _read(self) -> None:
         for line in self.signer.stderr:
@@ -239,7 +246,7 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, t
     sock = tmp_path / "p11.sock"
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
     try:
-        with Said.signing(hsm, server) as said:
+        with Said.signing(hsm, server.url) as said:
             for times in range(1, 4):  # the HSM lost and back, mid-signature
                 time.sleep(1.0)
                 server.kill()
@@ -300,7 +307,7 @@ def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
                                                                         "CUT_SHORT": str(trigger)})
     try:
-        with Said.signing(hsm, server, "0") as said:
+        with Said.signing(hsm, server.url, hold_s=0) as said:
             time.sleep(1.0)
             trigger.touch()  # the next reply is cut short
             server.process.wait(timeout=30)
