@@ -228,7 +228,7 @@ def test_the_lean_faces_are_made_from_the_system_fonts_and_named_apart(tmp_path,
             assert font["name"].getDebugName(6) == face  # the name a PDF shows
             assert "fpgm" not in font and 0x20B9 in font.getBestCmap()
             # the trade table's faces shape without layout tables; the text faces keep their kerning
-            assert ("GSUB" in font, "GPOS" in font) == ((False, False) if "Mono" in face else (True, True)), face
+            assert ("GSUB" in font, "GPOS" in font, "GDEF" in font) == (("Mono" not in face,) * 3), face
     finally:
         fonts.lean_font_dir.cache_clear()
 
