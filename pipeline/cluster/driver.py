@@ -228,8 +228,8 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
     """A shard's notes: those of a few pages compiled together here; each huge one (a volatile
     day's 2000 pages) cut into page ranges rendered in parallel, then merged with continuous page
     numbers. The ranges are asked for first, so they run while this task compiles the rest; while
-    it then waits on them, Ray lends its CPU to a range. They run on this task's node (its loss is
-    this task's, which Ray runs again elsewhere). Each note's PDF, or its error."""
+    it then waits on them, Ray lends its CPU to a range. They run on this task's node: losing the
+    node loses this task too, which Ray runs again elsewhere. Each note's PDF, or its error."""
     huge = {i: note for i, note in enumerate(notes) if note["total_pages"] > PARALLEL_FROM_PAGES}
     if huge:
         ranges = render_pages_task.options(name="render pages", scheduling_strategy=NodeAffinitySchedulingStrategy(
