@@ -53,10 +53,11 @@ def wait_for_port(port: int, process: subprocess.Popen, name: str, timeout_s: fl
     taking down, or a program that took the port after free_port) would pass for ours, which
     then failed to bind and left nobody there."""
     deadline = time.monotonic() + timeout_s
+    own = own and Path("/proc/net/tcp").exists()
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise EmbeddedError(f"{name} exited with code {process.returncode} before listening on {port}")
-        if own and Path("/proc/net/tcp").exists():
+        if own:
             if _listening(process.pid, port):
                 return
         else:  # anybody's answer (no /proc to tell whose)

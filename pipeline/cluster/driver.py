@@ -230,12 +230,13 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
     numbers. The ranges are asked for first, so they run while this task compiles the rest; while
     it then waits on them, Ray lends its CPU to a range. They run on this task's node: losing the
     node loses this task too, which Ray runs again elsewhere. Each note's PDF, or its error."""
-    huge = {i: note for i, note in enumerate(notes) if note["total_pages"] > PARALLEL_FROM_PAGES}
-    if huge:
-        ranges = render_pages_task.options(name="render pages", scheduling_strategy=NodeAffinitySchedulingStrategy(
+    pages = {i: note["total_pages"] for i, note in enumerate(notes) if note["total_pages"] > PARALLEL_FROM_PAGES}
+    huge = {}
+    if pages:
+        here = render_pages_task.options(name="render pages", scheduling_strategy=NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False))
-        huge = {i: [ranges.remote(page_range(note, a, min(a + RANGE_PAGES, note["total_pages"])), tagged)
-                    for a in range(0, note["total_pages"], RANGE_PAGES)] for i, note in huge.items()}
+        huge = {i: [here.remote(page_range(notes[i], a, min(a + RANGE_PAGES, n)), tagged) for a in range(0, n, RANGE_PAGES)]
+                for i, n in pages.items()}
     small = iter(render_all([note for i, note in enumerate(notes) if i not in huge], tagged))
     return [_merged(huge[i]) if i in huge else next(small) for i in range(len(notes))]
 
