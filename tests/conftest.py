@@ -82,6 +82,14 @@ def secrets_endpoint(session_dir):
     service.stop()
 
 
+@pytest.fixture(autouse=True)
+def _own_boto3_session(monkeypatch):
+    """Each test's `boto3.client` reads the credentials its environment holds: boto3's default
+    session keeps those of the first client a process makes (moto's "testing" ones, say), and
+    the tests' S3 server refuses them."""
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+
+
 @pytest.fixture
 def s3_bucket(s3_endpoint) -> str:
     name = f"notes-{uuid.uuid4().hex[:10]}"
