@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments the `ray up` tests and the benchmarks' smoke runs go in a pytest session of
-# their own beside the rest: the `ray up` tests spend most of their minutes waiting (a simulated
-# cloud's instances, a relay paced at 0.5 mails/s), and the serial suite kept this machine's two
-# cores a quarter busy.
+# With no arguments the `ray up` tests go in a pytest session of their own beside the rest, which
+# runs in two processes: most of their minutes are spent waiting (a simulated cloud's instances, a
+# relay paced at 0.5 mails/s), and the serial suite kept this machine's two cores a quarter busy.
 # With arguments, one session runs exactly what they name (`-m quick`, the quick lane, in three
 # processes at once).
 set -euo pipefail
@@ -52,21 +51,20 @@ if (($#)); then
     exec .venv/bin/python -m pytest "$@"
 fi
 # Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud), the relays held to their rates (mostly waiting on the rates), the benchmarks' smoke
-# runs (each a process of its own, with its own Ray) and the days that lose nodes (each a process
-# of its own too). With the faults' days and the metrics agent stopped for 16 s here too, this
-# session ended last in every run recorded, by 3 s to 3 minutes (19m00s against 15m58s for the
-# rest on a quiet hour, 30m03s against 26m59s on a slow one): those two files (~2.5 minutes) went
-# back to the rest, which then ended last, 21m41s against 20m10s (22m35s in all, a busier hour than
-# the 19m43s before the move). Three sessions (the `ray up` tests in one of their own) took 33m47s:
-# on two cores the simulated cloud's nodes are busy too (16m41s beside the others, ~10 minutes among them).
-side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_benches.py tests/test_node_loss.py)
+# cloud), the relays held to their rates (mostly waiting on the rates) and the days that lose
+# nodes (each a process of its own). The rest runs in two processes (pytest-xdist, --dist
+# loadgroup): its slow tests in turn in one, on that process's one Ray; the quick tests and the
+# benchmarks' smoke runs in whichever is free (tests/conftest.py). In one process the rest took
+# 21m41s of a 22m30s suite, both cores 81% busy; in two, 15m13s, and the other session (then with
+# the benchmarks) 20m16s, so the benchmarks came over. Three sessions (the `ray up` tests in one of
+# their own) took 33m47s: on two cores the simulated cloud's nodes are busy too.
+side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_node_loss.py)
 side_log=$(mktemp -t cn-side-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
 trap 'kill "$side_pid" 2>/dev/null || true' EXIT  # this script's own session, by PID
 rest=0
-.venv/bin/python -m pytest "${side[@]/#/--ignore=}" || rest=$?
+.venv/bin/python -m pytest -n 2 --dist loadgroup "${side[@]/#/--ignore=}" || rest=$?
 side_rc=0
 wait "$side_pid" || side_rc=$?
 trap - EXIT

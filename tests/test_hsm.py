@@ -164,7 +164,7 @@ def test_a_network_hsm_gets_two_sessions_or_more_and_an_in_process_module_one(
     env = {**os.environ, "P11_KIT_SERVER_ADDRESS": link.address if link else server.url}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(len(os.sched_getaffinity(0)) if link_s else 0)]
-    opens = 3 if link_s else 8  # the case below that cannot always be told: eight opens
+    opens = 3 if link_s else 16  # the case below that cannot always be told: sixteen opens
     try:
         time.sleep(0.3)
         sessions = {module: [int(subprocess.run(
@@ -179,9 +179,11 @@ def test_a_network_hsm_gets_two_sessions_or_more_and_an_in_process_module_one(
             link.stop()
         server.stop()
     # Two opens or more, not each: with no link (0.0) the HSM's server shares this machine's CPUs, and when
-    # the test command's other session saturates them some opens read as not blocking ([2, 1, 2] twice,
-    # [1, 1, 2] once; [1, 1, 1, 2, 1] and [1, 1, 1, 1, 2] of five, each once): the case above that cannot
-    # be told, so it gets eight opens. The in-process module: one session, always.
+    # the test command's other work saturates them some opens read as not blocking ([2, 1, 2] twice,
+    # [1, 1, 2] once; [1, 1, 1, 2, 1] and [1, 1, 1, 1, 2] of five, each once; of eight, one in one run
+    # of the suite, and two to five in each of six runs beside eight busy loops, the server and the
+    # opening process at nice -10 or not): the case above that cannot be told, so it gets sixteen opens.
+    # The in-process module: one session, always.
     assert sum(n >= 2 for n in sessions[P11_KIT_CLIENT]) >= 2 and set(sessions[SOFTHSM]) == {1}, sessions
 
 

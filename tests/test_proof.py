@@ -469,7 +469,7 @@ def test_a_process_that_ends_mid_slice_fails_the_command_naming_it_not_hanging(t
 
 def test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run(tmp_path):
     """bench/fullday.py --record: close and verify at 1.5M measured again without the day's 35
-    minutes. Here, not with the other benches: the suite's other session is the longer."""
+    minutes."""
     smoke("fullday.py", "--keep", str(tmp_path), "--day-only")
     runs = smoke("fullday.py", "--record", str(tmp_path / "400"), "--runs", "2")
     assert len(runs) == 2 and all(r[f"{n}_s3"]["log_objects"] == runs[0]["close_s3"]["log_objects"] > 0
