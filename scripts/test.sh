@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments the `ray up` tests go in a pytest session of their own beside the rest, which
-# runs in two processes: most of their minutes are spent waiting (a simulated cloud's instances, a
-# relay paced at 0.5 mails/s), and the serial suite kept this machine's two cores a quarter busy.
+# With no arguments, three pytest sessions at once (below): in one, many tests spend most of their
+# minutes waiting (a simulated cloud's instances, a relay paced at 0.5 mails/s, servers starting).
 # With arguments, one session runs exactly what they name (`-m quick`, the quick lane, in three
 # processes at once).
 set -euo pipefail
@@ -44,32 +43,42 @@ ln -sf "$TOOLS/bin/versitygw-$VERSITYGW_VERSION" .venv/bin/versitygw
 if (($#)); then
     # The quick lane's tests mostly wait (their servers' start, timeouts, child processes): in one
     # process they kept a core 45% busy for 5 minutes. So it runs in three (pytest-xdist), each
-    # test taken by whichever process is free, unless the arguments say how many.
-    if [[ " $* " == *" -m quick "* && " $* " != *" -n "* ]]; then
+    # test taken by whichever process is free, unless the arguments choose (-n, --numprocesses,
+    # -p no:xdist) or need one process (--pdb).
+    if [[ " $* " == *" -m quick "* && ! " $* " =~ \ (-n|--numprocesses|--pdb|no:xdist) ]]; then
         set -- -n 3 --dist worksteal "$@"
     fi
     exec .venv/bin/python -m pytest "$@"
 fi
-# Beside the rest, in a session of their own: the `ray up` tests (mostly waiting on a simulated
-# cloud), the relays held to their rates (mostly waiting on the rates) and the days that lose
-# nodes (each a process of its own). The rest runs in two processes (pytest-xdist, --dist
-# loadgroup): its slow tests in turn in one, on that process's one Ray; the quick tests and the
-# benchmarks' smoke runs in whichever is free (tests/conftest.py). In one process the rest took
-# 21m41s of a 22m30s suite, both cores 81% busy; in two, 15m13s, and the other session (then with
-# the benchmarks) 20m16s, so the benchmarks came over. Three sessions (the `ray up` tests in one of
-# their own) took 33m47s: on two cores the simulated cloud's nodes are busy too.
+# Three sessions at once, each its own processes and log:
+# - the slow tests (Ray, whole days, demos), in turn in one process, on its one Ray;
+# - beside them, in a session of their own, the `ray up` tests (mostly waiting on a simulated
+#   cloud), the relays held to their rates (mostly waiting on the rates) and the days that lose
+#   nodes (each a process of its own);
+# - the quick tests and the benchmarks' smoke runs (each a process of its own, with a Ray of its
+#   own), in two processes (pytest-xdist), each test taken by whichever is free.
+# With the quick tests among the slow ones, in one process, that session took 21m41s of a 22m30s
+# suite, both cores 81% busy, and ended last. A fourth session, the `ray up` tests apart from the
+# other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too.
 side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_node_loss.py)
 side_log=$(mktemp -t cn-side-tests.XXXXXX)
+free_log=$(mktemp -t cn-free-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
-trap 'kill "$side_pid" 2>/dev/null || true' EXIT  # this script's own session, by PID
-rest=0
-.venv/bin/python -m pytest -n 2 --dist loadgroup "${side[@]/#/--ignore=}" || rest=$?
-side_rc=0
+.venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -m "quick or bench" "${side[@]/#/--ignore=}" \
+    >"$free_log" 2>&1 &
+free_pid=$!
+trap 'kill "$side_pid" "$free_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
+slow=0
+.venv/bin/python -m pytest -m "not quick and not bench" "${side[@]/#/--ignore=}" || slow=$?
+side_rc=0 free_rc=0
 wait "$side_pid" || side_rc=$?
+wait "$free_pid" || free_rc=$?
 trap - EXIT
-echo "=== ${side[*]}, in their own session beside the rest ==="
+echo "=== ${side[*]}, in their own session beside the slow tests ==="
 cat "$side_log"
-rm -f "$side_log"
-echo "=== pytest exit status: the rest $rest, ${side[*]} $side_rc ==="
-((rest == 0 && side_rc == 0)) || exit $((rest ? rest : side_rc))
+echo "=== the quick tests and the benchmarks' smoke runs, in two processes beside them ==="
+cat "$free_log"
+rm -f "$side_log" "$free_log"
+echo "=== pytest exit status: the slow tests $slow, ${side[*]} $side_rc, the quick ones and the benchmarks $free_rc ==="
+((slow == 0 && side_rc == 0 && free_rc == 0)) || exit $((slow ? slow : side_rc ? side_rc : free_rc))

@@ -31,9 +31,8 @@ SLOW_FILES = {"test_ray_up.py", "test_benches.py", "test_relay_rates.py", "test_
               "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py",
               "test_metrics_export.py"}
 SLOW_TESTS = {"test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run"}
-# In a session of several processes (scripts/test.sh's `-n`), the slow tests run in turn in one
-# of them, on its one Ray, beside the quick ones; but the benchmarks' smoke runs, each a process
-# of its own with a Ray of its own, go to whichever is free.
+# Each bench's smoke run is a process of its own with a Ray of its own: the test command runs
+# them beside the quick tests, in processes of their own (scripts/test.sh).
 OWN_PROCESSES = {"test_benches.py"}
 
 
@@ -42,8 +41,8 @@ def pytest_collection_modifyitems(items):
         if not SLOW_FIXTURES & set(item.fixturenames) and item.path.name not in SLOW_FILES \
                 and item.originalname not in SLOW_TESTS:
             item.add_marker(pytest.mark.quick)
-        elif item.path.name not in OWN_PROCESSES:
-            item.add_marker(pytest.mark.xdist_group("serial"))  # --dist loadgroup
+        elif item.path.name in OWN_PROCESSES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.bench)
 
 
 @pytest.fixture(scope="session")
