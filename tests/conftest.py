@@ -24,25 +24,21 @@ from tests import servers
 TRADE_DATE = "2026-11-20"
 NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's notes are one run's)
 # The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
-# cloud of namespaces, a whole demo or a benchmark. Whatever needs one of these runs in the full suite.
+# cloud of namespaces, a whole demo or a benchmark (marked `bench` where it is written: each bench
+# a process of its own with its own Ray, which scripts/test.sh runs beside the quick tests).
+# Whatever needs one of these runs in the full suite.
 SLOW_FIXTURES = {"ray_session", "cloud", "api_run", "clone"}  # clone: the README typed on a copy, after its demo
-SLOW_FILES = {"test_ray_up.py", "test_benches.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
+SLOW_FILES = {"test_ray_up.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
               "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
               "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py",
               "test_metrics_export.py"}
-SLOW_TESTS = {"test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run"}
-# Each bench's smoke run is a process of its own with a Ray of its own: the test command runs
-# them beside the quick tests, in processes of their own (scripts/test.sh).
-OWN_PROCESSES = {"test_benches.py"}
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if not SLOW_FIXTURES & set(item.fixturenames) and item.path.name not in SLOW_FILES \
-                and item.originalname not in SLOW_TESTS:
+                and not item.get_closest_marker("bench"):
             item.add_marker(pytest.mark.quick)
-        elif item.path.name in OWN_PROCESSES or item.originalname in SLOW_TESTS:
-            item.add_marker(pytest.mark.bench)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ import pytest
 
 from pipeline.settings import ROOT
 
+pytestmark = pytest.mark.bench
+
 # bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes; measured.py,
 # processes.py, s3_native.py and slow_store.py are parts of the others
 BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")

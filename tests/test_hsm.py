@@ -164,7 +164,7 @@ def test_a_network_hsm_gets_two_sessions_or_more_and_an_in_process_module_one(
     env = {**os.environ, "P11_KIT_SERVER_ADDRESS": link.address if link else server.url}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(len(os.sched_getaffinity(0)) if link_s else 0)]
-    opens = {P11_KIT_CLIENT: 3 if link_s else 16, SOFTHSM: 3}  # the case below that cannot always be told: sixteen
+    opens = {P11_KIT_CLIENT: 3 if link_s else 16, SOFTHSM: 3}  # sixteen where the case below cannot always be told
     try:
         time.sleep(0.3)
         sessions = {module: [int(subprocess.run(

@@ -467,6 +467,7 @@ def test_a_process_that_ends_mid_slice_fails_the_command_naming_it_not_hanging(t
     assert _children() - before == set()
 
 
+@pytest.mark.bench
 def test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run(tmp_path):
     """bench/fullday.py --record: close and verify at 1.5M measured again without the day's 35
     minutes."""
