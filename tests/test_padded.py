@@ -34,3 +34,23 @@ def test_a_cell_not_ascii_is_padded_by_the_twin():
     lines = native.extension(Path(content.__file__).with_name("padded.c"), "").lines
     assert lines(rows, content._LEAST_WIDTHS, (False,) * COLUMNS, content.GAP) is None
     assert content._padded(rows) == content.padded(rows) and content.padded(rows)[1][0][1].startswith("1   ")
+
+
+def test_the_compiled_wide_spaces_are_the_twin_s_and_as_wide_as_the_runs_they_replace():
+    from pipeline.note import spaced
+
+    assert spaced._spaced is not spaced.spaced, "pipeline/native.py builds it: gcc and Python's headers"
+    rng = random.Random(72)
+    for _ in range(5000):
+        line = "".join(rng.choice(["a", "1,0", " ", "  ", " " * rng.randint(3, 90), "É", "\u2003"])
+                       for _ in range(rng.randint(0, 14)))
+        out = spaced._spaced(line)
+        assert out == spaced.spaced(line)
+        assert sum(spaced.WIDE_SPACES.get(ord(c), 1) for c in out) == len(line)  # each cell where it was
+        assert [t for t in out.split() if t] == line.split()  # str.split() takes them as spaces, as pdftotext does
+
+
+def test_a_wide_space_in_a_cell_stays_one_cell():
+    from pipeline.note import spaced
+
+    assert spaced._spaced("A\u2003B  C") == "A B\u2002C"

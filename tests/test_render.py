@@ -229,6 +229,9 @@ def test_the_lean_faces_are_made_from_the_system_fonts_and_named_apart(tmp_path,
             assert "fpgm" not in font and 0x20B9 in font.getBestCmap()
             # the trade table's faces shape without layout tables; the text faces keep their kerning
             assert ("GSUB" in font, "GPOS" in font, "GDEF" in font) == (("Mono" not in face,) * 3), face
+            if "Mono" in face:  # the padding's wide spaces (pipeline/note/spaced.py)
+                cmap, advance = font.getBestCmap(), font["hmtx"]
+                assert {c: advance[cmap[c]][0] / advance[cmap[0x20]][0] for c in fonts.WIDE_SPACES} == fonts.WIDE_SPACES
     finally:
         fonts.lean_font_dir.cache_clear()
 
@@ -241,10 +244,35 @@ def test_without_the_system_faces_to_make_them_from_notes_render_with_the_system
     try:
         assert fonts.lean_font_dir() is None
         assert "render with the system's fonts" in caplog.text
-        faces = embedded_faces(_Compiler().compile([sample_note(3)], tagged=False))
+        system = _Compiler()
+        assert not system.spaced  # the system's wide spaces are a cell wide: the padding stays spaces
+        faces = embedded_faces(system.compile([sample_note(3)], tagged=False))
         assert "fpgm" in faces["NotoSans-Regular"]  # the system's own, hinted
     finally:
         fonts.lean_font_dir.cache_clear()
+
+
+def test_padding_set_as_wide_spaces_leaves_every_page_the_same_to_the_pixel(tmp_path):
+    """The table's padding as the lean faces' wide spaces (pipeline/note/spaced.py) against the
+    same note's spaces, one glyph a cell: the same pixels on every page, the same words."""
+    ts = sample_trades(90, mixed=True)
+    b = broker()
+    note = build_note(sample_client(), ts, compute(ts, TRADE_DATE, True, b["tariff"]), b, TRADE_DATE, "CNT-26/27-0000042")
+    spaced, plain = _Compiler(), _Compiler()
+    plain.spaced = False
+    assert spaced.spaced, "the lean faces: fontTools and the system's Noto faces"
+    pdfs = {"spaced": spaced.compile([note], tagged=False), "plain": plain.compile([note], tagged=False)}
+    assert len(pdfs["spaced"]) < len(pdfs["plain"])  # fewer glyphs written
+    pixels, words = {}, {}
+    for kind, pdf in pdfs.items():
+        (tmp_path / f"{kind}.pdf").write_bytes(pdf)
+        subprocess.run(["pdftoppm", "-r", "100", "-gray", str(tmp_path / f"{kind}.pdf"), str(tmp_path / kind)],
+                       check=True)
+        pixels[kind] = [p.read_bytes() for p in sorted(tmp_path.glob(f"{kind}-*.pgm"))]
+        words[kind] = pdf_text(pdf, tmp_path).split()
+    assert len(pixels["spaced"]) == note["total_pages"] > 2
+    assert pixels["spaced"] == pixels["plain"]
+    assert words["spaced"] == words["plain"]
 
 
 def test_the_note_file_lives_only_for_its_compile_in_a_directory_of_the_process_own(tmp_path):

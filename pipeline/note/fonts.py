@@ -8,6 +8,10 @@ GPOS, GDEF): they hold nothing Typst applies to the trade table's text (no kerni
 ligatures; numerators, fractions, small capitals and other languages' letter forms only when
 asked for), yet shaping still went through them: without them a dense page's compile took
 3.4% fewer instructions and a typical note's 2.3%, its pages the same pixel for pixel.
+In the monospaced copies, five space characters the notes' other text never sets in them
+(U+2002 to U+2006) become blank glyphs 2, 4, 8, 16 and 32 cells wide: a run of a table's padding
+spaces is set as a few of them (pipeline/note/spaced.py), where it was a glyph a cell shaped,
+laid out and written one by one, 38% of a dense page's glyphs.
 The copies are named "CN Noto Sans" and "CN Noto Sans Mono" (the PostScript names are kept),
 so the template's font lists can name them first and fall back to the full system faces for
 any character a client's name brings from outside them. A machine that cannot make them
@@ -34,7 +38,8 @@ FACES = ["NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular", "NotoSansM
 # the dotted circle that shaping inserts before a stray combining mark.
 UNICODES = "U+0020-007E,U+00A0-017F,U+2000-206F,U+20B9,U+2212,U+25CC"
 MONO_DROPPED = ("GSUB", "GPOS", "GDEF")
-RECIPE = f"v2 {UNICODES} no-hinting all-layout-features mono-without-layout"  # a new recipe makes a new directory
+WIDE_SPACES = {0x2002: 2, 0x2003: 4, 0x2004: 8, 0x2005: 16, 0x2006: 32}  # in the mono faces: cells wide
+RECIPE = f"v3 {UNICODES} no-hinting all-layout-features mono-without-layout wide-spaces {sorted(WIDE_SPACES.items())}"  # a new recipe makes a new directory
 
 
 @functools.cache
@@ -74,6 +79,7 @@ def _make(sources: list[Path], target: Path) -> None:
                 for table in MONO_DROPPED:
                     if table in font:
                         del font[table]
+                _widen_spaces(font)
             _rename_family(font)
             subset.save_font(font, str(partial / source.name), options)
         try:
@@ -84,6 +90,17 @@ def _make(sources: list[Path], target: Path) -> None:
             # another worker finished first: its faces are the same
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # a failed or beaten build leaves nothing
+
+
+def _widen_spaces(font) -> None:
+    """WIDE_SPACES' glyphs made that many cells wide (a cell: the space's advance)."""
+    cmap, metrics = font.getBestCmap(), font["hmtx"]
+    cell = metrics[cmap[0x20]][0]
+    for char, cells in WIDE_SPACES.items():
+        glyph = cmap[char]
+        if font["glyf"][glyph].numberOfContours != 0 or list(cmap.values()).count(glyph) != 1:
+            raise ValueError(f"U+{char:04X} is not a blank glyph of its own in {font['name'].getDebugName(4)}")
+        metrics[glyph] = (cell * cells, 0)
 
 
 def _rename_family(font) -> None:

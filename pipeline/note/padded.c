@@ -123,8 +123,57 @@ fail:
     return NULL;
 }
 
+/* spaced(line) -> str or None: pipeline/note/spaced.py's spaced(), for an ASCII line (None for
+ * any other): each run of two or more spaces as the wide spaces of its width, widest first
+ * (WIDE: U+2002 to U+2006, 2 to 32 cells), an odd cell as a space. */
+#define WIDE_FIRST 0x2002
+#define WIDE_KINDS 5
+
+static PyObject *spaced(PyObject *self, PyObject *line)
+{
+    if (!PyUnicode_CheckExact(line) || !PyUnicode_IS_ASCII(line))
+        Py_RETURN_NONE;
+    const unsigned char *in = PyUnicode_1BYTE_DATA(line);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(line), size = 0, runs = 0;
+    for (Py_ssize_t i = 0; i < n;) {
+        if (in[i] != ' ' || i + 1 == n || in[i + 1] != ' ') {
+            size++, i++;
+            continue;
+        }
+        Py_ssize_t run = 0;
+        while (i < n && in[i] == ' ')
+            run++, i++;
+        size += run / (1 << WIDE_KINDS) + __builtin_popcountll(run % (1 << WIDE_KINDS));
+        runs++;
+    }
+    if (runs == 0)
+        return Py_NewRef(line);
+    PyObject *out = PyUnicode_New(size, 0xffff);
+    if (out == NULL)
+        return NULL;
+    Py_UCS2 *o = PyUnicode_2BYTE_DATA(out);
+    for (Py_ssize_t i = 0; i < n;) {
+        if (in[i] != ' ' || i + 1 == n || in[i + 1] != ' ') {
+            *o++ = in[i++];
+            continue;
+        }
+        Py_ssize_t run = 0;
+        while (i < n && in[i] == ' ')
+            run++, i++;
+        for (; run >= (1 << WIDE_KINDS); run -= 1 << WIDE_KINDS)
+            *o++ = WIDE_FIRST + WIDE_KINDS - 1;
+        for (int k = WIDE_KINDS - 1; k >= 1; k--)
+            if (run & (1 << k))
+                *o++ = WIDE_FIRST + k - 1;
+        if (run & 1)
+            *o++ = ' ';
+    }
+    return out;
+}
+
 static PyMethodDef METHODS[] = {
     {"lines", (PyCFunction)(void (*)(void))lines, METH_FASTCALL, "lines(rows, least, right, gap): widths, lines"},
+    {"spaced", spaced, METH_O, "spaced(line): its runs of spaces as wide spaces, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,6 +29,7 @@ import typst
 
 from pipeline.note.assemble import PaginationError, split
 from pipeline.note.fonts import lean_font_dir
+from pipeline.note.spaced import spaced_note
 from pipeline.settings import TEMPLATES
 
 TEMPLATE = TEMPLATES / "contract_note.typ"
@@ -63,12 +64,13 @@ class _Compiler:
         fonts = lean_font_dir()
         self.typst = typst.Compiler(str(self.dir / TEMPLATE.name), root=str(self.dir),
                                     font_paths=[str(fonts)] if fonts else [])
+        self.spaced = fonts is not None  # the lean faces' wide spaces: the system's are a cell wide
         self.lock = threading.Lock()  # one note file, and typst-py's compiler is not re-entrant
 
     def compile(self, notes: list[dict], tagged: bool) -> bytes:
         path = self.dir / NOTES_FILE
         with self.lock:
-            path.write_text(json.dumps(notes))
+            path.write_text(json.dumps([spaced_note(note) for note in notes] if self.spaced else notes))
             try:
                 return self.typst.compile(format="pdf", pdf_tags=tagged)
             finally:
