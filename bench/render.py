@@ -6,6 +6,8 @@
   pages_2000_wall_s       wall seconds from a shard's trade rows to one merged PDF of about
                           2000 pages: parsing, charges, note data, page ranges rendered in
                           parallel on local Ray, merge (the render task's note_data and render_notes)
+  pages_2000_cpu_s        every core's busy seconds (/proc/stat) over those wall seconds: every
+                          process's CPU, Ray's own too (the machine to itself: anything else counts)
   pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work (the note's in a process
                           of its own that first renders typical notes, as a render worker has)
   pages_2000_range_task_s, pages_2000_range_tasks_sum_s, pages_2000_submit_s, pages_2000_merge_s
@@ -47,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import measured  # noqa: E402
+from bench.e2e import busy_s  # noqa: E402
 
 import typst  # noqa: E402
 
@@ -205,11 +208,12 @@ def huge(pages: int) -> dict:
     # a second after it is idle, past a worker a CPU).
     warm = ray.remote(**RENDER_SLOT)(lambda: render(note_for(trades(3, 1), 1)) and None)
     ray.get([warm.remote() for _ in range(cores)])
-    peak, stop = {"kb": 0}, threading.Event()
+    peak, busy, stop = {"kb": 0}, [], threading.Event()
 
     def sample() -> None:
         me = psutil.Process()
         while not stop.is_set():
+            busy.append((time.time(), busy_s()))
             for proc in [me, *me.children(recursive=True)]:
                 try:
                     peak["kb"] = max(peak["kb"], proc.memory_info().rss // 1024)
@@ -233,6 +237,7 @@ def huge(pages: int) -> dict:
         "pages_2000_wall_s": round(finished - started, 2),
         "pages_2000_build_s": round(built - started, 2),
         "pages_2000_render_merge_s": round(finished - built, 2),
+        "pages_2000_cpu_s": round(_at(busy, finished) - _at(busy, started), 2),
         "pages_2000_pdf_mb": done["pdf_mb"],
         "pages_2000_peak_rss_mb": round(peak["kb"] / 1024),
         "pages_2000_range_tasks": len(ranges),
@@ -282,6 +287,13 @@ def _range_tasks(expected: int, address: str) -> list[tuple[float, float, float]
         raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' times")
     return [(t.creation_time_ms / 1000, t.start_time_ms / 1000, t.end_time_ms / 1000)
             for t in sorted(tasks, key=lambda t: t.creation_time_ms)]
+
+
+def _at(samples: list[tuple[float, float]], when: float) -> float:
+    """The busy seconds at `when`, between the two samples (time, busy) around it."""
+    after = next(i for i, (t, _) in enumerate(samples) if t >= when)
+    (t0, b0), (t1, b1) = samples[max(0, after - 1)], samples[after]
+    return b0 + (b1 - b0) * ((when - t0) / (t1 - t0) if t1 > t0 else 0)
 
 
 def _makespan(durations: list[float], slots: int) -> float:
