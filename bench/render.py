@@ -212,9 +212,10 @@ def huge(pages: int) -> dict:
     peak, busy, stop = {"kb": 0}, [], threading.Event()
 
     def sample() -> None:
-        """The cores' busy time every 50 ms; every 250 ms each process's peak RSS so far (the
-        kernel's VmHWM, so no peak falls between samples): reading every process's RSS every
-        50 ms took 6.5% of a core from the note it measured."""
+        """The cores' busy time every 50 ms; every 250 ms each live process's peak RSS so far (the
+        kernel's VmHWM: a peak between two reads is still seen, unless its process ends before
+        the next; the warm-up's count too): reading every process's RSS every 50 ms took 6.5%
+        of a core from the note it measured."""
         me = psutil.Process()
         for tick in itertools.count():
             busy.append((time.time(), busy_s()))
@@ -305,7 +306,9 @@ def _peak_kb(pid: int) -> int:
 
 def _at(samples: list[tuple[float, float]], when: float) -> float:
     """The busy seconds at `when`, between the two samples (time, busy) around it."""
-    after = next(i for i, (t, _) in enumerate(samples) if t >= when)
+    after = next((i for i, (t, _) in enumerate(samples) if t >= when), None)
+    if after is None:
+        raise RuntimeError(f"no busy-time sample at or after {when}: the sampler stopped early")
     (t0, b0), (t1, b1) = samples[max(0, after - 1)], samples[after]
     return b0 + (b1 - b0) * ((when - t0) / (t1 - t0) if t1 > t0 else 0)
 

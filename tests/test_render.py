@@ -170,6 +170,8 @@ def test_a_note_typst_cannot_compile_fails_alone_and_its_compile_mates_render(tm
     assert isinstance(pdfs[1], RenderError) and notes[1]["note"]["number"] in str(pdfs[1])
     for i in (0, 2):
         assert_only_its_own(pdfs[i], notes[i], [n for n in notes if n is not notes[i]], tmp_path)
+    notes[1]["pages"][0]["groups"][0]["lines"] = "a  line"  # a text, not lines: not spaced into a list of letters
+    assert isinstance(render_all(notes)[1], RenderError)
 
 
 def pdf_info(pdf: bytes, tmp_path: Path) -> dict[str, str]:
@@ -232,6 +234,38 @@ def test_the_lean_faces_are_made_from_the_system_fonts_and_named_apart(tmp_path,
             if "Mono" in face:  # the padding's wide spaces (pipeline/note/spaced.py)
                 cmap, advance = font.getBestCmap(), font["hmtx"]
                 assert {c: advance[cmap[c]][0] / advance[cmap[0x20]][0] for c in fonts.WIDE_SPACES} == fonts.WIDE_SPACES
+                assert font["hhea"].advanceWidthMax == max(a for a, _ in advance.metrics.values())
+        assert fonts.wide_spaces(made) and _Compiler().spaced
+    finally:
+        fonts.lean_font_dir.cache_clear()
+
+
+def test_faces_without_wide_spaces_of_their_own_keep_the_padding_as_spaces(tmp_path, monkeypatch, caplog):
+    """A face whose wide spaces are not blank glyphs of their own (here: "A" in their place) is
+    not widened, and the padding goes to Typst as spaces: a wide space a cell wide would close
+    up the columns."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(fonts, "WIDE_SPACES", {0x2002: 2, ord("A"): 4})
+    fonts.lean_font_dir.cache_clear()
+    try:
+        made = fonts.lean_font_dir()
+        assert made is not None and not fonts.wide_spaces(made)
+        assert "no wide spaces of its own" in caplog.text
+        assert not _Compiler().spaced
+    finally:
+        fonts.lean_font_dir.cache_clear()
+
+
+def test_a_cached_directory_that_lost_a_face_is_not_used(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fonts.lean_font_dir.cache_clear()
+    try:
+        made = fonts.lean_font_dir()
+        (made / "NotoSansMono-Regular.ttf").unlink()  # a cache cleaner's, file by file
+        fonts.lean_font_dir.cache_clear()
+        assert fonts.lean_font_dir() is None
+        assert "lacks NotoSansMono-Regular" in caplog.text
+        assert not _Compiler().spaced
     finally:
         fonts.lean_font_dir.cache_clear()
 

@@ -39,7 +39,8 @@ FACES = ["NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular", "NotoSansM
 UNICODES = "U+0020-007E,U+00A0-017F,U+2000-206F,U+20B9,U+2212,U+25CC"
 MONO_DROPPED = ("GSUB", "GPOS", "GDEF")
 WIDE_SPACES = {0x2002: 2, 0x2003: 4, 0x2004: 8, 0x2005: 16, 0x2006: 32}  # in the mono faces: cells wide
-RECIPE = f"v3 {UNICODES} no-hinting all-layout-features mono-without-layout wide-spaces {sorted(WIDE_SPACES.items())}"  # a new recipe makes a new directory
+WIDENED = "wide-spaces"  # in a directory whose monospaced faces have them
+RECIPE = f"v4 {UNICODES} no-hinting all-layout-features mono-without-layout wide-spaces {sorted(WIDE_SPACES.items())}"  # a new recipe makes a new directory
 
 
 @functools.cache
@@ -58,6 +59,11 @@ def lean_font_dir() -> Path | None:
         except Exception as e:  # noqa: BLE001 - any failure leaves the system's fonts, said once
             log.warning("notes render with the system's fonts, a little slower: cannot make lean faces (%s)", e)
             return None
+    lost = [face for face in FACES if not (target / f"{face}.ttf").is_file()]
+    if lost:  # a cache cleaned file by file: Typst would fall back to the system's faces unsaid
+        log.warning("notes render with the system's fonts, a little slower: %s lacks %s (remove it to make them again)",
+                    target, ", ".join(lost))
+        return None
     return target
 
 
@@ -70,6 +76,7 @@ def _make(sources: list[Path], target: Path) -> None:
     options = subset.Options(layout_features=["*"], hinting=False, name_IDs=["*"], name_languages=["*"],
                              notdef_outline=True, glyph_names=False)
     try:
+        widened = []
         for source in sources:
             font = subset.load_font(str(source), options)
             subsetter = subset.Subsetter(options)
@@ -79,9 +86,11 @@ def _make(sources: list[Path], target: Path) -> None:
                 for table in MONO_DROPPED:
                     if table in font:
                         del font[table]
-                _widen_spaces(font)
+                widened.append(_widen_spaces(font))
             _rename_family(font)
             subset.save_font(font, str(partial / source.name), options)
+        if widened and all(widened):
+            (partial / WIDENED).write_text(f"{sorted(WIDE_SPACES.items())}\n")
         try:
             os.rename(partial, target)
         except OSError:
@@ -92,15 +101,29 @@ def _make(sources: list[Path], target: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # a failed or beaten build leaves nothing
 
 
-def _widen_spaces(font) -> None:
-    """WIDE_SPACES' glyphs made that many cells wide (a cell: the space's advance)."""
+def _widen_spaces(font) -> bool:
+    """WIDE_SPACES' glyphs made that many cells wide (a cell: the space's advance). A face whose
+    wide spaces are not blank glyphs of their own is left as it is, and the padding stays spaces
+    (wide_spaces)."""
     cmap, metrics = font.getBestCmap(), font["hmtx"]
+    glyphs = {char: cmap.get(char) for char in WIDE_SPACES}
+    shared = set(glyphs.values()) & {g for c, g in cmap.items() if c not in WIDE_SPACES}
+    if None in glyphs.values() or shared or len(set(glyphs.values())) < len(glyphs) or any(
+            font["glyf"][g].numberOfContours != 0 for g in glyphs.values()):
+        log.warning("%s has no wide spaces of its own to widen: the tables' padding stays spaces",
+                    font["name"].getDebugName(4))
+        return False
     cell = metrics[cmap[0x20]][0]
-    for char, cells in WIDE_SPACES.items():
-        glyph = cmap[char]
-        if font["glyf"][glyph].numberOfContours != 0 or list(cmap.values()).count(glyph) != 1:
-            raise ValueError(f"U+{char:04X} is not a blank glyph of its own in {font['name'].getDebugName(4)}")
-        metrics[glyph] = (cell * cells, 0)
+    for char, glyph in glyphs.items():
+        metrics[glyph] = (cell * WIDE_SPACES[char], 0)
+    font["hhea"].advanceWidthMax = max(advance for advance, _ in metrics.metrics.values())
+    return True
+
+
+def wide_spaces(font_dir: Path) -> bool:
+    """Whether the monospaced faces in `font_dir` were given WIDE_SPACES' widths when made:
+    padding set as wide spaces in a face without them would close up the table's columns."""
+    return (font_dir / WIDENED).is_file()
 
 
 def _rename_family(font) -> None:

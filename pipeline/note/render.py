@@ -28,7 +28,7 @@ from pathlib import Path
 import typst
 
 from pipeline.note.assemble import PaginationError, split
-from pipeline.note.fonts import lean_font_dir
+from pipeline.note.fonts import lean_font_dir, wide_spaces
 from pipeline.note.spaced import spaced_note
 from pipeline.settings import TEMPLATES
 
@@ -64,7 +64,7 @@ class _Compiler:
         fonts = lean_font_dir()
         self.typst = typst.Compiler(str(self.dir / TEMPLATE.name), root=str(self.dir),
                                     font_paths=[str(fonts)] if fonts else [])
-        self.spaced = fonts is not None  # the lean faces' wide spaces: the system's are a cell wide
+        self.spaced = fonts is not None and wide_spaces(fonts)  # the system faces' wide spaces are a cell wide
         self.lock = threading.Lock()  # one note file, and typst-py's compiler is not re-entrant
 
     def compile(self, notes: list[dict], tagged: bool) -> bytes:

@@ -61,10 +61,16 @@ def spaced_note(note: dict) -> dict:
     try:
         levies = note["levies"]
         return {**note,
-                "heads": [_spaced(line) for line in note["heads"]],
-                "levies": {**levies, "head": _spaced(levies["head"]), "lines": [_spaced(line) for line in levies["lines"]],
+                "heads": _lines(note["heads"]),
+                "levies": {**levies, "head": _spaced(levies["head"]), "lines": _lines(levies["lines"]),
                            "net": _spaced(levies["net"])},
-                "pages": [{**page, "groups": [{**group, "lines": [_spaced(line) for line in group["lines"]]}
-                                              for group in page["groups"]]} for page in note["pages"]]}
+                "pages": [{**page, "groups": [{**group, "lines": _lines(group["lines"])} for group in page["groups"]]}
+                          for page in note["pages"]]}
     except (TypeError, KeyError, AttributeError):
         return note
+
+
+def _lines(lines: list[str]) -> list[str]:
+    if type(lines) is not list:
+        raise TypeError(f"lines, not {type(lines).__name__}")
+    return [_spaced(line) for line in lines]
