@@ -21,6 +21,7 @@ renders with the system faces, the same notes a little slower, and says so.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 import hashlib
 import logging
 import os
@@ -38,7 +39,8 @@ FACES = ["NotoSans-Regular", "NotoSans-Bold", "NotoSansMono-Regular", "NotoSansM
 # the dotted circle that shaping inserts before a stray combining mark.
 UNICODES = "U+0020-007E,U+00A0-017F,U+2000-206F,U+20B9,U+2212,U+25CC"
 MONO_DROPPED = ("GSUB", "GPOS", "GDEF")
-WIDE_SPACES = {0x2002: 2, 0x2003: 4, 0x2004: 8, 0x2005: 16, 0x2006: 32}  # in the mono faces: cells wide
+# In the mono faces, cells wide; padded.c's spaced() holds the same (tests/test_padded.py holds them together)
+WIDE_SPACES = {0x2002: 2, 0x2003: 4, 0x2004: 8, 0x2005: 16, 0x2006: 32}
 WIDENED = "wide-spaces"  # in a directory whose monospaced faces have them
 RECIPE = f"v4 {UNICODES} no-hinting all-layout-features mono-without-layout wide-spaces {sorted(WIDE_SPACES.items())}"  # a new recipe makes a new directory
 
@@ -106,10 +108,8 @@ def _widen_spaces(font) -> bool:
     wide spaces are not blank glyphs of their own is left as it is, and the padding stays spaces
     (wide_spaces)."""
     cmap, metrics = font.getBestCmap(), font["hmtx"]
-    glyphs = {char: cmap.get(char) for char in WIDE_SPACES}
-    shared = set(glyphs.values()) & {g for c, g in cmap.items() if c not in WIDE_SPACES}
-    if None in glyphs.values() or shared or len(set(glyphs.values())) < len(glyphs) or any(
-            font["glyf"][g].numberOfContours != 0 for g in glyphs.values()):
+    glyphs, uses = {char: cmap.get(char) for char in WIDE_SPACES}, Counter(cmap.values())
+    if any(g is None or uses[g] != 1 or font["glyf"][g].numberOfContours != 0 for g in glyphs.values()):
         log.warning("%s has no wide spaces of its own to widen: the tables' padding stays spaces",
                     font["name"].getDebugName(4))
         return False

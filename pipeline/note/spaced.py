@@ -17,7 +17,6 @@ from pipeline import native
 from pipeline.note.fonts import WIDE_SPACES
 
 _RUN = re.compile(" {2,}")
-_WIDEST = max(WIDE_SPACES.values())
 _AS_ONE_CELL = dict.fromkeys(WIDE_SPACES, " ")
 
 
@@ -29,13 +28,11 @@ def spaced(line: str) -> str:
 
 @lru_cache(maxsize=256)
 def _wide(cells: int) -> str:
-    widest = [chr(c) for c, n in WIDE_SPACES.items() if n == _WIDEST]
-    out = widest * (cells // _WIDEST)
-    cells %= _WIDEST
+    """`cells` as wide spaces, widest first, and a space for an odd cell."""
+    out = []
     for char, n in sorted(WIDE_SPACES.items(), key=lambda item: -item[1]):
-        if cells >= n:
-            out.append(chr(char))
-            cells -= n
+        count, cells = divmod(cells, n)
+        out.append(chr(char) * count)
     return "".join(out) + " " * cells
 
 
