@@ -183,7 +183,9 @@ def relay(port: int, counts: Path) -> None:
         print("listening", flush=True)
         while True:
             await asyncio.sleep(1)
-            counts.write_text(json.dumps({"accepted": _Relay.accepted, "distinct": len(_Relay.seen)}))
+            written = counts.with_suffix(".part")  # renamed into place: read while written, it was empty
+            written.write_text(json.dumps({"accepted": _Relay.accepted, "distinct": len(_Relay.seen)}))
+            os.replace(written, counts)
         await server.wait_closed()
     asyncio.run(serve())
 
