@@ -11,15 +11,17 @@
   pages_2000_peak_rss_mb  the largest peak RSS of any process doing that work (the note's in a process
                           of its own that first renders typical notes, as a render worker has)
   pages_2000_range_task_s, pages_2000_range_tasks_sum_s, pages_2000_submit_s, pages_2000_merge_s
-                          its page ranges' tasks (fastest and slowest, all together), the
-                          ranges cut and handed to Ray, the merge: the parts of the one below
+                          its page ranges (fastest and slowest, all together), the ranges cut and
+                          handed to Ray, the merge: the parts of the one below
+  pages_2000_ranges_here  of pages_2000_range_tasks, those the render task rendered itself (no
+                          task had started them when it had compiled its other notes)
   pages_2000_on_render_node_s
                           the same note's wall seconds projected on one render node (plan's
                           c6a.8xlarge, cluster.yaml's: 32 vCPUs) from this run's own
                           times: the data built (one process), the ranges cut and handed to Ray (until the last is
-                          asked for), each range's task as Ray's task events time it (in the order
-                          Ray was given them, each to the first free vCPU, from the last one asked
-                          for: an overestimate), the merge
+                          asked for), each range as timed where it was rendered, by its task or by
+                          the render task (bench/range_times.py; in page order, each to the first
+                          free vCPU, from the last one asked for: an overestimate), the merge
   typical_pdf_kb          mean size of a typical note
   baseline_typical_note_ms, baseline_dense_page_ms
                           the same notes through bench/baseline_table.typ
@@ -40,16 +42,18 @@ import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import measured  # noqa: E402
+from bench import measured, range_times  # noqa: E402
 from bench.e2e import busy_s  # noqa: E402
 
 import typst  # noqa: E402
@@ -197,13 +201,16 @@ def huge(pages: int) -> dict:
     import psutil
     import ray
 
-    from pipeline.cluster.driver import RANGE_PAGES, RENDER_SLOT
+    from pipeline.cluster.driver import RENDER_SLOT
+    from pipeline.cluster.page_ranges import RANGE_PAGES
     from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
+    times = tempfile.mkdtemp(prefix="cn-range-times-")
     ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})  # the dashboard: Ray's task events, for the tasks' times
+             runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
+                          "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events
     # A worker a slot, as a render node's are once it has rendered shards. The range on the CPU
     # the waiting render task lends needs one more: Ray starts it, as on a node (and stops it
     # a second after it is idle, past a worker a CPU).
@@ -233,10 +240,15 @@ def huge(pages: int) -> dict:
     stop.set()
     sampler.join()
     started, built, finished = done["started"], done["built"], done["finished"]
-    ranges = _range_tasks(-(-done["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
+    asked = _asked(-(-done["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
+    rendered = range_times.read(times)
+    shutil.rmtree(times)
+    if sorted(rendered) != list(range(0, done["total_pages"], RANGE_PAGES)):
+        raise RuntimeError(f"ranges rendered from pages {sorted(rendered)}: not each of the note's once")
+    ranges = [rendered[first] for first in sorted(rendered)]
     slots = RENDER.vcpus  # a range a vCPU of the render task's node
-    submit_s = max(asked for asked, _, _ in ranges) - built  # the ranges cut from the note and handed to Ray
+    submit_s = max(asked) - built  # the ranges cut from the note and handed to Ray
     merge_s = finished - max(end for _, _, end in ranges)
     return {
         "pages_2000_pages": done["pages"],
@@ -247,6 +259,7 @@ def huge(pages: int) -> dict:
         "pages_2000_pdf_mb": done["pdf_mb"],
         "pages_2000_peak_rss_mb": round(peak["kb"] / 1024),
         "pages_2000_range_tasks": len(ranges),
+        "pages_2000_ranges_here": sum(pid == done["pid"] for pid, _, _ in ranges),
         "pages_2000_range_task_s": [round(min(e - b for _, b, e in ranges), 2),
                                     round(max(e - b for _, b, e in ranges), 2)],
         "pages_2000_range_tasks_sum_s": round(sum(e - b for _, b, e in ranges), 2),
@@ -260,8 +273,8 @@ def huge(pages: int) -> dict:
 
 def _volatile_shard(pages: int) -> dict:
     """In a render task's place: the note built from its shard rows and rendered, timed by the
-    wall clock (epoch seconds, to set beside Ray's task events)."""
-    from pipeline.cluster.driver import render_notes
+    wall clock (epoch seconds, to set beside Ray's task events and the ranges' times)."""
+    from pipeline.cluster.page_ranges import render_notes
 
     _, typical = corpus(240)
     render_all(typical)
@@ -274,25 +287,22 @@ def _volatile_shard(pages: int) -> dict:
     [pdf] = render_notes([note])
     finished = time.time()
     return {"started": started, "built": built, "finished": finished, "total_pages": note["total_pages"],
-            "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1)}
+            "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1), "pid": os.getpid()}
 
 
-def _range_tasks(expected: int, address: str) -> list[tuple[float, float, float]]:
-    """(asked, started, ended) in epoch seconds of each of the `expected` "render pages" tasks, in
-    the order Ray was given them, from the task events (flushed about once a second) of the Ray at
-    `address`: this bench's own, not another on the machine."""
+def _asked(expected: int, address: str) -> list[float]:
+    """When each of the `expected` "render pages" tasks was asked for (epoch seconds), from the
+    task events (flushed about once a second) of the Ray at `address`: this bench's own, not
+    another on the machine. A task cancelled (its range taken by the render task) counts too."""
     from ray.util.state import list_tasks
 
     for _ in range(30):
-        tasks = list_tasks(address, filters=[("name", "=", "render pages"), ("state", "=", "FINISHED")], limit=10_000,
-                           detail=True, raise_on_missing_output=False)
-        if len(tasks) == expected and all(t.start_time_ms and t.end_time_ms for t in tasks):
-            break
+        tasks = list_tasks(address, filters=[("name", "=", "render pages")], limit=10_000, detail=True,
+                           raise_on_missing_output=False)
+        if len(tasks) == expected:
+            return [t.creation_time_ms / 1000 for t in tasks]
         time.sleep(0.5)
-    else:
-        raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' times")
-    return [(t.creation_time_ms / 1000, t.start_time_ms / 1000, t.end_time_ms / 1000)
-            for t in sorted(tasks, key=lambda t: t.creation_time_ms)]
+    raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' tasks")
 
 
 def _peak_kb(pid: int) -> int:

@@ -18,9 +18,10 @@ from pipeline.settings import ROOT
 pytestmark = pytest.mark.bench
 
 # bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes; measured.py,
-# processes.py, s3_native.py and slow_store.py are parts of the others
+# processes.py, range_times.py, s3_native.py and slow_store.py are parts of the others
 BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")
-                 if p.name not in ("measured.py", "node_loss.py", "processes.py", "s3_native.py", "slow_store.py"))
+                 if p.name not in ("measured.py", "node_loss.py", "processes.py", "range_times.py", "s3_native.py",
+                                  "slow_store.py"))
 
 
 @pytest.mark.parametrize("bench", BENCHES)
@@ -28,9 +29,10 @@ def test_the_bench_runs_at_its_smoke_size_to_a_json_line(bench):
     result = smoke(bench)[-1]
     assert isinstance(result, dict)
     if bench == "render.py":  # its huge note in page ranges, and their times projected on a render node
-        from pipeline.cluster.driver import RANGE_PAGES
+        from pipeline.cluster.page_ranges import RANGE_PAGES
 
         assert result["pages_2000_range_tasks"] == -(-result["pages_2000_pages"] // RANGE_PAGES) >= 2, result
+        assert 0 < result["pages_2000_ranges_here"] <= result["pages_2000_range_tasks"], result  # the render task's own
         assert 0 < result["pages_2000_on_render_node_s"] < result["pages_2000_wall_s"], result
     if bench == "scale.py":  # the cores' busy time by whose it was: each of the run's own processes spent some
         spent = result["all_cpu_ms_per_note_by_process_large"]

@@ -223,7 +223,7 @@ def test_the_run_command_checks_its_run_once(ray_session, settings, smtp_sink, t
 
 
 def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings, tmp_path, smtp_sink):
-    from pipeline.cluster.driver import PARALLEL_FROM_PAGES
+    from pipeline.cluster.page_ranges import PARALLEL_FROM_PAGES
     from pipeline.note.content import ROWS_PER_PAGE
 
     day = tmp_path / "volatile"
@@ -260,10 +260,9 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     assert attachment(msg)[1] == pdf.read_bytes()
 
 
-def test_a_huge_note_s_ranges_render_on_the_cpu_its_waiting_render_task_lends_with_every_slot_held(
-        ray_session, tmp_path):
+def test_a_huge_note_is_rendered_with_every_slot_and_cpu_held(ray_session, tmp_path):
     """Both render slots held, one by a shard's render task still at work, one by the render task
-    of a huge note waiting on its ranges: the ranges run on the CPU the waiting task lends. Before,
+    of a huge note: no range task can start, and the render task renders every range itself. Once,
     a range asked for a render slot (or a sliver of one), which the waiting task keeps (Ray lends
     a blocked task's CPUs, not its custom resources): no range could start, and the note waited
     for the other shard's end, or for ever with two such notes on two slots."""
@@ -271,7 +270,8 @@ def test_a_huge_note_s_ranges_render_on_the_cpu_its_waiting_render_task_lends_wi
 
     import pikepdf
 
-    from pipeline.cluster.driver import PARALLEL_FROM_PAGES, RANGE_PAGES, RENDER_SLOT, render_notes
+    from pipeline.cluster.driver import RENDER_SLOT
+    from pipeline.cluster.page_ranges import PARALLEL_FROM_PAGES, RANGE_PAGES, render_notes
     from pipeline.note.content import ROWS_PER_PAGE
     from tests.test_render import sample_note
 

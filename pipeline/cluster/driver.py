@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -28,7 +27,6 @@ from typing import Callable
 
 import ray
 import redis
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from actors import metrics
@@ -37,6 +35,7 @@ from pipeline.cluster import first_notes, fleet
 from pipeline.cluster.fleet import why
 from pipeline.cluster.waits import DayWaits
 from pipeline.followup import located, opened
+from pipeline.cluster.page_ranges import render_notes
 from pipeline.cluster.plan import on_cluster
 from pipeline.cluster.split_tasks import Split
 from pipeline.day import trading_calendar
@@ -44,9 +43,6 @@ from pipeline.day.split import check_inputs
 from pipeline.mail.message import message_id
 from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
-from pipeline.note.content import page_range
-from pipeline.note.assemble import merge
-from pipeline.note.render import forget, render, render_all
 from pipeline.record import day_claim, delivery_log, keys, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
@@ -61,8 +57,6 @@ from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
 
 log = logging.getLogger("pipeline.cluster.driver")
-PARALLEL_FROM_PAGES = 100
-RANGE_PAGES = 25  # a range's task forgets Typst's memo after it (render.forget): a range worker ~0.24 GB, not ~0.78
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
 # the first mail leaves a render, a sign and a send of 4 notes after the split, not of 100
 TAIL_PARTS = 4  # the day's last shards go in quarters: the chains still at the signer when the renders end
@@ -206,46 +200,6 @@ def shard_rows_task(settings: Settings, run_id: str, shard: int, assembled=None)
     if assembled is not None and shard not in assembled["shards"]:  # no file: the render task says so
         return None
     return open_store(settings.store_url).get(keys.shard_key(run_id, shard))
-
-
-@ray.remote(num_cpus=1, max_retries=3)  # on the node of the render task that asks (render_notes)
-def render_pages_task(part: dict, tagged: bool) -> tuple[bytes, int]:
-    """One page range of a huge note; returns the PDF and this worker's peak RSS in KiB. What
-    Typst memoised for it is dropped after: the next range shares none of it (render.forget).
-    A range holds a CPU of its render task's node, not a render slot: the render task waiting on
-    the ranges keeps its slot (Ray lends a blocked task's CPUs, not its custom resources), so a
-    range that needed a slot could not have the CPU it lends, and with every slot held by such
-    tasks no range could run at all."""
-    pdf = render(part, tagged)
-    try:
-        forget()
-    except Exception as e:  # the range is rendered: a memo not cleared costs memory, not the note
-        log.warning("Typst's memo not cleared after a page range: %s", e)
-    return pdf, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Exception]:
-    """A shard's notes: those of a few pages compiled together here; each huge one (a volatile
-    day's 2000 pages) cut into page ranges rendered in parallel, then merged with continuous page
-    numbers. The ranges are asked for first, so they run while this task compiles the rest; while
-    it then waits on them, Ray lends its CPU to a range. They run on this task's node: losing the
-    node loses this task too, which Ray runs again elsewhere. Each note's PDF, or its error."""
-    pages = {i: note["total_pages"] for i, note in enumerate(notes) if note["total_pages"] > PARALLEL_FROM_PAGES}
-    huge = {}
-    if pages:
-        here = render_pages_task.options(name="render pages", scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False))
-        huge = {i: [here.remote(page_range(notes[i], a, min(a + RANGE_PAGES, n)), tagged) for a in range(0, n, RANGE_PAGES)]
-                for i, n in pages.items()}
-    small = iter(render_all([note for i, note in enumerate(notes) if i not in huge], tagged))
-    return [_merged(huge[i]) if i in huge else next(small) for i in range(len(notes))]
-
-
-def _merged(refs: list) -> bytes | Exception:
-    try:
-        return merge(ray.get(ref)[0] for ref in refs)  # each joined as it comes, while later ones render
-    except Exception as e:  # a range that failed (its own retries spent) fails its note only
-        return e
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,

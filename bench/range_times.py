@@ -1,0 +1,33 @@
+"""bench/render.py's timer of a huge note's page ranges, set up in each of its Ray workers
+(runtime_env's worker_process_setup_hook): wherever a range is rendered, by its task or by the
+render task that asked for it, its start and end (epoch seconds) and the process's PID go to a
+file named by its first page, in the directory CN_BENCH_RANGE_TIMES names."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+DIR = "CN_BENCH_RANGE_TIMES"
+
+
+def hook() -> None:
+    from pipeline.cluster import page_ranges
+
+    render = page_ranges.render
+
+    def timed(part: dict, tagged: bool) -> bytes:
+        began = time.time()
+        pdf = render(part, tagged)
+        ended = time.time()
+        Path(os.environ[DIR], str(part["page_offset"])).write_text(json.dumps([os.getpid(), began, ended]))
+        return pdf
+
+    page_ranges.render = timed
+
+
+def read(directory: str) -> dict[int, tuple[int, float, float]]:
+    """First page -> (PID, start, end) of each range rendered."""
+    return {int(p.name): tuple(json.loads(p.read_text())) for p in Path(directory).iterdir()}

@@ -1,0 +1,70 @@
+"""A huge note's page ranges: each claimed once, by its range task or by the render task that
+asked for it, and merged in order whichever rendered it."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+
+import pikepdf
+import pytest
+
+from pipeline.cluster.page_ranges import OWN, PARALLEL_FROM_PAGES, RANGE_PAGES, TASK, claimed, render_pages_task
+from pipeline.note.content import ROWS_PER_PAGE, page_range
+from tests.test_render import sample_note
+
+
+def test_a_claim_is_held_by_whoever_made_it_first_and_again_by_it_alone(tmp_path):
+    claim = str(tmp_path / "0-3")
+    assert claimed(claim, TASK)
+    assert claimed(claim, TASK)  # the task run again by Ray, its worker lost mid-range: still its range
+    assert not claimed(claim, OWN)
+
+
+def test_a_claim_whose_render_task_is_gone_is_nobody_s(tmp_path):
+    assert not claimed(str(tmp_path / "gone" / "0-3"), TASK)
+
+
+@pytest.fixture(scope="module")
+def part():
+    return page_range(sample_note(3 * ROWS_PER_PAGE), 1, 3)
+
+
+def test_a_range_its_render_task_claimed_is_not_rendered_by_its_task(tmp_path, part):
+    claim = str(tmp_path / "0-1")
+    assert claimed(claim, OWN)
+    pdf, _ = render_pages_task._function(part, False, claim)
+    assert pdf is None
+
+
+def test_a_range_task_run_again_renders_its_range_again(tmp_path, part):
+    claim = str(tmp_path / "0-1")
+    for _ in range(2):
+        pdf, peak_kib = render_pages_task._function(part, False, claim)
+        with pikepdf.open(io.BytesIO(pdf)) as rendered:
+            assert len(rendered.pages) == 2
+        assert peak_kib > 0
+    assert not claimed(claim, OWN)
+
+
+def test_a_huge_note_s_ranges_merge_in_page_order_whoever_rendered_each(ray_session, tmp_path):
+    """A free CPU beside the render task: its tasks take the first ranges while the render task
+    takes the last; each page, in the merged PDF, is still the page its footer numbers."""
+    import ray
+
+    from pipeline.cluster.driver import RENDER_SLOT
+    from pipeline.cluster.page_ranges import render_notes
+
+    note = sample_note((PARALLEL_FROM_PAGES + 2 * RANGE_PAGES) * ROWS_PER_PAGE)
+    small = sample_note(12)
+    huge, lone = ray.get(ray.remote(**RENDER_SLOT)(lambda ns: render_notes(ns)).remote([note, small]), timeout=120)
+    path = tmp_path / "merged.pdf"
+    path.write_bytes(huge)
+    pages = subprocess.run(["pdftotext", "-layout", str(path), "-"], capture_output=True, text=True,
+                           check=True).stdout.split("\f")[:-1]
+    total = note["total_pages"]
+    assert len(pages) == total > PARALLEL_FROM_PAGES + RANGE_PAGES
+    assert [f"Page {k} of {total}" in page for k, page in enumerate(pages, 1)] == [True] * total
+    assert "Levies and charges" in pages[-1] and "Levies and charges" not in pages[-2]
+    with pikepdf.open(io.BytesIO(lone)) as alone:
+        assert len(alone.pages) == small["total_pages"]
