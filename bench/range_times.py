@@ -1,7 +1,9 @@
 """bench/render.py's timer of a huge note's page ranges, set up in each of its Ray workers
 (runtime_env's worker_process_setup_hook): wherever a range is rendered, by its task or by the
 render task that asked for it, its start and end (epoch seconds) and the process's PID go to a
-file named by its first page, in the directory CN_BENCH_RANGE_TIMES names."""
+file named by its first page, in the directory CN_BENCH_RANGE_TIMES names. Only the render call
+is timed: a range task's argument, its memo's release and its result's trip through Ray's
+object store are not."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ def hook() -> None:
         began = time.time()
         pdf = render(part, tagged)
         ended = time.time()
-        Path(os.environ[DIR], str(part["page_offset"])).write_text(json.dumps([os.getpid(), began, ended]))
+        with open(Path(os.environ[DIR], str(part["page_offset"])), "x") as out:  # a range rendered twice: an error
+            out.write(json.dumps([os.getpid(), began, ended]))
         return pdf
 
     page_ranges.render = timed

@@ -262,7 +262,8 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
 
 def test_a_huge_note_is_rendered_with_every_slot_and_cpu_held(ray_session, tmp_path):
     """Both render slots held, one by a shard's render task still at work, one by the render task
-    of a huge note: no range task can start, and the render task renders every range itself. Once,
+    of a huge note: no range task can start until the render task waits, and it renders every
+    range no task has started itself. Once,
     a range asked for a render slot (or a sliver of one), which the waiting task keeps (Ray lends
     a blocked task's CPUs, not its custom resources): no range could start, and the note waited
     for the other shard's end, or for ever with two such notes on two slots."""

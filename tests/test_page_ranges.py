@@ -48,8 +48,9 @@ def test_a_range_task_run_again_renders_its_range_again(tmp_path, part):
 
 
 def test_a_huge_note_s_ranges_merge_in_page_order_whoever_rendered_each(ray_session, tmp_path):
-    """A free CPU beside the render task: its tasks take the first ranges while the render task
-    takes the last; each page, in the merged PDF, is still the page its footer numbers."""
+    """A free CPU beside the render task, so that its tasks may take the first ranges while it
+    takes the last (bench/render.py counts who took which): each page of the merged PDF is
+    still the page its footer numbers, and the shard's other note is its own."""
     import ray
 
     from pipeline.cluster.driver import RENDER_SLOT
@@ -66,5 +67,37 @@ def test_a_huge_note_s_ranges_merge_in_page_order_whoever_rendered_each(ray_sess
     assert len(pages) == total > PARALLEL_FROM_PAGES + RANGE_PAGES
     assert [f"Page {k} of {total}" in page for k, page in enumerate(pages, 1)] == [True] * total
     assert "Levies and charges" in pages[-1] and "Levies and charges" not in pages[-2]
+    with pikepdf.open(io.BytesIO(lone)) as alone:
+        assert len(alone.pages) == small["total_pages"]
+
+
+def test_a_range_that_fails_in_the_render_task_fails_its_note_alone(ray_session, tmp_path):
+    """The other CPU held, the render task renders every range itself; the last one's data is
+    such that Typst fails it. Before, the failure's own bookkeeping raised a KeyError out of
+    render_notes, and every note of the shard failed with it."""
+    import time
+
+    import ray
+
+    from pipeline.cluster.driver import RENDER_SLOT
+    from pipeline.cluster.page_ranges import render_notes
+
+    note = sample_note((PARALLEL_FROM_PAGES + RANGE_PAGES) * ROWS_PER_PAGE)
+    note["pages"][-1]["groups"][0]["lines"] = "not a list of lines"  # Typst cannot join it
+    small = sample_note(12)
+    released = tmp_path / "released"
+
+    def other_shard() -> None:
+        deadline = time.monotonic() + 120
+        while not released.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    busy = ray.remote(num_cpus=1)(other_shard).remote()
+    try:
+        huge, lone = ray.get(ray.remote(**RENDER_SLOT)(lambda ns: render_notes(ns)).remote([note, small]), timeout=120)
+    finally:
+        released.touch()
+    ray.get(busy, timeout=60)
+    assert isinstance(huge, Exception) and "join" in str(huge), huge
     with pikepdf.open(io.BytesIO(lone)) as alone:
         assert len(alone.pages) == small["total_pages"]

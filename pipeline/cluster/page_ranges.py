@@ -6,8 +6,10 @@ is a symlink made in the render task's private directory, which no two processes
 The render task, its other notes compiled, renders the ranges no task has started, from the
 last, and waits only for those running. Waiting on all of them instead, it lent its CPU to
 Ray, which started one more worker, cold, for a range (in bench/render.py about a second of a
-core to start it and 0.5 s more for its first range). Here this module is all a range worker
-imports: not the driver's dependencies.
+core to start it and 0.5 s more for its first range). The cost: a range that crashes its
+process (Typst's own fault, the kernel's OOM killer) in the render task takes the render task
+down, and Ray renders the whole shard again, where a range task alone would have been run again.
+Here this module is all a range worker imports: not the driver's dependencies.
 """
 
 from __future__ import annotations
@@ -55,9 +57,13 @@ def claimed(path: str, who: str) -> bool:
     try:
         os.symlink(who, path)
         return True
-    except FileExistsError:
-        return os.readlink(path) == who
     except FileNotFoundError:
+        return False
+    except FileExistsError:
+        pass
+    try:
+        return os.readlink(path) == who
+    except FileNotFoundError:  # removed between the two calls: its render task is done
         return False
 
 
@@ -96,9 +102,10 @@ def _render_unstarted(parts: dict[int, list[dict]], refs: dict[int, list], claim
                 continue
             ray.cancel(refs[i][k])
             try:
-                own.setdefault(i, {})[k] = render(parts[i][k], tagged)
+                pdf = render(parts[i][k], tagged)
             except Exception as e:
-                own[i][k] = e
+                pdf = e
+            own.setdefault(i, {})[k] = pdf
             _forget()
     return own
 
