@@ -211,9 +211,9 @@ def huge(pages: int) -> dict:
     ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
                           "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events
-    # A worker a slot, as a render node's are once it has rendered shards. The range on the CPU
-    # the waiting render task lends needs one more: Ray starts it, as on a node (and stops it
-    # a second after it is idle, past a worker a CPU).
+    # A worker a slot, as a render node's are once it has rendered shards. A range on the CPU the
+    # render task lends while it waits for the ranges tasks hold needs one more: Ray starts it,
+    # as on a node (and stops it a second after it is idle, past a worker a CPU).
     warm = ray.remote(**RENDER_SLOT)(lambda: render(note_for(trades(3, 1), 1)) and None)
     ray.get([warm.remote() for _ in range(cores)])
     peak, busy, stop = {"kb": 0}, [], threading.Event()
