@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,18 +35,18 @@ TASK, OWN = "task", "render task"  # who holds a claim: the range's task, or the
 
 
 @ray.remote(num_cpus=1, max_retries=3)  # on the node of the render task that asks (render_notes)
-def render_pages_task(part: dict, tagged: bool, claim: str = "") -> tuple[bytes | None, int]:
-    """One page range of a huge note, unless its render task claimed it first; returns the PDF
-    (None: not rendered here) and this worker's peak RSS in KiB. What Typst memoised for it is
-    dropped after: the next range shares none of it (render.forget). A range holds a CPU of its
-    render task's node, not a render slot: the render task waiting on the ranges keeps its slot
-    (Ray lends a blocked task's CPUs, not its custom resources), so a range that needed a slot
-    could not have the CPU it lends, and with every slot held by such tasks no range could run."""
+def render_pages_task(part: dict, tagged: bool, claim: str = "") -> bytes | None:
+    """One page range of a huge note, unless its render task claimed it first (None: not
+    rendered here). What Typst memoised for it is dropped after: the next range shares none of
+    it (render.forget). A range holds a CPU of its render task's node, not a render slot: the
+    render task waiting on the ranges keeps its slot (Ray lends a blocked task's CPUs, not its
+    custom resources), so a range that needed a slot could not have the CPU it lends, and with
+    every slot held by such tasks no range could run."""
     if claim and not claimed(claim, TASK):
-        return None, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return None
     pdf = render(part, tagged)
     _forget()
-    return pdf, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return pdf
 
 
 def claimed(path: str, who: str) -> bool:
@@ -112,7 +111,7 @@ def _render_unstarted(parts: dict[int, list[dict]], refs: dict[int, list], claim
 
 def _merged(refs: list, own: dict[int, bytes | Exception]) -> bytes | Exception:
     try:
-        return merge(_part(own[k]) if k in own else ray.get(ref)[0] for k, ref in enumerate(refs))
+        return merge(_part(own[k]) if k in own else ray.get(ref) for k, ref in enumerate(refs))
     except Exception as e:  # a range that failed (its own retries spent) fails its note only
         return e
 
