@@ -260,40 +260,6 @@ def test_a_huge_note_is_rendered_in_page_ranges_signed_and_mailed_whole(settings
     assert attachment(msg)[1] == pdf.read_bytes()
 
 
-def test_a_huge_note_is_rendered_with_every_slot_and_cpu_held(ray_session, tmp_path):
-    """Both render slots held, one by a shard's render task still at work, one by the render task
-    of a huge note: no range task can start until the render task waits, and it renders every
-    range no task has started itself. Once,
-    a range asked for a render slot (or a sliver of one), which the waiting task keeps (Ray lends
-    a blocked task's CPUs, not its custom resources): no range could start, and the note waited
-    for the other shard's end, or for ever with two such notes on two slots."""
-    import io
-
-    import pikepdf
-
-    from pipeline.cluster.driver import RENDER_SLOT
-    from pipeline.cluster.page_ranges import PARALLEL_FROM_PAGES, RANGE_PAGES, render_notes
-    from pipeline.note.content import ROWS_PER_PAGE
-    from tests.test_render import sample_note
-
-    note = sample_note((PARALLEL_FROM_PAGES + RANGE_PAGES) * ROWS_PER_PAGE)
-    released = tmp_path / "released"
-
-    def other_shard() -> None:  # at work until the huge note is out
-        deadline = time.monotonic() + 180
-        while not released.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    busy = ray.remote(**RENDER_SLOT)(other_shard).remote()
-    try:
-        [pdf] = ray.get(ray.remote(**RENDER_SLOT)(lambda n: render_notes([n])).remote(note), timeout=60)
-    finally:
-        released.touch()
-    ray.get(busy, timeout=60)
-    with pikepdf.open(io.BytesIO(pdf)) as merged:
-        assert len(merged.pages) == note["total_pages"] > PARALLEL_FROM_PAGES
-
-
 def test_the_day_and_bounce_counters_reach_the_nodes_metrics_port_before_the_process_lets_go(ray_session):
     from actors import metrics
 

@@ -68,10 +68,35 @@ def test_a_huge_note_s_ranges_merge_in_page_order_whoever_rendered_each(ray_sess
         assert len(alone.pages) == small["total_pages"]
 
 
+def test_a_huge_note_is_rendered_with_every_slot_and_cpu_held(ray_session, tmp_path):
+    """Both render slots held, one by a shard's render task still at work, one by the render task
+    of a huge note: no range task can start until the render task waits, and it renders every
+    range no task has started itself. Once, a range asked for a render slot (or a sliver of one),
+    which the waiting task keeps (Ray lends a blocked task's CPUs, not its custom resources): no
+    range could start, and the note waited for the other shard's end, or for ever with two such
+    notes on two slots."""
+    note = sample_note((PARALLEL_FROM_PAGES + RANGE_PAGES) * ROWS_PER_PAGE)
+    [pdf] = beside_a_busy_shard([note], tmp_path)
+    with pikepdf.open(io.BytesIO(pdf)) as merged:
+        assert len(merged.pages) == note["total_pages"] > PARALLEL_FROM_PAGES
+
+
 def test_a_range_that_fails_in_the_render_task_fails_its_note_alone(ray_session, tmp_path):
-    """The other CPU held, the render task renders every range itself; the last one's data is
+    """The other slot held, the render task renders every range itself; the last one's data is
     such that Typst fails it. Before, the failure's own bookkeeping raised a KeyError out of
     render_notes, and every note of the shard failed with it."""
+    note = sample_note((PARALLEL_FROM_PAGES + RANGE_PAGES) * ROWS_PER_PAGE)
+    note["pages"][-1]["groups"][0]["lines"] = "not a list of lines"  # Typst cannot join it
+    small = sample_note(12)
+    huge, lone = beside_a_busy_shard([note, small], tmp_path)
+    assert isinstance(huge, Exception) and "join" in str(huge), huge
+    with pikepdf.open(io.BytesIO(lone)) as alone:
+        assert len(alone.pages) == small["total_pages"]
+
+
+def beside_a_busy_shard(notes: list[dict], tmp_path) -> list:
+    """render_notes in a render task while another render task holds the other slot and CPU,
+    at work until these notes are out."""
     import time
 
     import ray
@@ -79,22 +104,16 @@ def test_a_range_that_fails_in_the_render_task_fails_its_note_alone(ray_session,
     from pipeline.cluster.driver import RENDER_SLOT
     from pipeline.cluster.page_ranges import render_notes
 
-    note = sample_note((PARALLEL_FROM_PAGES + RANGE_PAGES) * ROWS_PER_PAGE)
-    note["pages"][-1]["groups"][0]["lines"] = "not a list of lines"  # Typst cannot join it
-    small = sample_note(12)
     released = tmp_path / "released"
 
     def other_shard() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while not released.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
 
-    busy = ray.remote(num_cpus=1)(other_shard).remote()
+    busy = ray.remote(**RENDER_SLOT)(other_shard).remote()
     try:
-        huge, lone = ray.get(ray.remote(**RENDER_SLOT)(lambda ns: render_notes(ns)).remote([note, small]), timeout=120)
+        return ray.get(ray.remote(**RENDER_SLOT)(lambda ns: render_notes(ns)).remote(notes), timeout=120)
     finally:
         released.touch()
-    ray.get(busy, timeout=60)
-    assert isinstance(huge, Exception) and "join" in str(huge), huge
-    with pikepdf.open(io.BytesIO(lone)) as alone:
-        assert len(alone.pages) == small["total_pages"]
+        ray.get(busy, timeout=60)

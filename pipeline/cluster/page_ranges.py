@@ -35,14 +35,14 @@ TASK, OWN = "task", "render task"  # who holds a claim: the range's task, or the
 
 
 @ray.remote(num_cpus=1, max_retries=3)  # on the node of the render task that asks (render_notes)
-def render_pages_task(part: dict, tagged: bool, claim: str = "") -> bytes | None:
+def render_pages_task(part: dict, tagged: bool, claim: str) -> bytes | None:
     """One page range of a huge note, unless its render task claimed it first (None: not
     rendered here). What Typst memoised for it is dropped after: the next range shares none of
     it (render.forget). A range holds a CPU of its render task's node, not a render slot: the
     render task waiting on the ranges keeps its slot (Ray lends a blocked task's CPUs, not its
     custom resources), so a range that needed a slot could not have the CPU it lends, and with
     every slot held by such tasks no range could run."""
-    if claim and not claimed(claim, TASK):
+    if not claimed(claim, TASK):
         return None
     pdf = render(part, tagged)
     _forget()
