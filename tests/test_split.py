@@ -110,21 +110,81 @@ def test_note_numbers_reserved_side_by_side_never_repeat_and_the_mark_never_drop
     assert note_numbers.high_water_mark(store, fy) == 300
 
 
-def test_an_assembly_run_again_keeps_the_shard_files_first_written_and_hands_them_on(tmp_path, redis_url):
-    """Ray runs an assembly task again when a node holding a shard file's bytes it handed on is
-    lost: its notes may be mailed by then, so the files (their note numbers) first written stand,
-    and the bytes handed on again are theirs."""
+class _NodeLost(BaseException):
+    """The process is gone: nothing of the assembly after this runs, not even an `except Exception`."""
+
+
+class _LostAfterWrites:
+    """A store on a node that is lost just after its `n`th shard file is written: that file
+    lands, its accounts are never recorded."""
+
+    def __init__(self, store, n: int):
+        self.store, self.left = store, n
+
+    def put_new(self, key, data):
+        made = self.store.put_new(key, data)
+        if "shard-" in key:
+            self.left -= 1
+            if not self.left:
+                raise _NodeLost(key)
+        return made
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _group(tmp_path):
+    """A 60-account day read for one assembly group: the store, the assembly's arguments."""
     write_dumps(tmp_path / "in", SynthOptions(dt.date.fromisoformat(DATE), 60, seed=3))
-    inputs, store, run = open_store(str(tmp_path / "in")), open_store(str(tmp_path / "out")), "again"
+    inputs = open_store(str(tmp_path / "in"))
     plan = make_plan(inputs, DATE, 10, parts=1)
     metas, buckets = zip(*(read_range(inputs, r, plan.columns[r.file], plan.shard_count, 1, DATE, plan.closes)
                            for r in plan.ranges))
+    return open_store(str(tmp_path / "out")), ("again", DATE, "CNT", [b[0] for b in buckets], row_offsets(list(metas)))
+
+
+def _files(tmp_path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("shard-*.jsonl")}
+
+
+def _validated_once(state: RunState, accounts: int) -> None:
+    records = list(state.all_accounts())
+    assert len(records) == accounts and state.counts()["validated"] == accounts
+    assert [r for r in records if r["stage"] != "validated" or r["events"]] == []  # no account validated twice
+
+
+def test_an_assembly_run_again_keeps_the_shard_files_first_written_and_hands_them_on(tmp_path, redis_url):
+    """Ray runs an assembly task again when a node holding a shard file's bytes it handed on is
+    lost: its notes may be mailed by then, so the files (their note numbers) first written stand,
+    the bytes handed on again are theirs, and no account is validated twice."""
+    store, args = _group(tmp_path)
     state = RunState(redis_url, f"again-{os.urandom(3).hex()}")
-    made = [assemble(store, state, run, DATE, "CNT", [b[0] for b in buckets], row_offsets(list(metas)),
-                     hand=range(plan.shard_count)) for _ in range(2)]
-    files = {p.name: p.read_bytes() for p in (tmp_path / "out").rglob("shard-*.jsonl")}
+    made = [assemble(store, state, *args, hand=range(100)) for _ in range(2)]
+    files = _files(tmp_path)
     assert made[0]["rows"] == made[1]["rows"] and len(made[0]["rows"]) == len(files) > 3
     assert sorted(made[1]["rows"].values()) == sorted(files.values())
+    _validated_once(state, sum(len(data.splitlines()) for data in files.values()))
+
+
+def test_an_assembly_lost_with_its_node_midway_skips_no_note_number_when_run_again(tmp_path, redis_url):
+    """Ray runs an assembly again on another node when its node is lost while it writes the
+    group's shard files. The files written stand (their notes may be out by then); the same
+    accounts in the same order take back the same block of note numbers, so the year's sequence
+    has no gap where the lost attempt's block was, and every account is validated once, those of
+    the file written just before the loss too."""
+    store, args = _group(tmp_path)
+    state = RunState(redis_url, f"lost-{os.urandom(3).hex()}")
+    with pytest.raises(_NodeLost):
+        assemble(_LostAfterWrites(store, 3), state, *args)
+    written = _files(tmp_path)
+    assert len(written) == 3
+    assemble(store, state, *args)
+    files = _files(tmp_path)
+    assert {name: files[name] for name in written} == written and len(files) > 3
+    numbers = sorted(int(json.loads(line)["note_no"].rpartition("-")[2])
+                     for data in files.values() for line in data.splitlines())
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # none skipped, none twice
+    _validated_once(state, len(numbers))
 
 
 def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_url):

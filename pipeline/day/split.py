@@ -244,11 +244,14 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     are reserved for the group in one block, shard after shard; an account in `numbered` (the
     run's first notes, made before the split) keeps the number it was mailed with. With `reuse`
     (a split run again after it was cut short), a shard already in storage is kept as written:
-    its notes may have gone out with those numbers. A shard file is written once (create-only):
-    if this assembly runs again (Ray remaking what a lost node held), the file first written
-    stands, with its numbers. Returns {shard: (accounts, trades)}, the rejected, and the clients
-    whose every trade was cancelled (no note is due); with `hand`, "rows": those shards' files
-    as written, for their render tasks (split_tasks.HANDED_TRADES)."""
+    its notes may have gone out with those numbers. A shard file is written once (create-only).
+    If this assembly runs again (Ray remaking what a lost node held), it takes back the block of
+    numbers it reserved before (note_numbers.reserve_for), so it writes the same files: no
+    number is skipped, an account whose file the lost attempt wrote without recording it is
+    recorded now, and one it recorded is not recorded twice. Returns {shard: (accounts,
+    trades)}, the rejected, and the clients whose every trade was cancelled (no note is due);
+    with `hand`, "rows": those shards' files as written, for their render tasks
+    (split_tasks.HANDED_TRADES)."""
     numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
@@ -272,8 +275,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         else:
             fresh.append((shard, accounts))
     if fresh:
-        first = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date),
-                                     sum(ucc not in numbered for _, a in fresh for ucc, _, _ in a))
+        first, again = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date),
+                                                [ucc for _, a in fresh for ucc, _, _ in a if ucc not in numbered])
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:
@@ -285,7 +288,11 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
             data = "".join(body).encode()
             written = write_once(store, keys.shard_key(run_id, shard), data)
             if written == data:  # else recorded by the assembly that wrote it
-                state.record(Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered)
+                named = [ucc for ucc, _, _ in accounts if ucc not in numbered]
+                if again:  # the attempt before may have recorded them
+                    recorded = state.accounts(named)
+                    named = [ucc for ucc in named if ucc not in recorded]
+                state.record(Outcome(ucc, "validated") for ucc in named)
             done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
             if shard in hand:
                 rows[shard] = written

@@ -106,6 +106,11 @@ def note_sequence(fy: str) -> str:
     return f"cn:noteseq:{fy}"
 
 
+def note_block(fy: str, accounts_digest: str) -> str:
+    """The first number of the block reserved for one run's accounts in one order (note_numbers.reserve_for)."""
+    return f"cn:noteseq:{fy}:block:{accounts_digest}"
+
+
 def hsm_pin_refused(token: str) -> str:
     return f"cn:hsm:{token}:pin-refused"
 

@@ -8,6 +8,7 @@ without its data, or flushed, carries on above every number already printed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from pipeline.record import keys
@@ -32,12 +33,38 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
     """The first of `count` fresh numbers; the storage mark covers all of them on return.
     Split tasks reserve side by side: a Redis lock makes reading the mark, reserving and
     writing the mark one step, so the mark in storage never moves down."""
-    with state.r.lock(keys.note_sequence_lock(fy), timeout=120, blocking_timeout=600):
-        high = high_water_mark(store, fy)
-        first = state.next_note_numbers(fy, count, floor=high)
-        high = max(high, first + count - 1)
-        store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
-        return first
+    with _sequence_held(state, fy):
+        return _reserved(store, state, fy, count)
+
+
+def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> tuple[int, bool]:
+    """The first of a block of numbers for `accounts`, in their order, and whether the block was
+    reserved before. An assembly that Ray runs again (its node lost midway, or a value it returned
+    lost with a node) asks for the same accounts in the same order: it takes back the block the
+    attempt before reserved and writes the very files that attempt wrote, so the year's sequence
+    keeps no gap. Redis remembers the block for the run's life; had it lost it, the attempt
+    reserves anew, the files first written stand (create-only) and the lost block's numbers are
+    skipped, never issued twice."""
+    block = keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
+    with _sequence_held(state, fy):
+        held = state.r.get(block)
+        if held is not None:
+            return int(held), True
+        first = _reserved(store, state, fy, len(accounts))
+        state.r.set(block, first, ex=state.ttl_s)
+        return first, False
+
+
+def _sequence_held(state: RunState, fy: str):
+    return state.r.lock(keys.note_sequence_lock(fy), timeout=120, blocking_timeout=600)
+
+
+def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
+    high = high_water_mark(store, fy)
+    first = state.next_note_numbers(fy, count, floor=high)
+    high = max(high, first + count - 1)
+    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
+    return first
 
 
 def high_water_mark(store: Store, fy: str) -> int:
