@@ -22,8 +22,8 @@ from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from tests.test_first_notes import _Counted
-from tests.test_hostile_input import split_with
-from tests.test_note_correctness import DATE, HAND_MADE
+from tests.test_hostile_input import INNOCENTS, POISONED, split_with, trades_for
+from tests.test_note_correctness import DATE, HAND_MADE, write_day
 
 
 def ranged_split(inputs, store, state, run_id: str, cut_every: int, groups: int = 3):
@@ -185,6 +185,19 @@ def test_an_assembly_lost_with_its_node_midway_skips_no_note_number_when_run_aga
                      for data in files.values() for line in data.splitlines())
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # none skipped, none twice
     _validated_once(state, len(numbers))
+
+
+def test_a_split_run_again_records_a_rejected_account_once(tmp_path, redis_url):
+    """Its rejection is an event of its record: a second split of the same day (an assembly run
+    again, a resumed run) found it recorded and recorded it again, a second event a time."""
+    trades = trades_for(INNOCENTS + [POISONED])
+    trades[-2] = {**trades[-2], "quantity": "abc"}
+    inputs = open_store(str(write_day(tmp_path / "in", trades=trades, clients=INNOCENTS + [POISONED])))
+    state = RunState(redis_url, f"rejected-{os.urandom(3).hex()}")
+    for _ in range(2):
+        split_day(inputs, open_store(str(tmp_path / "store")), state, state.run_id, DATE, 4, "CNT")
+    record = state.accounts(["BAD1"])["BAD1"]
+    assert (record["status"], len(record["events"]), state.statuses()["rejected"]) == ("rejected", 1, 1)
 
 
 def test_the_report_is_written_in_pages_and_lists_every_account(tmp_path, redis_url):

@@ -262,7 +262,9 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
         cancelled += nothing
-        state.record(rejects)
+        if rejects:  # an assembly run again, or a resumed split, finds them recorded: not twice
+            known = state.accounts([o.ucc for o in rejects])
+            state.record(o for o in rejects if o.ucc not in known)
         if not accounts:
             continue
         key = keys.shard_key(run_id, shard)
