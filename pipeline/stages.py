@@ -110,6 +110,9 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
     a delivery Redis saw that the log missed (its mailing died before logging) goes into the
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
+    A record below "archived" knows less than any entry, whatever its time: an account is
+    archived before its mail is logged and a record's stage never goes back, so that record was
+    made anew by a Redis that had lost the account (a split run again validates it then).
     Idempotent; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
     found = {u: e for u, e in found.items() if e["status"] != "not_sent"}  # that mailing never sent it
@@ -117,7 +120,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
         rec = records.get(ucc)
-        if rec is not None and rec.get("updated", 0) >= e["at"]:
+        if rec is not None and rec.get("updated", 0) >= e["at"] and rec["rank"] >= rank("archived"):
             if rec.get("stage") == "delivered" and e["status"] != "delivered":
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
                                  "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
@@ -132,8 +135,9 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
             reason = e.get("reason") or "a mailing ended between claim and reply (from the delivery log)"
             outcomes += [Outcome(ucc, "archived"), Outcome(ucc, "delivered", "unconfirmed", reason=reason,
                                                            message_id=e["message_id"], extra=extra)]
-        else:  # failed: the next mailing tries again
-            outcomes.append(Outcome(ucc, "delivered", "failed", reason=e.get("reason", ""), extra=extra))
+        else:  # failed: the next mailing tries again, from the archive
+            outcomes += [Outcome(ucc, "archived"),
+                         Outcome(ucc, "delivered", "failed", reason=e.get("reason", ""), extra=extra)]
     if catch_up:
         delivery_log.append(store, run_id, shard, catch_up)
     state.restore_claims(guard)

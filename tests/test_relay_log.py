@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.mail.relay_log import accepted_ids
 from pipeline.record import delivery_log, keys
-from pipeline.record.records import final_status
+from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, open_store
 from pipeline.stages import restore_from_log
@@ -80,6 +80,26 @@ def test_a_lost_redis_is_rebuilt_from_the_delivery_log_guard_first(redis_url, tm
         "A": "delivered", "B": "unconfirmed", "C": "failed", "D": "unconfirmed"}
     assert state.claimed(["A", "B", "C", "D"]) == {"A", "B", "D"}, "a failed mail may be sent again"
     assert not state.claim_mail("B", "<B>", epoch, state.take_lease(30).token)
+
+
+def test_a_record_redis_made_anew_after_losing_the_run_does_not_hide_the_log_s_mail(redis_url, tmp_path):
+    """Redis lost the run after A was mailed and B's mail began; a split task run again then
+    validated both anew, later than the log's entries. Restored, each is still guarded: neither
+    is mailed a second time."""
+    store = open_store(str(tmp_path / "store"))
+    run_id = f"anew-{uuid.uuid4().hex[:6]}"
+    delivery_log.append(store, run_id, 3, [delivery_log.sending(u, f"<{u}>") for u in ("A", "B")])
+    delivery_log.append(store, run_id, 3, [{"ucc": "A", "status": "delivered", "message_id": "<A>", "reply": "OK",
+                                            "at": time.time(), "attempts": 1}])
+    state = RunState(redis_url, run_id, ttl_s=600)
+    epoch = state.start({})
+    time.sleep(0.01)
+    state.record([Outcome("A", "validated"), Outcome("B", "validated")])
+
+    assert restore_from_log(store, state, run_id, 3, {"A", "B"}) == 2
+    assert {u: final_status(r) for u, r in state.accounts(["A", "B"]).items()} == {"A": "delivered", "B": "unconfirmed"}
+    lease = state.take_lease(30).token
+    assert not state.claim_mail("A", "<A>", epoch, lease) and not state.claim_mail("B", "<B>", epoch, lease)
 
 
 def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -185,6 +186,41 @@ def test_an_assembly_lost_with_its_node_midway_skips_no_note_number_when_run_aga
                      for data in files.values() for line in data.splitlines())
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # none skipped, none twice
     _validated_once(state, len(numbers))
+
+
+class _Stalled:
+    """A store on a node cut off from the cluster, not dead: its writes wait until `go` is set."""
+
+    def __init__(self, store, go: threading.Event):
+        self.store, self.go = store, go
+
+    def put_new(self, key, data):
+        self.go.wait(30)
+        return self.store.put_new(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_an_assembly_cut_off_and_run_again_beside_itself_never_resets_an_account_s_record(tmp_path, redis_url):
+    """Ray runs an assembly again while the first attempt, on a node cut off, still runs: both
+    take the same block and write the same files. The one that writes last must not validate
+    the accounts again: that would reset a note that failed since, and take it off the failed
+    list that `rerun --failed` reads."""
+    store, args = _group(tmp_path)
+    state = RunState(redis_url, f"beside-{os.urandom(3).hex()}")
+    go = threading.Event()
+    cut_off = threading.Thread(target=assemble, args=(_Stalled(store, go), state, *args))
+    cut_off.start()
+    time.sleep(0.3)  # it has reserved the block and waits to write
+    assemble(store, state, *args)
+    failed = json.loads(min(_files(tmp_path).values()).splitlines()[0])["ucc"]
+    state.record([Outcome(failed, "signed", "failed", reason="sign: HSM refused")])
+    go.set()
+    cut_off.join(30)
+    assert not cut_off.is_alive()
+    assert state.failed() == [failed]
+    assert [r["ucc"] for r in state.all_accounts() if r["events"]] == [failed]
 
 
 def test_a_split_run_again_records_a_rejected_account_once(tmp_path, redis_url):

@@ -247,8 +247,9 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     its notes may have gone out with those numbers. A shard file is written once (create-only).
     If this assembly runs again (Ray remaking what a lost node held), it takes back the block of
     numbers it reserved before (note_numbers.reserve_for), so it writes the same files: no
-    number is skipped, an account whose file the lost attempt wrote without recording it is
-    recorded now, and one it recorded is not recorded twice. Returns {shard: (accounts,
+    number is skipped, and the accounts of a file the lost attempt wrote without recording
+    them are recorded now. An account is validated by its first record alone: an attempt still
+    running beside another (its node cut off, not dead) never resets one. Returns {shard: (accounts,
     trades)}, the rejected, and the clients whose every trade was cancelled (no note is due);
     with `hand`, "rows": those shards' files as written, for their render tasks
     (split_tasks.HANDED_TRADES)."""
@@ -262,9 +263,7 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
         cancelled += nothing
-        if rejects:  # an assembly run again, or a resumed split, finds them recorded: not twice
-            known = state.accounts([o.ucc for o in rejects])
-            state.record(o for o in rejects if o.ucc not in known)
+        state.record(rejects, only_new=True)  # an assembly run again, or a resumed split, finds them recorded
         if not accounts:
             continue
         key = keys.shard_key(run_id, shard)
@@ -277,8 +276,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         else:
             fresh.append((shard, accounts))
     if fresh:
-        first, again = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date),
-                                                [ucc for _, a in fresh for ucc, _, _ in a if ucc not in numbered])
+        first = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date),
+                                         [ucc for _, a in fresh for ucc, _, _ in a if ucc not in numbered])
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:
@@ -289,12 +288,10 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
                 body.append(shard_line(ucc, client, trades, note_no))
             data = "".join(body).encode()
             written = write_once(store, keys.shard_key(run_id, shard), data)
-            if written == data:  # else recorded by the assembly that wrote it
-                named = [ucc for ucc, _, _ in accounts if ucc not in numbered]
-                if again:  # the attempt before may have recorded them
-                    recorded = state.accounts(named)
-                    named = [ucc for ucc in named if ucc not in recorded]
-                state.record(Outcome(ucc, "validated") for ucc in named)
+            if written == data:  # else recorded by the assembly that wrote it; an attempt before, or one
+                # running beside this one (a node cut off, not dead), may have recorded them: not twice
+                state.record((Outcome(ucc, "validated") for ucc, _, _ in accounts if ucc not in numbered),
+                             only_new=True)
             done[shard] = (len(accounts), sum(len(trades) for _, _, trades in accounts))
             if shard in hand:
                 rows[shard] = written

@@ -37,22 +37,22 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
         return _reserved(store, state, fy, count)
 
 
-def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> tuple[int, bool]:
-    """The first of a block of numbers for `accounts`, in their order, and whether the block was
-    reserved before. An assembly that Ray runs again (its node lost midway, or a value it returned
-    lost with a node) asks for the same accounts in the same order: it takes back the block the
-    attempt before reserved and writes the very files that attempt wrote, so the year's sequence
-    keeps no gap. Redis remembers the block for the run's life; had it lost it, the attempt
-    reserves anew, the files first written stand (create-only) and the lost block's numbers are
-    skipped, never issued twice."""
+def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> int:
+    """The first of a block of numbers for `accounts`, in their order. An assembly that Ray runs
+    again (its node lost midway, or a value it returned lost with a node) asks for the same
+    accounts in the same order: it takes back the block the attempt before reserved and writes
+    the very files that attempt wrote, so the year's sequence keeps no gap. Redis keeps the block
+    as long as the run's state (CN_STATE_TTL_S). Had it lost it, or had the attempt before died
+    between reserving and keeping it, the attempt reserves anew: the files first written stand
+    (create-only) and the lost block's numbers are skipped, never issued twice."""
     block = keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
     with _sequence_held(state, fy):
         held = state.r.get(block)
         if held is not None:
-            return int(held), True
+            return int(held)
         first = _reserved(store, state, fy, len(accounts))
         state.r.set(block, first, ex=state.ttl_s)
-        return first, False
+        return first
 
 
 def _sequence_held(state: RunState, fy: str):

@@ -117,6 +117,17 @@ for i = 1, 4 do redis.call('EXPIRE', K[i], ttl) end
 end
 """
 _RECORD = RECORD_FN + "record(KEYS, ARGV[1], ARGV[2], ARGV, 3)\n"
+# The same for accounts Redis holds no record of, in the same call: the others are left as they
+# are (an assembly run twice at once validates its accounts once, and never resets a later stage)
+_RECORD_NEW = RECORD_FN + """
+local new = {}
+for i = 3, #ARGV, 5 do
+  if not redis.call('HGET', KEYS[1], ARGV[i]) then
+    for j = i, i + 4 do table.insert(new, ARGV[j]) end
+  end
+end
+record(KEYS, ARGV[1], ARGV[2], new, 1)
+"""
 # A bounce lands on a mailed account only (delivered or unconfirmed), once: the same again
 # changes nothing, a delay never replaces a permanent failure. KEYS: accounts, counts.
 # ARGV: ttl, then per account: ucc, kind, status, reason, time. Returns a code per account:
@@ -176,30 +187,32 @@ class Outcome:
 
 
 
-_RECORD_SHA = hashlib.sha1(_RECORD.encode()).hexdigest()
+_SCRIPTS = {script: hashlib.sha1(script.encode()).hexdigest() for script in (_RECORD, _RECORD_NEW)}
 
 
 class Records:
     """The record-keeping part of a RunState (which gives it `r`, `run_id` and `ttl_s`)."""
 
-    def record(self, outcomes: Iterable[Outcome]) -> None:
+    def record(self, outcomes: Iterable[Outcome], only_new: bool = False) -> None:
         """One round trip for the lot, one script call per RECORD_BATCH accounts (EVALSHA in a
-        pipeline; the script is loaded again only if the server lost it, e.g. after a restart)."""
+        pipeline; the script is loaded again only if the server lost it, e.g. after a restart).
+        `only_new`: only the accounts Redis holds no record of (one atomic check each)."""
         now = round(time.time(), 3)
         args = list(self._record_args(outcomes, now))
         if not args:
             return
+        script = _RECORD_NEW if only_new else _RECORD
         try:
-            self._eval_all(args, now)
+            self._eval_all(_SCRIPTS[script], args, now)
         except redis.exceptions.NoScriptError:
-            self.r.script_load(_RECORD)
-            self._eval_all(args, now)
+            self.r.script_load(script)
+            self._eval_all(_SCRIPTS[script], args, now)
 
-    def _eval_all(self, args: list, now: float) -> None:
+    def _eval_all(self, sha: str, args: list, now: float) -> None:
         step = 5 * RECORD_BATCH
         with self.r.pipeline(transaction=False) as p:
             for i in range(0, len(args), step):
-                p.evalsha(_RECORD_SHA, 4, *self._record_keys(), now, self.ttl_s, *args[i:i + step])
+                p.evalsha(sha, 4, *self._record_keys(), now, self.ttl_s, *args[i:i + step])
             p.execute()
 
     def _record_keys(self) -> list[str]:

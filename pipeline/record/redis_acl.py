@@ -25,7 +25,7 @@ def acl_file(password: str, render_password: str) -> str:
         f"user cn on #{_sha256(password)} ~* &* +@all",
         f"user render on #{_sha256(render_password)} resetchannels -@all {RENDER_COMMANDS} "
         f"+hget +hmget +hset +hincrby +zadd +zrem +expire {records} "
-        "(~cn:noteseq:* +evalsha +eval +script|load +get +set +incrby +del +pexpire) "  # the sequence and its lock
+        "(~cn:noteseq:* +evalsha +eval +script|load +get +set +incrby +del +pexpire) "  # the sequence, its lock, its blocks
         "(~cn:run:*:mailguard +hmget +hsetnx)",  # a restored guard: added, never taken away
         ""])
 
