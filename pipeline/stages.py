@@ -104,7 +104,8 @@ def load_shard(store: Store, run_id: str, shard: int, data: bytes | None = None)
     return [json.loads(line) for line in data.decode().splitlines()]
 
 
-def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, accounts: Container[str]) -> int:
+def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, accounts: Container[str],
+                     as_of: float | None = None) -> int:
     """Before a resumed run mails a shard, Redis and the shard's delivery log are brought
     level, whichever knows more recently: a log entry newer than the Redis record (Redis lost
     the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
@@ -113,6 +114,8 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     A record below "archived" knows less than any entry, whatever its time: an account is
     archived before its mail is logged and a record's stage never goes back, so that record was
     made anew by a Redis that had lost the account (a split run again validates it then).
+    `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py),
+    so they know nothing the log says after it, however recently they were written.
     Idempotent; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
     found = {u: e for u, e in found.items() if e["status"] != "not_sent"}  # that mailing never sent it
@@ -120,7 +123,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
         rec = records.get(ucc)
-        if rec is not None and rec.get("updated", 0) >= e["at"] and rec["rank"] >= rank("archived"):
+        if rec is not None and min(rec["updated"], as_of or rec["updated"]) >= e["at"] and rec["rank"] >= rank("archived"):
             if rec.get("stage") == "delivered" and e["status"] != "delivered":
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
                                  "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})

@@ -10,7 +10,9 @@ import uuid
 import pytest
 
 from pipeline.mail.relay_log import accepted_ids
-from pipeline.record import delivery_log, keys
+from pipeline.followup.restore import from_storage
+from pipeline.record import delivery_log, keys, report
+from pipeline.record.manifest import SplitResult, save_manifest
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, open_store
@@ -100,6 +102,31 @@ def test_a_record_redis_made_anew_after_losing_the_run_does_not_hide_the_log_s_m
     assert {u: final_status(r) for u, r in state.accounts(["A", "B"]).items()} == {"A": "delivered", "B": "unconfirmed"}
     lease = state.take_lease(30).token
     assert not state.claim_mail("A", "<A>", epoch, lease) and not state.claim_mail("B", "<B>", epoch, lease)
+
+
+def test_a_report_brought_back_into_redis_does_not_hide_a_mail_logged_after_it(redis_url, tmp_path):
+    """The report says X's mail failed. A rerun then mailed X (the log says delivered) and ended
+    before it wrote the report again, and Redis went with its cluster. Brought back from storage,
+    the report's records are rebuilt now, later than the log's entry, yet X is delivered and
+    guarded: the next `rerun --failed` does not mail it a second time."""
+    store, run_id = open_store(str(tmp_path / "store")), f"report-{uuid.uuid4().hex[:6]}"
+    save_manifest(store, run_id, SplitResult(shards=[3], shard_count=10, accounts=1))
+    store.put(keys.shard_key(run_id, 3), b'{"ucc": "X1"}\n')
+    state = RunState(redis_url, run_id, ttl_s=600)
+    state.start({"date": "2026-11-20"})
+    delivery_log.append(store, run_id, 3, [delivery_log.sending("X1", "<X1>")])
+    delivery_log.append(store, run_id, 3, [{"ucc": "X1", "status": "failed", "message_id": "<X1>", "at": time.time(),
+                                            "reason": "smtp permanent: 550"}])
+    state.record([Outcome("X1", "archived"), Outcome("X1", "delivered", "failed", reason="smtp permanent: 550")])
+    report.write(store, state, run_id, {"trade_date": "2026-11-20", "accounts": 1}, [])
+    delivery_log.append(store, run_id, 3, [delivery_log.sending("X1", "<X1>")])  # the rerun
+    delivery_log.append(store, run_id, 3, [{"ucc": "X1", "status": "delivered", "message_id": "<X1>", "reply": "250 OK",
+                                            "at": time.time(), "attempts": 2}])
+    state.r.delete(*state.r.keys(f"cn:run:{run_id}:*"))
+    time.sleep(0.01)
+
+    from_storage(store, state, run_id)
+    assert final_status(state.accounts(["X1"])["X1"]) == "delivered" and state.claimed(["X1"]) == {"X1"}
 
 
 def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):

@@ -188,6 +188,20 @@ def test_an_assembly_lost_with_its_node_midway_skips_no_note_number_when_run_aga
     _validated_once(state, len(numbers))
 
 
+def test_a_resumed_split_validates_the_accounts_of_a_file_its_cut_short_attempt_wrote(tmp_path, redis_url):
+    """A run stopped while its split wrote shard files is resumed: the files written are kept as
+    they are (their notes may be out), and their accounts, which the attempt cut short never
+    recorded, are validated now, once; the rest are numbered anew, no number twice."""
+    store, args = _group(tmp_path)
+    state = RunState(redis_url, f"resumed-{os.urandom(3).hex()}")
+    with pytest.raises(_NodeLost):
+        assemble(_LostAfterWrites(store, 3), state, *args)
+    assemble(store, state, *args, reuse=True)
+    numbers = [json.loads(line)["note_no"] for data in _files(tmp_path).values() for line in data.splitlines()]
+    assert len(set(numbers)) == len(numbers)
+    _validated_once(state, len(numbers))
+
+
 class _Stalled:
     """A store on a node cut off from the cluster, not dead: its writes wait until `go` is set."""
 
@@ -209,16 +223,16 @@ def test_an_assembly_cut_off_and_run_again_beside_itself_never_resets_an_account
     list that `rerun --failed` reads."""
     store, args = _group(tmp_path)
     state = RunState(redis_url, f"beside-{os.urandom(3).hex()}")
-    go = threading.Event()
-    cut_off = threading.Thread(target=assemble, args=(_Stalled(store, go), state, *args))
+    go, ended = threading.Event(), []
+    cut_off = threading.Thread(target=lambda: ended.append(assemble(_Stalled(store, go), state, *args)))
     cut_off.start()
-    time.sleep(0.3)  # it has reserved the block and waits to write
+    time.sleep(0.3)  # it reserves first, most likely: either way both take one block
     assemble(store, state, *args)
     failed = json.loads(min(_files(tmp_path).values()).splitlines()[0])["ucc"]
     state.record([Outcome(failed, "signed", "failed", reason="sign: HSM refused")])
     go.set()
     cut_off.join(30)
-    assert not cut_off.is_alive()
+    assert ended and len(ended[0]["shards"]) == len(_files(tmp_path))  # it wrote (found) every file, and ended
     assert state.failed() == [failed]
     assert [r["ucc"] for r in state.all_accounts() if r["events"]] == [failed]
 

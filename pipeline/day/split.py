@@ -246,8 +246,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     (a split run again after it was cut short), a shard already in storage is kept as written:
     its notes may have gone out with those numbers. A shard file is written once (create-only).
     If this assembly runs again (Ray remaking what a lost node held), it takes back the block of
-    numbers it reserved before (note_numbers.reserve_for), so it writes the same files: no
-    number is skipped, and the accounts of a file the lost attempt wrote without recording
+    numbers it reserved before (note_numbers.reserve_for, which says when it cannot), so it
+    writes the same files, and the accounts of a file the lost attempt wrote without recording
     them are recorded now. An account is validated by its first record alone: an attempt still
     running beside another (its node cut off, not dead) never resets one. Returns {shard: (accounts,
     trades)}, the rejected, and the clients whose every trade was cancelled (no note is due);
@@ -267,9 +267,10 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         if not accounts:
             continue
         key = keys.shard_key(run_id, shard)
-        if reuse and store.exists(key):  # recorded when written: recording again would wipe a Message-ID
+        if reuse and store.exists(key):  # recorded when written, unless the split writing it was cut short then
             data = store.get(key)
             kept = [json.loads(line) for line in data.decode().splitlines()]
+            state.record((Outcome(a["ucc"], "validated") for a in kept if a["ucc"] not in numbered), only_new=True)
             done[shard] = (len(kept), sum(len(a["trades"]) for a in kept))
             if shard in hand:
                 rows[shard] = data

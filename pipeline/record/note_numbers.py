@@ -42,9 +42,10 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> 
     again (its node lost midway, or a value it returned lost with a node) asks for the same
     accounts in the same order: it takes back the block the attempt before reserved and writes
     the very files that attempt wrote, so the year's sequence keeps no gap. Redis keeps the block
-    as long as the run's state (CN_STATE_TTL_S). Had it lost it, or had the attempt before died
-    between reserving and keeping it, the attempt reserves anew: the files first written stand
-    (create-only) and the lost block's numbers are skipped, never issued twice."""
+    for CN_STATE_TTL_S from its reservation. A new block is reserved when Redis lost it, when the
+    attempt before died between reserving and keeping it, or when the accounts differ (a resumed
+    split leaves out the shards already written): the files first written stand (create-only),
+    and the numbers of the block before that no file took are skipped, never issued twice."""
     block = keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
     with _sequence_held(state, fy):
         held = state.r.get(block)

@@ -17,6 +17,7 @@ import io
 import json
 import re
 import tempfile
+import time
 from typing import TYPE_CHECKING, Iterator
 
 from pipeline.record import keys
@@ -45,6 +46,7 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
     needs the run's trade_date: the day an address-less client's paper note is owed from."""
     json_key, csv_key = keys.report_keys(run_id)
     tally = {"statuses": {}, "physical_dispatch": [], "paper_owed": 0}
+    read_at = time.time()  # a delivery-log entry from then on may be news to it (restore.from_storage)
     meta = state.meta()
     with tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as f, \
             tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", encoding="utf-8") as paper:
@@ -57,7 +59,7 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
     report = {**summary, "statuses": tally["statuses"], "stage_counts": state.counts(),
               "physical_dispatch": tally["physical_dispatch"], "physical_dispatch_count": tally["paper_owed"],
               "paper_list": paper_key(run_id),
-              "bounce_window": bounce_window(meta), "input_errors": input_errors}
+              "bounce_window": bounce_window(meta), "input_errors": input_errors, "records_read_at": read_at}
     report.update(final_counts(report))  # the headline from the accounts just written, whatever the summary said
     store.put(json_key, json.dumps(report, indent=2, default=str).encode())
     return json_key
