@@ -118,7 +118,6 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     so they know nothing the log says after it, however recently they were written.
     Idempotent; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
-    found = {u: e for u, e in found.items() if e["status"] != "not_sent"}  # that mailing never sent it
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():

@@ -129,6 +129,24 @@ def test_a_report_brought_back_into_redis_does_not_hide_a_mail_logged_after_it(r
     assert final_status(state.accounts(["X1"])["X1"]) == "delivered" and state.claimed(["X1"]) == {"X1"}
 
 
+def test_a_mailing_refused_at_its_claim_leaves_what_the_log_said_before_it(redis_url, tmp_path):
+    """A's note was delivered, then a `rerun --force` lost the run's lease before its claim: the
+    log's last word on A is that mailing's "not_sent". B's only mailing was refused the same way.
+    Redis then lost the run: restored, A is still delivered and guarded, and B is left to be
+    mailed."""
+    store, run_id = open_store(str(tmp_path / "store")), f"notsent-{uuid.uuid4().hex[:6]}"
+    delivery_log.append(store, run_id, 3, [delivery_log.sending("A", "<A>")])
+    delivery_log.append(store, run_id, 3, [{"ucc": "A", "status": "delivered", "message_id": "<A>", "reply": "250 OK",
+                                            "at": time.time(), "attempts": 1}])
+    delivery_log.append(store, run_id, 3, [delivery_log.sending(u, f"<{u}>") for u in ("A", "B")])
+    delivery_log.append(store, run_id, 3, [delivery_log.not_sent(u, "the run's lease was lost") for u in ("A", "B")])
+    state = RunState(redis_url, run_id, ttl_s=600)
+    state.start({})
+
+    assert restore_from_log(store, state, run_id, 3, {"A", "B"}) == 1
+    assert final_status(state.accounts(["A"])["A"]) == "delivered" and state.claimed(["A", "B"]) == {"A"}
+
+
 def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):
     """Objects named by time (a run of the previous version, still within the retention) stay
     readable; the chain starts beside them."""

@@ -236,14 +236,35 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
     """Each account's latest mail entry (by time; a later mailing wins a tie), of `accounts`
     only when given: memory follows the shard, not the log's length. What came after the
-    mail (a bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those."""
+    mail (a bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those.
+    A "not_sent" settles its own mailing's "sending" (its claim was refused: nothing left), so
+    what the log said of the account before that mailing stands (a forced rerun refused at its
+    claim leaves the mail before it delivered); an account with nothing before it is absent."""
     found: dict[str, dict] = {}
+    opened: dict[str, dict | None] = {}
     for e in log:
-        if e["status"] not in MAIL_STATUSES or (accounts is not None and e["ucc"] not in accounts):
-            continue
-        if e["ucc"] not in found or e["at"] >= found[e["ucc"]]["at"]:
-            found[e["ucc"]] = e
+        if e["status"] in MAIL_STATUSES and (accounts is None or e["ucc"] in accounts):
+            _take(found, opened, e)
     return found
+
+
+def _take(found: dict[str, dict], opened: dict[str, dict | None], e: dict) -> None:
+    """A mail entry into each account's latest (latest()); `opened`: what stood before each
+    account's "sending" that has no outcome yet."""
+    ucc = e["ucc"]
+    if ucc in found and e["at"] < found[ucc]["at"]:
+        return
+    if e["status"] == "not_sent":
+        if (prior := opened.pop(ucc, None)) is None:
+            found.pop(ucc, None)
+        else:
+            found[ucc] = prior
+        return
+    if e["status"] == "sending":
+        opened[ucc] = found.get(ucc)
+    else:
+        opened.pop(ucc, None)
+    found[ucc] = e
 
 
 def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
@@ -252,10 +273,10 @@ def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
     the latest mailing decides; a bounce counts on a delivered mail (a permanent one over a
     delay); once closed, a delay is delivered. An account with no mailing here (never mailed,
     or refused at the claim) is absent."""
-    mails, bounces, delivered = {}, {}, set()
+    mails, opened, bounces, delivered = {}, {}, {}, set()
     for e in log:
-        if e["status"] in MAIL_STATUSES and (e["ucc"] not in mails or e["at"] >= mails[e["ucc"]]["at"]):
-            mails[e["ucc"]] = e
+        if e["status"] in MAIL_STATUSES:
+            _take(mails, opened, e)
         elif e["status"] in ("bounced", "deferred") and bounces.get(e["ucc"]) != "bounced":
             bounces[e["ucc"]] = e["status"]
         if e["status"] == "delivered":
@@ -266,6 +287,5 @@ def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
         if status == "delivered":
             status = bounces.get(ucc, "delivered")
             status = "delivered" if closed and status == "deferred" else status
-        if status != "not_sent":
-            found[ucc] = status
+        found[ucc] = status
     return found
