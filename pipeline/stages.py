@@ -111,18 +111,14 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
     a delivery Redis saw that the log missed (its mailing died before logging) goes into the
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
-    A record below "archived" knows less than any entry, whatever its time: an account is
-    archived before its mail is logged and a record's stage never goes back, so that record was
-    made anew by a Redis that had lost the account (a split run again validates it then).
-    `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py),
-    so they know nothing the log says after it, however recently they were written.
-    Idempotent; returns how many accounts Redis got back."""
+    `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py).
+    Idempotent without it; returns how many accounts Redis got back."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
         rec = records.get(ucc)
-        if rec is not None and min(rec["updated"], as_of or rec["updated"]) >= e["at"] and rec["rank"] >= rank("archived"):
+        if rec is not None and _knows_more(rec, e, as_of):
             if rec.get("stage") == "delivered" and e["status"] != "delivered":
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
                                  "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
@@ -145,6 +141,20 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     state.restore_claims(guard)
     state.record(outcomes)
     return len({o.ucc for o in outcomes})
+
+
+def _knows_more(rec: dict, e: dict, as_of: float | None) -> bool:
+    """Whether an account's record already says what its latest log entry says, or more: it was
+    written after the entry, as of `as_of` when it was rebuilt from a report (the report knew
+    nothing logged after it read the account); a delivered record knows more than a later
+    mailing's "sending" (it knows that mail's outcome, or that the account was delivered
+    before). A record below "archived" knows less than any entry, whatever its time: an account
+    is archived before its mail is logged and a record's stage never goes back, so Redis had
+    lost the account and made that record anew (a split run again validates it then)."""
+    if rec["rank"] < rank("archived"):
+        return False
+    return min(rec["updated"], as_of or rec["updated"]) >= e["at"] or (
+        rec["stage"] == "delivered" and e["status"] == "sending")
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
@@ -359,7 +369,8 @@ async def mail_stage(batch: Batch, ctx: MailContext) -> dict:
         sent = {i["ucc"]: i for i in mailable}
         logged = [delivery_log.entry(o, sent[o.ucc]["mail_from"], sent[o.ucc].get("sha256", ""))
                   for o in outcomes if o.stage == "delivered"]
-        logged += [delivery_log.not_sent(i["ucc"], str(r)) for i, r in zip(batch.items, results)
+        intended = {e["ucc"]: e["at"] for e in intent}
+        logged += [delivery_log.not_sent(i["ucc"], str(r), intended.get(i["ucc"])) for i, r in zip(batch.items, results)
                    if isinstance(r, (StateLostError, LeaseLostError))]  # refused at the claim: nothing left
         await asyncio.to_thread(delivery_log.append, ctx.store, batch.run_id, batch.shard, logged, end)
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -147,6 +147,45 @@ def test_a_mailing_refused_at_its_claim_leaves_what_the_log_said_before_it(redis
     assert final_status(state.accounts(["A"])["A"]) == "delivered" and state.claimed(["A", "B"]) == {"A"}
 
 
+def _entry(ucc: str, status: str, at: float, **more) -> dict:
+    return {"ucc": ucc, "status": status, "at": at, "message_id": f"<{ucc}>"} | more
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["not_sent naming its sending", "not_sent as written before"])
+def test_a_mailing_refused_at_its_claim_counts_for_nothing_whatever_came_between(named):
+    """Each account's latest mailing, and its final status when the run is sealed: a not_sent
+    settles its own sending only, never an outcome. A: a driver's mailing waited while another
+    driver took the run, mailed and delivered it, then was refused. B: a forced rerun and a
+    resent batch beside it both refused after B's delivery. C: only ever refused."""
+    def refused(ucc, sending_at, at):
+        return _entry(ucc, "not_sent", at, **({"sending_at": sending_at} if named else {}))
+
+    log = [_entry("A", "sending", 1), _entry("A", "sending", 2), _entry("A", "delivered", 3), refused("A", 1, 4),
+           _entry("B", "sending", 1), _entry("B", "delivered", 2), _entry("B", "sending", 3), _entry("B", "sending", 4),
+           refused("B", 3, 5), refused("B", 4, 6),
+           _entry("C", "sending", 1), refused("C", 1, 2)]
+    found = delivery_log.latest(log)
+    assert {u: (e["status"], e["at"]) for u, e in found.items()} == {"A": ("delivered", 3), "B": ("delivered", 2)}
+    assert delivery_log.final_statuses(iter(log), closed=False) == {"A": "delivered", "B": "delivered"}
+
+
+def test_a_delivered_record_rebuilt_from_the_report_is_not_undone_by_a_sending_logged_after_it(redis_url, tmp_path):
+    """The report read A delivered; its mailing's outcome never reached the log (the mailer ended
+    first), and the log's "sending" is stamped after the report's reading. Brought back, A stays
+    delivered, out of the unconfirmed list, and the log gets the delivery it missed."""
+    store, run_id = open_store(str(tmp_path / "store")), f"caught-{uuid.uuid4().hex[:6]}"
+    state = RunState(redis_url, run_id, ttl_s=600)
+    state.start({})
+    read_at = time.time()
+    delivery_log.append(store, run_id, 3, [delivery_log.sending("A", "<A>")])
+    state.record([Outcome("A", "archived"), Outcome("A", "delivered", message_id="<A>", reply="250 OK")])
+    state.restore_claims(["A"])
+
+    assert restore_from_log(store, state, run_id, 3, {"A"}, as_of=read_at) == 0
+    assert final_status(state.accounts(["A"])["A"]) == "delivered" and state.unconfirmed() == []
+    assert delivery_log.latest(delivery_log.entries(store, run_id, 3))["A"]["status"] == "delivered"
+
+
 def test_a_run_logged_before_the_chain_is_appended_to_and_read_whole(tmp_path):
     """Objects named by time (a run of the previous version, still within the retention) stay
     readable; the chain starts beside them."""

@@ -45,7 +45,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     split = load_manifest(store, run_id)
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile, a bounce)
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)},
-                         report.get("records_read_at"))
+                         report.get("records_read_at") or _number(report.get("finished_at")) or None)
         state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
                              for e in delivery_log.entries(store, run_id, shard)
                              if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))

@@ -16,8 +16,9 @@ meet at the end of a chain never fork it: the second takes the next number.
 
 Redis is live state; this is the record. When Redis has lost a run, the mail guard and the
 account stages are rebuilt from it before anything is mailed again. For each account the
-mail entry with the latest time wins; a "sending" left behind by a mailing that died means
-the mail may have left: unconfirmed, never resent blindly.
+mail entry with the latest time wins, but for a mailing refused at its claim (`not_sent`),
+which counts for nothing; a "sending" left behind by a mailing that died means the mail may
+have left: unconfirmed, never resent blindly.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ def sending(ucc: str, message_id: str, mail_from: str = "", sha256: str = "", md
         {"md5": md5} if md5 else {})
 
 
-def not_sent(ucc: str, why: str) -> dict:
+def not_sent(ucc: str, why: str, sending_at: float | None = None) -> dict:
     """Settles a "sending" whose claim was refused (Redis lost the run, or another driver holds
-    it): nothing left, and the resumed run mails it as if this mailing had never tried."""
-    return {"ucc": ucc, "status": "not_sent", "reason": why[:300], "at": time.time()}
+    it): nothing left, and the resumed run mails it as if this mailing had never tried.
+    `sending_at`: that sending's time, which names it among the account's other mailings."""
+    return {"ucc": ucc, "status": "not_sent", "reason": why[:300], "at": time.time()} | (
+        {"sending_at": sending_at} if sending_at is not None else {})
 
 
 def entry(o: Outcome, mail_from: str = "", sha256: str = "") -> dict:
@@ -234,37 +237,37 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 
 
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
-    """Each account's latest mail entry (by time; a later mailing wins a tie), of `accounts`
-    only when given: memory follows the shard, not the log's length. What came after the
-    mail (a bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those.
-    A "not_sent" settles its own mailing's "sending" (its claim was refused: nothing left), so
-    what the log said of the account before that mailing stands (a forced rerun refused at its
-    claim leaves the mail before it delivered); an account with nothing before it is absent."""
-    found: dict[str, dict] = {}
-    opened: dict[str, dict | None] = {}
+    """Each account's latest mail entry (by time; a later line wins a tie), of `accounts` only
+    when given: memory follows the shard, not the log's length. What came after the mail (a
+    bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those. A
+    "not_sent" is no mailing, and neither is the "sending" it settles (its claim was refused:
+    nothing left), so what the log said of the account before that mailing stands: a forced
+    rerun refused at its claim leaves the mail before it delivered. An account with no other
+    entry is absent."""
+    mails: dict[str, list[dict]] = {}
     for e in log:
         if e["status"] in MAIL_STATUSES and (accounts is None or e["ucc"] in accounts):
-            _take(found, opened, e)
-    return found
+            mails.setdefault(e["ucc"], []).append(e)
+    return {ucc: last for ucc, entries in mails.items() if (last := _last_mailing(entries)) is not None}
 
 
-def _take(found: dict[str, dict], opened: dict[str, dict | None], e: dict) -> None:
-    """A mail entry into each account's latest (latest()); `opened`: what stood before each
-    account's "sending" that has no outcome yet."""
-    ucc = e["ucc"]
-    if ucc in found and e["at"] < found[ucc]["at"]:
-        return
-    if e["status"] == "not_sent":
-        if (prior := opened.pop(ucc, None)) is None:
-            found.pop(ucc, None)
-        else:
-            found[ucc] = prior
-        return
-    if e["status"] == "sending":
-        opened[ucc] = found.get(ucc)
-    else:
-        opened.pop(ucc, None)
-    found[ucc] = e
+def _last_mailing(entries: list[dict]) -> dict | None:
+    """The latest of one account's entries, in the log's order, that a "not_sent" does not
+    settle. A not_sent names its sending by time (`sending_at`); one written before that field
+    settles the latest sending before it that neither an outcome nor another not_sent settled."""
+    settled, unsettled = set(), []  # indices; sendings not yet followed by an outcome
+    for i, e in enumerate(entries):
+        if e["status"] == "sending":
+            unsettled.append(i)
+        elif e["status"] != "not_sent":
+            if unsettled:
+                unsettled.pop()
+        elif "sending_at" in e:
+            settled.update(j for j, s in enumerate(entries) if s["status"] == "sending" and s["at"] == e["sending_at"])
+        elif unsettled:
+            settled.add(unsettled.pop())
+    kept = [(e["at"], i) for i, e in enumerate(entries) if e["status"] != "not_sent" and i not in settled]
+    return entries[max(kept)[1]] if kept else None
 
 
 def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
@@ -273,16 +276,14 @@ def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
     the latest mailing decides; a bounce counts on a delivered mail (a permanent one over a
     delay); once closed, a delay is delivered. An account with no mailing here (never mailed,
     or refused at the claim) is absent."""
-    mails, opened, bounces, delivered = {}, {}, {}, set()
+    log, bounces, delivered = list(log), {}, set()  # a shard's log: held once, for latest() too
     for e in log:
-        if e["status"] in MAIL_STATUSES:
-            _take(mails, opened, e)
-        elif e["status"] in ("bounced", "deferred") and bounces.get(e["ucc"]) != "bounced":
+        if e["status"] in ("bounced", "deferred") and bounces.get(e["ucc"]) != "bounced":
             bounces[e["ucc"]] = e["status"]
         if e["status"] == "delivered":
             delivered.add(e["ucc"])
     found = {}
-    for ucc, e in mails.items():
+    for ucc, e in latest(log).items():
         status = "delivered" if ucc in delivered else {"sending": "unconfirmed"}.get(e["status"], e["status"])
         if status == "delivered":
             status = bounces.get(ucc, "delivered")
