@@ -112,16 +112,18 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     a delivery Redis saw that the log missed (its mailing died before logging) goes into the
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
     `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py).
-    Idempotent without it; returns how many accounts Redis got back."""
+    Returns how many accounts Redis got back: none the second time, without `as_of`."""
     found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
         rec = records.get(ucc)
         if rec is not None and _knows_more(rec, e, as_of):
-            if rec.get("stage") == "delivered" and e["status"] != "delivered":
+            if rec.get("stage") == "delivered" and e["status"] != "delivered":  # guarded, and in the log from now
+                guard.add(ucc)
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
-                                 "reply": rec.get("reply", ""), "at": rec["updated"], "attempts": rec.get("attempts", 1)})
+                                 "reply": rec.get("reply", ""), "at": max(rec["updated"], e["at"]),
+                                 "attempts": rec.get("attempts", 1)})
             continue
         status = "unconfirmed" if e["status"] == "sending" else e["status"]
         extra = {"attempts": e.get("attempts", 1)} | ({"possible_duplicate": True} if e.get("possible_duplicate") else {})
@@ -146,15 +148,16 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
 def _knows_more(rec: dict, e: dict, as_of: float | None) -> bool:
     """Whether an account's record already says what its latest log entry says, or more: it was
     written after the entry, as of `as_of` when it was rebuilt from a report (the report knew
-    nothing logged after it read the account); a delivered record knows more than a later
-    mailing's "sending" (it knows that mail's outcome, or that the account was delivered
-    before). A record below "archived" knows less than any entry, whatever its time: an account
+    nothing logged after it read the account); a delivered record says as much as a delivered
+    entry and more than any "sending" (the account was delivered, by that mailing or one before
+    it, and stays delivered and guarded). A record below "archived" knows less than any entry,
+    whatever its time: an account
     is archived before its mail is logged and a record's stage never goes back, so Redis had
     lost the account and made that record anew (a split run again validates it then)."""
     if rec["rank"] < rank("archived"):
         return False
     return min(rec["updated"], as_of or rec["updated"]) >= e["at"] or (
-        rec["stage"] == "delivered" and e["status"] == "sending")
+        rec["stage"] == "delivered" and e["status"] in ("sending", "delivered"))
 
 
 def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[str] | None = None,
@@ -409,7 +412,7 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
         await ctx.pool.ready()
         resend = ctx.force or (ctx.resend_unconfirmed and await ctx.redis(_is_unconfirmed, ucc, ctx))
         if resend:
-            await ctx.redis(ctx.state.release_mail, ucc)
+            await ctx.redis(ctx.state.release_to_resend, ucc, batch.lease)
         claimed = await ctx.state.claim_mail_async(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx), ctx.redis)
         outcome = await _send(item, ctx, mid, message) if claimed else await ctx.redis(_already_claimed, ucc, ctx)
         if resend and not ctx.force:  # the first mail may have reached the client: kept from now on

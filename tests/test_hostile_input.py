@@ -522,6 +522,40 @@ def test_a_mailing_whose_claims_are_refused_logs_them_not_sent_so_a_resumed_run_
     assert state.accounts(["A1"]) == {} and state.claimed(["A1"]) == set()
 
 
+def test_a_driver_taken_over_never_frees_an_unconfirmed_account_for_the_new_driver_to_mail_again(
+        settings, smtp_sink, tmp_path):
+    """`rerun --unconfirmed` lets go of an account's earlier claim to mail it again. Its driver
+    was taken over meanwhile: its mailer, still at work, must not let go of the guard, or the new
+    driver's own mailing would send the account once more, unmarked."""
+    import asyncio
+
+    from pipeline.record import delivery_log, keys
+    from pipeline.record.lease import LeaseLostError
+    from pipeline.record.records import Outcome
+    from pipeline.stages import Batch, mail_context, mail_stage
+
+    run_id = f"taken-{os.urandom(3).hex()}"
+    state, store = RunState(settings.redis_url, run_id), open_store(settings.store_url)
+    state.start({})
+    stale = state.take_lease(1).token
+    state.record([Outcome("U1", "archived"), Outcome("U1", "delivered", "unconfirmed", reason="no reply")])
+    state.restore_claims(["U1"])  # the first mail may have left
+    state.r.delete(keys.run_lease(run_id))
+    fresh = state.take_lease(60).token  # another driver holds the run now
+    store.put(keys.signed_pdf_key(DATE, "U1"), b"%PDF-1.7 archived")
+    item = {"ucc": "U1", "name": "Client", "email": "u1@example.com", "pan": "ABCDE1234F", "ecn": True, "pdf": None}
+
+    async def mail() -> dict:
+        ctx = mail_context(settings, state, store, resend_unconfirmed=True)
+        return await mail_stage(Batch(run_id, DATE, 0, [item], lease=stale), ctx)
+
+    with pytest.raises(LeaseLostError):
+        asyncio.run(mail())
+    assert state.claimed(["U1"]) == {"U1"} and list(smtp_sink.outbox.glob("*.eml")) == []
+    assert not state.claim_mail("U1", "<U1>", state.epoch(), fresh), "the new driver finds it guarded"
+    assert delivery_log.latest(delivery_log.entries(store, run_id, 0)) == {}
+
+
 @pytest.mark.parametrize("date, said", [
     ("2026-11-22", "error: --date 2026-11-22: no exchange traded that day (2026-11-22 is not a NSE trading day "
                    "(weekend)"),

@@ -238,7 +238,7 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
     """Each account's latest mail entry (by time; a later line wins a tie), of `accounts` only
-    when given: memory follows the shard, not the log's length. What came after the mail (a
+    when given: one shard's log is held (a few entries an account). What came after the mail (a
     bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those. A
     "not_sent" is no mailing, and neither is the "sending" it settles (its claim was refused:
     nothing left), so what the log said of the account before that mailing stands: a forced
@@ -252,10 +252,12 @@ def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[
 
 
 def _last_mailing(entries: list[dict]) -> dict | None:
-    """The latest of one account's entries, in the log's order, that a "not_sent" does not
-    settle. A not_sent names its sending by time (`sending_at`); one written before that field
-    settles the latest sending before it that neither an outcome nor another not_sent settled."""
-    settled, unsettled = set(), []  # indices; sendings not yet followed by an outcome
+    """The latest (by time) of one account's entries that a "not_sent" does not settle. A
+    not_sent names its sending by time (`sending_at`). One written before that field settles
+    the one sending, in the log's order, that no outcome or not_sent followed yet, if only one
+    is open; with more, it settles none: a sending that stays is read as unconfirmed, guarded."""
+    settled: set[int] = set()
+    unsettled: list[int] = []  # sendings, in the log's order, with nothing after them yet
     for i, e in enumerate(entries):
         if e["status"] == "sending":
             unsettled.append(i)
@@ -264,7 +266,8 @@ def _last_mailing(entries: list[dict]) -> dict | None:
                 unsettled.pop()
         elif "sending_at" in e:
             settled.update(j for j, s in enumerate(entries) if s["status"] == "sending" and s["at"] == e["sending_at"])
-        elif unsettled:
+            unsettled = [j for j in unsettled if j not in settled]
+        elif len(unsettled) == 1:
             settled.add(unsettled.pop())
     kept = [(e["at"], i) for i, e in enumerate(entries) if e["status"] != "not_sent" and i not in settled]
     return entries[max(kept)[1]] if kept else None

@@ -135,6 +135,21 @@ class MailGuard:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
         self.r.hdel(keys.run_mailguard(self.run_id), ucc)
 
+    def release_to_resend(self, ucc: str, lease: str) -> None:
+        """An earlier mailing's claim, let go for `rerun --force` or `--unconfirmed` to mail the
+        account again, only by the driver holding the run: a driver taken over, its mailer still
+        at work, would otherwise free the account for the new driver's own mailing to send once
+        more (raises LeaseLostError, the guard kept)."""
+        if self.r.eval(_RELEASE, 2, keys.run_mailguard(self.run_id), keys.run_lease(self.run_id), ucc, lease) == -2:
+            raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: "
+                                 "not released, not mailed")
+
+
+_RELEASE = """
+if redis.call('HGET', KEYS[2], 'token') ~= ARGV[2] then return -2 end
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
+
 
 def _evalsha(r: redis.Redis, args: list):
     """The claim's script on a connection kept for claims: redis-py's execute_command spends
