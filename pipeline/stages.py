@@ -38,7 +38,7 @@ from pipeline.note.charges import compute
 from pipeline.note.content import build_note
 from pipeline.note.render import RenderError, render_all
 from pipeline.record import delivery_log, keys
-from pipeline.record.guard import StateLostError
+from pipeline.record.guard import StateLostError, claim_token
 from pipeline.record.lease import LeaseLostError
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
@@ -107,9 +107,9 @@ def load_shard(store: Store, run_id: str, shard: int, data: bytes | None = None)
 def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, accounts: Container[str],
                      as_of: float | None = None) -> int:
     """Before a resumed run mails a shard, Redis and the shard's delivery log are brought
-    level, whichever knows more recently: a log entry newer than the Redis record (Redis lost
-    the run, or came back from an older snapshot) goes back into Redis, the mail guard first;
-    a delivery Redis saw that the log missed (its mailing died before logging) goes into the
+    level, whichever knows more (_knows_more): a log entry Redis does not know (Redis lost the
+    run, or came back from an older snapshot) goes back into Redis, the mail guard first; a
+    delivery Redis saw that the log missed (its mailing died before logging) goes into the
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
     `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py).
     Returns how many accounts Redis got back: none the second time, without `as_of`."""
@@ -119,8 +119,9 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     for ucc, e in found.items():
         rec = records.get(ucc)
         if rec is not None and _knows_more(rec, e, as_of):
-            if rec.get("stage") == "delivered" and e["status"] != "delivered":  # guarded, and in the log from now
+            if rec.get("stage") == "delivered":
                 guard.add(ucc)
+            if rec.get("stage") == "delivered" and e["status"] != "delivered":  # in the log from now
                 catch_up.append({"ucc": ucc, "status": "delivered", "message_id": rec.get("message_id", ""),
                                  "reply": rec.get("reply", ""), "at": max(rec["updated"], e["at"]),
                                  "attempts": rec.get("attempts", 1)})
@@ -411,10 +412,11 @@ async def _mail_one(batch: Batch, item: dict, ctx: MailContext) -> Outcome:
             return outcome
         await ctx.pool.ready()
         resend = ctx.force or (ctx.resend_unconfirmed and await ctx.redis(_is_unconfirmed, ucc, ctx))
-        if resend:
-            await ctx.redis(ctx.state.release_to_resend, ucc, batch.lease)
-        claimed = await ctx.state.claim_mail_async(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx), ctx.redis)
-        outcome = await _send(item, ctx, mid, message) if claimed else await ctx.redis(_already_claimed, ucc, ctx)
+        token = claim_token(batch.lease)
+        claimed = await ctx.state.claim_mail_async(ucc, mid, ctx.epoch, batch.lease, _unrecorded(ctx), ctx.redis,
+                                                   token, bool(resend))
+        outcome = await _send(item, ctx, mid, message, token) if claimed else \
+            await ctx.redis(_already_claimed, ucc, ctx)
         if resend and not ctx.force:  # the first mail may have reached the client: kept from now on
             outcome.extra["possible_duplicate"] = True
         if outcome.status != "skipped":
@@ -508,7 +510,7 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
         "or rerun --unconfirmed (same Message-ID)"))
 
 
-async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outcome:
+async def _send(item: dict, ctx: MailContext, mid: str, message: bytes, token: str) -> Outcome:
     ucc = item["ucc"]
     try:
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, item["mail_from"], item["email"], message)
@@ -516,14 +518,14 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes) -> Outco
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
             f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
     except QuotaError as e:
-        await ctx.redis(ctx.state.release_mail, ucc)
+        await ctx.redis(ctx.state.release_mail, ucc, token)
         return Outcome(ucc, "delivered", "failed", reason=str(e), message_id=mid, extra={"attempts": e.attempts})
     except PermanentMailError as e:
-        await ctx.redis(ctx.state.release_mail, ucc)
+        await ctx.redis(ctx.state.release_mail, ucc, token)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp permanent: {e}", message_id=mid,
                        extra={"attempts": e.attempts})
     except TransientMailError as e:
-        await ctx.redis(ctx.state.release_mail, ucc)
+        await ctx.redis(ctx.state.release_mail, ucc, token)
         return Outcome(ucc, "delivered", "failed", reason=f"smtp gave up after {e.attempts} attempts: {e}",
                        message_id=mid, extra={"attempts": e.attempts})
     return Outcome(ucc, "delivered", message_id=mid, reply=reply, extra={"attempts": attempts})

@@ -156,20 +156,23 @@ def test_a_mailing_refused_at_its_claim_counts_for_nothing_whatever_came_between
     """Each account's latest mailing, and its final status when the run is sealed: a not_sent
     settles its own sending only, never an outcome. A: a driver's mailing waited while another
     driver took the run, mailed and delivered it, then was refused. B: a forced rerun and a
-    resent batch beside it both refused after B's delivery (a not_sent that cannot say which
-    of two sendings was its own settles neither: B reads as unconfirmed, and stays guarded).
-    C: only ever refused."""
+    resent batch beside it both refused after B's delivery. C: only ever refused. D: a mailing
+    that died, then one refused (a not_sent that cannot say which of the two open sendings was
+    its own settles neither: D reads as unconfirmed either way, guarded)."""
     def refused(ucc, sending_at, at):
         return _entry(ucc, "not_sent", at, **({"sending_at": sending_at} if named else {}))
 
     log = [_entry("A", "sending", 1), _entry("A", "sending", 2), _entry("A", "delivered", 3), refused("A", 1, 4),
            _entry("B", "sending", 1), _entry("B", "delivered", 2), _entry("B", "sending", 3), _entry("B", "sending", 4),
            refused("B", 3, 5), refused("B", 4, 6),
-           _entry("C", "sending", 1), refused("C", 1, 2)]
+           _entry("C", "sending", 1), refused("C", 1, 2),
+           _entry("D", "sending", 1), _entry("D", "sending", 2), refused("D", 2, 3)]
     found = delivery_log.latest(log)
-    b = ("delivered", 2) if named else ("sending", 4)
-    assert {u: (e["status"], e["at"]) for u, e in found.items()} == {"A": ("delivered", 3), "B": b}
-    assert delivery_log.final_statuses(iter(log), closed=False) == {"A": "delivered", "B": "delivered"}
+    d = ("sending", 1) if named else ("sending", 2)
+    assert {u: (e["status"], e["at"]) for u, e in found.items()} == {
+        "A": ("delivered", 3), "B": ("delivered", 2), "D": d}
+    assert delivery_log.final_statuses(iter(log), closed=False) == {
+        "A": "delivered", "B": "delivered", "D": "unconfirmed"}
 
 
 def test_a_delivered_record_rebuilt_from_the_report_is_not_undone_by_a_sending_logged_after_it(redis_url, tmp_path):

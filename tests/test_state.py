@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.mail.message import message_id
 from pipeline.record import keys
-from pipeline.record.guard import StateLostError
+from pipeline.record.guard import StateLostError, claim_token
 from pipeline.record.lease import LeaseHeldError, LeaseLostError, held
 from pipeline.record.records import STAGES, Outcome, final_status, history
 from pipeline.record.state import RunState
@@ -49,6 +49,26 @@ def test_the_mail_guard_admits_exactly_one_claim(state):
     state.release_mail("A")
     assert state.claim_mail("A", "<m1>", epoch, lease) is True
     assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
+
+
+def test_a_resend_takes_over_an_earlier_driver_s_claim_once_and_only_under_the_lease(state):
+    """`rerun --unconfirmed`: the new driver's resend takes over the first run's claim in the
+    claim's own step (a driver taken over meanwhile is refused, the guard kept); the same batch
+    resent to another mailer finds the claim its own driver's and does not mail again; and the
+    first run's mailing, giving up on its relay later, never frees the claim it lost."""
+    epoch = state.start({})
+    first = state.take_lease(30).token
+    old = claim_token(first)
+    assert state.claim_mail("A", "<m>", epoch, first, token=old)
+    state.r.delete(keys.run_lease(state.run_id))
+    rerun = state.take_lease(30).token
+    with pytest.raises(LeaseLostError):
+        state.claim_mail("A", "<m>", epoch, first, resend=True)
+    assert not state.claim_mail("A", "<m>", epoch, rerun), "a plain claim never takes over"
+    assert state.claim_mail("A", "<m>", epoch, rerun, resend=True)
+    assert not state.claim_mail("A", "<m>", epoch, rerun, resend=True), "once a driver: the batch resent elsewhere"
+    state.release_mail("A", old)
+    assert state.claimed(["A"]) == {"A"}
 
 
 def test_a_claim_whose_kept_connection_redis_cut_claims_once_through_the_client(state):

@@ -16,9 +16,9 @@ meet at the end of a chain never fork it: the second takes the next number.
 
 Redis is live state; this is the record. When Redis has lost a run, the mail guard and the
 account stages are rebuilt from it before anything is mailed again. For each account the
-mail entry with the latest time wins, but for a mailing refused at its claim (`not_sent`),
-which counts for nothing; a "sending" left behind by a mailing that died means the mail may
-have left: unconfirmed, never resent blindly.
+mail entry with the latest time wins, a delivery over anything after it; a mailing refused
+at its claim (`not_sent`) counts for nothing; a "sending" left behind by a mailing that died
+means the mail may have left: unconfirmed, never resent blindly.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 
 
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
-    """Each account's latest mail entry (by time; a later line wins a tie), of `accounts` only
+    """Each account's latest mail entry (by time, a later line winning a tie; its latest
+    delivery if it has one), of `accounts` only
     when given: one shard's log is held (a few entries an account). What came after the mail (a
     bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those. A
     "not_sent" is no mailing, and neither is the "sending" it settles (its claim was refused:
@@ -252,7 +253,9 @@ def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[
 
 
 def _last_mailing(entries: list[dict]) -> dict | None:
-    """The latest (by time) of one account's entries that a "not_sent" does not settle. A
+    """The latest (by time) of one account's entries that a "not_sent" does not settle, its
+    latest delivery if it has one (a mail once delivered stays delivered, as final_statuses
+    and the report say, whatever a later mailing did). A
     not_sent names its sending by time (`sending_at`). One written before that field settles
     the one sending, in the log's order, that no outcome or not_sent followed yet, if only one
     is open; with more, it settles none: a sending that stays is read as unconfirmed, guarded."""
@@ -269,8 +272,9 @@ def _last_mailing(entries: list[dict]) -> dict | None:
             unsettled = [j for j in unsettled if j not in settled]
         elif len(unsettled) == 1:
             settled.add(unsettled.pop())
-    kept = [(e["at"], i) for i, e in enumerate(entries) if e["status"] != "not_sent" and i not in settled]
-    return entries[max(kept)[1]] if kept else None
+    kept = [(e["status"] == "delivered", e["at"], i) for i, e in enumerate(entries)
+            if e["status"] != "not_sent" and i not in settled]
+    return entries[max(kept)[2]] if kept else None
 
 
 def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:

@@ -32,17 +32,27 @@ class StateLostError(CannotRun, RuntimeError):
 # claims it forgot. Only the driver holding the run's lease claims (lease.py): a second driver,
 # or the leftover work of one that was taken over, answers -2. The call first records the
 # mailer's outcomes since its last claim (records.py), so that a mail costs one round trip.
+# A token begins with the first 8 characters of its driver's lease token. A resend (`rerun
+# --force`, `--unconfirmed`) takes over a claim made under another lease (an earlier mailing's,
+# or one restored) in the same step as the lease check: never one of its own driver's, so a
+# batch resent to another mailer does not mail the account twice.
 # KEYS: meta, guard, lease, then the record's four. ARGV: ucc, epoch, ttl, token, lease token,
-# now, then the record's five per account
+# now, resend (1 or 0), then the record's five per account
 _CLAIM = RECORD_FN + """
-record({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[3], ARGV, 7)
+record({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[3], ARGV, 8)
 if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[2] then return -1 end
 if redis.call('HGET', KEYS[3], 'token') ~= ARGV[5] then return -2 end
 local held = redis.call('HGET', KEYS[2], ARGV[1])
-if held then return held == ARGV[4] and 1 or 0 end
+if held == ARGV[4] then return 1 end
+if held and (ARGV[7] ~= '1' or string.sub(held, 1, 8) == string.sub(ARGV[4], 1, 8)) then return 0 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
+"""
+# A claim let go after a definite non-delivery: only while it is still this mailing's own.
+_RELEASE_OWN = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
 """
 
 
@@ -54,32 +64,35 @@ class MailGuard:
     Records, the record's keys and arguments)."""
 
     def claim_mail(self, ucc: str, message_id: str, epoch: str, lease: str,
-                   recording: Iterable[Outcome] = ()) -> bool:
+                   recording: Iterable[Outcome] = (), token: str = "", resend: bool = False) -> bool:
         """Atomic: True for exactly one caller per run and account, whatever retries Ray
         makes; raises StateLostError if Redis no longer knows the run of this epoch, and
         LeaseLostError if the run's lease is not `lease` (another driver holds the run).
         `recording`: outcomes written by the same call, first (a mailer's replies since its
-        last claim: one round trip a mail, not two)."""
-        return self._claimed(self._claim_patiently(self._claim_args(ucc, epoch, lease, recording)))
+        last claim: one round trip a mail, not two). `token`: the claim's (claim_token), which
+        release_mail is given; `resend`: take over a claim made under another lease (_CLAIM)."""
+        return self._claimed(self._claim_patiently(self._claim_args(ucc, epoch, lease, recording, token, resend)))
 
     async def claim_mail_async(self, ucc: str, message_id: str, epoch: str, lease: str,
-                               recording: Iterable[Outcome], in_thread: Callable[..., Awaitable]) -> bool:
+                               recording: Iterable[Outcome], in_thread: Callable[..., Awaitable],
+                               token: str = "", resend: bool = False) -> bool:
         """claim_mail on a mailer's event loop, which it never holds: on a connection of the
         loop's own, which awaits Redis's reply rather than blocking for it. A connection that
         fails (Redis restarting) hands the same call to the client's patient retries in a
         thread (`in_thread`); the claim's token makes it safe to repeat."""
-        args = self._claim_args(ucc, epoch, lease, recording)
+        args = self._claim_args(ucc, epoch, lease, recording, token, resend)
         try:
             claimed = await self._evalsha_async(args)
         except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoScriptError, OSError):
             claimed = await in_thread(self._claim_patiently, args)
         return self._claimed(claimed)
 
-    def _claim_args(self, ucc: str, epoch: str, lease: str, recording: Iterable[Outcome]) -> list:
-        token, now = os.urandom(8).hex(), round(time.time(), 3)  # as uuid4().hex[:16], without the UUID
+    def _claim_args(self, ucc: str, epoch: str, lease: str, recording: Iterable[Outcome], token: str = "",
+                    resend: bool = False) -> list:
+        now = round(time.time(), 3)
         return [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
-                *self._record_keys(), ucc, epoch, self.ttl_s, token, lease, now,
-                *self._record_args(recording, now)]  # Records, beside it in RunState
+                *self._record_keys(), ucc, epoch, self.ttl_s, token or claim_token(lease), lease, now,
+                1 if resend else 0, *self._record_args(recording, now)]  # Records, beside it in RunState
 
     def _claim_patiently(self, args: list) -> int:
         try:
@@ -131,24 +144,19 @@ class MailGuard:
                 p.hsetnx(guard, ucc, "restored")
             p.execute()
 
-    def release_mail(self, ucc: str) -> None:
-        """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try again."""
-        self.r.hdel(keys.run_mailguard(self.run_id), ucc)
-
-    def release_to_resend(self, ucc: str, lease: str) -> None:
-        """An earlier mailing's claim, let go for `rerun --force` or `--unconfirmed` to mail the
-        account again, only by the driver holding the run: a driver taken over, its mailer still
-        at work, would otherwise free the account for the new driver's own mailing to send once
-        more (raises LeaseLostError, the guard kept)."""
-        if self.r.eval(_RELEASE, 2, keys.run_mailguard(self.run_id), keys.run_lease(self.run_id), ucc, lease) == -2:
-            raise LeaseLostError(f"run {self.run_id}: this work's driver no longer holds the run's lease: "
-                                 "not released, not mailed")
+    def release_mail(self, ucc: str, token: str = "") -> None:
+        """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try
+        again. With the claim's `token`, only while the guard still holds it: a mailing whose
+        claim another driver's resend took over never frees that one's."""
+        if token:
+            self.r.eval(_RELEASE_OWN, 1, keys.run_mailguard(self.run_id), ucc, token)
+        else:
+            self.r.hdel(keys.run_mailguard(self.run_id), ucc)
 
 
-_RELEASE = """
-if redis.call('HGET', KEYS[2], 'token') ~= ARGV[2] then return -2 end
-return redis.call('HDEL', KEYS[1], ARGV[1])
-"""
+def claim_token(lease: str) -> str:
+    """A claim's token: its driver's lease first (what _CLAIM's resend compares), then its own."""
+    return lease[:8].ljust(8, "-") + os.urandom(4).hex()
 
 
 def _evalsha(r: redis.Redis, args: list):
