@@ -249,9 +249,9 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     numbers it reserved before (note_numbers.reserve_for, which says when it cannot), so it
     writes the same files, and the accounts of a file the lost attempt wrote without recording
     them are recorded now. An account is validated by its first record alone: an attempt still
-    running beside another (its node cut off, not dead) never resets one. Returns {shard: (accounts,
-    trades)}, the rejected, and the clients whose every trade was cancelled (no note is due);
-    with `hand`, "rows": those shards' files as written, for their render tasks
+    running beside another (its node cut off, not dead) never resets one. Returns {shard:
+    (accounts, trades)}, the rejected, and the clients whose every trade was cancelled (no note
+    is due); with `hand`, "rows": those shards' files as written, for their render tasks
     (split_tasks.HANDED_TRADES)."""
     numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)

@@ -238,13 +238,11 @@ def _entry(store: Store, key: str, n: int, line: str) -> dict:
 
 def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[str, dict]:
     """Each account's latest mail entry (by time, a later line winning a tie; its latest
-    delivery if it has one), of `accounts` only
-    when given: one shard's log is held (a few entries an account). What came after the mail (a
-    bounce, a fetch) is not a mailing: followup/bounces.py and restore.py read those. A
-    "not_sent" is no mailing, and neither is the "sending" it settles (its claim was refused:
-    nothing left), so what the log said of the account before that mailing stands: a forced
-    rerun refused at its claim leaves the mail before it delivered. An account with no other
-    entry is absent."""
+    delivery if it has one), of `accounts` only when given: one shard's log is held (a few
+    entries an account). What came after the mail (a bounce, a fetch) is not a mailing:
+    followup/bounces.py and restore.py read those. A "not_sent" is no mailing, and neither is
+    the "sending" it settles (its claim was refused: nothing left), so what the log said of the
+    account before that mailing stands. An account with no other entry is absent."""
     mails: dict[str, list[dict]] = {}
     for e in log:
         if e["status"] in MAIL_STATUSES and (accounts is None or e["ucc"] in accounts):
@@ -255,10 +253,10 @@ def latest(log: Iterable[dict], accounts: Container[str] | None = None) -> dict[
 def _last_mailing(entries: list[dict]) -> dict | None:
     """The latest (by time) of one account's entries that a "not_sent" does not settle, its
     latest delivery if it has one (a mail once delivered stays delivered, as final_statuses
-    and the report say, whatever a later mailing did). A
-    not_sent names its sending by time (`sending_at`). One written before that field settles
-    the one sending, in the log's order, that no outcome or not_sent followed yet, if only one
-    is open; with more, it settles none: a sending that stays is read as unconfirmed, guarded."""
+    and the report say, whatever a later mailing did). A not_sent names its sending by time
+    (`sending_at`). One written before that field settles a sending only when one alone is
+    open (an outcome closes the latest open one); with more, it settles none: a sending that
+    stays is read as unconfirmed, guarded."""
     settled: set[int] = set()
     unsettled: list[int] = []  # sendings, in the log's order, with nothing after them yet
     for i, e in enumerate(entries):
