@@ -304,23 +304,26 @@ def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
     shim, trigger, sock = tmp_path / "cut_short.so", tmp_path / "cut-short-now", tmp_path / "p11.sock"
     (tmp_path / "cut_short.c").write_text(CUT_SHORT)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "cut_short.c"), "-ldl"], check=True)
-    server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
-                                                                        "CUT_SHORT": str(trigger)})
-    try:
-        with Said.signing(hsm, server.url, hold_s=0) as said:
-            time.sleep(1.0)
-            trigger.touch()  # the next reply is cut short
-            server.process.wait(timeout=30)
-            assert not trigger.exists(), "the server died mid-reply"
-            time.sleep(0.3)
-            server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
-            said.back(1)
-            time.sleep(1.0)  # signatures through the fresh instance
-            out, err = said.stop()
-    finally:
-        server.stop()
-    assert said.signer.returncode == 0, err[-1500:]
-    seen = json.loads(out.strip().splitlines()[-1])
+    for _ in range(3):  # on a loaded machine the waiting caller may not be waiting on the socket yet: not stranded
+        server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
+                                                                            "CUT_SHORT": str(trigger)})
+        try:
+            with Said.signing(hsm, server.url, hold_s=0) as said:
+                time.sleep(1.0)
+                trigger.touch()  # the next reply is cut short
+                server.process.wait(timeout=30)
+                assert not trigger.exists(), "the server died mid-reply"
+                time.sleep(0.3)
+                server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+                said.back(1)
+                time.sleep(1.0)  # signatures through the fresh instance
+                out, err = said.stop()
+        finally:
+            server.stop()
+        assert said.signer.returncode == 0, err[-1500:]
+        seen = json.loads(out.strip().splitlines()[-1])
+        assert seen["signed"] > 0 and seen["errors"] == [], seen
+        assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
+        if "started afresh" in err:
+            break
     assert "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
-    assert seen["signed"] > 0 and seen["errors"] == [], seen
-    assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
