@@ -44,9 +44,10 @@ def test_a_failure_keeps_the_furthest_stage_and_enters_the_failed_registry(state
 
 def test_the_mail_guard_admits_exactly_one_claim(state):
     epoch, lease = state.start({}), state.take_lease(30).token
-    assert state.claim_mail("A", "<m1>", epoch, lease) is True
+    token = claim_token(lease)
+    assert state.claim_mail("A", "<m1>", epoch, lease, token=token) is True
     assert state.claim_mail("A", "<m1>", epoch, lease) is False
-    state.release_mail("A")
+    state.release_mail("A", token)
     assert state.claim_mail("A", "<m1>", epoch, lease) is True
     assert state.start({}) == epoch, "a rerun of the run keeps its epoch"
 

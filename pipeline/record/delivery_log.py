@@ -281,15 +281,13 @@ def final_statuses(log: Iterable[dict], closed: bool) -> dict[str, str]:
     the latest mailing decides; a bounce counts on a delivered mail (a permanent one over a
     delay); once closed, a delay is delivered. An account with no mailing here (never mailed,
     or refused at the claim) is absent."""
-    log, bounces, delivered = list(log), {}, set()  # a shard's log: held once, for latest() too
+    log, bounces = list(log), {}  # a shard's log: held once, for latest() too
     for e in log:
         if e["status"] in ("bounced", "deferred") and bounces.get(e["ucc"]) != "bounced":
             bounces[e["ucc"]] = e["status"]
-        if e["status"] == "delivered":
-            delivered.add(e["ucc"])
     found = {}
-    for ucc, e in latest(log).items():
-        status = "delivered" if ucc in delivered else {"sending": "unconfirmed"}.get(e["status"], e["status"])
+    for ucc, e in latest(log).items():  # a delivery, if the account has one
+        status = {"sending": "unconfirmed"}.get(e["status"], e["status"])
         if status == "delivered":
             status = bounces.get(ucc, "delivered")
             status = "delivered" if closed and status == "deferred" else status

@@ -144,14 +144,11 @@ class MailGuard:
                 p.hsetnx(guard, ucc, "restored")
             p.execute()
 
-    def release_mail(self, ucc: str, token: str = "") -> None:
+    def release_mail(self, ucc: str, token: str) -> None:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try
-        again. With the claim's `token`, only while the guard still holds it: a mailing whose
-        claim another driver's resend took over never frees that one's."""
-        if token:
-            self.r.eval(_RELEASE_OWN, 1, keys.run_mailguard(self.run_id), ucc, token)
-        else:
-            self.r.hdel(keys.run_mailguard(self.run_id), ucc)
+        again. Only while the guard still holds the claim's `token`: a mailing whose claim
+        another driver's resend took over never frees that one's."""
+        self.r.eval(_RELEASE_OWN, 1, keys.run_mailguard(self.run_id), ucc, token)
 
 
 def claim_token(lease: str) -> str:
