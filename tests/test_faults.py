@@ -151,6 +151,37 @@ def test_a_mailer_killed_mid_run_by_pid_leaves_unconfirmed_accounts_never_lost_o
                              {"reconciled": settled["reconciled"], "resent": len(again["rerun_accounts"])})
 
 
+def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_that_rerun(
+        ray_session, settings, busy_day, smtp_server):
+    """`rerun --force` mails every account once more. Its mailer is SIGKILLed mid-batch, and the
+    fleet resends the batch to a new mailer: an account the dead mailer claimed is its rerun's own
+    claim, never taken over by the same rerun, so no account reaches the relay a third time."""
+    import ray
+
+    server = smtp_server(delay_ms=25)
+    slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "window": 2})
+    run_id = f"kill-forced-{uuid.uuid4().hex[:6]}"
+    first = run_day(slow, RunRequest(TRADE_DATE, str(busy_day), run_id))
+    uccs = sorted(mailable(busy_day))
+    assert first["delivered"] == len(uccs) and len(at_relay(server.outbox)) == len(uccs)
+
+    thread, result = in_background(lambda: rerun(slow, run_id, uccs, force=True))
+    wait_for(server.outbox, len(uccs) + 8)
+    mailer = ray.get_actor(f"mailer-0-{run_id}")
+    os.kill(ray.get(mailer.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    thread.join(300)
+
+    again = result.get("value") or result
+    assert "error" not in again and again["failed"] == 0, again
+    got = at_relay(server.outbox)
+    expected = {message_id(run_id, u, settings.hmac_key()) for u in uccs}
+    assert set(got) == expected
+    assert {m: n for m, n in got.items() if n > 2} == {}, "mailed a third time: once by the run, twice by its rerun"
+    assert sum(got.values()) > len(uccs) + 8, "the rerun stopped mailing when its mailer died"
+    log = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
+    assert {e["ucc"] for e in log.values() if e["status"] == "delivered"} == set(uccs)
+
+
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
         ray_session, settings, busy_day, smtp_server, tmp_path):
     """Nothing fails for the outage. A transaction whose final dot was sent when the relay went
