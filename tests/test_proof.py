@@ -289,6 +289,27 @@ def test_close_seals_once_and_refuses_a_log_that_no_longer_matches_its_seal(clos
     assert tree(root) == edited, "never sealed again"
 
 
+def test_a_sealed_run_brought_back_from_storage_into_a_new_redis_writes_nothing_to_its_record(
+        closed_run, tmp_path, monkeypatch, capsys):
+    """The cluster and its Redis are gone. On a laptop, `status` reads the sealed run from its
+    record, a refused `rerun` brings it back into Redis (the report's records and every shard's
+    delivery log) and `close` shows its seal: the record is byte for byte what was sealed, and
+    still verifies whole."""
+    settings, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    before = {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK}
+    monkeypatch.setenv("REDIS_URL", settings.redis_url.rsplit("/", 1)[0] + "/11")
+
+    assert main(["status", run_id, "--store", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "sealed"
+    assert main(["rerun", run_id, "--failed", "--store", str(root)]) == 2
+    assert "closed and its record sealed" in capsys.readouterr().err
+    assert RunState(os.environ["REDIS_URL"], run_id).meta()["restored_from"], "the rerun brought the run back"
+    assert main(["close", run_id, "--store", str(root)]) == 0
+    assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before
+    assert verified(root, run_id)["ok"]
+
+
 def test_after_the_seal_only_a_fetch_or_a_refused_bounce_may_follow(closed_run, tmp_path):
     _, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")
