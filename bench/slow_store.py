@@ -40,9 +40,9 @@ class SlowStore:
             return method(*args, **kwargs)
         return slow
 
-    def keys(self, prefix: str):
+    def keys(self, prefix: str, after: str = ""):
         self._wait()  # a listing page of 1,000 keys is one request
-        for n, key in enumerate(self.store.keys(prefix), 1):
+        for n, key in enumerate(self.store.keys(prefix, after), 1):
             if n % 1000 == 0:
                 self._wait()
             yield key

@@ -44,6 +44,18 @@ def test_a_get_reads_awkward_keys_under_a_prefix_and_names_a_missing_one(s3_buck
     assert not store.exists("0/none")
 
 
+@pytest.mark.parametrize("where", ["s3", "folder"])
+def test_a_listing_after_a_key_names_the_keys_after_it_alone(s3_bucket, tmp_path, where):
+    """What a note-number reservation lists: the marks above what Redis has issued."""
+    store = open_store(f"s3://{s3_bucket}/after prefix" if where == "s3" else str(tmp_path))
+    for n in (3, 12, 7, 100):
+        store.put_new(f"marks/{n:04d}.json", b"{}")
+    store.put("marksx/0500.json", b"{}")  # beside the prefix, not under it
+    assert list(store.keys("marks/", after="marks/0007.json")) == ["marks/0012.json", "marks/0100.json"]
+    assert list(store.keys("marks/", after="marks/0100.json")) == []
+    assert list(store.keys("marks/")) == [f"marks/{n:04d}.json" for n in (3, 7, 12, 100)]
+
+
 def test_ranges_and_streams_read_what_they_ask_and_nothing_past_the_end(s3_bucket):
     store = open_store(f"s3://{s3_bucket}")
     store.put("0/dump.csv", b"\xef\xbb\xbfa,b\r\n1,2\r\n" + b"x" * 100_000)

@@ -18,10 +18,10 @@ from pipeline.day import bhavcopy
 from pipeline.day.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
 from pipeline.day.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
 from pipeline.day.synth import SynthOptions, write_dumps
-from pipeline.record import note_numbers, report
+from pipeline.record import keys, note_numbers, report
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import FolderStore, open_store
 from tests.test_first_notes import _Counted
 from tests.test_hostile_input import INNOCENTS, POISONED, split_with, trades_for
 from tests.test_note_correctness import DATE, HAND_MADE, write_day
@@ -109,6 +109,45 @@ def test_note_numbers_reserved_side_by_side_never_repeat_and_the_mark_never_drop
     issued = sorted(n for f in firsts for n in range(f, f + 10))
     assert issued == list(range(1, 301))
     assert note_numbers.high_water_mark(store, fy) == 300
+
+
+def test_a_reservation_that_outlives_its_lock_never_lowers_the_mark_a_redis_that_lost_its_counter_reads(
+        tmp_path, redis_url):
+    """A's store stalls on writing its mark past the lock's life (Redis expires the lock); B
+    reserves the next block and marks it; A's write then lands. Redis then loses its counter:
+    the next reservation carries on above B's numbers (with one overwritten mark, A's write had
+    moved it down, and B's numbers were issued again)."""
+    stalled, go = threading.Event(), threading.Event()
+
+    class Stalling(FolderStore):
+        def put(self, key, data):
+            self._stall(key)
+            return super().put(key, data)
+
+        def put_new(self, key, data):
+            self._stall(key)
+            return super().put_new(key, data)
+
+        def _stall(self, key):
+            if "noteseq" in key and not stalled.is_set():
+                stalled.set()
+                assert go.wait(30)
+
+    store, fy = open_store(str(tmp_path)), f"t{os.urandom(3).hex()}"
+    state = RunState(redis_url, "outlived")
+    a = []
+    thread = threading.Thread(target=lambda: a.append(note_numbers.reserve(Stalling(str(tmp_path)), state, fy, 50)))
+    thread.start()
+    assert stalled.wait(30)
+    state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
+    b = note_numbers.reserve(store, state, fy, 50)
+    go.set()
+    thread.join(30)
+    state.r.delete(keys.note_sequence(fy))  # Redis restarted without its data
+
+    assert note_numbers.reserve(store, state, fy, 10) == 101, "B's numbers issued again"
+    assert note_numbers.high_water_mark(store, fy) == 110
+    assert (a, b) == ([1], 51), "A keeps the numbers it was issued"
 
 
 class _NodeLost(BaseException):

@@ -31,7 +31,9 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
                                                   head as it began (a close that stopped reads as begun)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
-  reports/noteseq-{fy}.json                       highest contract note number issued in a FY
+  reports/noteseq-{fy}/{high:012d}.json           a mark a reservation of a FY's note numbers: the highest
+                                                  number then issued is the highest mark (create-only)
+  reports/noteseq-{fy}.json                       the same, as versions before the marks kept it (read only)
   logs/{run}/{n:06d}.log                          the driver's log, a chunk every 10 s (run_log.py)
   reports/.write-check                            written before a run starts: the store is writable
   reports/{run}.create-only-check                 written twice, create-only, before a run or a command
@@ -182,6 +184,14 @@ def day_claim_key(trade_date: str) -> str:
 
 def note_sequence_key(fy: str) -> str:
     return f"reports/noteseq-{fy}.json"
+
+
+def note_marks(fy: str) -> str:
+    return f"reports/noteseq-{fy}/"
+
+
+def note_mark_key(fy: str, high: int) -> str:
+    return f"{note_marks(fy)}{high:012d}.json"  # zero-padded: in key order, in number order
 
 
 WRITE_CHECK = "reports/.write-check"  # a run proves the store writable before it starts

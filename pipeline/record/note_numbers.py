@@ -4,16 +4,33 @@ Redis hands them out (atomic across a run's split tasks and concurrent runs); st
 highest number reserved so far, next to the run manifests, written before any of them is
 used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
 without its data, or flushed, carries on above every number already printed.
+
+Each reservation leaves a mark of its own, created once and never overwritten, named by the
+highest number it issued; the year's high-water mark is the highest mark. One overwritten
+object could move down: a reservation that outlived the lock (a store stalled past its 120 s)
+wrote its mark after a later one had written a higher mark, and a Redis that lost its counter
+then would issue the numbers between them again. A reservation lists only the marks above
+what Redis has issued, so it reads none unless Redis lost its counter or came back older.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+from redis.exceptions import LockError, LockNotOwnedError
 
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store, read_json
+
+MARK = re.compile(r"(\d{12})\.json")  # keys.note_mark_key's name
+LOCK_S = 120
+log = logging.getLogger(__name__)
 
 
 def financial_year(trade_date: str) -> str:
@@ -32,7 +49,7 @@ def note_number(prefix: str, trade_date: str, sequence: int) -> str:
 def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
     """The first of `count` fresh numbers; the storage mark covers all of them on return.
     Split tasks reserve side by side: a Redis lock makes reading the mark, reserving and
-    writing the mark one step, so the mark in storage never moves down."""
+    writing the mark one step."""
     with _sequence_held(state, fy):
         return _reserved(store, state, fy, count)
 
@@ -56,19 +73,46 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> 
         return first
 
 
-def _sequence_held(state: RunState, fy: str):
-    return state.r.lock(keys.note_sequence_lock(fy), timeout=120, blocking_timeout=600)
+@contextmanager
+def _sequence_held(state: RunState, fy: str) -> Iterator[None]:
+    """The year's reservations one at a time. One that outlives the lock (its store stalled past
+    LOCK_S) keeps its numbers: Redis issued them to it alone, and its mark is written."""
+    lock = state.r.lock(keys.note_sequence_lock(fy), timeout=LOCK_S, blocking_timeout=600)
+    if not lock.acquire():
+        raise LockError(f"the note numbers of {fy}: another reservation held them for 600 s (Redis "
+                        f"{keys.note_sequence_lock(fy)})")
+    try:
+        yield
+    finally:
+        try:
+            lock.release()
+        except LockNotOwnedError:
+            log.warning("a reservation of %s's note numbers outlived its lock (%d s)", fy, LOCK_S)
 
 
 def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
-    high = high_water_mark(store, fy)
+    high = high_water_mark(store, fy, above=state.issued_note_numbers(fy))
     first = state.next_note_numbers(fy, count, floor=high)
-    high = max(high, first + count - 1)
-    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())
+    last = first + count - 1
+    store.put_new(keys.note_mark_key(fy, last), json.dumps({"fy": fy, "high": last}).encode())
     return first
 
 
-def high_water_mark(store: Store, fy: str) -> int:
+def high_water_mark(store: Store, fy: str, above: int = 0) -> int:
+    """The highest note number of the year storage holds a mark of, of those above `above` (0
+    if none is): a mark the listing names is trusted by its name, and the object that versions
+    before the marks overwrote is read too (a store those versions wrote)."""
+    marks = (_mark(store, key) for key in store.keys(keys.note_marks(fy), after=keys.note_mark_key(fy, above)))
+    return max(_overwritten_mark(store, fy), *marks, 0)
+
+
+def _mark(store: Store, key: str) -> int:
+    if not (found := MARK.fullmatch(key.rsplit("/", 1)[-1])):
+        raise StorageError(f"{store.url}: object {key!r} is no note-number mark (edited?)")
+    return int(found[1])
+
+
+def _overwritten_mark(store: Store, fy: str) -> int:
     key = keys.note_sequence_key(fy)
     if not store.exists(key):
         return 0

@@ -133,6 +133,10 @@ class RunState(Records, MailGuard, RunLease):
         meta = self.meta() if meta is None else meta
         return headline(self.statuses(), bool(meta.get("closed_at")), self.paper_owed(), int(meta.get("accounts") or 0))
 
+    def issued_note_numbers(self, fy: str) -> int:
+        """The highest note number of the year Redis has issued (0: none, or it lost them)."""
+        return int(self.r.get(keys.note_sequence(fy)) or 0)
+
     def next_note_numbers(self, fy: str, count: int, floor: int = 0) -> int:
         """Reserve `count` contract note numbers of a financial year; returns the first. The
         counter is first raised to `floor` (the highest number ever issued, from storage), so

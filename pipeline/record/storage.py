@@ -105,7 +105,7 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def lines(self, key: str) -> Iterator[str]: ...
-    def keys(self, prefix: str) -> Iterator[str]: ...
+    def keys(self, prefix: str, after: str = "") -> Iterator[str]: ...
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]: ...
     def size(self, key: str) -> int: ...
     def read_range(self, key: str, start: int, end: int) -> bytes: ...
@@ -201,13 +201,14 @@ class FolderStore:
         shutil.copyfile(path, tmp)
         os.replace(tmp, path_to)
 
-    def keys(self, prefix: str) -> Iterator[str]:
-        """The keys under a folder-like prefix (ending in '/'), in order."""
+    def keys(self, prefix: str, after: str = "") -> Iterator[str]:
+        """The keys under a folder-like prefix (ending in '/'), in order; those after `after` only."""
         folder = self._path(prefix)
         if folder.is_dir():
             for path in sorted(folder.rglob("*")):
-                if path.is_file() and not path.name.startswith(".tmp-"):
-                    yield path.relative_to(self.root).as_posix()
+                key = path.relative_to(self.root).as_posix()
+                if path.is_file() and not path.name.startswith(".tmp-") and key > after:
+                    yield key
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
         """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
@@ -341,19 +342,20 @@ class S3Store:
         except Exception as e:
             raise self._failed("read", key, e) from None
 
-    def _listed(self, prefix: str) -> Iterator[dict]:
-        """The objects under a folder-like prefix (ending in '/'), in order (ListObjectsV2, a
-        page per 1000 keys)."""
+    def _listed(self, prefix: str, after: str = "") -> Iterator[dict]:
+        """The objects under a folder-like prefix (ending in '/'), in order, those after `after`
+        only (ListObjectsV2, a page per 1000 keys, from StartAfter)."""
         import obstore
 
         try:
-            for page in obstore.list(self.objects, prefix=inside(self.url, prefix.rstrip("/")) if prefix else None):
+            for page in obstore.list(self.objects, prefix=inside(self.url, prefix.rstrip("/")) if prefix else None,
+                                     offset=inside(self.url, after) if after else None):
                 yield from page
         except Exception as e:
             raise self._failed("list", prefix, e) from None
 
-    def keys(self, prefix: str) -> Iterator[str]:
-        for item in self._listed(prefix):
+    def keys(self, prefix: str, after: str = "") -> Iterator[str]:
+        for item in self._listed(prefix, after):
             yield item["path"]
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
