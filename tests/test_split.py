@@ -228,16 +228,22 @@ def test_an_assembly_lost_with_its_node_midway_skips_no_note_number_when_run_aga
 
 
 def test_a_resumed_split_validates_the_accounts_of_a_file_its_cut_short_attempt_wrote(tmp_path, redis_url):
-    """A run stopped while its split wrote shard files is resumed: the files written are kept as
-    they are (their notes may be out), and their accounts, which the attempt cut short never
-    recorded, are validated now, once; the rest are numbered anew, no number twice."""
+    """A run stopped while its split wrote shard files is resumed, and the resumed split's
+    assembly is lost with its node too, then run again: the files written are kept as they are
+    (their notes may be out), and their accounts, which the attempts cut short never recorded,
+    are validated now, once; the rest take the numbers their places had in the first attempt's
+    block, so the year's sequence has no gap and no number twice."""
     store, args = _group(tmp_path)
     state = RunState(redis_url, f"resumed-{os.urandom(3).hex()}")
     with pytest.raises(_NodeLost):
         assemble(_LostAfterWrites(store, 3), state, *args)
+    with pytest.raises(_NodeLost):
+        assemble(_LostAfterWrites(store, 2), state, *args, reuse=True)
+    assert len(_files(tmp_path)) == 5
     assemble(store, state, *args, reuse=True)
-    numbers = [json.loads(line)["note_no"] for data in _files(tmp_path).values() for line in data.splitlines()]
-    assert len(set(numbers)) == len(numbers)
+    numbers = sorted(int(json.loads(line)["note_no"].rpartition("-")[2])
+                     for data in _files(tmp_path).values() for line in data.splitlines())
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # none skipped, none twice
     _validated_once(state, len(numbers))
 
 

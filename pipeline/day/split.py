@@ -241,14 +241,15 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
              parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None,
              hand: Container[int] = ()) -> dict:
     """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
-    are reserved for the group in one block, shard after shard; an account in `numbered` (the
-    run's first notes, made before the split) keeps the number it was mailed with. With `reuse`
-    (a split run again after it was cut short), a shard already in storage is kept as written:
-    its notes may have gone out with those numbers. A shard file is written once (create-only).
-    If this assembly runs again (Ray remaking what a lost node held), it takes back the block of
-    numbers it reserved before (note_numbers.reserve_for, which says when it cannot), so it
-    writes the same files, and the accounts of a file the lost attempt wrote without recording
-    them are recorded now. An account is validated by its first record alone: an attempt still
+    are reserved for the whole group in one block, shard after shard, each account numbered by
+    its place in it; an account in `numbered` (the run's first notes, made before the split)
+    keeps the number it was mailed with. With `reuse` (a split run again after it was cut
+    short), a shard already in storage is kept as written: its notes may have gone out with
+    those numbers. A shard file is written once (create-only). If this assembly runs again (Ray
+    remaking what a lost node held, or a resumed split), it takes back the block the attempt
+    before reserved (note_numbers.reserve_for, which says when it cannot): the files written now
+    are those the attempt before would have written, with no gap beside the files it did write,
+    and the accounts of a file the lost attempt wrote without recording them are recorded now. An account is validated by its first record alone: an attempt still
     running beside another (its node cut off, not dead) never resets one. Returns {shard:
     (accounts, trades)}, the rejected, and the clients whose every trade was cancelled (no note
     is due); with `hand`, "rows": those shards' files as written, for their render tasks
@@ -258,7 +259,7 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
             by_shard[shard].append(text)
-    done, fresh, rejected, cancelled, rows = {}, [], 0, [], {}
+    done, fresh, rejected, cancelled, rows, block = {}, [], 0, [], {}, []
     for shard in sorted(by_shard):
         accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
         rejected += len(rejects)
@@ -266,6 +267,7 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         state.record(rejects, only_new=True)  # an assembly run again, or a resumed split, finds them recorded
         if not accounts:
             continue
+        block += [ucc for ucc, _, _ in accounts if ucc not in numbered]
         key = keys.shard_key(run_id, shard)
         if reuse and store.exists(key):  # recorded when written, unless the split writing it was cut short then
             data = store.get(key)
@@ -277,15 +279,13 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         else:
             fresh.append((shard, accounts))
     if fresh:
-        first = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date),
-                                         [ucc for _, a in fresh for ucc, _, _ in a if ucc not in numbered])
+        first = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date), block)
+        place = {ucc: first + i for i, ucc in enumerate(block)}
+        del block
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:
-                if ucc in numbered:
-                    note_no = numbered[ucc]
-                else:
-                    note_no, first = note_numbers.note_number(note_prefix, trade_date, first), first + 1
+                note_no = numbered.get(ucc) or note_numbers.note_number(note_prefix, trade_date, place[ucc])
                 body.append(shard_line(ucc, client, trades, note_no))
             data = "".join(body).encode()
             written = write_once(store, keys.shard_key(run_id, shard), data)

@@ -56,12 +56,12 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
 
 def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> int:
     """The first of a block of numbers for `accounts`, in their order. An assembly that Ray runs
-    again (its node lost midway, or a value it returned lost with a node) asks for the same
-    accounts in the same order: it takes back the block the attempt before reserved and writes
-    the very files that attempt wrote, so the year's sequence keeps no gap. Redis keeps the block
-    for CN_STATE_TTL_S from its reservation. A new block is reserved when Redis lost it, when the
-    attempt before died between reserving and keeping it, or when the accounts differ (a resumed
-    split leaves out the shards already written): the files first written stand (create-only),
+    again (its node lost midway, or a value it returned lost with a node), or a resumed split's,
+    asks for the same accounts in the same order: it takes back the block the attempt before
+    reserved and writes the very files that attempt would have, so the year's sequence keeps no
+    gap. Redis keeps the block for CN_STATE_TTL_S from its reservation. A new block is reserved
+    when Redis lost it, when the attempt before died between reserving and keeping it, or when
+    the accounts differ (the day's input changed): the files first written stand (create-only),
     and the numbers of the block before that no file took are skipped, never issued twice."""
     block = keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
     with _sequence_held(state, fy):
