@@ -16,7 +16,6 @@ from pipeline.record.manifest import SplitResult, save_manifest
 from pipeline.record.records import Outcome, final_status
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, open_store
-from pipeline.settings import Settings
 from pipeline.stages import restore_from_log
 
 POSTFIX = """\
@@ -219,24 +218,3 @@ def test_a_log_line_is_one_entry_exactly_as_json_loads_reads_it(tmp_path):
     for bad in (f"{entry},{entry}", f"{entry} x", entry[:-1], '{"ucc":"A","status":"sent","at":1}', "[]"):
         with pytest.raises(StorageError, match="'k' line 2: not a delivery-log entry"):
             list(delivery_log.parse(store, "k", [entry, bad]))
-
-
-def test_each_part_of_a_resumed_shard_brings_back_its_own_accounts_alone(redis_url, tmp_path):
-    """A shard cut in parts (the day's tail) is resumed by a render task a part, side by side.
-    A and B were delivered and their mailer ended before logging it: part 0 catches up A alone,
-    part 1 B alone, each once (each part restoring the whole shard logged a catch-up per part)."""
-    from pipeline.cluster.driver import render_task
-
-    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url)
-    store, run_id = open_store(settings.store_url), f"parts-{uuid.uuid4().hex[:6]}"
-    store.put(keys.shard_key(run_id, 3), b'{"ucc": "A"}\n{"ucc": "B"}\n')
-    state = RunState(redis_url, run_id, ttl_s=600)
-    state.start({})
-    state.record([Outcome(u, s, message_id=f"<{u}>") for u in ("A", "B") for s in ("archived", "delivered")])
-    delivery_log.append(store, run_id, 3, [delivery_log.sending(u, f"<{u}>") for u in ("A", "B")])
-
-    render_task._function(settings, run_id, "2026-11-20", 3, None, resume=True, part=(0, 1))
-    assert [(e["ucc"], e["status"]) for e in delivery_log.entries(store, run_id, 3)][2:] == [("A", "delivered")]
-    render_task._function(settings, run_id, "2026-11-20", 3, None, resume=True, part=(1, None))
-    assert [(e["ucc"], e["status"]) for e in delivery_log.entries(store, run_id, 3)][2:] == [
-        ("A", "delivered"), ("B", "delivered")]

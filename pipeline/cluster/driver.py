@@ -175,10 +175,10 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     state = RunState.of(settings, run_id)
     store = open_store(settings.store_url)
     accounts = load_shard(store, run_id, shard, rows)
+    if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
+        restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts})
     if part is not None:
         accounts = accounts[part[0]:part[1]]
-    if resume:  # what the delivery log knows goes back into Redis before these are mailed (each part its own, once)
-        restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts})
     if skip:
         accounts = [a for a in accounts if a["ucc"] not in skip]
     settles = trading_calendar.settlement_dates(trade_date, settings.holidays_file)
