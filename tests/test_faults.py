@@ -173,6 +173,7 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
 
     again = result.get("value") or result
     assert "error" not in again and again["failed"] == 0, again
+    assert again["resent_chains"] > 0, "the mailer died after its batches were done"
     got = at_relay(server.outbox)
     expected = {message_id(run_id, u, settings.hmac_key()) for u in uccs}
     assert set(got) == expected

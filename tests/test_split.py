@@ -19,6 +19,7 @@ from pipeline.day.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
 from pipeline.day.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys, note_numbers, report
+from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import FolderStore, open_store
@@ -111,43 +112,73 @@ def test_note_numbers_reserved_side_by_side_never_repeat_and_the_mark_never_drop
     assert note_numbers.high_water_mark(store, fy) == 300
 
 
+class _Stalling(FolderStore):
+    """A store whose first write of a note-number mark waits, past the lock's life, until `go`."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.stalled, self.go = threading.Event(), threading.Event()
+
+    def put_new(self, key, data):
+        if key.startswith("noteseq/") and not self.stalled.is_set():
+            self.stalled.set()
+            assert self.go.wait(30)
+        return super().put_new(key, data)
+
+
+def _outlived(tmp_path, redis_url, count: int, between) -> tuple[list, int, RunState, str]:
+    """A reserves `count` numbers and its store stalls on A's mark; Redis expires the lock, then
+    `between(state, fy)` runs and B reserves 30; A's write then lands. (A's numbers or error, B's.)"""
+    store, fy, state = _Stalling(str(tmp_path)), f"t{os.urandom(3).hex()}", RunState(redis_url, "outlived")
+    a = []
+
+    def reserve_a():
+        try:
+            a.append(note_numbers.reserve(store, state, fy, count))
+        except note_numbers.NumbersTaken as e:
+            a.append(e)
+
+    thread = threading.Thread(target=reserve_a)
+    thread.start()
+    assert store.stalled.wait(30)
+    state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
+    between(state, fy)
+    b = note_numbers.reserve(open_store(str(tmp_path)), state, fy, 30)
+    store.go.set()
+    thread.join(30)
+    return a, b, state, fy
+
+
 def test_a_reservation_that_outlives_its_lock_never_lowers_the_mark_a_redis_that_lost_its_counter_reads(
         tmp_path, redis_url):
-    """A's store stalls on writing its mark past the lock's life (Redis expires the lock); B
-    reserves the next block and marks it; A's write then lands. Redis then loses its counter:
-    the next reservation carries on above B's numbers (with one overwritten mark, A's write had
-    moved it down, and B's numbers were issued again)."""
-    stalled, go = threading.Event(), threading.Event()
-
-    class Stalling(FolderStore):
-        def put(self, key, data):
-            self._stall(key)
-            return super().put(key, data)
-
-        def put_new(self, key, data):
-            self._stall(key)
-            return super().put_new(key, data)
-
-        def _stall(self, key):
-            if "noteseq" in key and not stalled.is_set():
-                stalled.set()
-                assert go.wait(30)
-
-    store, fy = open_store(str(tmp_path)), f"t{os.urandom(3).hex()}"
-    state = RunState(redis_url, "outlived")
-    a = []
-    thread = threading.Thread(target=lambda: a.append(note_numbers.reserve(Stalling(str(tmp_path)), state, fy, 50)))
-    thread.start()
-    assert stalled.wait(30)
-    state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
-    b = note_numbers.reserve(store, state, fy, 50)
-    go.set()
-    thread.join(30)
+    """B reserves the next block while A's mark is stalled, and A's write lands after B's: a
+    Redis that then loses its counter carries on above B's numbers (with one overwritten mark,
+    A's write had moved it down, and B's numbers were issued again)."""
+    a, b, state, fy = _outlived(tmp_path, redis_url, 50, lambda state, fy: None)
     state.r.delete(keys.note_sequence(fy))  # Redis restarted without its data
 
-    assert note_numbers.reserve(store, state, fy, 10) == 101, "B's numbers issued again"
-    assert note_numbers.high_water_mark(store, fy) == 110
+    assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 81, "B's numbers issued again"
+    assert note_numbers.high_water_mark(open_store(str(tmp_path)), fy) == 90
     assert (a, b) == ([1], 51), "A keeps the numbers it was issued"
+
+
+def test_numbers_issued_twice_while_a_reservation_outlived_its_lock_are_used_by_one_of_the_two(
+        tmp_path, redis_url):
+    """A's mark is stalled past the lock's life and Redis loses its counter meanwhile: B is issued
+    A's numbers again. A finds B's mark over its numbers and uses none of them."""
+    a, b, state, fy = _outlived(tmp_path, redis_url, 50, lambda state, fy: state.r.delete(keys.note_sequence(fy)))
+    assert b == 1 and len(a) == 1 and isinstance(a[0], note_numbers.NumbersTaken), a
+    assert "1-50" in str(a[0])
+    assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 51
+
+
+def test_a_store_a_version_before_the_marks_wrote_is_read_and_kept_for_it(tmp_path, redis_url):
+    """Its one overwritten object is read (a Redis that lost its counter carries on above it),
+    and still written, for that version to read if the broker goes back to it."""
+    store, fy, state = open_store(str(tmp_path)), f"t{os.urandom(3).hex()}", RunState(redis_url, "before")
+    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": 700}).encode())
+    assert note_numbers.reserve(store, state, fy, 10) == 701
+    assert json.loads(store.get(keys.note_sequence_key(fy)))["high"] == 710
 
 
 class _NodeLost(BaseException):
@@ -245,6 +276,34 @@ def test_a_resumed_split_validates_the_accounts_of_a_file_its_cut_short_attempt_
                      for data in _files(tmp_path).values() for line in data.splitlines())
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # none skipped, none twice
     _validated_once(state, len(numbers))
+
+
+def test_a_resumed_split_whose_block_redis_lost_numbers_only_what_no_file_has(tmp_path, redis_url):
+    """Redis lost the first attempt's block (or it expired) before the resume: the files written
+    stand, and a block for the accounts still to number alone is reserved, numbered in order:
+    the only numbers skipped are the first block's that no file took."""
+    store, args = _group(tmp_path)
+    state = RunState(redis_url, f"lostblock-{os.urandom(3).hex()}")
+    with pytest.raises(_NodeLost):
+        assemble(_LostAfterWrites(store, 3), state, *args)
+    kept = {name: data for name, data in _files(tmp_path).items()}
+    state.r.delete(*state.r.keys("cn:noteseq:*:block:*"))
+    assemble(store, state, *args, reuse=True)
+
+    def numbers(files):
+        return sorted(int(json.loads(line)["note_no"].rpartition("-")[2]) for data in files for line in data.splitlines())
+    first, every = numbers(kept.values()), numbers(_files(tmp_path).values())
+    fresh = sorted(set(every) - set(first))
+    assert fresh == list(range(fresh[0], fresh[0] + len(fresh))) and fresh[0] == first[0] + len(every)
+    _validated_once(state, len(every))
+
+
+def test_a_manifest_keeps_the_split_s_groups_and_one_written_before_them_reads_as_none(tmp_path):
+    store = open_store(str(tmp_path))
+    save_manifest(store, "grouped", SplitResult(shards=[1, 4], shard_count=10, complete=False, groups=6))
+    assert load_manifest(store, "grouped").groups == 6
+    store.put(keys.manifest_key("older"), json.dumps({"shards": [1], "shard_count": 10, "complete": False}).encode())
+    assert load_manifest(store, "older").groups == 0
 
 
 class _Stalled:

@@ -96,12 +96,15 @@ class Split:
 
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
-              watch: Callable[[], None], plan: Plan | None = None, numbered: Callable[[], dict] = dict) -> "Split":
+              watch: Callable[[], None], plan: Plan | None = None, numbered: Callable[[], dict] = dict,
+              groups: int = 0) -> "Split":
         """`plan`: the one the driver's first notes were read with, if they were; `numbered`: their
-        note numbers ({ucc: number}), asked for once every range is read."""
+        note numbers ({ucc: number}), asked for once every range is read. `groups`: a resumed
+        split's, as the split it resumes had them (on other CPUs too), so each group asks for the
+        accounts it asked for then and takes back its block of note numbers."""
         plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus),
                                  holidays_file=settings.holidays_file, entity=broker(settings.broker_file))
-        groups = group_count(plan.shard_count, cpus, len(plan.ranges))
+        groups = groups or group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(
             input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
@@ -156,7 +159,7 @@ class Split:
     def partial(self) -> SplitResult:
         """The manifest while the split is under way: a run resumed from it splits again,
         keeping the shards already written (and the note numbers in them)."""
-        return SplitResult(shards=self.shards(), shard_count=self.plan.shard_count, complete=False)
+        return SplitResult(shards=self.shards(), shard_count=self.plan.shard_count, complete=False, groups=self.groups)
 
     def after(self, shard: int) -> ray.ObjectRef:
         return self.assembling[shard % self.groups]

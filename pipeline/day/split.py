@@ -279,8 +279,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         else:
             fresh.append((shard, accounts))
     if fresh:
-        first = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date), block)
-        place = {ucc: first + i for i, ucc in enumerate(block)}
+        place = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date), block,
+                                         [u for _, a in fresh for u, _, _ in a if u not in numbered] if reuse else None)
         del block
         for shard, accounts in fresh:
             body = []

@@ -31,9 +31,9 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
                                                   head as it began (a close that stopped reads as begun)
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
-  reports/noteseq-{fy}/{high:012d}.json           a mark a reservation of a FY's note numbers: the highest
-                                                  number then issued is the highest mark (create-only)
-  reports/noteseq-{fy}.json                       the same, as versions before the marks kept it (read only)
+  noteseq/{fy}/{high:012d}.json                   one reservation of a FY's note numbers, named by the highest
+                                                  (create-only): the highest number issued is the highest mark
+  reports/noteseq-{fy}.json                       the same in one object, overwritten, for versions before the marks
   logs/{run}/{n:06d}.log                          the driver's log, a chunk every 10 s (run_log.py)
   reports/.write-check                            written before a run starts: the store is writable
   reports/{run}.create-only-check                 written twice, create-only, before a run or a command
@@ -187,7 +187,7 @@ def note_sequence_key(fy: str) -> str:
 
 
 def note_marks(fy: str) -> str:
-    return f"reports/noteseq-{fy}/"
+    return f"noteseq/{fy}/"  # not under reports/, which `runs` lists
 
 
 def note_mark_key(fy: str, high: int) -> str:

@@ -22,6 +22,7 @@ class SplitResult:
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
     trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
     complete: bool = True  # False while the split is under way: a run resumed from here splits again
+    groups: int = 0  # while under way, the assembly groups: a resumed split's are the same (their note-number blocks)
     # the trade rows of segments whose notes another entity's run makes: segment -> its entity and rows
     left_to_others: dict[str, dict] = field(default_factory=dict)
 
@@ -40,7 +41,8 @@ def load_manifest(store: Store, run_id: str) -> SplitResult | None:
         split = SplitResult(**read_json(store, key))
     except TypeError:
         split = None
-    if split is None or not isinstance(split.shard_count, int) or not all(isinstance(s, int) for s in split.shards):
+    if split is None or not isinstance(split.shard_count, int) or not isinstance(split.groups, int) or \
+            not all(isinstance(s, int) for s in split.shards):
         raise StorageError(f"{store.url}: object {key!r} is not a run manifest (edited?)")
     return split
 

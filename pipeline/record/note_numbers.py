@@ -11,6 +11,7 @@ object could move down: a reservation that outlived the lock (a store stalled pa
 wrote its mark after a later one had written a higher mark, and a Redis that lost its counter
 then would issue the numbers between them again. A reservation lists only the marks above
 what Redis has issued, so it reads none unless Redis lost its counter or came back older.
+The one object is still written, for a version before the marks (rolled back to) to read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from contextlib import contextmanager
 from typing import Iterator
@@ -26,7 +28,7 @@ from redis.exceptions import LockError, LockNotOwnedError
 
 from pipeline.record import keys
 from pipeline.record.state import RunState
-from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.record.storage import StorageError, Store, read_json, write_once
 
 MARK = re.compile(r"(\d{12})\.json")  # keys.note_mark_key's name
 LOCK_S = 120
@@ -54,29 +56,42 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
         return _reserved(store, state, fy, count)
 
 
-def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str]) -> int:
-    """The first of a block of numbers for `accounts`, in their order. An assembly that Ray runs
-    again (its node lost midway, or a value it returned lost with a node), or a resumed split's,
-    asks for the same accounts in the same order: it takes back the block the attempt before
-    reserved and writes the very files that attempt would have, so the year's sequence keeps no
-    gap. Redis keeps the block for CN_STATE_TTL_S from its reservation. A new block is reserved
-    when Redis lost it, when the attempt before died between reserving and keeping it, or when
-    the accounts differ (the day's input changed): the files first written stand (create-only),
-    and the numbers of the block before that no file took are skipped, never issued twice."""
-    block = keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
+def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str],
+                fresh: list[str] | None = None) -> dict[str, int]:
+    """Each account's number, from a block for `accounts` in their order. An assembly that Ray
+    runs again (its node lost midway, or a value it returned lost with a node), or a resumed
+    split's, asks for the same accounts in the same order: it takes back the block the attempt
+    before reserved and writes the very files that attempt would have, so the year's sequence
+    keeps no gap. Redis keeps the block for CN_STATE_TTL_S from its reservation. `fresh`: those
+    of `accounts` no file has numbered yet (a resumed split); when Redis no longer holds the
+    block, a block for them alone is reserved (and taken back the same way). A new block is
+    reserved when Redis lost it, when the attempt before died between reserving and keeping it,
+    or when the accounts differ (the day's input changed): the files first written stand
+    (create-only), and the numbers of the block before that no file took are skipped, never
+    issued twice."""
     with _sequence_held(state, fy):
-        held = state.r.get(block)
-        if held is not None:
-            return int(held)
-        first = _reserved(store, state, fy, len(accounts))
-        state.r.set(block, first, ex=state.ttl_s)
-        return first
+        held = state.r.get(block := _block(state, fy, accounts))
+        if held is None and fresh is not None:
+            accounts = fresh
+            held = state.r.get(block := _block(state, fy, accounts))
+        if held is None:
+            held = _reserved(store, state, fy, len(accounts))
+            state.r.set(block, held, ex=state.ttl_s)
+    return {ucc: int(held) + i for i, ucc in enumerate(accounts)}
+
+
+def _block(state: RunState, fy: str, accounts: list[str]) -> str:
+    return keys.note_block(fy, hashlib.sha256("\n".join([state.run_id, *accounts]).encode()).hexdigest())
+
+
+class NumbersTaken(StorageError):
+    """Another reservation was issued some of these numbers: none of them is used."""
 
 
 @contextmanager
 def _sequence_held(state: RunState, fy: str) -> Iterator[None]:
     """The year's reservations one at a time. One that outlives the lock (its store stalled past
-    LOCK_S) keeps its numbers: Redis issued them to it alone, and its mark is written."""
+    LOCK_S) keeps its numbers once its mark shows no other reservation was issued any of them."""
     lock = state.r.lock(keys.note_sequence_lock(fy), timeout=LOCK_S, blocking_timeout=600)
     if not lock.acquire():
         raise LockError(f"the note numbers of {fy}: another reservation held them for 600 s (Redis "
@@ -91,25 +106,34 @@ def _sequence_held(state: RunState, fy: str) -> Iterator[None]:
 
 
 def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
+    """Each mark is written, then the marks at or above its first number are listed: of two
+    reservations issued the same numbers (Redis lost its counter while one of them outlived the
+    lock), the later to list finds the other's mark and uses none of them."""
     high = high_water_mark(store, fy, above=state.issued_note_numbers(fy))
     first = state.next_note_numbers(fy, count, floor=high)
     last = first + count - 1
-    store.put_new(keys.note_mark_key(fy, last), json.dumps({"fy": fy, "high": last}).encode())
-    return first
+    key, mark = keys.note_mark_key(fy, last), {"fy": fy, "first": first, "high": last, "by": os.urandom(8).hex()}
+    data = json.dumps(mark).encode()
+    if write_once(store, key, data) != data or any(
+            read_json(store, k).get("first", 0) <= last for k, _ in _marks(store, fy, first - 1) if k != key):
+        raise NumbersTaken(f"{store.url}: note numbers {first}-{last} of {fy} were issued to another reservation "
+                           "too (Redis lost its counter while a reservation outlived its lock): none of them is used")
+    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": max(high, last)}).encode())  # versions before
+    return first  # the marks read this object alone: one rolled back to still issues no number twice
 
 
 def high_water_mark(store: Store, fy: str, above: int = 0) -> int:
     """The highest note number of the year storage holds a mark of, of those above `above` (0
-    if none is): a mark the listing names is trusted by its name, and the object that versions
-    before the marks overwrote is read too (a store those versions wrote)."""
-    marks = (_mark(store, key) for key in store.keys(keys.note_marks(fy), after=keys.note_mark_key(fy, above)))
-    return max(_overwritten_mark(store, fy), *marks, 0)
+    if none is): a mark the listing names is trusted by its name (an object not named as a mark
+    is none), and the object that versions before the marks overwrote is read too."""
+    return max(_overwritten_mark(store, fy), *(last for _, last in _marks(store, fy, above)), 0)
 
 
-def _mark(store: Store, key: str) -> int:
-    if not (found := MARK.fullmatch(key.rsplit("/", 1)[-1])):
-        raise StorageError(f"{store.url}: object {key!r} is no note-number mark (edited?)")
-    return int(found[1])
+def _marks(store: Store, fy: str, above: int) -> Iterator[tuple[str, int]]:
+    """The year's marks of numbers above `above`: (key, the highest number it marks)."""
+    for key in store.keys(keys.note_marks(fy), after=keys.note_mark_key(fy, above)):
+        if found := MARK.fullmatch(key.rsplit("/", 1)[-1]):
+            yield key, int(found[1])
 
 
 def _overwritten_mark(store: Store, fy: str) -> int:
