@@ -155,6 +155,8 @@ def test_a_reservation_that_outlives_its_lock_never_lowers_the_mark_a_redis_that
     Redis that then loses its counter carries on above B's numbers (with one overwritten mark,
     A's write had moved it down, and B's numbers were issued again)."""
     a, b, state, fy = _outlived(tmp_path, redis_url, 50, lambda state, fy: None)
+    store = open_store(str(tmp_path))
+    assert json.loads(store.get(keys.note_sequence_key(fy)))["high"] == 80, "A's late write moved the old object down"
     state.r.delete(keys.note_sequence(fy))  # Redis restarted without its data
 
     assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 81, "B's numbers issued again"
@@ -170,6 +172,19 @@ def test_numbers_issued_twice_while_a_reservation_outlived_its_lock_are_used_by_
     assert b == 1 and len(a) == 1 and isinstance(a[0], note_numbers.NumbersTaken), a
     assert "1-50" in str(a[0])
     assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 51
+
+
+def test_a_group_with_no_account_to_number_reserves_nothing(tmp_path, redis_url):
+    """A group whose shards hold first notes alone (numbered before the split), or a resumed
+    split's with every account already in a file: no block, no mark, no error; the sequence goes
+    on where it was."""
+    store, fy, state = open_store(str(tmp_path)), f"t{os.urandom(3).hex()}", RunState(redis_url, "none")
+    assert note_numbers.reserve(store, state, fy, 10) == 1
+    assert note_numbers.reserve_for(store, state, fy, []) == {}
+    assert note_numbers.reserve_for(store, state, fy, ["A", "B"], fresh=[]) == {}
+    with pytest.raises(ValueError):
+        note_numbers.reserve(store, state, fy, 0)
+    assert note_numbers.reserve_for(store, state, fy, ["A", "B"]) == {"A": 11, "B": 12}
 
 
 def test_a_store_a_version_before_the_marks_wrote_is_read_and_kept_for_it(tmp_path, redis_url):
@@ -293,6 +308,7 @@ def test_a_resumed_split_whose_block_redis_lost_numbers_only_what_no_file_has(tm
     def numbers(files):
         return sorted(int(json.loads(line)["note_no"].rpartition("-")[2]) for data in files for line in data.splitlines())
     first, every = numbers(kept.values()), numbers(_files(tmp_path).values())
+    assert len(every) == len(set(every))
     fresh = sorted(set(every) - set(first))
     assert fresh == list(range(fresh[0], fresh[0] + len(fresh))) and fresh[0] == first[0] + len(every)
     _validated_once(state, len(every))

@@ -11,7 +11,9 @@ object could move down: a reservation that outlived the lock (a store stalled pa
 wrote its mark after a later one had written a higher mark, and a Redis that lost its counter
 then would issue the numbers between them again. A reservation lists only the marks above
 what Redis has issued, so it reads none unless Redis lost its counter or came back older.
-The one object is still written, for a version before the marks (rolled back to) to read.
+The one object is still written, with the highest mark a reservation saw, for a version before
+the marks (rolled back to) to read; it alone can still move down, after a reservation outlived
+its lock, so a broker going back to such a version sets it to the highest mark first.
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str],
     reserved when Redis lost it, when the attempt before died between reserving and keeping it,
     or when the accounts differ (the day's input changed): the files first written stand
     (create-only), and the numbers of the block before that no file took are skipped, never
-    issued twice."""
+    issued twice. No account to number (a group of first notes alone) reserves nothing."""
+    if not accounts:
+        return {}
     with _sequence_held(state, fy):
         held = state.r.get(block := _block(state, fy, accounts))
         if held is None and fresh is not None:
             accounts = fresh
+            if not accounts:
+                return {}
             held = state.r.get(block := _block(state, fy, accounts))
         if held is None:
             held = _reserved(store, state, fy, len(accounts))
@@ -109,17 +115,20 @@ def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
     """Each mark is written, then the marks at or above its first number are listed: of two
     reservations issued the same numbers (Redis lost its counter while one of them outlived the
     lock), the later to list finds the other's mark and uses none of them."""
+    if count < 1:  # a mark of none would be named as the reservation before it
+        raise ValueError(f"a reservation of {count} note numbers")
     high = high_water_mark(store, fy, above=state.issued_note_numbers(fy))
     first = state.next_note_numbers(fy, count, floor=high)
     last = first + count - 1
     key, mark = keys.note_mark_key(fy, last), {"fy": fy, "first": first, "high": last, "by": os.urandom(8).hex()}
     data = json.dumps(mark).encode()
-    if write_once(store, key, data) != data or any(
-            read_json(store, k).get("first", 0) <= last for k, _ in _marks(store, fy, first - 1) if k != key):
+    later = [(k, n) for k, n in _marks(store, fy, first - 1) if k != key] if write_once(store, key, data) == data else None
+    if later is None or any(read_json(store, k).get("first", 0) <= last for k, _ in later):
         raise NumbersTaken(f"{store.url}: note numbers {first}-{last} of {fy} were issued to another reservation "
                            "too (Redis lost its counter while a reservation outlived its lock): none of them is used")
-    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": max(high, last)}).encode())  # versions before
-    return first  # the marks read this object alone: one rolled back to still issues no number twice
+    high = max(high, last, *(n for _, n in later))  # the marks seen: a later reservation's, if one wrote before this
+    store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())  # for a version before
+    return first  # the marks, rolled back to: it reads this object alone
 
 
 def high_water_mark(store: Store, fy: str, above: int = 0) -> int:
