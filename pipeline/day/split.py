@@ -249,11 +249,11 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     remaking what a lost node held, or a resumed split), it takes back the block the attempt
     before reserved (note_numbers.reserve_for, which says when it cannot): the files written now
     are those the attempt before would have written, with no gap beside the files it did write,
-    and the accounts of a file the lost attempt wrote without recording them are recorded now. An account is validated by its first record alone: an attempt still
-    running beside another (its node cut off, not dead) never resets one. Returns {shard:
-    (accounts, trades)}, the rejected, and the clients whose every trade was cancelled (no note
-    is due); with `hand`, "rows": those shards' files as written, for their render tasks
-    (split_tasks.HANDED_TRADES)."""
+    and the accounts of a file the lost attempt wrote without recording them are recorded now.
+    An account is validated by its first record alone: an attempt still running beside another
+    (its node cut off, not dead) never resets one. Returns {shard: (accounts, trades)}, the
+    rejected, and the clients whose every trade was cancelled (no note is due); with `hand`,
+    "rows": those shards' files as written, for their render tasks (split_tasks.HANDED_TRADES)."""
     numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
