@@ -406,16 +406,16 @@ def _requests(log: Path) -> list[list[str]]:
 
 def _fixed(fields: list[str]) -> bool:
     """A request the run makes whatever its size (issue 73's "fixed ones"): the reports, the run's
-    log, a HEAD, a listing, a whole input file read (the preflight's and the plan's looks at the
-    dumps, the closing prices). The rest grow with the day: notes, delivery log, shard files and
-    the dumps' ranged reads (206)."""
+    log, the note-number marks (one a split group), a HEAD, a listing, a whole input file read
+    (the preflight's and the plan's looks at the dumps, the closing prices). The rest grow with
+    the day: notes, delivery log, shard files and the dumps' ranged reads (206)."""
     method, path, status = fields[5].strip(), fields[6].strip(), fields[2].strip()
     return (method == "HEAD" or "/" not in path.strip("/") or "/reports/" in path or "/logs/" in path
-            or ("/cn-input/" in path and status != "206"))
+            or "/noteseq/" in path or ("/cn-input/" in path and status != "206"))
 
 
 KINDS = (("-signed-pdf/", "note"), ("-delivery-log/", "delivery-log"), ("-contract-notes-data/", "shard"),
-         ("/cn-input/", "input"), ("/reports/", "reports"), ("/logs/", "run-log"))
+         ("/cn-input/", "input"), ("/reports/", "reports"), ("/logs/", "run-log"), ("/noteseq/", "note-numbers"))
 
 
 def s3_kinds(served: list[list[str]]) -> dict[str, int]:
