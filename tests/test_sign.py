@@ -3,6 +3,7 @@ pyhanko's validator with the test root as the only trust anchor."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 import uuid
@@ -261,7 +262,11 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
     from pipeline.cluster.driver import Chain
 
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
-    uccs = [f"K{i:04d}" for i in range(400)]  # ~3 s of signing: the kill lands mid-batch on a loaded machine too
+    uccs = [f"K{i:04d}" for i in range(40)]
+    archive = Path(settings.store_url)
+    hung = archive / keys.signed_pdf_key("2026-11-20", uccs[4])  # the store hangs at the fifth note's archive:
+    hung.parent.mkdir(parents=True, exist_ok=True)  # its create-only write finds the key taken and reads it back,
+    os.mkfifo(hung)  # from a pipe no one writes to; the kill lands there, whatever the machine's load
     lease = RunState(settings.redis_url, run_id).take_lease(60).token
     actors = fleet.start(settings, run_id, False, False, "")
     try:
@@ -271,15 +276,15 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
         chain = Chain(0, None, rendered=ray.put(Batch(run_id, "2026-11-20", 0, [
             {"ucc": u, "pan": PAN, "pdf": note_pdf} for u in uccs], lease=lease)))
         ref = signer.sign.remote(chain.rendered)
-        archive = Path(settings.store_url)
         deadline = time.monotonic() + 60
-        while not list(archive.rglob("*.pdf")) and time.monotonic() < deadline:
+        while len(list(archive.rglob("*.pdf"))) < 5 and time.monotonic() < deadline:  # four notes and the pipe
             time.sleep(0.01)
         ray.kill(signer, no_restart=False)  # as a crash: Ray would restart it, were restarts on
         with pytest.raises(ray.exceptions.RayActorError) as lost:
             ray.get(ref, timeout=120)
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(signer.pid.remote(), timeout=60)  # not restarted: the fleet replaces it
+        hung.unlink()  # the store answers again
         first = {p.relative_to(archive): p.read_bytes() for p in archive.rglob("*.pdf")}
         actors.give_back(signer, mailer)
         assert actors.take_back(lost.value, chain) and signer not in actors.signers.actors
@@ -291,7 +296,7 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
     finally:
         actors.close()
 
-    assert 0 < len(first) < len(uccs), "the kill did not land mid-batch"
+    assert len(first) == 4, "the kill did not land mid-batch"
     assert [i["ucc"] for i in signed.items] == uccs
     carried = {keys.signed_pdf_key("2026-11-20", i["ucc"]): i["pdf"] for i in signed.items}
     for path, pdf in first.items():
