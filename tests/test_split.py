@@ -140,12 +140,14 @@ def _outlived(tmp_path, redis_url, count: int, between) -> tuple[list, int, RunS
 
     thread = threading.Thread(target=reserve_a)
     thread.start()
-    assert store.stalled.wait(30)
-    state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
-    between(state, fy)
-    b = note_numbers.reserve(open_store(str(tmp_path)), state, fy, 30)
-    store.go.set()
-    thread.join(30)
+    try:
+        assert store.stalled.wait(30)
+        state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
+        between(state, fy)
+        b = note_numbers.reserve(open_store(str(tmp_path)), state, fy, 30)
+    finally:
+        store.go.set()
+        thread.join(30)
     return a, b, state, fy
 
 
@@ -299,10 +301,11 @@ def test_a_resumed_split_whose_block_redis_lost_numbers_only_what_no_file_has(tm
     the only numbers skipped are the first block's that no file took."""
     store, args = _group(tmp_path)
     state = RunState(redis_url, f"lostblock-{os.urandom(3).hex()}")
+    before = set(state.r.keys("cn:noteseq:*:block:*"))
     with pytest.raises(_NodeLost):
         assemble(_LostAfterWrites(store, 3), state, *args)
     kept = {name: data for name, data in _files(tmp_path).items()}
-    state.r.delete(*state.r.keys("cn:noteseq:*:block:*"))
+    state.r.delete(*set(state.r.keys("cn:noteseq:*:block:*")) - before)  # this run's
     assemble(store, state, *args, reuse=True)
 
     def numbers(files):
@@ -314,12 +317,19 @@ def test_a_resumed_split_whose_block_redis_lost_numbers_only_what_no_file_has(tm
     _validated_once(state, len(every))
 
 
-def test_a_manifest_keeps_the_split_s_groups_and_one_written_before_them_reads_as_none(tmp_path):
+def test_a_manifest_keeps_the_split_s_groups_while_it_is_under_way_and_versions_apart_read_each_other_s(tmp_path):
+    """A split under way records its groups; a finished run's manifest is as the version before
+    wrote it (that version, rolled back to, reads it), and a field a later version adds is not
+    this one's."""
     store = open_store(str(tmp_path))
     save_manifest(store, "grouped", SplitResult(shards=[1, 4], shard_count=10, complete=False, groups=6))
     assert load_manifest(store, "grouped").groups == 6
+    save_manifest(store, "done", SplitResult(shards=[1, 4], shard_count=10, accounts=9))
+    assert "groups" not in json.loads(store.get(keys.manifest_key("done")))
     store.put(keys.manifest_key("older"), json.dumps({"shards": [1], "shard_count": 10, "complete": False}).encode())
     assert load_manifest(store, "older").groups == 0
+    store.put(keys.manifest_key("later"), json.dumps({"shards": [2], "shard_count": 10, "wider": [1]}).encode())
+    assert load_manifest(store, "later").shards == [2]
 
 
 class _Stalled:

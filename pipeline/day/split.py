@@ -285,7 +285,8 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:
-                note_no = numbered.get(ucc) or note_numbers.note_number(note_prefix, trade_date, place[ucc])
+                note_no = numbered[ucc] if ucc in numbered else note_numbers.note_number(note_prefix, trade_date,
+                                                                                         place[ucc])
                 body.append(shard_line(ucc, client, trades, note_no))
             data = "".join(body).encode()
             written = write_once(store, keys.shard_key(run_id, shard), data)

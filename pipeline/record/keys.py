@@ -32,7 +32,7 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
   reports/{run}.manifest.json                     the run's shards (a rerun reuses them)
   reports/{run}.first-notes.json                  the notes its driver mailed before the split, their numbers
   noteseq/{fy}/{high:012d}.json                   one reservation of a FY's note numbers, named by the highest
-                                                  (create-only): the highest number issued is the highest mark
+                                                  (create-only): no file holds a number above the highest mark
   reports/noteseq-{fy}.json                       the same in one object, overwritten, for versions before the marks
   logs/{run}/{n:06d}.log                          the driver's log, a chunk every 10 s (run_log.py)
   reports/.write-check                            written before a run starts: the store is writable

@@ -5,7 +5,7 @@ shards and their note numbers, and by `verify` and `close`, which need no more o
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pipeline.record import keys
 from pipeline.record.storage import StorageError, Store, read_json
@@ -32,13 +32,16 @@ class SplitResult:
         return sorted(shards, key=lambda s: -weight.get(s, 0))
 
 
+FIELDS = {f.name for f in fields(SplitResult)}
+
+
 def load_manifest(store: Store, run_id: str) -> SplitResult | None:
     """What a run's split produced; a rerun reuses it (and the note numbers in its shards)."""
     key = keys.manifest_key(run_id)
     if not store.exists(key):
         return None
-    try:
-        split = SplitResult(**read_json(store, key))
+    try:  # a field a later version added is not this version's (it reads the manifest as it did before)
+        split = SplitResult(**{k: v for k, v in read_json(store, key).items() if k in FIELDS})
     except TypeError:
         split = None
     if split is None or not isinstance(split.shard_count, int) or not isinstance(split.groups, int) or \
@@ -48,4 +51,6 @@ def load_manifest(store: Store, run_id: str) -> SplitResult | None:
 
 
 def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:
-    store.put(keys.manifest_key(run_id), json.dumps(split.__dict__).encode())
+    """`groups` only while the split is under way: a version before it reads a finished run."""
+    store.put(keys.manifest_key(run_id), json.dumps({k: v for k, v in split.__dict__.items()
+                                                     if k != "groups" or v}).encode())

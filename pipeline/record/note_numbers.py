@@ -1,8 +1,7 @@
 """Contract note numbers: one sequence per financial year, never issued twice.
 
 Redis hands them out (atomic across a run's split tasks and concurrent runs); storage keeps the
-highest number reserved so far, next to the run manifests, written before any of them is
-used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
+highest number reserved so far (noteseq/), written before any of them is used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
 without its data, or flushed, carries on above every number already printed.
 
 Each reservation leaves a mark of its own, created once and never overwritten, named by the
@@ -66,7 +65,8 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str],
     before reserved and writes the very files that attempt would have, so the year's sequence
     keeps no gap. Redis keeps the block for CN_STATE_TTL_S from its reservation. `fresh`: those
     of `accounts` no file has numbered yet (a resumed split); when Redis no longer holds the
-    block, a block for them alone is reserved (and taken back the same way). A new block is
+    block, a block for them alone is reserved (taken back the same way by an attempt that finds
+    the same accounts still to number: not by one run after a file more was written). A new block is
     reserved when Redis lost it, when the attempt before died between reserving and keeping it,
     or when the accounts differ (the day's input changed): the files first written stand
     (create-only), and the numbers of the block before that no file took are skipped, never
