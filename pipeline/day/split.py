@@ -281,7 +281,6 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     if fresh:
         place = note_numbers.reserve_for(store, state, note_numbers.financial_year(trade_date), block,
                                          [u for _, a in fresh for u, _, _ in a if u not in numbered] if reuse else None)
-        del block
         for shard, accounts in fresh:
             body = []
             for ucc, client, trades in accounts:

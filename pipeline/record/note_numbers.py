@@ -1,8 +1,9 @@
 """Contract note numbers: one sequence per financial year, never issued twice.
 
 Redis hands them out (atomic across a run's split tasks and concurrent runs); storage keeps the
-highest number reserved so far (noteseq/), written before any of them is used. Every reservation raises Redis's counter to that mark first, so a Redis restarted
-without its data, or flushed, carries on above every number already printed.
+highest number reserved so far (noteseq/), written before any of them is used. Every
+reservation raises Redis's counter to that mark first, so a Redis restarted without its data,
+or flushed, carries on above every number already printed.
 
 Each reservation leaves a mark of its own, created once and never overwritten, named by the
 highest number it issued; the year's high-water mark is the highest mark. One overwritten
@@ -66,11 +67,11 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str],
     keeps no gap. Redis keeps the block for CN_STATE_TTL_S from its reservation. `fresh`: those
     of `accounts` no file has numbered yet (a resumed split); when Redis no longer holds the
     block, a block for them alone is reserved (taken back the same way by an attempt that finds
-    the same accounts still to number: not by one run after a file more was written). A new block is
-    reserved when Redis lost it, when the attempt before died between reserving and keeping it,
-    or when the accounts differ (the day's input changed): the files first written stand
-    (create-only), and the numbers of the block before that no file took are skipped, never
-    issued twice. No account to number (a group of first notes alone) reserves nothing."""
+    the same accounts still to number: not by one run after a file more was written). A new
+    block is reserved when Redis lost it, when the attempt before died between reserving and
+    keeping it, or when the accounts differ (the day's input changed): the files first written
+    stand (create-only), and the numbers of the block before that no file took are skipped,
+    never issued twice. No account to number (a group of first notes alone) reserves nothing."""
     if not accounts:
         return {}
     with _sequence_held(state, fy):
@@ -122,10 +123,13 @@ def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
     last = first + count - 1
     key, mark = keys.note_mark_key(fy, last), {"fy": fy, "first": first, "high": last, "by": os.urandom(8).hex()}
     data = json.dumps(mark).encode()
-    later = [(k, n) for k, n in _marks(store, fy, first - 1) if k != key] if write_once(store, key, data) == data else None
-    if later is None or any(read_json(store, k).get("first", 0) <= last for k, _ in later):
-        raise NumbersTaken(f"{store.url}: note numbers {first}-{last} of {fy} were issued to another reservation "
-                           "too (Redis lost its counter while a reservation outlived its lock): none of them is used")
+    taken = NumbersTaken(f"{store.url}: note numbers {first}-{last} of {fy} were issued to another reservation too "
+                         "(Redis lost its counter while a reservation outlived its lock): none of them is used")
+    if write_once(store, key, data) != data:  # another reservation's mark of the same last number
+        raise taken
+    later = [(k, n) for k, n in _marks(store, fy, first - 1) if k != key]
+    if any(read_json(store, k).get("first", 0) <= last for k, _ in later):
+        raise taken
     high = max(high, last, *(n for _, n in later))  # the marks seen: a later reservation's, if one wrote before this
     store.put(keys.note_sequence_key(fy), json.dumps({"fy": fy, "high": high}).encode())  # for a version before
     return first  # the marks, rolled back to: it reads this object alone
