@@ -497,10 +497,18 @@ def _not_mailable(item: dict) -> Outcome | None:
 
 def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
-    no outcome recorded, the mail may have reached the relay: unconfirmed, not resent."""
+    no outcome recorded, the mail may have reached the relay: unconfirmed, not resent. A
+    forced rerun's claim is refused only when its own earlier attempt holds it: only an
+    outcome recorded since that claim was taken is that attempt's; the run's earlier delivery
+    says nothing of whether this mailing left."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
     mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key, ctx.mid_domain)
-    if record.get("stage") == "delivered":
+    if ctx.force and record.get("stage") == "delivered" and record.get("updated", 0.0) < ctx.state.claim_time(ucc):
+        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=(
+            "this rerun's mail was claimed by an attempt that ended before the relay's answer, so it may not "
+            "have left (the client has the run's earlier mail, with the same Message-ID): rerun --force "
+            "again to be sure it does"))
+    if record.get("stage") == "delivered" and not (ctx.force and record.get("status") == "unconfirmed"):
         return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
                        reply=record.get("reply", ""))
     if record.get("status") == "unconfirmed":

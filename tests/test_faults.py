@@ -179,8 +179,23 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
     assert set(got) == expected
     assert {m: n for m, n in got.items() if n > 2} == {}, "mailed a third time: once by the run, twice by its rerun"
     assert sum(got.values()) > len(uccs) + 8, "the rerun stopped mailing when its mailer died"
-    log = delivery_log.latest(delivery_log.entries(open_store(settings.store_url), run_id))
+    entries = list(delivery_log.entries(open_store(settings.store_url), run_id))
+    log = delivery_log.latest(entries)
     assert {e["ucc"] for e in log.values() if e["status"] == "delivered"} == set(uccs)
+    # each delivery the log records is one acceptance at the relay, with its own answer ("queued as" names
+    # each copy apart): a mail the dead mailer claimed and no answer recorded is unconfirmed, not the run's
+    # earlier delivery told again as this rerun's
+    answers: dict[str, list[str]] = {}
+    for e in entries:
+        if e["status"] == "delivered":
+            answers.setdefault(e["ucc"], []).append(e["reply"])
+    assert {u: a for u, a in answers.items() if len(set(a)) < len(a)} == {}, "one answer logged as two deliveries"
+    assert all(len(answers[u]) <= got[message_id(run_id, u, settings.hmac_key())] for u in uccs)
+    unanswered = [e for e in entries if e["status"] == "unconfirmed"]
+    assert len(unanswered) == again["unconfirmed_now"] and all("rerun --force again" in e["reason"] for e in unanswered)
+    state = RunState(settings.redis_url, run_id)  # the clients have their notes: nothing for reconcile to settle
+    assert (again["unconfirmed"], state.counts()["unconfirmed"], state.unconfirmed()) == (0, 0, [])
+    assert all("u" in {e[1] for e in state.accounts([u])[u]["events"]} for u in {e["ucc"] for e in unanswered})
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(

@@ -316,6 +316,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         **state.final_counts(meta),  # accounts, delivered ... paper_owed: as every view of the run counts them
         "delivered_now": tally["statuses"].get("ok", 0),
         "physical_now": tally["statuses"].get("physical", 0),
+        "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # mailed by this driver, the relay's answer lost
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
         "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for

@@ -32,10 +32,11 @@ class StateLostError(CannotRun, RuntimeError):
 # claims it forgot. Only the driver holding the run's lease claims (lease.py): a second driver,
 # or the leftover work of one that was taken over, answers -2. The call first records the
 # mailer's outcomes since its last claim (records.py), so that a mail costs one round trip.
-# A token begins with the first 8 characters of its driver's lease token. A resend (`rerun
-# --force`, `--unconfirmed`) takes over a claim made under another lease (an earlier mailing's,
-# or one restored) in the same step as the lease check: never one of its own driver's, so a
-# batch resent to another mailer does not mail the account twice.
+# A token begins with the first 8 characters of its driver's lease token, then the time it was
+# taken (claim_token: a forced rerun tells its own attempt's outcome from the run's). A resend
+# (`rerun --force`, `--unconfirmed`) takes over a claim made under another lease (an earlier
+# mailing's, or one restored) in the same step as the lease check: never one of its own
+# driver's, so a batch resent to another mailer does not mail the account twice.
 # KEYS: meta, guard, lease, then the record's four. ARGV: ucc, epoch, ttl, token, lease token,
 # now, resend (1 or 0), then the record's five per account
 _CLAIM = RECORD_FN + """
@@ -144,6 +145,10 @@ class MailGuard:
                 p.hsetnx(guard, ucc, "restored")
             p.execute()
 
+    def claim_time(self, ucc: str) -> float:
+        """When the claim the guard holds for `ucc` was taken (claimed_at)."""
+        return claimed_at(self.r.hget(keys.run_mailguard(self.run_id), ucc))
+
     def release_mail(self, ucc: str, token: str) -> None:
         """Only after a definite non-delivery (5xx, or a 4xx we stopped retrying): a rerun may try
         again. Only while the guard still holds the claim's `token`: a mailing whose claim
@@ -152,8 +157,18 @@ class MailGuard:
 
 
 def claim_token(lease: str) -> str:
-    """A claim's token: its driver's lease first (what _CLAIM's resend compares), then its own."""
-    return lease[:8].ljust(8, "-") + os.urandom(4).hex()
+    """A claim's token: its driver's lease first (what _CLAIM's resend compares), then when it was
+    taken (claimed_at, on the clock that records its outcome: the same mailer's), then its own."""
+    return lease[:8].ljust(8, "-") + f"{round(time.time() * 1000):011x}" + os.urandom(2).hex()
+
+
+def claimed_at(token: str | None) -> float:
+    """When a claim was taken (epoch seconds), from its token; 0.0 when the token does not say
+    (one restored from storage, or made by a version before the time was in it)."""
+    try:
+        return int(token[8:19], 16) / 1000 if token and len(token) == 23 else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _evalsha(r: redis.Redis, args: list):
