@@ -499,15 +499,17 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
     no outcome recorded, the mail may have reached the relay: unconfirmed, not resent. A
     forced rerun's claim is refused only when its own earlier attempt holds it: only an
-    outcome recorded since that claim was taken is that attempt's; the run's earlier delivery
-    says nothing of whether this mailing left."""
+    outcome recorded since that claim was taken is that attempt's (both times on that
+    attempt's mailer's clock; a record Redis rebuilt from storage just before was stamped by
+    the rebuilding host's), and the run's earlier delivery says nothing of whether this
+    mailing left. Where the claim's time is not known, neither is that."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
     mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key, ctx.mid_domain)
-    if ctx.force and record.get("stage") == "delivered" and record.get("updated", 0.0) < ctx.state.claim_time(ucc):
-        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=(
-            "this rerun's mail was claimed by an attempt that ended before the relay's answer, so it may not "
-            "have left (the client has the run's earlier mail, with the same Message-ID): rerun --force "
-            "again to be sure it does"))
+    if ctx.force and record.get("stage") == "delivered":
+        since = ctx.state.claim_time(ucc)  # 0.0: not known
+        if not (since and record.get("updated", 0.0) >= since):
+            return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=_forced_unanswered(
+                ctx, ucc, "an earlier attempt of this rerun holds its claim, and no answer of the relay's was recorded"))
     if record.get("stage") == "delivered" and not (ctx.force and record.get("status") == "unconfirmed"):
         return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
                        reply=record.get("reply", ""))
@@ -518,13 +520,21 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
         "or rerun --unconfirmed (same Message-ID)"))
 
 
+def _forced_unanswered(ctx: MailContext, ucc: str, why: str) -> str:
+    """A forced mail's answer lost. Its Message-ID is the run's earlier mail's, so the relay's log
+    cannot tell the two apart: mailing it again is the one way to be sure, at a possible extra copy."""
+    return (f"{why}: this forced mail may or may not have left; rerun {ctx.state.run_id} --accounts {ucc} "
+            "--force mails it again (a possible extra copy)")
+
+
 async def _send(item: dict, ctx: MailContext, mid: str, message: bytes, token: str) -> Outcome:
     ucc = item["ucc"]
     try:
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, item["mail_from"], item["email"], message)
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
-        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts}, reason=(
-            f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)"))
+        return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts},
+                       reason=_forced_unanswered(ctx, ucc, str(e)) if ctx.force else
+                       f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)")
     except QuotaError as e:
         await ctx.redis(ctx.state.release_mail, ucc, token)
         return Outcome(ucc, "delivered", "failed", reason=str(e), message_id=mid, extra={"attempts": e.attempts})

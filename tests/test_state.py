@@ -72,14 +72,14 @@ def test_a_resend_takes_over_an_earlier_driver_s_claim_once_and_only_under_the_l
     assert state.claimed(["A"]) == {"A"}
 
 
-def test_a_claim_says_when_it_was_taken_on_its_own_clock(state):
+def test_a_claim_says_when_it_was_taken(state):
     """A forced rerun tells its own attempt's outcome (recorded after its claim) from the run's
     earlier delivery by the claim's time (stages._already_claimed); a guard that does not say
     (restored from storage, or a token made before the time was in it) reads as never."""
     epoch, lease = state.start({}), state.take_lease(30).token
     before = time.time()
     assert state.claim_mail("A", "<m>", epoch, lease)
-    assert before - 0.002 <= state.claim_time("A") <= time.time()
+    assert before - 0.001 <= state.claim_time("A") <= time.time() + 0.001  # in whole milliseconds
     assert claim_token(lease)[:8] == lease[:8]
     state.restore_claims(["B"])
     state.r.hset(keys.run_mailguard(state.run_id), "C", lease[:8] + os.urandom(4).hex())

@@ -316,7 +316,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         **state.final_counts(meta),  # accounts, delivered ... paper_owed: as every view of the run counts them
         "delivered_now": tally["statuses"].get("ok", 0),
         "physical_now": tally["statuses"].get("physical", 0),
-        "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # mailed by this driver, the relay's answer lost
+        "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # claimed under this driver, no answer recorded
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
         "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for
@@ -430,8 +430,8 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
                        + (f" (client codes are upper-case: {_named(cased)})" if cased else ""))
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
-        summary = {"run_id": run_id, **state.final_counts(meta), "accounts": 0, "delivered_now": 0,
-                   "elapsed_s": 0.0, "notes_per_s": 0.0}
+        summary = {"run_id": run_id, **state.final_counts(meta), "accounts": 0, "delivered_now": 0, "physical_now": 0,
+                   "unconfirmed_now": 0, "elapsed_s": 0.0, "notes_per_s": 0.0}
     else:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
                                                              for u in relays.split(",") if u.strip()]):

@@ -159,14 +159,14 @@ class MailGuard:
 def claim_token(lease: str) -> str:
     """A claim's token: its driver's lease first (what _CLAIM's resend compares), then when it was
     taken (claimed_at, on the clock that records its outcome: the same mailer's), then its own."""
-    return lease[:8].ljust(8, "-") + f"{round(time.time() * 1000):011x}" + os.urandom(2).hex()
+    return lease[:8].ljust(8, "-") + f"{round(time.time() * 1000):011x}" + os.urandom(4).hex()
 
 
 def claimed_at(token: str | None) -> float:
     """When a claim was taken (epoch seconds), from its token; 0.0 when the token does not say
     (one restored from storage, or made by a version before the time was in it)."""
     try:
-        return int(token[8:19], 16) / 1000 if token and len(token) == 23 else 0.0
+        return int(token[8:19], 16) / 1000 if token and len(token) == 27 else 0.0
     except ValueError:
         return 0.0
 
