@@ -21,14 +21,16 @@ import psutil
 import pytest
 import redis
 
-from pipeline.cluster.driver import RunRequest, rerun, run_day
+from pipeline.cluster.driver import Forced, RunRequest, _fail_accounts, rerun, run_day
 from pipeline.followup.reconcile import reconcile
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis
 from pipeline.mail.message import message_id
 from pipeline.record import delivery_log, keys, note_numbers
 from pipeline.record.guard import StateLostError
+from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
+from pipeline.record.statuses import final_status
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.conftest import NEXT_DATE, TRADE_DATE
@@ -196,6 +198,35 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
     assert all(f"rerun {run_id} --accounts {e['ucc']} --force" in e["reason"] for e in unanswered)
     state = RunState(settings.redis_url, run_id)
     assert all("u" in {e[1] for e in state.accounts([u])[u]["events"]} for u in {e["ucc"] for e in unanswered})
+
+
+def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_delivered_account_s_new_mail(settings):
+    """A forced rerun's chain that fails for good (its actors lost past their resends, its store
+    refusing the log, its deadline passed before it started): each delivered account it was to
+    mail again stays delivered, and its new mail is said: claimed under this rerun's lease with no
+    answer since, unconfirmed; never claimed under it, failed ("never left", and `rerun --failed
+    --force` finds it); answered since its claim, left as recorded. Before, the chain's delivered
+    accounts were left out, and the rerun said nothing of their new mail."""
+    run_id = f"forced-left-{uuid.uuid4().hex[:6]}"
+    state, key = RunState(settings.redis_url, run_id), settings.hmac_key()
+    epoch, first = state.start({}), state.take_lease(30).token
+    mid = {u: message_id(run_id, u, key) for u in "ABCD"}
+    assert all(state.claim_mail(u, mid[u], epoch, first) for u in "ABCD")
+    state.record([Outcome(u, "delivered", message_id=mid[u], reply="250 queued as 1") for u in "ABCD"])
+    state.r.delete(keys.run_lease(run_id))
+    lease = state.take_lease(30).token  # the forced rerun's: it claimed B and C, and C's answer came back
+    assert state.claim_mail("B", mid["B"], epoch, lease, resend=True) and state.claim_mail(
+        "C", mid["C"], epoch, lease, resend=True)
+    state.record([Outcome("C", "delivered", message_id=mid["C"], reply="250 queued as 2")])
+
+    left = _fail_accounts(settings, run_id, 0, list("ABCD"), "the mailer was lost", Forced(lease, frozenset("ABC")))
+
+    assert left["tally"] == {"failed": 1, "unconfirmed": 1}, left
+    records = state.accounts(list("ABCD"))
+    assert {u: final_status(r) for u, r in records.items()} == dict.fromkeys("ABCD", "delivered")
+    assert "this forced mail never left" in records["A"]["reason"] and "may or may not have left" in records["B"][
+        "reason"] and records["C"]["reply"] == "250 queued as 2" and records["D"]["events"] == []
+    assert f"rerun {run_id} --accounts A --force" in records["A"]["reason"] and state.failed() == ["A"]
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(

@@ -23,7 +23,7 @@ from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import ray
 import redis
@@ -44,7 +44,7 @@ from pipeline.mail.message import message_id
 from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.record import day_claim, delivery_log, keys, report, run_log
-from pipeline.record.guard import StateLostError
+from pipeline.record.guard import StateLostError, claimed_at
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.record.records import Outcome
@@ -317,6 +317,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "delivered_now": tally["statuses"].get("ok", 0),
         "physical_now": tally["statuses"].get("physical", 0),
         "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # claimed under this driver, no answer recorded
+        "failed_now": tally["statuses"].get("failed", 0),  # failed under this driver (a forced mail too: still delivered)
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
         "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for
@@ -431,7 +432,7 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
         summary = {"run_id": run_id, **state.final_counts(meta), "accounts": 0, "delivered_now": 0, "physical_now": 0,
-                   "unconfirmed_now": 0, "elapsed_s": 0.0, "notes_per_s": 0.0}
+                   "unconfirmed_now": 0, "failed_now": 0, "elapsed_s": 0.0, "notes_per_s": 0.0}
     else:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
                                                              for u in relays.split(",") if u.strip()]):
@@ -540,6 +541,12 @@ class _SharedRows:
         return ref
 
 
+class Forced(NamedTuple):
+    """A forced rerun's: its lease's token (whose claims are its own) and the accounts it mails again."""
+    lease: str
+    only: frozenset[str] | None
+
+
 @dataclass(slots=True)  # one a unit: 15,360 queued at 1.5M accounts
 class Chain:
     """One unit's render -> sign -> mail, as the driver tracks it until its tally is in."""
@@ -558,6 +565,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
              handed: dict[int, ray.ObjectRef]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
+    forced = Forced(lease.token, req.only) if req.force else None
     pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
     again: list[Chain] = []  # chains whose actor was lost: sent again before new ones
     view = fleet.look()
@@ -592,7 +600,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
             for ref in done:
                 chain = pending.pop(ref)
                 actors.give_back(chain.signer, chain.mailer)
-                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), actors)
+                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), actors, forced)
                 if result is None:
                     again.append(chain)
                     totals["resent"] += 1
@@ -617,7 +625,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 snapshot_at = time.monotonic()
                 waiting.look(state.meta())
                 if waiting.given_up() and not waiting.ended:
-                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress)
+                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress, forced)
                     queue, again = [], []
                 view = fleet.look()
                 actors.check(view)
@@ -642,12 +650,13 @@ def _count(result: dict, totals: dict, progress: tqdm) -> None:
 
 
 def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting: DayWaits,
-                  skipped: Callable[[int], frozenset[str]], totals: dict, progress: tqdm) -> None:
+                  skipped: Callable[[int], frozenset[str]], totals: dict, progress: tqdm,
+                  forced: Forced | None = None) -> None:
     """Past the deadline (or, without one, the patience) with a dependency still gone: the
     chains not started are failed at once, for one rerun, and the day says so in one line
     (those in flight fail as they reach the dependency: its wait is spent)."""
     reason = waiting.reason()
-    results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard)) for c in chains]
+    results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard), forced) for c in chains]
     log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
     for result in results:
         _count(result, totals, progress)
@@ -678,7 +687,7 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
 
 
 def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, skip: frozenset[str],
-            actors: fleet.Fleet) -> dict | None:
+            actors: fleet.Fleet, forced: Forced | None = None) -> dict | None:
     """The chain's tally; None when it is to be sent again: its signer or mailer was lost (with
     its node, mostly) and the chain has resends left."""
     try:
@@ -695,7 +704,7 @@ def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, s
             log.warning("shard %s: sent again to the living actors (%s)", chain.shard, why(e))
             return None
         log.error("shard %s failed: %s", chain.shard, e)
-        return _fail_chain(settings, run_id, chain, why(e), skip)
+        return _fail_chain(settings, run_id, chain, why(e), skip, forced)
 
 
 def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
@@ -705,40 +714,67 @@ def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
     return chain.mailer.send.remote(chain.signer.sign.remote(chain.rendered))
 
 
-def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip: frozenset[str]) -> dict:
+def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip: frozenset[str],
+                forced: Forced | None = None) -> dict:
     if chain.first is not None:  # the first notes' own chain: its few accounts, not their shard
         return _fail_accounts(settings, run_id, chain.shard, sorted(chain.first.numbered()), f"first notes: {reason}")
-    return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip)
+    return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip, forced)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
-                skip: frozenset[str] = frozenset()) -> dict:
+                skip: frozenset[str] = frozenset(), forced: Forced | None = None) -> dict:
     try:
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return _no_notes()
-    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason)
+    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason, forced)
 
 
 def _no_notes() -> dict:
     return {"tally": {}, "cpu_s": {}, "notes": 0}
 
 
-def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str) -> dict:
-    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed."""
+def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str,
+                   forced: Forced | None = None) -> dict:
+    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed. In a
+    forced rerun, a delivered account's new mail is said too (_forced_left)."""
     state = RunState.of(settings, run_id)
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
     unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",
                                                                            "deferred")]
     claimed = state.claimed(unfinished)
-    state.record(Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
-                         reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
-                 if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
-                 for u in unfinished)
-    tally = {"unconfirmed": len(claimed), "failed": len(unfinished) - len(claimed)}
-    return {"tally": tally, "cpu_s": {}, "notes": len(unfinished)}
+    outcomes = [Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
+                        reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
+                if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
+                for u in unfinished]
+    if forced is not None:
+        outcomes += _forced_left(state, records, [u for u in uccs if forced.only is None or u in forced.only],
+                                 forced.lease, f"shard {shard}: {reason}")
+    state.record(outcomes)
+    tally: dict[str, int] = {}
+    for o in outcomes:
+        tally[o.status] = tally.get(o.status, 0) + 1
+    return {"tally": tally, "cpu_s": {}, "notes": len(outcomes)}
+
+
+def _forced_left(state: RunState, records: dict[str, dict], uccs: list[str], lease: str, why: str) -> list[Outcome]:
+    """A forced rerun's chain that failed for good: each delivered account it was to mail again
+    stays delivered, and its new mail is said. Claimed under this lease with no outcome since:
+    unconfirmed (it may have left); never claimed under it: failed (it never left), so
+    `rerun --failed --force` mails it; answered since its claim: already recorded."""
+    delivered = [u for u in uccs if records.get(u, {}).get("stage") == "delivered"]
+    left = []
+    for ucc, token in state.claim_tokens(delivered).items():
+        since, again = claimed_at(token), f"rerun {state.run_id} --accounts {ucc} --force mails it again"
+        if token[:8] != lease[:8]:
+            left.append(Outcome(ucc, "delivered", "failed", reason=f"{why}; this forced mail never left: {again}"))
+        elif not (since and records[ucc].get("updated", 0.0) >= since):
+            left.append(Outcome(ucc, "delivered", "unconfirmed", message_id=records[ucc].get("message_id", ""),
+                                reason=f"{why}; this forced mail was claimed and no answer recorded: it may or may "
+                                       f"not have left; {again} (a possible extra copy)"))
+    return left
 
 
 def _add(totals: dict, result: dict) -> None:

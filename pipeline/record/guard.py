@@ -131,10 +131,13 @@ class MailGuard:
         return claimed
 
     def claimed(self, uccs: list[str]) -> set[str]:
+        return {u for u, token in self.claim_tokens(uccs).items() if token}
+
+    def claim_tokens(self, uccs: list[str]) -> dict[str, str]:
+        """Each account's claim token as the guard holds it ("": none)."""
         if not uccs:
-            return set()
-        found = self.r.hmget(keys.run_mailguard(self.run_id), uccs)
-        return {u for u, v in zip(uccs, found) if v}
+            return {}
+        return {u: v or "" for u, v in zip(uccs, self.r.hmget(keys.run_mailguard(self.run_id), uccs))}
 
     def restore_claims(self, uccs: Iterable[str]) -> None:
         """Puts back mail guards that a lost Redis forgot. Render tasks call it too, and they may
