@@ -371,8 +371,8 @@ def cmd_rerun(args) -> int:
     print(json.dumps(summary), file=args.stdout)
     # the accounts it took, not the run's others: those still failed or unconfirmed are another rerun's; and
     # with --force, a delivered account's new mail that failed or was left unanswered (it stays delivered)
-    mailed_anew = not (summary.get("failed_now") or summary.get("unconfirmed_now"))
-    return 1 if set(summary.get("rerun_outcomes", {})) - {"delivered", "physical"} or not mailed_anew else 0
+    left = summary.get("failed_now") or summary.get("unconfirmed_now")
+    return 1 if set(summary.get("rerun_outcomes", {})) - {"delivered", "physical"} or left else 0
 
 
 def _not_found(args, e: Exception) -> int:

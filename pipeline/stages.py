@@ -510,6 +510,8 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
         if not (since and record.get("updated", 0.0) >= since):
             return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=_forced_unanswered(
                 ctx, ucc, "an earlier attempt of this rerun holds its claim, and no answer of the relay's was recorded"))
+        if record.get("status") == "failed":  # that attempt's outcome, as recorded: never logged as a delivery
+            return Outcome(ucc, "delivered", "failed", reason=record.get("reason", ""), message_id=mid)
     if record.get("stage") == "delivered" and not (ctx.force and record.get("status") == "unconfirmed"):
         return Outcome(ucc, "delivered", "skipped", reason="already delivered", message_id=mid,
                        reply=record.get("reply", ""))

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import redis
 
-from pipeline.cluster.driver import Forced, RunRequest, _fail_accounts, rerun, run_day
+from pipeline.cluster.driver import RunRequest, Rerun, _fail_accounts, _left_now, rerun, run_day
 from pipeline.followup.reconcile import reconcile
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_redis
@@ -198,35 +198,46 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
     assert all(f"rerun {run_id} --accounts {e['ucc']} --force" in e["reason"] for e in unanswered)
     state = RunState(settings.redis_url, run_id)
     assert all("u" in {e[1] for e in state.accounts([u])[u]["events"]} for u in {e["ucc"] for e in unanswered})
+    assert state.unconfirmed() == [], "a delivered account, which the first mail's acceptance would settle"
 
 
 def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_delivered_account_s_new_mail(settings):
     """A forced rerun's chain that fails for good (its actors lost past their resends, its store
-    refusing the log, its deadline passed before it started): each delivered account it was to
-    mail again stays delivered, and its new mail is said: claimed under this rerun's lease with no
-    answer since, unconfirmed; never claimed under it, failed ("never left", and `rerun --failed
-    --force` finds it); answered since its claim, left as recorded. Before, the chain's delivered
-    accounts were left out, and the rerun said nothing of their new mail."""
+    refusing the log, its deadline passed before it started) answers for the accounts it took,
+    each staying delivered: a new mail claimed under its lease with no answer since is
+    unconfirmed; one never claimed under it failed ("never left", for `rerun --failed --force`);
+    one answered, or refused by the relay (its claim let go), is left as recorded. Accounts it did
+    not take, and one on paper, are left alone. The rerun's counts come from the records (the
+    chain's tally never came back). Before, the delivered accounts were left out, the shard's
+    accounts the rerun did not take were failed anew, and one owed on paper was failed."""
     run_id = f"forced-left-{uuid.uuid4().hex[:6]}"
     state, key = RunState(settings.redis_url, run_id), settings.hmac_key()
     epoch, first = state.start({}), state.take_lease(30).token
-    mid = {u: message_id(run_id, u, key) for u in "ABCD"}
-    assert all(state.claim_mail(u, mid[u], epoch, first) for u in "ABCD")
-    state.record([Outcome(u, "delivered", message_id=mid[u], reply="250 queued as 1") for u in "ABCD"])
+    mid = {u: message_id(run_id, u, key) for u in "ABCDEFG"}
+    assert all(state.claim_mail(u, mid[u], epoch, first) for u in "ABCDE")
+    state.record([Outcome(u, "delivered", message_id=mid[u], reply="250 queued as 1") for u in "ABCDE"]
+                 + [Outcome("F", "archived", "physical", reason="no ECN consent: physical dispatch"),
+                    Outcome("G", "rendered", "failed", reason="render: a bad row")])
     state.r.delete(keys.run_lease(run_id))
-    lease = state.take_lease(30).token  # the forced rerun's: it claimed B and C, and C's answer came back
-    assert state.claim_mail("B", mid["B"], epoch, lease, resend=True) and state.claim_mail(
-        "C", mid["C"], epoch, lease, resend=True)
-    state.record([Outcome("C", "delivered", message_id=mid["C"], reply="250 queued as 2")])
+    started, lease = time.time(), state.take_lease(30).token  # the rerun's: it claims B, C and E again
+    assert all(state.claim_mail(u, mid[u], epoch, lease, resend=True) for u in "BCE")
+    state.record([Outcome("C", "delivered", message_id=mid["C"], reply="250 queued as 2"),
+                  Outcome("E", "delivered", "failed", reason="smtp permanent: 550 no such user", message_id=mid["E"])])
+    state.release_mail("E", state.claim_tokens(["E"])["E"])
 
-    left = _fail_accounts(settings, run_id, 0, list("ABCD"), "the mailer was lost", Forced(lease, frozenset("ABC")))
+    took = frozenset("ABCEF")
+    left = _fail_accounts(settings, run_id, 0, list("ABCDEFG"), "the mailer was lost", Rerun(lease, took, True))
 
     assert left["tally"] == {"failed": 1, "unconfirmed": 1}, left
-    records = state.accounts(list("ABCD"))
-    assert {u: final_status(r) for u, r in records.items()} == dict.fromkeys("ABCD", "delivered")
+    records = state.accounts(list("ABCDEFG"))
+    assert {u: final_status(r) for u, r in records.items()} == {**dict.fromkeys("ABCDE", "delivered"),
+                                                                 "F": "physical", "G": "failed"}
     assert "this forced mail never left" in records["A"]["reason"] and "may or may not have left" in records["B"][
-        "reason"] and records["C"]["reply"] == "250 queued as 2" and records["D"]["events"] == []
-    assert f"rerun {run_id} --accounts A --force" in records["A"]["reason"] and state.failed() == ["A"]
+        "reason"] and records["C"]["reply"] == "250 queued as 2" and records["E"]["reason"].startswith("smtp permanent")
+    assert records["D"]["events"] == [] and len(records["G"]["events"]) == 1, "not the rerun's: left alone"
+    assert f"rerun {run_id} --accounts A --force" in records["A"]["reason"]
+    assert (sorted(state.failed()), state.unconfirmed()) == (["A", "E", "G"], []), "B: nothing the relay's log settles"
+    assert _left_now(state, took, started) == {"failed_now": 2, "unconfirmed_now": 1}
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(

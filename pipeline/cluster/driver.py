@@ -317,7 +317,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "delivered_now": tally["statuses"].get("ok", 0),
         "physical_now": tally["statuses"].get("physical", 0),
         "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # claimed under this driver, no answer recorded
-        "failed_now": tally["statuses"].get("failed", 0),  # failed under this driver (a forced mail too: still delivered)
+        "failed_now": tally["statuses"].get("failed", 0),  # failed under this driver (a rerun's: _left_now)
         "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
         "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for
@@ -445,7 +445,19 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
         summary.update(now)
     summary.update(rerun_accounts=sorted(only), rerun_outcomes=ended, relays=relays,
                    not_rerunnable={"rejected_at_validation": rejected, "not_in_run": unknown})
+    if only:
+        summary.update(_left_now(state, only, summary["last_started_at"]))
     return summary
+
+
+def _left_now(state: RunState, only: frozenset[str], since: float) -> dict[str, int]:
+    """The accounts this rerun took whose outcome of it is failed or unconfirmed, from their
+    records (a forced one's new mail too, its account still delivered): a chain that failed
+    for good never returned its mailer's tally. Its outcomes are stamped on the mailers' and
+    this driver's clocks, seconds after `since`, this driver's start."""
+    records = state.accounts(sorted(only))
+    now = [r["status"] for r in records.values() if r.get("updated", 0.0) >= since]
+    return {"failed_now": now.count("failed"), "unconfirmed_now": now.count("unconfirmed")}
 
 
 def _named(codes: list[str], shown: int = 10) -> str:
@@ -541,10 +553,12 @@ class _SharedRows:
         return ref
 
 
-class Forced(NamedTuple):
-    """A forced rerun's: its lease's token (whose claims are its own) and the accounts it mails again."""
+class Rerun(NamedTuple):
+    """A rerun's: its lease's token (whose claims are its own), the accounts it takes, and
+    whether it mails delivered ones again (`--force`)."""
     lease: str
-    only: frozenset[str] | None
+    only: frozenset[str]
+    force: bool
 
 
 @dataclass(slots=True)  # one a unit: 15,360 queued at 1.5M accounts
@@ -565,7 +579,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
              handed: dict[int, ray.ObjectRef]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
-    forced = Forced(lease.token, req.only) if req.force else None
+    rerun = Rerun(lease.token, req.only, req.force) if req.only is not None else None
     pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
     again: list[Chain] = []  # chains whose actor was lost: sent again before new ones
     view = fleet.look()
@@ -600,7 +614,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
             for ref in done:
                 chain = pending.pop(ref)
                 actors.give_back(chain.signer, chain.mailer)
-                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), actors, forced)
+                result = _result(ref, settings, run_id, chain, pending, skipped(chain.shard), actors, rerun)
                 if result is None:
                     again.append(chain)
                     totals["resent"] += 1
@@ -625,7 +639,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 snapshot_at = time.monotonic()
                 waiting.look(state.meta())
                 if waiting.given_up() and not waiting.ended:
-                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress, forced)
+                    _stop_waiting(settings, run_id, queue + again, waiting, skipped, totals, progress, rerun)
                     queue, again = [], []
                 view = fleet.look()
                 actors.check(view)
@@ -651,12 +665,12 @@ def _count(result: dict, totals: dict, progress: tqdm) -> None:
 
 def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting: DayWaits,
                   skipped: Callable[[int], frozenset[str]], totals: dict, progress: tqdm,
-                  forced: Forced | None = None) -> None:
+                  rerun: Rerun | None = None) -> None:
     """Past the deadline (or, without one, the patience) with a dependency still gone: the
     chains not started are failed at once, for one rerun, and the day says so in one line
     (those in flight fail as they reach the dependency: its wait is spent)."""
     reason = waiting.reason()
-    results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard), forced) for c in chains]
+    results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard), rerun) for c in chains]
     log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
     for result in results:
         _count(result, totals, progress)
@@ -687,7 +701,7 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
 
 
 def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, skip: frozenset[str],
-            actors: fleet.Fleet, forced: Forced | None = None) -> dict | None:
+            actors: fleet.Fleet, rerun: Rerun | None = None) -> dict | None:
     """The chain's tally; None when it is to be sent again: its signer or mailer was lost (with
     its node, mostly) and the chain has resends left."""
     try:
@@ -704,7 +718,7 @@ def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, s
             log.warning("shard %s: sent again to the living actors (%s)", chain.shard, why(e))
             return None
         log.error("shard %s failed: %s", chain.shard, e)
-        return _fail_chain(settings, run_id, chain, why(e), skip, forced)
+        return _fail_chain(settings, run_id, chain, why(e), skip, rerun)
 
 
 def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
@@ -715,20 +729,20 @@ def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
 
 
 def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip: frozenset[str],
-                forced: Forced | None = None) -> dict:
+                rerun: Rerun | None = None) -> dict:
     if chain.first is not None:  # the first notes' own chain: its few accounts, not their shard
         return _fail_accounts(settings, run_id, chain.shard, sorted(chain.first.numbered()), f"first notes: {reason}")
-    return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip, forced)
+    return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip, rerun)
 
 
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
-                skip: frozenset[str] = frozenset(), forced: Forced | None = None) -> dict:
+                skip: frozenset[str] = frozenset(), rerun: Rerun | None = None) -> dict:
     try:
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return _no_notes()
-    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason, forced)
+    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason, rerun)
 
 
 def _no_notes() -> dict:
@@ -736,22 +750,22 @@ def _no_notes() -> dict:
 
 
 def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str,
-                   forced: Forced | None = None) -> dict:
-    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed. In a
-    forced rerun, a delivered account's new mail is said too (_forced_left)."""
+                   rerun: Rerun | None = None) -> dict:
+    """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed. An
+    account already at its end (delivered, physical, rejected ...) keeps it; a rerun's chain
+    answers for the accounts it took alone, and a forced one for their new mail (_forced_left)."""
     state = RunState.of(settings, run_id)
+    uccs = [u for u in uccs if rerun is None or u in rerun.only]
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
-    unfinished = [u for u in uccs if final_status(records.get(u, {})) not in ("delivered", "unconfirmed", "bounced",
-                                                                           "deferred")]
+    unfinished = [u for u in uccs if final_status(records.get(u, {})) in ("pending", "failed")]
     claimed = state.claimed(unfinished)
     outcomes = [Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
                         reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
                 if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
                 for u in unfinished]
-    if forced is not None:
-        outcomes += _forced_left(state, records, [u for u in uccs if forced.only is None or u in forced.only],
-                                 forced.lease, f"shard {shard}: {reason}")
+    if rerun is not None and rerun.force:
+        outcomes += _forced_left(state, records, uccs, rerun.lease, f"shard {shard}: {reason}")
     state.record(outcomes)
     tally: dict[str, int] = {}
     for o in outcomes:
@@ -760,17 +774,18 @@ def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str],
 
 
 def _forced_left(state: RunState, records: dict[str, dict], uccs: list[str], lease: str, why: str) -> list[Outcome]:
-    """A forced rerun's chain that failed for good: each delivered account it was to mail again
-    stays delivered, and its new mail is said. Claimed under this lease with no outcome since:
-    unconfirmed (it may have left); never claimed under it: failed (it never left), so
-    `rerun --failed --force` mails it; answered since its claim: already recorded."""
+    """A forced rerun's chain that failed for good: each delivered account it took stays
+    delivered, and its new mail is said where no outcome of it is recorded. Claimed under this
+    lease with none since: unconfirmed (it may have left). Still under the claim of the mailing
+    before: failed (it never left), so `rerun --failed --force` mails it. No claim at all: the
+    mailer let it go after the relay's definite answer, which it recorded."""
     delivered = [u for u in uccs if records.get(u, {}).get("stage") == "delivered"]
     left = []
     for ucc, token in state.claim_tokens(delivered).items():
         since, again = claimed_at(token), f"rerun {state.run_id} --accounts {ucc} --force mails it again"
-        if token[:8] != lease[:8]:
+        if token and token[:8] != lease[:8]:
             left.append(Outcome(ucc, "delivered", "failed", reason=f"{why}; this forced mail never left: {again}"))
-        elif not (since and records[ucc].get("updated", 0.0) >= since):
+        elif token and not (since and records[ucc].get("updated", 0.0) >= since):
             left.append(Outcome(ucc, "delivered", "unconfirmed", message_id=records[ucc].get("message_id", ""),
                                 reason=f"{why}; this forced mail was claimed and no answer recorded: it may or may "
                                        f"not have left; {again} (a possible extra copy)"))

@@ -48,7 +48,9 @@ def rank(stage: str) -> int:
 # A stage reached on the first try is not kept as an event: it follows from r. An event is
 # kept when it failed, was refused, skipped or unconfirmed, or repeated a stage already
 # reached: [stage rank, status code, reason, time, r before it]. An account is in at most one
-# registry: failed (rerun --failed) or unconfirmed (reconcile).
+# registry: failed (rerun --failed) or unconfirmed (reconcile). A delivered account is never on
+# the unconfirmed one: a forced mail whose answer was lost has the earlier mail's Message-ID,
+# which the relay's log shows accepted, and `rerun --unconfirmed` does not mail it again.
 # One call records a batch: KEYS: accounts, counts, failed, unconfirmed. ARGV: now, ttl, then
 # per account: ucc, record json, stage rank, stage, registry (f, u or empty)
 # Each account's final status (final_status below) is counted too, in the counts hash as
@@ -110,6 +112,7 @@ for i = first, #A, 5 do
   moved(K[2], before, after, owed, owes(rec, after))
   if tonumber(A[i + 2]) > prev_rank then redis.call('HINCRBY', K[2], A[i + 3], 1) end
   local registry = A[i + 4]
+  if registry == 'u' and rec['r'] >= 5 then registry = '' end  -- a forced mail's lost answer: see above
   if registry == 'f' then redis.call('ZADD', K[3], now, ucc) else redis.call('ZREM', K[3], ucc) end
   if registry == 'u' then redis.call('ZADD', K[4], now, ucc) else redis.call('ZREM', K[4], ucc) end
 end
