@@ -499,10 +499,10 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     """Someone mailed, or tried to: a rerun, or Ray re-running this batch after a crash. With
     no outcome recorded, the mail may have reached the relay: unconfirmed, not resent. A
     forced rerun's claim is refused only when its own earlier attempt holds it: only an
-    outcome recorded since that claim was taken is that attempt's (both times on that
-    attempt's mailer's clock; a record Redis rebuilt from storage just before was stamped by
-    the rebuilding host's), and the run's earlier delivery says nothing of whether this
-    mailing left. Where the claim's time is not known, neither is that."""
+    outcome recorded since that claim was taken is that attempt's, and the run's earlier
+    delivery says nothing of whether this mailing left. Both times are that attempt's
+    mailer's clock, but for a record Redis rebuilt from storage just before the claim (the
+    rebuilding host's clock). Where the claim's time is not known, neither is the answer."""
     record = ctx.state.accounts([ucc]).get(ucc, {})
     mid = record.get("message_id") or message_id(ctx.state.run_id, ucc, ctx.key, ctx.mid_domain)
     if ctx.force and record.get("stage") == "delivered":

@@ -161,7 +161,8 @@ class MailGuard:
 
 def claim_token(lease: str) -> str:
     """A claim's token: its driver's lease first (what _CLAIM's resend compares), then when it was
-    taken (claimed_at, on the clock that records its outcome: the same mailer's), then its own."""
+    taken (claimed_at: its mailer records the relay's answer after it, on the same clock), then
+    its own."""
     return lease[:8].ljust(8, "-") + f"{round(time.time() * 1000):011x}" + os.urandom(4).hex()
 
 
