@@ -204,40 +204,45 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
 def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_delivered_account_s_new_mail(settings):
     """A forced rerun's chain that fails for good (its actors lost past their resends, its store
     refusing the log, its deadline passed before it started) answers for the accounts it took,
-    each staying delivered: a new mail claimed under its lease with no answer since is
-    unconfirmed; one never claimed under it failed ("never left", for `rerun --failed --force`);
-    one answered, or refused by the relay (its claim let go), is left as recorded. Accounts it did
-    not take, and one on paper, are left alone. The rerun's counts come from the records (the
-    chain's tally never came back). Before, the delivered accounts were left out, the shard's
-    accounts the rerun did not take were failed anew, and one owed on paper was failed."""
+    each staying delivered, where it recorded nothing of their new mail: claimed under its lease,
+    unconfirmed; still under the first mailing's claim, failed ("never left", for `rerun --failed
+    --force`); its claim let go with the relay's refusal lost, failed. An answer recorded (a
+    delivery, a refusal) is left as it is, and so are accounts it did not take, one on paper, and
+    one failed with its reason. The rerun's counts come from the records (the chain's tally
+    never came back). Before, the delivered accounts were left out, the shard's accounts the rerun
+    did not take were failed anew, and one owed on paper was failed."""
     run_id = f"forced-left-{uuid.uuid4().hex[:6]}"
     state, key = RunState(settings.redis_url, run_id), settings.hmac_key()
     epoch, first = state.start({}), state.take_lease(30).token
-    mid = {u: message_id(run_id, u, key) for u in "ABCDEFG"}
-    assert all(state.claim_mail(u, mid[u], epoch, first) for u in "ABCDE")
-    state.record([Outcome(u, "delivered", message_id=mid[u], reply="250 queued as 1") for u in "ABCDE"]
-                 + [Outcome("F", "archived", "physical", reason="no ECN consent: physical dispatch"),
-                    Outcome("G", "rendered", "failed", reason="render: a bad row")])
+    mid = {u: message_id(run_id, u, key) for u in "ABCDEFGHI"}
+    assert all(state.claim_mail(u, mid[u], epoch, first) for u in "ABCDEH")
+    state.record([Outcome(u, "delivered", message_id=mid[u], reply="250 queued as 1") for u in "ABCDEH"]
+                 + [Outcome("F", "archived", "physical", reason="no ECN consent: physical dispatch")]
+                 + [Outcome(u, "rendered", "failed", reason="render: a bad row") for u in "GI"])
     state.r.delete(keys.run_lease(run_id))
-    started, lease = time.time(), state.take_lease(30).token  # the rerun's: it claims B, C and E again
-    assert all(state.claim_mail(u, mid[u], epoch, lease, resend=True) for u in "BCE")
+    time.sleep(0.01)
+    started, lease = time.time(), state.take_lease(30).token  # the rerun's: it claims B, C, E and H again
+    assert all(state.claim_mail(u, mid[u], epoch, lease, resend=True) for u in "BCEH")
     state.record([Outcome("C", "delivered", message_id=mid["C"], reply="250 queued as 2"),
                   Outcome("E", "delivered", "failed", reason="smtp permanent: 550 no such user", message_id=mid["E"])])
-    state.release_mail("E", state.claim_tokens(["E"])["E"])
+    for u in "EH":  # the relay refused both; H's answer was lost with its mailer
+        state.release_mail(u, state.claim_tokens([u])[u])
 
-    took = frozenset("ABCEF")
-    left = _fail_accounts(settings, run_id, 0, list("ABCDEFG"), "the mailer was lost", Rerun(lease, took, True))
+    took = frozenset("ABCEFHI")
+    left = _fail_accounts(settings, run_id, 0, list("ABCDEFGHI"), "the mailer was lost", Rerun(lease, took, True, started))
 
-    assert left["tally"] == {"failed": 1, "unconfirmed": 1}, left
-    records = state.accounts(list("ABCDEFG"))
-    assert {u: final_status(r) for u, r in records.items()} == {**dict.fromkeys("ABCDE", "delivered"),
-                                                                 "F": "physical", "G": "failed"}
-    assert "this forced mail never left" in records["A"]["reason"] and "may or may not have left" in records["B"][
-        "reason"] and records["C"]["reply"] == "250 queued as 2" and records["E"]["reason"].startswith("smtp permanent")
-    assert records["D"]["events"] == [] and len(records["G"]["events"]) == 1, "not the rerun's: left alone"
-    assert f"rerun {run_id} --accounts A --force" in records["A"]["reason"]
-    assert (sorted(state.failed()), state.unconfirmed()) == (["A", "E", "G"], []), "B: nothing the relay's log settles"
-    assert _left_now(state, took, started) == {"failed_now": 2, "unconfirmed_now": 1}
+    assert left["tally"] == {"failed": 2, "unconfirmed": 1}, left
+    records = state.accounts(list("ABCDEFGHI"))
+    assert {u: final_status(r) for u, r in records.items()} == {**dict.fromkeys("ABCDEH", "delivered"),
+                                                                 "F": "physical", "G": "failed", "I": "failed"}
+    reasons = {u: r["reason"] for u, r in records.items()}
+    assert "(it never left)" in reasons["A"] and "may or may not have left" in reasons["B"]
+    assert "the relay refused it, and its answer was lost" in reasons["H"]
+    assert records["C"]["reply"] == "250 queued as 2" and reasons["E"].startswith("smtp permanent")
+    assert reasons["I"] == reasons["G"] == "render: a bad row" and records["D"]["events"] == []
+    assert f"rerun {run_id} --accounts A --force" in reasons["A"]
+    assert (sorted(state.failed()), state.unconfirmed()) == (list("AEGHI"), []), "B: nothing the relay's log settles"
+    assert _left_now(state, took, started) == {"failed_now": 3, "unconfirmed_now": 1}
 
 
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(

@@ -44,7 +44,7 @@ from pipeline.mail.message import message_id
 from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
 from pipeline.record import day_claim, delivery_log, keys, report, run_log
-from pipeline.record.guard import StateLostError, claimed_at
+from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
 from pipeline.record.records import Outcome
@@ -554,11 +554,12 @@ class _SharedRows:
 
 
 class Rerun(NamedTuple):
-    """A rerun's: its lease's token (whose claims are its own), the accounts it takes, and
-    whether it mails delivered ones again (`--force`)."""
+    """A rerun's: its lease's token (whose claims are its own), the accounts it takes, whether
+    it mails delivered ones again (`--force`), and when its chains began (epoch seconds)."""
     lease: str
     only: frozenset[str]
     force: bool
+    since: float
 
 
 @dataclass(slots=True)  # one a unit: 15,360 queued at 1.5M accounts
@@ -579,7 +580,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
              handed: dict[int, ray.ObjectRef]) -> dict:
     totals = {"statuses": {}, "cpu_s": {}, "notes": 0, "waits": {}, "resent": 0}
     skipped = early.skipped if early else lambda shard: frozenset()
-    rerun = Rerun(lease.token, req.only, req.force) if req.only is not None else None
+    rerun = Rerun(lease.token, req.only, req.force, time.time()) if req.only is not None else None
     pending: dict[ray.ObjectRef, Chain] = {}  # the chain's last ref -> the chain
     again: list[Chain] = []  # chains whose actor was lost: sent again before new ones
     view = fleet.look()
@@ -752,20 +753,21 @@ def _no_notes() -> dict:
 def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str,
                    rerun: Rerun | None = None) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed. An
-    account already at its end (delivered, physical, rejected ...) keeps it; a rerun's chain
-    answers for the accounts it took alone, and a forced one for their new mail (_forced_left)."""
+    account with an outcome (delivered, failed with the relay's answer, physical ...) keeps it;
+    a rerun's chain answers for the accounts it took alone, and a forced one for their new mail
+    (_forced_left)."""
     state = RunState.of(settings, run_id)
     uccs = [u for u in uccs if rerun is None or u in rerun.only]
     records = state.accounts(uccs)
     key = credentials.resolve(settings).hmac_key()
-    unfinished = [u for u in uccs if final_status(records.get(u, {})) in ("pending", "failed")]
+    unfinished = [u for u in uccs if final_status(records.get(u, {})) == "pending"]
     claimed = state.claimed(unfinished)
     outcomes = [Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
                         reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
                 if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
                 for u in unfinished]
     if rerun is not None and rerun.force:
-        outcomes += _forced_left(state, records, uccs, rerun.lease, f"shard {shard}: {reason}")
+        outcomes += _forced_left(state, records, uccs, rerun, f"shard {shard}: {reason}")
     state.record(outcomes)
     tally: dict[str, int] = {}
     for o in outcomes:
@@ -773,22 +775,26 @@ def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str],
     return {"tally": tally, "cpu_s": {}, "notes": len(outcomes)}
 
 
-def _forced_left(state: RunState, records: dict[str, dict], uccs: list[str], lease: str, why: str) -> list[Outcome]:
+def _forced_left(state: RunState, records: dict[str, dict], uccs: list[str], rerun: Rerun, why: str) -> list[Outcome]:
     """A forced rerun's chain that failed for good: each delivered account it took stays
-    delivered, and its new mail is said where no outcome of it is recorded. Claimed under this
-    lease with none since: unconfirmed (it may have left). Still under the claim of the mailing
-    before: failed (it never left), so `rerun --failed --force` mails it. No claim at all: the
-    mailer let it go after the relay's definite answer, which it recorded."""
-    delivered = [u for u in uccs if records.get(u, {}).get("stage") == "delivered"]
+    delivered, and its new mail is said where the rerun recorded nothing of it. Claimed under
+    this rerun's lease: unconfirmed (it may have left). Otherwise failed (`rerun --failed
+    --force` mails it): still under the mailing before's claim, it never left; its claim let
+    go, the relay refused it and the answer was lost with its mailer. (The records' times are
+    the mailers' clocks, `since` this driver's: seconds apart, far more than a clock's drift.)"""
+    delivered = [u for u in uccs if records.get(u, {}).get("stage") == "delivered"
+                 and records[u].get("updated", 0.0) < rerun.since]
     left = []
     for ucc, token in state.claim_tokens(delivered).items():
-        since, again = claimed_at(token), f"rerun {state.run_id} --accounts {ucc} --force mails it again"
-        if token and token[:8] != lease[:8]:
-            left.append(Outcome(ucc, "delivered", "failed", reason=f"{why}; this forced mail never left: {again}"))
-        elif token and not (since and records[ucc].get("updated", 0.0) >= since):
+        again = f"rerun {state.run_id} --accounts {ucc} --force mails it again"
+        if token[:8] == rerun.lease[:8]:
             left.append(Outcome(ucc, "delivered", "unconfirmed", message_id=records[ucc].get("message_id", ""),
                                 reason=f"{why}; this forced mail was claimed and no answer recorded: it may or may "
                                        f"not have left; {again} (a possible extra copy)"))
+        else:
+            fate = "it never left" if token else "the relay refused it, and its answer was lost"
+            left.append(Outcome(ucc, "delivered", "failed", reason=f"{why}; this forced mail was not delivered "
+                                                                   f"({fate}): {again}"))
     return left
 
 
