@@ -169,3 +169,14 @@ def test_a_redis_started_on_a_port_another_program_listens_on_fails_rather_than_
         assert state.meta().get("up") == "1"
     finally:
         server.stop()
+
+
+def test_a_forced_rerun_stopped_at_its_deadline_names_the_rerun_that_mails_its_accounts_again():
+    """Its failed accounts are delivered ones: `rerun --failed` alone would take them and mail
+    none (a delivered account is mailed again only with --force)."""
+    from pipeline.cluster.waits import DayWaits
+    from pipeline.settings import Settings
+
+    waits = DayWaits("r1", Settings(deadline_at=time.time()))
+    assert waits.ending(3).endswith("`rerun r1 --failed` sends them")
+    assert waits.ending(3, force=True).endswith("`rerun r1 --failed --force` sends them")

@@ -672,7 +672,7 @@ def _stop_waiting(settings: Settings, run_id: str, chains: list[Chain], waiting:
     (those in flight fail as they reach the dependency: its wait is spent)."""
     reason = waiting.reason()
     results = [_fail_chain(settings, run_id, c, reason, skipped(c.shard), rerun) for c in chains]
-    log.error("%s", waiting.ending(sum(r["notes"] for r in results)))
+    log.error("%s", waiting.ending(sum(r["notes"] for r in results), rerun is not None and rerun.force))
     for result in results:
         _count(result, totals, progress)
 

@@ -43,12 +43,14 @@ class DayWaits:
         """What a chain not started is failed for."""
         return f"not started: {self._gone()} at {clock(time.time())}, past the wait it was given"
 
-    def ending(self, left: int) -> str:
-        """The day's one line when it stops waiting."""
+    def ending(self, left: int, force: bool = False) -> str:
+        """The day's one line when it stops waiting (`force`: a forced rerun's, whose delivered
+        accounts are mailed again only with --force)."""
         self.ended = True
         past = f"its deadline {clock(self.deadline_at)}" if self.deadline_at else "its patience (no run deadline)"
         return (f"run {self.run_id}: past {past}, still {self._gone()}: {left} accounts not started are failed, "
-                f"and those in flight fail as they reach it; `rerun {self.run_id} --failed` sends them")
+                f"and those in flight fail as they reach it; `rerun {self.run_id} --failed"
+                f"{' --force' if force else ''}` sends them")
 
     def _gone(self) -> str:
         return "; ".join(said(what, since) for what, since in sorted(self.now.items(), key=lambda w: w[1]))
