@@ -508,8 +508,8 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
     if ctx.force and record.get("stage") == "delivered":
         since = ctx.state.claim_time(ucc)  # 0.0: not known
         if not (since and record.get("updated", 0.0) >= since):
-            return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=_forced_unanswered(
-                ctx, ucc, "an earlier attempt of this rerun holds its claim, and no answer of the relay's was recorded"))
+            return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, reason=forced_unanswered(
+                ctx.state.run_id, ucc, "an earlier attempt of this rerun holds its claim, and no answer of the relay's was recorded"))
         if record.get("status") == "failed":  # that attempt's outcome, as recorded: never logged as a delivery
             return Outcome(ucc, "delivered", "failed", reason=record.get("reason", ""), message_id=mid)
     if record.get("stage") == "delivered" and not (ctx.force and record.get("status") == "unconfirmed"):
@@ -522,11 +522,15 @@ def _already_claimed(ucc: str, ctx: MailContext) -> Outcome:
         "or rerun --unconfirmed (same Message-ID)"))
 
 
-def _forced_unanswered(ctx: MailContext, ucc: str, why: str) -> str:
+def forced_unanswered(run_id: str, ucc: str, why: str) -> str:
     """A forced mail's answer lost. Its Message-ID is the run's earlier mail's, so the relay's log
     cannot tell the two apart: mailing it again is the one way to be sure, at a possible extra copy."""
-    return (f"{why}: this forced mail may or may not have left; rerun {ctx.state.run_id} --accounts {ucc} "
-            "--force mails it again (a possible extra copy)")
+    return f"{why}: this forced mail may or may not have left; {forced_again(run_id, ucc)} (a possible extra copy)"
+
+
+def forced_again(run_id: str, ucc: str) -> str:
+    """The command a forced mail that failed, or whose answer was lost, is sent again with."""
+    return f"rerun {run_id} --accounts {ucc} --force mails it again"
 
 
 async def _send(item: dict, ctx: MailContext, mid: str, message: bytes, token: str) -> Outcome:
@@ -535,7 +539,7 @@ async def _send(item: dict, ctx: MailContext, mid: str, message: bytes, token: s
         reply, attempts = await send_with_retry(ctx.pool, ctx.policy, item["mail_from"], item["email"], message)
     except UnconfirmedMailError as e:  # the claim stays: never resent blindly
         return Outcome(ucc, "delivered", "unconfirmed", message_id=mid, extra={"attempts": e.attempts},
-                       reason=_forced_unanswered(ctx, ucc, str(e)) if ctx.force else
+                       reason=forced_unanswered(ctx.state.run_id, ucc, str(e)) if ctx.force else
                        f"{e}: settle with reconcile --relay-log, or rerun --unconfirmed (same Message-ID)")
     except QuotaError as e:
         await ctx.redis(ctx.state.release_mail, ucc, token)

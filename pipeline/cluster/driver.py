@@ -54,7 +54,8 @@ from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, Store, check_create_only, open_store
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
-from pipeline.stages import Batch, broker, load_shard, render_stage, restore_from_log
+from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
+                             restore_from_log)
 
 log = logging.getLogger("pipeline.cluster.driver")
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
@@ -786,15 +787,13 @@ def _forced_left(state: RunState, records: dict[str, dict], uccs: list[str], rer
                  and records[u].get("updated", 0.0) < rerun.since]
     left = []
     for ucc, token in state.claim_tokens(delivered).items():
-        again = f"rerun {state.run_id} --accounts {ucc} --force mails it again"
         if token[:8] == rerun.lease[:8]:
             left.append(Outcome(ucc, "delivered", "unconfirmed", message_id=records[ucc].get("message_id", ""),
-                                reason=f"{why}; this forced mail was claimed and no answer recorded: it may or may "
-                                       f"not have left; {again} (a possible extra copy)"))
+                                reason=forced_unanswered(state.run_id, ucc, f"{why}; claimed, no answer recorded")))
         else:
             fate = "it never left" if token else "the relay refused it, and its answer was lost"
             left.append(Outcome(ucc, "delivered", "failed", reason=f"{why}; this forced mail was not delivered "
-                                                                   f"({fate}): {again}"))
+                                                                   f"({fate}): {forced_again(state.run_id, ucc)}"))
     return left
 
 
