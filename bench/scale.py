@@ -161,11 +161,18 @@ def _first_kept(proc: subprocess.Popen, outbox: Path, kept: set[str]) -> float |
     """When the relay wrote its first new message (the sink keeps one only to answer 250);
     the folder is looked at every 20 ms until then, never after."""
     while proc.poll() is None:
-        new = [e for e in os.scandir(outbox) if e.name not in kept]
-        if new:
-            return min(e.stat().st_mtime for e in new)
+        times = [_mtime(e) for e in os.scandir(outbox) if e.name not in kept and not e.name.startswith(".")]
+        if any(times):  # a dot-file is a message still being written, and is renamed (gone) when kept
+            return min(t for t in times if t)
         time.sleep(0.02)
     return None
+
+
+def _mtime(entry: os.DirEntry) -> float | None:
+    try:
+        return entry.stat().st_mtime
+    except FileNotFoundError:  # taken away between the listing and the look
+        return None
 
 
 def report_peak_mb(env: dict, run_id: str) -> tuple[float, float]:
