@@ -230,10 +230,11 @@ def _steps_1_and_2(cloud, tmp_path: Path, keys_dir: Path, hsm: NetworkHsm | None
     assert ("signer_key_pem" in json.loads(secret)) is not bool(hsm)
     _aws(cloud, "secretsmanager").create_secret(Name="contract-notes/signing", SecretString=secret)
     # README step 2: fill in scripts/cluster.env (the bucket); the waits are shortened for CI (the head's grace
-    # keeps one report of Ray's metrics agent, every 10 s, after the last mail)
+    # keeps one report of Ray's metrics agent, every 10 s, after the last mail; at a spot wait of 10 s the
+    # autoscaler, slowed by both cores busy, had not yet tried the refused spot type when on-demand was asked for)
     env_file = checkout / "scripts/cluster.env"
     env_file.write_text(env_file.read_text().replace("s3://YOUR-BUCKET", f"s3://{BUCKET}")
-                        + "export CN_SPOT_WAIT_S=10 CN_HEAD_GRACE_S=15 CN_CAPACITY_WAIT_S=400\n"
+                        + "export CN_SPOT_WAIT_S=30 CN_HEAD_GRACE_S=15 CN_CAPACITY_WAIT_S=400\n"
                         # this machine's two cores play a 32-vCPU render node: four shards in flight, not a
                         # render worker process started for each of the day's 20 shards at once
                         + "export CN_WINDOW=4\n"
