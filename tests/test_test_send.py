@@ -41,6 +41,7 @@ def test_a_relay_that_refuses_or_never_greets_is_said_in_one_line_within_ten_sec
     import socket
     import subprocess
     import sys
+    import threading
     import time
 
     from pipeline.embedded import free_port
@@ -49,6 +50,9 @@ def test_a_relay_that_refuses_or_never_greets_is_said_in_one_line_within_ten_sec
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # takes the connection, never greets
+    connected = []  # when the command reached it: its wait is timed from there, not from an interpreter's start,
+    # which took 2.6 s with both cores busy (a 10.66 s run in 001bbf9's suite)
+    threading.Thread(target=lambda: connected.append((silent.accept(), time.monotonic())), daemon=True).start()
     env = {"REDIS_URL": settings.redis_url, "CN_STORE": settings.store_url, "CN_SIGNER_KEY": settings.signer_key,
            "CN_SIGNER_CERT": settings.signer_cert, "CN_SIGNER_CHAIN": settings.signer_chain,
            "CN_OWNER_PASSWORD": settings.owner_password, "CN_TOKEN_KEY_FILE": settings.token_key_file,
@@ -59,13 +63,16 @@ def test_a_relay_that_refuses_or_never_greets_is_said_in_one_line_within_ten_sec
             started = time.monotonic()
             done = subprocess.run([sys.executable, "-m", "pipeline", "test-send", "--to", "ops@broker.example.com",
                                    "--smtp", relay], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-            took = time.monotonic() - started
-            assert done.returncode == 2 and took < 10, (took, done.stderr)
+            ended = time.monotonic()
+            waited = ended - (connected[0][1] if "answer" in said else started)
+            assert done.returncode == 2 and waited < 10 and ended - started < 30, (waited, ended - started, done.stderr)
             errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
             assert errors == [line for line in done.stderr.splitlines() if line.strip()], done.stderr
             assert len(errors) == 1 and relay.split("?")[0] in errors[0] and said in errors[0], errors
     finally:
         silent.close()
+        for (conn, _), _at in connected:
+            conn.close()
 
 
 def test_a_test_send_to_an_smtps_relay_checks_its_certificate_with_the_mailers_ca(settings, day, monkeypatch, capsys,
