@@ -52,33 +52,33 @@ if (($#)); then
 fi
 # Three sessions at once, each its own processes and log:
 # - the slow tests (Ray, whole days, demos), in turn in one process, on its one Ray;
-# - beside them, in a session of their own, the `ray up` tests (mostly waiting on a simulated
-#   cloud), the relays held to their rates (mostly waiting on the rates) and the days that lose
-#   nodes (each a process of its own);
+# - beside them, in a session of their own, the tests marked `waits` (tests/conftest.py): the `ray up`
+#   tests (mostly waiting on a simulated cloud), the relays held to their rates, the days that lose
+#   nodes, and the slow tests that wait out an outage or a period;
 # - the quick tests and the benchmarks' smoke runs (each a process of its own, with a Ray of its
 #   own), in two processes (pytest-xdist), each test taken by whichever is free.
 # With the quick tests among the slow ones, in one process, that session took 21m41s of a 22m30s
 # suite, both cores 81% busy, and ended last. A fourth session, the `ray up` tests apart from the
-# other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too.
-side=(tests/test_ray_up.py tests/test_relay_rates.py tests/test_node_loss.py)
+# other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in
+# two processes (pytest-xdist) took 28m00s against 27m34s in one: the cores are busy until the
+# quick session ends, and the slow tests' last five minutes, alone, kept them 20-50% busy.
 side_log=$(mktemp -t cn-side-tests.XXXXXX)
 free_log=$(mktemp -t cn-free-tests.XXXXXX)
-.venv/bin/python -m pytest -p no:cacheprovider "${side[@]}" >"$side_log" 2>&1 &
+.venv/bin/python -m pytest -p no:cacheprovider -m waits >"$side_log" 2>&1 &
 side_pid=$!
-.venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -m "quick or bench" "${side[@]/#/--ignore=}" \
-    >"$free_log" 2>&1 &
+.venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -m "(quick or bench) and not waits" >"$free_log" 2>&1 &
 free_pid=$!
 trap 'kill "$side_pid" "$free_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
 slow=0
-.venv/bin/python -m pytest -m "not quick and not bench" "${side[@]/#/--ignore=}" || slow=$?
+.venv/bin/python -m pytest -m "not quick and not bench and not waits" || slow=$?
 side_rc=0 free_rc=0
 wait "$side_pid" || side_rc=$?
 wait "$free_pid" || free_rc=$?
 trap - EXIT
-echo "=== ${side[*]}, in their own session beside the slow tests ==="
+echo "=== the tests that mostly wait (-m waits), in their own session beside the slow tests ==="
 cat "$side_log"
 echo "=== the quick tests and the benchmarks' smoke runs, in two processes beside them ==="
 cat "$free_log"
 rm -f "$side_log" "$free_log"
-echo "=== pytest exit status: the slow tests $slow, ${side[*]} $side_rc, the quick ones and the benchmarks $free_rc ==="
+echo "=== pytest exit status: the slow tests $slow, those that mostly wait $side_rc, the quick ones and the benchmarks $free_rc ==="
 ((slow == 0 && side_rc == 0 && free_rc == 0)) || exit $((slow ? slow : side_rc ? side_rc : free_rc))

@@ -34,8 +34,15 @@ SLOW_FILES = {"test_ray_up.py", "test_relay_rates.py", "test_node_loss.py", "tes
               "test_metrics_export.py"}
 
 
+# The side session (scripts/test.sh): tests that mostly wait (a simulated cloud's instances, relays held to
+# their rates, an outage's 20 s), beside the slow tests, which mostly keep the cores busy.
+WAITING_FILES = {"test_ray_up.py", "test_relay_rates.py", "test_node_loss.py"}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
+        if item.path.name in WAITING_FILES:
+            item.add_marker(pytest.mark.waits)
         if not SLOW_FIXTURES & set(item.fixturenames) and item.path.name not in SLOW_FILES \
                 and not item.get_closest_marker("bench"):
             item.add_marker(pytest.mark.quick)

@@ -245,6 +245,7 @@ def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_deliver
     assert _left_now(state, took, started) == {"failed_now": 3, "unconfirmed_now": 1}
 
 
+@pytest.mark.waits
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
         ray_session, settings, busy_day, smtp_server, tmp_path):
     """Nothing fails for the outage. A transaction whose final dot was sent when the relay went

@@ -72,6 +72,7 @@ def _run(env, cwd, *argv) -> subprocess.Popen:
                             stderr=subprocess.PIPE)
 
 
+@pytest.mark.waits
 def test_a_day_pings_start_then_every_period_then_its_finish_and_one_that_cannot_run_pings_fail(
         ray_session, redis_url, day, smtp_sink, tmp_path, monitor):
     env = _env(ray_session, redis_url, monitor.url)

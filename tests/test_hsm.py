@@ -366,6 +366,7 @@ def test_the_hsm_lost_mid_run_fails_its_notes_mails_none_unsigned_and_a_rerun_ma
         assert_signed_and_encrypted(path, pans[m["To"].addresses[0].addr_spec])
 
 
+@pytest.mark.waits
 def test_the_hsm_gone_for_20_s_mid_run_costs_its_length_not_an_account(
         ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir):
     """The HSM's server and every connection it serves killed once 60 notes are mailed, back 20 s

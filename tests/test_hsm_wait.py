@@ -29,6 +29,7 @@ from tests.helpers import outbox_messages
 from tests.test_hsm import network_hsm, on_token  # noqa: F401 (a fixture, used by name)
 
 
+@pytest.mark.waits
 def test_an_hsm_outage_past_its_patience_holds_the_day_until_its_deadline(
         ray_session, settings, hsm, network_hsm, smtp_sink, tmp_path, session_dir, caplog):  # noqa: F811
     """CN_HSM_PATIENCE_S of 5 s, the HSM's server and its connections killed for 15 s once 15
