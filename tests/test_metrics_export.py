@@ -10,8 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 COUNTED = {'ray_cn_day_accounts_total{status="delivered"}': 8.0, 'ray_cn_day_accounts_total{status="physical"}': 1.0,
@@ -19,7 +17,6 @@ COUNTED = {'ray_cn_day_accounts_total{status="delivered"}': 8.0, 'ray_cn_day_acc
            'ray_cn_waited_seconds_total{on="hsm"}': 1.5}
 
 
-@pytest.mark.waits
 def test_the_days_counters_reach_the_port_exactly_when_the_metrics_agent_missed_an_export():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     with tempfile.TemporaryDirectory(prefix="cnm", dir="/tmp") as tmp:  # a Ray of its own; short: its socket paths
