@@ -161,9 +161,10 @@ def _first_kept(proc: subprocess.Popen, outbox: Path, kept: set[str]) -> float |
     """When the relay wrote its first new message (the sink keeps one only to answer 250);
     the folder is looked at every 20 ms until then, never after."""
     while proc.poll() is None:
-        times = [_mtime(e) for e in os.scandir(outbox) if e.name not in kept and not e.name.startswith(".")]
-        if any(times):  # a dot-file is a message still being written, and is renamed (gone) when kept
-            return min(t for t in times if t)
+        times = [t for e in os.scandir(outbox)  # a dot-file is a message still being written, renamed when kept
+                 if e.name not in kept and not e.name.startswith(".") and (t := _mtime(e))]
+        if times:
+            return min(times)
         time.sleep(0.02)
     return None
 

@@ -23,23 +23,21 @@ from tests import servers
 
 TRADE_DATE = "2026-11-20"
 NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's notes are one run's)
-# The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
-# cloud of namespaces, a whole demo or a benchmark (marked `bench` where it is written: each bench
-# a process of its own with its own Ray, which scripts/test.sh runs beside the quick tests).
-# Whatever needs one of these runs in the full suite.
-SLOW_FIXTURES = {"ray_session", "cloud", "api_run", "clone"}  # clone: the README typed on a copy, after its demo
-SLOW_FILES = {"test_ray_up.py", "test_relay_rates.py", "test_node_loss.py", "test_faults.py",
-              "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
-              "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py",
-              "test_metrics_export.py"}
-
-
 # The side session (scripts/test.sh): tests that mostly wait (a simulated cloud's instances, relays held to
 # their rates, an outage's 20 s), beside the slow tests, which mostly keep the cores busy. These files
 # first, in this order: the longest `ray up` test starts at once, and the tests marked `waits` elsewhere
 # run last, once the quick session has ended and the cores are no longer all busy (run first, beside it,
 # the four took 213 s instead of 110, and a node-loss day's raylet missed Ray's 30-s start).
 WAITING_FILES = ("test_ray_up.py", "test_relay_rates.py", "test_node_loss.py")
+# The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
+# cloud of namespaces, a whole demo or a benchmark (marked `bench` where it is written: each bench
+# a process of its own with its own Ray, which scripts/test.sh runs beside the quick tests).
+# Whatever needs one of these runs in the full suite.
+SLOW_FIXTURES = {"ray_session", "cloud", "api_run", "clone"}  # clone: the README typed on a copy, after its demo
+SLOW_FILES = {*WAITING_FILES, "test_faults.py",
+              "test_bounces.py", "test_one_count.py", "test_browser.py", "test_notebook.py",
+              "test_end_to_end.py", "test_scale.py", "test_heartbeat.py", "test_autoscaler.py",
+              "test_metrics_export.py"}
 
 
 def pytest_collection_modifyitems(items):
