@@ -87,7 +87,7 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
         # load the first shards' batches of one or two notes overtook theirs of four (7a95b39's suite), so the
         # relay's first four were shards' notes; one of theirs is among its first half, not after the split's notes
         assert set(arrived[:len(arrived) // 2]) & set(numbers), "a driver's note is in the relay's first half"
-        # and they did not wait for the split: the first of them reached the relay before some shard's first note
+        # nor behind every chain: the first of them reached the relay before the last shard's first note
         at = {ucc: i for i, ucc in enumerate(arrived)}
         shards = [set(_shard_file(settings, run_id, s)) - set(numbers)
                   for s in load_manifest(open_store(settings.store_url), run_id).shards]
