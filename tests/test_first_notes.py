@@ -76,7 +76,8 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
                       address=ray_session.address_info["address"] if joined else None)
 
     run_id = summary["run_id"]
-    made = first_notes.recorded(open_store(settings.store_url), run_id)
+    store = open_store(settings.store_url)
+    made = first_notes.recorded(store, run_id)
     assert made is not None and len(made["numbers"]) >= 2
     numbers = made["numbers"]
     mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
@@ -90,7 +91,7 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
         # nor behind every chain: the first of them reached the relay before the last shard's first note
         at = {ucc: i for i, ucc in enumerate(arrived)}
         shards = [set(_shard_file(settings, run_id, s)) - set(numbers)
-                  for s in load_manifest(open_store(settings.store_url), run_id).shards]
+                  for s in load_manifest(store, run_id).shards]
         assert min(at[u] for u in numbers) < max(min(at[u] for u in s) for s in shards if s), \
             "a driver's note reached the relay before the last shard's first"
     else:  # the driver mails them before any chain starts
