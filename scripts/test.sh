@@ -62,6 +62,8 @@ fi
 # other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in
 # two processes (pytest-xdist) took 28m00s against 27m34s in one: the cores are busy until the
 # quick session ends, and the slow tests' last five minutes, alone, kept them 20-50% busy.
+# Also slower (docs/benchmarks.md): the sessions niced to order the CPU (a bench's local Ray then
+# timed out in its start) and the quick session in one process, its benchmarks last.
 side_log=$(mktemp -t cn-side-tests.XXXXXX)
 free_log=$(mktemp -t cn-free-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider -m waits >"$side_log" 2>&1 &
