@@ -62,8 +62,8 @@ fi
 # other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in
 # two processes (pytest-xdist) took 28m00s against 27m34s in one: the cores are busy until the
 # quick session ends, and the slow tests' last five minutes, alone, kept them 20-50% busy.
-# Also slower (docs/benchmarks.md): the sessions niced to order the CPU (a bench's local Ray then
-# timed out in its start) and the quick session in one process, its benchmarks last.
+# No faster (docs/benchmarks.md, one run each): the sessions niced to order the CPU (31m02s against
+# 28m06s; two benches' local Rays failed) and the quick session in one process, its benchmarks last (28m50s).
 side_log=$(mktemp -t cn-side-tests.XXXXXX)
 free_log=$(mktemp -t cn-free-tests.XXXXXX)
 .venv/bin/python -m pytest -p no:cacheprovider -m waits >"$side_log" 2>&1 &
