@@ -268,14 +268,16 @@ def test_a_reply_cut_short_is_read_on_from_where_it_stopped_never_as_a_short_obj
 
 def test_interim_replies_are_skipped_and_the_final_one_read_as_its_own_requests(on):
     """A 103 Early Hints and a 102 Processing before a request's reply are not its reply: taken as
-    one, the real reply would stay in the connection and be read as the next request's."""
+    one, the real reply would stay in the connection and be read as the next request's. Whether the
+    next request reuses the connection is obstore's pool's choice: in one suite of 12-01 it took a
+    second one, so the test counts requests and replies, not connections."""
     early = b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n"
     second = reply(b"200 OK", b"second", b"Content-Length: 6")
     server = Replies([(early + OK, False), (second, False)])
     store = on(server)
     assert store.get("a") == b"first"
     assert store.get("b") == b"second"
-    assert server.connections == 1
+    assert server.requests == [b"GET /bucket/a", b"GET /bucket/b"]
 
 
 @pytest.mark.parametrize("framed", [
