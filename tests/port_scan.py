@@ -12,19 +12,42 @@ an instance with nothing of the project's installed.
 
 from __future__ import annotations
 
+import errno
 import json
+import select
 import socket
 import ssl
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 
-def is_open(ip: str, port: int) -> bool:
-    try:
-        with socket.create_connection((ip, port), timeout=1):
-            return True
-    except OSError:
-        return False
+def open_ports(ip: str, timeout_s: float = 1, batch: int = 500) -> list[int]:
+    """The ports that take a connection within `timeout_s`, tried `batch` at a time in one
+    thread, each connect non-blocking. A thread a port (256 at once) spent 26.6 CPU-s on three
+    nodes, beside the day it shares two cores with."""
+    found = []
+    for first in range(1, 65536, batch):
+        poller, trying = select.poll(), {}
+        for port in range(first, min(first + batch, 65536)):
+            sock = socket.socket()
+            sock.setblocking(False)
+            if sock.connect_ex((ip, port)) in (0, errno.EINPROGRESS):
+                trying[sock.fileno()] = (sock, port)
+                poller.register(sock, select.POLLOUT)
+            else:
+                sock.close()
+        deadline = time.monotonic() + timeout_s
+        while trying and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                sock, port = trying.pop(fd)
+                poller.unregister(fd)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    found.append(port)
+                sock.close()
+        for sock, _ in trying.values():  # no answer in time: as a connect that timed out
+            sock.close()
+    return found
 
 
 def kind(ip: str, port: int, timeout_s: float = 5) -> str:
@@ -61,9 +84,7 @@ def _http(ip: str, port: int, timeout_s: float) -> str:
 
 
 def scan(ip: str) -> dict[str, str]:
-    with ThreadPoolExecutor(256) as pool:
-        found = [p for p, up in zip(range(1, 65536), pool.map(lambda p: is_open(ip, p), range(1, 65536))) if up]
-    kinds = {p: kind(ip, p) for p in found}
+    kinds = {p: kind(ip, p) for p in open_ports(ip)}
     for _ in range(3):  # a busy node answers late: asked again, with more patience
         kinds.update({p: kind(ip, p, 15) for p, k in kinds.items() if k in ("silent", "closed")})
     return {str(p): k for p, k in kinds.items() if k != "gone"}
