@@ -18,10 +18,11 @@ from pipeline.settings import ROOT
 pytestmark = pytest.mark.bench
 
 # bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes; measured.py,
-# processes.py, range_times.py, s3_native.py and slow_store.py are parts of the others
+# processes.py, range_times.py, s3_native.py and slow_store.py are parts of the others; mail.py runs below
+# with --dkim, which mails unsigned first (a run of its own cost the suite another Ray and ~17 CPU-s)
 BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")
-                 if p.name not in ("measured.py", "node_loss.py", "processes.py", "range_times.py", "s3_native.py",
-                                  "slow_store.py"))
+                 if p.name not in ("mail.py", "measured.py", "node_loss.py", "processes.py", "range_times.py",
+                                  "s3_native.py", "slow_store.py"))
 
 
 @pytest.mark.parametrize("bench", BENCHES)
@@ -57,9 +58,10 @@ def smoke(bench: str, *more: str) -> list[dict]:
     return lines
 
 
-def test_the_mail_bench_measures_dkim_signing_with_dkim():
+def test_the_mail_bench_measures_unsigned_mail_against_smtplib_then_dkim_signing_with_dkim():
     result = smoke("mail.py", "--dkim")[-1]
     assert result["dkim_sign_cpu_ms_per_mail"] > 0 and result["dkim_client_cpu_ms_per_mail"] > 0
+    assert result["speedup"] > 0 and result["ours_client_cpu_ms_per_mail"] > 0, result
 
 
 def test_the_first_note_bench_times_a_run_joining_a_running_ray_beside_a_baseline_tree():
