@@ -41,16 +41,19 @@ import os
 import re
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from cryptography import x509
 
-from pipeline.mail.dkim_signer import DkimSigner, dkim_from_pem
 from pipeline.record import keys
 from pipeline.record.state import redis_client
 from pipeline.seal.signer import Signer, SignerSetupError, load_signer, signer_from_pem
 from pipeline.seal.token import PinRefused, TokenConfig, TokenKey
 from pipeline.settings import REDIS_ADMIN, ConfigError, Settings, aws_region
+
+if TYPE_CHECKING:
+    from pipeline.mail.dkim_signer import DkimSigner
 
 REQUIRED = ("owner_password",)
 KEY_FILE = ("signer_key_pem", "signer_cert_pem")  # required unless the key is on a token (pkcs11_pin)
@@ -148,6 +151,8 @@ def dkim_signer(settings: Settings, secret: dict[str, str] | None = None) -> Dki
     else:
         raise ConfigError("CN_DKIM_DOMAIN and CN_DKIM_SELECTOR are set, but no DKIM key: CN_DKIM_KEY, or the "
                           "secret's dkim_key_pem")
+    from pipeline.mail.dkim_signer import dkim_from_pem  # here: every Ray worker imports this module, few sign
+
     return dkim_from_pem(pem, settings.dkim_selector, settings.dkim_domain, where)
 
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Callable, Container
+from typing import TYPE_CHECKING, Callable, Container
 
 from pipeline.day.dumps import EMAIL, SEGMENTS, Client, Trade
 from pipeline.mail import link
-from pipeline.mail.dkim_signer import DkimSigner
 from pipeline.mail.message import (
     Letter,
     PermanentMailError,
@@ -47,6 +46,9 @@ from pipeline.record.storage import Store, write_once
 from pipeline.seal.sign import SignatureInfo, protect_all, user_half
 from pipeline.seal.signer import SignError
 from pipeline.settings import TEMPLATES, ConfigError
+
+if TYPE_CHECKING:  # only a mailer with CN_DKIM_* loads dkim (~70 ms of every Ray worker's start)
+    from pipeline.mail.dkim_signer import DkimSigner
 
 log = logging.getLogger("pipeline.stages")
 RECORD_WAIT_S = 0.005  # longest a relay's reply waits for a claim to ride to Redis with

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from dkim.canonicalization import Relaxed
 
 from pipeline import credentials
+from pipeline.mail import dkim_signer
 from pipeline.mail.dkim_signer import DkimKeyError, dkim_from_pem, dns_record, relaxed_body
 from pipeline.mail.message import Letter, build_message
 from pipeline.record.state import RunState
@@ -187,7 +188,7 @@ def test_the_mail_stage_sends_mail_that_verifies_as_the_relay_received_it(settin
 
 def test_the_key_is_loaded_once_a_mailer_never_once_a_message(settings, smtp_sink, dkim_key_file, monkeypatch):
     loads = []
-    monkeypatch.setattr(credentials, "dkim_from_pem", lambda *a: loads.append(a[3]) or dkim_from_pem(*a))
+    monkeypatch.setattr(dkim_signer, "dkim_from_pem", lambda *a: loads.append(a[3]) or dkim_from_pem(*a))
     assert mailed_through(dkim_settings(settings, dkim_key_file), 6) == {"ok": 6}
     assert loads == [f"CN_DKIM_KEY {dkim_key_file}"]
 
