@@ -746,8 +746,9 @@ def _get_inside(cloud, iid: str, port: int, path: str) -> bytes:
 def _scrape_while_up(cloud, head: str) -> dict:
     """The head's metrics, read every 2 s until it is gone (five reads in a row fail: one slow
     answer is not the end of the head); the last reading is kept, each status summed over the
-    processes that counted it. Read every second, the head's agent spent 18 CPU-s of the test's
-    ~250 alone, beside the day; the head's grace (15 s here) keeps the last counts."""
+    processes that counted it. Read every second, the head's dashboard agent spent 18 CPU-s in
+    a run of this test alone (part of it serving these reads), beside the day; the head's grace
+    (15 s here) keeps the last counts."""
     seen: dict = {}
 
     def scrape():

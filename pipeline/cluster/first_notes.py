@@ -23,12 +23,11 @@ import logging
 import threading
 from concurrent.futures import Future
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipeline import credentials
 from pipeline.day import trading_calendar
 from pipeline.day.split import DUMPS, Plan, first_accounts, make_plan, shard_line
-from pipeline.mail.dkim_signer import DkimSigner
 from pipeline.note.content import ROWS_PER_PAGE
 from pipeline.note.render import render_all
 from pipeline.record import keys, note_numbers
@@ -39,6 +38,9 @@ from pipeline.seal.sign import SignatureInfo
 from pipeline.seal.signer import Signer
 from pipeline.settings import Settings
 from pipeline.stages import Batch, broker, mail_context, mail_stage, render_stage, sign_stage
+
+if TYPE_CHECKING:
+    from pipeline.mail.dkim_signer import DkimSigner
 
 log = logging.getLogger("pipeline.cluster.first_notes")
 COUNT = 4
