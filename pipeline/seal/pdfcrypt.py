@@ -22,7 +22,6 @@ import struct
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from pyhanko.pdf_utils.crypt._saslprep import saslprep
 
 from pipeline.seal import compiled
 
@@ -48,6 +47,9 @@ def password_bytes(password: str) -> bytes:
     mapping, normalisation or prohibition touches it, and pyhanko's saslprep cost ~20 us."""
     if password.isascii() and password.isprintable():
         return password.encode()[:127]
+    # imported here: its module brings pyhanko's whole crypt package, ~75 ms of each worker's start
+    from pyhanko.pdf_utils.crypt._saslprep import saslprep
+
     return saslprep(password).encode("utf-8")[:127] if password else b""
 
 
