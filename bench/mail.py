@@ -184,7 +184,7 @@ def main() -> None:
 def once(args) -> dict:
     import ray
 
-    from pipeline.settings import ROOT as PROJECT
+    from pipeline.cluster.driver import job_config
 
     with tempfile.TemporaryDirectory(prefix="bench-mail-") as tmp:
         work = Path(tmp)
@@ -192,8 +192,7 @@ def once(args) -> dict:
         (work / "faults.json").write_text(json.dumps({"delay_ms": 1}))
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(work / "faults.json")])
-        ray.init(num_cpus=1, resources={"smtp": 2}, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": PROJECT}})
+        ray.init(num_cpus=1, resources={"smtp": 2}, include_dashboard=False, log_to_driver=False, job_config=job_config())
         try:
             host, port = smtp.url.removeprefix("smtp://").split(":")
             settings = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, store_url=str(work / "store"),

@@ -47,7 +47,7 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.cluster.driver import RunRequest, job_config, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import start_redis, start_smtp_sink
     from pipeline.mail.message import message_id
@@ -68,7 +68,7 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
         "object_store_memory": 150 * 2**20})
     nodes = {role: [cluster.add_node(num_cpus=1, resources=res, object_store_memory=150 * 2**20) for _ in range(2)]
              for role, res in ROLES.items()}
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    ray.init(address=cluster.address, job_config=job_config(), log_to_driver=False)
     settings = Settings.from_env(
         store_url=str(work / "store"), redis_url=redis.url, smtp_url=smtp.url, shard_size=20, signers=0, mailers=0,
         signer_key=str(key), signer_cert=str(cert), signer_chain=str(root), owner_password="node-loss-owner",
@@ -229,7 +229,7 @@ def head_phase(work: Path, smtp_url: str, run_id: str, accounts: int) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.cluster.driver import RunRequest, job_config, run_day
     from pipeline.embedded import start_redis
     from pipeline.settings import Settings
 
@@ -239,7 +239,7 @@ def head_phase(work: Path, smtp_url: str, run_id: str, accounts: int) -> None:
         "num_cpus": 0, "include_dashboard": False, "object_store_memory": 150 * 2**20})
     for res in ROLES.values():
         cluster.add_node(num_cpus=1, resources=res, object_store_memory=150 * 2**20)
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    ray.init(address=cluster.address, job_config=job_config(), log_to_driver=False)
     keys = work / "keys"
     settings = Settings.from_env(
         store_url=str(work / "store"), redis_url=redis.url, smtp_url=smtp_url, shard_size=20, signers=0, mailers=0,

@@ -53,7 +53,7 @@ def main(work: Path, keys: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     from pipeline.cluster import plan as cluster
-    from pipeline.cluster.driver import RunRequest, run_day
+    from pipeline.cluster.driver import RunRequest, job_config, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import free_port, start_redis, start_smtp_sink
     from pipeline.settings import Settings
@@ -67,7 +67,7 @@ def main(work: Path, keys: Path) -> dict:
         "include_dashboard": False, "dashboard_agent_listen_port": free_port(), "metrics_export_port": metrics_port,
         "object_store_memory": 150 * 2**20})
     assert head.address == gcs, (head.address, gcs)
-    ray.init(address=head.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
+    ray.init(address=head.address, job_config=job_config(), log_to_driver=False)
     # a relay 150 ms away keeps the mailing going while the second signer/SMTP node joins
     (work / "relay.json").write_text(json.dumps({"delay_ms": 150}))
     redis = start_redis(work / "redis")

@@ -182,11 +182,10 @@ def ray_session(s3_endpoint, secrets_endpoint, hsm):
     endpoints."""
     import ray
 
-    from pipeline.settings import ROOT
+    from pipeline.cluster.driver import job_config
 
     context = ray.init(num_cpus=2, resources={"render": 2, "signer": 2, "smtp": 2}, include_dashboard=False,
-                       object_store_memory=300 * 1024 * 1024, log_to_driver=False,
-                       runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+                       object_store_memory=300 * 1024 * 1024, log_to_driver=False, job_config=job_config())
     yield context
     ray.shutdown()
 
