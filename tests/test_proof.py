@@ -34,7 +34,6 @@ from pipeline.seal.signer import load_signer
 from pipeline.settings import Settings
 from tests import servers
 from tests.conftest import TRADE_DATE
-from tests.test_benches import smoke
 
 
 @pytest.fixture(scope="module")
@@ -487,12 +486,3 @@ def test_a_process_that_ends_mid_slice_fails_the_command_naming_it_not_hanging(t
         list(_spread_over(_EndsElsewhere(str(tmp_path), os.getpid())))
     assert _children() - before == set()
 
-
-@pytest.mark.bench
-def test_the_full_day_bench_closes_and_verifies_its_kept_record_again_each_run(tmp_path):
-    """bench/fullday.py --record: close and verify at 1.5M measured again without the day's 35
-    minutes."""
-    smoke("fullday.py", "--keep", str(tmp_path), "--day-only")
-    runs = smoke("fullday.py", "--record", str(tmp_path / "400"), "--runs", "2")
-    assert len(runs) == 2 and all(r[f"{n}_s3"]["log_objects"] == runs[0]["close_s3"]["log_objects"] > 0
-                                  for r in runs for n in ("close", "verify")), runs
