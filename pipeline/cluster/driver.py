@@ -93,7 +93,10 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
         return
     address = _ray_address(address)
     _few_malloc_arenas()
-    if address:  # its nodes' environment is theirs (cluster.yaml's: scripts/cluster.env)
+    if address and address.startswith("ray://"):  # Ray client's connection cannot carry a JobConfig
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}}, log_to_driver=False)
+        return
+    if address:  # the nodes' environment is theirs (a `ray up` cluster's: scripts/cluster.env)
         ray.init(address=address, job_config=job_config(), log_to_driver=False)
         return
     # A local Ray's workers inherit this process's environment: set here, the workers Ray
@@ -119,7 +122,8 @@ def job_config() -> JobConfig:
     with one has each of its workers started through Ray's setup_worker.py, a second Python
     start (~0.7 CPU-s a worker), and cannot take the workers `ray start` had waiting (four
     empty tasks on a running Ray: 0.4-1.2 s, not 1.9-2.0; the first note on a running Ray at
-    20,000 accounts, six runs each alternating: median 4.2 s, not 5.8)."""
+    20,000 accounts, six runs alternating on one hour: median 4.2 s, not 5.8). Ray adds the
+    driver's folder itself; this names pipeline/'s wherever the command was typed."""
     return JobConfig(_py_driver_sys_path=[ROOT])
 
 
@@ -144,8 +148,9 @@ def _ray_address(address: str | None) -> str | None:
 def _few_malloc_arenas() -> None:
     """glibc gives each thread Ray starts in the driver a malloc arena of its own (up to 8 per
     core); what the day's tasks free fragments across them, so the driver's RSS crept up with
-    the day (151 -> 159 MB from 2,000 to 10,000 accounts; with 2 arenas 150 -> 152 MB). The
-    workers get the same through MALLOC_ARENA_MAX; this process has started, so mallopt."""
+    the day (151 -> 159 MB from 2,000 to 10,000 accounts; with 2 arenas 150 -> 152 MB). A
+    local Ray's processes get the same through MALLOC_ARENA_MAX (init_ray), a `ray up`
+    cluster's through scripts/cluster.env; this process has started, so mallopt."""
     if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
         return
     try:
