@@ -79,3 +79,14 @@ def test_close_loads_no_pdf_library_renderer_or_mailer():
     pikepdf (through the HSM's module), the renderer and the mailer (through a restore it never
     asks for) as well: 76 -> 59 MB before its first read, on a command at 197 MB of its 200."""
     assert _loaded("pipeline.followup.close") == ["redis"]
+
+
+def test_a_stage_workers_imports_load_neither_dkim_nor_pyhanko():
+    """Every Ray worker imports the stages and the actors' modules as it starts: dkim (loaded where a
+    mailer signs) and pyhanko's crypt package (SASLprep, for a password that is not printable ASCII)
+    were ~0.1 s of each start when imported with them."""
+    code = ("import sys, pipeline.stages, actors.signer, actors.mailer, pipeline.cluster.split_tasks; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'dkim', 'pyhanko'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
