@@ -30,8 +30,9 @@ With --save, the large size's control-plane figures go to measured.json, where `
 the report's write time, Redis's bytes and the rows an account from.
 
 With --keep DIR, each size's record (its store, Redis's append-only file, the keys) stays in
-DIR/ACCOUNTS; with --record DIR/ACCOUNTS, no day is run: `close` and `verify` on S3, --runs
-times, each on a fresh copy of that record's bucket and Redis (a day takes 35 minutes at 1.5M).
+DIR/ACCOUNTS as the day left it (close and verify, unless --day-only, then run on a copy of it);
+with --record DIR/ACCOUNTS, no day is run: `close` and `verify` on S3, --runs times, each on a
+fresh copy of that record's bucket and Redis (a day takes 35 minutes at 1.5M).
 
     python bench/fullday.py [--sizes 150000 1500000] [--days /var/tmp/cn-fullday/days] [--save]
     python bench/fullday.py --sizes 150000 1500000 --keep /var/tmp/cn-kept --day-only
@@ -312,10 +313,11 @@ def rows_of(folder: Path) -> int:
     return rows
 
 
-def one_size(args, accounts: int, work: Path) -> dict:
+def one_size(args, accounts: int, tmp: Path) -> dict:
     from pipeline.embedded import free_port, start_redis, wait_for_port
     from pipeline.seal.sign import make_test_certificate
 
+    work = args.keep / str(accounts) if args.keep else tmp
     day = dumps(args.days, accounts, args.seed)
     make_test_certificate(work / "keys")
     redis = start_redis(work / "redis")
@@ -345,6 +347,11 @@ def one_size(args, accounts: int, work: Path) -> dict:
             failed = RunState(redis.url, run_id).accounts(RunState(redis.url, run_id).failed()[:3])
             raise SystemExit(f"run {run_id}: {summary['failed']} accounts failed, as {list(failed.values())}")
         out.update(_run_figures(args, accounts, day, work, redis.url, run_id, summary, times, started, by_process, relayed))
+        if args.keep and not args.day_only:  # the record kept as the day left it: close writes to a copy
+            redis.stop()
+            work = shutil.copytree(work, tmp / "closed", symlinks=True)
+            redis = start_redis(work / "redis")
+            env = _env(work, redis.url, port)
         if not args.day_only:
             out.update(proof(args, work, env, run_id, accounts))
     finally:
@@ -498,8 +505,8 @@ PER_ACCOUNT = ("redis_bytes_per_account", "storage_objects_per_account", "report
 
 
 def once(args) -> dict:
-    if args.keep and not args.day_only or args.record and args.save:
-        raise SystemExit("--keep keeps the record as the day left it: with --day-only; --record saves nothing")
+    if args.record and args.save:
+        raise SystemExit("--record saves nothing")
     if args.record:
         return on_the_kept_record(args)
     if args.days is None:  # --smoke's days go with it
@@ -510,8 +517,7 @@ def once(args) -> dict:
     sizes = []
     for accounts in args.sizes:
         with tempfile.TemporaryDirectory(prefix="cn-fullday-", dir=args.work) as tmp:
-            work = args.keep / str(accounts) if args.keep else Path(tmp)
-            sizes.append(one_size(args, accounts, work))
+            sizes.append(one_size(args, accounts, Path(tmp)))
         out[f"at_{accounts}"] = sizes[-1]
         print(json.dumps({"size": sizes[-1]}), file=sys.stderr, flush=True)
     small, large = sizes[0], sizes[-1]
