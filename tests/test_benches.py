@@ -20,7 +20,8 @@ pytestmark = pytest.mark.bench
 # bench/node_loss.py is tests/test_node_loss.py's harness: it runs there at its real sizes; measured.py,
 # processes.py, range_times.py, s3_native.py and slow_store.py are parts of the others; mail.py runs below
 # with --dkim, which mails unsigned first (a run of its own cost the suite another Ray and ~15 CPU-s), and
-# fullday.py keeping its record, which is then closed and verified again (its days run twice: ~50 CPU-s more)
+# fullday.py keeping its record, which is then closed and verified again (as two tests, its days ran twice:
+# ~50 CPU-s more)
 BENCHES = sorted(p.name for p in (Path(ROOT) / "bench").glob("*.py")
                  if p.name not in ("fullday.py", "mail.py", "measured.py", "node_loss.py", "processes.py",
                                   "range_times.py", "s3_native.py", "slow_store.py"))
