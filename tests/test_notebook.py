@@ -50,7 +50,8 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     NotebookClient(looked, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
     [shown] = [o for o in looked.cells[-1].outputs if o["output_type"] == "execute_result"]
-    assert ast.literal_eval(shown["data"]["text/plain"])["delivered_now"] == 0
+    assert {k: v for k, v in ast.literal_eval(shown["data"]["text/plain"]).items() if k.endswith("_now")} == {
+        "delivered_now": 0, "unconfirmed_now": 0, "failed_now": 0}
     assert outbox_messages(healthy_relay.outbox) == [], "Run All with the defaults mailed (before: ACCOUNTS='failed')"
     nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
     inject(nb, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], ACCOUNTS="failed",
@@ -60,6 +61,7 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     [last] = [o for o in nb.cells[-1].outputs if o["output_type"] == "execute_result"]
     result = ast.literal_eval(last["data"]["text/plain"])
     assert sorted(result["before"]) == sorted(victims) and result["after"] == []
+    assert (result["delivered_now"], result["unconfirmed_now"], result["failed_now"]) == (2, 0, 0)  # as `rerun` says them
     outputs = "".join(str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "image/png" in outputs and victims[0] in outputs
     assert "Bounce window: **open**, until" in outputs
