@@ -9,6 +9,7 @@ import datetime as dt
 import io
 import json
 import os
+import random
 import threading
 import time
 
@@ -513,13 +514,21 @@ def test_a_range_read_a_chunk_at_a_time_gives_the_lines_of_the_range_read_whole(
     'ucc,x\nC2,b\nC1,a\nC3,"open\nC1,swallowed\nC1,"\nC1,after\n',  # a quoted field across lines
     '"ucc",x\nC1,a\nC2,b\n',  # a quoted header
     "ucc,x\nC2,b\nC1,\0nul\nC1,c\n",  # a NUL byte: csv refuses the row
+    "ucc,x\nC1,C1 twice\nC2,b\n" + "C1,a heavy account\n" * 150,  # a line naming it twice; more lines than C's first room
 ])
 @pytest.mark.parametrize("chunk", [1, 5, 4096])
-def test_the_first_notes_read_of_a_range_gives_the_full_read_s_rows_of_the_wanted_accounts(tmp_path, text, chunk):
+@pytest.mark.parametrize("scan", ["C", "Python"])
+def test_the_first_notes_read_of_a_range_gives_the_full_read_s_rows_of_the_wanted_accounts(
+        tmp_path, text, chunk, scan, monkeypatch):
     """split._wanted_rows counts lines where a chunk is a row a line, parsing only those naming
-    a wanted account; the row numbers, rows and count must be the full parse's, ranges cut anywhere."""
+    a wanted account; the row numbers, rows and count must be the full parse's, ranges cut anywhere.
+    Each chunk's lines are found by wanted.c, or by its Python twin where it cannot be built."""
     from pipeline.day import split
 
+    if scan == "C":
+        assert split._wanted_lines() is not None, "wanted.c did not build"
+    else:
+        monkeypatch.setattr(split, "_wanted_lines", lambda: None)
     data = text.encode()
     (tmp_path / "f.csv").write_bytes(data)
     store = open_store(str(tmp_path))
@@ -534,3 +543,25 @@ def test_the_first_notes_read_of_a_range_gives_the_full_read_s_rows_of_the_wante
             assert got[-1] == (full[-1][0] if full else 0, None), (step, rng)
             assert [(n, r) for n, r in got[:-1] if r is not None and r[0].strip() == "C1"] == \
                    [(n, r) for n, r in full if r is not None and r[0].strip() == "C1"], (step, rng)
+
+
+def test_wanted_c_finds_the_lines_its_python_twin_finds_in_random_chunks():
+    """wanted.c against split.py's own lines, on chunks of the bytes that decide a row a line
+    (quotes, NULs, CRs, blank lines) and codes inside one another."""
+    from pipeline.day import split
+
+    scan = split._wanted_lines()
+    assert scan is not None, "wanted.c did not build"
+    rng = random.Random(73)
+    held = 0
+    for i in range(3000):
+        alphabet = b'C12C12,,\n\n\r" a\0' if i % 3 == 0 else b"C12C12,,,  a\n"  # most chunks a row a line
+        chunk = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+        needles = rng.sample([b"C1", b"C12", b"2", b"C", b"1,"], rng.randrange(0, 4))
+        with_c = split._lines_holding(chunk, needles)
+        with pytest.MonkeyPatch.context() as twin:
+            twin.setattr(split, "_wanted_lines", lambda: None)
+            in_python = split._lines_holding(chunk, needles)
+        assert with_c == in_python, (chunk, needles)
+        held += bool(with_c and with_c[1])
+    assert held > 700, "too few chunks were a row a line with a code in them to compare"
