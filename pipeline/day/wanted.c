@@ -39,15 +39,14 @@ long cn_wanted_lines(const char *data, long size, const char *needles, const lon
 
     for (long i = 0, at = 0; i < count; at += lengths[i++]) {
         const char *needle = needles + at;
-        for (p = data; lengths[i] && (q = memmem(p, end - p, needle, lengths[i])); p = q + 1) {
-            const char *start = q;
+        for (p = data; lengths[i] && p < end && (q = memmem(p, end - p, needle, lengths[i])); ) {
+            const char *start = q, *eol = memchr(q, '\n', end - q);
             while (start > data && start[-1] != '\n')
                 start--;
-            if (found && starts[found - 1] == start - data)  /* the code again in the same line */
-                continue;
             if (found == cap)
                 return -2;
             starts[found++] = start - data;
+            p = eol ? eol + 1 : end;  /* the line is held: on to the next (each line once a code) */
         }
     }
     qsort(starts, found, sizeof *starts, by_offset);
