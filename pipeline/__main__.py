@@ -358,7 +358,7 @@ def cmd_plan(args) -> int:
                             "relays, as it recorded them; not SMTP_URL)"),
          ADDRESS, STORE, PIN_CORRECTED)
 def cmd_rerun(args) -> int:
-    from pipeline.cluster.driver import rerun
+    from pipeline.cluster.driver import rerun, undone
     from pipeline.errors import RunNotFound
 
     settings = _on_redis(Settings.from_env(smtp_url=args.smtp).with_deadline())
@@ -371,8 +371,7 @@ def cmd_rerun(args) -> int:
     print(json.dumps(summary), file=args.stdout)
     # the accounts it took, not the run's others: those still failed or unconfirmed are another rerun's; and
     # with --force, a delivered account's new mail that failed or was left unanswered (it stays delivered)
-    left = summary.get("failed_now") or summary.get("unconfirmed_now")
-    return 1 if set(summary.get("rerun_outcomes", {})) - {"delivered", "physical"} or left else 0
+    return 1 if undone(summary) else 0
 
 
 def _not_found(args, e: Exception) -> int:

@@ -7,6 +7,7 @@ import ast
 import datetime as dt
 
 import nbformat
+import pytest
 import redis
 from nbclient import NotebookClient
 
@@ -70,3 +71,31 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     assert victims[1] in paper and "smtp permanent" in paper, "the relay's 550 is on the paper list"
     assert len(outbox_messages(failing_relay.outbox)) == first["delivered"]
     assert sorted(m["Subject"].split("(")[-1].rstrip(")") for m in outbox_messages(healthy_relay.outbox)) == victims
+
+
+@pytest.mark.parametrize("result, stops", [
+    ({"rerun_outcomes": {"delivered": 2, "physical": 1}, "failed_now": 0, "unconfirmed_now": 0}, False),
+    ({"rerun_outcomes": {"delivered": 1, "failed": 1}, "failed_now": 0, "unconfirmed_now": 0}, True),
+    ({"rerun_outcomes": {"delivered": 2}, "failed_now": 1, "unconfirmed_now": 0}, True),  # a forced mail failed
+    ({"rerun_outcomes": {"delivered": 2}, "failed_now": 0, "unconfirmed_now": 1}, True),  # one went unanswered
+])
+def test_the_notebook_stops_after_a_rerun_where_the_command_exits_1(result, stops):
+    """The notebook's last cell, on what a rerun returned: it shows the result, then raises where
+    `rerun` exits 1 (driver.undone), so a notebook run headless (`jupyter execute`) fails too."""
+    import pandas as pd
+
+    from pipeline.cluster.driver import undone
+
+    nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
+    assert "left = undone(result)" in next(c.source for c in nb.cells if "rerun(settings, RUN_ID" in c.source)
+    shown: list = []
+    cell = {"failures": lambda: pd.DataFrame(index=[]), "counts": lambda: None, "display": lambda *a: shown.append(a),
+            "before": pd.DataFrame(index=["C0000001"]), "result": {**result, "delivered_now": 1},
+            "left": undone(result)}
+    if stops:
+        with pytest.raises(RuntimeError, match="not done"):
+            exec(nb.cells[-1].source, cell)
+        assert shown[-1][0]["before"] == ["C0000001"]  # the result shown before it stops
+    else:
+        exec(nb.cells[-1].source, cell)
+        assert undone(result) == {}

@@ -466,6 +466,15 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     return summary
 
 
+def undone(summary: dict) -> dict:
+    """What a rerun left undone, from its summary; empty when each account it took ended delivered
+    or on paper and no new mail of its own failed or went unanswered. `rerun` exits 1 on it, and
+    the notebook says it, then stops."""
+    ended = {k: n for k, n in summary.get("rerun_outcomes", {}).items() if k not in ("delivered", "physical")}
+    return ({"rerun_outcomes": ended} if ended else {}) | {
+        k: summary[k] for k in ("failed_now", "unconfirmed_now") if summary.get(k)}
+
+
 def _left_now(state: RunState, only: frozenset[str], since: float) -> dict[str, int]:
     """The accounts this rerun took whose outcome of it is failed or unconfirmed, from their
     records (a forced one's new mail too, its account still delivered): a chain that failed
