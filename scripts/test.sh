@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
-# With no arguments, three pytest sessions at once (below): in one, the `ray up` tests spend most of
-# their minutes waiting on a simulated cloud's instances; the other tests that mostly wait (a relay
-# paced at 0.5 mails/s, an outage's 20 s) follow the quick session, once its processes have ended.
+# With no arguments, three pytest sessions at once (below): in one, the `ray up` and browser tests spend
+# most of their minutes waiting (a simulated cloud's instances, a run followed in Chromium); the other
+# tests that mostly wait (a relay paced at 0.5 mails/s, an outage's 20 s) follow the quick session, once
+# its processes have ended.
 # With arguments, one session runs exactly what they name (`-m quick`, the quick lane, in three
 # processes at once).
 set -euo pipefail
@@ -69,14 +70,15 @@ side_log=$(mktemp -t cn-side-tests.XXXXXX)
 free_log=$(mktemp -t cn-free-tests.XXXXXX)
 late_log=$(mktemp -t cn-late-tests.XXXXXX)
 free_rc_file=$(mktemp -t cn-free-rc.XXXXXX)
-.venv/bin/python -m pytest -p no:cacheprovider -m waits tests/test_ray_up.py >"$side_log" 2>&1 &
+side=(tests/test_ray_up.py tests/test_browser.py)  # the tests that wait longest: from the start
+.venv/bin/python -m pytest -p no:cacheprovider -m waits "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
 # The quick tests and the benchmarks in two processes, then the other tests that wait: beside the quick
 # session's first minutes (all cores busy), the waits of a node-loss day and a paced relay ran long.
 (trap 'kill $(jobs -p) 2>/dev/null' TERM
  .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -m "(quick or bench) and not waits" \
    >"$free_log" 2>&1 & rc=0; wait $! || rc=$?; echo "$rc" >"$free_rc_file"
- .venv/bin/python -m pytest -p no:cacheprovider -m waits --ignore=tests/test_ray_up.py >"$late_log" 2>&1 & wait $!) &
+ .venv/bin/python -m pytest -p no:cacheprovider -m waits "${side[@]/#/--ignore=}" >"$late_log" 2>&1 & wait $!) &
 rest_pid=$!
 trap 'kill "$side_pid" "$rest_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
 slow=0
@@ -86,14 +88,14 @@ wait "$side_pid" || side_rc=$?
 wait "$rest_pid" || late_rc=$?
 free_rc=$(cat "$free_rc_file"); free_rc=${free_rc:-1}  # none written: its session never ended
 trap - EXIT
-echo "=== the ray up tests (-m waits), in their own session beside the slow tests ==="
+echo "=== the ray up and browser tests (-m waits), in their own session beside the slow tests ==="
 cat "$side_log"
 echo "=== the quick tests and the benchmarks' smoke runs, in two processes beside them ==="
 cat "$free_log"
 echo "=== the other tests that mostly wait (-m waits), after the quick session ==="
 cat "$late_log"
 rm -f "$side_log" "$free_log" "$late_log" "$free_rc_file"
-echo "=== pytest exit status: the slow tests $slow, the ray up tests $side_rc, the quick ones and the benchmarks" \
+echo "=== pytest exit status: the slow tests $slow, the ray up and browser tests $side_rc, the quick ones and the benchmarks" \
   "$free_rc, the other tests that wait $late_rc ==="
 ((slow == 0 && side_rc == 0 && free_rc == 0 && late_rc == 0)) ||
   exit $((slow ? slow : side_rc ? side_rc : free_rc ? free_rc : late_rc))

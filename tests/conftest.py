@@ -23,12 +23,13 @@ from tests import servers
 
 TRADE_DATE = "2026-11-20"
 NEXT_DATE = "2026-11-23"  # the next trading day: a store's second run (a date's notes are one run's)
-# The tests that mostly wait (a simulated cloud's instances, relays held to their rates, an outage's 20 s),
-# beside the slow tests, which mostly keep the cores busy (scripts/test.sh): the `ray up` tests in a session
-# of their own from the start, the longest first; the others once the quick session has ended and the cores
-# are no longer all busy (run beside it, the four marked `waits` elsewhere took 213 s instead of 110, and a
-# node-loss day's raylet missed Ray's 30-s start). These files first, in this order.
-WAITING_FILES = ("test_ray_up.py", "test_relay_rates.py", "test_node_loss.py")
+# The tests that mostly wait (a simulated cloud's instances, a browser following a run, relays held to their
+# rates, an outage's 20 s), beside the slow tests, which mostly keep the cores busy (scripts/test.sh): the
+# `ray up` and browser tests in a session of their own from the start, the longest first; the others once
+# the quick session has ended and the cores are no longer all busy (run beside it, the four marked `waits`
+# elsewhere took 213 s instead of 110, and a node-loss day's raylet missed Ray's 30-s start). These files
+# first, in this order.
+WAITING_FILES = ("test_ray_up.py", "test_browser.py", "test_relay_rates.py", "test_node_loss.py")
 # The quick lane (`bash scripts/test.sh -m quick`, README): every test but those that start Ray, a
 # cloud of namespaces, a whole demo or a benchmark (marked `bench` where it is written: each bench
 # a process of its own with its own Ray, which scripts/test.sh runs beside the quick tests).
