@@ -54,11 +54,13 @@ if (($#)); then
 fi
 # Three sessions at once, each its own processes and log:
 # - the slow tests (Ray, whole days, demos), in turn in one process, on its one Ray;
-# - beside them, in a session of their own, the tests marked `waits` (tests/conftest.py): the `ray up`
-#   tests (mostly waiting on a simulated cloud), the relays held to their rates, the days that lose
-#   nodes, and the slow tests that wait out an outage or a period;
+# - beside them, in a session of their own, the `ray up` tests (mostly waiting on a simulated cloud)
+#   and the browser's (Chromium following a run), marked `waits` (tests/conftest.py);
 # - the quick tests and the benchmarks' smoke runs (each a process of its own, with a Ray of its
-#   own), in two processes (pytest-xdist), each test taken by whichever is free.
+#   own), in two processes (pytest-xdist), each test taken by whichever is free; once both have
+#   ended, the other tests marked `waits`: the relays held to their rates, the days that lose nodes,
+#   and the slow tests that wait out an outage or a period. In one session with the `ray up` tests,
+#   after them, that session was the longest (26m06s of 27m08s on a slow hour).
 # With the quick tests among the slow ones, in one process, that session took 21m41s of a 22m30s
 # suite, both cores 81% busy, and ended last. A fourth session, the `ray up` tests apart from the
 # other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in

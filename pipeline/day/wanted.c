@@ -13,7 +13,7 @@ static int by_offset(const void *a, const void *b)
 }
 
 /* -1: not a row a line (a quote, a NUL, a CR not before an LF, a blank line, or a newline first),
-   as split.py's _a_row_a_line says. -2: more than `cap` (lines a code) hold one. Otherwise the number of
+   as split.py's _a_row_a_line says. -2: more than `cap` hits (a line once a code). Otherwise the number of
    such lines: their starts in `starts` (in order, each once) and, in `rows`, the newlines before
    each; `*newlines` the chunk's. The codes are `needles`, `count` of them, one after the other,
    `lengths` long each. */
