@@ -62,8 +62,8 @@ fi
 #   and the slow tests that wait out an outage or a period. In one session with the `ray up` tests,
 #   after them, that session was the longest (26m06s of 27m08s on a slow hour).
 # With the quick tests among the slow ones, in one process, that session took 21m41s of a 22m30s
-# suite, both cores 81% busy, and ended last. A fourth session, the `ray up` tests apart from the
-# other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in
+# suite, both cores 81% busy, and ended last. A fourth session from the start, the `ray up` tests apart from
+# the other side's, took 33m47s: on two cores the simulated cloud's nodes are busy too. The slow tests in
 # two processes (pytest-xdist) took 28m00s against 27m34s in one: the cores are busy until the
 # quick session ends, and the slow tests' last five minutes, alone, kept them 20-50% busy.
 # No faster (docs/benchmarks.md, one run each): the sessions niced to order the CPU (31m02s against
@@ -77,14 +77,16 @@ side=(tests/test_ray_up.py tests/test_browser.py)  # the tests that wait longest
 side_pid=$!
 # The quick tests and the benchmarks in two processes, then the other tests that wait: beside the quick
 # session's first minutes (all cores busy), the waits of a node-loss day and a paced relay ran long.
-(trap 'kill $(jobs -p) 2>/dev/null' TERM
+(trap 'kill $(jobs -p) 2>/dev/null; exit 143' TERM  # stopped: the session under way, and no later one
  .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist worksteal -m "(quick or bench) and not waits" \
    >"$free_log" 2>&1 & rc=0; wait $! || rc=$?; echo "$rc" >"$free_rc_file"
  .venv/bin/python -m pytest -p no:cacheprovider -m waits "${side[@]/#/--ignore=}" >"$late_log" 2>&1 & wait $!) &
 rest_pid=$!
-trap 'kill "$side_pid" "$rest_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
+.venv/bin/python -m pytest -m "not quick and not bench and not waits" &
+slow_pid=$!
+trap 'kill "$side_pid" "$rest_pid" "$slow_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
 slow=0
-.venv/bin/python -m pytest -m "not quick and not bench and not waits" || slow=$?
+wait "$slow_pid" || slow=$?
 side_rc=0 late_rc=0
 wait "$side_pid" || side_rc=$?
 wait "$rest_pid" || late_rc=$?
