@@ -55,7 +55,8 @@ fi
 # Three sessions at once, each its own processes and log:
 # - the slow tests (Ray, whole days, demos), in turn in one process, on its one Ray;
 # - beside them, in a session of their own, the `ray up` tests (mostly waiting on a simulated cloud)
-#   and the browser's (Chromium following a run), marked `waits` (tests/conftest.py);
+#   and the browser's (Chromium following a run), marked `waits` (tests/conftest.py), then the
+#   end-to-end tests;
 # - the quick tests and the benchmarks' smoke runs (each a process of its own, with a Ray of its
 #   own), in two processes (pytest-xdist), each test taken by whichever is free; once both have
 #   ended, the other tests marked `waits`: the relays held to their rates, the days that lose nodes,
@@ -72,8 +73,11 @@ side_log=$(mktemp -t cn-side-tests.XXXXXX)
 free_log=$(mktemp -t cn-free-tests.XXXXXX)
 late_log=$(mktemp -t cn-late-tests.XXXXXX)
 free_rc_file=$(mktemp -t cn-free-rc.XXXXXX)
-side=(tests/test_ray_up.py tests/test_browser.py)  # the tests that wait longest: from the start
-.venv/bin/python -m pytest -p no:cacheprovider -m waits "${side[@]}" >"$side_log" 2>&1 &
+# The tests that wait longest, from the start; then, in the same session, the end-to-end tests (slow ones, about
+# half waiting): with them among the slow tests, that session ended last, ~5 minutes after this one (25m33s
+# against 19m09s on a slow hour).
+side=(tests/test_ray_up.py tests/test_browser.py tests/test_end_to_end.py)
+.venv/bin/python -m pytest -p no:cacheprovider -m "waits or not (quick or bench)" "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
 # The quick tests and the benchmarks in two processes, then the other tests that wait: beside the quick
 # session's first minutes (all cores busy), the waits of a node-loss day and a paced relay ran long.
@@ -82,7 +86,7 @@ side_pid=$!
    >"$free_log" 2>&1 & rc=0; wait $! || rc=$?; echo "$rc" >"$free_rc_file"
  .venv/bin/python -m pytest -p no:cacheprovider -m waits "${side[@]/#/--ignore=}" >"$late_log" 2>&1 & wait $!) &
 rest_pid=$!
-.venv/bin/python -m pytest -m "not quick and not bench and not waits" &
+.venv/bin/python -m pytest -m "not quick and not bench and not waits" "${side[@]/#/--ignore=}" &
 slow_pid=$!
 trap 'kill "$side_pid" "$rest_pid" "$slow_pid" 2>/dev/null || true' EXIT  # this script's own sessions, by PID
 slow=0
@@ -92,14 +96,14 @@ wait "$side_pid" || side_rc=$?
 wait "$rest_pid" || late_rc=$?
 free_rc=$(cat "$free_rc_file"); free_rc=${free_rc:-1}  # none written: its session never ended
 trap - EXIT
-echo "=== the ray up and browser tests (-m waits), in their own session beside the slow tests ==="
+echo "=== the ray up, browser and end-to-end tests, in their own session beside the slow tests ==="
 cat "$side_log"
 echo "=== the quick tests and the benchmarks' smoke runs, in two processes beside them ==="
 cat "$free_log"
 echo "=== the other tests that mostly wait (-m waits), after the quick session ==="
 cat "$late_log"
 rm -f "$side_log" "$free_log" "$late_log" "$free_rc_file"
-echo "=== pytest exit status: the slow tests $slow, the ray up and browser tests $side_rc, the quick ones and the benchmarks" \
+echo "=== pytest exit status: the slow tests $slow, the ray up, browser and end-to-end tests $side_rc, the quick ones and the benchmarks" \
   "$free_rc, the other tests that wait $late_rc ==="
 ((slow == 0 && side_rc == 0 && free_rc == 0 && late_rc == 0)) ||
   exit $((slow ? slow : side_rc ? side_rc : free_rc ? free_rc : late_rc))
