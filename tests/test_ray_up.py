@@ -15,6 +15,7 @@ import contextlib
 import csv
 import email
 import hashlib
+import io
 import json
 import os
 import random
@@ -481,12 +482,20 @@ def test_one_cluster_loses_a_noticed_render_node_its_signer_node_and_its_head_an
     job = lap.submit(tmp_path, url, "--run-id", run_id)
     summary = json.loads(next(line for line in job.stdout.splitlines() if line.startswith('{"run_id"')))
     print(json.dumps({k: summary.get(k) for k in ("delivered", "unconfirmed", "failed", "elapsed_s")}))
-    assert summary["run_id"] == run_id and summary["failed"] == 0, summary
+    assert summary["run_id"] == run_id and summary["failed"] == 0, (summary, _not_delivered(cloud, run_id))
     assert summary["delivered"] + summary["unconfirmed"] == ACCOUNTS, summary
     assert job.returncode == (1 if summary["unconfirmed"] else 0), job.stdout[-3000:]
     _settled_each_account_once(lap, cloud, tmp_path, redis_url, summary)
     assert _all_terminated(cloud) == [], f"the cluster ends after the day; end-head.log: {_end_logs(cloud)}"
     assert cloud.leftovers() == []
+
+
+def _not_delivered(cloud, run_id: str) -> list[dict]:
+    """The run's report rows (its CSV in the cloud's bucket) of each account not delivered, with
+    its reason and attempts: what a failed assertion shows, since the cloud's files go with it."""
+    text = _aws(cloud, "s3").get_object(Bucket=BUCKET, Key=f"reports/{run_id}.csv")["Body"].read().decode()
+    return [{k: row[k] for k in ("ucc", "status", "reason", "attempts")}
+            for row in csv.DictReader(io.StringIO(text)) if row["status"] != "delivered"]
 
 
 def _settled_each_account_once(lap: Laptop, cloud, tmp_path: Path, redis_url: str, summary: dict) -> None:
