@@ -72,8 +72,7 @@ class Cloud:
         self.image_env = image_env
         self.home_files: dict[str, str] = {}  # what an AMI baked from a set-up node holds in ~ (a setup's stamps)
         self.next = 10
-        _sh(f"ip link add {self.bridge} type bridge && ip addr add {self.gateway}/24 dev {self.bridge} "
-            f"&& ip link set {self.bridge} up")
+        add_router(self.bridge, self.gateway, router_mac(subnet))
         self.image = root / "image"
         self.python_paths = python_paths
         _build_image(self.image, len(python_paths))
@@ -116,9 +115,7 @@ class Cloud:
             raise
 
     def _boot(self, iid: str, ip: str, ns: str, veth: str, node: Path, node_config: dict, tags: dict) -> str:
-        _sh(f"ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} "
-            f"&& ip link set {veth} master {self.bridge} up && ip -n {ns} addr add {ip}/24 dev eth0 "
-            f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {self.gateway}")
+        plug(ns, veth, self.bridge, ip, self.gateway)
         binds = [(p, self.image / f"py{i}") for i, p in enumerate(self.python_paths)] + [(node / src, dst) for src, dst in (
             ("homes", "/home"), ("run", "/run"), ("etc-redis", "/etc/redis"), ("var-lib-redis", "/var/lib/redis"),
             ("var-log-redis", "/var/log/redis"), ("profile.d", "/etc/profile.d"), ("hosts", "/etc/hosts"),
@@ -588,6 +585,28 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
     t.start()
     one_way(a, b)
     t.join()
+
+
+def router_mac(subnet: int) -> str:
+    return f"02:cb:00:00:{subnet:02x}:01"  # locally administered, one a subnet
+
+
+def add_router(bridge: str, gateway: str, mac: str) -> None:
+    """The VPC's router: a bridge holding the gateway's address (the cloud's API, S3 and relay
+    listen there). Its MAC is set, as a VPC router's does not change: a bridge left to itself
+    takes the lowest MAC of its ports, so ending the instance whose port held it changed the
+    gateway's MAC, and every other instance lost the gateway for ~30 s, until its ARP entry was
+    renewed (a resumed day's first mails went unanswered and failed so)."""
+    _sh(f"ip link add {bridge} type bridge && ip link set {bridge} address {mac} "
+        f"&& ip addr add {gateway}/24 dev {bridge} && ip link set {bridge} up")
+
+
+def plug(ns: str, veth: str, bridge: str, ip: str, gateway: str) -> None:
+    """An instance's network: namespace `ns`, its eth0 at `ip` on the router's bridge (`veth` is
+    the host's end), routed through the gateway. `ip netns del` ends it, veth and all."""
+    _sh(f"ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} "
+        f"&& ip link set {veth} master {bridge} up && ip -n {ns} addr add {ip}/24 dev eth0 "
+        f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {gateway}")
 
 
 def _setns(fd: int) -> None:
