@@ -596,7 +596,8 @@ def add_router(bridge: str, gateway: str, mac: str) -> None:
     listen there). Its MAC is set, as a VPC router's does not change: a bridge left to itself
     takes the lowest MAC of its ports, so ending the instance whose port held it changed the
     gateway's MAC, and every other instance lost the gateway for ~30 s, until its ARP entry was
-    renewed (a resumed day's first mails went unanswered and failed so)."""
+    renewed (most likely what left a resumed day's first mails unanswered for 70 s in one suite run,
+    and two of its accounts failed: tests/test_local_cloud.py shows the 30 s)."""
     _sh(f"ip link add {bridge} type bridge && ip link set {bridge} address {mac} "
         f"&& ip addr add {gateway}/24 dev {bridge} && ip link set {bridge} up")
 
