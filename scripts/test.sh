@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
 # With no arguments, three pytest sessions at once (below): in one, the `ray up` and browser tests spend
-# most of their minutes waiting (a simulated cloud's instances, a run followed in Chromium); the other
+# most of their minutes waiting (a simulated cloud's instances, a run followed in Chromium), then the
+# end-to-end tests run; the other
 # tests that mostly wait (a relay paced at 0.5 mails/s, an outage's 20 s) follow the quick session, once
 # its processes have ended.
 # With arguments, one session runs exactly what they name (`-m quick`, the quick lane, in three
@@ -74,8 +75,8 @@ free_log=$(mktemp -t cn-free-tests.XXXXXX)
 late_log=$(mktemp -t cn-late-tests.XXXXXX)
 free_rc_file=$(mktemp -t cn-free-rc.XXXXXX)
 # The tests that wait longest, from the start; then, in the same session, the end-to-end tests (slow ones, about
-# half waiting): with them among the slow tests, that session ended last, ~5 minutes after this one (25m33s
-# against 19m09s on a slow hour).
+# half waiting): with them among the slow tests, that session ended last, ~5.5 minutes after this one (24m41s
+# against 19m09s on a slow hour; docs/benchmarks.md has the runs since).
 side=(tests/test_ray_up.py tests/test_browser.py tests/test_end_to_end.py)
 .venv/bin/python -m pytest -p no:cacheprovider -m "waits or not (quick or bench)" "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!

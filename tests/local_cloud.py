@@ -420,6 +420,35 @@ def shim(name: str, args: list[str]) -> int:
     raise SystemExit(f"no shim {name}")
 
 
+def router_mac(subnet: int) -> str:
+    """Locally administered, one a subnet (10.SUBNET.0.0/24; the `ray up` tests' clouds take 100-199,
+    tests/test_local_cloud.py 200-249)."""
+    return f"02:cb:00:00:{subnet:02x}:01"
+
+
+def add_router(bridge: str, gateway: str, mac: str) -> None:
+    """The VPC's router: a bridge holding the gateway's address (the cloud's API, S3 and relay
+    listen there). Its MAC is set, as a VPC router's does not change: a bridge left to itself
+    takes the lowest MAC of its ports, so ending the instance whose port held it changed the
+    gateway's MAC, and every other instance lost the gateway for ~30 s, until its ARP entry was
+    renewed (most likely what left a resumed day's first mails unanswered for 70 s in one suite run,
+    and two of its accounts failed: tests/test_local_cloud.py shows the 30 s)."""
+    _sh(f"ip link add {bridge} type bridge")
+    try:
+        _sh(f"ip link set {bridge} address {mac} && ip addr add {gateway}/24 dev {bridge} && ip link set {bridge} up")
+    except Exception:
+        _sh(f"ip link del {bridge}", check=False)
+        raise
+
+
+def plug(ns: str, veth: str, bridge: str, ip: str, gateway: str) -> None:
+    """An instance's network: namespace `ns`, its eth0 at `ip` on the router's bridge (`veth` is
+    the host's end), routed through the gateway. `ip netns del` ends it, veth and all."""
+    _sh(f"ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} "
+        f"&& ip link set {veth} master {bridge} up && ip -n {ns} addr add {ip}/24 dev eth0 "
+        f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {gateway}")
+
+
 # ----------------------------------------------------------------------------- Ray's side
 
 def _call(api: str, method: str, path: str, body=None, raw: bytes | None = None):
@@ -585,29 +614,6 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
     t.start()
     one_way(a, b)
     t.join()
-
-
-def router_mac(subnet: int) -> str:
-    return f"02:cb:00:00:{subnet:02x}:01"  # locally administered, one a subnet
-
-
-def add_router(bridge: str, gateway: str, mac: str) -> None:
-    """The VPC's router: a bridge holding the gateway's address (the cloud's API, S3 and relay
-    listen there). Its MAC is set, as a VPC router's does not change: a bridge left to itself
-    takes the lowest MAC of its ports, so ending the instance whose port held it changed the
-    gateway's MAC, and every other instance lost the gateway for ~30 s, until its ARP entry was
-    renewed (most likely what left a resumed day's first mails unanswered for 70 s in one suite run,
-    and two of its accounts failed: tests/test_local_cloud.py shows the 30 s)."""
-    _sh(f"ip link add {bridge} type bridge && ip link set {bridge} address {mac} "
-        f"&& ip addr add {gateway}/24 dev {bridge} && ip link set {bridge} up")
-
-
-def plug(ns: str, veth: str, bridge: str, ip: str, gateway: str) -> None:
-    """An instance's network: namespace `ns`, its eth0 at `ip` on the router's bridge (`veth` is
-    the host's end), routed through the gateway. `ip netns del` ends it, veth and all."""
-    _sh(f"ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} "
-        f"&& ip link set {veth} master {bridge} up && ip -n {ns} addr add {ip}/24 dev eth0 "
-        f"&& ip -n {ns} link set eth0 up && ip -n {ns} link set lo up && ip -n {ns} route add default via {gateway}")
 
 
 def _setns(fd: int) -> None:
