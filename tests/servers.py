@@ -291,7 +291,9 @@ def start_tsa(directory: Path, faults: dict[str, str] | None = None):
     own TSA) behind a small HTTP handler, with a TSA certificate of its own. Returns (url, the
     TSA's certificate, a function that stops it). While `faults["answer"]` says so, it answers
     as a TSA that cannot serve: "refuse", an RFC 3161 reply of status rejection (a TSA over its
-    quota, or its signing key unavailable); "garbage", a 200 whose body is no reply at all."""
+    quota, or its signing key unavailable); "garbage", a 200 whose body is no reply at all (64
+    random bytes); "garbage in a sequence", the same behind a DER SEQUENCE's header, which
+    asn1crypto takes for a reply until its fields are read."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -326,7 +328,8 @@ ess_cert_id_alg = sha256
             query = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             fault = (faults or {}).get("answer")
             if fault:
-                return self._reply(200, _tsa_refusal() if fault == "refuse" else os.urandom(64))
+                return self._reply(200, _tsa_refusal() if fault == "refuse" else os.urandom(64)
+                                   if fault == "garbage" else b"\x30\x3e" + os.urandom(62))
             with lock:  # one serial file
                 (directory / "query.tsq").write_bytes(query)
                 done = subprocess.run(["openssl", "ts", "-reply", "-config", str(config), "-queryfile",

@@ -30,14 +30,17 @@ def request(url: str, data: bytes) -> bytes:
     from pyhanko.sign.timestamps.common_utils import handle_tsp_response
 
     stamper = HTTPTimeStamper(url, timeout=30)
+    nonce, query = stamper.request_cms(hashlib.sha256(data).digest(), "sha256")
     try:
-        nonce, query = stamper.request_cms(hashlib.sha256(data).digest(), "sha256")
         reply = asyncio.run(stamper.async_request_tsa_response(query))
-        _granted(reply)
+    except (ValueError, TypeError) as e:  # its body, read as a TimeStampResp (asn1crypto), is none
+        raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
+    except Exception as e:  # aiohttp, an HTTP error: the seal is not written without it
+        raise SignError(f"gave no timestamp ({_why(e)})") from None
+    _granted(reply)
+    try:
         return handle_tsp_response(reply, nonce).dump()
-    except SignError:
-        raise
-    except Exception as e:  # aiohttp, an HTTP error, a bad nonce: the seal is not written without it
+    except Exception as e:  # a nonce not ours, a token that is none
         raise SignError(f"gave no timestamp ({_why(e)})") from None
 
 
@@ -47,19 +50,24 @@ def _granted(reply: tsp.TimeStampResp) -> None:
         status = _Reply.load(reply.dump())["status"]
         granted = status["status"].native in ("granted", "granted_with_mods")
     except (ValueError, TypeError, KeyError) as e:
-        raise SignError(f"answered with no RFC 3161 reply ({type(e).__name__}: {str(e)[:200]})") from None
+        raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
     if not granted:
         words = "; ".join(status["status_string"].native or []) or status["status"].native
         failed = ", ".join(sorted(status["fail_info"].native or []))
-        raise SignError(f"refused: {words}" + (f" ({failed})" if failed else ""))
+        raise SignError(" ".join(f"refused: {words}".split())[:300] + (f" ({failed})" if failed else ""))
 
 
 def _why(e: BaseException) -> str:
     """The error and what caused it (pyHanko says "Error while contacting timestamp service" for
     a connection refused and an HTTP error alike; its cause tells which), in one line."""
-    said = f"{type(e).__name__}: {str(e)[:200]}"
     cause = e.__cause__
-    return f"{said} ({type(cause).__name__}: {str(cause)[:200]})" if cause else said
+    return f"{_line(e)} ({_line(cause)})" if cause else _line(e)
+
+
+def _line(e: BaseException) -> str:
+    """An error in one line: asn1crypto's own end "\n    while parsing ...", and the caller's
+    message (close's one line) must stay one."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:200]
 
 
 def check(token: bytes, data: bytes, tsa_cert_pem: bytes | None = None) -> dict:
