@@ -293,7 +293,7 @@ def start_tsa(directory: Path, faults: dict[str, str] | None = None):
     as a TSA that cannot serve: "refuse", an RFC 3161 reply of status rejection (a TSA over its
     quota, or its signing key unavailable); "garbage", a 200 whose body is no reply at all (64
     random bytes); "garbage in a sequence", the same behind a DER SEQUENCE's header, which
-    asn1crypto takes for a reply until its fields are read."""
+    asn1crypto takes for a reply until its fields are read; bytes, those bytes."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -327,9 +327,11 @@ ess_cert_id_alg = sha256
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             query = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             fault = (faults or {}).get("answer")
+            if isinstance(fault, bytes):  # a reply of the test's own making
+                return self._reply(200, fault)
             if fault:
-                return self._reply(200, _tsa_refusal() if fault == "refuse" else os.urandom(64)
-                                   if fault == "garbage" else b"\x30\x3e" + os.urandom(62))
+                return self._reply(200, {"refuse": _tsa_refusal, "garbage": lambda: os.urandom(64),
+                                         "garbage in a sequence": lambda: b"\x30\x3e" + os.urandom(62)}[fault]())
             with lock:  # one serial file
                 (directory / "query.tsq").write_bytes(query)
                 done = subprocess.run(["openssl", "ts", "-reply", "-config", str(config), "-queryfile",

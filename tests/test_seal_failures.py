@@ -89,14 +89,40 @@ def test_a_tsa_answering_garbage_is_said_in_one_line_as_no_rfc_3161_reply(tsa, a
     """Random bytes fail pyHanko's parse of the reply; behind a SEQUENCE's header they pass it
     (asn1crypto reads lazily) and fail ours. Before, the first was said as "gave no timestamp",
     the second as "answered with no RFC 3161 reply" with asn1crypto's "\n    while parsing ..."
-    in it: close's one line was two (random garbage opens with a SEQUENCE's tag 1 time in 256:
-    one suite run of two failed so)."""
+    in it: close's one line was two (random garbage opens with a SEQUENCE's tag and a length
+    that fits about 1 time in 1,000: one suite run failed so)."""
     tsa.faults["answer"] = answer
     for _ in range(5):
         with pytest.raises(SignError) as refused:
             timestamp.request(tsa.url, b"a proof")
         said = str(refused.value)
         assert said.startswith("answered with no RFC 3161 reply (") and "\n" not in said, said
+
+
+def _refusal(*fields: bytes) -> bytes:
+    """A DER TimeStampResp of status rejection (2) and these fields after it, no token."""
+    info = b"\x02\x01\x02" + b"".join(fields)
+    return b"\x30" + bytes([len(info) + 2]) + b"\x30" + bytes([len(info)]) + info
+
+
+@pytest.mark.parametrize("answer, said", [
+    (_refusal(b"\x03\x02\x06\x40"), "refused: rejection (1)"),  # failInfo bit 1: no name in asn1crypto
+    (_refusal(b"\x30\x04\x0c\x02\xff\xfe"), "answered with no RFC 3161 reply (UnicodeDecodeError")],  # words not UTF-8
+    ids=["unnamed failure bit", "words not utf-8"])
+def test_a_refusal_worded_oddly_is_said_in_one_line_not_a_traceback(tsa, answer, said):
+    """Found by the outside review: the refusal's words and failure bits were read outside the
+    parse's guard, so such a reply ended close in a TypeError or UnicodeDecodeError's traceback."""
+    tsa.faults["answer"] = answer
+    with pytest.raises(SignError) as refused:
+        timestamp.request(tsa.url, b"a proof")
+    assert str(refused.value).startswith(said) and "\n" not in str(refused.value), str(refused.value)
+
+
+def test_a_tsa_url_that_cannot_be_encoded_is_no_timestamp_not_a_reply_it_gave():
+    """Nothing answered: the URL's host is no name IDNA can encode (an empty label)."""
+    with pytest.raises(SignError) as refused:
+        timestamp.request("http://tsa..example.com/", b"a proof")
+    assert str(refused.value).startswith("gave no timestamp (UnicodeError"), str(refused.value)
 
 
 @pytest.mark.parametrize("answer", ["refuse", "garbage"])

@@ -33,9 +33,9 @@ def request(url: str, data: bytes) -> bytes:
     nonce, query = stamper.request_cms(hashlib.sha256(data).digest(), "sha256")
     try:
         reply = asyncio.run(stamper.async_request_tsa_response(query))
-    except (ValueError, TypeError) as e:  # its body, read as a TimeStampResp (asn1crypto), is none
-        raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
-    except Exception as e:  # aiohttp, an HTTP error: the seal is not written without it
+    except Exception as e:  # aiohttp, an HTTP error, a URL it cannot encode: the seal is not written without it
+        if _raised_in("/asn1crypto/", e):  # the TSA's body, read as a TimeStampResp, is none
+            raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
         raise SignError(f"gave no timestamp ({_why(e)})") from None
     _granted(reply)
     try:
@@ -49,11 +49,12 @@ def _granted(reply: tsp.TimeStampResp) -> None:
     try:
         status = _Reply.load(reply.dump())["status"]
         granted = status["status"].native in ("granted", "granted_with_mods")
-    except (ValueError, TypeError, KeyError) as e:
+        if not granted:  # read here too: words not UTF-8 or a failure bit asn1crypto has no name for
+            words = "; ".join(status["status_string"].native or []) or str(status["status"].native)
+            failed = ", ".join(sorted(str(bit) for bit in status["fail_info"].native or []))
+    except (ValueError, TypeError, KeyError) as e:  # UnicodeDecodeError among them
         raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
     if not granted:
-        words = "; ".join(status["status_string"].native or []) or status["status"].native
-        failed = ", ".join(sorted(status["fail_info"].native or []))
         raise SignError(" ".join(f"refused: {words}".split())[:300] + (f" ({failed})" if failed else ""))
 
 
@@ -62,6 +63,14 @@ def _why(e: BaseException) -> str:
     a connection refused and an HTTP error alike; its cause tells which), in one line."""
     cause = e.__cause__
     return f"{_line(e)} ({_line(cause)})" if cause else _line(e)
+
+
+def _raised_in(folder: str, e: BaseException) -> bool:
+    """Whether the innermost frame of `e`'s traceback runs code under `folder`."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and folder in tb.tb_frame.f_code.co_filename
 
 
 def _line(e: BaseException) -> str:
