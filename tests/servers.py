@@ -286,7 +286,7 @@ PidFile {root}/opendkim.pid
     return Service("milter", process, f"127.0.0.1:{port}")
 
 
-def start_tsa(directory: Path, faults: dict[str, str] | None = None):
+def start_tsa(directory: Path, faults: dict[str, str | bytes] | None = None):
     """An RFC 3161 time-stamping authority on a free loopback port: `openssl ts -reply` (OpenSSL's
     own TSA) behind a small HTTP handler, with a TSA certificate of its own. Returns (url, the
     TSA's certificate, a function that stops it). While `faults["answer"]` says so, it answers

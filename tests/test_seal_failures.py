@@ -56,7 +56,7 @@ def sealed(store, run_id: str, **kw) -> dict:
 @pytest.fixture
 def tsa(tmp_path):
     """The test TSA, told to fail through `faults["answer"]`."""
-    faults: dict[str, str] = {}
+    faults: dict[str, str | bytes] = {}
     url, cert, stop = servers.start_tsa(tmp_path / "tsa", faults)
     yield types.SimpleNamespace(url=url, cert=cert.read_bytes(), faults=faults)
     stop()
