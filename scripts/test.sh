@@ -2,9 +2,8 @@
 # The whole test suite, on a fresh machine too: installs what is missing, then runs pytest.
 # With no arguments, three pytest sessions at once (below): in one, the `ray up` and browser tests spend
 # most of their minutes waiting (a simulated cloud's instances, a run followed in Chromium), then the
-# end-to-end tests run; the other
-# tests that mostly wait (a relay paced at 0.5 mails/s, an outage's 20 s) follow the quick session, once
-# its processes have ended.
+# end-to-end tests run; the other tests that mostly wait (a relay paced at 0.5 mails/s, an outage's
+# 20 s) follow the quick session, once its processes have ended.
 # With arguments, one session runs exactly what they name (`-m quick`, the quick lane, in three
 # processes at once).
 set -euo pipefail

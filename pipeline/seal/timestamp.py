@@ -55,7 +55,7 @@ def _granted(reply: tsp.TimeStampResp) -> None:
     except (ValueError, TypeError, KeyError) as e:  # UnicodeDecodeError among them
         raise SignError(f"answered with no RFC 3161 reply ({_line(e)})") from None
     if not granted:
-        raise SignError(" ".join(f"refused: {words}".split())[:300] + (f" ({failed})" if failed else ""))
+        raise SignError(_flat(f"refused: {words}", 300) + (f" ({failed})" if failed else ""))
 
 
 def _why(e: BaseException) -> str:
@@ -76,7 +76,12 @@ def _raised_in(folder: str, e: BaseException) -> bool:
 def _line(e: BaseException) -> str:
     """An error in one line: asn1crypto's own end "\n    while parsing ...", and the caller's
     message (close's one line) must stay one."""
-    return " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    return _flat(f"{type(e).__name__}: {e}", 200)
+
+
+def _flat(text: str, limit: int) -> str:
+    """`text` on one line (each run of whitespace a space), cut at `limit` characters."""
+    return " ".join(text.split())[:limit]
 
 
 def check(token: bytes, data: bytes, tsa_cert_pem: bytes | None = None) -> dict:
