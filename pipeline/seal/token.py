@@ -66,6 +66,7 @@ LOST = (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresen
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
+MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again this long
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class _Down(Exception):
 
 class _NotReached(Exception):
     """The module did not reach its HSM this time; the PIN was not judged."""
+
+
+class _Misread(_NotReached):
+    """An answer a token gives while another process writes it, in SoftHSM's file store (its
+    token file truncated, then written, at each login): the token left out of the module's list
+    of others, or its PIN taken as not set. Asked again for MISREAD_S, then said."""
 
 
 class TokenKey:
@@ -291,7 +298,9 @@ class TokenKey:
         that sees no token at all, or fails before the PIN is judged, is asked again with backoff
         for the HSM's patience: a network HSM's first contact fails now and then when signers
         start together (`p11-kit server` failed 1 of 9 simultaneous first contacts here). A
-        token listed under other labels, or a refused PIN, is answered at once."""
+        token missing from a list of others, or its user PIN not set, is asked again for
+        MISREAD_S only (_Misread: a signer starting as another logged in missed its token). A
+        refused PIN is answered at once."""
         begun, delay = time.time(), 0.25
         while True:
             try:
@@ -299,8 +308,9 @@ class TokenKey:
                     self.lib = _load(self.config.module)
                 return self._connect_once()
             except _NotReached as e:
-                if time.time() + delay > self.config.gives_up_at(begun):
-                    raise SignerSetupError(f"{e} for {time.time() - begun:.0f} s") from None
+                misread = isinstance(e, _Misread)
+                if time.time() + delay > (begun + MISREAD_S if misread else self.config.gives_up_at(begun)):
+                    raise SignerSetupError(str(e) if misread else f"{e} for {time.time() - begun:.0f} s") from None
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
                 if self.lib is not None:
@@ -311,13 +321,12 @@ class TokenKey:
         try:
             token = self._token_once_more()
         except p11.NoSuchToken:
-            labels = sorted(t.label for t in self.lib.get_tokens())
+            labels = self._labels()
             said = (f"CN_PKCS11_TOKEN: no token labelled {self.config.token!r} in {self.config.module} "
                     f"(it has: {', '.join(labels) or 'none'})")
-            raise (SignerSetupError(said) if labels else _NotReached(said + ": the HSM did not answer")) from None
+            raise (_Misread(said) if labels else _NotReached(said + ": the HSM did not answer")) from None
         except p11.PKCS11Error as e:
-            raise _NotReached(f"CN_PKCS11_MODULE {self.config.module}: cannot list its tokens "
-                              f"({type(e).__name__})") from None
+            raise self._unlistable(e) from None
         try:
             session = token.open(user_pin=self.config.pin)
         except p11.UserAlreadyLoggedIn:  # another key of this process logged in to the token: its login is ours
@@ -325,6 +334,8 @@ class TokenKey:
         except PIN_REFUSALS as e:
             raise PinRefused(f"the HSM refused the PIN for token {self.config.token!r} ({type(e).__name__}): "
                              "it is not offered again") from None
+        except p11.UserPinNotInitialized:
+            raise _Misread(f"token {self.config.token!r} in {self.config.module}: its user PIN is not set") from None
         except (p11.GeneralError, p11.DeviceError, p11.DeviceRemoved, p11.TokenNotPresent) as e:
             raise _NotReached(f"token {self.config.token!r} in {self.config.module}: no session "
                               f"({type(e).__name__})") from None
@@ -338,6 +349,15 @@ class TokenKey:
         self.extractable = bool(key[Attribute.EXTRACTABLE])
         self._sessions.append(session)
         self._free.put((session, key, self._generation))
+
+    def _labels(self) -> list[str]:
+        try:
+            return sorted(t.label for t in self.lib.get_tokens())
+        except p11.PKCS11Error as e:
+            raise self._unlistable(e) from None
+
+    def _unlistable(self, e: p11.PKCS11Error) -> _NotReached:
+        return _NotReached(f"CN_PKCS11_MODULE {self.config.module}: cannot list its tokens ({type(e).__name__})")
 
     def _token_once_more(self):
         """The token; the module started again once if it lost its HSM (a process that signed for
