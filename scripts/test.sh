@@ -74,9 +74,10 @@ free_log=$(mktemp -t cn-free-tests.XXXXXX)
 late_log=$(mktemp -t cn-late-tests.XXXXXX)
 free_rc_file=$(mktemp -t cn-free-rc.XXXXXX)
 # The tests that wait longest, from the start; then, in the same session, the end-to-end tests (slow ones, about
-# half waiting): with them among the slow tests, that session ended last, ~5.5 minutes after this one (24m41s
-# against 19m09s on a slow hour; docs/benchmarks.md has the runs since).
-side=(tests/test_ray_up.py tests/test_browser.py tests/test_end_to_end.py)
+# half waiting) and the autoscaler's day (its own Ray and fake nodes): with them among the slow tests, that
+# session ended last, ~5.5 minutes after this one (24m41s against 19m09s on a slow hour), and with the
+# end-to-end tests alone moved, still 0.5-5 minutes after it (docs/benchmarks.md has the runs).
+side=(tests/test_ray_up.py tests/test_browser.py tests/test_end_to_end.py tests/test_autoscaler.py)
 .venv/bin/python -m pytest -p no:cacheprovider -m "waits or not (quick or bench)" "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
 # The quick tests and the benchmarks in two processes, then the other tests that wait: beside the quick
