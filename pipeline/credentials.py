@@ -259,18 +259,28 @@ _logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver'
 
 
 def _log_in(config: TokenConfig, r) -> TokenKey:
-    refused = r.get(keys.hsm_pin_refused(config.token))
+    refused = _refusal(config, r)
     if refused:
-        raise PinRefused(f"the HSM refused the PIN for token {config.token!r} at {refused}: it is not "
-                         "offered again (an HSM locks its user after a few failures); once the PIN is corrected, run "
-                         "again with --pin-corrected")
+        raise PinRefused(refused)
+
+    def keep_refusal() -> None:
+        r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
     try:
         key = TokenKey(config)
     except PinRefused:
-        r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        keep_refusal()
         raise
+    key.on_refused, key.refusal = keep_refusal, lambda: _refusal(config, r)  # for a reconnection, mid-run
     _logged_in[config] = key
     return key
+
+
+def _refusal(config: TokenConfig, r) -> str:
+    """The token's refusal of the PIN, as whichever process met it kept it; "" if none."""
+    at = r.get(keys.hsm_pin_refused(config.token))
+    return (f"the HSM refused the PIN for token {config.token!r} at {at}: it is not offered again (an HSM locks "
+            "its user after a few failures); once the PIN is corrected, run again with --pin-corrected") if at else ""
 
 
 def pin_corrected(settings: Settings) -> bool:

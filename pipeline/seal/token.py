@@ -136,11 +136,15 @@ class TokenKey:
         self._calls = _Calls()  # the threads that call into the library for the signatures
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
+        self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
+        self.on_refused: Callable[[], None] = lambda: None  # that refusal kept for every other process (credentials)
+        self.refusal: Callable[[], str] = lambda: ""  # one another process met: a reconnection offers no PIN then
         self._sessions: list = []
         self.extractable = False
         self.kind = ""
         self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
         self._outages: list[tuple[float, float]] = []
+        self.sessions = config.sessions or 1  # until measured: an HSM lost during the measure reconnects this many
         self._connect()
         try:
             self.round_trip_s, self.wait_s, blocks = self._measure()
@@ -301,21 +305,26 @@ class TokenKey:
         token missing from a list of others, or its user PIN not set, is asked again for
         MISREAD_S only (_Misread: a signer starting as another logged in missed its token). A
         refused PIN is answered at once."""
-        begun, delay = time.time(), 0.25
+        begun, delay, misread_since = time.time(), 0.25, 0.0
         while True:
             try:
                 if self.lib is None:
                     self.lib = _load(self.config.module)
                 return self._connect_once()
             except _NotReached as e:
-                misread = isinstance(e, _Misread)
-                if time.time() + delay > (begun + MISREAD_S if misread else self.config.gives_up_at(begun)):
-                    raise SignerSetupError(str(e) if misread else f"{e} for {time.time() - begun:.0f} s") from None
+                now, misread = time.time(), isinstance(e, _Misread)
+                if misread and not misread_since:  # its own 4 s, from its own first try
+                    misread_since, delay = now, 0.25
+                if now + delay > (misread_since + MISREAD_S if misread else self.config.gives_up_at(begun)):
+                    raise SignerSetupError(str(e) if misread else f"{e} for {now - begun:.0f} s") from None
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
                 if self.lib is not None:
-                    with self.gate.alone():
-                        self.lib.reinitialize()
+                    try:
+                        with self.gate.alone():
+                            self.lib.reinitialize()
+                    except p11.PKCS11Error:  # not started again: the next try says so, or the patience's end
+                        pass
 
     def _connect_once(self) -> None:
         try:
@@ -424,6 +433,8 @@ class TokenKey:
     def _reconnect_if_due(self) -> None:
         """While the HSM is lost, one thread at a time tries to reconnect, with backoff (0.5, 1, 2,
         4, then every 5 s: an HSM back is found within seconds of its return); the others wait."""
+        if self.refused:
+            raise SignError(self.refused)
         if not self._down_since:
             return
         if not self._reconnecting.acquire(blocking=False):
@@ -434,16 +445,31 @@ class TokenKey:
                 return
             if now < self._next_try:
                 raise _Down(f"unreachable since {now - self._down_since:.0f} s ({self.config.module})")
+            self.refused = self._known_refusal()
+            if self.refused:
+                raise SignError(self.refused)
             try:
                 self._reconnect()
-            except PinRefused:
-                raise
+            except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
+                self.refused = str(e)
+                try:
+                    self.on_refused()
+                except Exception as kept:  # this process offers it no more; another learns it at its own refusal
+                    log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(kept).__name__)
+                raise SignError(self.refused) from None
             except Exception as e:
                 self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
                 raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
             self._back(now)
         finally:
             self._reconnecting.release()
+
+    def _known_refusal(self) -> str:
+        try:
+            return self.refusal()
+        except Exception as e:  # not known: the reconnection offers the PIN, once for this process
+            log.warning("whether another process met the HSM's refusal of the PIN is not known: %s", type(e).__name__)
+            return ""
 
     def _reconnect(self) -> None:
         """The library started again and the sessions opened anew, alone in it (gate.py): the
