@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from pipeline.errors import CannotRun
@@ -422,9 +423,15 @@ def cmd_bounces(args) -> int:
     if not sources:
         raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
     settings = _on_redis(Settings.from_env())
-    count = lambda kind, n: None  # noqa: E731
-    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    count, stop = (lambda kind, n: None), threading.Event()
+    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end, after the poll under way
+        def stopped(signum, frame) -> None:
+            if stop.is_set():  # asked twice: at once
+                raise KeyboardInterrupt
+            stop.set()
+
+        signal.signal(signal.SIGTERM, stopped)
+        signal.signal(signal.SIGINT, stopped)
     if on_cluster():  # ray_cn_bounces_total{kind}, on the head's metrics port, beside the day's counters
         import ray
 
@@ -433,7 +440,7 @@ def cmd_bounces(args) -> int:
         ray.init(address="auto", log_to_driver=False)
         count = metrics.bounces
     try:
-        summary = collect(settings, args.run_id, sources, args.watch, args.every, count, args.store)
+        summary = collect(settings, args.run_id, sources, args.watch, args.every, count, args.store, stop)
         print(json.dumps(summary), file=args.stdout)
     finally:
         if on_cluster():

@@ -269,9 +269,9 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
     assert [(e["ucc"], e["token"], e["message_id"]) for e in logged] == [("C1", "", message_id(run_id, "C1"))]
 
 
-def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_report_written(
-        redis_url, keys_dir, tmp_path):
-    import signal
+def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
+    """A mailed run of two accounts (C1, C2) on `redis_url`, and `bounces --watch` on an empty
+    maildir polling every 0.2 s: (run_id, settings, state, box, watcher, the DSN for an account)."""
     import time
     import uuid
 
@@ -295,21 +295,28 @@ def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_repor
     watcher = subprocess.Popen([sys.executable, "-m", "pipeline", "bounces", run_id, "--maildir", str(box), "--watch",
                                 "--every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
+    v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
+    return run_id, settings, state, box, watcher, lambda ucc: dsn("bounced", v.address(run_id, ucc),
+                                                                  f"{ucc.lower()}@clients.test", b"\r\n")
+
+
+def _deliver(box: Path, name: str, message: bytes) -> None:
+    """As an MTA delivers to a maildir: written in tmp/, then renamed into new/ whole (written in
+    new/ itself, a poll could read the file empty and refuse it, as it should, on a busy machine)."""
+    (box / "tmp" / name).write_bytes(message)
+    (box / "tmp" / name).rename(box / "new" / name)
+
+
+def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_report_written(
+        redis_url, keys_dir, tmp_path):
+    import signal
+    import time
+
+    run_id, settings, state, box, watcher, returned = _watching(redis_url, keys_dir, tmp_path)
     try:
         time.sleep(1)
-        v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
-        # delivered as an MTA delivers to a maildir: written in tmp/, then renamed into new/ whole (written in
-        # new/ itself, a poll could read the file empty and refuse it, as it should, on a busy machine)
-        (box / "tmp" / "1.dsn").write_bytes(dsn("bounced", v.address(run_id, "C2"), "c2@clients.test", b"\r\n"))
-        (box / "tmp" / "1.dsn").rename(box / "new" / "1.dsn")
-        deadline = time.monotonic() + 60
-        while "bounce" not in state.accounts(["C2"])["C2"]:
-            if watcher.poll() is not None or time.monotonic() > deadline:
-                watcher.kill()
-                out, err = watcher.communicate()
-                pytest.fail(f"the watch did not record the bounce: exit {watcher.returncode}, {out[-1000:]}"
-                            f"{err[-2000:]}, the maildir {sorted(p.name for p in box.rglob('*'))}")
-            time.sleep(0.1)
+        _deliver(box, "1.dsn", returned("C2"))
+        _recorded(state, "C2", watcher, box)
         watcher.send_signal(signal.SIGTERM)
         out, err = watcher.communicate(timeout=30)
     finally:
@@ -319,6 +326,57 @@ def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_repor
     assert json.loads(out.strip().splitlines()[-1])["bounced"] == 1
     assert rows(settings, run_id)["C2"]["status"] == "bounced", "the report got what the watch recorded"
     assert list((box / "cur").iterdir())[0].name.endswith(":2,S"), "the maildir message is marked seen"
+
+
+def _recorded(state: RunState, ucc: str, watcher: subprocess.Popen, box: Path) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while "bounce" not in state.accounts([ucc])[ucc]:
+        if watcher.poll() is not None or time.monotonic() > deadline:
+            watcher.kill()
+            out, err = watcher.communicate()
+            pytest.fail(f"the watch did not record the bounce: exit {watcher.returncode}, {out[-1000:]}"
+                        f"{err[-2000:]}, the maildir {sorted(p.name for p in box.rglob('*'))}")
+        time.sleep(0.1)
+
+
+def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bounce_counted(keys_dir, tmp_path):
+    """CI's watch test once saw the bounce in Redis and a summary of 0 bounced: the SIGTERM was
+    raised inside the poll, between Redis and the count. Here, once the watch has recorded a
+    first bounce, Redis is paused (SIGSTOP) before a second arrives, so the poll that reads it
+    waits on Redis when the SIGTERM comes; Redis then resumes. The watch ends after that poll,
+    both bounces recorded, counted and marked seen. Before, the poll was cut where it stood."""
+    import signal
+    import time
+
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis", aof=False)
+    try:
+        run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path)
+        try:
+            _deliver(box, "1.dsn", returned("C1"))
+            _recorded(state, "C1", watcher, box)  # the watch polling
+            redis.process.send_signal(signal.SIGSTOP)
+            _deliver(box, "2.dsn", returned("C2"))
+            time.sleep(1)  # the watch waits on Redis, at its poll's start or within it
+            watcher.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            redis.process.send_signal(signal.SIGCONT)
+            out, err = watcher.communicate(timeout=60)
+        finally:
+            redis.process.send_signal(signal.SIGCONT)
+            if watcher.poll() is None:
+                watcher.kill()
+                watcher.wait()
+        assert watcher.returncode == 0, err[-2000:]
+        said = json.loads(out.strip().splitlines()[-1])
+        assert said["bounced"] == 2 and "bounce" in state.accounts(["C2"])["C2"], (said["bounced"], err[-2000:])
+        assert {r["status"] for r in rows(settings, run_id).values()} == {"bounced"}, "the report as recorded"
+        assert sorted(p.name[-4:] for p in (box / "cur").iterdir()) == [":2,S", ":2,S"], "both marked seen"
+    finally:
+        redis.stop()
 
 
 def test_a_bounce_source_that_is_not_there_is_said_so_not_called_the_wrong_kind(tmp_path):
