@@ -144,7 +144,7 @@ class TokenKey:
         self.kind = ""
         self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
         self._outages: list[tuple[float, float]] = []
-        self.sessions = config.sessions or 1  # until measured: an HSM lost during the measure reconnects this many
+        self.sessions = 1  # until measured: what a reconnection during the measure opens
         self._connect()
         try:
             self.round_trip_s, self.wait_s, blocks = self._measure()
@@ -315,6 +315,8 @@ class TokenKey:
                 now, misread = time.time(), isinstance(e, _Misread)
                 if misread and not misread_since:  # its own 4 s, from its own first try
                     misread_since, delay = now, 0.25
+                elif not misread:
+                    misread_since = 0.0
                 if now + delay > (misread_since + MISREAD_S if misread else self.config.gives_up_at(begun)):
                     raise SignerSetupError(str(e) if misread else f"{e} for {now - begun:.0f} s") from None
                 time.sleep(delay)
@@ -445,24 +447,36 @@ class TokenKey:
                 return
             if now < self._next_try:
                 raise _Down(f"unreachable since {now - self._down_since:.0f} s ({self.config.module})")
-            self.refused = self._known_refusal()
-            if self.refused:
-                raise SignError(self.refused)
-            try:
-                self._reconnect()
-            except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
-                self.refused = str(e)
+            refused = self.refused or self._known_refusal()
+            if not refused:
                 try:
-                    self.on_refused()
-                except Exception as kept:  # this process offers it no more; another learns it at its own refusal
-                    log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(kept).__name__)
-                raise SignError(self.refused) from None
-            except Exception as e:
-                self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
-                raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
-            self._back(now)
+                    self._reconnect()
+                    self._back(now)
+                    return
+                except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
+                    refused = str(e)
+                    try:
+                        self.on_refused()
+                    except Exception as kept:  # this process offers it no more; another offers it once more
+                        log.warning("the HSM's refusal of the PIN is not kept for other processes: %s",
+                                    type(kept).__name__)
+                except Exception as e:
+                    self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
+                    raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
+            raise self._refused_from_now(refused)
         finally:
             self._reconnecting.release()
+
+    def _refused_from_now(self, said: str) -> SignError:
+        """Each later signature fails with the refusal, at once: the outage is over (the page
+        stops waiting for the HSM; the run's waits on it stop growing)."""
+        with self._lock:
+            self.refused = said
+            if self._down_since:
+                self._outages.append((self._down_at, time.time()))
+                self._down_since, self._down_at = 0.0, 0.0
+        self._tell(0.0)
+        return SignError(said)
 
     def _known_refusal(self) -> str:
         try:
