@@ -17,7 +17,6 @@ import os
 import secrets
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from pipeline.errors import CannotRun
@@ -423,24 +422,25 @@ def cmd_bounces(args) -> int:
     if not sources:
         raise ConfigError("bounces needs at least one --imap, --maildir or --mbox")
     settings = _on_redis(Settings.from_env())
-    count, stop = (lambda kind, n: None), threading.Event()
-    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end, after the poll under way
-        def stopped(signum, frame) -> None:
-            if stop.is_set():  # asked twice: at once
-                raise KeyboardInterrupt
-            stop.set()
-
-        signal.signal(signal.SIGTERM, stopped)
-        signal.signal(signal.SIGINT, stopped)
+    count, stopped = (lambda kind, n: None), []
     if on_cluster():  # ray_cn_bounces_total{kind}, on the head's metrics port, beside the day's counters
         import ray
 
         from actors import metrics
 
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address="auto", log_to_driver=False)  # before the handlers below: it sets its own for SIGTERM
         count = metrics.bounces
+    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end, after the poll under way
+        def stop(signum, frame) -> None:
+            if stopped:  # asked twice: at once
+                raise KeyboardInterrupt
+            stopped.append(signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
     try:
-        summary = collect(settings, args.run_id, sources, args.watch, args.every, count, args.store, stop)
+        summary = collect(settings, args.run_id, sources, args.watch, args.every, count, args.store,
+                          lambda: bool(stopped))
         print(json.dumps(summary), file=args.stdout)
     finally:
         if on_cluster():

@@ -360,7 +360,7 @@ def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bo
             _recorded(state, "C1", watcher, box)  # the watch polling
             redis.process.send_signal(signal.SIGSTOP)
             _deliver(box, "2.dsn", returned("C2"))
-            time.sleep(1)  # the watch waits on Redis, at its poll's start or within it
+            time.sleep(2)  # the watch waits on Redis, at its poll's start or within it (it polls every 0.2 s)
             watcher.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             redis.process.send_signal(signal.SIGCONT)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pipeline import credentials
 from pipeline.followup import opened
@@ -77,17 +77,17 @@ class Found:
 
 def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
             on_applied=lambda kind, n: None, store_url: str | None = None,
-            stop: threading.Event | None = None) -> dict:
+            stop: Callable[[], bool] = lambda: False) -> dict:
     """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record.
-    A watch ends once `stop` is set, after the poll under way: its bounces recorded, counted and
+    A watch ends once `stop()` is true, after the poll under way: its bounces recorded, counted and
     marked seen (a stop raised inside it could leave one in Redis that the summary does not count)."""
     with opened.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
         return {"run_id": run_id, **run.where(), "sources": [describe(s) for s in sources],
-                **_collect(run, sources, watch, every_s, on_applied, stop or threading.Event())}
+                **_collect(run, sources, watch, every_s, on_applied, stop)}
 
 
 def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: float, on_applied,
-             stop: threading.Event) -> dict:
+             stop: Callable[[], bool]) -> dict:
     """Not under the run's lease: bounces are read while a rerun mails (`reader` keeps it to one reader)."""
     settings = credentials.resolve(run.settings)  # the secret's token_key checks the tokens
     store, state, split, run_id = run.store, run.state, run.split, run.state.run_id
@@ -96,7 +96,7 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
     written = time.monotonic()
     with reader(state.r, keys.run_bounce_reader(run_id), f"run {run_id}'s bounces", settings.lease_s):
         try:
-            while True:  # --watch ends with Ctrl-C or SIGTERM (cmd_bounces sets `stop`): what was read is recorded
+            while True:  # --watch ends with Ctrl-C or SIGTERM (cmd_bounces: `stop`): what was read is recorded
                 meta = state.meta()
                 for box in boxes:
                     unseen = box.unseen()
@@ -107,7 +107,7 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
                 if not watch or time.monotonic() - written > REPORT_EVERY_S:
                     _report_level(store, state, run_id, settings.paper_due_days)
                     written = time.monotonic()
-                if not watch or stop.wait(every_s):
+                if not watch or _stopped_within(every_s, stop):
                     break
         except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: at once
             if not watch:
@@ -122,6 +122,17 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
             "unchanged": tally.unchanged, "refused": tally.refused, "token_mismatch": tally.token_mismatch,
             "refused_after_close": tally.refused_after_close, "left_for_other_runs": tally.left_for_other_runs,
             "refused_first": tally.refused_first}
+
+
+def _stopped_within(seconds: float, stop: Callable[[], bool]) -> bool:
+    """Whether `stop()` came true within `seconds`, asked every 0.1 s (a flag a signal handler
+    sets: an Event's lock taken in a handler can deadlock its own thread)."""
+    until = time.monotonic() + seconds
+    while not stop():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(min(0.1, max(0.0, until - time.monotonic())))
+    return True
 
 
 def _report_level(store, state: RunState, run_id: str, due_days: int) -> None:
