@@ -75,8 +75,8 @@ late_log=$(mktemp -t cn-late-tests.XXXXXX)
 free_rc_file=$(mktemp -t cn-free-rc.XXXXXX)
 # The tests that wait longest, from the start; then, in the same session, the end-to-end tests (slow ones, about
 # half waiting): with them among the slow tests, that session ended last, ~5.5 minutes after this one (24m41s
-# against 19m09s on a slow hour; docs/benchmarks.md has the runs since). The autoscaler's day here too made
-# the suite no shorter (22m55s and 22m21s against 20m52s the same quiet hour: its fake nodes slowed the rest).
+# against 19m09s on a slow hour; docs/benchmarks.md has the runs since). With the autoscaler's day here too,
+# the suite took 22m55s and 22m21s against 20m52s the same quiet hour, the slow tests no shorter.
 side=(tests/test_ray_up.py tests/test_browser.py tests/test_end_to_end.py)
 .venv/bin/python -m pytest -p no:cacheprovider -m "waits or not (quick or bench)" "${side[@]}" >"$side_log" 2>&1 &
 side_pid=$!
