@@ -539,12 +539,12 @@ def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconn
     conf, pin, socket = tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / "cn-repin.pin").read_text(), \
         tmp_path / "hsm" / "repin.sock"
     hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-repin", softhsm_conf=conf)
-    signers = [subprocess.Popen([sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{SIGNS_ACROSS_A_PIN_CHANGE}",
-                                 P11_KIT_CLIENT, "cn-repin", redis_url], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PROJECT,
-                                env={**os.environ, "P11_KIT_SERVER_ADDRESS": hsm_server.url}) for _ in range(2)]
-    results = []
+    signers, results = [], []
     try:
+        signers += [subprocess.Popen([sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{SIGNS_ACROSS_A_PIN_CHANGE}",
+                                      P11_KIT_CLIENT, "cn-repin", redis_url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+                                     env={**os.environ, "P11_KIT_SERVER_ADDRESS": hsm_server.url}) for _ in range(2)]
         for signer in signers:
             signer.stdin.write(pin + "\n")
             signer.stdin.flush()
