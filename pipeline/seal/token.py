@@ -66,7 +66,8 @@ LOST = (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresen
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
-MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again this long
+MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again this long,
+# every 0.25 s
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ class TokenKey:
                 if now + delay > (misread_since + MISREAD_S if misread else self.config.gives_up_at(begun)):
                     raise SignerSetupError(str(e) if misread else f"{e} for {now - begun:.0f} s") from None
                 time.sleep(delay)
-                delay = min(2 * delay, 5.0)
+                delay = delay if misread else min(2 * delay, 5.0)  # each list a fresh draw: as many as fit
                 if self.lib is not None:
                     try:
                         with self.gate.alone():
