@@ -471,12 +471,9 @@ class TokenKey:
     def _refused_from_now(self, said: str) -> SignError:
         """Each later signature fails with the refusal, at once: the outage is over (the page
         stops waiting for the HSM; the run's waits on it stop growing)."""
-        with self._lock:
-            self.refused = said
-            if self._down_since:
-                self._outages.append((self._down_at, time.time()))
-                self._down_since, self._down_at = 0.0, 0.0
-        self._tell(0.0)
+        self.refused = said
+        if self._down_since:
+            self._end_outage()
         return SignError(said)
 
     def _known_refusal(self) -> str:
@@ -527,6 +524,9 @@ class TokenKey:
 
     def _back(self, now: float) -> None:
         log.warning("the HSM is back after %.1f s (%s)", now - self._down_since, self.config.module)
+        self._end_outage()
+
+    def _end_outage(self) -> None:
         with self._lock:
             self._outages.append((self._down_at, time.time()))
             self._down_since, self._down_at = 0.0, 0.0
