@@ -269,9 +269,11 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
     assert [(e["ucc"], e["token"], e["message_id"]) for e in logged] == [("C1", "", message_id(run_id, "C1"))]
 
 
-def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
+def _watching(redis_url: str, keys_dir: Path, tmp_path: Path, batch: int = 0):
     """A mailed run of two accounts (C1, C2) on `redis_url`, and `bounces --watch` on an empty
-    maildir polling every 0.2 s: (run_id, settings, state, box, watcher, the DSN for an account)."""
+    maildir polling every 0.2 s, reading `batch` messages at a time if given (bounces.BATCH, 2,000,
+    set lower in the watch's process: a backlog of a few): (run_id, settings, state, box, watcher,
+    the DSN for an account)."""
     import time
     import uuid
 
@@ -292,9 +294,12 @@ def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
         (box / sub).mkdir(parents=True)
     env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": settings.store_url,
            "CN_TOKEN_KEY_FILE": settings.token_key_file, "PYTHONPATH": ROOT}
-    watcher = subprocess.Popen([sys.executable, "-m", "pipeline", "bounces", run_id, "--maildir", str(box), "--watch",
-                                "--every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    command = ["bounces", run_id, "--maildir", str(box), "--watch", "--every", "0.2"]
+    start = ["-m", "pipeline"] if not batch else [
+        "-c", f"import sys, runpy, pipeline.followup.bounces as b; b.BATCH = {batch}; sys.argv[0] = 'pipeline'; "
+              "runpy.run_module('pipeline', run_name='__main__')"]
+    watcher = subprocess.Popen([sys.executable, *start, *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
     return run_id, settings, state, box, watcher, lambda ucc: dsn("bounced", v.address(run_id, ucc),
                                                                   f"{ucc.lower()}@clients.test", b"\r\n")
@@ -375,6 +380,46 @@ def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bo
         assert said["bounced"] == 2 and "bounce" in state.accounts(["C2"])["C2"], (said["bounced"], err[-2000:])
         assert {r["status"] for r in rows(settings, run_id).values()} == {"bounced"}, "the report as recorded"
         assert sorted(p.name[-4:] for p in (box / "cur").iterdir()) == [":2,S", ":2,S"], "both marked seen"
+    finally:
+        redis.stop()
+
+
+def test_a_sigterm_during_a_backlog_ends_the_watch_after_its_batch_the_rest_left_unseen(keys_dir, tmp_path):
+    """A watch meeting a backlog (DSNs arrive at ~2,000 a second) read it to its end before a
+    SIGTERM was heeded: minutes, past a service manager's patience. Here a batch is one message,
+    and two arrive while Redis is paused (SIGSTOP), so the poll that reads them waits on Redis
+    when the SIGTERM comes. The watch ends after its first batch: one bounce recorded, counted and
+    marked seen, the other left unseen, and a later `bounces` records it. Before, both."""
+    import signal
+    import time
+
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis", aof=False)
+    try:
+        run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path, batch=1)
+        try:
+            time.sleep(1)  # the watch polling (its first poll found an empty maildir)
+            redis.process.send_signal(signal.SIGSTOP)
+            _deliver(box, "1.dsn", returned("C1"))
+            _deliver(box, "2.dsn", returned("C2"))
+            time.sleep(2)
+            watcher.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            redis.process.send_signal(signal.SIGCONT)
+            out, err = watcher.communicate(timeout=60)
+        finally:
+            redis.process.send_signal(signal.SIGCONT)
+            if watcher.poll() is None:
+                watcher.kill()
+                watcher.wait()
+        assert watcher.returncode == 0, err[-2000:]
+        said = json.loads(out.strip().splitlines()[-1])
+        recorded = [u for u, a in state.accounts(["C1", "C2"]).items() if "bounce" in a]
+        assert said["bounced"] == 1 and len(recorded) == 1, (said, recorded, err[-2000:])
+        assert [p.name[-4:] for p in (box / "cur").iterdir()] == [":2,S"] and len(list((box / "new").iterdir())) == 1
+        assert bounces.collect(settings, run_id, [str(box)])["bounced"] == 1, "a later reader records the other"
+        assert {r["status"] for r in rows(settings, run_id).values()} == {"bounced"}
     finally:
         redis.stop()
 

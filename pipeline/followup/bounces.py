@@ -79,8 +79,9 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
             on_applied=lambda kind, n: None, store_url: str | None = None,
             stop: Callable[[], bool] = lambda: False) -> dict:
     """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record.
-    A watch ends once `stop()` is true, after the poll under way: its bounces recorded, counted and
-    marked seen (a stop raised inside it could leave one in Redis that the summary does not count)."""
+    A watch ends once `stop()` is true, after the batch under way (BATCH messages, ~1 s, at most):
+    its bounces recorded, counted and marked seen (a stop raised inside it could leave one in Redis
+    that the summary does not count); the rest stay unseen for the next reader."""
     with opened.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
         return {"run_id": run_id, **run.where(), "sources": [describe(s) for s in sources],
                 **_collect(run, sources, watch, every_s, on_applied, stop)}
@@ -104,6 +105,10 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
                         box.seen(apply(store, state, split.shard_count, v, messages, tally, on_applied,
                                        settings.bounce_max_bytes, meta.get("message_ids") == "keyed",
                                        bool(meta.get("closed_at"))))
+                        if watch and stop():  # a backlog's poll ends at a batch, not at its end
+                            break
+                    if watch and stop():
+                        break
                 if not watch or time.monotonic() - written > REPORT_EVERY_S:
                     _report_level(store, state, run_id, settings.paper_due_days)
                     written = time.monotonic()
