@@ -266,12 +266,11 @@ def _log_in(config: TokenConfig, r) -> TokenKey:
     def keep_refusal() -> None:
         r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
-    try:
-        key = TokenKey(config)
+    try:  # a reconnection from the probe signatures on keeps a refusal, and reads another's
+        key = TokenKey(config, keep_refusal, lambda: _refusal(config, r))
     except PinRefused:
         keep_refusal()
         raise
-    key.on_refused, key.refusal = keep_refusal, lambda: _refusal(config, r)  # for a reconnection, mid-run
     _logged_in[config] = key
     return key
 

@@ -526,6 +526,86 @@ print(json.dumps({"said": said, "offered": len(counted)}))
 """
 
 
+PAUSED_AT_FIRST_SIGNATURE = """
+class Key:  # the module's key: its first signature waits until the test has restarted the HSM
+    def __init__(self, key): self.key = key
+    def sign(self, *a, **kw):
+        if not paused:
+            paused.append(1)
+            print("probing", flush=True)
+            sys.stdin.readline()
+        return self.key.sign(*a, **kw)
+    def __getitem__(self, attribute): return self.key[attribute]
+    def __getattr__(self, name): return getattr(self.key, name)
+class Session:
+    def __init__(self, session): self.session = session
+    def get_key(self, *a, **kw): return Key(self.session.get_key(*a, **kw))
+    def __getattr__(self, name): return getattr(self.session, name)
+opened = Token.open
+Token.open = lambda self, *a, **kw: Session(opened(self, *a, **kw))
+"""
+STARTS_A_SIGNER = """
+import json, sys
+from pipeline import credentials
+from pipeline.record.state import redis_client
+from pipeline.seal.token import TokenConfig
+module, label, url = sys.argv[1:4]
+try:
+    credentials._log_in(TokenConfig(module, label, "signer", pin=sys.stdin.readline().strip(), patience_s=30),
+                        redis_client(url, patience_retries=0))
+    said = "logged in"
+except Exception as e:
+    said = f"{type(e).__name__}: {e}"
+print(json.dumps({"said": said, "offered": len(counted)}))
+"""
+
+
+def test_a_pin_refused_during_a_signer_s_first_probe_signatures_is_kept_for_every_other_signer(tmp_path, redis_url):
+    """A signer measures its HSM with five probe signatures once logged in. The HSM restarts
+    between its login and its first probe, with the user's PIN changed: the probe's reconnection
+    offers the old PIN, which is refused. Before, that refusal was not kept in Redis (the
+    callbacks that keep it were set after the probes) and surfaced as a raw SignError; a signer
+    starting next offered the refused PIN again. Now it is kept, the first signer's start fails
+    as a refused PIN, and the next signer offers nothing."""
+    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.seal.token "
+                           "import make_test_token; make_test_token(Path(sys.argv[1]), label='cn-probe')",
+                           str(tmp_path / "hsm")], capture_output=True, text=True, cwd=PROJECT)
+    assert made.returncode == 0, made.stderr[-1500:]
+    conf, pin, socket = tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / "cn-probe.pin").read_text(), \
+        tmp_path / "hsm" / "probe.sock"
+    hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-probe", softhsm_conf=conf)
+    env = {**os.environ, "P11_KIT_SERVER_ADDRESS": hsm_server.url}
+    signer = None
+    try:
+        signer = subprocess.Popen([sys.executable, "-c", f"import sys\ncounted, paused = [], []\n{OFFERED_PINS}\n"
+                                   f"{PAUSED_AT_FIRST_SIGNATURE}\n{STARTS_A_SIGNER}", P11_KIT_CLIENT, "cn-probe", redis_url],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=PROJECT, env=env)
+        signer.stdin.write(pin + "\n")
+        signer.stdin.flush()
+        assert signer.stdout.readline() == "probing\n", signer.stderr.read()[-1500:]
+        hsm_server.stop()
+        subprocess.run([sys.executable, "-c", CHANGES_PIN, SOFTHSM, "cn-probe"], input=f"{pin} 24681357", text=True,
+                       check=True, env={**os.environ, "SOFTHSM2_CONF": str(conf)})
+        hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-probe", softhsm_conf=conf)
+        out, err = signer.communicate("\n", timeout=120)
+        first = json.loads(out.splitlines()[-1]) if out.strip() else {"stderr": err[-1500:]}
+        nxt = subprocess.run([sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{STARTS_A_SIGNER}", P11_KIT_CLIENT,
+                              "cn-probe", redis_url], input=pin + "\n", capture_output=True, text=True, cwd=PROJECT,
+                             env={**env, "P11_KIT_SERVER_ADDRESS": hsm_server.url}, timeout=120)
+        second = json.loads(nxt.stdout.splitlines()[-1]) if nxt.stdout.strip() else {"stderr": nxt.stderr[-1500:]}
+    finally:
+        hsm_server.stop()
+        if signer is not None and signer.poll() is None:
+            signer.kill()
+            signer.wait()
+    kept = redis.Redis.from_url(redis_url).getdel(keys.hsm_pin_refused("cn-probe"))
+    assert first.get("offered") == 2 and first["said"].startswith("PinRefused: "), first  # its login, its probe's
+    assert kept, "the refusal is not kept"
+    assert second.get("offered") == 0 and second["said"].startswith("PinRefused: the HSM refused the PIN for token "
+                                                                     "'cn-probe' at "), second
+
+
 def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconnection(tmp_path, redis_url):
     """The HSM restarts mid-day with the user's PIN changed: a signer's reconnection offers the
     old PIN, which is refused. Before, each later signature reconnected and offered it again (a

@@ -125,7 +125,8 @@ class TokenKey:
     reconnected with backoff, until `config.gives_up_at` its start; past it a signature fails with
     "HSM unreachable". `told` hears when an outage begins and ends (the run's page says so)."""
 
-    def __init__(self, config: TokenConfig):
+    def __init__(self, config: TokenConfig, on_refused: Callable[[], None] = lambda: None,
+                 refusal: Callable[[], str] = lambda: ""):
         self.config = config
         self.lib = None
         self._lock = threading.Lock()  # the outage's state: held for moments only
@@ -138,8 +139,8 @@ class TokenKey:
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
-        self.on_refused: Callable[[], None] = lambda: None  # that refusal kept for every other process (credentials)
-        self.refusal: Callable[[], str] = lambda: ""  # one another process met: a reconnection offers no PIN then
+        self.on_refused = on_refused  # that refusal kept for every other process (credentials); from the
+        self.refusal = refusal  # probes on: one another process met, and a reconnection offers no PIN
         self._sessions: list = []
         self.extractable = False
         self.kind = ""
@@ -151,6 +152,10 @@ class TokenKey:
             self.round_trip_s, self.wait_s, blocks = self._measure()
         except HsmRefused as e:  # before the day: one line, exit 2, nothing split
             raise SignerSetupError(str(e)) from None
+        except SignError:
+            if self.refused:  # the HSM restarted with the PIN changed since the login: refused as at a start
+                raise PinRefused(self.refused) from None
+            raise
         self._inline = False
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
         self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
