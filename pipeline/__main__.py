@@ -430,7 +430,7 @@ def cmd_bounces(args) -> int:
 
         ray.init(address="auto", log_to_driver=False)  # before the handlers below: it sets its own for SIGTERM
         count = metrics.bounces
-    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end, after the poll under way
+    if args.watch:  # stopped as a service is (SIGTERM) or by hand (Ctrl-C): the same clean end, once what it read is recorded
         def stop(signum, frame) -> None:
             if stopped:  # asked twice: at once
                 raise KeyboardInterrupt

@@ -263,14 +263,12 @@ def _log_in(config: TokenConfig, r) -> TokenKey:
     if refused:
         raise PinRefused(refused)
 
-    def keep_refusal() -> None:
-        r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    def keep_refusal() -> None:  # the first refusal's time kept (a refusal read from another is not one anew)
+        r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              nx=True)
 
-    try:  # a reconnection from the probe signatures on keeps a refusal, and reads another's
-        key = TokenKey(config, keep_refusal, lambda: _refusal(config, r))
-    except PinRefused:
-        keep_refusal()
-        raise
+    # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
+    key = TokenKey(config, keep_refusal, lambda: _refusal(config, r))
     _logged_in[config] = key
     return key
 

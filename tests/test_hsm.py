@@ -573,6 +573,7 @@ def test_a_pin_refused_during_a_signer_s_first_probe_signatures_is_kept_for_ever
     assert made.returncode == 0, made.stderr[-1500:]
     conf, pin, socket = tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / "cn-probe.pin").read_text(), \
         tmp_path / "hsm" / "probe.sock"
+    redis.Redis.from_url(redis_url).delete(keys.hsm_pin_refused("cn-probe"))  # none left by an earlier try
     hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-probe", softhsm_conf=conf)
     env = {**os.environ, "P11_KIT_SERVER_ADDRESS": hsm_server.url}
     signer = None

@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from pipeline import credentials
 from pipeline.followup import opened
@@ -79,9 +79,9 @@ def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = F
             on_applied=lambda kind, n: None, store_url: str | None = None,
             stop: Callable[[], bool] = lambda: False) -> dict:
     """On the run's own store and HMAC key (located.py), unless `store_url` names a copy of its record.
-    A watch ends once `stop()` is true, after the batch under way (BATCH messages, ~1 s, at most):
-    its bounces recorded, counted and marked seen (a stop raised inside it could leave one in Redis
-    that the summary does not count); the rest stay unseen for the next reader."""
+    A watch ends once `stop()` is true, once what it has read is recorded: its bounces recorded,
+    counted and marked seen (a stop raised inside it could leave one in Redis that the summary does
+    not count); a backlog's rest stays unseen for the next reader."""
     with opened.open_run(settings, run_id, store_url, command="bounces", hold=False, sealed_ok=True) as run:
         return {"run_id": run_id, **run.where(), "sources": [describe(s) for s in sources],
                 **_collect(run, sources, watch, every_s, on_applied, stop)}
@@ -97,17 +97,18 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
     written = time.monotonic()
     with reader(state.r, keys.run_bounce_reader(run_id), f"run {run_id}'s bounces", settings.lease_s):
         try:
+            stopped = lambda: watch and stop()  # noqa: E731
             while True:  # --watch ends with Ctrl-C or SIGTERM (cmd_bounces: `stop`): what was read is recorded
                 meta = state.meta()
                 for box in boxes:
                     unseen = box.unseen()
-                    while messages := list(itertools.islice(unseen, BATCH)):  # memory: a batch, not the mailbox
+                    while messages := _taken(unseen, stopped):
                         box.seen(apply(store, state, split.shard_count, v, messages, tally, on_applied,
                                        settings.bounce_max_bytes, meta.get("message_ids") == "keyed",
                                        bool(meta.get("closed_at"))))
-                        if watch and stop():  # a backlog's poll ends at a batch, not at its end
+                        if stopped():
                             break
-                    if watch and stop():
+                    if stopped():
                         break
                 if not watch or time.monotonic() - written > REPORT_EVERY_S:
                     _report_level(store, state, run_id, settings.paper_due_days)
@@ -127,6 +128,18 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
             "unchanged": tally.unchanged, "refused": tally.refused, "token_mismatch": tally.token_mismatch,
             "refused_after_close": tally.refused_after_close, "left_for_other_runs": tally.left_for_other_runs,
             "refused_first": tally.refused_first}
+
+
+def _taken(unseen: Iterator[Message], stopped: Callable[[], bool]) -> list[Message]:
+    """The next batch: BATCH messages (memory: a batch, not the mailbox), fewer once `stopped()`,
+    so a stop ends a backlog's poll at the message being read (IMAP fetches one a round trip: a
+    whole batch from a distant server could outlast a service manager's patience)."""
+    batch = []
+    for m in itertools.islice(unseen, BATCH):
+        batch.append(m)
+        if stopped():
+            break
+    return batch
 
 
 def _stopped_within(seconds: float, stop: Callable[[], bool]) -> bool:

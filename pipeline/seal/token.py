@@ -147,13 +147,17 @@ class TokenKey:
         self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
         self._outages: list[tuple[float, float]] = []
         self.sessions = 1  # until measured: what a reconnection during the measure opens
-        self._connect()
+        try:
+            self._connect()
+        except PinRefused:
+            self._keep_refusal()
+            raise
         try:
             self.round_trip_s, self.wait_s, blocks = self._measure()
         except HsmRefused as e:  # before the day: one line, exit 2, nothing split
             raise SignerSetupError(str(e)) from None
         except SignError:
-            if self.refused:  # the HSM restarted with the PIN changed since the login: refused as at a start
+            if self.refused:  # the HSM restarted with the PIN changed since the login: refused (and kept) as at a start
                 raise PinRefused(self.refused) from None
             raise
         self._inline = False
@@ -461,11 +465,7 @@ class TokenKey:
                     return
                 except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
                     refused = str(e)
-                    try:
-                        self.on_refused()
-                    except Exception as kept:  # this process offers it no more; another offers it once more
-                        log.warning("the HSM's refusal of the PIN is not kept for other processes: %s",
-                                    type(kept).__name__)
+                    self._keep_refusal()
                 except Exception as e:
                     self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
                     raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
@@ -480,6 +480,12 @@ class TokenKey:
         if self._down_since:
             self._end_outage()
         return SignError(said)
+
+    def _keep_refusal(self) -> None:
+        try:
+            self.on_refused()
+        except Exception as e:  # this process offers it no more; another offers it once more
+            log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(e).__name__)
 
     def _known_refusal(self) -> str:
         try:
