@@ -139,8 +139,8 @@ class TokenKey:
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
-        self.on_refused = on_refused  # that refusal kept for every other process (credentials); from the
-        self.refusal = refusal  # probes on: one another process met, and a reconnection offers no PIN
+        self.on_refused = on_refused  # a refusal met here kept for every other process (credentials)
+        self.refusal = refusal  # one another process met: a reconnection (the probes' too) offers no PIN then
         self._sessions: list = []
         self.extractable = False
         self.kind = ""
