@@ -41,7 +41,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import unquote, urlsplit
 
 from cryptography import x509
@@ -243,8 +243,10 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
     if key is not None and not key.alive():  # the HSM was lost since (a rerun in the same process): log in anew
         key.close()
         key = None
-    key = key or _log_in(config, redis_client(resolved.redis_url, patience_retries=0))
+    r = redis_client(resolved.redis_url, patience_retries=0)
+    key = key or _log_in(config, r)
     key.config = config  # this run's deadline (a key logged in for an earlier run keeps its login)
+    key.on_refused, key.refusal = _refusals(config, r)  # and this run's Redis, where a refusal is kept and read
     cert, chain = _token_certificate(settings, secret, key)
     key.check_certificate(cert)
     if key.extractable:
@@ -262,15 +264,20 @@ def _log_in(config: TokenConfig, r) -> TokenKey:
     refused = _refusal(config, r)
     if refused:
         raise PinRefused(refused)
+    # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
+    key = TokenKey(config, *_refusals(config, r))
+    _logged_in[config] = key
+    return key
 
-    def keep_refusal() -> None:  # the first refusal's time kept (a refusal read from another is not one anew)
+
+def _refusals(config: TokenConfig, r) -> tuple[Callable[[], None], Callable[[], str]]:
+    """A key's hooks into Redis: keep a refusal it met (the first one's time: one read from
+    another process is not a refusal anew), and read one another process met."""
+    def keep() -> None:
         r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               nx=True)
 
-    # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
-    key = TokenKey(config, keep_refusal, lambda: _refusal(config, r))
-    _logged_in[config] = key
-    return key
+    return keep, lambda: _refusal(config, r)
 
 
 def _refusal(config: TokenConfig, r) -> str:

@@ -109,6 +109,31 @@ def test_a_key_the_token_marks_extractable_is_used_and_said(hsm, settings, caplo
     assert tight.about["extractable"] is False
 
 
+def test_a_key_kept_for_a_later_run_on_another_redis_keeps_and_reads_refusals_there(hsm, settings, tmp_path):
+    """A process keeps its login for a later run (a notebook's rerun, a reused worker). Before,
+    that key kept and read a PIN's refusal in the first run's Redis, so a later run's signers on
+    another Redis never learnt of a refusal it met. Now the key keeps them in this run's."""
+    import dataclasses
+
+    from pipeline.embedded import start_redis
+
+    other = start_redis(tmp_path / "redis", aof=False)
+    try:
+        first = on_token(settings, hsm)
+        credentials.read(first)
+        key = credentials._logged_in[next(c for c in credentials._logged_in if c.token == hsm.label)]
+        credentials.read(dataclasses.replace(first, redis_url=other.url))
+        assert credentials._logged_in[next(c for c in credentials._logged_in if c.token == hsm.label)] is key, \
+            "the login kept"
+        key.on_refused()
+        assert redis.Redis.from_url(other.url).get(keys.hsm_pin_refused(hsm.label)), "kept in this run's Redis"
+        assert not redis.Redis.from_url(first.redis_url).get(keys.hsm_pin_refused(hsm.label))
+        assert "refused the PIN for token" in key.refusal()
+    finally:
+        redis.Redis.from_url(settings.redis_url).delete(keys.hsm_pin_refused(hsm.label))  # the session's other tests
+        other.stop()
+
+
 def test_a_signature_queued_for_a_busy_cpu_is_not_taken_for_one_waiting_on_the_hsm():
     """A key's sessions are sized from the time a signature waits, neither on a CPU nor queued
     for one. Queued time counted as waiting took SoftHSM, opened in this process while the
