@@ -341,35 +341,41 @@ def _recorded(state: RunState, ucc: str, watcher: subprocess.Popen, box: Path) -
         time.sleep(0.1)
 
 
+def _sigterm_while_redis_waits(redis, watcher: subprocess.Popen, arrive) -> tuple[str, str]:
+    """Redis paused (SIGSTOP), then `arrive()` delivers DSNs, so the poll that reads them waits on
+    Redis when the SIGTERM comes; Redis resumed after it. The watch's (stdout, stderr)."""
+    import signal
+    import time
+
+    try:
+        redis.process.send_signal(signal.SIGSTOP)
+        arrive()
+        time.sleep(2)  # the watch waits on Redis, at its poll's start or within it (it polls every 0.2 s)
+        watcher.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        redis.process.send_signal(signal.SIGCONT)
+        return watcher.communicate(timeout=60)
+    finally:
+        redis.process.send_signal(signal.SIGCONT)
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+
+
 def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bounce_counted(keys_dir, tmp_path):
     """CI's watch test once saw the bounce in Redis and a summary of 0 bounced: the SIGTERM was
     raised inside the poll, between Redis and the count. Here, once the watch has recorded a
     first bounce, Redis is paused (SIGSTOP) before a second arrives, so the poll that reads it
     waits on Redis when the SIGTERM comes; Redis then resumes. The watch ends after that poll,
     both bounces recorded, counted and marked seen. Before, the poll was cut where it stood."""
-    import signal
-    import time
-
     from pipeline.embedded import start_redis
 
     redis = start_redis(tmp_path / "redis", aof=False)
     try:
         run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path)
-        try:
-            _deliver(box, "1.dsn", returned("C1"))
-            _recorded(state, "C1", watcher, box)  # the watch polling
-            redis.process.send_signal(signal.SIGSTOP)
-            _deliver(box, "2.dsn", returned("C2"))
-            time.sleep(2)  # the watch waits on Redis, at its poll's start or within it (it polls every 0.2 s)
-            watcher.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            redis.process.send_signal(signal.SIGCONT)
-            out, err = watcher.communicate(timeout=60)
-        finally:
-            redis.process.send_signal(signal.SIGCONT)
-            if watcher.poll() is None:
-                watcher.kill()
-                watcher.wait()
+        _deliver(box, "1.dsn", returned("C1"))
+        _recorded(state, "C1", watcher, box)  # the watch polling
+        out, err = _sigterm_while_redis_waits(redis, watcher, lambda: _deliver(box, "2.dsn", returned("C2")))
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
         assert said["bounced"] == 2 and "bounce" in state.accounts(["C2"])["C2"], (said["bounced"], err[-2000:])
@@ -387,7 +393,6 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
     them waits on Redis when the SIGTERM comes. The watch ends after the first: its bounce
     recorded, counted and marked seen, the other left unseen, and a later `bounces` records it.
     Before, both."""
-    import signal
     import time
 
     from pipeline.embedded import start_redis
@@ -395,24 +400,14 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
     redis = start_redis(tmp_path / "redis", aof=False)
     try:
         run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path)
-        try:
-            deadline = time.monotonic() + 60
-            while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
-                assert watcher.poll() is None and time.monotonic() < deadline, watcher.communicate()[1][-2000:]
-                time.sleep(0.1)
-            redis.process.send_signal(signal.SIGSTOP)
-            _deliver(box, "1.dsn", returned("C1"))
-            _deliver(box, "2.dsn", returned("C2"))
-            time.sleep(2)
-            watcher.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            redis.process.send_signal(signal.SIGCONT)
-            out, err = watcher.communicate(timeout=60)
-        finally:
-            redis.process.send_signal(signal.SIGCONT)
-            if watcher.poll() is None:
+        deadline = time.monotonic() + 60
+        while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
+            if watcher.poll() is not None or time.monotonic() > deadline:
                 watcher.kill()
-                watcher.wait()
+                pytest.fail(f"the watch is not polling: {watcher.communicate()[1][-2000:]}")
+            time.sleep(0.1)
+        out, err = _sigterm_while_redis_waits(redis, watcher, lambda: [_deliver(box, f"{n}.dsn", returned(f"C{n}"))
+                                                                       for n in (1, 2)])
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
         recorded = [u for u, a in state.accounts(["C1", "C2"]).items() if "bounce" in a]

@@ -113,18 +113,18 @@ def test_a_key_kept_for_a_later_run_on_another_redis_keeps_and_reads_refusals_th
     """A process keeps its login for a later run (a notebook's rerun, a reused worker). Before,
     that key kept and read a PIN's refusal in the first run's Redis, so a later run's signers on
     another Redis never learnt of a refusal it met. Now the key keeps them in this run's."""
-    import dataclasses
-
     from pipeline.embedded import start_redis
 
     other = start_redis(tmp_path / "redis", aof=False)
     try:
         first = on_token(settings, hsm)
+        def logged_in():
+            return next(key for config, key in credentials._logged_in.items() if config.token == hsm.label)
+
         credentials.read(first)
-        key = credentials._logged_in[next(c for c in credentials._logged_in if c.token == hsm.label)]
+        key = logged_in()
         credentials.read(dataclasses.replace(first, redis_url=other.url))
-        assert credentials._logged_in[next(c for c in credentials._logged_in if c.token == hsm.label)] is key, \
-            "the login kept"
+        assert logged_in() is key, "the login kept"
         key.on_refused()
         assert redis.Redis.from_url(other.url).get(keys.hsm_pin_refused(hsm.label)), "kept in this run's Redis"
         assert not redis.Redis.from_url(first.redis_url).get(keys.hsm_pin_refused(hsm.label))
@@ -551,6 +551,26 @@ print(json.dumps({"said": said, "offered": len(counted)}))
 """
 
 
+def _token_of_its_own(tmp_path: Path, label: str) -> tuple[Path, str, Path]:
+    """A SoftHSM2 token made for one test (in a process of its own: a login is a process's): its
+    SOFTHSM2_CONF, its user PIN, and the socket a `p11-kit server` of the test serves it on."""
+    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.seal.token "
+                           "import make_test_token; make_test_token(Path(sys.argv[1]), label=sys.argv[2])",
+                           str(tmp_path / "hsm"), label], capture_output=True, text=True, cwd=PROJECT)
+    assert made.returncode == 0, made.stderr[-1500:]
+    return tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / f"{label}.pin").read_text(), \
+        tmp_path / "hsm" / f"{label}.sock"
+
+
+def _restarted_with_a_new_pin(server, socket: Path, conf: Path, label: str, pin: str):
+    """The HSM restarted with its user's PIN changed: `server` stopped, the PIN changed through
+    the module (as an HSM's officer would), a server started again on `socket` (returned)."""
+    server.stop()
+    subprocess.run([sys.executable, "-c", CHANGES_PIN, SOFTHSM, label], input=f"{pin} 24681357", text=True,
+                   check=True, env={**os.environ, "SOFTHSM2_CONF": str(conf)})
+    return servers.start_p11kit_server(socket, SOFTHSM, label, softhsm_conf=conf)
+
+
 PAUSED_AT_FIRST_SIGNATURE = """
 class Key:  # the module's key: its first signature waits until the test has restarted the HSM
     def __init__(self, key): self.key = key
@@ -592,12 +612,7 @@ def test_a_pin_refused_during_a_signer_s_first_probe_signatures_is_kept_for_ever
     callbacks that keep it were set after the probes) and surfaced as a raw SignError; a signer
     starting next offered the refused PIN again. Now it is kept, the first signer's start fails
     as a refused PIN, and the next signer offers nothing."""
-    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.seal.token "
-                           "import make_test_token; make_test_token(Path(sys.argv[1]), label='cn-probe')",
-                           str(tmp_path / "hsm")], capture_output=True, text=True, cwd=PROJECT)
-    assert made.returncode == 0, made.stderr[-1500:]
-    conf, pin, socket = tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / "cn-probe.pin").read_text(), \
-        tmp_path / "hsm" / "probe.sock"
+    conf, pin, socket = _token_of_its_own(tmp_path, "cn-probe")
     redis.Redis.from_url(redis_url).delete(keys.hsm_pin_refused("cn-probe"))  # none left by an earlier try
     hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-probe", softhsm_conf=conf)
     env = {**os.environ, "P11_KIT_SERVER_ADDRESS": hsm_server.url}
@@ -610,10 +625,7 @@ def test_a_pin_refused_during_a_signer_s_first_probe_signatures_is_kept_for_ever
         signer.stdin.write(pin + "\n")
         signer.stdin.flush()
         assert signer.stdout.readline() == "probing\n", signer.stderr.read()[-1500:]
-        hsm_server.stop()
-        subprocess.run([sys.executable, "-c", CHANGES_PIN, SOFTHSM, "cn-probe"], input=f"{pin} 24681357", text=True,
-                       check=True, env={**os.environ, "SOFTHSM2_CONF": str(conf)})
-        hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-probe", softhsm_conf=conf)
+        hsm_server = _restarted_with_a_new_pin(hsm_server, socket, conf, "cn-probe", pin)
         out, err = signer.communicate("\n", timeout=120)
         first = json.loads(out.splitlines()[-1]) if out.strip() else {"stderr": err[-1500:]}
         nxt = subprocess.run([sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{STARTS_A_SIGNER}", P11_KIT_CLIENT,
@@ -638,12 +650,7 @@ def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconn
     raw PinRefused each), and so did every other signer, until the HSM locked its user. Now the
     first signer offers it once, keeps the refusal in Redis, and each of its signatures fails as
     a note's sign error; the second reads the refusal and offers nothing."""
-    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.seal.token "
-                           "import make_test_token; make_test_token(Path(sys.argv[1]), label='cn-repin')",
-                           str(tmp_path / "hsm")], capture_output=True, text=True, cwd=PROJECT)
-    assert made.returncode == 0, made.stderr[-1500:]
-    conf, pin, socket = tmp_path / "hsm" / "softhsm2.conf", (tmp_path / "hsm" / "cn-repin.pin").read_text(), \
-        tmp_path / "hsm" / "repin.sock"
+    conf, pin, socket = _token_of_its_own(tmp_path, "cn-repin")
     hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-repin", softhsm_conf=conf)
     signers, results = [], []
     try:
@@ -655,10 +662,7 @@ def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconn
             signer.stdin.write(pin + "\n")
             signer.stdin.flush()
             assert signer.stdout.readline() == "signed\n", signer.stderr.read()[-1500:]
-        hsm_server.stop()  # the signers idle: no login in flight
-        subprocess.run([sys.executable, "-c", CHANGES_PIN, SOFTHSM, "cn-repin"], input=f"{pin} 24681357", text=True,
-                       check=True, env={**os.environ, "SOFTHSM2_CONF": str(conf)})
-        hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-repin", softhsm_conf=conf)
+        hsm_server = _restarted_with_a_new_pin(hsm_server, socket, conf, "cn-repin", pin)  # the signers idle
         for signer in signers:  # one after the other: the second reconnects after the first's refusal
             out, err = signer.communicate("\n", timeout=120)
             results.append(json.loads(out.splitlines()[-1]) if out.strip() else {"stderr": err[-1500:]})

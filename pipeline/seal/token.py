@@ -66,8 +66,7 @@ LOST = (p11.DeviceError, p11.DeviceRemoved, p11.GeneralError, p11.TokenNotPresen
 NOTE_CPU_S = 0.002  # the least CPU a note costs besides its signature: what one waiting signature must cover
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
-MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again this long,
-# every 0.25 s
+MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again, every 0.25 s
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
