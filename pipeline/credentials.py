@@ -239,14 +239,19 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
                          _pin(settings, secret), settings.pkcs11_sessions, settings.hsm_patience_s,
                          settings.deadline_at)
     resolved = _laid_over(settings, secret)  # an actor's Redis password is the secret's
-    key = _logged_in.get(config)
-    if key is not None and not key.alive():  # the HSM was lost since (a rerun in the same process): log in anew
-        key.close()
-        key = None
     r = redis_client(resolved.redis_url, patience_retries=0)
+    key = _logged_in.get(config)
+    if key is not None:  # logged in for an earlier run (a rerun in the same process): kept while the HSM signs
+        key.config = config  # this run's deadline
+        key.on_refused, key.refusal = _refusals(config, r)  # this run's Redis, before the probe may reconnect
+        if not key.alive():
+            if key.refused:  # refused by now: this process never offers that PIN again, and says so in this Redis
+                key.keep_refusal()
+                raise PinRefused(key.refused)
+            del _logged_in[config]  # the HSM was lost since: log in anew
+            key.close()
+            key = None
     key = key or _log_in(config, r)
-    key.config = config  # this run's deadline (a key logged in for an earlier run keeps its login)
-    key.on_refused, key.refusal = _refusals(config, r)  # and this run's Redis, where a refusal is kept and read
     cert, chain = _token_certificate(settings, secret, key)
     key.check_certificate(cert)
     if key.extractable:
@@ -288,7 +293,10 @@ def _refusal(config: TokenConfig, r) -> str:
 
 
 def pin_corrected(settings: Settings) -> bool:
-    """Forgets the token's refusal of a PIN (`--pin-corrected`): the next login may try once."""
+    """Forgets the token's refusal of a PIN (`--pin-corrected`), in Redis and in this process's
+    keys: the next login may try once."""
+    for config in [c for c, key in _logged_in.items() if c.token == settings.pkcs11_token and key.refused]:
+        _logged_in.pop(config).close()
     return bool(redis_client(settings.redis_url, patience_retries=0).delete(keys.hsm_pin_refused(settings.pkcs11_token)))
 
 

@@ -119,7 +119,8 @@ def test_a_key_kept_for_a_later_run_on_another_redis_keeps_and_reads_refusals_th
     try:
         first = on_token(settings, hsm)
         def logged_in():
-            return next(key for config, key in credentials._logged_in.items() if config.token == hsm.label)
+            return next(key for config, key in credentials._logged_in.items()
+                        if (config.module, config.token) == (SOFTHSM, hsm.label))
 
         credentials.read(first)
         key = logged_in()
@@ -643,6 +644,69 @@ def test_a_pin_refused_during_a_signer_s_first_probe_signatures_is_kept_for_ever
     assert second.get("offered") == 0 and second["said"].startswith("PinRefused: the HSM refused the PIN for token "
                                                                      "'cn-probe' at "), second
 
+
+KEEPS_ITS_LOGIN_FOR_LATER_RUNS = """
+import dataclasses, json, sys
+from pipeline import credentials
+from pipeline.settings import Settings
+module, label, cert, *urls = sys.argv[1:]
+first = Settings.from_env({}, redis_url=urls[0], pkcs11_module=module, pkcs11_token=label, pkcs11_key="signer",
+                          pkcs11_pin=sys.stdin.readline().strip(), signer_cert=cert, hsm_patience_s=30)
+credentials.read(first)
+print("logged in", flush=True)
+sys.stdin.readline()  # meanwhile the HSM restarted, its PIN changed
+said = []
+for url in urls[1:]:  # later runs in this process (a notebook's reruns), each on a Redis of its own
+    try:
+        credentials.read(dataclasses.replace(first, redis_url=url))
+        said.append("read")
+    except Exception as e:
+        said.append(f"{type(e).__name__}: {e}")
+print(json.dumps({"said": said, "offered": len(counted)}))
+"""
+
+
+def test_a_kept_login_refused_between_runs_is_offered_once_and_the_refusal_kept_in_each_later_run_s_redis(
+        tmp_path, redis_url):
+    """A process keeps its HSM login for its later runs, and probes the HSM with a signature
+    before each. The HSM restarts between two runs with the user's PIN changed. Before, the
+    probe's reconnection offered the old PIN and kept the refusal in the first run's Redis; the
+    key, taken as lost, was closed and a new login offered the PIN again, and so on at each
+    run. Now the probe keeps the refusal in the later run's Redis, the run fails as a refused
+    PIN, and no later run of the process offers it again: each keeps it in its own Redis."""
+    from pipeline.embedded import start_redis
+
+    conf, pin, socket = _token_of_its_own(tmp_path, "cn-kept")
+    later = [start_redis(tmp_path / f"redis-{n}", aof=False) for n in (1, 2)]
+    hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-kept", softhsm_conf=conf)
+    process = None
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{KEEPS_ITS_LOGIN_FOR_LATER_RUNS}", P11_KIT_CLIENT,
+             "cn-kept", str(tmp_path / "hsm" / "cn-kept.cert.pem"), redis_url, *(r.url for r in later)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PROJECT,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("CN_")},
+                 "P11_KIT_SERVER_ADDRESS": hsm_server.url})
+        process.stdin.write(pin + "\n")
+        process.stdin.flush()
+        assert process.stdout.readline() == "logged in\n", process.stderr.read()[-1500:]
+        hsm_server = _restarted_with_a_new_pin(hsm_server, socket, conf, "cn-kept", pin)
+        out, err = process.communicate("\n", timeout=120)
+        result = json.loads(out.splitlines()[-1]) if out.strip() else {"stderr": err[-1500:]}
+        kept = [redis.Redis.from_url(url).get(keys.hsm_pin_refused("cn-kept")) for url in (redis_url, *(r.url for r in
+                                                                                                        later))]
+    finally:
+        hsm_server.stop()
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        redis.Redis.from_url(redis_url).delete(keys.hsm_pin_refused("cn-kept"))
+        for r in later:
+            r.stop()
+    assert result.get("offered") == 2, result  # the first run's login, the second's probe
+    assert [s.split(":")[0] for s in result["said"]] == ["PinRefused", "PinRefused"], result
+    assert all("refused the PIN for token 'cn-kept'" in s for s in result["said"]), result
+    assert [bool(k) for k in kept] == [False, True, True], "kept in each later run's Redis, not the first's"
 
 def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconnection(tmp_path, redis_url):
     """The HSM restarts mid-day with the user's PIN changed: a signer's reconnection offers the
