@@ -5,6 +5,7 @@ checks the seal, and `verify` names the object an edit or a deletion touched."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import imaplib
@@ -269,9 +270,11 @@ def test_a_bounce_without_a_token_is_matched_by_the_message_id_it_returns_read_f
     assert [(e["ucc"], e["token"], e["message_id"]) for e in logged] == [("C1", "", message_id(run_id, "C1"))]
 
 
+@contextlib.contextmanager
 def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
     """A mailed run of two accounts (C1, C2) on `redis_url`, and `bounces --watch` on an empty
-    maildir polling every 0.2 s: (run_id, settings, state, box, watcher, the DSN for an account)."""
+    maildir polling every 0.2 s: (run_id, settings, state, box, watcher, the DSN for an account).
+    The watch is killed on the way out if it is still running, whatever failed."""
     import time
     import uuid
 
@@ -296,8 +299,13 @@ def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
                                 "--every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
-    return run_id, settings, state, box, watcher, lambda ucc: dsn("bounced", v.address(run_id, ucc),
-                                                                  f"{ucc.lower()}@clients.test", b"\r\n")
+    try:
+        yield run_id, settings, state, box, watcher, lambda ucc: dsn("bounced", v.address(run_id, ucc),
+                                                                     f"{ucc.lower()}@clients.test", b"\r\n")
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
 
 
 def _deliver(box: Path, name: str, message: bytes) -> None:
@@ -312,16 +320,12 @@ def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_repor
     import signal
     import time
 
-    run_id, settings, state, box, watcher, returned = _watching(redis_url, keys_dir, tmp_path)
-    try:
+    with _watching(redis_url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
         time.sleep(1)
         _deliver(box, "1.dsn", returned("C2"))
         _recorded(state, "C2", watcher, box)
         watcher.send_signal(signal.SIGTERM)
         out, err = watcher.communicate(timeout=30)
-    finally:
-        if watcher.poll() is None:
-            watcher.kill()
     assert watcher.returncode == 0, err[-2000:]
     assert json.loads(out.strip().splitlines()[-1])["bounced"] == 1
     assert rows(settings, run_id)["C2"]["status"] == "bounced", "the report got what the watch recorded"
@@ -372,10 +376,10 @@ def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bo
 
     redis = start_redis(tmp_path / "redis", aof=False)
     try:
-        run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path)
-        _deliver(box, "1.dsn", returned("C1"))
-        _recorded(state, "C1", watcher, box)  # the watch polling
-        out, err = _sigterm_while_redis_waits(redis, watcher, lambda: _deliver(box, "2.dsn", returned("C2")))
+        with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
+            _deliver(box, "1.dsn", returned("C1"))
+            _recorded(state, "C1", watcher, box)  # the watch polling
+            out, err = _sigterm_while_redis_waits(redis, watcher, lambda: _deliver(box, "2.dsn", returned("C2")))
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
         assert said["bounced"] == 2 and "bounce" in state.accounts(["C2"])["C2"], (said["bounced"], err[-2000:])
@@ -399,15 +403,15 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
 
     redis = start_redis(tmp_path / "redis", aof=False)
     try:
-        run_id, settings, state, box, watcher, returned = _watching(redis.url, keys_dir, tmp_path)
-        deadline = time.monotonic() + 60
-        while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
-            if watcher.poll() is not None or time.monotonic() > deadline:
-                watcher.kill()
-                pytest.fail(f"the watch is not polling: {watcher.communicate()[1][-2000:]}")
-            time.sleep(0.1)
-        out, err = _sigterm_while_redis_waits(redis, watcher, lambda: [_deliver(box, f"{n}.dsn", returned(f"C{n}"))
-                                                                       for n in (1, 2)])
+        with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
+            deadline = time.monotonic() + 60
+            while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
+                if watcher.poll() is not None or time.monotonic() > deadline:
+                    watcher.kill()
+                    pytest.fail(f"the watch is not polling: {watcher.communicate()[1][-2000:]}")
+                time.sleep(0.1)
+            out, err = _sigterm_while_redis_waits(redis, watcher, lambda: [
+                _deliver(box, f"{n}.dsn", returned(f"C{n}")) for n in (1, 2)])
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
         recorded = [u for u, a in state.accounts(["C1", "C2"]).items() if "bounce" in a]
