@@ -293,10 +293,7 @@ def _refusal(config: TokenConfig, r) -> str:
 
 
 def pin_corrected(settings: Settings) -> bool:
-    """Forgets the token's refusal of a PIN (`--pin-corrected`), in Redis and in this process's
-    keys: the next login may try once."""
-    for config in [c for c, key in _logged_in.items() if c.token == settings.pkcs11_token and key.refused]:
-        _logged_in.pop(config).close()
+    """Forgets the token's refusal of a PIN (`--pin-corrected`): the next login may try once."""
     return bool(redis_client(settings.redis_url, patience_retries=0).delete(keys.hsm_pin_refused(settings.pkcs11_token)))
 
 
