@@ -244,11 +244,11 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
     if key is not None:  # logged in for an earlier run (a rerun in the same process): kept while the HSM signs
         key.config = config  # this run's deadline
         key.on_refused, key.refusal = _refusals(config, r)  # this run's Redis, before the probe may reconnect
-        if not key.alive():
-            if key.refused:  # refused by now: this process never offers that PIN again, and says so in this Redis
-                key.keep_refusal()
-                raise PinRefused(key.refused)
-            del _logged_in[config]  # the HSM was lost since: log in anew
+        key.tell(lambda since: None)  # an outage the probe meets is not the earlier run's to note
+        if not key.alive():  # not signing: the HSM lost since, the PIN refused on its return, the sessions gone
+            if key.refused:
+                _refused_here[_user(config)] = key.refused
+            del _logged_in[config]
             key.close()
             key = None
     key = key or _log_in(config, r)
@@ -265,12 +265,32 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
 _logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver's preflight, its run, its close
 
 
+_refused_here: dict[tuple[str, str, str], str] = {}  # (module, token, PIN) refused in this process: never offered again
+
+
+def _user(config: TokenConfig) -> tuple[str, str, str]:
+    return config.module, config.token, config.pin
+
+
 def _log_in(config: TokenConfig, r) -> TokenKey:
-    refused = _refusal(config, r)
-    if refused:
+    """A new login, unless this process or another met a refusal of the PIN. One this process
+    met is kept in this run's Redis too (a later run of the process may use another Redis), and
+    holds until the process ends: a refusal in Redis is forgotten by `--pin-corrected`."""
+    keep, known = _refusals(config, r)
+    if _user(config) in _refused_here:
+        try:
+            keep()
+        except Exception as e:
+            log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(e).__name__)
+        raise PinRefused(f"{_refused_here[_user(config)]} (not offered again by this process: restart it, a "
+                         "notebook's kernel, once the PIN is corrected)")
+    if refused := known():
         raise PinRefused(refused)
-    # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
-    key = TokenKey(config, *_refusals(config, r))
+    try:  # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
+        key = TokenKey(config, keep, known)
+    except PinRefused as e:
+        _refused_here[_user(config)] = str(e)
+        raise
     _logged_in[config] = key
     return key
 
