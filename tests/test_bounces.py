@@ -295,10 +295,10 @@ def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
         (box / sub).mkdir(parents=True)
     env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": settings.store_url,
            "CN_TOKEN_KEY_FILE": settings.token_key_file, "PYTHONPATH": ROOT}
+    v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
     watcher = subprocess.Popen([sys.executable, "-m", "pipeline", "bounces", run_id, "--maildir", str(box), "--watch",
                                 "--every", "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
-    v = verp.Verp(settings.bounce_local, settings.bounce_domain, settings.hmac_key())
     try:
         yield run_id, settings, state, box, watcher, lambda ucc: dsn("bounced", v.address(run_id, ucc),
                                                                      f"{ucc.lower()}@clients.test", b"\r\n")
