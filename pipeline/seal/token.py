@@ -149,7 +149,7 @@ class TokenKey:
         try:
             self._connect()
         except PinRefused:
-            self.keep_refusal()
+            self._keep_refusal()
             raise
         try:
             self.round_trip_s, self.wait_s, blocks = self._measure()
@@ -464,7 +464,7 @@ class TokenKey:
                     return
                 except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
                     refused = str(e)
-                    self.keep_refusal()
+                    self._keep_refusal()
                 except Exception as e:
                     self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
                     raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
@@ -480,7 +480,7 @@ class TokenKey:
             self._end_outage()
         return SignError(said)
 
-    def keep_refusal(self) -> None:
+    def _keep_refusal(self) -> None:
         try:
             self.on_refused()
         except Exception as e:  # this process offers it no more; another offers it once more
