@@ -245,9 +245,7 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
         key.config = config  # this run's deadline
         key.on_refused, key.refusal = _refusals(config, r)  # this run's Redis, before the probe may reconnect
         key.tell(lambda since: None)  # an outage the probe meets is not the earlier run's to note
-        if not key.alive():  # not signing: the HSM lost since, the PIN refused on its return, the sessions gone
-            if key.refused:
-                _refused_here[_user(config)] = key.refused
+        if not key.alive():  # not signing: the HSM lost since, the PIN refused (so remembered), the sessions gone
             del _logged_in[config]
             key.close()
             key = None
@@ -265,7 +263,7 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
 _logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver's preflight, its run, its close
 
 
-_refused_here: dict[tuple[str, str, str], str] = {}  # (module, token, PIN) refused in this process: never offered again
+_refused_here: dict[tuple[str, str, str], str] = {}  # (module, token, PIN) refused to this process: never offered again
 
 
 def _user(config: TokenConfig) -> tuple[str, str, str]:
@@ -277,28 +275,27 @@ def _log_in(config: TokenConfig, r) -> TokenKey:
     met is kept in this run's Redis too (a later run of the process may use another Redis), and
     holds until the process ends: a refusal in Redis is forgotten by `--pin-corrected`."""
     keep, known = _refusals(config, r)
-    if _user(config) in _refused_here:
+    if said := _refused_here.get(_user(config)):
         try:
-            keep()
+            keep(said)
         except Exception as e:
             log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(e).__name__)
-        raise PinRefused(f"{_refused_here[_user(config)]} (not offered again by this process: restart it, a "
-                         "notebook's kernel, once the PIN is corrected)")
+        raise PinRefused(f"{said} by this process, whatever the run: once the PIN is corrected, restart it (a "
+                         "notebook: its kernel) and run with --pin-corrected")
     if refused := known():
         raise PinRefused(refused)
-    try:  # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
-        key = TokenKey(config, keep, known)
-    except PinRefused as e:
-        _refused_here[_user(config)] = str(e)
-        raise
+    # the key keeps a refusal it meets (its login's, or a reconnection's from the probe signatures on)
+    key = TokenKey(config, keep, known)
     _logged_in[config] = key
     return key
 
 
-def _refusals(config: TokenConfig, r) -> tuple[Callable[[], None], Callable[[], str]]:
-    """A key's hooks into Redis: keep a refusal it met (the first one's time: one read from
-    another process is not a refusal anew), and read one another process met."""
-    def keep() -> None:
+def _refusals(config: TokenConfig, r) -> tuple[Callable[[str], None], Callable[[], str]]:
+    """A key's hooks: keep a refusal of the PIN this process met, for its life and in this run's
+    Redis (the first one's time: one read from another process is not a refusal anew), and read
+    one another process met."""
+    def keep(said: str) -> None:
+        _refused_here[_user(config)] = said
         r.set(keys.hsm_pin_refused(config.token), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               nx=True)
 

@@ -126,12 +126,13 @@ def test_a_key_kept_for_a_later_run_on_another_redis_keeps_and_reads_refusals_th
         key = logged_in()
         credentials.read(dataclasses.replace(first, redis_url=other.url))
         assert logged_in() is key, "the login kept"
-        key.on_refused()
+        key.on_refused("the HSM refused the PIN (as a reconnection would say)")
         assert redis.Redis.from_url(other.url).get(keys.hsm_pin_refused(hsm.label)), "kept in this run's Redis"
         assert not redis.Redis.from_url(first.redis_url).get(keys.hsm_pin_refused(hsm.label))
         assert "refused the PIN for token" in key.refusal()
-    finally:
-        redis.Redis.from_url(settings.redis_url).delete(keys.hsm_pin_refused(hsm.label))  # the session's other tests
+    finally:  # the session's other tests log in to this token with this PIN
+        credentials._refused_here.clear()
+        redis.Redis.from_url(settings.redis_url).delete(keys.hsm_pin_refused(hsm.label))
         other.stop()
 
 
@@ -649,17 +650,23 @@ KEEPS_ITS_LOGIN_FOR_LATER_RUNS = """
 import dataclasses, json, sys
 from pipeline import credentials
 from pipeline.settings import Settings
-module, label, cert, key_file, *urls = sys.argv[1:]
-first = Settings.from_env({}, redis_url=urls[0], pkcs11_module=module, pkcs11_token=label, pkcs11_key="signer",
+module, label, cert, key_file, when, *runs = sys.argv[1:]
+first = Settings.from_env({}, redis_url=runs[0], pkcs11_module=module, pkcs11_token=label, pkcs11_key="signer",
                           pkcs11_pin=sys.stdin.readline().strip(), signer_cert=cert, hsm_patience_s=30,
                           token_key_file=key_file)
-credentials.read(first)
+_, signer = credentials.read(first)
 print("logged in", flush=True)
 sys.stdin.readline()  # meanwhile the HSM restarted, its PIN changed
 said = []
-for n, url in enumerate(urls[1:]):  # later runs in this process (a notebook's reruns), each on a Redis of its own,
-    try:  # the last with another patience: a login of its own, the same PIN
-        credentials.read(dataclasses.replace(first, redis_url=url, hsm_patience_s=30 + n // 2))
+if when == "mid-run":  # the first run signs on: its reconnection meets the refusal
+    try:
+        signer.sign(b"a note")
+    except Exception as e:
+        said.append(f"{type(e).__name__}: {e}")
+for run in runs[1:]:  # later runs in this process (a notebook's reruns), each on a Redis of its own; another
+    url, patience = run.split("@")  # patience is a login of its own, with the same PIN
+    try:
+        credentials.read(dataclasses.replace(first, redis_url=url, hsm_patience_s=float(patience)))
         said.append("read")
     except Exception as e:
         said.append(f"{type(e).__name__}: {e}")
@@ -667,15 +674,18 @@ print(json.dumps({"said": said, "offered": len(counted)}))
 """
 
 
-def test_a_kept_login_refused_between_runs_is_offered_once_and_the_refusal_kept_in_each_later_run_s_redis(
-        tmp_path, redis_url):
+@pytest.mark.parametrize("when, patiences, first_kept", [("between-runs", (30, 30, 31), False),
+                                                         ("mid-run", (31, 30, 30), True)])
+def test_a_pin_refused_to_a_process_is_offered_once_and_the_refusal_kept_in_each_later_run_s_redis(
+        when, patiences, first_kept, tmp_path, redis_url):
     """A process keeps its HSM login for its later runs, and probes the HSM with a signature
-    before each. The HSM restarts between two runs with the user's PIN changed. Before, the
-    probe's reconnection offered the old PIN and kept the refusal in the first run's Redis; the
-    key, taken as lost, was closed and a new login offered the PIN again, and so on at each
-    run, and at each run whose settings made a login of its own. Now the probe keeps the refusal
-    in the later run's Redis, the run fails as a refused PIN, and no later run of the process
-    offers it again: each keeps it in its own Redis."""
+    before each. The HSM restarts with the user's PIN changed, between two runs or while the first
+    signs. Before, a later run's probe offered the old PIN and kept the refusal in the first
+    run's Redis; the key, taken as lost, was closed and a new login offered the PIN again, and
+    so did each later run, and each run whose settings (here its patience) made a login of its
+    own. Now the refusal is remembered for the process's life the moment the HSM refuses it: no
+    later run offers the PIN again, each fails as a refused PIN and keeps the refusal in its
+    own Redis."""
     from pipeline.embedded import start_redis
 
     conf, pin, socket = _token_of_its_own(tmp_path, "cn-kept")
@@ -685,8 +695,8 @@ def test_a_kept_login_refused_between_runs_is_offered_once_and_the_refusal_kept_
         hsm_server = servers.start_p11kit_server(socket, SOFTHSM, "cn-kept", softhsm_conf=conf)
         process = subprocess.Popen(
             [sys.executable, "-c", f"counted = []\n{OFFERED_PINS}\n{KEEPS_ITS_LOGIN_FOR_LATER_RUNS}", P11_KIT_CLIENT,
-             "cn-kept", str(tmp_path / "hsm" / "cn-kept.cert.pem"), str(tmp_path / "token.key"), redis_url,
-             *(r.url for r in later)],
+             "cn-kept", str(tmp_path / "hsm" / "cn-kept.cert.pem"), str(tmp_path / "token.key"), when,
+             f"{redis_url}@30", *(f"{r.url}@{p}" for r, p in zip(later, patiences))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PROJECT,
             env={**{k: v for k, v in os.environ.items() if not k.startswith("CN_")},
                  "P11_KIT_SERVER_ADDRESS": hsm_server.url})
@@ -707,10 +717,11 @@ def test_a_kept_login_refused_between_runs_is_offered_once_and_the_refusal_kept_
         redis.Redis.from_url(redis_url).delete(keys.hsm_pin_refused("cn-kept"))
         for r in later:
             r.stop()
-    assert result.get("offered") == 2, result  # the first run's login, the second's probe
-    assert [s.split(":")[0] for s in result["said"]] == ["PinRefused"] * 3, result
+    assert result.get("offered") == 2, result  # the first run's login; the first reconnection, its or a probe's
+    assert [s.split(":")[0] for s in result["said"]] == ["SignError"] * first_kept + ["PinRefused"] * 3, result
     assert all("refused the PIN for token 'cn-kept'" in s for s in result["said"]), result
-    assert [bool(k) for k in kept] == [False, True, True, True], "kept in each later run's Redis, not the first's"
+    assert [bool(k) for k in kept] == [first_kept, True, True, True], "kept by the run that met it, and each later"
+
 
 def test_a_pin_changed_under_running_signers_is_offered_once_on_the_first_reconnection(tmp_path, redis_url):
     """The HSM restarts mid-day with the user's PIN changed: a signer's reconnection offers the

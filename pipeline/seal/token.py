@@ -124,7 +124,7 @@ class TokenKey:
     reconnected with backoff, until `config.gives_up_at` its start; past it a signature fails with
     "HSM unreachable". `told` hears when an outage begins and ends (the run's page says so)."""
 
-    def __init__(self, config: TokenConfig, on_refused: Callable[[], None] = lambda: None,
+    def __init__(self, config: TokenConfig, on_refused: Callable[[str], None] = lambda said: None,
                  refusal: Callable[[], str] = lambda: ""):
         self.config = config
         self.lib = None
@@ -138,7 +138,7 @@ class TokenKey:
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
-        self.on_refused = on_refused  # a refusal met here kept for every other process (credentials)
+        self.on_refused = on_refused  # a refusal this process met, kept for its later runs and every other process
         self.refusal = refusal  # one another process met: a reconnection (the probes' too) offers no PIN then
         self._sessions: list = []
         self.extractable = False
@@ -148,8 +148,8 @@ class TokenKey:
         self.sessions = 1  # until measured: what a reconnection during the measure opens
         try:
             self._connect()
-        except PinRefused:
-            self._keep_refusal()
+        except PinRefused as e:
+            self._keep_refusal(str(e))
             raise
         try:
             self.round_trip_s, self.wait_s, blocks = self._measure()
@@ -464,7 +464,7 @@ class TokenKey:
                     return
                 except PinRefused as e:  # the PIN changed under a running day: offered once, as at a start
                     refused = str(e)
-                    self._keep_refusal()
+                    self._keep_refusal(refused)
                 except Exception as e:
                     self._next_try = now + min(RECONNECT_MAX_S, max(0.5, 2 * (now - self._down_since)))
                     raise _Down(f"unreachable since {now - self._down_since:.0f} s: {type(e).__name__}") from None
@@ -480,9 +480,9 @@ class TokenKey:
             self._end_outage()
         return SignError(said)
 
-    def _keep_refusal(self) -> None:
+    def _keep_refusal(self, said: str) -> None:
         try:
-            self.on_refused()
+            self.on_refused(said)
         except Exception as e:  # this process offers it no more; another offers it once more
             log.warning("the HSM's refusal of the PIN is not kept for other processes: %s", type(e).__name__)
 
