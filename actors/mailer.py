@@ -17,7 +17,7 @@ import ray
 from actors import metrics
 from pipeline import credentials
 from pipeline.record.state import RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import open_store, tell
 from pipeline.settings import Settings
 from pipeline.stages import Batch, mail_context, mail_stage
 
@@ -38,10 +38,11 @@ class MailerActor:
             if self.ctx is None:
                 state = RunState.of(self.settings, self.run_id)
                 epoch = await asyncio.to_thread(state.epoch)  # Redis may be away: the loop is not held
-                self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url), self.force,
+                self.ctx = mail_context(self.settings, state, open_store(self.settings.store_url, run=self.settings), self.force,
                                         self.resend, self.dkim, epoch)
                 notes = RunState.of(self.settings, self.run_id, patience_retries=0)  # said now or not at all
                 self.ctx.pool.told = lambda since: notes.note_wait("relay", since)  # the page: waiting for the relays
+                tell(self.settings.store_url, lambda since: notes.note_wait("store", since))
                 # Once ready, what lives as long as the actor (Ray's, the pipeline's, the pool's
                 # objects) goes to the collector's permanent generation: the oldest generation's
                 # collections, which a mailer's churn of small objects sets off every few thousand

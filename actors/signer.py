@@ -18,7 +18,7 @@ import ray
 from actors import metrics
 from pipeline import credentials
 from pipeline.record.state import RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import open_store, tell
 from pipeline.seal.sign import SignatureInfo
 from pipeline.settings import Settings
 from pipeline.stages import Batch, sign_stage
@@ -31,10 +31,11 @@ class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
         self.settings, self.signer = credentials.read(settings)  # one read of the secret
         self.info = SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact)
-        self.store = open_store(settings.store_url)
+        self.store = open_store(settings.store_url, run=settings)
         self.state = RunState.of(self.settings, run_id)
         notes = RunState.of(self.settings, run_id, patience_retries=0)  # said now or not at all: never waited on
         self.signer.tell(lambda since: notes.note_wait("hsm", since))  # the page: waiting for the HSM since ...
+        tell(settings.store_url, lambda since: notes.note_wait("store", since))
 
     def sign(self, batch: Batch) -> Batch:
         started, before = time.perf_counter(), len(batch.items)

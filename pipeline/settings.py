@@ -120,8 +120,11 @@ class Settings:
     redis_patience_s: float = setting("CN_REDIS_PATIENCE_S", 30.0, "the least a Redis outage (a restart, a "
                                       "failover) is waited out before a call fails; up to the run's deadline if "
                                       "that is later", 0, 86_400)
+    store_patience_s: float = setting("CN_STORE_PATIENCE_S", 120.0, "the least an S3 outage (no answer, or 5xx "
+                                      "replies past the client's own ~80 s of retries) is waited out before a "
+                                      "run's request fails; up to the run's deadline if that is later", 0, 86_400)
     deadline_at: float = setting("CN_DEADLINE_AT", 0.0, "the run's deadline, in seconds since the epoch (`run "
-                                 "--deadline-min` sets it from the run's start): until then an HSM, relay or Redis "
+                                 "--deadline-min` sets it from the run's start): until then an HSM, relay, Redis or S3 "
                                  "outage holds the day; 0: none, each CN_*_PATIENCE_S alone", 0, 1e11)
     day_deadline_h: float = setting("CN_DAY_DEADLINE_H", 12.0, "a run's or rerun's deadline when neither "
                                     "--deadline-min nor CN_DEADLINE_AT gives one, in hours from its start: a "

@@ -15,17 +15,18 @@ S3_SECRET_KEY = "cn-test-secret-0123456789"
 
 
 def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False,
-                    tls: tuple[Path, Path] | None = None) -> Service:
+                    tls: tuple[Path, Path] | None = None, port: int = 0) -> Service:
     """An S3-compatible server (versitygw, posix backend with metadata: conditional writes work) speaking S3 over
     HTTP; with `nometa`, one that accepts a second If-None-Match PUT of a key, as some S3-compatible stores do;
     with `keep_alive`, one that keeps a connection for the next request, as S3 does (versitygw closes each);
-    with `tls` (a certificate and its key), over HTTPS."""
+    with `tls` (a certificate and its key), over HTTPS; `port`, one a stopped server had (its `root` again: back
+    with its objects)."""
     binary = shutil.which("versitygw", path=str(Path(__file__).resolve().parent.parent / ".venv" / "bin"))
     binary = binary or shutil.which("versitygw")
     if not binary:
         raise EmbeddedError("versitygw not found: run scripts/test.sh, which builds it")
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     log = (root.parent / "versitygw.log").open("ab")
     process = subprocess.Popen(
         [binary, "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"127.0.0.1:{port}",

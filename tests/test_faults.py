@@ -5,6 +5,7 @@ must agree with the relay."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -16,7 +17,9 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import boto3
 import psutil
 import pytest
 import redis
@@ -35,6 +38,7 @@ from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
 from tests.conftest import NEXT_DATE, TRADE_DATE
 from tests.helpers import attachment, client_rows, outbox_messages
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw
 
 ACCOUNTS = int(os.environ.get("CN_FAULT_ACCOUNTS", "60"))  # the closing note's matrix ran with 300-500
 
@@ -264,6 +268,58 @@ def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers
         settled = {"reconciled": reconcile(relay, run_id, [relay_log(server.outbox, tmp_path / "relay.log")])
                    ["reconciled"], "resent": len(rerun(relay, run_id, unconfirmed=True)["rerun_accounts"])}
     assert_each_account_once(settings, run_id, busy_day, server.outbox, "relay down 20 s", summary, settled)
+
+
+@pytest.mark.waits
+def test_s3_stopped_mid_run_past_each_request_s_attempts_holds_the_day_and_fails_nothing(
+        settings, busy_day, smtp_server, tmp_path, monkeypatch):
+    """S3 stopped (each connection refused) mid-run, longer than a request's own attempts
+    (AWS_MAX_ATTEMPTS=2 here, ~1-2 s; a day's ten ride out ~80 s): the run waits for it
+    (CN_STORE_PATIENCE_S, then its deadline) and every account is delivered once, nothing failed.
+    CN_FAULT_S3_OUTAGE_S=100 without AWS_MAX_ATTEMPTS shows the same past the ten attempts."""
+    outage_s = float(os.environ.get("CN_FAULT_S3_OUTAGE_S", "15"))
+    s3 = start_versitygw(tmp_path / "s3")
+    aws = {"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in aws.items():
+        monkeypatch.setenv(k, v)
+    boto3.client("s3").create_bucket(Bucket="day")
+    server = smtp_server(delay_ms=25)
+    run_id = f"s3-out-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, **aws, "AWS_MAX_ATTEMPTS": os.environ.get("AWS_MAX_ATTEMPTS", "2"),
+           "CN_SIGNER_KEY": settings.signer_key, "CN_SIGNER_CERT": settings.signer_cert,
+           "CN_TOKEN_KEY_FILE": settings.token_key_file, "CN_SIGNER_CHAIN": settings.signer_chain,
+           "CN_OWNER_PASSWORD": settings.owner_password, "CN_STORE": "s3://day", "REDIS_URL": settings.redis_url,
+           "SMTP_URL": server.url, "CN_SHARD_SIZE": "8", "CN_WINDOW": "2", "RAY_ADDRESS": "", "CN_STORE_PATIENCE_S": "5"}
+    back, driver = [], None
+    try:
+        driver = subprocess.Popen([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input",
+                                   str(busy_day), "--run-id", run_id, "--deadline-min", "10"], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(server.outbox, 8, timeout_s=180)
+        s3.stop()
+        stopped, noted, meta = len(list(server.outbox.glob("*.eml"))), None, redis.Redis.from_url(settings.redis_url)
+        out_until = time.monotonic() + outage_s
+        while time.monotonic() < out_until:
+            noted = noted or meta.hget(keys.run_meta(run_id), "waiting:store")  # what the live page shows
+            time.sleep(0.2)
+        back.append(start_versitygw(tmp_path / "s3", port=urlsplit(s3.url).port))
+        out, err = driver.communicate(timeout=600)
+        assert driver.returncode == 0, out[-2000:] + err[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert stopped < len(mailable(busy_day)), "S3 stopped mid-run"
+        assert noted and not meta.hget(keys.run_meta(run_id), "waiting:store")
+        assert "WARNING waiting for the store (s3://day) since " in err and "the store (s3://day) is back after " in err
+        assert (summary["failed"], summary["unconfirmed"]) == (0, 0), summary
+        assert summary["delivered"] == len(mailable(busy_day))
+        assert_each_account_once(dataclasses.replace(settings, store_url="s3://day"), run_id, busy_day,
+                                 server.outbox, f"S3 stopped {outage_s:g} s", summary)
+    finally:
+        if driver and driver.poll() is None:
+            driver.kill()  # a failed wait: the run and its local Ray (which end with their driver)
+            driver.communicate()
+        for service in [s3, *back]:
+            service.stop()
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["with-aof", "without-persistence"])

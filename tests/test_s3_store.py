@@ -2,15 +2,21 @@
 pipeline/record/s3.py), against versitygw and against bare servers that misbehave: what
 botocore did for the store (retries, error codes, checksums, a lost reply settled) it still does."""
 
+import dataclasses
+import logging
 import socket
 import threading
+import time
+import uuid
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import boto3
 import pytest
 
 from pipeline.record import delivery_log, s3
 from pipeline.record.storage import StorageError, open_store, write_once
+from pipeline.settings import Settings
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_chain, start_versitygw
 
 QUICK = {"init_backoff": timedelta(milliseconds=1), "max_backoff": timedelta(milliseconds=5), "base": 2}
@@ -334,6 +340,80 @@ def test_a_create_only_write_whose_every_reply_was_lost_is_settled_by_reading_it
     proxy = between(lose=100)
     assert write_once(open_store(f"s3://{s3_bucket}"), "0/x", b"the record") == b"the record"
     assert proxy.puts == s3.MAX_ATTEMPTS
+
+
+def test_a_run_s_requests_wait_out_s3_stopped_past_the_client_s_attempts_and_land_once(tmp_path, monkeypatch, caplog):
+    """S3 stopped (each connection refused) past the client's own attempts (~80 s in a day; their
+    backoff made ms here): a run's create-only PUT waits until S3 is back and lands once, a
+    listing goes on; a store of no run fails once the attempts are spent, as before."""
+    server, url = _own_s3(tmp_path, monkeypatch)
+    run = dataclasses.replace(Settings(), store_patience_s=60.0, deadline_at=0.0)
+    store, other = open_store(url, run=run), open_store(url)
+    store.put("0/a", b"a")
+    server.stop()
+    with pytest.raises(StorageError, match="cannot read '0/a': the S3 endpoint does not answer"):
+        other.get("0/a")
+    back = []
+    timer = threading.Timer(3.0, lambda: back.append(start_versitygw(tmp_path / "s3", port=urlsplit(server.url).port)))
+    timer.start()
+    try:
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="pipeline.record.storage"):
+            assert store.put_new("0/b", b"b") is True
+        assert time.monotonic() - began >= 2.5
+        assert list(store.keys("0/")) == ["0/a", "0/b"] and other.get("0/b") == b"b"
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and said[0].startswith(f"waiting for the store ({url}) since ")
+        assert said[1].startswith(f"the store ({url}) is back after ")
+    finally:
+        timer.join()
+        for service in [server, *back]:
+            service.stop()
+
+
+@pytest.mark.parametrize("held_by", ["patience", "deadline"])
+def test_a_run_s_request_fails_once_s3_is_out_past_its_patience_and_its_deadline(tmp_path, monkeypatch, caplog,
+                                                                                  held_by):
+    """...and once S3 is back, a request that goes through at once ends the outage: the next
+    one is said and waited for anew."""
+    server, url = _own_s3(tmp_path, monkeypatch)
+    run = dataclasses.replace(Settings(), store_patience_s=1.5 if held_by == "patience" else 0.0,
+                              deadline_at=time.time() + 1.5 if held_by == "deadline" else 0.0)
+    store, port, servers = open_store(url, run=run), urlsplit(server.url).port, [server]
+    try:
+        server.stop()
+        began = time.monotonic()
+        past = "CN_STORE_PATIENCE_S \\(1.5 s\\)" if held_by == "patience" else "the run's deadline"
+        with pytest.raises(StorageError, match=f"cannot write '0/a': the S3 endpoint does not answer .*, S3 out "
+                                               f"since [0-9:]+ UTC, past {past}"):
+            store.put_new("0/a", b"a")
+        assert 1.4 <= time.monotonic() - began < 10
+        servers.append(start_versitygw(tmp_path / "s3", port=port))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pipeline.record.storage"):
+            assert store.put_new("0/a", b"a") is True
+            servers[-1].stop()
+            with pytest.raises(StorageError, match="S3 out since"):
+                store.get("0/a")
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and said[0].startswith(f"the store ({url}) is back after "), said
+        assert said[1].startswith(f"waiting for the store ({url}) since "), said
+    finally:
+        for service in servers:
+            service.stop()
+
+
+def _own_s3(tmp_path, monkeypatch) -> tuple:
+    """An S3 server of the test's own, to stop and start again, and the URL of a bucket of the
+    test's own on it (a process notes an outage by the store's URL)."""
+    server = start_versitygw(tmp_path / "s3")
+    monkeypatch.setattr(s3, "BACKOFF", QUICK)
+    for k, v in {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}.items():
+        monkeypatch.setenv(k, v)
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return server, f"s3://{bucket}"
 
 
 def test_credentials_about_to_expire_are_not_kept_past_their_expiry():

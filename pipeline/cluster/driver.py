@@ -52,7 +52,7 @@ from pipeline.record.records import Outcome
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
-from pipeline.record.storage import StorageError, Store, check_create_only, open_store
+from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
@@ -189,7 +189,7 @@ def render_task(settings: Settings, run_id: str, trade_date: str, shard: int,
     if assembled is not None and shard not in assembled["shards"]:  # its every account was rejected: no file
         return Batch(run_id, trade_date, shard, lease=lease)
     state = RunState.of(settings, run_id)
-    store = open_store(settings.store_url)
+    store = open_store(settings.store_url, run=settings)
     accounts = load_shard(store, run_id, shard, rows)
     if resume:  # what the delivery log knows goes back into Redis before the shard is mailed
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in accounts})
@@ -215,7 +215,7 @@ def shard_rows_task(settings: Settings, run_id: str, shard: int, assembled=None)
     nothing else, so an object lost with its node is read again by Ray running it again."""
     if assembled is not None and shard not in assembled["shards"]:  # no file: the render task says so
         return None
-    return open_store(settings.store_url).get(keys.shard_key(run_id, shard))
+    return open_store(settings.store_url, run=settings).get(keys.shard_key(run_id, shard))
 
 
 def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], None] | None = None,
@@ -242,9 +242,11 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
              on_accounts: Callable[[int], None] | None, watch: Callable[[], None], address: str | None,
              checked: tuple[Settings, Signer]) -> dict:
     started = time.time()
-    store = open_store(settings.store_url)
+    store = open_store(settings.store_url, run=settings)
     resolved, signer = checked
-    signer.tell(partial(RunState.of(settings, run_id, patience_retries=0).note_wait, "hsm"))  # its first notes'
+    notes = RunState.of(settings, run_id, patience_retries=0)  # said now or not at all: never waited on
+    signer.tell(partial(notes.note_wait, "hsm"))  # its first notes'
+    tell(settings.store_url, partial(notes.note_wait, "store"))  # the page: waiting for the store since ...
     relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
@@ -267,7 +269,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
     if not resume and req.only is None and _ray_address(address) is None:
-        early = first_notes.start(settings, resolved, signer, run_id, req.trade_date, open_store(req.input_url), store,
+        early = first_notes.start(settings, resolved, signer, run_id, req.trade_date, open_store(req.input_url, run=settings), store,
                                   state, lease.token, _render_cpus() if ray.is_initialized() else os.cpu_count() or 1)
     # A local Ray starts meanwhile, in this thread: Ray's processes get SIGKILL when the thread
     # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
@@ -277,7 +279,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         lead = Chain(-1, None)
         lead.signer, lead.mailer = actors.take(starting=True)  # the first actors, as they start
         early = lead.first = first_notes.start(settings, resolved, None, run_id, req.trade_date,
-                                               open_store(req.input_url), store, state, lease.token, _render_cpus(),
+                                               open_store(req.input_url, run=settings), store, state, lease.token, _render_cpus(),
                                                partial(_handed, lead))
         early.chain = lead
     split = manifest if manifest is not None and manifest.complete else None
@@ -764,7 +766,7 @@ def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip
 def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: tuple | None = None,
                 skip: frozenset[str] = frozenset(), rerun: Rerun | None = None) -> dict:
     try:
-        uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url), run_id, shard)]
+        uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url, run=settings), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
     except StorageError:  # never written: its split task failed, and the run stops with that error
         return _no_notes()

@@ -33,7 +33,7 @@ from pipeline.note.render import render_all
 from pipeline.record import keys, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store, read_json
+from pipeline.record.storage import Store, read_json, write_once
 from pipeline.seal.sign import SignatureInfo
 from pipeline.seal.signer import Signer
 from pipeline.settings import Settings
@@ -120,7 +120,8 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
         numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
                    enumerate(accounts)}
-        if not store.put_new(keys.first_notes_key(run_id), json.dumps({"shard": shard, "numbers": numbers}).encode()):
+        made = json.dumps({"shard": shard, "numbers": numbers}).encode()
+        if write_once(store, keys.first_notes_key(run_id), made) != made:  # ours, even if its reply was lost
             raise RuntimeError(f"run {run_id} already made its first notes")  # a fresh run is never resumed
         state.record(Outcome(ucc, "validated") for ucc in numbers)
         first.shard = shard

@@ -17,7 +17,7 @@ from pipeline.day.split import Plan, assemble, make_plan, read_range, result, ro
 
 from pipeline.record.manifest import SplitResult
 from pipeline.record.state import RunState
-from pipeline.record.storage import open_store
+from pipeline.record.storage import Store, open_store
 from pipeline.settings import Settings
 from pipeline.stages import broker
 
@@ -38,9 +38,9 @@ def group_count(shards: int, cpus: int, ranges: int) -> int:
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
-def read_task(input_url: str, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict,
+def read_task(inputs: Store, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict,
               closed: dict, segments: frozenset | None = None, left_to: dict | None = None):
-    meta, buckets = read_range(open_store(input_url), rng, columns, shards, groups, trade_date, closes, closed=closed,
+    meta, buckets = read_range(inputs, rng, columns, shards, groups, trade_date, closes, closed=closed,
                                segments=segments, left_to=left_to)
     return (meta, *buckets)
 
@@ -52,7 +52,7 @@ def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dic
     rejected), each a return of its own (num_returns) for its render tasks to take. Run again
     for a lost return, it hands the files first written (split.assemble writes each once)."""
     state = RunState.of(settings, run_id)
-    done = assemble(open_store(settings.store_url), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
+    done = assemble(open_store(settings.store_url, run=settings), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
                     list(parts), offsets, reuse, numbered, frozenset(handed))
     if not handed:
         return done
@@ -102,12 +102,13 @@ class Split:
         note numbers ({ucc: number}), asked for once every range is read. `groups`: a resumed
         split's, as the split it resumes had them (on other CPUs too), so each group asks for the
         accounts it asked for then and takes back its block of note numbers."""
-        plan = plan or make_plan(open_store(input_url), trade_date, settings.shard_size, parts=max(1, cpus),
+        inputs = open_store(input_url, run=settings)
+        plan = plan or make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus),
                                  holidays_file=settings.holidays_file, entity=broker(settings.broker_file))
         groups = groups or group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(
-            input_url, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
+            inputs, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
             plan.segments, plan.left_to) for r in plan.ranges]
         metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
         split = cls(plan, metas, groups, {}, weights)

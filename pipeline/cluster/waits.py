@@ -1,5 +1,5 @@
 """What the day waits for, told by the driver: the signers and mailers note an outage of their
-HSM or relays in the run's meta (record/waiting.py); the driver reads it each second and says
+HSM or relays, and any process of the run one of its store, in the run's meta (record/waiting.py); the driver reads it each second and says
 it at WARNING once an outage, and when it ends. Once an outage is past the later of its
 patience and the run's deadline, the day stops waiting: the chains not yet started are failed
 in one stroke (their accounts ready for one `rerun --failed`), and said in one line.
@@ -19,7 +19,8 @@ log = logging.getLogger("pipeline.cluster.driver")
 class DayWaits:
     def __init__(self, run_id: str, settings: Settings):
         self.run_id, self.deadline_at = run_id, settings.deadline_at
-        self.floors = {"hsm": settings.hsm_patience_s, "relay": settings.smtp_patience_s}
+        self.floors = {"hsm": settings.hsm_patience_s, "relay": settings.smtp_patience_s,
+                       "store": settings.store_patience_s}
         self.now: dict[str, float] = {}  # what the day waits for now, since when (epoch)
         self.ended = False  # the day stopped waiting: said once
 
@@ -36,8 +37,10 @@ class DayWaits:
         return seen
 
     def given_up(self) -> bool:
-        """Whether an outage is waited for no more: past the later of its patience and the deadline."""
-        return any(time.time() > self._gives_up(what, since) for what, since in self.now.items())
+        """Whether an outage is waited for no more: past the later of its patience and the deadline.
+        Not the store's: failing a chain reads its shard from the store; its requests give up
+        themselves (storage.S3Store), failing the notes they carry."""
+        return any(time.time() > self._gives_up(what, since) for what, since in self.now.items() if what != "store")
 
     def reason(self) -> str:
         """What a chain not started is failed for."""

@@ -12,9 +12,10 @@ obstore and refreshed as botocore refreshes it), the endpoint (AWS_ENDPOINT_URL_
 AWS_ENDPOINT_URL), the region, path-style addressing, the CA bundle botocore would verify with
 (AWS_CA_BUNDLE or the config file's ca_bundle), proxies from the environment (reqwest reads
 HTTP_PROXY and HTTPS_PROXY), timeouts of 60 s to connect and between reads, and up to
-MAX_ATTEMPTS attempts with backoff up to 20 s for 5xx replies (503 SlowDown among them) and for
-a connection refused, or lost before its reply came (a body cut short is read on from where it
-stopped, by a ranged GET). Not kept: an endpoint_url in the AWS config file (the environment's
+MAX_ATTEMPTS attempts (or AWS_MAX_ATTEMPTS, or the config file's max_attempts) with backoff up
+to 20 s for 5xx replies (503 SlowDown among them) and for a connection refused, or lost before
+its reply came (a body cut short is read on from where it stopped, by a ranged GET); a run's
+requests then wait for S3 (storage.S3Store). Not kept: an endpoint_url in the AWS config file (the environment's
 only), S3's own x-amz-checksum headers of a GET (obstore does not show them). A create-only PUT
 sent again after its reply was lost is refused by its own object (412): storage.write_once reads
 it back. The SHA-256 of what is sent is signed (S3 refuses a body changed on the way) and sent as
@@ -35,10 +36,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Iterator
 from urllib.parse import urlsplit
 
-MAX_ATTEMPTS = 10  # as botocore's client was given: a blip of ~80 s is ridden out
+MAX_ATTEMPTS = 10  # unless AWS_MAX_ATTEMPTS says: as botocore's client was given, a blip of ~80 s is ridden out
 BACKOFF = {"init_backoff": timedelta(seconds=1), "max_backoff": timedelta(seconds=20), "base": 2}
 CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 CRC32 = "crc32"  # the user metadata (x-amz-meta-crc32) holding an object's CRC32, base64 as S3 writes its own
+OUT = {"SlowDown", "InternalError", "ServiceUnavailable", "ServiceUnavailableException",  # its 5xx codes
+       "500", "502", "503", "504"}  # and bare statuses (507, a full disk, is no outage to wait out)
 AGAIN = {"RequestTimeout", "Throttling", "ThrottlingException"}  # 400s that S3 means as "send it again"
 REFRESH = timedelta(minutes=10)  # how long obstore keeps refreshable credentials before asking again
 
@@ -61,9 +64,15 @@ def store(bucket: str, prefix: str, region: str | None, quick: bool = False):
     where = {"region": region or "us-east-1"} | ({"endpoint": endpoint} if endpoint else {})  # botocore's default
     return S3Store(bucket, prefix=prefix or None, virtual_hosted_style_request=False, **where, client_options=options,
                    checksum_algorithm="sha256",  # a PUT to a bucket under Object Lock retention must carry one
-                   retry_config={"max_retries": 1 if quick else MAX_ATTEMPTS - 1, "backoff": BACKOFF,
+                   retry_config={"max_retries": 1 if quick else attempts(core) - 1, "backoff": BACKOFF,
                                  "retry_timeout": timedelta(minutes=5)},
                    credential_provider=credentials(core))
+
+
+def attempts(core) -> int:
+    """Each request's attempts: botocore's max_attempts (AWS_MAX_ATTEMPTS), as its client took it."""
+    given = core.get_config_variable("max_attempts")
+    return MAX_ATTEMPTS if given is None else max(1, int(given))
 
 
 def sent(write):
@@ -135,6 +144,13 @@ def reason(error: Exception) -> str:
     if "error sending request" in text or "connection closed" in text.lower() or "timed out" in text:
         return f"the S3 endpoint does not answer ({line})"
     return f"the S3 request failed ({line})"
+
+
+def out(error: Exception) -> bool:
+    """Whether S3 is out (no answer; busy or failing: 500, 502, 503, 504), as against refusing
+    the request (a 4xx, 501 NotImplemented), which no wait would change."""
+    said = reason(error)
+    return said.startswith("the S3 endpoint does not answer") or said in OUT
 
 
 def answered(error: Exception) -> bool:

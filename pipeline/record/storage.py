@@ -13,19 +13,32 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypeVar
 
 from pipeline.errors import CannotRun
 from pipeline.record import s3
-from pipeline.settings import aws_region
+from pipeline.settings import aws_region, clock, gives_up_at
+
+if TYPE_CHECKING:
+    from pipeline.settings import Settings
+
+log = logging.getLogger("pipeline.record.storage")
+T = TypeVar("T")
 
 
 IN_FLIGHT = 64  # requests a command keeps in flight (close, verify), and the S3 client's pool holds
+PAUSE_S = 1.0  # between a request's rounds of the client's own retries while S3 is out
+_out_since: dict[str, float] = {}  # a store's URL: the start of its outage this process waits out (epoch)
+_told: dict[str, Callable[[float], None]] = {}  # a store's URL: who notes its outages (the run's page)
+_out_lock = threading.Lock()
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 
@@ -113,16 +126,24 @@ class Store(Protocol):
     def put_file(self, key: str, path: str) -> None: ...
 
 
-def open_store(url: str, probe: bool = False) -> Store:
+def tell(url: str, told: Callable[[float], None]) -> None:
+    """`told(since)` at the start of an outage of the store this process waits out (epoch), and
+    `told(0.0)` at its end: the run's page says what the day waits for (state.note_wait)."""
+    _told[url] = told
+
+
+def open_store(url: str, probe: bool = False, run: Settings | None = None) -> Store:
     """`probe`, for a command someone waits on: an S3 endpoint that refuses or does not answer is
     said in seconds, not after the ten attempts (~80 s) a day's requests are given to ride out a
-    blip."""
+    blip. `run`, a run's settings: an S3 outage past those attempts holds the run's requests, as
+    its other dependencies' do, until the later of CN_STORE_PATIENCE_S from the outage's start
+    and the run's deadline, rather than failing the notes in flight for one rerun to send."""
     if url.startswith("s3://"):
         bucket, _, prefix = url[5:].partition("/")
         if not BUCKET.match(bucket):
             raise StorageError(f"storage URL {url!r}: {bucket!r} is not an S3 bucket name (3-63 lower-case letters, "
                                "digits, dots and hyphens)")
-        store = S3Store(url, bucket, prefix.strip("/"))
+        store = S3Store(url, bucket, prefix.strip("/"), *((run.store_patience_s, run.deadline_at) if run else ()))
         if probe:
             store.probe()
         return store
@@ -225,16 +246,75 @@ class FolderStore:
             raise StorageError(f"{self.url}: no object {key!r}") from None
 
 
-class S3Store:
-    """A bucket (keys under a prefix) through obstore (record/s3.py), every request of it."""
+def _whole(got) -> tuple[bytes, dict]:
+    return got.bytes().to_bytes(), got.attributes
 
-    def __init__(self, url: str, bucket: str, prefix: str = ""):
+
+class StoreOut(StorageError):
+    """S3 stayed out past the wait the run gives it."""
+
+
+class S3Store:
+    """A bucket (keys under a prefix) through obstore (record/s3.py), every request of it. A run's
+    (`patience_s`, `deadline_at`: open_store's `run`) waits out an outage; anyone else's request
+    fails once the client's own attempts are spent."""
+
+    def __init__(self, url: str, bucket: str, prefix: str = "", patience_s: float = 0.0, deadline_at: float = 0.0):
         self.url, self.bucket, self.prefix = url, bucket, prefix
+        self.patience_s, self.deadline_at = patience_s, deadline_at
         self.objects = s3.store(bucket, prefix, aws_region())
 
     def __reduce__(self):
-        """Sent to another process (record/spread.py) as its URL: a client of its own there."""
-        return S3Store, (self.url, self.bucket, self.prefix)
+        """Sent to another process (record/spread.py) as its URL and its wait: a client of its own there."""
+        return S3Store, (self.url, self.bucket, self.prefix, self.patience_s, self.deadline_at)
+
+    def _held(self, request: Callable[[], T]) -> T:
+        """request(), made again while S3 is out (s3.out) until the later of the patience from the
+        outage's start (this process's first request of it to fail) and the run's deadline; said
+        at WARNING once an outage a process, and when S3 is back. A create-only PUT made again
+        after its reply was lost is refused by its own object: write_once reads it back."""
+        began, since = time.time(), 0.0
+        while True:
+            try:
+                result = request()
+            except Exception as e:
+                if not s3.out(e) or not (self.patience_s or self.deadline_at):
+                    raise
+                since = since or self._lost(began, e)
+                left = gives_up_at(since, self.patience_s, self.deadline_at) - time.time()
+                if left <= 0:
+                    past = f"the run's deadline {clock(self.deadline_at)}" if self.deadline_at > since + \
+                        self.patience_s else f"CN_STORE_PATIENCE_S ({self.patience_s:g} s)"
+                    raise StoreOut(f"{s3.reason(e)}, S3 out since {clock(since)}, past {past}") from None
+                time.sleep(min(PAUSE_S, left))
+                continue
+            if since or self.url in _out_since:  # an outage another request met, over
+                self._back()
+            return result
+
+    def _lost(self, began: float, error: Exception) -> float:
+        """The outage's start: this process's first request of it to fail."""
+        with _out_lock:  # the page's note in the lock too: never set after the outage was said over
+            if since := _out_since.get(self.url):
+                return since
+            _out_since[self.url] = began
+            log.warning("waiting for the store (%s) since %s, until %s: %s", self.url, clock(began),
+                        clock(gives_up_at(began, self.patience_s, self.deadline_at)), s3.reason(error))
+            self._tell(began)
+        return began
+
+    def _back(self) -> None:
+        with _out_lock:
+            since = _out_since.pop(self.url, 0.0)
+            if since:
+                log.warning("the store (%s) is back after %.0f s", self.url, time.time() - since)
+                self._tell(0.0)
+
+    def _tell(self, since: float) -> None:
+        try:
+            _told.get(self.url, lambda since: None)(since)
+        except Exception as e:  # the page's note only: the wait goes on without it
+            log.warning("the store's outage could not be noted for the run's page: %s", e)
 
     def probe(self) -> None:
         """One HEAD (of a key "probe"), two attempts, five seconds to connect: any answer at all
@@ -248,13 +328,14 @@ class S3Store:
                 raise StorageError(f"{self.url}: {s3.reason(e)}") from None
 
     def _failed(self, doing: str, key: str, e: Exception) -> StorageError:
-        return StorageError(f"{self.url}: cannot {doing} {key!r}: {s3.reason(e)}")
+        return StorageError(f"{self.url}: cannot {doing} {key!r}: {e if isinstance(e, StoreOut) else s3.reason(e)}")
 
     def put(self, key: str, data: bytes) -> None:
         import obstore
 
         try:
-            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data, attributes={s3.CRC32: s3.crc32(data)}))
+            self._held(lambda: s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data,
+                                                           attributes={s3.CRC32: s3.crc32(data)})))
         except Exception as e:
             raise self._failed("write", key, e) from None
 
@@ -265,8 +346,8 @@ class S3Store:
         import obstore
 
         try:
-            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data, mode="create",
-                                        attributes={s3.CRC32: s3.crc32(data)}))
+            self._held(lambda: s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), data, mode="create",
+                                                           attributes={s3.CRC32: s3.crc32(data)})))
             return True
         except obstore.exceptions.AlreadyExistsError:
             return False
@@ -285,8 +366,8 @@ class S3Store:
         import obstore
 
         try:
-            got = obstore.get(self.objects, inside(self.url, key))
-            return s3.checked(got.bytes().to_bytes(), got.attributes)
+            data, attributes = self._held(lambda: _whole(obstore.get(self.objects, inside(self.url, key))))
+            return s3.checked(data, attributes)
         except Exception as e:
             raise self._failed("read", key, e) from None
 
@@ -294,7 +375,7 @@ class S3Store:
         import obstore
 
         try:
-            return obstore.head(self.objects, inside(self.url, key))["size"]
+            return self._held(lambda: obstore.head(self.objects, inside(self.url, key)))["size"]
         except Exception as e:
             raise self._failed("read", key, e) from None
 
@@ -311,7 +392,7 @@ class S3Store:
         if end <= start:
             return
         try:
-            got = obstore.get(self.objects, inside(self.url, key), options={"range": (start, end)})
+            got = self._held(lambda: obstore.get(self.objects, inside(self.url, key), options={"range": (start, end)}))
         except Exception as e:
             if s3.reason(e) == "InvalidRange":  # starts at or past the end
                 return
@@ -327,7 +408,8 @@ class S3Store:
         import obstore
 
         try:
-            s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), Path(path), max_concurrency=4))
+            self._held(lambda: s3.sent(lambda: obstore.put(self.objects, inside(self.url, key), Path(path),
+                                                           max_concurrency=4)))
         except Exception as e:
             raise self._failed("write", key, e) from None
 
@@ -335,7 +417,7 @@ class S3Store:
         import obstore
 
         try:
-            obstore.head(self.objects, inside(self.url, key))
+            self._held(lambda: obstore.head(self.objects, inside(self.url, key)))
             return True
         except FileNotFoundError:
             return False
@@ -344,13 +426,27 @@ class S3Store:
 
     def _listed(self, prefix: str, after: str = "") -> Iterator[dict]:
         """The objects under a folder-like prefix (ending in '/'), in order, those after `after`
-        only (ListObjectsV2, a page per 1000 keys, from StartAfter)."""
+        only (ListObjectsV2, a page per 1000 keys, from StartAfter). A page that S3, out, did not
+        give is asked for again by a listing from the last key given."""
         import obstore
 
+        pages, last = None, after
+
+        def page() -> list[dict] | None:
+            nonlocal pages
+            pages = pages or iter(obstore.list(self.objects, offset=inside(self.url, last) if last else None,
+                                               prefix=inside(self.url, prefix.rstrip("/")) if prefix else None))
+            try:
+                return next(pages, None)
+            except Exception:
+                pages = None
+                raise
+
         try:
-            for page in obstore.list(self.objects, prefix=inside(self.url, prefix.rstrip("/")) if prefix else None,
-                                     offset=inside(self.url, after) if after else None):
-                yield from page
+            while (items := self._held(page)) is not None:
+                for item in items:
+                    last = item["path"]
+                    yield item
         except Exception as e:
             raise self._failed("list", prefix, e) from None
 
@@ -372,7 +468,8 @@ class S3Store:
         import obstore
 
         try:
-            body = s3.Body(iter(obstore.get(self.objects, inside(self.url, key)).stream(min_chunk_size=1 << 20)))
+            body = s3.Body(iter(self._held(lambda: obstore.get(self.objects, inside(self.url, key)))
+                                .stream(min_chunk_size=1 << 20)))
         except Exception as e:
             raise self._failed("read", key, e) from None
         yield from io.TextIOWrapper(io.BufferedReader(body, 1 << 20), encoding="utf-8-sig",

@@ -25,7 +25,7 @@ from pipeline.settings import clock, gives_up_at
 
 log = logging.getLogger("pipeline.record.waiting")
 WAITING = "waiting:"  # the meta fields' prefix: waiting:hsm, waiting:relay
-NAMES = {"hsm": "the HSM", "relay": "the mail relays", "redis": "Redis"}
+NAMES = {"hsm": "the HSM", "relay": "the mail relays", "redis": "Redis", "store": "the store"}
 
 
 class RedisGone(RedisConnectionError):
