@@ -120,8 +120,8 @@ class Settings:
     redis_patience_s: float = setting("CN_REDIS_PATIENCE_S", 30.0, "the least a Redis outage (a restart, a "
                                       "failover) is waited out before a call fails; up to the run's deadline if "
                                       "that is later", 0, 86_400)
-    store_patience_s: float = setting("CN_STORE_PATIENCE_S", 120.0, "the least an S3 outage (no answer, or 5xx "
-                                      "replies past the client's own ~80 s of retries) is waited out before a "
+    store_patience_s: float = setting("CN_STORE_PATIENCE_S", 120.0, "the least an S3 outage (no answer, or 500, "
+                                      "502, 503, 504 replies past a request's own attempts) is waited out before a "
                                       "run's request fails; up to the run's deadline if that is later", 0, 86_400)
     deadline_at: float = setting("CN_DEADLINE_AT", 0.0, "the run's deadline, in seconds since the epoch (`run "
                                  "--deadline-min` sets it from the run's start): until then an HSM, relay, Redis or S3 "

@@ -308,8 +308,7 @@ def test_s3_stopped_mid_run_past_each_request_s_attempts_holds_the_day_and_fails
         assert driver.returncode == 0, out[-2000:] + err[-3000:]
         summary = json.loads(out.strip().splitlines()[-1])
         assert stopped < len(mailable(busy_day)), "S3 stopped mid-run"
-        assert noted and not meta.hget(keys.run_meta(run_id), "waiting:store")
-        assert "WARNING waiting for the store (s3://day) since " in err and "the store (s3://day) is back after " in err
+        assert noted  # by whichever process met the outage first (the WARNINGs and the note's end: test_s3_store)
         assert (summary["failed"], summary["unconfirmed"]) == (0, 0), summary
         assert summary["delivered"] == len(mailable(busy_day))
         assert_each_account_once(dataclasses.replace(settings, store_url="s3://day"), run_id, busy_day,

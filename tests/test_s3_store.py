@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from pipeline.record import delivery_log, s3
-from pipeline.record.storage import StorageError, open_store, write_once
+from pipeline.record.storage import StorageError, open_store, tell, write_once
 from pipeline.settings import Settings
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_chain, start_versitygw
 
@@ -348,7 +348,8 @@ def test_a_run_s_requests_wait_out_s3_stopped_past_the_client_s_attempts_and_lan
     listing goes on; a store of no run fails once the attempts are spent, as before."""
     server, url = _own_s3(tmp_path, monkeypatch)
     run = dataclasses.replace(Settings(), store_patience_s=60.0, deadline_at=0.0)
-    store, other = open_store(url, run=run), open_store(url)
+    store, other, told = open_store(url, run=run), open_store(url), []
+    tell(url, told.append)  # the run's page
     store.put("0/a", b"a")
     server.stop()
     with pytest.raises(StorageError, match="cannot read '0/a': the S3 endpoint does not answer"):
@@ -365,6 +366,7 @@ def test_a_run_s_requests_wait_out_s3_stopped_past_the_client_s_attempts_and_lan
         said = [r.getMessage() for r in caplog.records]
         assert len(said) == 2 and said[0].startswith(f"waiting for the store ({url}) since ")
         assert said[1].startswith(f"the store ({url}) is back after ")
+        assert len(told) == 2 and told[0] > 0 and told[1] == 0.0
     finally:
         timer.join()
         for service in [server, *back]:
@@ -401,6 +403,20 @@ def test_a_run_s_request_fails_once_s3_is_out_past_its_patience_and_its_deadline
     finally:
         for service in servers:
             service.stop()
+
+
+@pytest.mark.parametrize("said, out", [
+    ("<Error><Code>SlowDown</Code></Error> status code: 503", True),
+    ("<Error><Code>XMinioServerNotInitialized</Code></Error> status code: 503", True),
+    ("Generic S3 error: ... status code: 502 Bad Gateway", True),
+    ("Generic S3 error: error sending request: Connection reset by peer (os error 104)", True),
+    ("<Error><Code>NotImplemented</Code></Error> status code: 501", False),
+    ("Generic S3 error: ... status code: 507 Insufficient Storage", False),
+    ("<Error><Code>AccessDenied</Code></Error> status code: 403", False),
+    ("InvalidCertificate(UnknownIssuer)", False),
+])
+def test_only_s3_out_is_waited_for_never_a_refusal(said, out):
+    assert s3.out(RuntimeError(said)) is out
 
 
 def _own_s3(tmp_path, monkeypatch) -> tuple:

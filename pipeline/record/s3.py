@@ -36,12 +36,15 @@ from datetime import datetime, timedelta, timezone
 from typing import Iterator
 from urllib.parse import urlsplit
 
+from pipeline.settings import ConfigError
+
 MAX_ATTEMPTS = 10  # unless AWS_MAX_ATTEMPTS says: as botocore's client was given, a blip of ~80 s is ridden out
 BACKOFF = {"init_backoff": timedelta(seconds=1), "max_backoff": timedelta(seconds=20), "base": 2}
 CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 CRC32 = "crc32"  # the user metadata (x-amz-meta-crc32) holding an object's CRC32, base64 as S3 writes its own
-OUT = {"SlowDown", "InternalError", "ServiceUnavailable", "ServiceUnavailableException",  # its 5xx codes
-       "500", "502", "503", "504"}  # and bare statuses (507, a full disk, is no outage to wait out)
+OUT = {"SlowDown", "InternalError", "ServiceUnavailable", "ServiceUnavailableException"}  # S3's codes for its 5xx
+OUT_STATUS = {"500", "502", "503", "504"}  # whatever the code (MinIO's own): 501 and 507, a full disk, are not
+STATUS = re.compile(r"status code: ([0-9]{3})")
 AGAIN = {"RequestTimeout", "Throttling", "ThrottlingException"}  # 400s that S3 means as "send it again"
 REFRESH = timedelta(minutes=10)  # how long obstore keeps refreshable credentials before asking again
 
@@ -72,7 +75,11 @@ def store(bucket: str, prefix: str, region: str | None, quick: bool = False):
 def attempts(core) -> int:
     """Each request's attempts: botocore's max_attempts (AWS_MAX_ATTEMPTS), as its client took it."""
     given = core.get_config_variable("max_attempts")
-    return MAX_ATTEMPTS if given is None else max(1, int(given))
+    try:
+        return MAX_ATTEMPTS if given is None else max(1, int(given))
+    except ValueError:
+        raise ConfigError(f"AWS_MAX_ATTEMPTS (or the AWS config file's max_attempts): {given!r} is not a whole "
+                          "number") from None
 
 
 def sent(write):
@@ -134,14 +141,15 @@ def reason(error: Exception) -> str:
         return found[1]
     if isinstance(error, (refused.NotFoundError, FileNotFoundError)):
         return "NoSuchKey"
-    status = re.search(r"status code: ([0-9]{3})", text)
+    status = STATUS.search(text)
     if status:
         return status[1]
     certificate = re.search(r"InvalidCertificate\(\s*([A-Za-z]+)", text)
     if certificate:
         return f"the S3 endpoint's certificate is refused ({certificate[1]})"
     line = text.splitlines()[0][:200] if text else type(error).__name__
-    if "error sending request" in text or "connection closed" in text.lower() or "timed out" in text:
+    if "error sending request" in text or any(cut in text.lower() for cut in ("connection closed", "connection reset")) \
+            or "timed out" in text:
         return f"the S3 endpoint does not answer ({line})"
     return f"the S3 request failed ({line})"
 
@@ -149,8 +157,8 @@ def reason(error: Exception) -> str:
 def out(error: Exception) -> bool:
     """Whether S3 is out (no answer; busy or failing: 500, 502, 503, 504), as against refusing
     the request (a 4xx, 501 NotImplemented), which no wait would change."""
-    said = reason(error)
-    return said.startswith("the S3 endpoint does not answer") or said in OUT
+    said, status = reason(error), STATUS.search(str(error))
+    return said.startswith("the S3 endpoint does not answer") or said in OUT or bool(status and status[1] in OUT_STATUS)
 
 
 def answered(error: Exception) -> bool:
