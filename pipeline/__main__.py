@@ -384,7 +384,10 @@ def _not_found(args, e: Exception) -> int:
 
 
 def _exit_status(summary: dict) -> int:
-    return 0 if not (summary["failed"] or summary.get("rejected") or summary.get("unconfirmed")) else 1
+    """0 only when every account has its note's outcome: one left pending (its chain failed where
+    its accounts could not be read back to fail them, say S3 out past the deadline) was never mailed."""
+    return 0 if not (summary["failed"] or summary.get("rejected") or summary.get("unconfirmed")
+                     or summary.get("pending")) else 1
 
 
 @command("reconcile", "mark unconfirmed accounts delivered where the relay's log shows their Message-ID "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.__main__ import main
+from pipeline.__main__ import _exit_status, main
 from pipeline.api import create_app
 from pipeline.cluster.driver import RunRequest, rerun, run_day
 from pipeline.followup import bounces, close
@@ -127,3 +127,10 @@ def test_every_view_of_a_run_counts_the_same_through_its_rerun_and_close(run_wit
     assert {sealed[n]["state"] for n in ("status from Redis", "status from storage", "runs")} == {"sealed"}
     assert sealed["status from storage"]["next"] == f"post {final['paper_owed']} paper notes " \
                                                     f"(reports/{run_id}.paper.csv); verify {run_id} (sealed)"
+
+
+@pytest.mark.parametrize("left, status", [({}, 0), ({"physical": 2}, 0), ({"pending": 3}, 1), ({"failed": 1}, 1),
+                                          ({"unconfirmed": 1}, 1), ({"rejected": 1}, 1)])
+def test_run_exits_0_only_when_no_account_is_left_without_its_outcome(left, status):
+    """An account left pending (never mailed, never failed) is no success either."""
+    assert _exit_status({"delivered": 5, "failed": 0, "rejected": 0, "unconfirmed": 0, "pending": 0, **left}) == status
