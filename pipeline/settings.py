@@ -62,6 +62,13 @@ def gives_up_at(since: float, patience_s: float, deadline_at: float) -> float:
     return max(since + patience_s, deadline_at)
 
 
+def waited_past(since: float, patience_s: float, deadline_at: float, patience: str) -> str:
+    """Which of the two an outage that began at `since` was waited past: "the run's deadline
+    08:05:00 UTC", or the setting named `patience` ("CN_REDIS_PATIENCE_S (30 s)")."""
+    return f"the run's deadline {clock(deadline_at)}" if deadline_at > since + patience_s \
+        else f"{patience} ({patience_s:g} s)"
+
+
 def clock(epoch_s: float) -> str:
     """HH:MM:SS UTC: how an outage's start and the run's deadline are said, to compare at a glance."""
     return time.strftime("%H:%M:%S UTC", time.gmtime(epoch_s))

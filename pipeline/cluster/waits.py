@@ -1,8 +1,9 @@
 """What the day waits for, told by the driver: the signers and mailers note an outage of their
-HSM or relays, and any process of the run one of its store, in the run's meta (record/waiting.py); the driver reads it each second and says
-it at WARNING once an outage, and when it ends. Once an outage is past the later of its
-patience and the run's deadline, the day stops waiting: the chains not yet started are failed
-in one stroke (their accounts ready for one `rerun --failed`), and said in one line.
+HSM or relays, and the driver, signers and mailers one of the store, in the run's meta
+(record/waiting.py); the driver reads it each second and says it at WARNING once an outage,
+and when it ends. Once an outage is past the later of its patience and the run's deadline, the
+day stops waiting: the chains not yet started are failed in one stroke (their accounts ready
+for one `rerun --failed`), and said in one line.
 """
 
 from __future__ import annotations

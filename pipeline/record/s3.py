@@ -163,7 +163,7 @@ def out(error: Exception) -> bool:
 
 def answered(error: Exception) -> bool:
     """Whether S3 answered the request that failed (a status came back)."""
-    return bool(CODE.search(str(error)) or re.search(r"status code: [0-9]{3}", str(error)))
+    return bool(CODE.search(str(error)) or STATUS.search(str(error)))
 
 
 class Body(io.RawIOBase):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypeVar
 
 from pipeline.errors import CannotRun
 from pipeline.record import s3
-from pipeline.settings import aws_region, clock, gives_up_at
+from pipeline.settings import aws_region, clock, gives_up_at, waited_past
 
 if TYPE_CHECKING:
     from pipeline.settings import Settings
@@ -283,8 +283,7 @@ class S3Store:
                 since = since or self._lost(began, e)
                 left = gives_up_at(since, self.patience_s, self.deadline_at) - time.time()
                 if left <= 0:
-                    past = f"the run's deadline {clock(self.deadline_at)}" if self.deadline_at > since + \
-                        self.patience_s else f"CN_STORE_PATIENCE_S ({self.patience_s:g} s)"
+                    past = waited_past(since, self.patience_s, self.deadline_at, "CN_STORE_PATIENCE_S")
                     raise StoreOut(f"{s3.reason(e)}, S3 out since {clock(since)}, past {past}") from None
                 time.sleep(min(PAUSE_S, left))
                 continue

@@ -21,7 +21,7 @@ from redis import ConnectionError as RedisConnectionError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from pipeline.settings import clock, gives_up_at
+from pipeline.settings import clock, gives_up_at, waited_past
 
 log = logging.getLogger("pipeline.record.waiting")
 WAITING = "waiting:"  # the meta fields' prefix: waiting:hsm, waiting:relay
@@ -81,8 +81,7 @@ class PatientRetry(Retry):
         return self.down_since
 
     def _gone(self, since: float, error: Exception) -> RedisGone:
-        past = f"the run's deadline {clock(self.deadline_at)}" if self.deadline_at > since + self.patience_s \
-            else f"CN_REDIS_PATIENCE_S ({self.patience_s:g} s)"
+        past = waited_past(since, self.patience_s, self.deadline_at, "CN_REDIS_PATIENCE_S")
         return RedisGone(f"Redis ({self.where}) unreachable since {clock(since)}, past {past}: {error}")
 
     def _back(self) -> None:
