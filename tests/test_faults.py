@@ -166,16 +166,16 @@ def test_a_mailer_killed_mid_forced_rerun_mails_no_account_a_second_time_under_t
     earlier delivery logged again as this rerun's."""
     import ray
 
-    server = smtp_server(delay_ms=25)
+    uccs = sorted(mailable(busy_day))
+    server = smtp_server(delay_ms=25, hold_after=len(uccs) + 8)  # the rerun's 9th mail: in flight at the kill
     slow = settings.__class__(**{**settings.__dict__, "smtp_url": server.url, "window": 2})
     run_id = f"kill-forced-{uuid.uuid4().hex[:6]}"
     first = run_day(slow, RunRequest(TRADE_DATE, str(busy_day), run_id))
-    uccs = sorted(mailable(busy_day))
     assert first["delivered"] == len(uccs) and len(at_relay(server.outbox)) == len(uccs)
 
     rerun_at = time.time()
     thread, result = in_background(lambda: rerun(slow, run_id, uccs, force=True))
-    wait_for(server.outbox, len(uccs) + 8)
+    wait_for(server.outbox, len(uccs) + 9)
     mailer = ray.get_actor(f"mailer-0-{run_id}")
     os.kill(ray.get(mailer.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
     thread.join(300)

@@ -18,6 +18,9 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
                       connection drops after the data, before the 250
   accept_then_drop    recipients whose first message is kept, but the connection
                       drops before the 250 reaches the client (an ambiguous send)
+  hold_after          N: the message after the Nth kept is kept, and its 250 held back for
+                      HOLD_S (a relay that has the mail and has not said so yet): a client
+                      killed meanwhile had that mail in flight
   outage              {"after": N, "seconds": S}: after the Nth message kept, the
                       server stops listening and drops every connection for S s
   rate                messages a second it takes (a bucket of one second's worth), as
@@ -54,6 +57,7 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, syntax
 
 DATA_LIMIT = 64 * 1024 * 1024
+HOLD_S = 120.0
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 PLAIN_ADDRESS = re.compile(rf"<({_ATOM}(?:\.{_ATOM})*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*)>")  # RFC 5322 dot-atoms
 MESSAGE_ID = re.compile(rb"^message-id:[ \t]*([^\r\n]*(?:\r\n[ \t][^\r\n]*)*)", re.I | re.M)
@@ -74,6 +78,7 @@ class Faults:
     daily_quota: int = 0
     throttle_connections: int = 0
     pipelining: bool = True
+    hold_after: int = 0
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -84,7 +89,7 @@ class Faults:
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
                    raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None,
                    raw.get("rate", 0.0), raw.get("daily_quota", 0), raw.get("throttle_connections", 0),
-                   raw.get("pipelining", True))
+                   raw.get("pipelining", True), raw.get("hold_after", 0))
 
 
 class OutboxHandler:
@@ -153,6 +158,8 @@ class OutboxHandler:
         if rcpt in self.faults.accept_then_drop:
             self.faults.accept_then_drop.discard(rcpt)
             server.transport.close()
+        if self.faults.hold_after and self.kept == self.faults.hold_after + 1:
+            await asyncio.sleep(HOLD_S)
         if self.faults.outage and self.kept == self.faults.outage["after"]:
             asyncio.get_running_loop().call_later(0.01, self._outage, self.faults.outage["seconds"])
         return "250 OK queued as " + kept
