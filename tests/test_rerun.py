@@ -146,6 +146,43 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
     assert len(outbox_messages(second_relay.outbox)) == 2
 
 
+def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_window_through_a_rerun(
+        ray_session, settings, day, smtp_server, tmp_path):
+    """Redis lost, a rerun brings the run back from its report: its first start, its issuing
+    entity and its bounce window stay the run's, not the rebuild's time or the rerunning shell's
+    settings. Before, Redis and then the report took the rebuild's time as the run's start (later
+    than its finish), the re-rendered note named the shell's entity under the run's note
+    numbers, and the window became the shell's."""
+    import dataclasses
+
+    import redis
+
+    from pipeline.record.report import started_at
+    from pipeline.record.state import RunState
+    from tests.test_entities import COMMODITY, OTHERS, entity_file
+    from tests.test_every_segment import note_text
+
+    name = "Example Rerun Broking Limited"
+    own = dataclasses.replace(settings, broker_file=entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "ERB"),
+                              bounce_window_h=24.0)
+    first, sign_victim, _, _ = failing_first_run(own, day, smtp_server)
+    laptop = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/10",
+                                 smtp_url=smtp_server("second").url)  # the default entity, a 72-h window
+    redis.Redis.from_url(laptop.redis_url).flushdb()
+
+    again = rerun(laptop, first["run_id"], failed=True, relays=laptop.relays())  # the first relay rejects one
+
+    assert sign_victim in again["rerun_accounts"] and again["failed"] == 0, again
+    meta = RunState(laptop.redis_url, first["run_id"]).meta()
+    report = json.loads((Path(settings.store_url) / keys.report_keys(first["run_id"])[0]).read_text())
+    assert float(meta["started"]) == first["started_at"] == started_at(report) == again["started_at"]
+    assert float(meta["last_started"]) > first["finished_at"] > first["started_at"]  # the rerun's own start
+    assert float(meta["bounce_window_h"]) == report["bounce_window"]["hours"] == 24.0
+    text = note_text(Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, sign_victim),
+                     client_rows(day)[sign_victim]["pan"])
+    assert name in text and "ERB-26/27-" in text
+
+
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(
         ray_session, settings, day, smtp_server):
     """The README: exit 0 only if each account the rerun takes is delivered or sent to paper.

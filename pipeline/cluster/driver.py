@@ -350,6 +350,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
+        "broker_file": settings.broker_file,  # the issuing entity, the run's: a rerun after Redis is lost renders as it
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }
@@ -455,8 +456,9 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
                                                              for u in relays.split(",") if u.strip()]):
             log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
-        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays),
-                          lease=lease, address=address)
+        window = float(meta["bounce_window_h"]) if meta.get("bounce_window_h") not in (None, "") else None
+        summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays,
+                                               window), lease=lease, address=address)  # the run's window, not the shell's
     ended, now = _ended(state, only), state.final_counts()
     if summary.get("report") and any(summary.get(k) != v for k, v in now.items()):  # _ended failed some: said again
         report.rewrite(run.store, state, run_id, settings.paper_due_days)

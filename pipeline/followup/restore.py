@@ -19,7 +19,7 @@ from pipeline.record import delivery_log, keys
 from pipeline.errors import RunNotFound
 from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
-from pipeline.record.report import read_report
+from pipeline.record.report import read_report, started_at as report_started_at
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store
 from pipeline.stages import load_shard, restore_from_log
@@ -51,8 +51,12 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                              if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))
     window = report.get("bounce_window", {})
     closed = window.get("closed_at") or ""
+    started = report_started_at(report) or ""  # the run's first start, not this rebuild's
     state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
+                 "started": started, "last_started": _number(report.get("last_started_at")) or started,
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
+                 "notes_per_s": _number(report.get("notes_per_s")),
+                 **({"broker_file": report["broker_file"]} if "broker_file" in report else {}),  # else: not recorded
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
                  "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},

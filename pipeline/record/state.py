@@ -62,13 +62,16 @@ class RunState(Records, MailGuard, RunLease):
     def start(self, meta: dict) -> str:
         """A rerun of the run keeps its first start time (the run's duration is from it) and its
         epoch; returns the epoch, which mail claims are checked against. The notes delivered
-        before this start are kept beside it: a rerun's rate counts its own notes, not the run's."""
+        before this start are kept beside it: a rerun's rate counts its own notes, not the run's.
+        A run brought back from storage gives its recorded `started` (and `last_started`)."""
         now = time.time()
+        first = float(meta.get("started") or now)
         before = int(self.r.hget(keys.run_counts(self.run_id), "delivered") or 0)
         meta = {"run_id": self.run_id, "last_started": now, "delivered_at_start": before, **meta}
+        meta.pop("started", None)
         with self.r.pipeline() as p:
-            p.zadd(keys.RUNS, {self.run_id: now}, nx=True)
-            p.hsetnx(keys.run_meta(self.run_id), "started", str(now))
+            p.zadd(keys.RUNS, {self.run_id: first}, nx=True)
+            p.hsetnx(keys.run_meta(self.run_id), "started", str(first))
             p.hsetnx(keys.run_meta(self.run_id), "epoch", uuid.uuid4().hex)
             p.hset(keys.run_meta(self.run_id), mapping={k: str(v) for k, v in meta.items()})
             p.expire(keys.run_meta(self.run_id), self.ttl_s)
