@@ -204,8 +204,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         follow `next_cursor` for the next page. Reasons are masked without the bearer token. 404
         for an unknown run, 422 for a bad status, cursor or limit, 503 when Redis is down."""
         state = run_state(run_id)
-        items, cursor = state.page(cursor, limit, status)
-        return {"items": [public_record(rec, full, settings.paper_due_days) for rec in items],
+        closed = bool(state.meta().get("closed_at"))
+        items, cursor = state.page(cursor, limit, status, closed)
+        return {"items": [public_record(rec, full, settings.paper_due_days, closed) for rec in items],
                 "next_cursor": cursor or None}
 
     @app.get("/runs/{run_id}/accounts/{ucc}", summary="One account's history and its client")
@@ -224,7 +225,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                           pan=mask_pan(client["pan"]), state="***")
         events = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
                   for event in history(record)]
-        return {**public_record(record, full), "history": events, "client": client,
+        return {**public_record(record, full, settings.paper_due_days, bool(state.meta().get("closed_at"))),
+                "history": events, "client": client,
                 "pii": "shown" if full else "masked"}
 
     @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse, summary="The run's report as CSV")
@@ -435,9 +437,11 @@ def _times(started: float | None, finished: float | None) -> dict:
             "duration_s": round(end - started, 3) if started else None}
 
 
-def public_record(rec: dict, full: bool = False, due_days: int = 1) -> dict:
+def public_record(rec: dict, full: bool = False, due_days: int = 1, closed: bool = False) -> dict:
+    """An account as the service shows it; `closed`: its run's bounce window has ended (a
+    deferred mail is then delivered, final, as the report and the run's counts say)."""
     out = {k: rec.get(k) for k in ("ucc", "stage", "status", "failed_at", "reason", "message_id", "attempts",
-                                   "updated")} | {"status": final_status(rec)}
+                                   "updated")} | {"status": final_status(rec, closed)}
     if not full and out["reason"]:
         out["reason"] = mask_text(out["reason"])
     if rec.get("bounce"):

@@ -126,6 +126,45 @@ def test_rerun_needs_the_token_and_a_valid_body(client, api_run):
     assert client.launched == [(summary["run_id"], None, True, False), (summary["run_id"], [victim], False, True)]
 
 
+def closed_run(redis_url: str):
+    """A closed run in Redis: three delivered mails, one of them deferred (its recipient's server
+    still retrying when the window ended), one bounced."""
+    from pipeline.record.records import Outcome
+    from pipeline.record.state import RunState
+
+    state = RunState(redis_url, f"closed-{time.time_ns()}")
+    state.start({"date": TRADE_DATE, "input": "", "finished": time.time(), "bounce_window_h": 1})
+    state.record([Outcome(u, "delivered", reply="250 OK") for u in ("C0000001", "C0000002", "C0000003")])
+    state.bounce([("C0000002", "deferred", "4.2.2", "mailbox full", time.time()),
+                  ("C0000003", "bounced", "5.1.1", "user unknown", time.time())])
+    state.update_meta(closed_at=time.time())
+    return state
+
+
+def test_a_closed_run_s_accounts_page_and_account_say_what_its_report_says(redis_url, tmp_path):
+    """Once `close` ends the bounce window, a mail the recipient's server was still retrying is
+    delivered, final: the report, the run's counts and the accounts' pages all say so. Before, the
+    pages filtered and named each account by its status as if the window were open: a closed
+    run's deferred accounts listed under `deferred` (its counts said 0) and left out of
+    `delivered`."""
+    from pipeline.record.report import csv_chunks
+
+    state = closed_run(redis_url)
+    run_id = state.run_id
+    app = create_app(Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, api_token=TOKEN),
+                     launch=lambda *args: 0)
+    with TestClient(app) as api:
+        run = api.get(f"/runs/{run_id}").json()
+        listed = {s: sorted(a["ucc"] for a in api.get(f"/runs/{run_id}/accounts", params={"status": s}).json()["items"])
+                  for s in ("delivered", "deferred", "bounced")}
+        one = api.get(f"/runs/{run_id}/accounts/C0000002").json()
+    reported = {row["ucc"]: row["status"] for row in csv.DictReader(io.StringIO("".join(csv_chunks(state))))}
+    assert reported == {"C0000001": "delivered", "C0000002": "delivered", "C0000003": "bounced"}
+    assert (run["counts"]["delivered"], run["counts"]["deferred"]) == (2, 0)
+    assert listed == {"delivered": ["C0000001", "C0000002"], "deferred": [], "bounced": ["C0000003"]}
+    assert one["status"] == "delivered"
+
+
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
     _, summary, _, _ = api_run
     run = summary["run_id"]

@@ -13,6 +13,7 @@ from nbclient import NotebookClient
 
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
+from pipeline.record.storage import open_store
 from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows, outbox_messages
@@ -99,3 +100,23 @@ def test_the_notebook_stops_after_a_rerun_where_the_command_exits_1(result, stop
     else:
         exec(nb.cells[-1].source, cell)
         assert undone(result) == {}
+
+
+def test_the_notebook_s_bounce_table_on_a_closed_run_says_what_its_report_says(redis_url, tmp_path):
+    """What came back after the relay's 250, and where each account stands: once the window is
+    closed, a deferred mail is delivered, final (the report's word; before, the table said
+    "deferred")."""
+    import pandas as pd
+
+    from tests.test_api import closed_run
+
+    state = closed_run(redis_url)
+    nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
+    shown: list = []
+    cell = {"state": state, "settings": Settings(), "display": lambda *a: shown.append(a), "Markdown": str,
+            "pd": pd, "RUN_ID": state.run_id, "store": open_store(str(tmp_path / "store"))}
+    exec(next(c.source for c in nb.cells if "bounced = pd.DataFrame" in c.source), cell)
+    table = cell["bounced"].set_index("ucc")
+    assert table["came_back"].to_dict() == {"C0000002": "deferred", "C0000003": "bounced"}
+    assert table["status"].to_dict() == {"C0000002": "delivered", "C0000003": "bounced"}
+    assert "Bounce window: **closed**" in shown[0][0]

@@ -283,13 +283,14 @@ class Records:
         for u, v in self.r.hscan_iter(keys.run_accounts(self.run_id), count=1000):
             yield self._decode(u, v)
 
-    def page(self, cursor: int, limit: int, status: str | None = None) -> tuple[list[dict], int]:
-        """A page of account records (HSCAN: stable under writes, O(page)); cursor 0 = done."""
+    def page(self, cursor: int, limit: int, status: str | None = None, closed: bool = False) -> tuple[list[dict], int]:
+        """A page of account records (HSCAN: stable under writes, O(page)); cursor 0 = done.
+        `status` is the final one (`closed`: the run's bounce window ended, final_status)."""
         found: list[dict] = []
         while True:
             cursor, chunk = self.r.hscan(keys.run_accounts(self.run_id), cursor, count=limit)
             found += [r for r in (self._decode(u, v) for u, v in chunk.items())
-                      if status is None or final_status(r) == status]
+                      if status is None or final_status(r, closed) == status]
             if cursor == 0 or len(found) >= limit:
                 return found, cursor
 
