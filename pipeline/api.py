@@ -42,7 +42,7 @@ from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, rates, report, waiting
-from pipeline.record.records import FINAL_STATUSES, history
+from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
@@ -292,13 +292,23 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         """Starts `python -m pipeline rerun` in the background for `{"failed": true}` or a list
         of accounts (at most 100,000), and answers 202 with the accounts chosen and its process
         id. Needs the bearer token (401 without it, 403 on a read-only service); 404 for an
-        unknown run, 422 for a bad body."""
+        unknown run, 422 for a bad body; 409, naming why, for what the rerun would refuse at once
+        (a closed run, one a live driver holds): its own output is not the page's to show."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
         if not full:
             raise HTTPException(401, "a bearer token is required to rerun", headers={"WWW-Authenticate": "Bearer"})
         state = run_state(run_id)
+        if state.meta().get("closed_at"):
+            raise HTTPException(409, f"run {run_id} was closed: nothing more is mailed under it (its failed and "
+                                     "bounced accounts are on the paper list)")
+        if holder := state.live_holder(settings.lease_s):
+            raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
+                                     "a rerun waits for it to end")
         chosen = state.failed() if body.failed else body.accounts
+        if body.failed:  # as the rerun takes them: not those the input itself got wrong
+            rejected = set(rejected_at_validation(state.accounts(chosen)))
+            chosen = [u for u in chosen if u not in rejected]
         pid = launch(run_id, body.accounts, body.failed, body.force)
         return {"run_id": run_id, "accounts": chosen, "force": body.force, "pid": pid}
 

@@ -17,6 +17,7 @@ from pipeline.api import create_app
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.embedded import start_smtp_sink
+from pipeline.record import keys
 from pipeline.settings import ROOT, Settings
 from tests.conftest import TRADE_DATE
 from tests.helpers import client_rows
@@ -163,6 +164,29 @@ def test_a_closed_run_s_accounts_page_and_account_say_what_its_report_says(redis
     assert (run["counts"]["delivered"], run["counts"]["deferred"]) == (2, 0)
     assert listed == {"delivered": ["C0000001", "C0000002"], "deferred": [], "bounced": ["C0000003"]}
     assert one["status"] == "delivered"
+
+
+def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_url, tmp_path):
+    """The page's rerun starts `rerun` in the background, whose output is not the page's: a run
+    closed, or held by a live driver, was answered 202 ("rerun started") and the refusal lost."""
+    from pipeline.record.records import Outcome
+
+    state = closed_run(redis_url)
+    launched: list = []
+    app = create_app(Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, api_token=TOKEN, lease_s=30),
+                     launch=lambda *args: launched.append(args) or 4242)
+    with TestClient(app) as api:
+        closed = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
+        state.r.hdel(keys.run_meta(state.run_id), "closed_at")
+        state.record([Outcome("C0000009", "validated", "rejected", reason="bad PAN")])
+        lease = state.take_lease(30)
+        held = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
+        state.release_lease(lease.token)
+        taken = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
+    assert closed.status_code == 409 and "was closed" in closed.json()["detail"]
+    assert held.status_code == 409 and f"(pid {os.getpid()})" in held.json()["detail"]
+    assert taken.status_code == 202 and taken.json()["accounts"] == [], "a rejected account is not rerun"
+    assert launched == [(state.run_id, None, True, False)]
 
 
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):

@@ -48,7 +48,7 @@ from pipeline.record import day_claim, delivery_log, keys, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
-from pipeline.record.records import Outcome
+from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
@@ -442,7 +442,7 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     log.info("rerun %s: mailing through %s (%s)", run_id, relays, source)
     chosen = set(state.failed() if failed else state.unconfirmed() if unconfirmed else accounts or [])
     records = state.accounts(sorted(chosen))
-    rejected = sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
+    rejected = rejected_at_validation(records)
     unknown = sorted(chosen - set(records))
     if accounts and unknown:  # named by hand: refused before Ray starts
         cased = sorted(set(state.accounts([u.upper() for u in unknown if u != u.upper()])))

@@ -113,6 +113,15 @@ class RunLease:
         held = self.r.hget(keys.run_lease(self.run_id), "holder")
         return json.loads(held) if held else None
 
+    def live_holder(self, lease_s: float) -> dict | None:
+        """The driver holding the run if it renewed within `lease_s` by Redis's clock (as _TAKE
+        judges it): a driver that would refuse another, or None."""
+        with self.r.pipeline(transaction=False) as p:
+            p.hmget(keys.run_lease(self.run_id), "holder", "renewed")
+            p.time()
+            (holder, renewed), (s, us) = p.execute()
+        return json.loads(holder) if holder and s + us / 1e6 - float(renewed or 0) < lease_s else None
+
 
 @contextmanager
 def held(state: RunLease, lease_s: float) -> Iterator[Lease]:

@@ -168,6 +168,12 @@ _STATUSES = {c: s for s, c in STATUS_CODES.items()}
 _BOUNCES = {c: k for k, c in BOUNCE_KINDS.items()}
 
 
+def rejected_at_validation(records: dict[str, dict]) -> list[str]:
+    """The accounts (of `records`, by ucc) no rerun takes: their input itself is wrong, and a
+    rerun reads the same input."""
+    return sorted(u for u, r in records.items() if r.get("failed_at") == "validated")
+
+
 @dataclass
 class Outcome:
     """What happened to one account at one stage."""
