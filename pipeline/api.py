@@ -47,7 +47,7 @@ from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
-from pipeline.record.storage import StorageError, open_store
+from pipeline.record.storage import StorageError, Store, open_store
 from pipeline.settings import ROOT, Settings
 
 PAGE = Path(__file__).parent / "static" / "status.html"
@@ -162,7 +162,16 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         html = api_reference(app.openapi())
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
 
-    stored, seals = StoredRuns(settings), Seals(settings)
+    def store_of(run_id: str) -> Store:
+        """The run's own store as Redis recorded it (a run started with --store elsewhere), as
+        the commands open it (located.locate); the service's once Redis no longer holds the run."""
+        try:
+            url = state_of(run_id).meta().get("store_url") if keys.RUN_ID.match(run_id) else None
+        except redis.exceptions.RedisError:
+            url = None
+        return open_store(url or settings.store_url)
+
+    stored, seals = StoredRuns(settings), Seals(store_of)
 
     @app.get("/runs", summary="The recent runs, newest first")
     def runs(limit: int = Query(20, ge=1, le=500)):
@@ -218,7 +227,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         record = state.accounts([ucc]).get(ucc) if re.fullmatch(r"[A-Za-z0-9]{1,10}", ucc) else None
         if record is None:
             raise HTTPException(404, f"no account {ucc!r} in run {run_id!r}")
-        entry = find_account(open_store(settings.store_url), run_id, ucc)
+        entry = find_account(store_of(run_id), run_id, ucc)
         client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
         if client and not full:  # who the client is needs the token; what happened to the note does not
             client.update(name=mask_name(client["name"]), email=mask_email(client["email"]),
@@ -282,7 +291,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         (no e-mail consent, a bounce, a refused address) and by when. Addresses are masked
         without the bearer token. 404 when the run has no such list, 503 when storage is down."""
         key = report.paper_key(run_id) if keys.RUN_ID.match(run_id) else ""
-        store = open_store(settings.store_url)
+        store = store_of(run_id)
         if not key or not store.exists(key):
             raise HTTPException(404, f"no paper list for run {run_id!r}")
         return StreamingResponse((c if full else mask_text(c) for c in store.lines(key)), media_type="text/csv")
@@ -328,12 +337,11 @@ class Seals:
     """Whether a run is sealed, asked of storage only once its close began (Redis says when), and
     remembered once it is: a seal is never undone, and the page asks for every run each second."""
 
-    def __init__(self, settings: Settings):
-        self.settings, self.known = settings, set()
+    def __init__(self, store_of: Callable[[str], Store]):
+        self.store_of, self.known = store_of, set()
 
     def sealed(self, run_id: str, closed: bool) -> bool:
-        if closed and run_id not in self.known and \
-                seal_state(open_store(self.settings.store_url), run_id).state == SEALED:
+        if closed and run_id not in self.known and seal_state(self.store_of(run_id), run_id).state == SEALED:
             self.known.add(run_id)
         return run_id in self.known
 

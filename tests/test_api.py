@@ -189,6 +189,30 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
     assert launched == [(state.run_id, None, True, False)]
 
 
+def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_commands_read_it(redis_url, tmp_path):
+    """A run started with --store elsewhere: its seal and its paper list are in its own store,
+    which `status` and `close` open (Redis recorded it). Before, the service looked in its own
+    CN_STORE: the page said "closing" where `status` said sealed, and paper.csv was 404 while
+    `status` said to post the notes on it."""
+    from pipeline.record.report import paper_key
+    from pipeline.record.storage import open_store
+
+    state = closed_run(redis_url)
+    elsewhere = open_store(str(tmp_path / "elsewhere"))
+    state.update_meta(store_url=elsewhere.url)
+    proof, signature = keys.proof_keys(state.run_id)
+    elsewhere.put(proof, b'{"run_id": "%s", "tsa": null}' % state.run_id.encode())
+    elsewhere.put(signature, b"(the proof's CMS signature)")
+    elsewhere.put(paper_key(state.run_id), b"ucc,why,due\nC0000003,bounced,2026-11-23\n")
+    app = create_app(Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url, api_token=TOKEN),
+                     launch=lambda *args: 0)
+    with TestClient(app) as api:
+        run = api.get(f"/runs/{state.run_id}").json()
+        paper = api.get(f"/runs/{state.run_id}/paper.csv", headers=AUTH)
+    assert run["state"] == "sealed", run["state"]
+    assert paper.status_code == 200 and "C0000003,bounced" in paper.text
+
+
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
     _, summary, _, _ = api_run
     run = summary["run_id"]

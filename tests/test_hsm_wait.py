@@ -21,6 +21,7 @@ from pipeline import api
 from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record.state import RunState
+from pipeline.record.storage import open_store
 from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM
 from pipeline.settings import ROOT as PROJECT
 from tests import servers
@@ -52,7 +53,7 @@ def test_an_hsm_outage_past_its_patience_holds_the_day_until_its_deadline(
         seen["from"] = time.time()
         while time.time() - seen["from"] < 15:
             time.sleep(0.5)
-            seen["page"] += api.summary(state, api.Seals(s))["waiting"]
+            seen["page"] += api.summary(state, api.Seals(lambda run: open_store(s.store_url)))["waiting"]
         back.append(servers.start_p11kit_server(session_dir / "hsm" / HSM_SOCKET, SOFTHSM, hsm.label))
         seen["to"] = time.time()
 
