@@ -151,6 +151,25 @@ def test_a_tsa_that_cannot_serve_fails_close_in_one_line_before_the_seal_and_the
     assert sealed(store, run_id, tsa_cert_pem=tsa.cert)["timestamp"]["time"]
 
 
+def test_a_close_run_again_from_a_shell_without_cn_tsa_url_stamps_with_the_authority_its_close_began_with(
+        closed_run, tmp_path, tsa, caplog):
+    """The TSA refused the first close; the operator runs close again from another shell, where
+    CN_TSA_URL is not set. Before, that close sealed the run with no timestamp, and nothing of the
+    record said one had been asked for. The warrant now names the authority the close asked."""
+    settings, run_id, opened, _, _ = closed_run
+    root = copy(opened, tmp_path / "store")
+    tsa.faults["answer"] = "refuse"
+    with pytest.raises(CannotRun):
+        proof.close(dataclasses.replace(settings, tsa_url=tsa.url), run_id, now=after_the_window(settings, run_id),
+                    store_url=str(root))
+    tsa.faults.clear()
+    assert not settings.tsa_url
+    done = proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+    assert done["timestamp"], "sealed without the timestamp its first close asked for"
+    assert sealed(open_store(str(root)), run_id, tsa_cert_pem=tsa.cert)["timestamp"]["time"]
+    assert f"timestamped by {tsa.url}, which its warrant names (CN_TSA_URL is not set)" in caplog.text
+
+
 @pytest.mark.parametrize("refused", SEAL)
 def test_a_store_refusing_each_write_of_the_seal_leaves_a_close_begun_that_the_next_close_seals(
         closed_run, tmp_path, tsa, on_s3, refused):

@@ -28,8 +28,10 @@ followup/verify.py checks all of it from storage alone.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,6 +48,7 @@ from pipeline.seal.signer import SignError, Signer
 from pipeline.settings import Settings
 
 
+log = logging.getLogger("pipeline.followup.close")
 AGAIN = "the close began and is not sealed: run close again once it answers, to finish it"
 
 
@@ -88,8 +91,9 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         if sealing.warrant:  # an earlier close began and stopped: finished only as it began
             _matches(store, run_id, "began its close, and its record no longer matches where it began")
         found = _read_chains(store, run_id, run.split.shards)
-        closed_at = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
-                                  float(meta.get("closed_at") or now), signer)["closed_at"]
+        warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
+                                float(meta.get("closed_at") or now), signer, settings.tsa_url)
+        closed_at, settings = warrant["closed_at"], _stamping(settings, run_id, warrant.get("tsa", ""), "warrant")
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
         with ThreadPoolExecutor(1) as aside:  # the report from Redis while the chains' closing objects go out
             written = aside.submit(report.rewrite, store, state, run_id, settings.paper_due_days)
@@ -169,9 +173,21 @@ def finish(settings: Settings, store: Store, run_id: str, signer: Signer) -> Non
     data = store.get(proof_keys(run_id)[0])
     if not found.signed:
         _vouched(run_id, json.loads(data), signed_warrant(store, run_id))
-    tsa = (settings.tsa_url or found.tsa) if found.tsa and not found.stamped else ""
+    tsa = _stamping(settings, run_id, found.tsa, "proof").tsa_url if found.tsa and not found.stamped else ""
     for key, body in _made(run_id, data, signer, sign=not found.signed, tsa=tsa):
         _write(store, run_id, key, body)
+
+
+def _stamping(settings: Settings, run_id: str, named: str, by: str) -> Settings:
+    """The timestamp authority a seal asks: CN_TSA_URL, else the one its close began with (`named`
+    by its warrant or its proof, `by`), so a close run again from a shell without CN_TSA_URL still
+    stamps the seal its first attempt asked a timestamp for. Said when the two differ."""
+    if named and settings.tsa_url and settings.tsa_url != named:
+        log.warning("close %s: timestamped by %s (CN_TSA_URL), not %s, which its %s names", run_id,
+                    settings.tsa_url, named, by)
+    elif named and not settings.tsa_url:
+        log.warning("close %s: timestamped by %s, which its %s names (CN_TSA_URL is not set)", run_id, named, by)
+    return dataclasses.replace(settings, tsa_url=settings.tsa_url or named)
 
 
 def _vouched(run_id: str, proof: dict, warrant: dict | None) -> None:

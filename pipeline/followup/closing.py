@@ -22,12 +22,13 @@ from pipeline.seal.signer import Signer
 
 
 def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None], closed_at: float,
-          signer: Signer) -> dict:
+          signer: Signer, tsa: str = "") -> dict:
     """The run's warrant: written (and signed) now, from each shard's chain end as close read it
-    (`links`), or the one an earlier close that stopped wrote."""
+    (`links`), and the timestamp authority the seal asks (`tsa`, "" none), or the one an earlier
+    close that stopped wrote."""
     key, sig_key = closing_keys(run_id)
     if not store.exists(key):
-        warrant = {"run_id": run_id, "closed_at": closed_at,
+        warrant = {"run_id": run_id, "closed_at": closed_at, "tsa": tsa,
                    "heads": {str(s): [link.seq, link.sha256] if link else [0, ""] for s, link in links.items()}}
         store.put_new(key, as_json(warrant))  # lost to another close: theirs
     data = store.get(key)
@@ -54,7 +55,8 @@ def parse(data: bytes, run_id: str) -> dict | None:
     try:
         warrant = json.loads(data)
         heads = warrant["heads"]
-        if warrant["run_id"] != run_id or not isinstance(warrant["closed_at"], (int, float)) or not all(
+        if warrant["run_id"] != run_id or not isinstance(warrant["closed_at"], (int, float)) or \
+                not isinstance(warrant.get("tsa", ""), str) or not all(
                 s.isdigit() and isinstance(n, int) and n >= 0 and isinstance(sha, str) for s, (n, sha) in heads.items()):
             return None
         return {**warrant, "heads": {int(s): (n, sha) for s, (n, sha) in heads.items()}}
