@@ -142,7 +142,8 @@ def test_a_rerun_from_a_laptop_brings_the_run_back_from_storage_when_its_redis_i
     assert {k: v for k, v in counted.items() if v} == report["statuses"], "status adds up after restore + rerun"
     again = subprocess.run([sys.executable, "-m", "pipeline", "rerun", first["run_id"], "--failed"],
                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert json.loads(again.stdout.splitlines()[-1])["rerun_accounts"] == []
+    nothing = json.loads(again.stdout.splitlines()[-1])
+    assert nothing["rerun_accounts"] == [] and nothing["accounts"] == first["accounts"], "the run's, as ever (was 0)"
     assert len(outbox_messages(second_relay.outbox)) == 2
 
 

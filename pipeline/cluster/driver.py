@@ -450,7 +450,7 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
                        + (f" (client codes are upper-case: {_named(cased)})" if cased else ""))
     only = frozenset(chosen - set(rejected) - set(unknown))
     if not only:
-        summary = {"run_id": run_id, **state.final_counts(meta), "accounts": 0, "delivered_now": 0, "physical_now": 0,
+        summary = {"run_id": run_id, **state.final_counts(meta), "delivered_now": 0, "physical_now": 0,
                    "unconfirmed_now": 0, "failed_now": 0, "elapsed_s": 0.0, "notes_per_s": 0.0}
     else:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
