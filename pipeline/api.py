@@ -164,11 +164,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     def store_of(run_id: str) -> Store:
         """The run's own store as Redis recorded it (a run started with --store elsewhere), as
-        the commands open it (located.locate); the service's once Redis no longer holds the run."""
-        try:
-            url = state_of(run_id).meta().get("store_url") if keys.RUN_ID.match(run_id) else None
-        except redis.exceptions.RedisError:
-            url = None
+        the commands open it (located.locate); the service's once Redis no longer holds the run.
+        Redis unreachable is a 503 (redis_down), never the service's store taken for the run's."""
+        url = state_of(run_id).meta().get("store_url") if keys.RUN_ID.match(run_id) else None
         return open_store(url or settings.store_url)
 
     stored, seals = StoredRuns(settings), Seals(store_of)
@@ -301,8 +299,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         """Starts `python -m pipeline rerun` in the background for `{"failed": true}` or a list
         of accounts (at most 100,000), and answers 202 with the accounts chosen and its process
         id. Needs the bearer token (401 without it, 403 on a read-only service); 404 for an
-        unknown run, 422 for a bad body; 409, naming why, for what the rerun would refuse at once
-        (a closed run, one a live driver holds): its own output is not the page's to show."""
+        unknown run, 422 for a bad body or an account the run lacks; 409, naming why, for a run the
+        rerun would refuse at once (closed, or held by a live driver): its own output is not the
+        page's to show."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
         if not full:
@@ -315,9 +314,12 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
                                      "a rerun waits for it to end")
         chosen = state.failed() if body.failed else body.accounts
-        if body.failed:  # as the rerun takes them: not those the input itself got wrong
-            rejected = set(rejected_at_validation(state.accounts(chosen)))
-            chosen = [u for u in chosen if u not in rejected]
+        records = state.accounts(chosen)
+        if unknown := [u for u in chosen if u not in records]:  # refused at once by the rerun (NotInRun)
+            raise HTTPException(422, f"run {run_id} has no account {', '.join(unknown[:5])}"
+                                     + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        rejected = set(rejected_at_validation(records))  # as the rerun takes them: not those the input got wrong
+        chosen = [u for u in chosen if u not in rejected]
         pid = launch(run_id, body.accounts, body.failed, body.force)
         return {"run_id": run_id, "accounts": chosen, "force": body.force, "pid": pid}
 

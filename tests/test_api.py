@@ -182,9 +182,11 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
         lease = state.take_lease(30)
         held = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
         state.release_lease(lease.token)
+        unknown = api.post(f"/runs/{state.run_id}/rerun", json={"accounts": ["C0000001", "C0000404"]}, headers=AUTH)
         taken = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
     assert closed.status_code == 409 and "was closed" in closed.json()["detail"]
     assert held.status_code == 409 and f"(pid {os.getpid()})" in held.json()["detail"]
+    assert unknown.status_code == 422 and "has no account C0000404" in unknown.json()["detail"], unknown.text
     assert taken.status_code == 202 and taken.json()["accounts"] == [], "a rejected account is not rerun"
     assert launched == [(state.run_id, None, True, False)]
 

@@ -167,7 +167,7 @@ def test_a_close_run_again_from_a_shell_without_cn_tsa_url_stamps_with_the_autho
     done = proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(root))
     assert done["timestamp"], "sealed without the timestamp its first close asked for"
     assert sealed(open_store(str(root)), run_id, tsa_cert_pem=tsa.cert)["timestamp"]["time"]
-    assert f"timestamped by {tsa.url}, which its warrant names (CN_TSA_URL is not set)" in caplog.text
+    assert f"the timestamp is asked of {tsa.url}, which its warrant names (CN_TSA_URL is not set)" in caplog.text
 
 
 @pytest.mark.parametrize("refused", SEAL)

@@ -183,10 +183,11 @@ def _stamping(settings: Settings, run_id: str, named: str, by: str) -> Settings:
     by its warrant or its proof, `by`), so a close run again from a shell without CN_TSA_URL still
     stamps the seal its first attempt asked a timestamp for. Said when the two differ."""
     if named and settings.tsa_url and settings.tsa_url != named:
-        log.warning("close %s: timestamped by %s (CN_TSA_URL), not %s, which its %s names", run_id,
+        log.warning("close %s: the timestamp is asked of %s (CN_TSA_URL), not %s, which its %s names", run_id,
                     settings.tsa_url, named, by)
     elif named and not settings.tsa_url:
-        log.warning("close %s: timestamped by %s, which its %s names (CN_TSA_URL is not set)", run_id, named, by)
+        log.warning("close %s: the timestamp is asked of %s, which its %s names (CN_TSA_URL is not set)", run_id,
+                    named, by)
     return dataclasses.replace(settings, tsa_url=settings.tsa_url or named)
 
 
@@ -243,7 +244,7 @@ def _signed(run_id: str, data: bytes, signer: Signer) -> bytes:
 def _stamped(run_id: str, data: bytes, url: str) -> bytes:
     """The TSA's token over the proof, checked to be over it: a refusal, a reply that is no token
     or a token of other bytes is named with the TSA's URL."""
-    tsa = f"close {run_id}: the timestamp authority at {url} (CN_TSA_URL)"
+    tsa = f"close {run_id}: the timestamp authority at {url}"
     try:
         token = timestamp.request(url, data)
     except SignError as e:

@@ -51,9 +51,10 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                              if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))
     window = report.get("bounce_window", {})
     closed = window.get("closed_at") or ""
-    started = report_started_at(report) or ""  # the run's first start, not this rebuild's
+    started = report_started_at(report)  # the run's first start, not this rebuild's (None: not recorded)
+    last = _number(report.get("last_started_at")) or started
     state.start({"date": report["trade_date"], "input": report.get("input", ""), "config": json.dumps({}),
-                 "started": started, "last_started": _number(report.get("last_started_at")) or started,
+                 **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
                  **({"broker_file": report["broker_file"]} if "broker_file" in report else {}),  # else: not recorded
