@@ -456,9 +456,8 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
         for name in RedisBuckets(settings.redis_url).resume([f"relay:{parse_smtp_url(u).name}"
                                                              for u in relays.split(",") if u.strip()]):
             log.warning("rerun %s: %s had spent its daily quota today; the rerun tries it again", run_id, name)
-        window = float(meta["bounce_window_h"]) if meta.get("bounce_window_h") not in (None, "") else None
         summary = run_day(settings, RunRequest(meta["date"], meta["input"], run_id, only, force, unconfirmed, relays,
-                                               window), lease=lease, address=address)  # the run's window, not the shell's
+                                               report.window_h(meta)), lease=lease, address=address)
     ended, now = _ended(state, only), state.final_counts()
     if summary.get("report") and any(summary.get(k) != v for k, v in now.items()):  # _ended failed some: said again
         report.rewrite(run.store, state, run_id, settings.paper_due_days)

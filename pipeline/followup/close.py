@@ -81,8 +81,8 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         meta = run.meta()
         if not meta.get("finished"):
             raise WindowOpen(f"run {run_id} has not finished: its bounce window has not begun")
-        recorded = meta.get("bounce_window_h")  # the run's own, 0 included (a demo's)
-        hours = float(settings.bounce_window_h if recorded in (None, "") else recorded)
+        recorded = report.window_h(meta)
+        hours = settings.bounce_window_h if recorded is None else recorded
         closes = float(meta["finished"]) + hours * 3600
         if now < closes:
             raise WindowOpen(f"run {run_id}: the bounce window is open until "

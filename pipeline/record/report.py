@@ -95,6 +95,13 @@ def started_at(report: dict) -> float | None:
         return None
 
 
+def window_h(meta: dict) -> float | None:
+    """The bounce window the run recorded, in hours (0 included: a demo's), or None: a rerun and
+    a close keep the run's own, never the shell's CN_BOUNCE_WINDOW_H."""
+    value = meta.get("bounce_window_h")
+    return None if value in (None, "") else float(value)
+
+
 def bounce_window(meta: dict) -> dict:
     """Open until `closes_at` (the run's end plus CN_BOUNCE_WINDOW_H), then closed by `close`:
     every mailed account with no bounce is delivered, final."""
