@@ -164,9 +164,12 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     def store_of(run_id: str) -> Store:
         """The run's own store as Redis recorded it (a run started with --store elsewhere), as
-        the commands open it (located.locate); the service's once Redis no longer holds the run.
-        Redis unreachable is a 503 (redis_down), never the service's store taken for the run's."""
-        url = state_of(run_id).meta().get("store_url") if keys.RUN_ID.match(run_id) else None
+        the commands open it (located.locate); the service's once Redis no longer holds the run,
+        or does not answer (the page then answers from storage, as it does for the runs' list)."""
+        try:
+            url = state_of(run_id).meta().get("store_url") if keys.RUN_ID.match(run_id) else None
+        except redis.exceptions.RedisError:
+            url = None
         return open_store(url or settings.store_url)
 
     stored, seals = StoredRuns(settings), Seals(store_of)

@@ -4,6 +4,7 @@ the run with one line and exit status 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from pipeline.day.dumps import InputError, parse_trade
 from pipeline.day.split import split_day
+from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from pipeline.settings import ROOT
@@ -341,7 +343,8 @@ def test_a_rerun_of_100000_named_accounts_goes_through_the_api_and_one_more_is_4
     from pipeline.record import keys
 
     run_id = f"api-many-{os.urandom(3).hex()}"
-    RunState(redis_url, run_id).start({"date": DATE, "input": str(tmp_path / "in")})
+    state = RunState(redis_url, run_id)
+    state.start({"date": DATE, "input": str(tmp_path / "in")})
     # its record, a day of no accounts: a rerun opens no other
     open_store(str(tmp_path / "store")).put(keys.manifest_key(run_id), b'{"shards": [], "shard_count": 1}')
     log = tmp_path / "rerun.log"
@@ -350,20 +353,26 @@ def test_a_rerun_of_100000_named_accounts_goes_through_the_api_and_one_more_is_4
     monkeypatch.setenv("CN_STORE", str(tmp_path / "store"))
     monkeypatch.setenv("CN_RERUN_LOG", str(log))
     codes = [f"C{i}" for i in range(MAX_RERUN_ACCOUNTS)]
+    # in the run, each rejected at validation (its input wrong): the rerun is handed them all and takes none
+    state.record(Outcome(u, "validated", "rejected", reason="bad PAN") for u in codes)
     auth = {"Authorization": "Bearer t0ken-for-the-api"}
     with TestClient(create_app(Settings(redis_url=redis_url, api_token="t0ken-for-the-api"))) as api:
         too_many = api.post(f"/runs/{run_id}/rerun", json={"accounts": codes + ["C100000"]}, headers=auth)
         assert too_many.status_code == 422 and "at most 100,000 accounts" in too_many.text
+        typo = api.post(f"/runs/{run_id}/rerun", json={"accounts": ["C0", "C100001"]}, headers=auth)
+        assert typo.status_code == 422 and f"run {run_id} has no account C100001" in typo.text, typo.text
         accepted = api.post(f"/runs/{run_id}/rerun", json={"accounts": codes}, headers=auth)
-    assert accepted.status_code == 202, accepted.text
+    assert accepted.status_code == 202 and accepted.json()["accounts"] == [], accepted.text
     pid, deadline = accepted.json()["pid"], time.monotonic() + 120
     while os.waitpid(pid, os.WNOHANG) == (0, 0):
         assert time.monotonic() < deadline, "the rerun did not end"
         time.sleep(0.2)
     out = log.read_text()
     assert "Argument list too long" not in out and "Traceback" not in out
-    # every code reached the rerun, which refuses them in one line (none is in the run): a typo is never a success
-    assert f"error: run {run_id} has no account C0, C1, " in out and f"and {len(codes) - 10:,} more" in out, out[-2000:]
+    # every code reached the rerun, which names each as one it cannot take
+    said = json.loads(out.strip().splitlines()[-1])
+    assert len(said["not_rerunnable"]["rejected_at_validation"]) == len(codes) and said["rerun_accounts"] == [], \
+        out[-2000:]
 
 
 def test_a_shard_whose_every_account_was_rejected_is_no_error(ray_session, settings, smtp_sink, tmp_path, caplog):
