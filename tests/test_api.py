@@ -192,11 +192,14 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
 
 
 def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_commands_read_it(redis_url, tmp_path):
-    """A run started with --store elsewhere: its seal and its paper list are in its own store,
-    which `status` and `close` open (Redis recorded it). Before, the service looked in its own
-    CN_STORE: the page said "closing" where `status` said sealed, and paper.csv was 404 while
-    `status` said to post the notes on it."""
-    from pipeline.record.report import paper_key
+    """A run started with --store elsewhere: its seal, its paper list and its clients are in its
+    own store, which `status` and `close` open (Redis recorded it). Before, the service looked in
+    its own CN_STORE: the page said "closing" where `status` said sealed, paper.csv was 404 while
+    `status` said to post the notes on it, and an account showed no client. A bounce's paper
+    note is due CN_PAPER_DUE_DAYS after it, on that page too (it said 1 day)."""
+    import json
+
+    from pipeline.record.report import due_date, paper_key
     from pipeline.record.storage import open_store
 
     state = closed_run(redis_url)
@@ -206,13 +209,21 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
     elsewhere.put(proof, b'{"run_id": "%s", "tsa": null}' % state.run_id.encode())
     elsewhere.put(signature, b"(the proof's CMS signature)")
     elsewhere.put(paper_key(state.run_id), b"ucc,why,due\nC0000003,bounced,2026-11-23\n")
-    app = create_app(Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url, api_token=TOKEN),
-                     launch=lambda *args: 0)
+    elsewhere.put(keys.manifest_key(state.run_id), b'{"shards": [0], "shard_count": 1}')
+    client = {"name": "Asha Rao", "email": "asha@example.com", "pan": "ABCDE1234F", "state": "Karnataka"}
+    elsewhere.put(keys.shard_key(state.run_id, 0), json.dumps({"ucc": "C0000003", "client": client, "trades": []})
+                  .encode() + b"\n")
+    app = create_app(Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url, api_token=TOKEN,
+                              paper_due_days=3), launch=lambda *args: 0)
     with TestClient(app) as api:
         run = api.get(f"/runs/{state.run_id}").json()
         paper = api.get(f"/runs/{state.run_id}/paper.csv", headers=AUTH)
+        account = api.get(f"/runs/{state.run_id}/accounts/C0000003", headers=AUTH).json()
     assert run["state"] == "sealed", run["state"]
     assert paper.status_code == 200 and "C0000003,bounced" in paper.text
+    assert account["client"] == client
+    bounce = state.accounts(["C0000003"])["C0000003"]["bounce"]
+    assert account["bounce"]["due_date"] == due_date(bounce["at"], 3) != due_date(bounce["at"], 1)
 
 
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
