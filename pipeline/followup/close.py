@@ -93,7 +93,8 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         found = _read_chains(store, run_id, run.split.shards)
         warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
                                 float(meta.get("closed_at") or now), signer, settings.tsa_url)
-        closed_at, settings = warrant["closed_at"], _stamping(settings, run_id, warrant.get("tsa", ""), "warrant")
+        closed_at = warrant["closed_at"]
+        settings = dataclasses.replace(settings, tsa_url=_tsa(settings, run_id, warrant.get("tsa", ""), "warrant"))
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
         with ThreadPoolExecutor(1) as aside:  # the report from Redis while the chains' closing objects go out
             written = aside.submit(report.rewrite, store, state, run_id, settings.paper_due_days)
@@ -173,12 +174,12 @@ def finish(settings: Settings, store: Store, run_id: str, signer: Signer) -> Non
     data = store.get(proof_keys(run_id)[0])
     if not found.signed:
         _vouched(run_id, json.loads(data), signed_warrant(store, run_id))
-    tsa = _stamping(settings, run_id, found.tsa, "proof").tsa_url if found.tsa and not found.stamped else ""
+    tsa = _tsa(settings, run_id, found.tsa, "proof") if found.tsa and not found.stamped else ""
     for key, body in _made(run_id, data, signer, sign=not found.signed, tsa=tsa):
         _write(store, run_id, key, body)
 
 
-def _stamping(settings: Settings, run_id: str, named: str, by: str) -> Settings:
+def _tsa(settings: Settings, run_id: str, named: str, by: str) -> str:
     """The timestamp authority a seal asks: CN_TSA_URL, else the one its close began with (`named`
     by its warrant or its proof, `by`), so a close run again from a shell without CN_TSA_URL still
     stamps the seal its first attempt asked a timestamp for. Said when the two differ."""
@@ -188,7 +189,7 @@ def _stamping(settings: Settings, run_id: str, named: str, by: str) -> Settings:
     elif named and not settings.tsa_url:
         log.warning("close %s: the timestamp is asked of %s, which its %s names (CN_TSA_URL is not set)", run_id,
                     named, by)
-    return dataclasses.replace(settings, tsa_url=settings.tsa_url or named)
+    return settings.tsa_url or named
 
 
 def _vouched(run_id: str, proof: dict, warrant: dict | None) -> None:
