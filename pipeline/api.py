@@ -260,8 +260,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
 
     @lru_cache(maxsize=64)
-    def shard_count(run_id: str) -> int | None:
-        split = load_manifest(open_store(settings.store_url), run_id)
+    def shard_count(store_url: str, run_id: str) -> int | None:
+        split = load_manifest(open_store(store_url), run_id)
         return split.shard_count if split else None
 
     @app.get("/notes/{token}", summary="A client's own note, from the link in their e-mail")
@@ -272,10 +272,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
         found = link.check(key(), token)
-        store = open_store(settings.store_url)
         pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
             else None
-        shards = shard_count(found.run_id) if pdf_key else None
+        store = store_of(found.run_id) if pdf_key else None  # the run's own, as its page reads it
+        shards = shard_count(store.url, found.run_id) if pdf_key else None
         if not shards or not store.exists(pdf_key):
             raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
         pdf = store.get(pdf_key)

@@ -191,14 +191,18 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
     assert launched == [(state.run_id, None, True, False)]
 
 
-def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_commands_read_it(redis_url, tmp_path):
-    """A run started with --store elsewhere: its seal, its paper list and its clients are in its
-    own store, which `status` and `close` open (Redis recorded it). Before, the service looked in
-    its own CN_STORE: the page said "closing" where `status` said sealed, paper.csv was 404 while
-    `status` said to post the notes on it, and an account showed no client. A bounce's paper
-    note is due CN_PAPER_DUE_DAYS after it, on that page too (it said 1 day)."""
+def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_commands_read_it(redis_url, tmp_path,
+                                                                                          keys_dir):
+    """A run started with --store elsewhere: its seal, its paper list, its clients and their notes
+    are in its own store, which `status` and `close` open (Redis recorded it). Before, the service
+    looked in its own CN_STORE: the page said "closing" where `status` said sealed, paper.csv was
+    404 while `status` said to post the notes on it, an account showed no client, and a client's
+    link was 404. A bounce's paper note is due CN_PAPER_DUE_DAYS after it, on that page too (it
+    said 1 day)."""
     import json
 
+    from pipeline.mail import link
+    from pipeline.record import delivery_log
     from pipeline.record.report import due_date, paper_key
     from pipeline.record.storage import open_store
 
@@ -213,15 +217,20 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
     client = {"name": "Asha Rao", "email": "asha@example.com", "pan": "ABCDE1234F", "state": "Karnataka"}
     elsewhere.put(keys.shard_key(state.run_id, 0), json.dumps({"ucc": "C0000003", "client": client, "trades": []})
                   .encode() + b"\n")
-    app = create_app(Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url, api_token=TOKEN,
-                              paper_due_days=3), launch=lambda *args: 0)
-    with TestClient(app) as api:
+    elsewhere.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    settings = Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url, api_token=TOKEN,
+                        paper_due_days=3, token_key_file=str(keys_dir / "token.key"))
+    with TestClient(create_app(settings, launch=lambda *args: 0)) as api:
         run = api.get(f"/runs/{state.run_id}").json()
         paper = api.get(f"/runs/{state.run_id}/paper.csv", headers=AUTH)
         account = api.get(f"/runs/{state.run_id}/accounts/C0000003", headers=AUTH).json()
+        note = api.get(f"/notes/{link.make(settings.hmac_key(), state.run_id, 'C0000003', TRADE_DATE, 3600)}")
     assert run["state"] == "sealed", run["state"]
     assert paper.status_code == 200 and "C0000003,bounced" in paper.text
     assert account["client"] == client
+    assert note.status_code == 200 and note.content == b"%PDF-1.7 (the client's signed note)"
+    fetched = [e["status"] for e in delivery_log.entries(elsewhere, state.run_id)]
+    assert fetched == ["fetched"], "the fetch is proof of receipt in the run's own log"
     bounce = state.accounts(["C0000003"])["C0000003"]["bounce"]
     assert account["bounce"]["due_date"] == due_date(bounce["at"], 3) != due_date(bounce["at"], 1)
 
