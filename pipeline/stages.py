@@ -85,6 +85,15 @@ def broker(path: str = "") -> dict:
 _BROKER_FILE = str(TEMPLATES / "broker.json")  # the path's join and str() were ~2 µs a note
 
 
+def broker_sha256(path: str = "") -> str | None:
+    """The entity file's digest, as a run records it: a rerun renders only with the same file,
+    wherever it is kept then (None: no such file here)."""
+    try:
+        return hashlib.sha256(Path(path or _BROKER_FILE).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 @lru_cache(maxsize=4)
 def _broker(path: str) -> dict:
     try:

@@ -184,6 +184,47 @@ def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_windo
     assert name in text and "ERB-26/27-" in text
 
 
+def test_a_rerun_renders_with_the_run_s_own_entity_file_wherever_it_is_kept_now(ray_session, settings, day,
+                                                                               smtp_server, tmp_path):
+    """A rerun on another machine (a laptop after the cluster, its Redis empty) where the run's
+    entity file is not at the path the run recorded: CN_BROKER_FILE naming a copy of the same file
+    is used, and anything else is refused, naming the file, before a note is rendered. Before, the
+    rerun always took the recorded path: refused there ("cannot read the broker file") with no way
+    to name the copy, and, when another file had been put at that path, re-rendered the run's
+    notes under its note numbers with that file's entity and tariff."""
+    import dataclasses
+
+    import pytest
+    import redis
+
+    from pipeline.settings import ConfigError
+    from tests.test_entities import COMMODITY, OTHERS, entity_file
+    from tests.test_every_segment import note_text
+
+    name = "Example Moved Broking Limited"
+    recorded = entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "EMB")
+    first, sign_victim, _, _ = failing_first_run(dataclasses.replace(settings, broker_file=recorded), day, smtp_server)
+    copy = tmp_path / "laptop" / "entity.json"
+    copy.parent.mkdir()
+    Path(recorded).rename(copy)
+    laptop = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/12",
+                                 smtp_url=smtp_server("second").url)
+    redis.Redis.from_url(laptop.redis_url).flushdb()
+    rerun_failed = lambda s: rerun(s, first["run_id"], failed=True, relays=laptop.relays())  # noqa: E731
+
+    with pytest.raises(ConfigError, match=r"EMB\.json as it was .* not on this machine; CN_BROKER_FILE \(unset\)"):
+        rerun_failed(laptop)
+    Path(recorded).write_text(copy.read_text().replace(name, "Another Broking Limited"))
+    with pytest.raises(ConfigError, match="changed since"):
+        rerun_failed(laptop)
+    again = rerun_failed(dataclasses.replace(laptop, broker_file=str(copy)))
+
+    assert sign_victim in again["rerun_accounts"] and again["failed"] == 0, again
+    text = note_text(Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, sign_victim),
+                     client_rows(day)[sign_victim]["pan"])
+    assert name in text and "Another" not in text and "EMB-26/27-" in text
+
+
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(
         ray_session, settings, day, smtp_server):
     """The README: exit 0 only if each account the rerun takes is delivered or sent to paper.

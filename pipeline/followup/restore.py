@@ -57,7 +57,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
-                 **({"broker_file": report["broker_file"]} if "broker_file" in report else {}),  # else: not recorded
+                 **{f: report[f] for f in ("broker_file", "broker_sha256") if f in report},  # else: not recorded
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
                  "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},
