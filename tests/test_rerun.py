@@ -184,14 +184,16 @@ def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_windo
     assert name in text and "ERB-26/27-" in text
 
 
-def test_a_rerun_renders_with_the_run_s_own_entity_file_wherever_it_is_kept_now(ray_session, settings, day,
-                                                                               smtp_server, tmp_path):
+def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept_now(ray_session, settings, day,
+                                                                                    smtp_server, tmp_path):
     """A rerun on another machine (a laptop after the cluster, its Redis empty) where the run's
     entity file is not at the path the run recorded: CN_BROKER_FILE naming a copy of the same file
     is used, and anything else is refused, naming the file, before a note is rendered. Before, the
     rerun always took the recorded path: refused there ("cannot read the broker file") with no way
     to name the copy, and, when another file had been put at that path, re-rendered the run's
-    notes under its note numbers with that file's entity and tariff."""
+    notes under its note numbers with that file's entity and tariff. The run's holiday file is
+    the rerun's too, though the laptop names none: before, the rerun's notes took the shell's
+    CN_HOLIDAYS_FILE, and with it another settlement date."""
     import dataclasses
 
     import pytest
@@ -203,7 +205,10 @@ def test_a_rerun_renders_with_the_run_s_own_entity_file_wherever_it_is_kept_now(
 
     name = "Example Moved Broking Limited"
     recorded = entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "EMB")
-    first, sign_victim, _, _ = failing_first_run(dataclasses.replace(settings, broker_file=recorded), day, smtp_server)
+    holidays = tmp_path / "holidays.json"  # Monday the 23rd shut: the Friday's trades settle on the 24th
+    holidays.write_text(json.dumps({ex: {"2026": {"holidays": {"2026-11-23": "a test holiday"}}} for ex in ("NSE", "BSE")}))
+    first, sign_victim, _, _ = failing_first_run(dataclasses.replace(settings, broker_file=recorded,
+                                                                     holidays_file=str(holidays)), day, smtp_server)
     copy = tmp_path / "laptop" / "entity.json"
     copy.parent.mkdir()
     Path(recorded).rename(copy)
@@ -212,7 +217,8 @@ def test_a_rerun_renders_with_the_run_s_own_entity_file_wherever_it_is_kept_now(
     redis.Redis.from_url(laptop.redis_url).flushdb()
     rerun_failed = lambda s: rerun(s, first["run_id"], failed=True, relays=laptop.relays())  # noqa: E731
 
-    with pytest.raises(ConfigError, match=r"EMB\.json as it was .* not on this machine; CN_BROKER_FILE \(unset\)"):
+    refused = r"EMB\.json \(CN_BROKER_FILE\) as it was .* not on this machine; CN_BROKER_FILE \(unset\) is not"
+    with pytest.raises(ConfigError, match=refused):
         rerun_failed(laptop)
     Path(recorded).write_text(copy.read_text().replace(name, "Another Broking Limited"))
     with pytest.raises(ConfigError, match="changed since"):
@@ -223,6 +229,7 @@ def test_a_rerun_renders_with_the_run_s_own_entity_file_wherever_it_is_kept_now(
     text = note_text(Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, sign_victim),
                      client_rows(day)[sign_victim]["pan"])
     assert name in text and "Another" not in text and "EMB-26/27-" in text
+    assert "settles 24-11-2026" in text and "settles 23-11-2026" not in text
 
 
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(

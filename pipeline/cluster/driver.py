@@ -55,7 +55,7 @@ from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
-from pipeline.stages import (Batch, broker, broker_sha256, forced_again, forced_unanswered, load_shard, render_stage,
+from pipeline.stages import (NOTE_FILES, Batch, broker, file_sha256, forced_again, forced_unanswered, load_shard, render_stage,
                              restore_from_log)
 
 log = logging.getLogger("pipeline.cluster.driver")
@@ -264,8 +264,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
-                         "broker_file": settings.broker_file,  # the issuing entity: a rerun's notes are its too
-                         "broker_sha256": broker_sha256(settings.broker_file) or "",  # as it was: a rerun's must match
+                         **note_files(settings),  # the entity's, the holidays': a rerun's notes are made from them too
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -351,8 +350,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
-        "broker_file": settings.broker_file,  # the issuing entity, the run's: a rerun after Redis is lost renders as it
-        "broker_sha256": state.meta().get("broker_sha256", ""),  # the file as the run read it
+        **{k: v for k, v in state.meta().items() if k.removesuffix("_sha256") in NOTE_FILES},  # for a rerun's notes
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }
@@ -434,8 +432,8 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
 def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
            relays: str | None, address: str | None) -> dict:
     settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
-    if "broker_file" in meta:  # the run's entity's notes
-        settings = dataclasses.replace(settings, broker_file=_entity_file(run_id, meta, settings))
+    settings = dataclasses.replace(settings, **{f: _note_file(run_id, meta, settings, f) for f in NOTE_FILES
+                                                if f in meta})  # else: a run from before they were recorded
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
     relays = relays or recorded or credentials.resolve(settings).relays()
@@ -488,26 +486,32 @@ def _left_now(state: RunState, only: frozenset[str], since: float) -> dict[str, 
     return {"failed_now": now.count("failed"), "unconfirmed_now": now.count("unconfirmed")}
 
 
-def _entity_file(run_id: str, meta: dict, settings: Settings) -> str:
-    """The entity file a rerun renders with: the run's, whose details, tariff and note prefix its
-    notes carry. The path the run recorded when the file there is still the one it used; else
-    CN_BROKER_FILE when it holds that file (a rerun on another machine, the file moved); refused
-    when neither does, rather than re-rendered under the run's note numbers with other charges.
-    A run from before the digest was recorded: its path, as then."""
-    recorded, digest, own = meta["broker_file"], meta.get("broker_sha256"), settings.anchored().broker_file
-    named, here = recorded or "templates/broker.json", broker_sha256(recorded)
+def note_files(settings: Settings) -> dict[str, str]:
+    """What a run records of the files its notes are made from: each one's path and digest."""
+    paths = {f: getattr(settings, f) for f in NOTE_FILES}
+    return {**paths, **{f"{f}_sha256": file_sha256(p or NOTE_FILES[f][1]) or "" for f, p in paths.items()}}
+
+
+def _note_file(run_id: str, meta: dict, settings: Settings, field: str) -> str:
+    """The file a rerun's notes are made from (`field`: the entity's, the holidays'): the run's.
+    The path it recorded while the file there is the one it read; else the shell's setting when
+    it names a copy of that file (a rerun on another machine); refused when neither does, rather
+    than re-rendered under the run's note numbers with another entity, tariff or settlement date.
+    A run from before digests were recorded: its path, as then."""
+    env, default = NOTE_FILES[field]
+    recorded, digest, own = meta[field], meta.get(f"{field}_sha256"), getattr(settings.anchored(), field)
+    named, here = recorded or default or f"no {env}", file_sha256(recorded or default)
     if digest and here != digest:
         where = "not on this machine" if here is None else "changed since the run"
-        if broker_sha256(own) != digest:
-            raise ConfigError(f"rerun {run_id}: its notes are the issuing entity's of {named} as it was at the run "
-                              f"(sha256 {digest[:16]}...), which is {where}; CN_BROKER_FILE ({own or 'unset'}) is not "
-                              "that file either: set it to a copy of the run's")
-        log.warning("rerun %s: the run's entity file %s is %s; CN_BROKER_FILE %s is that file, used", run_id, named,
-                    where, own or "templates/broker.json")
+        if file_sha256(own or default) != digest:
+            raise ConfigError(f"rerun {run_id}: its notes were made from {named} ({env}) as it was at the run (sha256 "
+                              f"{digest[:16]}...), which is {where}; {env} ({own or 'unset'}) is not that file either: "
+                              "set it to a copy of the run's")
+        log.warning("rerun %s: the run's %s %s is %s; %s is that file, used", run_id, env, named, where, own or default)
         return own
     if recorded != own:
-        log.warning("rerun %s: its notes are the entity's of %s, as the run recorded (not CN_BROKER_FILE %s)", run_id,
-                    named, settings.broker_file or "unset")
+        log.warning("rerun %s: its notes are made from %s, as the run recorded (not %s %s)", run_id, named, env,
+                    own or "unset")
     return recorded
 
 

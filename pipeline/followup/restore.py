@@ -22,7 +22,7 @@ from pipeline.record.records import Outcome
 from pipeline.record.report import read_report, started_at as report_started_at
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store
-from pipeline.stages import load_shard, restore_from_log
+from pipeline.stages import NOTE_FILES, load_shard, restore_from_log
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
 STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
@@ -57,7 +57,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
-                 **{f: report[f] for f in ("broker_file", "broker_sha256") if f in report},  # else: not recorded
+                 **{k: v for k, v in report.items() if k.removesuffix("_sha256") in NOTE_FILES},  # else: not recorded
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
                  "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},
