@@ -277,7 +277,7 @@ class Settings:
         """A malformed URL setting is one line naming it, before anything connects (a Redis URL
         without its scheme was a 33-line traceback from the client library)."""
         if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"REDIS_URL: {_without_password(self.redis_url)!r} is not a Redis URL "
+            raise ConfigError(f"REDIS_URL: {without_password(self.redis_url)!r} is not a Redis URL "
                               "(redis://host:port/db, rediss://... or unix://...)")
         scheme = self.store_url.split(":", 1)[0] if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", self.store_url) else ""
         if scheme and (scheme != "s3" or not self.store_url.startswith("s3://")):
@@ -387,7 +387,7 @@ class Settings:
         """What a run records about its configuration: no secrets, no credentials."""
         return {
             "store_url": self.store_url,
-            "redis_url": _without_password(self.redis_url),
+            "redis_url": without_password(self.redis_url),
             "smtp": ",".join(f"{t.host}:{t.port}" for t in self.smtp()),
             "shard_size": str(self.shard_size),
             "window": str(self.window),
@@ -411,7 +411,7 @@ def effective(env: dict[str, str] | None = None) -> list[dict[str, str]]:
     settings, rows = Settings.from_env(env), []
     for f in dataclasses.fields(Settings):
         value, name = getattr(settings, f.name), f.metadata["env"]
-        shown = ",".join(_without_password(u) for u in str(value).split(",")) if "://" in str(value) else str(value)
+        shown = ",".join(without_password(u) for u in str(value).split(",")) if "://" in str(value) else str(value)
         if not f.repr and value not in (None, ""):  # a secret: a URL keeps its host, nothing else is shown
             shown = ",".join(_host_only(u) for u in str(value).split(",")) if "://" in str(value) else "*** (set)"
         if f.name == "owner_password" and value == PLACEHOLDER_OWNER_PASSWORD:
@@ -521,13 +521,14 @@ def _rate(raw: str, what: str) -> float:
 def _host_only(url: str) -> str:
     """A secret URL as shown: scheme, user and host; a password, a token in its path or query masked
     (a Redis URL's database number kept)."""
-    parts = urlsplit(_without_password(url))
+    parts = urlsplit(without_password(url))
     path = parts.path if parts.path.strip("/").isdigit() or parts.path in ("", "/") else "/***"
     return parts._replace(path=path, query="***" if parts.query else "", fragment="").geturl()
 
 
-def _without_password(url: str) -> str:
+def without_password(url: str) -> str:
+    """A URL as it may be shown, logged or recorded: its password masked (its host kept as written)."""
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    return parts._replace(netloc=f"{parts.username or ''}:***@{parts.hostname}:{parts.port}").geturl()
+    return parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}").geturl()

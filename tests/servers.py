@@ -294,7 +294,9 @@ def start_tsa(directory: Path, faults: dict[str, str | bytes] | None = None):
     as a TSA that cannot serve: "refuse", an RFC 3161 reply of status rejection (a TSA over its
     quota, or its signing key unavailable); "garbage", a 200 whose body is no reply at all (64
     random bytes); "garbage in a sequence", the same behind a DER SEQUENCE's header, which
-    asn1crypto takes for a reply until its fields are read; bytes, those bytes."""
+    asn1crypto takes for a reply until its fields are read; "unauthorised", HTTP 401 (a TSA that
+    takes no credentials it was given); bytes, those bytes. `faults["authorization"]` is the last
+    request's Authorization header (a TSA's account, from the URL's user and password)."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -328,6 +330,10 @@ ess_cert_id_alg = sha256
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             query = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             fault = (faults or {}).get("answer")
+            if faults is not None:
+                faults["authorization"] = self.headers.get("Authorization", "")
+            if fault == "unauthorised":
+                return self._reply(401, b"")
             if isinstance(fault, bytes):  # a reply of the test's own making
                 return self._reply(200, fault)
             if fault:

@@ -170,6 +170,35 @@ def test_a_close_run_again_from_a_shell_without_cn_tsa_url_stamps_with_the_autho
     assert f"the timestamp is asked of {tsa.url}, which its warrant names (CN_TSA_URL is not set)" in caplog.text
 
 
+def test_a_tsa_s_password_in_cn_tsa_url_is_sent_and_kept_out_of_the_record_messages_and_log(
+        closed_run, tmp_path, tsa, caplog):
+    """A TSA that takes an account (CN_TSA_URL=https://user:password@host/...). Before, the warrant
+    and the proof kept the URL whole, password and all, and the close's refusal and its log lines
+    printed it. The record names the authority with its password masked; a close run again
+    without CN_TSA_URL is told to give it, rather than asking with the masked one."""
+    import base64
+
+    from pipeline.settings import ConfigError
+
+    settings, run_id, opened, _, _ = closed_run
+    root = copy(opened, tmp_path / "store")
+    account = dataclasses.replace(settings, tsa_url=tsa.url.replace("http://", "http://cn-seal:s3cret-pass@"))
+    tsa.faults["answer"] = "unauthorised"
+    with pytest.raises(CannotRun) as refused:
+        proof.close(account, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+    assert "cn-seal:***@" in str(refused.value) and "401" in str(refused.value), str(refused.value)
+    tsa.faults.clear()
+    with pytest.raises(ConfigError, match=r"cn-seal:\*\*\*@.* set CN_TSA_URL to it, with the password"):
+        proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+    done = proof.close(account, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+
+    assert done["timestamp"] and tsa.faults["authorization"] == "Basic " + base64.b64encode(b"cn-seal:s3cret-pass").decode()
+    assert sealed(open_store(str(root)), run_id, tsa_cert_pem=tsa.cert)["timestamp"]["time"]
+    kept = [p.relative_to(root) for p in root.rglob("*") if p.is_file() and b"s3cret-pass" in p.read_bytes()]
+    assert kept == [] and "s3cret-pass" not in caplog.text + str(refused.value) + repr(done)
+    assert b"cn-seal:***@" in (root / keys.proof_keys(run_id)[0]).read_bytes()
+
+
 @pytest.mark.parametrize("refused", SEAL)
 def test_a_store_refusing_each_write_of_the_seal_leaves_a_close_begun_that_the_next_close_seals(
         closed_run, tmp_path, tsa, on_s3, refused):

@@ -34,6 +34,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 from pipeline.errors import CannotRun
 from pipeline.followup import chains, closing, opened
@@ -45,7 +46,7 @@ from pipeline.record.keys import proof_keys, timestamp_key
 from pipeline.record.storage import StorageError, Store, sha256, write_once
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError, Signer
-from pipeline.settings import Settings
+from pipeline.settings import ConfigError, Settings, without_password
 
 
 log = logging.getLogger("pipeline.followup.close")
@@ -92,7 +93,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
             _matches(store, run_id, "began its close, and its record no longer matches where it began")
         found = _read_chains(store, run_id, run.split.shards)
         warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
-                                float(meta.get("closed_at") or now), signer, settings.tsa_url)
+                                float(meta.get("closed_at") or now), signer, without_password(settings.tsa_url))
         closed_at = warrant["closed_at"]
         settings = dataclasses.replace(settings, tsa_url=_tsa(settings, run_id, warrant.get("tsa", ""), "warrant"))
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
@@ -182,11 +183,16 @@ def finish(settings: Settings, store: Store, run_id: str, signer: Signer) -> Non
 def _tsa(settings: Settings, run_id: str, named: str, by: str) -> str:
     """The timestamp authority a seal asks: CN_TSA_URL, else the one its close began with (`named`
     by its warrant or its proof, `by`), so a close run again from a shell without CN_TSA_URL still
-    stamps the seal its first attempt asked a timestamp for. Said when the two differ."""
-    if named and settings.tsa_url and settings.tsa_url != named:
+    stamps the seal its first attempt asked a timestamp for. Said when the two differ. The record
+    names an authority without its password, so a close of one that needs it is told to give it."""
+    shown = without_password(settings.tsa_url)
+    if named and settings.tsa_url and shown != named:
         log.warning("close %s: the timestamp is asked of %s (CN_TSA_URL), not %s, which its %s names", run_id,
-                    settings.tsa_url, named, by)
+                    shown, named, by)
     elif named and not settings.tsa_url:
+        if urlsplit(named).password == "***":  # masked when recorded
+            raise ConfigError(f"close {run_id}: its {by} names the timestamp authority {named}, whose password the "
+                              "record does not keep: set CN_TSA_URL to it, with the password, and run close again")
         log.warning("close %s: the timestamp is asked of %s, which its %s names (CN_TSA_URL is not set)", run_id,
                     named, by)
     return settings.tsa_url or named
@@ -210,7 +216,7 @@ def _proof(settings: Settings, store: Store, run_id: str, chains: dict[int, tupl
              for shard, (last, hashes) in sorted(chains.items())]
     json_key, csv_key = keys.report_keys(run_id)
     raw_report = store.get(json_key)
-    return {"run_id": run_id, "sealed_at": time.time(), "heads": heads, "objects": objects, "tsa": settings.tsa_url,
+    return {"run_id": run_id, "sealed_at": time.time(), "heads": heads, "objects": objects, "tsa": without_password(settings.tsa_url),
             "closed_at": json.loads(raw_report)["bounce_window"]["closed_at"],
             "reports": {json_key: hashlib.sha256(raw_report).hexdigest(),
                         **{k: sha256(store, k) for k in (csv_key, report.paper_key(run_id))}}}
@@ -245,7 +251,7 @@ def _signed(run_id: str, data: bytes, signer: Signer) -> bytes:
 def _stamped(run_id: str, data: bytes, url: str) -> bytes:
     """The TSA's token over the proof, checked to be over it: a refusal, a reply that is no token
     or a token of other bytes is named with the TSA's URL."""
-    tsa = f"close {run_id}: the timestamp authority at {url}"
+    tsa = f"close {run_id}: the timestamp authority at {without_password(url)}"
     try:
         token = timestamp.request(url, data)
     except SignError as e:
