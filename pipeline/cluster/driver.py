@@ -288,7 +288,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         numbered = early.numbered if early else lambda: (made or {}).get("numbers", {})
         splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
                                 _render_cpus(), resume, watch, early.plan.result() if early else None, numbered,
-                                manifest.groups if manifest else 0)
+                                manifest.groups if manifest else 0,
+                                manifest.shard_count if manifest else (made or {}).get("shard_count", 0))
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
                  len(splitting.weights))

@@ -53,7 +53,8 @@ MAX_INPUT_BYTES = 128 << 20  # read for a few accounts (a 20,000-account day, 63
 
 
 def recorded(store: Store, run_id: str) -> dict | None:
-    """The first notes a run made ({"shard": n, "numbers": {ucc: note number}}), or None."""
+    """The first notes a run made ({"shard": n, "shard_count": of the plan they were read with
+    (a run from before: none), "numbers": {ucc: note number}}), or None."""
     key = keys.first_notes_key(run_id)
     return read_json(store, key) if store.exists(key) else None
 
@@ -120,7 +121,7 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
         numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
                    enumerate(accounts)}
-        made = json.dumps({"shard": shard, "numbers": numbers}).encode()
+        made = json.dumps({"shard": shard, "shard_count": plan.shard_count, "numbers": numbers}).encode()
         if write_once(store, keys.first_notes_key(run_id), made) != made:  # ours, even if its reply was lost
             raise RuntimeError(f"run {run_id} already made its first notes")  # a fresh run is never resumed
         state.record(Outcome(ucc, "validated") for ucc in numbers)

@@ -97,14 +97,16 @@ class Split:
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
               watch: Callable[[], None], plan: Plan | None = None, numbered: Callable[[], dict] = dict,
-              groups: int = 0) -> "Split":
+              groups: int = 0, shards: int = 0) -> "Split":
         """`plan`: the one the driver's first notes were read with, if they were; `numbered`: their
-        note numbers ({ucc: number}), asked for once every range is read. `groups`: a resumed
-        split's, as the split it resumes had them (on other CPUs too), so each group asks for the
-        accounts it asked for then and takes back its block of note numbers."""
+        note numbers ({ucc: number}), asked for once every range is read. `groups` and `shards`: a
+        resumed split's, as the split it resumes had them (on other CPUs, with another
+        CN_SHARD_SIZE), so each group asks for the accounts it asked for then and takes back its
+        block of note numbers, and each account is in the shard whose file it may already be in."""
         inputs = open_store(input_url, run=settings)
         plan = plan or make_plan(inputs, trade_date, settings.shard_size, parts=max(1, cpus),
-                                 holidays_file=settings.holidays_file, entity=broker(settings.broker_file))
+                                 holidays_file=settings.holidays_file, entity=broker(settings.broker_file),
+                                 shards=shards)
         groups = groups or group_count(plan.shard_count, cpus, len(plan.ranges))
         closes = ray.put(plan.closes)
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(

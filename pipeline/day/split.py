@@ -130,10 +130,11 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
 
 
 def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holidays_file: str = "",
-              entity: dict | None = None) -> Plan:
+              entity: dict | None = None, shards: int = 0) -> Plan:
     """Raises InputError when a dump is missing or lacks a column. The shard count comes from
     the size of clients.csv and its first rows (exact for a file under 256 KB): counting a
-    day's clients exactly would mean reading the file twice. `holidays_file`: the broker's
+    day's clients exactly would mean reading the file twice; `shards`, a resumed split's count,
+    as the split it resumes planned it (its files were written by it). `holidays_file`: the broker's
     calendar (CN_HOLIDAYS_FILE), which says which exchanges were shut that day; `entity`: the
     issuing entity's broker.json (its `segments`, and `left_to`: the segments another entity's
     own run makes notes for)."""
@@ -147,7 +148,7 @@ def make_plan(inputs: Store, trade_date: str, shard_size: int, parts: int, holid
         n = max(1, round(size / target))
         ranges += [Range(name, i, size * i // n, size * (i + 1) // n) for i in range(n)]
     held = frozenset((entity or {}).get("segments") or SEGMENTS)
-    return Plan(shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
+    return Plan(shards or shard_count(_estimate_rows(inputs, "clients.csv", sizes["clients.csv"]), shard_size), ranges,
                 columns, closes, errors, trading_calendar.closed_exchanges(trade_date, holidays_file),
                 None if held == frozenset(SEGMENTS) else held, dict((entity or {}).get("left_to") or {}))
 
