@@ -41,14 +41,14 @@ from pipeline.followup.runs import list_runs
 from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
-from pipeline.record import delivery_log, keys, rates, report, waiting
+from pipeline.record import delivery_log, keys, note_files, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, Store, open_store
-from pipeline.settings import ROOT, Settings
+from pipeline.settings import ROOT, ConfigError, Settings
 
 PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
@@ -303,7 +303,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         of accounts (at most 100,000), and answers 202 with the accounts chosen and its process
         id. Needs the bearer token (401 without it, 403 on a read-only service); 404 for an
         unknown run, 422 for a bad body or an account the run lacks; 409, naming why, for a run the
-        rerun would refuse at once (closed, or held by a live driver): its own output is not the
+        rerun would refuse at once (closed, held by a live driver, or its notes' files neither
+        where the run read them nor named by this service's settings): its own output is not the
         page's to show."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
@@ -316,6 +317,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         if holder := state.live_holder(settings.lease_s):
             raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
                                      "a rerun waits for it to end")
+        try:
+            note_files.resumed(settings, run_id)  # the rerun's notes from the run's own files, or refused
+        except ConfigError as e:
+            raise HTTPException(409, str(e)) from None
         chosen = state.failed() if body.failed else body.accounts
         records = state.accounts(chosen)
         if unknown := [u for u in chosen if u not in records]:  # refused at once by the rerun (NotInRun)

@@ -85,20 +85,6 @@ def broker(path: str = "") -> dict:
 _BROKER_FILE = str(TEMPLATES / "broker.json")  # the path's join and str() were ~2 µs a note
 
 
-NOTE_FILES = {"broker_file": ("CN_BROKER_FILE", _BROKER_FILE), "holidays_file": ("CN_HOLIDAYS_FILE", "")}
-"""The settings naming files a note's content comes from (the entity, its tariff and note prefix;
-the holidays that set the settlement dates), with their defaults: a run records each one's path
-and digest, so that a rerun's notes are made from the same files."""
-
-
-def file_sha256(path: str) -> str | None:
-    """A note file's digest, as a run records it ("": no file named; None: no such file here)."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
-    except OSError:
-        return None
-
-
 @lru_cache(maxsize=4)
 def _broker(path: str) -> dict:
     try:

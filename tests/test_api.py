@@ -168,7 +168,8 @@ def test_a_closed_run_s_accounts_page_and_account_say_what_its_report_says(redis
 
 def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_url, tmp_path):
     """The page's rerun starts `rerun` in the background, whose output is not the page's: a run
-    closed, or held by a live driver, was answered 202 ("rerun started") and the refusal lost."""
+    closed, held by a live driver, or whose entity file is neither where it was nor named by the
+    service's CN_BROKER_FILE, was answered 202 ("rerun started") and the refusal lost."""
     from pipeline.record.records import Outcome
 
     state = closed_run(redis_url)
@@ -183,8 +184,13 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
         held = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
         state.release_lease(lease.token)
         unknown = api.post(f"/runs/{state.run_id}/rerun", json={"accounts": ["C0000001", "C0000404"]}, headers=AUTH)
+        entity = tmp_path / "entity.json"
+        state.update_meta(broker_file=str(entity), broker_file_sha256="0" * 64)  # the run's: not on this machine
+        moved = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
+        state.r.hdel(keys.run_meta(state.run_id), "broker_file", "broker_file_sha256")
         taken = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
     assert closed.status_code == 409 and "was closed" in closed.json()["detail"]
+    assert moved.status_code == 409 and f"{entity} (CN_BROKER_FILE)" in moved.json()["detail"], moved.text
     assert held.status_code == 409 and f"(pid {os.getpid()})" in held.json()["detail"]
     assert unknown.status_code == 422 and "has no account C0000404" in unknown.json()["detail"], unknown.text
     assert taken.status_code == 202 and taken.json()["accounts"] == [], "a rejected account is not rerun"

@@ -18,7 +18,7 @@ from pipeline.day.split import first_accounts, make_plan, split_day
 from pipeline.note.content import ROWS_PER_PAGE
 from pipeline.record import keys
 from pipeline.record.lease import held
-from pipeline.record.manifest import load_manifest
+from pipeline.record.manifest import load_first_notes, load_manifest
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
 from tests.conftest import TRADE_DATE
@@ -77,7 +77,7 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
 
     run_id = summary["run_id"]
     store = open_store(settings.store_url)
-    made = first_notes.recorded(store, run_id)
+    made = load_first_notes(store, run_id)
     assert made is not None and len(made["numbers"]) >= 2
     numbers = made["numbers"]
     mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
@@ -153,7 +153,7 @@ def test_a_heavy_account_among_the_first_is_left_to_its_shard_s_chain_and_mailed
 
     summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
 
-    numbers = first_notes.recorded(open_store(settings.store_url), summary["run_id"])["numbers"]
+    numbers = load_first_notes(open_store(settings.store_url), summary["run_id"])["numbers"]
     assert heavy not in numbers and set(numbers) == {u for u, _, _ in chosen[1:]}
     mailed = [_ucc(m) for m in outbox_messages(smtp_sink.outbox)]
     assert len(mailed) == len(set(mailed)) == summary["delivered"] == summary["accounts"] and heavy in mailed
@@ -206,7 +206,7 @@ def test_a_day_too_big_to_read_in_the_driver_makes_no_first_notes(
     early = first_notes.start(settings, resolved, signer, "too-big", TRADE_DATE, open_store(str(day)),
                               open_store(settings.store_url), state, "", 2)
     assert early.thread is None and early.plan.result() is None and early.numbers.result() == {}
-    assert early.skipped(0) == frozenset() and first_notes.recorded(open_store(settings.store_url), "too-big") is None
+    assert early.skipped(0) == frozenset() and load_first_notes(open_store(settings.store_url), "too-big") is None
 
 
 class _Counted:

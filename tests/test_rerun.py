@@ -232,23 +232,31 @@ def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept
     assert "settles 24-11-2026" in text and "settles 23-11-2026" not in text
 
 
-def test_a_run_resumed_mid_split_keeps_the_split_s_shard_count_whatever_cn_shard_size_says_now(
-        ray_session, settings, day, smtp_sink):
-    """The driver died with the split under way: its manifest says so (partial, with the shard
-    count it planned), and some shards' files are written. The same run id, run again from a
-    shell whose CN_SHARD_SIZE differs, finishes that split: every client mailed once. Before, the
-    resume planned the shard count again from the shell's shard size, kept the shard files
-    written under the first count, and left out, unsaid, every account the new count put in
-    those shards."""
+def test_a_run_resumed_mid_split_keeps_the_split_s_shard_count_and_files_whatever_the_shell_says_now(
+        ray_session, settings, day, smtp_sink, tmp_path):
+    """The head died with the split under way, and its Redis with it: the manifest says so
+    (partial, with the shard count it planned and the files its notes are made from), and some
+    shards' files are written. The same run id, run again on a new Redis from a shell whose
+    CN_SHARD_SIZE and CN_BROKER_FILE differ, finishes that split as it began: every client
+    mailed once, each note the run's entity's. Before, the resume planned the shard count again
+    from the shell's shard size, kept the shard files written under the first count, and left
+    out, unsaid, every account the new count put in those shards; and it rendered the shell's
+    entity under the run's note numbers."""
     import dataclasses
 
+    import redis
+
     from pipeline import credentials
+    from tests.test_entities import COMMODITY, OTHERS, entity_file
+    from tests.test_every_segment import note_text
     from pipeline.cluster.split_tasks import Split
     from pipeline.record.manifest import load_manifest, save_manifest
     from pipeline.record.storage import open_store
 
     run_id, store = f"{TRADE_DATE}-midsplit", open_store(settings.store_url)
-    first = dataclasses.replace(settings, shard_size=1)  # a shard per client: more shards than the least a day has
+    name = "Example Resumed Broking Limited"
+    first = dataclasses.replace(settings, shard_size=1,  # a shard per client: more shards than the least a day has
+                                broker_file=entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "ERS"))
     split = Split.start(credentials.for_render(first), run_id, TRADE_DATE, str(day), 2, False, lambda: None)
     save_manifest(store, run_id, split.partial())  # as the driver saves it once the dumps are read
     split.done(block=True)
@@ -258,13 +266,18 @@ def test_a_run_resumed_mid_split_keeps_the_split_s_shard_count_whatever_cn_shard
     for key in shard_files[::2]:  # half the shards' files written before the driver died, the rest not
         (Path(settings.store_url) / key).unlink()
 
-    resumed = run_day(settings, RunRequest(TRADE_DATE, str(day), run_id=run_id))  # 8 clients a shard
+    new_head = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/13")
+    redis.Redis.from_url(new_head.redis_url).flushdb()
+    resumed = run_day(new_head, RunRequest(TRADE_DATE, str(day), run_id=run_id))  # 8 clients a shard, the default entity
 
     clients = client_rows(day)
     sent = Counter(m["To"].addresses[0].addr_spec for m in outbox_messages(smtp_sink.outbox))
     assert sorted(sent.values()) == [1] * resumed["delivered"] and resumed["failed"] == 0, resumed
     assert sorted(sent) == sorted(c["email"] for c in clients.values() if c["email"]), "each client mailed once"
     assert resumed["accounts"] == len(clients) and load_manifest(store, run_id).shard_count == planned, resumed
+    ucc = next(u for u, c in clients.items() if c["email"])
+    text = note_text(Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, ucc), clients[ucc]["pan"])
+    assert name in text and "ERS-26/27-" in text
 
 
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(

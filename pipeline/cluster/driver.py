@@ -44,10 +44,10 @@ from pipeline.day.split import check_inputs
 from pipeline.mail.message import message_id
 from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
-from pipeline.record import day_claim, delivery_log, keys, report, run_log
+from pipeline.record import day_claim, delivery_log, keys, note_files, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
-from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
+from pipeline.record.manifest import SplitResult, load_first_notes, load_manifest, save_manifest
 from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
@@ -55,7 +55,7 @@ from pipeline.record.statuses import final_status
 from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
-from pipeline.stages import (NOTE_FILES, Batch, broker, file_sha256, forced_again, forced_unanswered, load_shard, render_stage,
+from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
                              restore_from_log)
 
 log = logging.getLogger("pipeline.cluster.driver")
@@ -231,6 +231,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     (anchored) and this run, when the caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
+    settings = note_files.resumed(settings, run_id) if req.run_id else settings  # a resumed run's notes: from its own files
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         checked = checked or preflight(settings, req, run_id)
@@ -251,7 +252,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
-    manifest, made = load_manifest(store, run_id), first_notes.recorded(store, run_id)
+    manifest, made = load_manifest(store, run_id), load_first_notes(store, run_id)
     resume = manifest is not None or made is not None  # mail may have gone out: each shard restores its delivery log first
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
@@ -264,7 +265,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
-                         **note_files(settings),  # the entity's, the holidays': a rerun's notes are made from them too
+                         **note_files.recorded(settings),  # the entity's, the holidays': a rerun's notes are made from them too
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -351,7 +352,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
-        **{k: v for k, v in state.meta().items() if k.removesuffix("_sha256") in NOTE_FILES},  # for a rerun's notes
+        **{k: v for k, v in state.meta().items() if k.removesuffix("_sha256") in note_files.NOTE_FILES},  # for a rerun's notes
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }
@@ -410,7 +411,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
 
 def started(store: Store, run_id: str) -> bool:
     """Whether a run got as far as its split or its first notes (it may have archived and mailed)."""
-    return load_manifest(store, run_id) is not None or first_notes.recorded(store, run_id) is not None
+    return load_manifest(store, run_id) is not None or load_first_notes(store, run_id) is not None
 
 
 def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, failed: bool = False,
@@ -433,8 +434,6 @@ def rerun(settings: Settings, run_id: str, accounts: list[str] | None = None, fa
 def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force: bool, unconfirmed: bool,
            relays: str | None, address: str | None) -> dict:
     settings, state, lease, run_id, meta = run.settings, run.state, run.lease, run.state.run_id, run.meta()
-    settings = dataclasses.replace(settings, **{f: _note_file(run_id, meta, settings, f) for f in NOTE_FILES
-                                                if f in meta})  # else: a run from before they were recorded
     recorded = meta.get("relays") or ""
     source = "--smtp" if relays else "the run's own" if recorded else "SMTP_URL or the secret's: the run recorded none"
     relays = relays or recorded or credentials.resolve(settings).relays()
@@ -485,35 +484,6 @@ def _left_now(state: RunState, only: frozenset[str], since: float) -> dict[str, 
     records = state.accounts(sorted(only))
     now = [r["status"] for r in records.values() if r.get("updated", 0.0) >= since]
     return {"failed_now": now.count("failed"), "unconfirmed_now": now.count("unconfirmed")}
-
-
-def note_files(settings: Settings) -> dict[str, str]:
-    """What a run records of the files its notes are made from: each one's path and digest."""
-    paths = {f: getattr(settings, f) for f in NOTE_FILES}
-    return {**paths, **{f"{f}_sha256": file_sha256(p or NOTE_FILES[f][1]) or "" for f, p in paths.items()}}
-
-
-def _note_file(run_id: str, meta: dict, settings: Settings, field: str) -> str:
-    """The file a rerun's notes are made from (`field`: the entity's, the holidays'): the run's.
-    The path it recorded while the file there is the one it read; else the shell's setting when
-    it names a copy of that file (a rerun on another machine); refused when neither does, rather
-    than re-rendered under the run's note numbers with another entity, tariff or settlement date.
-    A run from before digests were recorded: its path, as then."""
-    env, default = NOTE_FILES[field]
-    recorded, digest, own = meta[field], meta.get(f"{field}_sha256"), getattr(settings.anchored(), field)
-    named, here = recorded or default or f"no {env}", file_sha256(recorded or default)
-    if digest and here != digest:
-        where = "not on this machine" if here is None else "changed since the run"
-        if file_sha256(own or default) != digest:
-            raise ConfigError(f"rerun {run_id}: its notes were made from {named} ({env}) as it was at the run (sha256 "
-                              f"{digest[:16]}...), which is {where}; {env} ({own or 'unset'}) is not that file either: "
-                              "set it to a copy of the run's")
-        log.warning("rerun %s: the run's %s %s is %s; %s is that file, used", run_id, env, named, where, own or default)
-        return own
-    if recorded != own:
-        log.warning("rerun %s: its notes are made from %s, as the run recorded (not %s %s)", run_id, named, env,
-                    own or "unset")
-    return recorded
 
 
 def _named(codes: list[str], shown: int = 10) -> str:

@@ -30,10 +30,10 @@ from pipeline.day import trading_calendar
 from pipeline.day.split import DUMPS, Plan, first_accounts, make_plan, shard_line
 from pipeline.note.content import ROWS_PER_PAGE
 from pipeline.note.render import render_all
-from pipeline.record import keys, note_numbers
+from pipeline.record import keys, note_files, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store, read_json, write_once
+from pipeline.record.storage import Store, write_once
 from pipeline.seal.sign import SignatureInfo
 from pipeline.seal.signer import Signer
 from pipeline.settings import Settings
@@ -50,13 +50,6 @@ COUNT = 4
 MAX_TRADES = 4 * ROWS_PER_PAGE
 MAX_INPUT_BYTES = 128 << 20  # read for a few accounts (a 20,000-account day, 63 MB: 0.23 s of CPU with wanted.c,
 # 0.55 s in Python; 0.41 s of wall time in one traced run): up to ~1 s, well before a cold run's first chain could mail
-
-
-def recorded(store: Store, run_id: str) -> dict | None:
-    """The first notes a run made ({"shard": n, "shard_count": of the plan they were read with
-    (a run from before: none), "numbers": {ucc: note number}}), or None."""
-    key = keys.first_notes_key(run_id)
-    return read_json(store, key) if store.exists(key) else None
 
 
 class FirstNotes:
@@ -121,7 +114,8 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
         numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
                    enumerate(accounts)}
-        made = json.dumps({"shard": shard, "shard_count": plan.shard_count, "numbers": numbers}).encode()
+        made = json.dumps({"shard": shard, "shard_count": plan.shard_count, "note_files": note_files.recorded(settings),
+                           "numbers": numbers}).encode()
         if write_once(store, keys.first_notes_key(run_id), made) != made:  # ours, even if its reply was lost
             raise RuntimeError(f"run {run_id} already made its first notes")  # a fresh run is never resumed
         state.record(Outcome(ucc, "validated") for ucc in numbers)

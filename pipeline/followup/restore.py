@@ -16,13 +16,14 @@ import json
 
 from pipeline.day.dumps import UCC
 from pipeline.record import delivery_log, keys
+from pipeline.record.note_files import NOTE_FILES
 from pipeline.errors import RunNotFound
 from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
 from pipeline.record.report import read_report, started_at as report_started_at
 from pipeline.record.state import RunState
 from pipeline.record.storage import StorageError, Store
-from pipeline.stages import NOTE_FILES, load_shard, restore_from_log
+from pipeline.stages import load_shard, restore_from_log
 
 PAGE = 1000  # report rows a Redis round trip: the day is never held whole
 STATUSES = ("delivered", "unconfirmed", "failed", "rejected", "physical", "pending", "bounced", "deferred")
