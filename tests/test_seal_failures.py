@@ -199,6 +199,21 @@ def test_a_tsa_s_password_in_cn_tsa_url_is_sent_and_kept_out_of_the_record_messa
     assert b"cn-seal:***@" in (root / keys.proof_keys(run_id)[0]).read_bytes()
 
 
+def test_a_warrant_from_before_that_kept_the_tsa_s_password_whole_is_used_and_never_logged(caplog):
+    """Warrants and proofs written before the masking keep the URL whole (objects are written
+    once): a close of such a run asks that authority, and says so without its password."""
+    import logging
+
+    from pipeline.settings import Settings
+
+    whole = "https://cn-seal:s3cret-pass@tsa.example.com/tsr"
+    with caplog.at_level(logging.INFO):
+        assert proof._tsa(Settings(tsa_url=whole), "r1", whole, "warrant") == whole  # the same: nothing to say
+        assert proof._tsa(Settings(), "r1", whole, "warrant") == whole
+    assert "cn-seal:***@tsa.example.com/tsr, which its warrant names" in caplog.text
+    assert "s3cret-pass" not in caplog.text and "(CN_TSA_URL), not" not in caplog.text
+
+
 @pytest.mark.parametrize("refused", SEAL)
 def test_a_store_refusing_each_write_of_the_seal_leaves_a_close_begun_that_the_next_close_seals(
         closed_run, tmp_path, tsa, on_s3, refused):

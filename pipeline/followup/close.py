@@ -185,16 +185,16 @@ def _tsa(settings: Settings, run_id: str, named: str, by: str) -> str:
     by its warrant or its proof, `by`), so a close run again from a shell without CN_TSA_URL still
     stamps the seal its first attempt asked a timestamp for. Said when the two differ. The record
     names an authority without its password, so a close of one that needs it is told to give it."""
-    shown = without_password(settings.tsa_url)
-    if named and settings.tsa_url and shown != named:
+    shown, recorded = without_password(settings.tsa_url), without_password(named)  # a record from before: whole
+    if named and settings.tsa_url and shown != recorded:
         log.warning("close %s: the timestamp is asked of %s (CN_TSA_URL), not %s, which its %s names", run_id,
-                    shown, named, by)
+                    shown, recorded, by)
     elif named and not settings.tsa_url:
         if urlsplit(named).password == "***":  # masked when recorded
             raise ConfigError(f"close {run_id}: its {by} names the timestamp authority {named}, whose password the "
                               "record does not keep: set CN_TSA_URL to it, with the password, and run close again")
         log.warning("close %s: the timestamp is asked of %s, which its %s names (CN_TSA_URL is not set)", run_id,
-                    named, by)
+                    recorded, by)
     return settings.tsa_url or named
 
 

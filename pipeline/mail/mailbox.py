@@ -20,6 +20,7 @@ from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
 from pipeline.errors import CannotRun
+from pipeline.settings import without_password
 
 
 class MailboxError(CannotRun, RuntimeError):
@@ -49,10 +50,7 @@ def open_source(source: str, max_bytes: int):
 
 def describe(source: str) -> str:
     """The source without its password: what is logged and reported."""
-    parts = urlsplit(source)
-    if parts.password is None:
-        return source
-    return parts._replace(netloc=f"{parts.username}:***@{parts.hostname}:{parts.port or ''}".rstrip(":")).geturl()
+    return without_password(source)
 
 
 class ImapSource:
