@@ -259,7 +259,7 @@ def _run(args) -> dict:
     from pipeline import credentials
     from pipeline.cluster.driver import RunRequest, new_run_id, preflight, run_day
     from pipeline.cluster.plan import on_cluster, session
-    from pipeline.record import note_files
+    from pipeline.record import made_with
     from pipeline.record.lease import held
     from pipeline.record.state import RunState
 
@@ -277,7 +277,7 @@ def _run(args) -> dict:
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
         current.relay_rate, current.hsm_rate = resolved.relay_rate(), resolved.hsm_ops_s
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
-        settings = note_files.resumed(settings, request.run_id) if args.run_id else settings  # a resumed run's own
+        settings = made_with.resumed(settings, request.run_id) if args.run_id else settings  # a resumed run's own
         checked = preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
         # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first

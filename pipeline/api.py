@@ -41,7 +41,7 @@ from pipeline.followup.runs import list_runs
 from pipeline.followup.seal_state import SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
-from pipeline.record import delivery_log, keys, note_files, rates, report, waiting
+from pipeline.record import delivery_log, keys, made_with, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
@@ -162,6 +162,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         html = api_reference(app.openapi())
         return HTMLResponse(html, headers={"Content-Security-Policy": content_security_policy(html)})
 
+    def due_days(meta: dict) -> int:
+        """A paper note's days from its bounce, as the run's report counts them (its own setting)."""
+        return made_with.value(meta, "paper_due_days", settings.paper_due_days)
+
     def store_of(run_id: str) -> Store:
         """The run's own store as Redis recorded it (a run started with --store elsewhere), as
         the commands open it (located.locate); the service's once Redis no longer holds the run,
@@ -214,9 +218,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         follow `next_cursor` for the next page. Reasons are masked without the bearer token. 404
         for an unknown run, 422 for a bad status, cursor or limit, 503 when Redis is down."""
         state = run_state(run_id)
-        closed = bool(state.meta().get("closed_at"))
+        meta = state.meta()
+        closed = bool(meta.get("closed_at"))
         items, cursor = state.page(cursor, limit, status, closed)
-        return {"items": [public_record(rec, full, settings.paper_due_days, closed) for rec in items],
+        return {"items": [public_record(rec, full, due_days(meta), closed) for rec in items],
                 "next_cursor": cursor or None}
 
     @app.get("/runs/{run_id}/accounts/{ucc}", summary="One account's history and its client")
@@ -235,7 +240,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                           pan=mask_pan(client["pan"]), state="***")
         events = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
                   for event in history(record)]
-        return {**public_record(record, full, settings.paper_due_days, bool(state.meta().get("closed_at"))),
+        meta = state.meta()
+        return {**public_record(record, full, due_days(meta), bool(meta.get("closed_at"))),
                 "history": events, "client": client,
                 "pii": "shown" if full else "masked"}
 
@@ -248,7 +254,8 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(404, f"no run {run_id!r}")
         state = state_of(run_id)
         if state.exists():  # live, also while the run goes on
-            chunks = report.csv_chunks(state, trade_date=state.meta().get("date", ""), due_days=settings.paper_due_days)
+            meta = state.meta()
+            chunks = report.csv_chunks(state, trade_date=meta.get("date", ""), due_days=due_days(meta))
         else:
             store = open_store(settings.store_url)
             key = keys.report_keys(run_id)[1]
@@ -318,7 +325,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
                                      "a rerun waits for it to end")
         try:
-            note_files.resumed(settings, run_id)  # the rerun's notes from the run's own files, or refused
+            made_with.resumed(settings, run_id)  # the rerun's notes from the run's own files, or refused
         except ConfigError as e:
             raise HTTPException(409, str(e)) from None
         chosen = state.failed() if body.failed else body.accounts

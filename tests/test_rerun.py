@@ -193,7 +193,8 @@ def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept
     to name the copy, and, when another file had been put at that path, re-rendered the run's
     notes under its note numbers with that file's entity and tariff. The run's holiday file is
     the rerun's too, though the laptop names none: before, the rerun's notes took the shell's
-    CN_HOLIDAYS_FILE, and with it another settlement date."""
+    CN_HOLIDAYS_FILE, and with it another settlement date; and so are its sender and its
+    encryption (the shell's CN_ENCRYPTION=none archived and mailed the note unencrypted)."""
     import dataclasses
 
     import pytest
@@ -207,13 +208,15 @@ def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept
     recorded = entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "EMB")
     holidays = tmp_path / "holidays.json"  # Monday the 23rd shut: the Friday's trades settle on the 24th
     holidays.write_text(json.dumps({ex: {"2026": {"holidays": {"2026-11-23": "a test holiday"}}} for ex in ("NSE", "BSE")}))
-    first, sign_victim, _, _ = failing_first_run(dataclasses.replace(settings, broker_file=recorded,
+    desk = "Run Desk <notes@run-desk.example.com>"
+    first, sign_victim, _, _ = failing_first_run(dataclasses.replace(settings, broker_file=recorded, mail_from=desk,
                                                                      holidays_file=str(holidays)), day, smtp_server)
     copy = tmp_path / "laptop" / "entity.json"
     copy.parent.mkdir()
     Path(recorded).rename(copy)
+    second = smtp_server("second")
     laptop = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/12",
-                                 smtp_url=smtp_server("second").url)
+                                 smtp_url=second.url, encryption="none")  # nor the run's sender, nor its encryption
     redis.Redis.from_url(laptop.redis_url).flushdb()
     rerun_failed = lambda s: rerun(s, first["run_id"], failed=True, relays=laptop.relays())  # noqa: E731
 
@@ -230,6 +233,9 @@ def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept
                      client_rows(day)[sign_victim]["pan"])
     assert name in text and "Another" not in text and "EMB-26/27-" in text
     assert "settles 24-11-2026" in text and "settles 23-11-2026" not in text
+    archived = Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, sign_victim)
+    assert subprocess.run(["qpdf", "--is-encrypted", str(archived)]).returncode == 0, "the run's AES-256, not none"
+    assert {m["From"] for m in outbox_messages(second.outbox)} == {desk}
 
 
 def test_a_run_resumed_mid_split_keeps_the_split_s_shard_count_and_files_whatever_the_shell_says_now(

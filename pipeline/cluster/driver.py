@@ -44,7 +44,7 @@ from pipeline.day.split import check_inputs
 from pipeline.mail.message import message_id
 from pipeline.errors import NotInRun
 from pipeline.cluster.memory import peak_rss_mb
-from pipeline.record import day_claim, delivery_log, keys, note_files, report, run_log
+from pipeline.record import day_claim, delivery_log, keys, made_with, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
 from pipeline.record.manifest import SplitResult, load_first_notes, load_manifest, save_manifest
@@ -231,7 +231,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     (anchored) and this run, when the caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
-    settings = note_files.resumed(settings, run_id) if req.run_id else settings  # a resumed run's notes: from its own files
+    settings = made_with.resumed(settings, run_id) if req.run_id else settings  # a resumed run's: as it made them
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         checked = checked or preflight(settings, req, run_id)
@@ -265,7 +265,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
-                         **note_files.recorded(settings),  # the entity's, the holidays': a rerun's notes are made from them too
+                         **made_with.recorded(settings),  # the files and settings a rerun's notes and mails are made with too
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -352,7 +352,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
-        **{k: v for k, v in state.meta().items() if k.removesuffix("_sha256") in note_files.NOTE_FILES},  # for a rerun's notes
+        **{k: v for k, v in state.meta().items() if k in made_with.KEYS},  # what a rerun's notes are made with
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }

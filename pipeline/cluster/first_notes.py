@@ -30,7 +30,7 @@ from pipeline.day import trading_calendar
 from pipeline.day.split import DUMPS, Plan, first_accounts, make_plan, shard_line
 from pipeline.note.content import ROWS_PER_PAGE
 from pipeline.note.render import render_all
-from pipeline.record import keys, note_files, note_numbers
+from pipeline.record import keys, made_with, note_numbers
 from pipeline.record.records import Outcome
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, write_once
@@ -114,7 +114,7 @@ def _run(first: FirstNotes, settings: Settings, resolved: Settings, signer: Sign
         start = note_numbers.reserve(store, state, note_numbers.financial_year(trade_date), len(accounts))
         numbers = {ucc: note_numbers.note_number(prefix, trade_date, start + i) for i, (ucc, _, _) in
                    enumerate(accounts)}
-        made = json.dumps({"shard": shard, "shard_count": plan.shard_count, "note_files": note_files.recorded(settings),
+        made = json.dumps({"shard": shard, "shard_count": plan.shard_count, "made_with": made_with.recorded(settings),
                            "numbers": numbers}).encode()
         if write_once(store, keys.first_notes_key(run_id), made) != made:  # ours, even if its reply was lost
             raise RuntimeError(f"run {run_id} already made its first notes")  # a fresh run is never resumed

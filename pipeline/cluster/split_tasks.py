@@ -16,7 +16,7 @@ import ray
 
 from pipeline.day.split import Plan, assemble, make_plan, read_range, result, row_offsets
 
-from pipeline.record import note_files
+from pipeline.record import made_with
 from pipeline.record.manifest import SplitResult
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, open_store
@@ -94,7 +94,7 @@ class Split:
     def __init__(self, plan: Plan, metas: list[dict], groups: int, assembling: dict[int, ray.ObjectRef],
                  weights: dict[int, int], files: dict[str, str]):
         self.plan, self.metas, self.groups, self.assembling, self.weights = plan, metas, groups, assembling, weights
-        self.files = files  # the files the notes are made from (note_files.recorded), for the manifest
+        self.files = files  # what the notes are made with (made_with.recorded), for the manifest
         self.rows: dict[int, ray.ObjectRef] = {}  # shard -> its file's bytes, as its assembly wrote it (HANDED_TRADES)
 
     @classmethod
@@ -116,7 +116,7 @@ class Split:
             inputs, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
             plan.segments, plan.left_to) for r in plan.ranges]
         metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
-        split = cls(plan, metas, groups, {}, weights, note_files.recorded(settings))
+        split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
         offsets, numbered = row_offsets(metas), ray.put(numbered())
         heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
         for shard, n in split.weights.items():
@@ -166,7 +166,7 @@ class Split:
         """The manifest while the split is under way: a run resumed from it splits again,
         keeping the shards already written (and the note numbers in them)."""
         return SplitResult(shards=self.shards(), shard_count=self.plan.shard_count, complete=False, groups=self.groups,
-                           note_files=self.files)
+                           made_with=self.files)
 
     def after(self, shard: int) -> ray.ObjectRef:
         return self.assembling[shard % self.groups]
@@ -179,4 +179,4 @@ class Split:
         refs = list(self.assembling.values())
         if not block and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
             return None
-        return dataclasses.replace(result(self.plan, self.metas, ray.get(refs)), note_files=self.files)
+        return dataclasses.replace(result(self.plan, self.metas, ray.get(refs)), made_with=self.files)

@@ -20,7 +20,7 @@ import redis
 from cryptography import x509
 
 from pipeline.errors import RunNotFound
-from pipeline.record import keys
+from pipeline.record import keys, made_with
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, check_create_only, open_store
@@ -87,7 +87,10 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
     if writes:
         check_create_only(store, keys.create_only_check_key(run_id))
     log.info("%s %s: store %s (%s)", command or "run", run_id, url, source)
-    return Located(_with_keys(replace(settings, store_url=url), found), store, source, bool(meta))
+    settings = _with_keys(replace(settings, store_url=url), found)
+    if writes:  # what it writes (a report's paper list, a rerun's notes and mails) is as the run made it
+        settings = made_with.run_settings(settings, found, run_id, command or "run")
+    return Located(settings, store, source, bool(meta))
 
 
 def _meta(settings: Settings, run_id: str, optional: bool) -> dict:

@@ -15,8 +15,7 @@ import itertools
 import json
 
 from pipeline.day.dumps import UCC
-from pipeline.record import delivery_log, keys
-from pipeline.record.note_files import NOTE_FILES
+from pipeline.record import delivery_log, keys, made_with
 from pipeline.errors import RunNotFound
 from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
@@ -58,7 +57,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
-                 **{k: v for k, v in report.items() if k.removesuffix("_sha256") in NOTE_FILES},  # else: not recorded
+                 **{k: v for k, v in report.items() if k in made_with.KEYS},  # else: not recorded
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
                  "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},

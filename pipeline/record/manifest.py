@@ -25,7 +25,7 @@ class SplitResult:
     groups: int = 0  # while under way, the assembly groups: a resumed split's are the same (their note-number blocks)
     # the trade rows of segments whose notes another entity's run makes: segment -> its entity and rows
     left_to_others: dict[str, dict] = field(default_factory=dict)
-    note_files: dict[str, str] = field(default_factory=dict)  # note_files.recorded: what a resume renders with
+    made_with: dict = field(default_factory=dict)  # made_with.recorded: what a resumed run makes its notes with
 
     def heaviest_first(self, shards: list[int]) -> list[int]:
         """A shard holding a huge account starts first, so it never sets the day's end."""
@@ -53,7 +53,7 @@ def load_manifest(store: Store, run_id: str) -> SplitResult | None:
 
 def load_first_notes(store: Store, run_id: str) -> dict | None:
     """The first notes a run made in its driver ({"shard": n, "shard_count": of the plan they were
-    read with, "note_files": note_files.recorded (a run from before: neither), "numbers": {ucc:
+    read with, "made_with": made_with.recorded (a run from before: neither), "numbers": {ucc:
     note number}}), or None."""
     key = keys.first_notes_key(run_id)
     return read_json(store, key) if store.exists(key) else None
