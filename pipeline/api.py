@@ -325,7 +325,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
                                      "a rerun waits for it to end")
         try:
-            made_with.resumed(settings, run_id)  # the rerun's notes from the run's own files, or refused
+            made_with.resumed(settings, run_id, "the page's rerun of")  # the run's own files, or refused
         except ConfigError as e:
             raise HTTPException(409, str(e)) from None
         chosen = state.failed() if body.failed else body.accounts

@@ -203,8 +203,8 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
     are in its own store, which `status` and `close` open (Redis recorded it). Before, the service
     looked in its own CN_STORE: the page said "closing" where `status` said sealed, paper.csv was
     404 while `status` said to post the notes on it, an account showed no client, and a client's
-    link was 404. A bounce's paper note is due CN_PAPER_DUE_DAYS after it, on that page too (it
-    said 1 day)."""
+    link was 404. A bounce's paper note is due the run's CN_PAPER_DUE_DAYS after it, on that page
+    too (it said 1 day, then the service's own setting)."""
     import json
 
     from pipeline.mail import link
@@ -214,7 +214,7 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
 
     state = closed_run(redis_url)
     elsewhere = open_store(str(tmp_path / "elsewhere"))
-    state.update_meta(store_url=elsewhere.url)
+    state.update_meta(store_url=elsewhere.url, made_with=json.dumps({"paper_due_days": 5}))  # the run's, not the page's 3
     proof, signature = keys.proof_keys(state.run_id)
     elsewhere.put(proof, b'{"run_id": "%s", "tsa": null}' % state.run_id.encode())
     elsewhere.put(signature, b"(the proof's CMS signature)")
@@ -238,7 +238,7 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
     fetched = [e["status"] for e in delivery_log.entries(elsewhere, state.run_id)]
     assert fetched == ["fetched"], "the fetch is proof of receipt in the run's own log"
     bounce = state.accounts(["C0000003"])["C0000003"]["bounce"]
-    assert account["bounce"]["due_date"] == due_date(bounce["at"], 3) != due_date(bounce["at"], 1)
+    assert account["bounce"]["due_date"] == due_date(bounce["at"], 5) != due_date(bounce["at"], 3)
 
 
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):

@@ -4,6 +4,7 @@ current folder or CN_STORE imply."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -210,3 +211,34 @@ def test_an_archived_note_the_store_lost_is_signed_again_with_its_number_unless_
     forced = rerun(fixed, first["run_id"], accounts=[mailed], force=True, relays=fixed.relays())
     assert forced["delivered_now"] == 0 and not pdf[mailed].exists(), "a mailed note is never rebuilt"
     assert len(outbox_messages(fresh.outbox)) == 1
+
+
+def test_a_follow_up_that_writes_makes_its_paper_list_with_the_run_s_settings_not_the_shell_s(redis_url, tmp_path,
+                                                                                               caplog):
+    """`close`, `reconcile`, `bounces` and `rerun` rewrite the report's paper list (its due dates)
+    and make notes and mails: with the run's CN_PAPER_DUE_DAYS and CN_ENCRYPTION, each that
+    differs said; a shell asking for stronger encryption than the run's gets it. `status` and
+    `verify`, which only read, are not told. Before, each took the shell's."""
+    import logging
+
+    from pipeline.followup.located import locate
+    from pipeline.record.manifest import SplitResult, save_manifest
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.settings import Settings
+
+    store = open_store(str(tmp_path / "store"))
+    state = RunState(redis_url, f"{TRADE_DATE}-madewith")
+    save_manifest(store, state.run_id, SplitResult([0], 20))
+    state.start({"date": TRADE_DATE, "store_url": store.url,
+                 "made_with": json.dumps({"paper_due_days": 5, "encryption": "aes256", "mail_from": "Desk <d@x.test>"})})
+    shell = Settings(redis_url=redis_url, store_url=store.url, paper_due_days=1, encryption="none")
+    with caplog.at_level(logging.WARNING):
+        writes = locate(shell, state.run_id, writes=True, command="close").settings
+    reads = locate(shell, state.run_id, command="status").settings
+    assert (writes.paper_due_days, writes.encryption, writes.mail_from) == (5, "aes256", "Desk <d@x.test>")
+    assert (reads.paper_due_days, reads.encryption) == (1, "none")
+    assert f"close {state.run_id}: CN_PAPER_DUE_DAYS is the run's 5, not this shell's 1" in caplog.text
+    state.update_meta(made_with=json.dumps({"encryption": "none"}))  # a run made unencrypted by mistake
+    stronger = locate(dataclasses.replace(shell, encryption="aes256"), state.run_id, writes=True).settings
+    assert stronger.encryption == "aes256"

@@ -379,12 +379,13 @@ def test_a_run_s_request_fails_once_s3_is_out_past_its_patience_and_its_deadline
     """...and once S3 is back, a request that goes through at once ends the outage: the next
     one is said and waited for anew."""
     server, url = _own_s3(tmp_path, monkeypatch)
-    began = time.monotonic()  # before the deadline is set: stopping the server may take a while on a busy machine
-    run = dataclasses.replace(Settings(), store_patience_s=1.5 if held_by == "patience" else 0.0,
-                              deadline_at=time.time() + 1.5 if held_by == "deadline" else 0.0)
-    store, port, servers = open_store(url, run=run), urlsplit(server.url).port, [server]
+    port, servers = urlsplit(server.url).port, [server]
     try:
-        server.stop()
+        server.stop()  # first: on a busy machine it may take a while, and the deadline runs from after it
+        began = time.monotonic()
+        run = dataclasses.replace(Settings(), store_patience_s=1.5 if held_by == "patience" else 0.0,
+                                  deadline_at=time.time() + 1.5 if held_by == "deadline" else 0.0)
+        store = open_store(url, run=run)
         past = "CN_STORE_PATIENCE_S \\(1.5 s\\)" if held_by == "patience" else "the run's deadline"
         with pytest.raises(StorageError, match=f"cannot write '0/a': the S3 endpoint does not answer .*, S3 out "
                                                f"since [0-9:]+ UTC, past {past}"):

@@ -265,7 +265,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
-                         **made_with.recorded(settings),  # the files and settings a rerun's notes and mails are made with too
+                         **(made_with.recorded(settings) if _records_made_with(state, manifest, made) else {}),
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -513,6 +513,14 @@ def _persists(r: redis.Redis) -> bool:
         return bool(r.config_get("save").get("save"))
     except redis.ResponseError:  # CONFIG disabled (managed Redis): not provably persistent
         return False
+
+
+def _records_made_with(state: RunState, manifest: SplitResult | None, made: dict | None) -> bool:
+    """Whether a run's start records what its notes and mails are made with: a new run, or one
+    that recorded them (resumed with them: made_with.resumed). A run from before they were
+    recorded is not given its first rerun's shell's settings as its own."""
+    return (manifest is None and made is None) or "made_with" in state.meta() or \
+        bool(manifest and manifest.made_with) or "made_with" in (made or {})
 
 
 def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_accounts, started: float,

@@ -22,9 +22,11 @@ log = logging.getLogger("pipeline.record.made_with")
 NOTE_FILES = {"broker_file": ("CN_BROKER_FILE", str(TEMPLATES / "broker.json")), "holidays_file": ("CN_HOLIDAYS_FILE", "")}
 """Each setting naming such a file: its variable and the file read when it is unset."""
 RUN_SETTINGS = ("encryption", "pdf_tags", "sign_reason", "sign_location", "sign_contact", "mail_from", "mail_reply_to",
-                "dkim_selector", "dkim_domain", "bounce_local", "bounce_domain", "link_base", "link_days",
-                "paper_due_days")
-"""The settings a note, its mail or the run's paper list carries: the run's, in every later command."""
+                "bounce_local", "bounce_domain", "link_days", "paper_due_days")
+"""The settings a note, its mail or the run's paper list carries: the run's, in every later command.
+Not the DKIM selector and domain, which go with the shell's key (rotated yearly), nor the link's
+base, which is where the status service is now. Encryption may only be made stronger."""
+STRONGER = {"encryption": "aes256"}  # a run made with none by mistake is rerun encrypted when the shell asks it
 KEYS = (*NOTE_FILES, *(f"{f}_sha256" for f in NOTE_FILES), "made_with")  # in Redis's meta and the report
 _ENV = {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
 
@@ -56,7 +58,8 @@ def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> 
     """`settings` with the run's own RUN_SETTINGS from `found` (its meta, or its report), each
     that differs from this shell's said in a WARNING line."""
     values = value(found)
-    changes = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)}
+    changes = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
+               and STRONGER.get(f) != getattr(settings, f)}
     for f, v in changes.items():
         log.warning("%s %s: %s is the run's %r, not this shell's %r", command, run_id, _ENV[f], v, getattr(settings, f))
     return dataclasses.replace(settings, **changes)
@@ -66,7 +69,10 @@ def value(found: dict, field: str | None = None, default=None):
     """The run's recorded settings ({} for a run from before), or one of them (`default` if not
     recorded): what a view of the run (the status page) shows it with."""
     made = found.get("made_with") or {}
-    made = json.loads(made) if isinstance(made, str) else made
+    try:
+        made = json.loads(made) if isinstance(made, str) else made
+    except ValueError:
+        raise ConfigError("the run's record of its settings (made_with) is not JSON (edited?)") from None
     return made if field is None else made.get(field, default)
 
 
