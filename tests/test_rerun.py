@@ -153,13 +153,18 @@ def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_windo
     entity and its bounce window stay the run's, not the rebuild's time or the rerunning shell's
     settings. Before, Redis and then the report took the rebuild's time as the run's start (later
     than its finish), the re-rendered note named the shell's entity under the run's note
-    numbers, and the window became the shell's."""
+    numbers, and the window became the shell's. The run's record is as the version before this
+    one wrote it (its entity file's path, no digest, no `made_with`): the rerun uses that path,
+    and does not record its own shell's settings as the run's."""
     import dataclasses
 
     import redis
 
+    from pipeline.record import made_with
+    from pipeline.record.manifest import load_manifest, save_manifest
     from pipeline.record.report import started_at
     from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
     from tests.test_entities import COMMODITY, OTHERS, entity_file
     from tests.test_every_segment import note_text
 
@@ -167,6 +172,12 @@ def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_windo
     own = dataclasses.replace(settings, broker_file=entity_file(tmp_path, name, OTHERS + COMMODITY, {}, "ERB"),
                               bounce_window_h=24.0)
     first, sign_victim, _, _ = failing_first_run(own, day, smtp_server)
+    store, json_key = open_store(settings.store_url), keys.report_keys(first["run_id"])[0]
+    older = {k: v for k, v in json.loads(store.get(json_key)).items() if k == "broker_file" or k not in made_with.KEYS}
+    store.put(json_key, json.dumps(older).encode())
+    save_manifest(store, first["run_id"], dataclasses.replace(load_manifest(store, first["run_id"]), made_with={}))
+    if store.exists(made := keys.first_notes_key(first["run_id"])):
+        store.put(made, json.dumps({k: v for k, v in json.loads(store.get(made)).items() if k != "made_with"}).encode())
     laptop = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/10",
                                  smtp_url=smtp_server("second").url)  # the default entity, a 72-h window
     redis.Redis.from_url(laptop.redis_url).flushdb()
@@ -182,6 +193,7 @@ def test_a_run_brought_back_from_storage_keeps_its_start_entity_and_bounce_windo
     text = note_text(Path(settings.store_url) / keys.signed_pdf_key(TRADE_DATE, sign_victim),
                      client_rows(day)[sign_victim]["pan"])
     assert name in text and "ERB-26/27-" in text
+    assert "made_with" not in meta and "made_with" not in report and "broker_file_sha256" not in report
 
 
 def test_a_rerun_makes_its_notes_from_the_run_s_own_files_wherever_they_are_kept_now(ray_session, settings, day,
