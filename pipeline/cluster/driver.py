@@ -228,10 +228,12 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     is one this process already holds (a rerun that brought the run back from storage).
     Ray is started (or `address` joined, as init_ray does) unless it is already: a fresh run's
     first notes are made meanwhile. `checked`: what `preflight` returned for these settings
-    (anchored) and this run, when the caller ran it already."""
+    (anchored, and a resumed run's made with its own: made_with.resumed) and this run, when the
+    caller ran it already."""
     run_id = keys.check_run_id(req.run_id or new_run_id(req.trade_date))
     settings = settings.anchored()  # the store and keys as absolute locations: recorded, and the same on every worker
-    settings = made_with.resumed(settings, run_id) if req.run_id else settings  # a resumed run's: as it made them
+    if req.run_id and checked is None:  # a resumed run's: as it made them
+        settings = made_with.resumed(settings, run_id)
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         checked = checked or preflight(settings, req, run_id)
@@ -351,8 +353,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "nodes": tally.get("nodes", {}),  # lost and drained mid-run, and the actors lost with them
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
-        "relays": state.meta().get("relays") or relays,  # the run's own, kept in the report for a later rerun
-        **{k: v for k, v in state.meta().items() if k in made_with.KEYS},  # what a rerun's notes are made with
+        "relays": meta.get("relays") or relays,  # the run's own, kept in the report for a later rerun
+        **{k: v for k, v in meta.items() if k in made_with.KEYS},  # what a rerun's notes are made with
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),
     }

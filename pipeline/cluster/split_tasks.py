@@ -92,9 +92,9 @@ class Split:
     the driver fans out."""
 
     def __init__(self, plan: Plan, metas: list[dict], groups: int, assembling: dict[int, ray.ObjectRef],
-                 weights: dict[int, int], files: dict[str, str]):
+                 weights: dict[int, int], recorded: dict[str, str]):
         self.plan, self.metas, self.groups, self.assembling, self.weights = plan, metas, groups, assembling, weights
-        self.files = files  # what the notes are made with (made_with.recorded), for the manifest
+        self.recorded = recorded  # what the notes are made with (made_with.recorded), for the manifest
         self.rows: dict[int, ray.ObjectRef] = {}  # shard -> its file's bytes, as its assembly wrote it (HANDED_TRADES)
 
     @classmethod
@@ -166,7 +166,7 @@ class Split:
         """The manifest while the split is under way: a run resumed from it splits again,
         keeping the shards already written (and the note numbers in them)."""
         return SplitResult(shards=self.shards(), shard_count=self.plan.shard_count, complete=False, groups=self.groups,
-                           made_with=self.files)
+                           made_with=self.recorded)
 
     def after(self, shard: int) -> ray.ObjectRef:
         return self.assembling[shard % self.groups]
@@ -179,4 +179,4 @@ class Split:
         refs = list(self.assembling.values())
         if not block and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
             return None
-        return dataclasses.replace(result(self.plan, self.metas, ray.get(refs)), made_with=self.files)
+        return dataclasses.replace(result(self.plan, self.metas, ray.get(refs)), made_with=self.recorded)
