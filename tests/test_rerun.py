@@ -298,6 +298,51 @@ def test_a_run_resumed_mid_split_keeps_the_split_s_shard_count_and_files_whateve
     assert name in text and "ERS-26/27-" in text
 
 
+def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count(
+        ray_session, settings, day, smtp_sink, tmp_path):
+    """The head died after the driver had mailed its first notes and recorded them, before the
+    split's manifest was saved, and its Redis with it: the first notes' record is all the split
+    left. The same run id, run again on a new Redis from a shell whose CN_SHARD_SIZE differs,
+    splits with the record's shard count, so the first notes' accounts are in the shard whose
+    delivery log holds them: every other client mailed once, those not again. Planned from the
+    shell's shard size, they fell in other shards and were mailed a second time."""
+    import dataclasses
+    import email
+    import shutil
+    from email import policy
+
+    import redis
+
+    from pipeline.record.manifest import load_first_notes, load_manifest
+    from pipeline.record.storage import open_store
+
+    first = dataclasses.replace(settings, shard_size=1)  # a shard per client: the first notes' shard is one of many
+    done = run_day(first, RunRequest(TRADE_DATE, str(day)))
+    run_id, root = done["run_id"], Path(settings.store_url)
+    made = load_first_notes(open_store(settings.store_url), run_id)
+    assert made and made["numbers"] and made["shard_count"] > 1, made
+    # the record as that moment left it: the first notes' shard's log, no manifest, no shard's files, no other log
+    (root / keys.manifest_key(run_id)).unlink()
+    for key in map(keys.shard_key, [run_id] * made["shard_count"], range(made["shard_count"])):
+        (root / key).unlink(missing_ok=True)
+    kept = root / keys.delivery_log_prefix(run_id, made["shard"])
+    for log_dir in root.glob(f"*-delivery-log/{run_id}/shard-*"):
+        if log_dir != kept:
+            shutil.rmtree(log_dir)
+    before = set(smtp_sink.outbox.glob("*.eml"))
+
+    new_head = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/13")
+    redis.Redis.from_url(new_head.redis_url).flushdb()
+    resumed = run_day(new_head, RunRequest(TRADE_DATE, str(day), run_id=run_id))  # 8 clients a shard
+
+    clients = client_rows(day)
+    sent = Counter(email.message_from_bytes(p.read_bytes(), policy=policy.default)["To"].addresses[0].addr_spec
+                   for p in set(smtp_sink.outbox.glob("*.eml")) - before)
+    others = {c["email"] for u, c in clients.items() if c["email"] and u not in made["numbers"]}
+    assert set(sent) == others and set(sent.values()) == {1}, (sent, made["numbers"])
+    assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"], resumed
+
+
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(
         ray_session, settings, day, smtp_server):
     """The README: exit 0 only if each account the rerun takes is delivered or sent to paper.
