@@ -343,6 +343,42 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
     assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"], resumed
 
 
+def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run_keeps_its_own(
+        ray_session, settings, day, smtp_server, caplog):
+    """The run's reply address was mistyped. Its rerun, told to (CN_SHELL_SETTINGS), mails the
+    failed account with the shell's corrected address and says so; the run's record (Redis, the
+    report) keeps what the run mailed with, and the next rerun, not told, uses the run's again.
+    Before, nothing could change a recorded setting for a rerun; and a rerun re-recorded the
+    run's settings from its own, so one that had taken the shell's made them the run's."""
+    import dataclasses
+    import logging
+
+    import pytest
+
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.settings import ConfigError
+
+    typo, fixed = "Desk <desk@broker.exmaple.com>", "Desk <desk@broker.example.com>"
+    first, _, mail_victim, _ = failing_first_run(dataclasses.replace(settings, mail_reply_to=typo), day, smtp_server)
+    run_id, relay = first["run_id"], smtp_server("second")
+    shell = dataclasses.replace(settings, mail_reply_to=fixed)
+    with pytest.raises(ConfigError, match="CN_SHELL_SETTINGS names CN_MAIL_REPLYTO: it takes only"):
+        rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLYTO"), run_id, [mail_victim], relays=relay.url)
+    with caplog.at_level(logging.WARNING):
+        told = rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLY_TO"), run_id, [mail_victim],
+                     relays=relay.url)
+    assert told["rerun_outcomes"] == {"delivered": 1}, told
+    assert f"CN_MAIL_REPLY_TO is this shell's {fixed!r}, as CN_SHELL_SETTINGS asks, not the run's {typo!r}" in caplog.text
+    assert [m["Reply-To"] for m in outbox_messages(relay.outbox)] == [fixed]
+
+    report = json.loads(open_store(settings.store_url).get(keys.report_keys(run_id)[0]))
+    for record in (RunState.of(settings, run_id).meta(), report):
+        assert json.loads(record["made_with"])["mail_reply_to"] == typo, "the run's own, as it mailed its day"
+    rerun(shell, run_id, [mail_victim], force=True, relays=relay.url)  # not told: the run's
+    assert sorted(m["Reply-To"] for m in outbox_messages(relay.outbox)) == sorted([fixed, typo])
+
+
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(
         ray_session, settings, day, smtp_server):
     """The README: exit 0 only if each account the rerun takes is delivered or sent to paper.

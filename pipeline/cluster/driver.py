@@ -263,11 +263,12 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     if signer.about.get("extractable"):
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
+    made_record = _made_with_record(settings, state, manifest, made)
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
-                         **(made_with.recorded(settings) if _records_made_with(state, manifest, made) else {}),
+                         **made_record,
                          "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
@@ -293,6 +294,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                                 _render_cpus(), resume, watch, early.plan.result() if early else None, numbered,
                                 manifest.groups if manifest else 0,
                                 manifest.shard_count if manifest else (made or {}).get("shard_count", 0))
+        splitting.recorded = made_record or splitting.recorded  # a resumed split's manifest keeps the run's record
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
                  len(splitting.weights))
@@ -517,12 +519,18 @@ def _persists(r: redis.Redis) -> bool:
         return False
 
 
-def _records_made_with(state: RunState, manifest: SplitResult | None, made: dict | None) -> bool:
-    """Whether a run's start records what its notes and mails are made with: a new run, or one
-    that recorded them (resumed with them: made_with.resumed). A run from before they were
-    recorded is not given its first rerun's shell's settings as its own."""
-    return (manifest is None and made is None) or "made_with" in state.meta() or \
-        bool(manifest and manifest.made_with) or "made_with" in (made or {})
+def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None, made: dict | None) -> dict:
+    """What a run's start records of what its notes and mails are made with: a new run, its
+    settings'; a run that began, its own record (Redis's, else its manifest's, else its first
+    notes'), never this command's settings, which may take some from the shell (CN_SHELL_SETTINGS)
+    or ask for stronger encryption. A run from before they were recorded: nothing, so it is not
+    given its first rerun's shell's settings as its own."""
+    if manifest is None and made is None:
+        return made_with.recorded(settings)
+    meta = state.meta()
+    if "made_with" in meta:
+        return {k: meta[k] for k in made_with.KEYS if k in meta}
+    return (manifest.made_with if manifest else {}) or (made or {}).get("made_with") or {}
 
 
 def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_accounts, started: float,

@@ -56,13 +56,27 @@ def resumed(settings: Settings, run_id: str, command: str = "run") -> Settings:
 
 def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> Settings:
     """`settings` with the run's own RUN_SETTINGS from `found` (its meta, or its report), each
-    that differs from this shell's said in a WARNING line."""
-    values = value(found)
-    changes = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
-               and STRONGER.get(f) != getattr(settings, f)}
-    for f, v in changes.items():
-        log.warning("%s %s: %s is the run's %r, not this shell's %r", command, run_id, _ENV[f], v, getattr(settings, f))
-    return dataclasses.replace(settings, **changes)
+    that differs from this shell's said in a WARNING line, but those the shell was told to keep
+    (CN_SHELL_SETTINGS: a reply address mistyped at the run, corrected for its reruns)."""
+    values, told = value(found), shell_settings(settings)
+    differ = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
+              and STRONGER.get(f) != getattr(settings, f)}
+    for f, v in differ.items():
+        log.warning("%s %s: %s is %s", command, run_id, _ENV[f],
+                    f"this shell's {getattr(settings, f)!r}, as CN_SHELL_SETTINGS asks, not the run's {v!r}" if f in told
+                    else f"the run's {v!r}, not this shell's {getattr(settings, f)!r}")
+    return dataclasses.replace(settings, **{f: v for f, v in differ.items() if f not in told})
+
+
+def shell_settings(settings: Settings) -> set[str]:
+    """The fields CN_SHELL_SETTINGS names; a name that is not one of the run's recorded
+    settings is refused, rather than the run's value used silently in its place."""
+    names = {n.strip() for n in settings.shell_settings.split(",") if n.strip()}
+    ours = {_ENV[f]: f for f in RUN_SETTINGS}
+    if names - ours.keys():
+        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(sorted(names - ours.keys()))}: it takes only settings a "
+                          f"run records its notes and mails with ({', '.join(ours)})")
+    return {ours[n] for n in names}
 
 
 def value(found: dict, field: str | None = None, default=None):
