@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
 import re
 import subprocess
@@ -34,6 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, model_validator
 
+from pipeline import credentials
 from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
@@ -48,8 +50,9 @@ from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, Store, open_store
-from pipeline.settings import ROOT, ConfigError, Settings
+from pipeline.settings import ROOT, ConfigError, Settings, key_id
 
+log = logging.getLogger("pipeline.api")
 PAGE = Path(__file__).parent / "static" / "status.html"
 Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
@@ -265,6 +268,28 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return StreamingResponse((c if full else mask_text(c) for c in chunks), media_type="text/csv")
 
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
+    run_keys: dict[str, bytes] = {}  # a run's own HMAC key, where it is not the service's
+
+    def checked(token: str) -> link.NoteLink | None:
+        """A link's contents when the key its run signed its links with checks it: the service's
+        own, or, for a run that recorded another key's fingerprint (the key was rotated since),
+        that run's key, read once where the run recorded it. Before, a run's links were 404 from
+        the day the service's key changed (for the 90 days they are valid), and a link of that run
+        the run never signed, with the service's key, was let through. A run whose key cannot
+        be read: refused, as a wrong link is."""
+        own, run_id = link.check(key(), token), link.claimed_run(token)
+        if run_id is None:
+            return None
+        if run_id not in run_keys:
+            found = state_of(run_id).meta()
+            if not found.get("token_key_id") or found["token_key_id"] == key_id(key()):
+                return own
+            try:
+                run_keys[run_id] = credentials.recorded_token_key(settings, found)
+            except ConfigError as e:
+                log.warning("run %s: its links cannot be checked: %s", run_id, e)
+                return None
+        return link.check(run_keys[run_id], token)
 
     @lru_cache(maxsize=64)
     def shard_count(store_url: str, run_id: str) -> int | None:
@@ -278,7 +303,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         altered or unknown link is 404, alike; too many tries from one address, 429."""
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
-        found = link.check(key(), token)
+        found = checked(token)
         pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
             else None
         store = store_of(found.run_id) if pdf_key else None  # the run's own, as its page reads it

@@ -128,6 +128,15 @@ def resolve(settings: Settings) -> Settings:
     return _laid_over(settings, fetch(settings.secret))
 
 
+def recorded_token_key(settings: Settings, found: dict) -> bytes:
+    """The HMAC key a run recorded (its fingerprint, its secret or key file), read where the run
+    said it is: the status service checks that run's links with it once its own key has been
+    rotated. Never made anew; a key missing there, or another, is a ConfigError."""
+    return resolve(dataclasses.replace(settings, secret=found.get("secret", ""), token_key="",
+                                       token_key_file=found.get("token_key_file") or Settings.token_key_file,
+                                       token_key_id=found["token_key_id"])).hmac_key()
+
+
 def for_mailer(settings: Settings) -> tuple[Settings, DkimSigner | None]:
     """What a mailer holds, from one read of the secret: the resolved settings, and the DKIM
     key loaded once (None: the mail goes unsigned, for the relay to sign)."""

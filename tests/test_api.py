@@ -241,6 +241,40 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
     assert account["bounce"]["due_date"] == due_date(bounce["at"], 5) != due_date(bounce["at"], 3)
 
 
+def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key_s_do(redis_url, tmp_path, keys_dir,
+                                                                                        caplog):
+    """A run signed its clients' links with the HMAC key it recorded (its fingerprint and file);
+    the service now runs with a new key. A link of that run is checked with the run's key, read
+    where the run recorded it. Before, every link of the run was 404 from the day the key changed
+    (for the 90 days the links are valid), and one signed with the service's new key, which the
+    run never signed with, was let through. A link of that run signed with any other key, the
+    service's own included, is 404; so is every link of a run whose key is not where it recorded
+    it (said in the service's log)."""
+    import logging
+
+    from pipeline.mail import link
+    from pipeline.record.storage import open_store
+    from pipeline.settings import key_id
+
+    store, old_key = open_store(str(tmp_path / "store")), b"the key the runs signed their links with"
+    (tmp_path / "old.key").write_text(old_key.decode())
+    rotated, lost = closed_run(redis_url), closed_run(redis_url)
+    for state, key_file in ((rotated, tmp_path / "old.key"), (lost, tmp_path / "gone.key")):
+        state.update_meta(store_url=store.url, token_key_file=str(key_file), token_key_id=key_id(old_key))
+        store.put(keys.manifest_key(state.run_id), b'{"shards": [0], "shard_count": 1}')
+    store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    settings = Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url,
+                        token_key_file=str(keys_dir / "token.key"))  # the new key
+    signed = lambda key, state: link.make(key, state.run_id, "C0000003", TRADE_DATE, 3600)  # noqa: E731
+    with TestClient(create_app(settings, launch=lambda *args: 0)) as api, caplog.at_level(logging.WARNING):
+        opened = api.get(f"/notes/{signed(old_key, rotated)}")
+        refused = [api.get(f"/notes/{signed(k, rotated)}").status_code for k in (settings.hmac_key(), b"forged")]
+        unread = [api.get(f"/notes/{signed(old_key, lost)}").status_code for _ in range(2)]
+    assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
+    assert refused == [404, 404] and unread == [404, 404]
+    assert f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file" in caplog.text
+
+
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
     _, summary, _, _ = api_run
     run = summary["run_id"]

@@ -3,8 +3,10 @@
 TOKEN carries the run, the account, the trade date and an expiry, signed with an HMAC keyed
 by the secret's token_key (domain-separated from the VERP tag). Anyone holding the link can
 fetch the note, as anyone holding the e-mail can open the attachment: the PDF itself still
-needs the client's PAN. Nothing is looked up to check a link, so a guess costs the server
-an HMAC, and a wrong one is refused before storage is touched.
+needs the client's PAN. The service checks a link with its own key, and only when that fails
+with the key of the run the link names, if that run recorded another (its key rotated since):
+a guess costs the server an HMAC or two and a Redis read, and a wrong one is refused before
+storage is touched.
 """
 
 from __future__ import annotations
@@ -40,14 +42,28 @@ def check(key: bytes, token: str, now: float | None = None) -> NoteLink | None:
     if not payload or len(token) > 400 or not hmac.compare_digest(mac.encode(), _b64(_mac(key, payload)).encode()):
         return None
     try:
-        run_id, ucc, trade_date, expires = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)) \
-            .decode().split("\n")
+        run_id, ucc, trade_date, expires = _parts(payload)
         link = NoteLink(run_id, ucc, dt.date.fromisoformat(trade_date).isoformat(), int(expires))
     except (binascii.Error, UnicodeDecodeError, ValueError):
         return None
     if link.trade_date != trade_date or not NAME.match(ucc) or not NAME.match(run_id):
         return None  # signed, yet naming no note: the parts build storage keys, so they are checked first
     return link if link.expires > (time.time() if now is None else now) else None
+
+
+def claimed_run(token: str) -> str | None:
+    """The run a link names, not checked: which run's key is to check it, when the service's
+    own key is not the one that run signed its links with (rotated since)."""
+    payload = token.partition(".")[0]
+    try:
+        run_id = _parts(payload)[0] if payload and len(token) <= 400 else ""
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
+    return run_id if NAME.match(run_id) else None
+
+
+def _parts(payload: str) -> list[str]:
+    return base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)).decode().split("\n")
 
 
 def _mac(key: bytes, payload: str) -> bytes:
