@@ -203,8 +203,8 @@ class Settings:
     paper_due_days: int = setting("CN_PAPER_DUE_DAYS", 1, "days after the reason is known that a paper note is "
                                   "due", 0, 30)
     shell_settings: str = setting("CN_SHELL_SETTINGS", "", "of the settings a run recorded its notes and mails "
-                                  "with, those a rerun or follow-up takes from its shell (their variables, "
-                                  "comma-separated, e.g. CN_MAIL_REPLY_TO): the run's record keeps its own")
+                                  "with, those a resumed run, rerun or follow-up takes from its shell instead "
+                                  "(variables, comma-separated, e.g. CN_MAIL_REPLY_TO); the run's record keeps its own")
     link_base: str = setting("CN_LINK_BASE", "http://127.0.0.1:8000", "the status service's public address, for "
                              "the client's link")
     link_days: float = setting("CN_LINK_DAYS", 90.0, "how long a client's link to their note works", 1, 3650)

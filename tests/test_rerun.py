@@ -303,9 +303,9 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
     """The head died after the driver had mailed its first notes and recorded them, before the
     split's manifest was saved, and its Redis with it: the first notes' record is all the split
     left. The same run id, run again on a new Redis from a shell whose CN_SHARD_SIZE differs,
-    splits with the record's shard count, so the first notes' accounts are in the shard whose
-    delivery log holds them: every other client mailed once, those not again. Planned from the
-    shell's shard size, they fell in other shards and were mailed a second time."""
+    splits with the record's shard count, so the first notes' shard's accounts are in the shard
+    whose delivery log holds them: every other client mailed once, those not again. Planned from
+    the shell's shard size, they fell in other shards and were mailed a second time."""
     import dataclasses
     import email
     import shutil
@@ -313,17 +313,23 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
 
     import redis
 
+    from pipeline.day.split import shard_count
     from pipeline.record.manifest import load_first_notes, load_manifest
     from pipeline.record.storage import open_store
 
+    clients = client_rows(day)
     first = dataclasses.replace(settings, shard_size=1)  # a shard per client: the first notes' shard is one of many
     done = run_day(first, RunRequest(TRADE_DATE, str(day)))
     run_id, root = done["run_id"], Path(settings.store_url)
     made = load_first_notes(open_store(settings.store_url), run_id)
-    assert made and made["numbers"] and made["shard_count"] > 1, made
-    # the record as that moment left it: the first notes' shard's log, no manifest, no shard's files, no other log
-    (root / keys.manifest_key(run_id)).unlink()
-    for key in map(keys.shard_key, [run_id] * made["shard_count"], range(made["shard_count"])):
+    new_head = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/13")
+    assert made and made["numbers"] and made["shard_count"] != shard_count(len(clients), new_head.shard_size), made
+    lead = {u for u in clients if keys.shard_of(u, made["shard_count"]) == made["shard"]}
+    assert set(made["numbers"]) <= lead, made
+    # the record as that moment left it: the first notes' shard's log and notes, no manifest, no shard's
+    # files, no report, no other shard's log or note
+    for key in [keys.manifest_key(run_id), *keys.report_keys(run_id), *(keys.shard_key(run_id, n) for n in
+                range(made["shard_count"])), *(keys.signed_pdf_key(TRADE_DATE, u) for u in set(clients) - lead)]:
         (root / key).unlink(missing_ok=True)
     kept = root / keys.delivery_log_prefix(run_id, made["shard"])
     for log_dir in root.glob(f"*-delivery-log/{run_id}/shard-*"):
@@ -331,51 +337,71 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
             shutil.rmtree(log_dir)
     before = set(smtp_sink.outbox.glob("*.eml"))
 
-    new_head = dataclasses.replace(settings, redis_url=settings.redis_url.rsplit("/", 1)[0] + "/13")
     redis.Redis.from_url(new_head.redis_url).flushdb()
-    resumed = run_day(new_head, RunRequest(TRADE_DATE, str(day), run_id=run_id))  # 8 clients a shard
+    run_day(new_head, RunRequest(TRADE_DATE, str(day), run_id=run_id))  # another CN_SHARD_SIZE than the run's
 
-    clients = client_rows(day)
     sent = Counter(email.message_from_bytes(p.read_bytes(), policy=policy.default)["To"].addresses[0].addr_spec
                    for p in set(smtp_sink.outbox.glob("*.eml")) - before)
-    others = {c["email"] for u, c in clients.items() if c["email"] and u not in made["numbers"]}
-    assert set(sent) == others and set(sent.values()) == {1}, (sent, made["numbers"])
-    assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"], resumed
+    others = {c["email"] for u, c in clients.items() if c["email"] and u not in lead}
+    assert set(sent) == others and set(sent.values()) == {1}, (sent, lead)
+    assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"]
 
 
 def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run_keeps_its_own(
         ray_session, settings, day, smtp_server, caplog):
-    """The run's reply address was mistyped. Its rerun, told to (CN_SHELL_SETTINGS), mails the
-    failed account with the shell's corrected address and says so; the run's record (Redis, the
-    report) keeps what the run mailed with, and the next rerun, not told, uses the run's again.
-    Before, nothing could change a recorded setting for a rerun; and a rerun re-recorded the
-    run's settings from its own, so one that had taken the shell's made them the run's."""
+    """The run's reply address was mistyped, and it was made unencrypted by mistake. Its rerun,
+    told to (CN_SHELL_SETTINGS), mails the failed account with the shell's corrected address and
+    says so, in the run's log in storage too; the run's record (Redis, the report, the manifest)
+    keeps the address the run mailed with, and takes the stronger encryption the rerun asked for.
+    The next rerun, not told, from the shell that made the mistake, uses the run's address and
+    encryption. A setting whose change would break another record (the encryption made weaker,
+    the bounce address `bounces` matches) cannot be taken from the shell, nor one the shell does
+    not set. Before, nothing could correct a recorded setting for a rerun; and every rerun
+    recorded its own settings as the run's."""
     import dataclasses
     import logging
 
     import pytest
 
+    from pipeline.record.manifest import load_manifest
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
     from pipeline.settings import ConfigError
 
     typo, fixed = "Desk <desk@broker.exmaple.com>", "Desk <desk@broker.example.com>"
-    first, _, mail_victim, _ = failing_first_run(dataclasses.replace(settings, mail_reply_to=typo), day, smtp_server)
-    run_id, relay = first["run_id"], smtp_server("second")
-    shell = dataclasses.replace(settings, mail_reply_to=fixed)
-    with pytest.raises(ConfigError, match="CN_SHELL_SETTINGS names CN_MAIL_REPLYTO: it takes only"):
-        rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLYTO"), run_id, [mail_victim], relays=relay.url)
+    clients = client_rows(day)
+    victim = sorted({line.split(",")[4] for line in (day / "trades.csv").read_text().splitlines()[1:]})[1]
+    first = run_day(dataclasses.replace(settings, mail_reply_to=typo, encryption="none",
+                                        smtp_url=smtp_server("first", reject={clients[victim]["email"]}).url),
+                    RunRequest(TRADE_DATE, str(day)))
+    run_id, relay, store = first["run_id"], smtp_server("second"), open_store(settings.store_url)
+    assert first["failed"] == 1, first
+    shell = dataclasses.replace(settings, mail_reply_to=fixed)  # and CN_ENCRYPTION's default, aes256
+    for told, refused in (("CN_MAIL_REPLYTO", "names CN_MAIL_REPLYTO: it takes only"),
+                          ("CN_MAIL_REPLY_TO,CN_BOUNCE_DOMAIN", "names CN_BOUNCE_DOMAIN: it takes only"),
+                          ("CN_SIGN_REASON", "names CN_SIGN_REASON, which this shell leaves at its default")):
+        with pytest.raises(ConfigError, match=refused):
+            rerun(dataclasses.replace(shell, shell_settings=told), run_id, [victim], relays=relay.url)
     with caplog.at_level(logging.WARNING):
-        told = rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLY_TO"), run_id, [mail_victim],
-                     relays=relay.url)
-    assert told["rerun_outcomes"] == {"delivered": 1}, told
+        again = rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLY_TO"), run_id, [victim],
+                      relays=relay.url)
+    assert again["rerun_outcomes"] == {"delivered": 1}, again
     assert f"CN_MAIL_REPLY_TO is this shell's {fixed!r}, as CN_SHELL_SETTINGS asks, not the run's {typo!r}" in caplog.text
     assert [m["Reply-To"] for m in outbox_messages(relay.outbox)] == [fixed]
+    run_log = "".join(p.read_text() for p in sorted((Path(settings.store_url) / "logs" / run_id).glob("*.log")))
+    assert f"made with this shell's CN_MAIL_REPLY_TO={fixed!r}" in caplog.text
+    assert "made with this shell's CN_MAIL_REPLY_TO='Desk <d***@broker.example.com>'" in run_log, run_log  # masked
 
-    report = json.loads(open_store(settings.store_url).get(keys.report_keys(run_id)[0]))
+    report = json.loads(store.get(keys.report_keys(run_id)[0]))
     for record in (RunState.of(settings, run_id).meta(), report):
         assert json.loads(record["made_with"])["mail_reply_to"] == typo, "the run's own, as it mailed its day"
-    rerun(shell, run_id, [mail_victim], force=True, relays=relay.url)  # not told: the run's
+        assert json.loads(record["made_with"])["encryption"] == "aes256", "stronger from the rerun on"
+    assert json.loads(load_manifest(store, run_id).made_with["made_with"])["mail_reply_to"] == typo
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # not told, from the shell that made the mistake: the run's
+        rerun(dataclasses.replace(shell, encryption="none"), run_id, [victim], force=True, relays=relay.url)
+    assert f"CN_MAIL_REPLY_TO is the run's {typo!r}, not this shell's {fixed!r}" in caplog.text
+    assert "CN_ENCRYPTION is the run's 'aes256', not this shell's 'none'" in caplog.text
     assert sorted(m["Reply-To"] for m in outbox_messages(relay.outbox)) == sorted([fixed, typo])
 
 

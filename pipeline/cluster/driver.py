@@ -264,6 +264,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
     made_record = _made_with_record(settings, state, manifest, made)
+    if resume and (told := made_with.shell_settings(settings)):  # said in the run's own log, which storage keeps
+        log.warning("run %s: made with this shell's %s, as CN_SHELL_SETTINGS asks; the run's record keeps its own",
+                    run_id, ", ".join(f"{made_with.ENV[f]}={getattr(settings, f)!r}" for f in sorted(told)))
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
@@ -294,7 +297,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                                 _render_cpus(), resume, watch, early.plan.result() if early else None, numbered,
                                 manifest.groups if manifest else 0,
                                 manifest.shard_count if manifest else (made or {}).get("shard_count", 0))
-        splitting.recorded = made_record or splitting.recorded  # a resumed split's manifest keeps the run's record
+        splitting.recorded = made_record  # a resumed split's manifest keeps the run's record (or none, as before)
         save_manifest(store, run_id, splitting.partial())
         log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
                  len(splitting.weights))
@@ -522,15 +525,15 @@ def _persists(r: redis.Redis) -> bool:
 def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None, made: dict | None) -> dict:
     """What a run's start records of what its notes and mails are made with: a new run, its
     settings'; a run that began, its own record (Redis's, else its manifest's, else its first
-    notes'), never this command's settings, which may take some from the shell (CN_SHELL_SETTINGS)
-    or ask for stronger encryption. A run from before they were recorded: nothing, so it is not
-    given its first rerun's shell's settings as its own."""
+    notes'), never this command's settings, which may take some from the shell (CN_SHELL_SETTINGS),
+    but for encryption made stronger (made_with.kept). A run from before they were recorded:
+    nothing, so it is not given its first rerun's shell's settings as its own."""
     if manifest is None and made is None:
         return made_with.recorded(settings)
     meta = state.meta()
-    if "made_with" in meta:
-        return {k: meta[k] for k in made_with.KEYS if k in meta}
-    return (manifest.made_with if manifest else {}) or (made or {}).get("made_with") or {}
+    found = {k: meta[k] for k in made_with.KEYS if k in meta} if "made_with" in meta else \
+        (manifest.made_with if manifest else {}) or (made or {}).get("made_with") or {}
+    return made_with.kept(found, settings) if found else {}
 
 
 def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_accounts, started: float,

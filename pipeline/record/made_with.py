@@ -25,10 +25,15 @@ RUN_SETTINGS = ("encryption", "pdf_tags", "sign_reason", "sign_location", "sign_
                 "bounce_local", "bounce_domain", "link_days", "paper_due_days")
 """The settings a note, its mail or the run's paper list carries: the run's, in every later command.
 Not the DKIM selector and domain, which go with the shell's key (rotated yearly), nor the link's
-base, which is where the status service is now. Encryption may only be made stronger."""
+base, which is where the status service is now. Encryption may only be made stronger; CORRECTABLE
+ones may be taken from the shell."""
 STRONGER = {"encryption": "aes256"}  # a run made with none by mistake is rerun encrypted when the shell asks it
+CORRECTABLE = ("pdf_tags", "sign_reason", "sign_location", "sign_contact", "mail_reply_to", "link_days")
+"""Those a command may take from its shell instead (CN_SHELL_SETTINGS). Not encryption (only made
+stronger), the From (DKIM aligns with it), the bounce address (`bounces` matches the run's), nor
+the paper due days (the page counts with the run's)."""
 KEYS = (*NOTE_FILES, *(f"{f}_sha256" for f in NOTE_FILES), "made_with")  # in Redis's meta and the report
-_ENV = {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
+ENV = {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
 
 
 def recorded(settings: Settings) -> dict[str, str]:
@@ -62,21 +67,34 @@ def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> 
     differ = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
               and STRONGER.get(f) != getattr(settings, f)}
     for f, v in differ.items():
-        log.warning("%s %s: %s is %s", command, run_id, _ENV[f],
+        log.warning("%s %s: %s is %s", command, run_id, ENV[f],
                     f"this shell's {getattr(settings, f)!r}, as CN_SHELL_SETTINGS asks, not the run's {v!r}" if f in told
                     else f"the run's {v!r}, not this shell's {getattr(settings, f)!r}")
     return dataclasses.replace(settings, **{f: v for f, v in differ.items() if f not in told})
 
 
 def shell_settings(settings: Settings) -> set[str]:
-    """The fields CN_SHELL_SETTINGS names; a name that is not one of the run's recorded
-    settings is refused, rather than the run's value used silently in its place."""
+    """The fields CN_SHELL_SETTINGS names. A name not in CORRECTABLE is refused, and so is one
+    this shell leaves at its default (a corrected value not set: the default would be mailed)."""
     names = {n.strip() for n in settings.shell_settings.split(",") if n.strip()}
-    ours = {_ENV[f]: f for f in RUN_SETTINGS}
+    ours = {ENV[f]: f for f in CORRECTABLE}
     if names - ours.keys():
-        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(sorted(names - ours.keys()))}: it takes only settings a "
-                          f"run records its notes and mails with ({', '.join(ours)})")
+        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(sorted(names - ours.keys()))}: it takes only "
+                          f"{', '.join(ours)} from the shell; the run's others are the run's")
+    unset = sorted(n for n in names if getattr(settings, ours[n]) == getattr(Settings, ours[n]))
+    if unset:
+        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(unset)}, which this shell leaves at its default: set "
+                          "the value to take")
     return {ours[n] for n in names}
+
+
+def kept(record: dict, settings: Settings) -> dict:
+    """A begun run's record as its start writes it again: the run's own, but for encryption a
+    command made stronger, which the run keeps from then on (its next rerun, from the shell that
+    made the mistake, encrypts too)."""
+    made = value(record)
+    stronger = {f: v for f, v in STRONGER.items() if f in made and getattr(settings, f) == v != made[f]}
+    return {**record, "made_with": json.dumps({**made, **stronger}, sort_keys=True)} if stronger else record
 
 
 def value(found: dict, field: str | None = None, default=None):
