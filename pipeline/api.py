@@ -49,7 +49,7 @@ from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
-from pipeline.record.storage import StorageError, Store, open_store
+from pipeline.record.storage import StorageError, Store, open_store, read_json
 from pipeline.settings import ROOT, ConfigError, Settings, key_id
 
 log = logging.getLogger("pipeline.api")
@@ -58,6 +58,7 @@ Launcher = Callable[[str, list[str] | None, bool, bool], int]
 Status = Literal[FINAL_STATUSES]
 MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
 ASKED_RETRIES = 1  # a request in a Redis outage is a 503 at once (the page asks again), not after the run's 30 s
+KEY_RECORD = ("token_key_id", "token_key_file", "secret")  # where a run's HMAC key is, as it recorded it
 NOTE_FETCHES = (20, 60.0)  # per client address: this many requests to /notes/ in this many seconds, then 429
 
 
@@ -268,28 +269,41 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         return StreamingResponse((c if full else mask_text(c) for c in chunks), media_type="text/csv")
 
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
-    run_keys: dict[str, bytes] = {}  # a run's own HMAC key, where it is not the service's
+    unreadable: dict[str, float] = {}  # a run whose own key could not be read: not tried again until then
+
+    @lru_cache(maxsize=4096)
+    def run_key(run_id: str) -> bytes | None:
+        """The key a run signed its links with where it is not the service's (None: the
+        service's), read once where the run recorded it: in Redis, else in its report in
+        storage (Redis keeps a run 14 days, its links work 90)."""
+        found = dict(zip(KEY_RECORD, state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD)))
+        if not any(found.values()):
+            report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
+            found = read_json(report, key_at) if report.exists(key_at) else {}
+        if not found.get("token_key_id") or found["token_key_id"] == key_id(key()):
+            return None
+        return credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD})
 
     def checked(token: str) -> link.NoteLink | None:
         """A link's contents when the key its run signed its links with checks it: the service's
         own, or, for a run that recorded another key's fingerprint (the key was rotated since),
-        that run's key, read once where the run recorded it. Before, a run's links were 404 from
-        the day the service's key changed (for the 90 days they are valid), and a link of that run
-        the run never signed, with the service's key, was let through. A run whose key cannot
-        be read: refused, as a wrong link is."""
+        that run's key. Before, a run's links were 404 from the day the service's key changed
+        (for the 90 days they are valid), and a link of that run the run never signed, with the
+        service's key, was let through. A run whose key cannot be read: refused, as a wrong link
+        is, and not tried again for a minute. Redis or storage not answering: the service's key,
+        as before runs recorded theirs."""
         own, run_id = link.check(key(), token), link.claimed_run(token)
-        if run_id is None:
+        if run_id is None or unreadable.get(run_id, 0.0) > time.monotonic():
             return None
-        if run_id not in run_keys:
-            found = state_of(run_id).meta()
-            if not found.get("token_key_id") or found["token_key_id"] == key_id(key()):
-                return own
-            try:
-                run_keys[run_id] = credentials.recorded_token_key(settings, found)
-            except ConfigError as e:
-                log.warning("run %s: its links cannot be checked: %s", run_id, e)
-                return None
-        return link.check(run_keys[run_id], token)
+        try:
+            other = run_key(run_id)
+        except (redis.exceptions.RedisError, StorageError):
+            return own
+        except Exception as e:  # a key file, a secret: whatever reading it raised
+            unreadable[run_id] = time.monotonic() + 60
+            log.warning("run %s: its links cannot be checked: %s", run_id, e)
+            return None
+        return own if other is None else link.check(other, token)
 
     @lru_cache(maxsize=64)
     def shard_count(store_url: str, run_id: str) -> int | None:

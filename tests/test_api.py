@@ -249,8 +249,12 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     (for the 90 days the links are valid), and one signed with the service's new key, which the
     run never signed with, was let through. A link of that run signed with any other key, the
     service's own included, is 404; so is every link of a run whose key is not where it recorded
-    it (said in the service's log)."""
+    it (said once in the service's log, not tried again at every link). Once Redis has forgotten
+    the run (14 days; its links work 90), its report says where its key is."""
+    import json
     import logging
+
+    import redis
 
     from pipeline.mail import link
     from pipeline.record.storage import open_store
@@ -266,13 +270,24 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     settings = Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url,
                         token_key_file=str(keys_dir / "token.key"))  # the new key
     signed = lambda key, state: link.make(key, state.run_id, "C0000003", TRADE_DATE, 3600)  # noqa: E731
+    forgotten = closed_run(redis_url)  # Redis has forgotten it (14 days); its record, in the service's store, has not
+    service_store = open_store(settings.store_url)
+    service_store.put(keys.report_keys(forgotten.run_id)[0], json.dumps(
+        {"run_id": forgotten.run_id, "token_key_file": str(tmp_path / "old.key"), "token_key_id": key_id(old_key)}).encode())
+    service_store.put(keys.manifest_key(forgotten.run_id), b'{"shards": [0], "shard_count": 1}')
+    service_store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    redis.Redis.from_url(redis_url).delete(keys.run_meta(forgotten.run_id))
     with TestClient(create_app(settings, launch=lambda *args: 0)) as api, caplog.at_level(logging.WARNING):
         opened = api.get(f"/notes/{signed(old_key, rotated)}")
         refused = [api.get(f"/notes/{signed(k, rotated)}").status_code for k in (settings.hmac_key(), b"forged")]
         unread = [api.get(f"/notes/{signed(old_key, lost)}").status_code for _ in range(2)]
+        later = [api.get(f"/notes/{signed(k, forgotten)}").status_code for k in (old_key, settings.hmac_key())]
+        (tmp_path / "old.key").unlink()  # read once: the service does not go back to it at each link
+        again = api.get(f"/notes/{signed(old_key, rotated)}").status_code
     assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
     assert refused == [404, 404] and unread == [404, 404]
-    assert f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file" in caplog.text
+    assert caplog.text.count(f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file") == 1
+    assert later == [200, 404] and again == 200
 
 
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):

@@ -264,9 +264,11 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
     made_record = _made_with_record(settings, state, manifest, made)
-    if resume and (told := made_with.shell_settings(settings)):  # said in the run's own log, which storage keeps
+    if manifest is not None and manifest.complete and made_record and manifest.made_with != made_record:
+        save_manifest(store, run_id, dataclasses.replace(manifest, made_with=made_record))  # encryption made stronger
+    if resume and (told := made_with.taken(settings, made_record)):  # said in the run's own log, which storage keeps
         log.warning("run %s: made with this shell's %s, as CN_SHELL_SETTINGS asks; the run's record keeps its own",
-                    run_id, ", ".join(f"{made_with.ENV[f]}={getattr(settings, f)!r}" for f in sorted(told)))
+                    run_id, ", ".join(f"{made_with.ENV[f]}={v!r}" for f, v in told.items()))
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
                          "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 from pipeline.record.manifest import load_first_notes, load_manifest
@@ -75,17 +76,24 @@ def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> 
 
 def shell_settings(settings: Settings) -> set[str]:
     """The fields CN_SHELL_SETTINGS names. A name not in CORRECTABLE is refused, and so is one
-    this shell leaves at its default (a corrected value not set: the default would be mailed)."""
+    this shell does not set (the default would be mailed as the correction)."""
     names = {n.strip() for n in settings.shell_settings.split(",") if n.strip()}
     ours = {ENV[f]: f for f in CORRECTABLE}
     if names - ours.keys():
         raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(sorted(names - ours.keys()))}: it takes only "
                           f"{', '.join(ours)} from the shell; the run's others are the run's")
-    unset = sorted(n for n in names if getattr(settings, ours[n]) == getattr(Settings, ours[n]))
+    unset = sorted(n for n in names if n not in os.environ and getattr(settings, ours[n]) == getattr(Settings, ours[n]))
     if unset:
-        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(unset)}, which this shell leaves at its default: set "
-                          "the value to take")
+        raise ConfigError(f"CN_SHELL_SETTINGS names {', '.join(unset)}, which this shell does not set: set the value "
+                          "to take")
     return {ours[n] for n in names}
+
+
+def taken(settings: Settings, record: dict) -> dict:
+    """What these settings take from the shell (CN_SHELL_SETTINGS) that differs from the run's
+    `record`: what its notes and mails are made with now that its record does not say."""
+    runs = value(record)
+    return {f: getattr(settings, f) for f in sorted(shell_settings(settings)) if f in runs and runs[f] != getattr(settings, f)}
 
 
 def kept(record: dict, settings: Settings) -> dict:
