@@ -290,6 +290,24 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     assert later == [200, 404] and again == 200
 
 
+def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_their_keys(tmp_path, keys_dir):
+    """A link needs no Redis: with it not answering, the service checks the link with its own
+    key and serves the note from its own store. Checking which key a run signed with must not
+    make every link a 503 while Redis is away (it did, once the run's key was looked up)."""
+    from pipeline.embedded import free_port
+    from pipeline.mail import link
+    from pipeline.record.storage import open_store
+
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                        token_key_file=str(keys_dir / "token.key"))
+    store, run_id = open_store(settings.store_url), f"{TRADE_DATE}-away"
+    store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
+    store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    with TestClient(create_app(settings, launch=lambda *args: 0)) as api:
+        note = api.get(f"/notes/{link.make(settings.hmac_key(), run_id, 'C0000003', TRADE_DATE, 3600)}")
+    assert note.status_code == 200 and note.content == b"%PDF-1.7 (the client's signed note)"
+
+
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
     _, summary, _, _ = api_run
     run = summary["run_id"]
