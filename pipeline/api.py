@@ -287,11 +287,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     def checked(token: str) -> link.NoteLink | None:
         """A link's contents when the key its run signed its links with checks it: the service's
         own, or, for a run that recorded another key's fingerprint (the key was rotated since),
-        that run's key. Before, a run's links were 404 from the day the service's key changed
-        (for the 90 days they are valid), and a link of that run the run never signed, with the
-        service's key, was let through. A run whose key cannot be read: refused, as a wrong link
-        is, and not tried again for a minute. Redis or storage not answering: the service's key,
-        as before runs recorded theirs."""
+        that run's key: its links keep working for their 90 days, and no other key opens them.
+        A run whose key cannot be read: refused, as a wrong link is, and not tried again for a
+        minute. Redis or storage not answering: the service's key, as a link never needed them."""
         own, run_id = link.check(key(), token), link.claimed_run(token)
         if run_id is None or unreadable.get(run_id, 0.0) > time.monotonic():
             return None
