@@ -270,19 +270,24 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
     unreadable: dict[str, float] = {}  # a run whose own key could not be read: not tried again until then
+    run_keys: dict[str, bytes | None] = {}  # a run that recorded its key: that key (None: the service's)
 
-    @lru_cache(maxsize=4096)
     def run_key(run_id: str) -> bytes | None:
         """The key a run signed its links with where it is not the service's (None: the
         service's), read once where the run recorded it: in Redis, else in its report in
-        storage (Redis keeps a run 14 days, its links work 90)."""
+        storage (Redis keeps a run 14 days, its links work 90). Kept only for a run whose
+        record was found: one not yet recorded, or a made-up name, is asked about again."""
+        if run_id in run_keys:
+            return run_keys[run_id]
         found = dict(zip(KEY_RECORD, state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD)))
         if not any(found.values()):
             report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
             found = read_json(report, key_at) if report.exists(key_at) else {}
-        if not found.get("token_key_id") or found["token_key_id"] == key_id(key()):
+        if not found.get("token_key_id"):
             return None
-        return credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD})
+        run_keys[run_id] = None if found["token_key_id"] == key_id(key()) else \
+            credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD})
+        return run_keys[run_id]
 
     def checked(token: str) -> link.NoteLink | None:
         """A link's contents when the key its run signed its links with checks it: the service's
@@ -291,7 +296,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         A run whose key cannot be read: refused, as a wrong link is, and not tried again for a
         minute. Redis or storage not answering: the service's key, as a link never needed them."""
         own, run_id = link.check(key(), token), link.claimed_run(token)
-        if run_id is None or unreadable.get(run_id, 0.0) > time.monotonic():
+        if run_id is None or not keys.RUN_ID.match(run_id) or unreadable.get(run_id, 0.0) > time.monotonic():
             return None
         try:
             other = run_key(run_id)

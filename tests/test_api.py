@@ -282,12 +282,17 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
         refused = [api.get(f"/notes/{signed(k, rotated)}").status_code for k in (settings.hmac_key(), b"forged")]
         unread = [api.get(f"/notes/{signed(old_key, lost)}").status_code for _ in range(2)]
         later = [api.get(f"/notes/{signed(k, forgotten)}").status_code for k in (old_key, settings.hmac_key())]
+        late = closed_run(redis_url)  # asked about before its key's record reached Redis (a failover), then after
+        store.put(keys.manifest_key(late.run_id), b'{"shards": [0], "shard_count": 1}')
+        before_record = api.get(f"/notes/{signed(old_key, late)}").status_code
+        late.update_meta(store_url=store.url, token_key_file=str(tmp_path / "old.key"), token_key_id=key_id(old_key))
+        after_record = api.get(f"/notes/{signed(old_key, late)}").status_code
         (tmp_path / "old.key").unlink()  # read once: the service does not go back to it at each link
         again = api.get(f"/notes/{signed(old_key, rotated)}").status_code
     assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
     assert refused == [404, 404] and unread == [404, 404]
     assert caplog.text.count(f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file") == 1
-    assert later == [200, 404] and again == 200
+    assert later == [200, 404] and again == 200 and (before_record, after_record) == (404, 200)
 
 
 def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_their_keys(tmp_path, keys_dir):

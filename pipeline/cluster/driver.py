@@ -47,7 +47,7 @@ from pipeline.cluster.memory import peak_rss_mb
 from pipeline.record import day_claim, delivery_log, keys, made_with, report, run_log
 from pipeline.record.guard import StateLostError
 from pipeline.record.lease import Lease, LeaseLostError, held
-from pipeline.record.manifest import SplitResult, load_first_notes, load_manifest, save_manifest
+from pipeline.record.manifest import SplitResult, load_first_notes, load_manifest, record_made_with, save_manifest
 from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
@@ -264,8 +264,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
     made_record = _made_with_record(settings, state, manifest, made)
-    if manifest is not None and manifest.complete and made_record and manifest.made_with != made_record:
-        save_manifest(store, run_id, dataclasses.replace(manifest, made_with=made_record))  # encryption made stronger
+    if manifest is not None and manifest.complete and made_with.strengthened(made_record, manifest.made_with):
+        record_made_with(store, run_id, made_record)  # the run keeps it from now on, after Redis too
     if resume and (told := made_with.taken(settings, made_record)):  # said in the run's own log, which storage keeps
         log.warning("run %s: made with this shell's %s, as CN_SHELL_SETTINGS asks; the run's record keeps its own",
                     run_id, ", ".join(f"{made_with.ENV[f]}={v!r}" for f, v in told.items()))

@@ -105,6 +105,12 @@ def kept(record: dict, settings: Settings) -> dict:
     return {**record, "made_with": json.dumps({**made, **stronger}, sort_keys=True)} if stronger else record
 
 
+def strengthened(record: dict, before: dict) -> bool:
+    """Whether `record` makes a STRONGER setting stronger than `before` recorded it."""
+    now, then = value(record), value(before)
+    return any(now.get(f) == v != then.get(f) and f in then for f, v in STRONGER.items())
+
+
 def value(found: dict, field: str | None = None, default=None):
     """The run's recorded settings ({} for a run from before), or one of them (`default` if not
     recorded): what a view of the run (the status page) shows it with."""

@@ -59,6 +59,13 @@ def load_first_notes(store: Store, run_id: str) -> dict | None:
     return read_json(store, key) if store.exists(key) else None
 
 
+def record_made_with(store: Store, run_id: str, made_with: dict) -> None:
+    """A finished run's manifest with its `made_with` replaced, every other field as it was
+    written (a later version's too)."""
+    key = keys.manifest_key(run_id)
+    store.put(key, json.dumps({**read_json(store, key), "made_with": made_with}).encode())
+
+
 def save_manifest(store: Store, run_id: str, split: SplitResult) -> None:
     """`groups` only while the split is under way: a version before it reads a finished run."""
     store.put(keys.manifest_key(run_id), json.dumps({k: v for k, v in split.__dict__.items()
