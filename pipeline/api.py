@@ -59,6 +59,7 @@ Status = Literal[FINAL_STATUSES]
 MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
 ASKED_RETRIES = 1  # a request in a Redis outage is a 503 at once (the page asks again), not after the run's 30 s
 KEY_RECORD = ("token_key_id", "token_key_file", "secret")  # where a run's HMAC key is, as it recorded it
+KEY_KEPT_S = 300.0  # a run's key is read again after this: one deleted (rotated out after a leak) opens nothing after it
 NOTE_FETCHES = (20, 60.0)  # per client address: this many requests to /notes/ in this many seconds, then 429
 
 
@@ -270,43 +271,57 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
     unreadable: dict[str, float] = {}  # a run whose own key could not be read: not tried again until then
-    run_keys: dict[str, bytes | None] = {}  # a run that recorded its key: that key (None: the service's)
+    run_keys: dict[str, tuple[bytes | None, str, float]] = {}  # a run's key (None: the service's), date, when read
 
-    def run_key(run_id: str) -> bytes | None:
-        """The key a run signed its links with where it is not the service's (None: the
-        service's), read once where the run recorded it: in Redis, else in its report in
-        storage (Redis keeps a run 14 days, its links work 90). Kept only for a run whose
-        record was found: one not yet recorded, or a made-up name, is asked about again."""
-        if run_id in run_keys:
-            return run_keys[run_id]
-        found = dict(zip(KEY_RECORD, state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD)))
-        if not any(found.values()):
-            report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
-            found = read_json(report, key_at) if report.exists(key_at) else {}
+    def run_key(run_id: str) -> tuple[bytes | None, str] | None:
+        """The key a run signed its links with (None: the service's) and its trade date, read
+        where the run recorded them: in Redis, else in its report in storage (Redis keeps a run
+        14 days, its links work 90). None for a run whose record has no key: a made-up name, a
+        run from before keys were recorded, or one not yet recorded, asked about again. A key
+        found is read again after KEY_KEPT_S: one deleted since is refused from then on."""
+        kept = run_keys.get(run_id)
+        if kept and time.monotonic() - kept[2] < KEY_KEPT_S:
+            return kept[:2]
+        found = dict(zip((*KEY_RECORD, "date"), state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD, "date")))
+        if not any(found[k] for k in KEY_RECORD):
+            try:
+                report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
+                found = read_json(report, key_at) if report.exists(key_at) else {}
+            except OSError as e:  # a folder store's disk: an outage, as S3's is
+                raise StorageError(f"{settings.store_url}: {e}") from None
+            found["date"] = found.get("trade_date")
         if not found.get("token_key_id"):
             return None
-        run_keys[run_id] = None if found["token_key_id"] == key_id(key()) else \
-            credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD})
-        return run_keys[run_id]
+        run_keys.pop(run_id, None)  # a key no longer readable is not kept
+        own = found["token_key_id"] == key_id(key())
+        run_keys[run_id] = (None if own else credentials.recorded_token_key(
+            settings, {k: found.get(k) or "" for k in KEY_RECORD}), found.get("date") or "", time.monotonic())
+        return run_keys[run_id][:2]
 
     def checked(token: str) -> link.NoteLink | None:
         """A link's contents when the key its run signed its links with checks it: the service's
         own, or, for a run that recorded another key's fingerprint (the key was rotated since),
         that run's key: its links keep working for their 90 days, and no other key opens them.
-        A run whose key cannot be read: refused, as a wrong link is, and not tried again for a
-        minute. Redis or storage not answering: the service's key, as a link never needed them."""
+        A run's key opens only links of that run's trade date: the note a link names is found by
+        its date and account, so an old key would otherwise open every later day's notes. A run
+        whose key cannot be read: refused, as a wrong link is, and not tried again for a minute.
+        Redis or storage not answering: the service's key, as a link never needed them."""
         own, run_id = link.check(key(), token), link.claimed_run(token)
         if run_id is None or not keys.RUN_ID.match(run_id) or unreadable.get(run_id, 0.0) > time.monotonic():
             return None
         try:
-            other = run_key(run_id)
+            found = run_key(run_id)
         except (redis.exceptions.RedisError, StorageError):
             return own
         except Exception as e:  # a key file, a secret: whatever reading it raised
             unreadable[run_id] = time.monotonic() + 60
             log.warning("run %s: its links cannot be checked: %s", run_id, e)
             return None
-        return own if other is None else link.check(other, token)
+        if found is None:
+            return own
+        other, date = found
+        opened = own if other is None else link.check(other, token)
+        return opened if opened is not None and opened.trade_date == date else None
 
     @lru_cache(maxsize=64)
     def shard_count(store_url: str, run_id: str) -> int | None:

@@ -242,7 +242,7 @@ def test_a_run_recorded_on_another_store_is_shown_from_that_store_as_its_command
 
 
 def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key_s_do(redis_url, tmp_path, keys_dir,
-                                                                                        caplog):
+                                                                                        caplog, monkeypatch):
     """A run signed its clients' links with the HMAC key it recorded (its fingerprint and file);
     the service now runs with a new key. A link of that run is checked with the run's key, read
     where the run recorded it. Before, every link of the run was 404 from the day the key changed
@@ -250,12 +250,16 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     run never signed with, was let through. A link of that run signed with any other key, the
     service's own included, is 404; so is every link of a run whose key is not where it recorded
     it (said once in the service's log, not tried again at every link). Once Redis has forgotten
-    the run (14 days; its links work 90), its report says where its key is."""
+    the run (14 days; its links work 90), its report says where its key is. A run's key opens
+    only that run's day: the note a link names is found by its date and account, and an old key
+    (one that leaked, say) opened every later day's notes too. A key deleted is refused once
+    it is read again (KEY_KEPT_S): before, it opened links until the service restarted."""
     import json
     import logging
 
     import redis
 
+    from pipeline import api as service
     from pipeline.mail import link
     from pipeline.record.storage import open_store
     from pipeline.settings import key_id
@@ -267,18 +271,21 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
         state.update_meta(store_url=store.url, token_key_file=str(key_file), token_key_id=key_id(old_key))
         store.put(keys.manifest_key(state.run_id), b'{"shards": [0], "shard_count": 1}')
     store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    store.put(keys.signed_pdf_key("2026-11-23", "C0000009"), b"%PDF-1.7 (a later day's note, its links a new key's)")
     settings = Settings(store_url=str(tmp_path / "service-store"), redis_url=redis_url,
                         token_key_file=str(keys_dir / "token.key"))  # the new key
     signed = lambda key, state: link.make(key, state.run_id, "C0000003", TRADE_DATE, 3600)  # noqa: E731
     forgotten = closed_run(redis_url)  # Redis has forgotten it (14 days); its record, in the service's store, has not
     service_store = open_store(settings.store_url)
     service_store.put(keys.report_keys(forgotten.run_id)[0], json.dumps(
-        {"run_id": forgotten.run_id, "token_key_file": str(tmp_path / "old.key"), "token_key_id": key_id(old_key)}).encode())
+        {"run_id": forgotten.run_id, "trade_date": TRADE_DATE, "token_key_file": str(tmp_path / "old.key"),
+         "token_key_id": key_id(old_key)}).encode())
     service_store.put(keys.manifest_key(forgotten.run_id), b'{"shards": [0], "shard_count": 1}')
     service_store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
     redis.Redis.from_url(redis_url).delete(keys.run_meta(forgotten.run_id))
     with TestClient(create_app(settings, launch=lambda *args: 0)) as api, caplog.at_level(logging.WARNING):
         opened = api.get(f"/notes/{signed(old_key, rotated)}")
+        other_day = api.get(f"/notes/{link.make(old_key, rotated.run_id, 'C0000009', '2026-11-23', 3600)}").status_code
         refused = [api.get(f"/notes/{signed(k, rotated)}").status_code for k in (settings.hmac_key(), b"forged")]
         unread = [api.get(f"/notes/{signed(old_key, lost)}").status_code for _ in range(2)]
         later = [api.get(f"/notes/{signed(k, forgotten)}").status_code for k in (old_key, settings.hmac_key())]
@@ -289,10 +296,13 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
         after_record = api.get(f"/notes/{signed(old_key, late)}").status_code
         (tmp_path / "old.key").unlink()  # read once: the service does not go back to it at each link
         again = api.get(f"/notes/{signed(old_key, rotated)}").status_code
+        monkeypatch.setattr(service, "KEY_KEPT_S", 0.0)  # as when five minutes have passed
+        deleted = api.get(f"/notes/{signed(old_key, rotated)}").status_code
     assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
-    assert refused == [404, 404] and unread == [404, 404]
+    assert refused == [404, 404] and unread == [404, 404] and other_day == 404
     assert caplog.text.count(f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file") == 1
     assert later == [200, 404] and again == 200 and (before_record, after_record) == (404, 200)
+    assert deleted == 404 and f"run {rotated.run_id}: its links cannot be checked" in caplog.text
 
 
 def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_their_keys(tmp_path, keys_dir):
@@ -308,6 +318,25 @@ def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_th
     store, run_id = open_store(settings.store_url), f"{TRADE_DATE}-away"
     store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
     store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    with TestClient(create_app(settings, launch=lambda *args: 0)) as api:
+        note = api.get(f"/notes/{link.make(settings.hmac_key(), run_id, 'C0000003', TRADE_DATE, 3600)}")
+    assert note.status_code == 200 and note.content == b"%PDF-1.7 (the client's signed note)"
+
+
+def test_a_client_s_link_opens_with_the_service_s_store_failing_under_a_run_redis_forgot(redis_url, tmp_path,
+                                                                                        keys_dir):
+    """The run's record looked for in the service's folder store, whose disk fails (an OSError,
+    not a StorageError): an outage, so the link is checked with the service's key, as with Redis
+    away. Before, the run's links were refused as if its key could not be read, and the log said
+    so, for a minute at a time."""
+    from pipeline.mail import link
+    from pipeline.record.storage import open_store
+
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=redis_url, token_key_file=str(keys_dir / "token.key"))
+    store, run_id = open_store(settings.store_url), f"{TRADE_DATE}-failing-disk"
+    store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
+    store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
+    (tmp_path / "store" / keys.report_keys(run_id)[0]).mkdir(parents=True)  # read: EISDIR, as EIO would be
     with TestClient(create_app(settings, launch=lambda *args: 0)) as api:
         note = api.get(f"/notes/{link.make(settings.hmac_key(), run_id, 'C0000003', TRADE_DATE, 3600)}")
     assert note.status_code == 200 and note.content == b"%PDF-1.7 (the client's signed note)"

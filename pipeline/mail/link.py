@@ -3,10 +3,10 @@
 TOKEN carries the run, the account, the trade date and an expiry, signed with an HMAC keyed
 by the secret's token_key (domain-separated from the VERP tag). Anyone holding the link can
 fetch the note, as anyone holding the e-mail can open the attachment: the PDF itself still
-needs the client's PAN. The service checks a link with its own key, and only when that fails
-with the key of the run the link names, if that run recorded another (its key rotated since):
-a guess costs the server an HMAC or two and a Redis read, and a wrong one is refused before
-storage is touched.
+needs the client's PAN. The service checks a link with the key the run it names recorded: its
+own, or that run's where the key was rotated since, and then only for that run's trade date. A
+guess costs the server an HMAC or two, a Redis read and, for a run Redis does not know, a look
+for its report in storage; a wrong one never reaches a note.
 """
 
 from __future__ import annotations
