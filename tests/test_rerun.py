@@ -347,6 +347,29 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
     assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"]
 
 
+def test_a_run_that_died_before_its_split_wrote_anything_keeps_its_record_when_resumed_told(redis_url, settings):
+    """A run's start recorded in Redis what its notes are made with; its driver died before the
+    split wrote a manifest or its first notes' record. `run --run-id` resumes it from a shell told
+    to take the Reply-To (CN_SHELL_SETTINGS): the record keeps the run's, and the shell's is what
+    the driver's line in the run's log names as taken. Before, storage having nothing made the
+    run look new, and the shell's Reply-To became the run's record, unsaid."""
+    import dataclasses
+
+    from pipeline.cluster.driver import _made_with_record
+    from pipeline.record import made_with
+    from pipeline.record.state import RunState
+
+    run, shell = dataclasses.replace(settings, mail_reply_to="Desk <desk@broker.exmaple.com>"), dataclasses.replace(
+        settings, mail_reply_to="Desk <desk@broker.example.com>", shell_settings="CN_MAIL_REPLY_TO")
+    state = RunState(redis_url, f"{TRADE_DATE}-died-in-split")
+    state.start({"date": TRADE_DATE, "input": "", **made_with.recorded(run)})
+    record, begun = _made_with_record(shell, state, None, None)
+    assert begun and made_with.value(record, "mail_reply_to") == run.mail_reply_to
+    assert made_with.taken(shell, record) == {"mail_reply_to": shell.mail_reply_to}
+    fresh = _made_with_record(shell, RunState(redis_url, f"{TRADE_DATE}-never-started"), None, None)
+    assert fresh == (made_with.recorded(shell), False)
+
+
 def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run_keeps_its_own(
         ray_session, settings, day, smtp_server, caplog):
     """The run's reply address was mistyped, and it was made unencrypted by mistake. Its rerun,

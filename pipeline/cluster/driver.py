@@ -263,10 +263,10 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     if signer.about.get("extractable"):
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
                     run_id, signer.about["token"])
-    made_record = _made_with_record(settings, state, manifest, made)
+    made_record, begun = _made_with_record(settings, state, manifest, made)
     if manifest is not None and manifest.complete and made_with.strengthened(made_record, manifest.made_with):
         record_made_with(store, run_id, made_record)  # the run keeps it from now on, after Redis too
-    if resume and (told := made_with.taken(settings, made_record)):  # said in the run's own log, which storage keeps
+    if begun and (told := made_with.taken(settings, made_record)):  # said in the run's own log, which storage keeps
         log.warning("run %s: made with this shell's %s, as CN_SHELL_SETTINGS asks; the run's record keeps its own",
                     run_id, ", ".join(f"{made_with.ENV[f]}={v!r}" for f, v in told.items()))
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
@@ -524,18 +524,21 @@ def _persists(r: redis.Redis) -> bool:
         return False
 
 
-def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None, made: dict | None) -> dict:
-    """What a run's start records of what its notes and mails are made with: a new run, its
-    settings'; a run that began, its own record (Redis's, else its manifest's, else its first
-    notes'), never this command's settings, which may take some from the shell (CN_SHELL_SETTINGS),
-    but for encryption made stronger (made_with.kept). A run from before they were recorded:
-    nothing, so it is not given its first rerun's shell's settings as its own."""
-    if manifest is None and made is None:
-        return made_with.recorded(settings)
+def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None,
+                      made: dict | None) -> tuple[dict, bool]:
+    """What a run's start records of what its notes and mails are made with, and whether the run
+    began before: a new run, its settings'; a run that began (Redis recorded it, though it died
+    before its split wrote anything, or storage did), its own record (Redis's, else its
+    manifest's, else its first notes'), never this command's settings, which may take some from
+    the shell (CN_SHELL_SETTINGS), but for encryption made stronger (made_with.kept). A run from
+    before they were recorded: nothing, so it is not given its first rerun's shell's settings."""
     meta = state.meta()
-    found = {k: meta[k] for k in made_with.KEYS if k in meta} if "made_with" in meta else \
-        (manifest.made_with if manifest else {}) or (made or {}).get("made_with") or {}
-    return made_with.kept(found, settings) if found else {}
+    if "made_with" in meta:
+        return made_with.kept({k: meta[k] for k in made_with.KEYS if k in meta}, settings), True
+    if manifest is None and made is None:
+        return made_with.recorded(settings), False
+    found = (manifest.made_with if manifest else {}) or (made or {}).get("made_with") or {}
+    return (made_with.kept(found, settings) if found else {}), True
 
 
 def _split_done(store, state: RunState, run_id: str, split: SplitResult, on_accounts, started: float,
