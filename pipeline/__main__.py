@@ -277,7 +277,10 @@ def _run(args) -> dict:
         resolved.hmac_key()  # a secret made before the VERP addresses has no token_key: said now, not by each mailer
         current.relay_rate, current.hsm_rate = resolved.relay_rate(), resolved.hsm_ops_s
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
-        settings = made_with.resumed(settings, request.run_id) if args.run_id else settings  # a resumed run's own
+        if args.run_id:
+            settings = made_with.resumed(settings, request.run_id)  # a resumed run's own
+        else:  # a new run's are all the shell's: a name mistyped is said now, not at its first rerun
+            made_with.shell_settings(settings)
         checked = preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
         state = RunState(settings.redis_url, request.run_id, settings.state_ttl_s)
         # the run's lease before Ray starts: a second driver on the run id stops at once, naming the first

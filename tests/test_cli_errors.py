@@ -45,3 +45,13 @@ def test_a_malformed_url_setting_is_one_line_naming_it(name, value, tmp_path):
     done = cli("status", "some-run", **{"REDIS_URL": "redis://127.0.0.1:1/0", "CN_STORE": str(tmp_path), name: value})
     assert done.returncode == 2 and done.stderr.startswith(f"error: {name}: ") and len(done.stderr.splitlines()) == 1, \
         done.stderr
+
+
+def test_a_new_run_told_to_take_a_setting_it_cannot_is_refused_as_a_rerun_is(tmp_path):
+    """CN_SHELL_SETTINGS names the settings a later command takes from its shell, not the run's;
+    a new run's are all its shell's, but a name mistyped is said now, as its rerun would say it.
+    Before, a new run took any name without a word, and the rerun it was set for refused it."""
+    done = cli("run", "--date", "2026-11-20", "--input", str(tmp_path / "dumps"), "--test-keys",
+               CN_SHELL_SETTINGS="CN_MAIL_REPLYTO", REDIS_URL="redis://127.0.0.1:1/0", CN_STORE=str(tmp_path / "store"))
+    assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith(
+        "error: CN_SHELL_SETTINGS names CN_MAIL_REPLYTO: it takes only"), done.stderr
