@@ -409,7 +409,8 @@ def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run
         again = rerun(dataclasses.replace(shell, shell_settings="CN_MAIL_REPLY_TO"), run_id, [victim],
                       relays=relay.url)
     assert again["rerun_outcomes"] == {"delivered": 1}, again
-    assert f"CN_MAIL_REPLY_TO is this shell's {fixed!r}, as CN_SHELL_SETTINGS asks, not the run's {typo!r}" in caplog.text
+    assert caplog.text.count(f"CN_MAIL_REPLY_TO is this shell's {fixed!r}, as CN_SHELL_SETTINGS asks, not the run's "
+                             f"{typo!r}") == 1, "said once, though the rerun and the run it resumes both find it"
     assert [m["Reply-To"] for m in outbox_messages(relay.outbox)] == [fixed]
     run_log = "".join(p.read_text() for p in sorted((Path(settings.store_url) / "logs" / run_id).glob("*.log")))
     assert f"made with this shell's CN_MAIL_REPLY_TO={fixed!r}" in caplog.text

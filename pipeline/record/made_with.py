@@ -35,6 +35,7 @@ stronger), the From (DKIM aligns with it), the bounce address (`bounces` matches
 the paper due days (the page counts with the run's)."""
 KEYS = (*NOTE_FILES, *(f"{f}_sha256" for f in NOTE_FILES), "made_with")  # in Redis's meta and the report
 ENV = {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
+_TOLD_SAID: set[tuple] = set()  # (run, setting, the shell's value, the run's): said once a process
 
 
 def recorded(settings: Settings) -> dict[str, str]:
@@ -68,6 +69,9 @@ def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> 
     differ = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
               and STRONGER.get(f) != getattr(settings, f)}
     for f, v in differ.items():
+        if f in told and (run_id, f, getattr(settings, f), v) in _TOLD_SAID:
+            continue  # a rerun resumes the run too, which finds the told setting again
+        _TOLD_SAID.update([(run_id, f, getattr(settings, f), v)] if f in told else [])
         log.warning("%s %s: %s is %s", command, run_id, ENV[f],
                     f"this shell's {getattr(settings, f)!r}, as CN_SHELL_SETTINGS asks, not the run's {v!r}" if f in told
                     else f"the run's {v!r}, not this shell's {getattr(settings, f)!r}")
