@@ -69,9 +69,10 @@ def run_settings(settings: Settings, found: dict, run_id: str, command: str) -> 
     differ = {f: values[f] for f in RUN_SETTINGS if f in values and values[f] != getattr(settings, f)
               and STRONGER.get(f) != getattr(settings, f)}
     for f, v in differ.items():
-        if f in told and (run_id, f, getattr(settings, f), v) in _TOLD_SAID:
-            continue  # a rerun resumes the run too, which finds the told setting again
-        _TOLD_SAID.update([(run_id, f, getattr(settings, f), v)] if f in told else [])
+        if f in told:
+            if (run_id, f, getattr(settings, f), v) in _TOLD_SAID:
+                continue  # a rerun resumes the run too, which finds the told setting again
+            _TOLD_SAID.add((run_id, f, getattr(settings, f), v))
         log.warning("%s %s: %s is %s", command, run_id, ENV[f],
                     f"this shell's {getattr(settings, f)!r}, as CN_SHELL_SETTINGS asks, not the run's {v!r}" if f in told
                     else f"the run's {v!r}, not this shell's {getattr(settings, f)!r}")
