@@ -380,16 +380,19 @@ def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run
     encryption. A setting whose change would break another record (the encryption made weaker,
     the bounce address `bounces` matches) cannot be taken from the shell, nor one the shell does
     not set. Before, nothing could correct a recorded setting for a rerun; and every rerun
-    recorded its own settings as the run's."""
+    recorded its own settings as the run's. A run brought back from a report written before the
+    encryption was made stronger keeps the stronger, which its manifest says."""
     import dataclasses
     import logging
 
     import pytest
+    import redis
 
     from pipeline.record.manifest import load_manifest
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
     from pipeline.settings import ConfigError
+    from tests.helpers import attachment
 
     typo, fixed = "Desk <desk@broker.exmaple.com>", "Desk <desk@broker.example.com>"
     clients = client_rows(day)
@@ -399,6 +402,7 @@ def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run
                     RunRequest(TRADE_DATE, str(day)))
     run_id, relay, store = first["run_id"], smtp_server("second"), open_store(settings.store_url)
     assert first["failed"] == 1, first
+    stale = {k: store.get(k) for k in keys.report_keys(run_id)}  # the report as it stood before the reruns
     shell = dataclasses.replace(settings, mail_reply_to=fixed)  # and CN_ENCRYPTION's default, aes256
     for told, refused in (("CN_MAIL_REPLYTO", "names CN_MAIL_REPLYTO: it takes only"),
                           ("CN_MAIL_REPLY_TO,CN_BOUNCE_DOMAIN", "names CN_BOUNCE_DOMAIN: it takes only"),
@@ -428,6 +432,21 @@ def test_a_rerun_told_to_take_a_setting_from_its_shell_mails_with_it_and_the_run
     assert f"CN_MAIL_REPLY_TO is the run's {typo!r}, not this shell's {fixed!r}" in caplog.text
     assert "CN_ENCRYPTION is the run's 'aes256', not this shell's 'none'" in caplog.text
     assert sorted(m["Reply-To"] for m in outbox_messages(relay.outbox)) == sorted([fixed, typo])
+
+    # The rerun that made it stronger died before its report; Redis has forgotten the run since.
+    # Brought back from that report, the run keeps the encryption its manifest says: before, it
+    # went back to none, and the next rerun from the shell that made the mistake made its notes so.
+    for key, data in stale.items():
+        (Path(settings.store_url) / key).write_bytes(data)
+    new_head = dataclasses.replace(shell, encryption="none", redis_url=settings.redis_url.rsplit("/", 1)[0] + "/12")
+    redis.Redis.from_url(new_head.redis_url).flushdb()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        rerun(new_head, run_id, [victim], force=True, relays=relay.url)
+    assert "CN_ENCRYPTION is the run's 'aes256', not this shell's 'none'" in caplog.text
+    assert json.loads(RunState.of(new_head, run_id).meta()["made_with"])["encryption"] == "aes256"
+    archived = store.get(keys.signed_pdf_key(TRADE_DATE, victim))  # signed by the first run: never replaced
+    assert [attachment(m)[1] for m in outbox_messages(relay.outbox)] == [archived] * 3
 
 
 def test_a_rerun_exits_0_when_each_account_it_took_was_delivered_though_others_of_the_run_are_not(

@@ -43,6 +43,8 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
         state.bounce([(r["ucc"], r["status"], r["bounce_status"], r["bounce_reason"], r["bounced_at"])
                       for r in page if r["status"] in ("bounced", "deferred") and r["bounced_at"]])
     split = load_manifest(store, run_id)
+    made = {k: v for k, v in report.items() if k in made_with.KEYS}  # else: not recorded
+    made = made_with.stronger(made, split.made_with) if made and split else made
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile, a bounce)
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)},
                          report.get("records_read_at") or _number(report.get("finished_at")) or None)
@@ -57,7 +59,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
-                 **{k: v for k, v in report.items() if k in made_with.KEYS},  # else: not recorded
+                 **made,
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",
                  "restored_from": json_key, **{f: report.get(f, "") for f in keys.RECORD_FIELDS},

@@ -105,9 +105,16 @@ def kept(record: dict, settings: Settings) -> dict:
     """A begun run's record as its start writes it again: the run's own, but for encryption a
     command made stronger, which the run keeps from then on (its next rerun, from the shell that
     made the mistake, encrypts too)."""
-    made = value(record)
-    stronger = {f: v for f, v in STRONGER.items() if f in made and getattr(settings, f) == v != made[f]}
-    return {**record, "made_with": json.dumps({**made, **stronger}, sort_keys=True)} if stronger else record
+    return stronger(record, {"made_with": {f: getattr(settings, f) for f in STRONGER}})
+
+
+def stronger(record: dict, other: dict) -> dict:
+    """`record`, but for a STRONGER setting that `other` has stronger: a run brought back from a
+    report written before a rerun made its encryption stronger (the rerun wrote that to the
+    manifest as it began, then died) keeps it."""
+    made, theirs = value(record), value(other)
+    up = {f: v for f, v in STRONGER.items() if f in made and theirs.get(f) == v != made[f]}
+    return {**record, "made_with": json.dumps({**made, **up}, sort_keys=True)} if up else record
 
 
 def strengthened(record: dict, before: dict) -> bool:
