@@ -271,6 +271,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     limit, key = RateLimit(*NOTE_FETCHES), lru_cache(maxsize=1)(settings.hmac_key)  # read when a client comes
     unreadable: dict[str, float] = {}  # a run whose own key could not be read: not tried again until then
+    away = [0.0]  # Redis or storage not answering a link's lookup: said again after then
     run_keys: dict[str, tuple[bytes | None, str, float]] = {}  # a run's key (None: the service's), date, when read
 
     def run_key(run_id: str) -> tuple[bytes | None, str] | None:
@@ -278,25 +279,39 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         where the run recorded them: in Redis, else in its report in storage (Redis keeps a run
         14 days, its links work 90). None for a run whose record has no key: a made-up name, a
         run from before keys were recorded, or one not yet recorded, asked about again. A key
-        found is read again after KEY_KEPT_S: one deleted since is refused from then on."""
+        found is read again after KEY_KEPT_S: one deleted since is refused from then on; with
+        Redis or storage away meanwhile, the key read before goes on."""
         kept = run_keys.get(run_id)
         if kept and time.monotonic() - kept[2] < KEY_KEPT_S:
             return kept[:2]
-        found = dict(zip((*KEY_RECORD, "date"), state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD, "date")))
-        if not any(found[k] for k in KEY_RECORD):
-            try:
-                report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
-                found = read_json(report, key_at) if report.exists(key_at) else {}
-            except OSError as e:  # a folder store's disk: an outage, as S3's is
-                raise StorageError(f"{settings.store_url}: {e}") from None
-            found["date"] = found.get("trade_date")
+        try:
+            found = dict(zip((*KEY_RECORD, "date"), state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD,
+                                                                              "date")))
+            if not any(found[k] for k in KEY_RECORD):
+                try:
+                    report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
+                    found = read_json(report, key_at) if report.exists(key_at) else {}
+                except OSError as e:  # a folder store's disk: an outage, as S3's is
+                    raise StorageError(f"{settings.store_url}: {e}") from None
+                found["date"] = found.get("trade_date")
+        except (redis.exceptions.RedisError, StorageError) as e:
+            if not kept:
+                raise
+            record_away(run_id, e, "the key read before goes on")
+            return kept[:2]
         if not found.get("token_key_id"):
             return None
         run_keys.pop(run_id, None)  # a key no longer readable is not kept
         own = found["token_key_id"] == key_id(key())
-        run_keys[run_id] = (None if own else credentials.recorded_token_key(
-            settings, {k: found.get(k) or "" for k in KEY_RECORD}), found.get("date") or "", time.monotonic())
-        return run_keys[run_id][:2]
+        read = (None if own else credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD}),
+                found.get("date") or "")
+        run_keys[run_id] = (*read, time.monotonic())
+        return read
+
+    def record_away(run_id: str, e: Exception, meanwhile: str) -> None:
+        if away[0] <= time.monotonic():  # once a minute, whatever the runs asked about
+            away[0] = time.monotonic() + 60
+            log.warning("run %s: its record cannot be read (%s): %s", run_id, e, meanwhile)
 
     def checked(token: str) -> link.NoteLink | None:
         """A link's contents when the key its run signed its links with checks it: the service's
@@ -305,13 +320,15 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         A run's key opens only links of that run's trade date: the note a link names is found by
         its date and account, so an old key would otherwise open every later day's notes. A run
         whose key cannot be read: refused, as a wrong link is, and not tried again for a minute.
-        Redis or storage not answering: the service's key, as a link never needed them."""
+        Redis or storage not answering: the service's key, as a link never needed them (said
+        once a minute: a rotated run's links are refused meanwhile)."""
         own, run_id = link.check(key(), token), link.claimed_run(token)
         if run_id is None or not keys.RUN_ID.match(run_id) or unreadable.get(run_id, 0.0) > time.monotonic():
             return None
         try:
             found = run_key(run_id)
-        except (redis.exceptions.RedisError, StorageError):
+        except (redis.exceptions.RedisError, StorageError) as e:
+            record_away(run_id, e, "its links are checked with this service's key alone")
             return own
         except Exception as e:  # a key file, a secret: whatever reading it raised
             unreadable[run_id] = time.monotonic() + 60

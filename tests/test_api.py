@@ -253,7 +253,8 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     the run (14 days; its links work 90), its report says where its key is. A run's key opens
     only that run's day: the note a link names is found by its date and account, and an old key
     (one that leaked, say) opened every later day's notes too. A key deleted is refused once
-    it is read again (KEY_KEPT_S): before, it opened links until the service restarted."""
+    it is read again (KEY_KEPT_S): before, it opened links until the service restarted; a key
+    due to be read again while storage fails goes on being used."""
     import json
     import logging
 
@@ -297,12 +298,17 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
         (tmp_path / "old.key").unlink()  # read once: the service does not go back to it at each link
         again = api.get(f"/notes/{signed(old_key, rotated)}").status_code
         monkeypatch.setattr(service, "KEY_KEPT_S", 0.0)  # as when five minutes have passed
+        report_at = tmp_path / "service-store" / keys.report_keys(forgotten.run_id)[0]
+        report_at.unlink()
+        report_at.mkdir()  # the service store's disk fails under the report (EISDIR, as EIO would be)
+        through_outage = api.get(f"/notes/{signed(old_key, forgotten)}").status_code  # the key read before goes on
         deleted = api.get(f"/notes/{signed(old_key, rotated)}").status_code
     assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
     assert refused == [404, 404] and unread == [404, 404] and other_day == 404
     assert caplog.text.count(f"run {lost.run_id}: its links cannot be checked: the run's HMAC key file") == 1
     assert later == [200, 404] and again == 200 and (before_record, after_record) == (404, 200)
     assert deleted == 404 and f"run {rotated.run_id}: its links cannot be checked" in caplog.text
+    assert through_outage == 200 and f"run {forgotten.run_id}: its record cannot be read" in caplog.text
 
 
 def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_their_keys(tmp_path, keys_dir):
@@ -324,11 +330,13 @@ def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_th
 
 
 def test_a_client_s_link_opens_with_the_service_s_store_failing_under_a_run_redis_forgot(redis_url, tmp_path,
-                                                                                        keys_dir):
+                                                                                        keys_dir, caplog):
     """The run's record looked for in the service's folder store, whose disk fails (an OSError,
     not a StorageError): an outage, so the link is checked with the service's key, as with Redis
     away. Before, the run's links were refused as if its key could not be read, and the log said
-    so, for a minute at a time."""
+    so, for a minute at a time. The outage is said in the service's log."""
+    import logging
+
     from pipeline.mail import link
     from pipeline.record.storage import open_store
 
@@ -337,9 +345,10 @@ def test_a_client_s_link_opens_with_the_service_s_store_failing_under_a_run_redi
     store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
     store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")
     (tmp_path / "store" / keys.report_keys(run_id)[0]).mkdir(parents=True)  # read: EISDIR, as EIO would be
-    with TestClient(create_app(settings, launch=lambda *args: 0)) as api:
+    with TestClient(create_app(settings, launch=lambda *args: 0)) as api, caplog.at_level(logging.WARNING):
         note = api.get(f"/notes/{link.make(settings.hmac_key(), run_id, 'C0000003', TRADE_DATE, 3600)}")
     assert note.status_code == 200 and note.content == b"%PDF-1.7 (the client's signed note)"
+    assert f"run {run_id}: its record cannot be read" in caplog.text and "cannot be checked" not in caplog.text
 
 
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
