@@ -347,6 +347,25 @@ def test_a_run_resumed_after_its_first_notes_alone_splits_with_their_shard_count
     assert load_manifest(open_store(settings.store_url), run_id).shard_count == made["shard_count"]
 
 
+def test_a_run_resumed_with_another_date_is_refused_naming_its_own(settings, day):
+    """`run --run-id R --date D2` for a run of another day: before, nothing refused it, and the
+    run's notes would have been dated, settled and archived for D2, and its record's date made D2
+    (from then on, every link it had mailed for its own day refused by the status service)."""
+    import pytest
+
+    from pipeline.cluster.driver import preflight
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+    from pipeline.settings import ConfigError
+
+    run_id = f"{TRADE_DATE}-dated"
+    RunState.of(settings, run_id).start({"date": TRADE_DATE, "input": str(day)})
+    open_store(settings.store_url).put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
+    with pytest.raises(ConfigError, match=f"run {run_id} is trade date {TRADE_DATE}'s, not --date 2026-11-23's"):
+        preflight(settings, RunRequest("2026-11-23", str(day), run_id=run_id), run_id)
+    preflight(settings, RunRequest(TRADE_DATE, str(day), run_id=run_id), run_id)  # its own date: goes on
+
+
 def test_a_run_that_died_before_its_split_wrote_anything_keeps_its_record_when_resumed_told(redis_url, settings):
     """A run's start recorded in Redis what its notes are made with; its driver died before the
     split wrote a manifest or its first notes' record. `run --run-id` resumes it from a shell told

@@ -400,8 +400,11 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
         store.put(keys.WRITE_CHECK, b"ok")  # one small PUT a run, overwritten each time
     except Exception as e:  # OSError, botocore: whatever the backend says, the run cannot keep its record
         raise StorageError(f"storage {settings.store_url} cannot be written: {e}") from None
+    begun = bool(run_id) and started(store, run_id)
     if run_id:
         check_create_only(store, keys.create_only_check_key(run_id))
+    if begun:
+        _of_its_date(settings, store, run_id, req.trade_date)
     if not run_id or load_manifest(store, run_id) is None:
         if closed := trading_calendar.no_session(req.trade_date, settings.holidays_file):
             raise ConfigError(f"--date {req.trade_date}: no exchange traded that day ({closed})")
@@ -413,7 +416,7 @@ def preflight(settings: Settings, req: RunRequest, run_id: str = "",
     broker(settings.broker_file)  # the issuing entity's file: a bad one refused here, not at the first note
     credentials.dkim_signer(settings)  # loaded again by each mailer: here only to refuse a bad one at the start
     checked = credentials.read(settings)
-    if run_id and not started(store, run_id):  # last: a run refused above leaves the date to the next
+    if run_id and not begun:  # last: a run refused above leaves the date to the next
         day_claim.claim(store, req.trade_date, run_id, partial(started, store))
     return checked
 
@@ -522,6 +525,16 @@ def _persists(r: redis.Redis) -> bool:
         return bool(r.config_get("save").get("save"))
     except redis.ResponseError:  # CONFIG disabled (managed Redis): not provably persistent
         return False
+
+
+def _of_its_date(settings: Settings, store, run_id: str, trade_date: str) -> None:
+    """A run that began, resumed with another --date than its own, would date, settle and archive
+    its notes for a day whose trades they are not: refused, naming its date (Redis's record), or
+    the run that holds the date given (the day's claim in storage)."""
+    date, held_by = RunState.of(settings, run_id).meta().get("date"), day_claim.holder(store, trade_date)
+    if (date and date != trade_date) or held_by not in (None, run_id):
+        raise ConfigError(f"run {run_id} is trade date {date}'s, not --date {trade_date}'s: resume it with its own "
+                          "date" if date else f"--date {trade_date} is run {held_by}'s, not run {run_id}'s")
 
 
 def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None,
