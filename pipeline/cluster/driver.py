@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
-from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
+from pipeline.record.storage import StorageError, Store, check_create_only, open_store, read_json, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
@@ -83,6 +84,9 @@ class RunRequest:
 
 def new_run_id(trade_date: str) -> str:
     return f"{trade_date}-{uuid.uuid4().hex[:8]}"
+
+
+GENERATED_RUN_ID = re.compile(r"(\d{4}-\d{2}-\d{2})-[0-9a-f]{8}\Z")  # new_run_id's: its trade date first
 
 
 def init_ray(settings: Settings, address: str | None = None) -> None:
@@ -527,14 +531,19 @@ def _persists(r: redis.Redis) -> bool:
         return False
 
 
-def _of_its_date(settings: Settings, store, run_id: str, trade_date: str) -> None:
+def _of_its_date(settings: Settings, store: Store, run_id: str, trade_date: str) -> None:
     """A run that began, resumed with another --date than its own, would date, settle and archive
-    its notes for a day whose trades they are not: refused, naming its date (Redis's record), or
-    the run that holds the date given (the day's claim in storage)."""
-    date, held_by = RunState.of(settings, run_id).meta().get("date"), day_claim.holder(store, trade_date)
-    if (date and date != trade_date) or held_by not in (None, run_id):
-        raise ConfigError(f"run {run_id} is trade date {date}'s, not --date {trade_date}'s: resume it with its own "
-                          "date" if date else f"--date {trade_date} is run {held_by}'s, not run {run_id}'s")
+    its notes for a day whose trades they are not (and Redis's date made the other): refused,
+    naming its date as Redis, else its report, else its id (a generated one starts with it) says."""
+    date = RunState.of(settings, run_id).meta().get("date") or _reported_date(store, run_id) or \
+        (made.group(1) if (made := GENERATED_RUN_ID.match(run_id)) else None)
+    if date and date != trade_date:
+        raise ConfigError(f"run {run_id} is trade date {date}'s, not --date {trade_date}'s: resume it with its own date")
+
+
+def _reported_date(store: Store, run_id: str) -> str | None:
+    key = keys.report_keys(run_id)[0]
+    return read_json(store, key).get("trade_date") if store.exists(key) else None
 
 
 def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None,

@@ -23,23 +23,14 @@ def claim(store: Store, trade_date: str, run_id: str, started: Callable[[str], b
     """Holds `trade_date` for `run_id`, or raises DayTaken. `started(run)`: whether that run
     got as far as archiving or splitting (its manifest or first notes are in storage)."""
     key, mine = keys.day_claim_key(trade_date), json.dumps({"run_id": run_id}).encode()
-    holder = _holder(store, key, write_once(store, key, mine))
+    held = write_once(store, key, mine)
+    try:
+        holder = json.loads(held).get("run_id")
+    except (ValueError, AttributeError):
+        raise StorageError(f"{store.url}: object {key!r} is not a day's claim (edited?)") from None
     if holder == run_id:
         return
     if isinstance(holder, str) and started(holder):
         raise DayTaken(f"trade date {trade_date} is run {holder}'s: its notes are archived and may have been "
                        f"mailed, and a second run would mail them again; `rerun {holder}` goes on with it")
     store.put(key, mine)  # its holder never started: the date is this run's
-
-
-def holder(store: Store, trade_date: str) -> str | None:
-    """The run holding `trade_date` (None: no run claimed it)."""
-    key = keys.day_claim_key(trade_date)
-    return _holder(store, key, store.get(key)) if store.exists(key) else None
-
-
-def _holder(store: Store, key: str, held: bytes):
-    try:
-        return json.loads(held).get("run_id")
-    except (ValueError, AttributeError):
-        raise StorageError(f"{store.url}: object {key!r} is not a day's claim (edited?)") from None
