@@ -60,6 +60,7 @@ MAX_RERUN_ACCOUNTS = 100_000  # a request's named accounts; above it: 422
 ASKED_RETRIES = 1  # a request in a Redis outage is a 503 at once (the page asks again), not after the run's 30 s
 KEY_RECORD = ("token_key_id", "token_key_file", "secret")  # where a run's HMAC key is, as it recorded it
 KEY_KEPT_S = 300.0  # a run's key is read again after this: one deleted (rotated out after a leak) opens nothing after it
+OUTAGE_KEPT_S = 900.0  # while its record cannot be read, a run's key read before goes on until this long after
 NOTE_FETCHES = (20, 60.0)  # per client address: this many requests to /notes/ in this many seconds, then 429
 
 
@@ -280,7 +281,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         14 days, its links work 90). None for a run whose record has no key: a made-up name, a
         run from before keys were recorded, or one not yet recorded, asked about again. A key
         found is read again after KEY_KEPT_S: one deleted since is refused from then on; with
-        Redis or storage away meanwhile, the key read before goes on."""
+        Redis or storage away meanwhile, the key read before goes on, up to OUTAGE_KEPT_S."""
         kept = run_keys.get(run_id)
         if kept and time.monotonic() - kept[2] < KEY_KEPT_S:
             return kept[:2]
@@ -295,7 +296,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                     raise StorageError(f"{settings.store_url}: {e}") from None
                 found["date"] = found.get("trade_date")
         except (redis.exceptions.RedisError, StorageError) as e:
-            if not kept:
+            if not kept or time.monotonic() - kept[2] >= OUTAGE_KEPT_S:  # a record unreadable for good: not for ever
                 raise
             record_away(run_id, e, "the key read before goes on")
             return kept[:2]

@@ -254,7 +254,7 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     only that run's day: the note a link names is found by its date and account, and an old key
     (one that leaked, say) opened every later day's notes too. A key deleted is refused once
     it is read again (KEY_KEPT_S): before, it opened links until the service restarted; a key
-    due to be read again while storage fails goes on being used."""
+    due to be read again while storage fails goes on being used, for a while (OUTAGE_KEPT_S)."""
     import json
     import logging
 
@@ -302,6 +302,8 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
         report_at.unlink()
         report_at.mkdir()  # the service store's disk fails under the report (EISDIR, as EIO would be)
         through_outage = api.get(f"/notes/{signed(old_key, forgotten)}").status_code  # the key read before goes on
+        monkeypatch.setattr(service, "OUTAGE_KEPT_S", 0.0)  # as when the store has failed a quarter of an hour
+        past_outage = api.get(f"/notes/{signed(old_key, forgotten)}").status_code  # its key deleted meanwhile
         deleted = api.get(f"/notes/{signed(old_key, rotated)}").status_code
     assert opened.status_code == 200 and opened.content == b"%PDF-1.7 (the client's signed note)"
     assert refused == [404, 404] and unread == [404, 404] and other_day == 404
@@ -309,6 +311,7 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     assert later == [200, 404] and again == 200 and (before_record, after_record) == (404, 200)
     assert deleted == 404 and f"run {rotated.run_id}: its links cannot be checked" in caplog.text
     assert through_outage == 200 and f"run {forgotten.run_id}: its record cannot be read" in caplog.text
+    assert past_outage == 404, "a record unreadable for good does not keep a deleted key opening links"
 
 
 def test_a_client_s_link_opens_with_redis_away_as_it_did_before_runs_recorded_their_keys(tmp_path, keys_dir):
