@@ -367,6 +367,10 @@ def test_a_run_resumed_with_another_date_is_refused_naming_its_own(settings, day
         with pytest.raises(ConfigError, match=f"run {run_id} is trade date {TRADE_DATE}'s, not --date 2026-11-23's"):
             preflight(settings, RunRequest("2026-11-23", str(day), run_id=run_id), run_id)
         preflight(settings, RunRequest(TRADE_DATE, str(day), run_id=run_id), run_id)  # its own date: goes on
+    cut_short = "report-cut-short"  # its report edited: its date is not known, and the resume goes on
+    store.put(keys.report_keys(cut_short)[0], b'{"trade_date": "2026-')
+    store.put(keys.manifest_key(cut_short), b'{"shards": [0], "shard_count": 1}')
+    preflight(settings, RunRequest(TRADE_DATE, str(day), run_id=cut_short), cut_short)
 
 
 def test_a_run_that_died_before_its_split_wrote_anything_keeps_its_record_when_resumed_told(redis_url, settings):

@@ -542,8 +542,13 @@ def _of_its_date(settings: Settings, store: Store, run_id: str, trade_date: str)
 
 
 def _reported_date(store: Store, run_id: str) -> str | None:
+    """The date its report says; None for a report that cannot be read (edited, cut short): the
+    resume it would check does not need it, and writes it anew."""
     key = keys.report_keys(run_id)[0]
-    return read_json(store, key).get("trade_date") if store.exists(key) else None
+    try:
+        return read_json(store, key).get("trade_date") if store.exists(key) else None
+    except StorageError:
+        return None
 
 
 def _made_with_record(settings: Settings, state: RunState, manifest: SplitResult | None,
