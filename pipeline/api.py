@@ -350,19 +350,23 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     def note(token: str, request: Request):
         """The signed PDF, still encrypted with the client's PAN; the signed link is the only
         credential, and the fetch goes into the delivery log as proof of receipt. An expired,
-        altered or unknown link is 404, alike; too many tries from one address, 429."""
+        altered or unknown link is 404, alike; too many tries from one address, 429; storage not
+        answering (a folder's disk too), 503."""
         if not limit.allow(request.client.host if request.client else ""):
             raise HTTPException(429, "too many requests: try again in a minute", headers={"Retry-After": "60"})
         found = checked(token)
         pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
             else None
         store = store_of(found.run_id) if pdf_key else None  # the run's own, as its page reads it
-        shards = shard_count(store.url, found.run_id) if pdf_key else None
-        if not shards or not store.exists(pdf_key):
-            raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
-        pdf = store.get(pdf_key)
-        delivery_log.append(store, found.run_id, keys.shard_of(found.ucc, shards),
-                            [{"ucc": found.ucc, "status": "fetched", "at": time.time(), "bytes": len(pdf)}])
+        try:
+            shards = shard_count(store.url, found.run_id) if pdf_key else None
+            if not shards or not store.exists(pdf_key):
+                raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
+            pdf = store.get(pdf_key)
+            delivery_log.append(store, found.run_id, keys.shard_of(found.ucc, shards),
+                                [{"ucc": found.ucc, "status": "fetched", "at": time.time(), "bytes": len(pdf)}])
+        except OSError as e:  # a folder store's disk failing: storage unavailable (503), as S3's is
+            raise StorageError(f"{store.url}: {e}") from None
         return Response(pdf, media_type="application/pdf", headers={
             "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
             "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})

@@ -354,6 +354,23 @@ def test_a_client_s_link_opens_with_the_service_s_store_failing_under_a_run_redi
     assert f"run {run_id}: its record cannot be read" in caplog.text and "cannot be checked" not in caplog.text
 
 
+def test_a_client_s_link_is_503_not_500_when_a_folder_store_s_disk_fails_under_the_note(tmp_path, keys_dir):
+    """The note's own read failing in a folder store (an OSError, not a StorageError) is storage
+    unavailable, as on S3: 503, which a client's browser may try again. Before, a 500."""
+    from pipeline.embedded import free_port
+    from pipeline.mail import link
+    from pipeline.record.storage import open_store
+
+    settings = Settings(store_url=str(tmp_path / "store"), redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                        token_key_file=str(keys_dir / "token.key"))
+    store, run_id = open_store(settings.store_url), f"{TRADE_DATE}-note-disk"
+    store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
+    (tmp_path / "store" / keys.signed_pdf_key(TRADE_DATE, "C0000003")).mkdir(parents=True)  # read: EISDIR, as EIO
+    with TestClient(create_app(settings, launch=lambda *args: 0), raise_server_exceptions=False) as api:
+        note = api.get(f"/notes/{link.make(settings.hmac_key(), run_id, 'C0000003', TRADE_DATE, 3600)}")
+    assert note.status_code == 503, note.text
+
+
 def test_unknown_runs_and_accounts_are_404_and_bad_queries_422_never_500(client, api_run):
     _, summary, _, _ = api_run
     run = summary["run_id"]
