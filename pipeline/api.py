@@ -49,7 +49,7 @@ from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
-from pipeline.record.storage import StorageError, Store, open_store, read_json
+from pipeline.record.storage import StorageError, Store, open_store
 from pipeline.settings import ROOT, ConfigError, Settings, key_id
 
 log = logging.getLogger("pipeline.api")
@@ -290,8 +290,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                                                                               "date")))
             if not any(found[k] for k in KEY_RECORD):
                 try:
-                    report, key_at = open_store(settings.store_url), keys.report_keys(run_id)[0]
-                    found = read_json(report, key_at) if report.exists(key_at) else {}
+                    found = stored.report(run_id) or {}
                 except OSError as e:  # a folder store's disk: an outage, as S3's is
                     raise StorageError(f"{settings.store_url}: {e}") from None
                 found["date"] = found.get("trade_date")

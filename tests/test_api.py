@@ -279,7 +279,7 @@ def test_a_run_s_links_open_after_the_service_s_key_was_rotated_and_no_other_key
     forgotten = closed_run(redis_url)  # Redis has forgotten it (14 days); its record, in the service's store, has not
     service_store = open_store(settings.store_url)
     service_store.put(keys.report_keys(forgotten.run_id)[0], json.dumps(
-        {"run_id": forgotten.run_id, "trade_date": TRADE_DATE, "token_key_file": str(tmp_path / "old.key"),
+        {"run_id": forgotten.run_id, "trade_date": TRADE_DATE, "accounts": 3, "token_key_file": str(tmp_path / "old.key"),
          "token_key_id": key_id(old_key)}).encode())
     service_store.put(keys.manifest_key(forgotten.run_id), b'{"shards": [0], "shard_count": 1}')
     service_store.put(keys.signed_pdf_key(TRADE_DATE, "C0000003"), b"%PDF-1.7 (the client's signed note)")

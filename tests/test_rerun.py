@@ -361,7 +361,7 @@ def test_a_run_resumed_with_another_date_is_refused_naming_its_own(settings, day
     store = open_store(settings.store_url)
     in_redis, reported, by_its_id = f"{TRADE_DATE}-dated", "resumed-by-hand", f"{TRADE_DATE}-0123abcd"
     RunState.of(settings, in_redis).start({"date": TRADE_DATE, "input": str(day)})
-    store.put(keys.report_keys(reported)[0], json.dumps({"trade_date": TRADE_DATE}).encode())  # Redis forgot it
+    store.put(keys.report_keys(reported)[0], json.dumps({"trade_date": TRADE_DATE, "accounts": 1}).encode())  # Redis forgot it
     for run_id in (in_redis, reported, by_its_id):  # each began: its split's manifest is in storage
         store.put(keys.manifest_key(run_id), b'{"shards": [0], "shard_count": 1}')
         with pytest.raises(ConfigError, match=f"run {run_id} is trade date {TRADE_DATE}'s, not --date 2026-11-23's"):

@@ -53,7 +53,7 @@ from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
-from pipeline.record.storage import StorageError, Store, check_create_only, open_store, read_json, tell
+from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
@@ -546,7 +546,7 @@ def _reported_date(store: Store, run_id: str) -> str | None:
     resume it would check does not need it, and writes it anew."""
     key = keys.report_keys(run_id)[0]
     try:
-        return read_json(store, key).get("trade_date") if store.exists(key) else None
+        return report.read_report(store, key)["trade_date"] if store.exists(key) else None
     except StorageError:
         return None
 
