@@ -289,10 +289,7 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             found = dict(zip((*KEY_RECORD, "date"), state_of(run_id).r.hmget(keys.run_meta(run_id), *KEY_RECORD,
                                                                               "date")))
             if not any(found[k] for k in KEY_RECORD):
-                try:
-                    found = stored.report(run_id) or {}
-                except OSError as e:  # a folder store's disk: an outage, as S3's is
-                    raise StorageError(f"{settings.store_url}: {e}") from None
+                found = stored.report(run_id) or {}
                 found["date"] = found.get("trade_date")
         except (redis.exceptions.RedisError, StorageError) as e:
             if not kept or time.monotonic() - kept[2] >= OUTAGE_KEPT_S:  # a record unreadable for good: not for ever
@@ -357,15 +354,12 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         pdf_key = keys.signed_pdf_key(found.trade_date, found.ucc) if found and keys.RUN_ID.match(found.run_id) \
             else None
         store = store_of(found.run_id) if pdf_key else None  # the run's own, as its page reads it
-        try:
-            shards = shard_count(store.url, found.run_id) if pdf_key else None
-            if not shards or not store.exists(pdf_key):
-                raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
-            pdf = store.get(pdf_key)
-            delivery_log.append(store, found.run_id, keys.shard_of(found.ucc, shards),
-                                [{"ucc": found.ucc, "status": "fetched", "at": time.time(), "bytes": len(pdf)}])
-        except OSError as e:  # a folder store's disk failing: storage unavailable (503), as S3's is
-            raise StorageError(f"{store.url}: {e}") from None
+        shards = shard_count(store.url, found.run_id) if pdf_key else None
+        if not shards or not store.exists(pdf_key):
+            raise HTTPException(404, "no such note")  # the same whatever was wrong: a link reveals nothing
+        pdf = store.get(pdf_key)
+        delivery_log.append(store, found.run_id, keys.shard_of(found.ucc, shards),
+                            [{"ucc": found.ucc, "status": "fetched", "at": time.time(), "bytes": len(pdf)}])
         return Response(pdf, media_type="application/pdf", headers={
             "Content-Disposition": f'attachment; filename="{attachment_name(found.ucc, found.trade_date)}"',
             "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})

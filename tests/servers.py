@@ -530,6 +530,9 @@ class DelayingProxy:
         self.listen.unlink(missing_ok=True)
 
 
+INTERNAL_ERROR = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
+
+
 class S3Between:
     """An HTTP proxy in front of the S3 server, passing each request on as it came (its Host
     header too: the signature covers it), that can answer the first `throttle` requests with 503
@@ -537,7 +540,8 @@ class S3Between:
     and close the connection instead of replying. `faults` fails the PUTs of chosen keys (by how
     the key ends): "refuse" answers each with 500 InternalError and passes none on (the store's
     retries meet it every time, until the test takes the fault away); "lose" passes the first on
-    and closes the connection instead of its reply. `passed(key)` is called once a PUT of `key`
+    and closes the connection instead of its reply; "refuse gets" answers the key's GETs, not its
+    PUTs, with 500 InternalError. `passed(key)` is called once a PUT of `key`
     was stored and answered: a test's moment to fail another dependency there; `arriving(key,
     body)` before a PUT is passed on: another writer's moment to get there first. `put_keys`
     lists the key of every PUT that reached the server, in order."""
@@ -556,6 +560,8 @@ class S3Between:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
+                if proxy.fault(self._key()) == "refuse gets":
+                    return self._answer(500, {"Content-Type": "application/xml"}, INTERNAL_ERROR)
                 self._pass_on(b"")
 
             def do_HEAD(self):
@@ -572,8 +578,7 @@ class S3Between:
                     error = b"<Error><Code>RequestTimeout</Code><Message>Your socket connection to the server was not read from or written to within the timeout period.</Message></Error>"
                     return self._answer(400, {"Content-Type": "application/xml"}, error)
                 if fault == "refuse":
-                    error = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
-                    return self._answer(500, {"Content-Type": "application/xml"}, error)
+                    return self._answer(500, {"Content-Type": "application/xml"}, INTERNAL_ERROR)
                 if proxy.arriving:
                     proxy.arriving(self._key(), body)
                 self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body, lost=fault == "lose")

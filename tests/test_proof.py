@@ -438,6 +438,38 @@ def test_verify_on_s3_holds_the_archive_to_the_log_by_its_listing_and_reads_only
     assert notes_read == [key], notes_read
 
 
+def test_a_note_s3_fails_to_give_is_not_called_removed_verify_could_not_run_exit_2(
+        ray_session, settings, day, s3_bucket, s3_endpoint, monkeypatch, capsys):
+    """Not read is not removed. A note whose listing gives no MD5 (S3 rewrote it in parts, as a
+    replication or a copy does) is read; S3 failing that read (500, its retries spent) stops
+    verify as a command that could not run (exit 2), which a script runs again. Before, any
+    storage error on the read was taken for the note's absence: "removed from the archive after
+    it was mailed", exit 1, the record read as tampered."""
+    on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
+    run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
+    store = open_store(on_s3.store_url)
+    mailed = sorted(e["ucc"] for e in delivery_log.entries(store, run_id) if e["status"] == "delivered")
+    key = keys.signed_pdf_key(TRADE_DATE, mailed[0])
+    s3c, where = boto3.client("s3"), {"Bucket": s3_bucket, "Key": f"record/{key}"}
+    upload = s3c.create_multipart_upload(**where, Metadata=s3c.head_object(**where)["Metadata"])["UploadId"]
+    part = s3c.upload_part(**where, PartNumber=1, UploadId=upload, Body=store.get(key))["ETag"]
+    s3c.complete_multipart_upload(**where, UploadId=upload, MultipartUpload={"Parts": [{"ETag": part, "PartNumber": 1}]})
+    assert dict(store.md5s(keys.signed_pdf_prefix(TRADE_DATE, keys.partition(mailed[0]))))[key] == ""
+    assert verify(store, run_id)["ok"], "read, it is the note mailed"
+    proxy = servers.S3Between(s3_endpoint, faults={key: "refuse gets"})
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        with pytest.raises(StorageError, match=f"cannot read '{key}': InternalError"):
+            verify(open_store(on_s3.store_url), run_id)
+        monkeypatch.setenv("REDIS_URL", settings.redis_url)
+        assert main(["verify", run_id, "--store", on_s3.store_url]) == 2
+        said = capsys.readouterr().err
+        assert f"cannot read '{key}': InternalError" in said and "removed" not in said, said
+    finally:
+        proxy.stop()
+
+
 class _EndsElsewhere(FolderStore):
     """A folder store that ends, at its first read, any process but the one that made it."""
 

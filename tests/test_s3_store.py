@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from pipeline.record import delivery_log, s3
-from pipeline.record.storage import StorageError, open_store, tell, write_once
+from pipeline.record.storage import NoObject, StorageError, open_store, tell, write_once
 from pipeline.settings import Settings
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_chain, start_versitygw
 
@@ -48,6 +48,28 @@ def test_a_get_reads_awkward_keys_under_a_prefix_and_names_a_missing_one(s3_buck
     with pytest.raises(StorageError, match="cannot read '0/none': NoSuchKey"):
         store.get("0/none")
     assert not store.exists("0/none")
+
+
+@pytest.mark.parametrize("where", ["s3", "folder"])
+def test_a_missing_object_is_no_object_and_a_failing_read_is_not(s3_bucket, tmp_path, where, between, monkeypatch):
+    """What a reader of the record tells apart (verify: "removed" or could not run): the store
+    answering that no object has the key, and the store failing to answer (S3's 500, a disk's
+    error; here a directory where the file is, as EIO would fail it)."""
+    store = open_store(f"s3://{s3_bucket}/kinds" if where == "s3" else str(tmp_path))
+    store.put("0/here", b"a note")
+    for missing in (lambda: store.get("0/none"), lambda: store.size("0/none"), lambda: list(store.lines("0/none"))):
+        with pytest.raises(NoObject):
+            missing()
+    if where == "s3":
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        between(faults={"0/here": "refuse gets"})
+        store = open_store(f"s3://{s3_bucket}/kinds")
+    else:
+        (tmp_path / "0" / "here").unlink()
+        (tmp_path / "0" / "here").mkdir()
+    with pytest.raises(StorageError, match="cannot read '0/here'") as failed:
+        store.get("0/here")
+    assert not isinstance(failed.value, NoObject)
 
 
 @pytest.mark.parametrize("where", ["s3", "folder"])

@@ -53,7 +53,7 @@ from pipeline.record.records import Outcome, rejected_at_validation
 from pipeline.record.rates import RedisBuckets
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import final_status
-from pipeline.record.storage import StorageError, Store, check_create_only, open_store, tell
+from pipeline.record.storage import NoObject, StorageError, Store, check_create_only, open_store, tell
 from pipeline.seal.signer import Signer
 from pipeline.settings import ROOT, ConfigError, Settings, parse_smtp_url
 from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, load_shard, render_stage,
@@ -820,7 +820,7 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
     try:
         uccs = [a["ucc"] for a in load_shard(open_store(settings.store_url, run=settings), run_id, shard)]
         uccs = uccs[part[0]:part[1]] if part else uccs
-    except StorageError:  # never written: its split task failed, and the run stops with that error
+    except NoObject:  # never written: its split task failed, and the run stops with that error
         return _no_notes()
     return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason, rerun)
 

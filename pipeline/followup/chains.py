@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from pipeline.record import delivery_log
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import NoObject, StorageError, Store
 
 
 @dataclass(slots=True)
@@ -135,6 +135,10 @@ def _links_elsewhere(store: Store, rest: list[str], sha: str) -> bool:
     if not rest:
         return False
     try:
-        return delivery_log.chain_header(store, rest[0], store.get(rest[0]))["prev"] != sha
-    except StorageError:
+        data = store.get(rest[0])
+    except NoObject:
+        return True
+    try:
+        return delivery_log.chain_header(store, rest[0], data)["prev"] != sha
+    except StorageError:  # it has no chain header
         return True

@@ -28,7 +28,7 @@ from contextlib import closing
 from typing import Iterator
 
 from pipeline.record import delivery_log, keys, spread
-from pipeline.record.storage import StorageError, Store
+from pipeline.record.storage import NoObject, StorageError, Store
 
 PROVES = ("sending", "delivered")  # the entries that name the bytes attached
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -59,7 +59,7 @@ def shard_notes(store: Store, shard: int, trade_date: str, found: list[str]) -> 
             continue  # the one note mailed is the one the archive lists
         try:
             archived = hashlib.sha256(store.get(key)).hexdigest()
-        except StorageError:
+        except NoObject:  # not read (S3 or a disk failing) is not this: verify cannot run, exit 2
             archived = ""
         for sha, where in hashes.items():
             if sha != archived:
@@ -102,6 +102,10 @@ def _mailed(store: Store, found: list[str]) -> dict[str, tuple[dict[str, str], s
 
 def _entries(store: Store, key: str) -> Iterator[dict]:
     try:
-        yield from list(delivery_log.parse(store, key, store.get(key).decode("utf-8", "surrogateescape").splitlines()))
-    except StorageError:
+        data = store.get(key)
+    except NoObject:  # gone since it was listed: the chain walk names it
+        return
+    try:
+        yield from list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
+    except StorageError:  # not a log object: the chain walk names it
         return

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Protocol, TypeVar
 
@@ -44,6 +45,12 @@ BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 class StorageError(CannotRun, RuntimeError):
     pass
+
+
+class NoObject(StorageError):
+    """The store answered that no object has the key. Anything else a read meets (a disk or S3
+    failing) is a plain StorageError: not read is not "not there", and a reader of the record
+    (verify) must never report an object removed because it could not read it."""
 
 
 def inside(store_url: str, key: str) -> str:
@@ -160,6 +167,17 @@ class FolderStore:
     def _path(self, key: str) -> Path:
         return self.root / inside(self.url, key)
 
+    @contextmanager
+    def _disk(self, doing: str, key: str) -> Iterator[None]:
+        """The folder's OSErrors as the store's own: on a read, a missing file is NoObject; any
+        other (a disk failing, a file system gone) is a StorageError, an outage as S3's is."""
+        try:
+            yield
+        except OSError as e:
+            if doing == "read" and isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                raise NoObject(f"{self.url}: no object {key!r}") from None
+            raise StorageError(f"{self.url}: cannot {doing} {key!r}: {e.strerror or e}") from None
+
     def _staged(self, key: str, data: bytes) -> tuple[Path, str]:
         """The object's path, and a temporary file beside it holding `data`."""
         path = self._path(key)
@@ -171,79 +189,78 @@ class FolderStore:
 
     def put(self, key: str, data: bytes) -> None:
         """Write to a temporary file and rename: a reader never sees half a PDF."""
-        path, tmp = self._staged(key, data)
-        os.replace(tmp, path)
+        with self._disk("write", key):
+            path, tmp = self._staged(key, data)
+            os.replace(tmp, path)
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Writes only if no object has the key (a hard link does not replace); False if one has."""
-        path, tmp = self._staged(key, data)
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        with self._disk("write", key):
+            path, tmp = self._staged(key, data)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
-        try:
+        with self._disk("read", key):
             return self._path(key).read_bytes()
-        except FileNotFoundError:
-            raise StorageError(f"{self.url}: no object {key!r}") from None
 
     def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        with self._disk("read", key):
+            return self._path(key).exists()
 
     def size(self, key: str) -> int:
-        try:
+        with self._disk("read", key):
             return self._path(key).stat().st_size
-        except FileNotFoundError:
-            raise StorageError(f"{self.url}: no object {key!r}") from None
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes start..end-1 (fewer at the end of the object)."""
-        with self._path(key).open("rb") as f:
+        with self._disk("read", key), self._path(key).open("rb") as f:
             f.seek(start)
             return f.read(max(0, end - start))
 
     def stream_range(self, key: str, start: int, end: int, chunk: int) -> Iterator[bytes]:
         """Bytes start..end-1, `chunk` at a time."""
-        with self._path(key).open("rb") as f:
+        with self._disk("read", key), self._path(key).open("rb") as f:
             f.seek(start)
             while start < end and (data := f.read(min(chunk, end - start))):
                 start += len(data)
                 yield data
 
     def put_file(self, key: str, path: str) -> None:
-        path_to = self._path(key)
-        path_to.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path_to.parent, prefix=".tmp-")
-        os.close(fd)
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, path_to)
+        with self._disk("write", key):
+            path_to = self._path(key)
+            path_to.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path_to.parent, prefix=".tmp-")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, path_to)
 
     def keys(self, prefix: str, after: str = "") -> Iterator[str]:
         """The keys under a folder-like prefix (ending in '/'), in order; those after `after` only."""
         folder = self._path(prefix)
-        if folder.is_dir():
-            for path in sorted(folder.rglob("*")):
-                key = path.relative_to(self.root).as_posix()
-                if path.is_file() and not path.name.startswith(".tmp-") and key > after:
-                    yield key
+        with self._disk("list", prefix):
+            if folder.is_dir():
+                for path in sorted(folder.rglob("*")):
+                    key = path.relative_to(self.root).as_posix()
+                    if path.is_file() and not path.name.startswith(".tmp-") and key > after:
+                        yield key
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
         """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
         for key in self.keys(prefix):
-            yield key, hashlib.md5(self._path(key).read_bytes()).hexdigest()
+            yield key, hashlib.md5(self.get(key)).hexdigest()
 
     def lines(self, key: str) -> Iterator[str]:
         """Bytes that are not UTF-8 come through as surrogates, for the row check to name;
         a byte-order mark (what Excel writes) is dropped."""
-        try:
-            with self._path(key).open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
-                yield from f
-        except FileNotFoundError:
-            raise StorageError(f"{self.url}: no object {key!r}") from None
+        with self._disk("read", key), \
+                self._path(key).open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+            yield from f
 
 
 def _whole(got) -> tuple[bytes, dict]:
@@ -327,7 +344,8 @@ class S3Store:
                 raise StorageError(f"{self.url}: {s3.reason(e)}") from None
 
     def _failed(self, doing: str, key: str, e: Exception) -> StorageError:
-        return StorageError(f"{self.url}: cannot {doing} {key!r}: {e if isinstance(e, StoreOut) else s3.reason(e)}")
+        said = str(e) if isinstance(e, StoreOut) else s3.reason(e)
+        return (NoObject if said == "NoSuchKey" else StorageError)(f"{self.url}: cannot {doing} {key!r}: {said}")
 
     def put(self, key: str, data: bytes) -> None:
         import obstore
