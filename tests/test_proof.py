@@ -470,6 +470,38 @@ def test_a_note_s3_fails_to_give_is_not_called_removed_verify_could_not_run_exit
         proxy.stop()
 
 
+def test_an_object_changed_in_the_bucket_with_its_metadata_kept_is_changed_exit_1_not_a_failed_read(
+        ray_session, settings, day, s3_bucket, monkeypatch, capsys):
+    """An editor that keeps an object's metadata (many S3 tools do) leaves its writer's CRC32
+    on other bytes. Read twice (a transfer gone wrong is not the object), the object is changed:
+    a note, "differs from what was mailed"; a delivery-log object, "changed"; both exit 1. Before,
+    the CRC32 refusal was a failed read: verify stopped, exit 2, and a script that runs it again
+    on 2 never heard of the edit."""
+    on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
+    run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
+    store, s3c = open_store(on_s3.store_url), boto3.client("s3")
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+
+    def edited(key: str, old: bytes, new: bytes) -> None:
+        where = {"Bucket": s3_bucket, "Key": f"record/{key}"}
+        kept = s3c.head_object(**where)["Metadata"]
+        s3c.put_object(**where, Body=store.get(key).replace(old, new, 1), Metadata=kept)
+        assert s3c.head_object(**where)["Metadata"] == kept
+
+    mailed = sorted(e["ucc"] for e in delivery_log.entries(store, run_id) if e["status"] == "delivered")
+    note = keys.signed_pdf_key(TRADE_DATE, mailed[0])
+    edited(note, b"%%EOF", b"%%EOF\n% signed again")
+    found = verify(store, run_id)
+    assert found["first_problem"].startswith(f"{note}: differs from what was mailed"), found
+    assert main(["verify", run_id, "--store", on_s3.store_url]) == 1
+    log_object = delivery_log.run_chain_keys(store, run_id)[0][-1]
+    edited(log_object, b'"at":1', b'"at":2')
+    found = verify(store, run_id)
+    assert found["first_problem"] == f"{log_object}: changed (not as it was written: its CRC32 is not its writer's)"
+    assert main(["verify", run_id, "--store", on_s3.store_url]) == 1
+    assert "changed (not as it was written" in capsys.readouterr().err
+
+
 class _EndsElsewhere(FolderStore):
     """A folder store that ends, at its first read, any process but the one that made it."""
 

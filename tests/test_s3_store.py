@@ -5,10 +5,14 @@ botocore did for the store (retries, error codes, checksums, a lost reply settle
 import dataclasses
 import logging
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import boto3
@@ -16,7 +20,7 @@ import pytest
 
 from pipeline.record import delivery_log, s3
 from pipeline.record.storage import NoObject, StorageError, open_store, tell, write_once
-from pipeline.settings import Settings
+from pipeline.settings import ROOT, Settings
 from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, make_tls_chain, start_versitygw
 
 QUICK = {"init_backoff": timedelta(milliseconds=1), "max_backoff": timedelta(milliseconds=5), "base": 2}
@@ -70,6 +74,27 @@ def test_a_missing_object_is_no_object_and_a_failing_read_is_not(s3_bucket, tmp_
     with pytest.raises(StorageError, match="cannot read '0/here'") as failed:
         store.get("0/here")
     assert not isinstance(failed.value, NoObject)
+
+
+def test_a_folder_it_cannot_read_fails_a_listing_never_shortens_it():
+    """A delivery-log folder the service's user cannot read (a store kept by another user, NFS
+    with root squashed) is a failed listing: before, Path.rglob passed over it in silence, and
+    verify read that shard's chain as removed, or its entries as never written. Listed as
+    nobody (uid 65534): root reads every folder."""
+    with tempfile.TemporaryDirectory(prefix="cn-listing-") as top:  # under /tmp: pytest's folders are root's alone
+        root = Path(top, "store")
+        for shard in (0, 1):
+            (root / "3-delivery-log" / f"shard-{shard}").mkdir(parents=True)
+            (root / "3-delivery-log" / f"shard-{shard}" / "000001.jsonl").write_text("{}\n")
+        for folder in (Path(top), root, root / "3-delivery-log", root / "3-delivery-log" / "shard-0"):
+            folder.chmod(0o755)
+        (root / "3-delivery-log" / "shard-1").chmod(0)
+        listing = "from pipeline.record.storage import open_store; print(list(open_store(sys.argv[1]).keys('3-delivery-log/')))"
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                               f"import sys; sys.path.insert(0, {str(ROOT)!r}); {listing}", str(root)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "StorageError" in done.stderr and "Permission denied" in done.stderr, \
+        (done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("where", ["s3", "folder"])

@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from pipeline.record import delivery_log
-from pipeline.record.storage import NoObject, StorageError, Store
+from pipeline.record.storage import NoObject, NotAsWritten, StorageError, Store
 
 
 @dataclass(slots=True)
@@ -70,7 +70,11 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
             chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
                             f"{prev_key or 'its start'} to {key})"
             return chain
-        data = store.get(key)
+        try:
+            data = store.get(key)
+        except NotAsWritten:
+            chain.problem = f"{key}: changed (not as it was written: its CRC32 is not its writer's)"
+            return chain
         sha = hashlib.sha256(data).hexdigest()
         chain.objects = n
         if sealed is not None and n <= len(sealed) and sha != sealed[i]:
@@ -136,7 +140,7 @@ def _links_elsewhere(store: Store, rest: list[str], sha: str) -> bool:
         return False
     try:
         data = store.get(rest[0])
-    except NoObject:
+    except (NoObject, NotAsWritten):
         return True
     try:
         return delivery_log.chain_header(store, rest[0], data)["prev"] != sha

@@ -28,7 +28,7 @@ from contextlib import closing
 from typing import Iterator
 
 from pipeline.record import delivery_log, keys, spread
-from pipeline.record.storage import NoObject, StorageError, Store
+from pipeline.record.storage import NoObject, NotAsWritten, StorageError, Store
 
 PROVES = ("sending", "delivered")  # the entries that name the bytes attached
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -59,6 +59,8 @@ def shard_notes(store: Store, shard: int, trade_date: str, found: list[str]) -> 
             continue  # the one note mailed is the one the archive lists
         try:
             archived = hashlib.sha256(store.get(key)).hexdigest()
+        except NotAsWritten:  # changed in the bucket, its metadata kept
+            archived = "not as written"
         except NoObject:  # not read (S3 or a disk failing) is not this: verify cannot run, exit 2
             archived = ""
         for sha, where in hashes.items():
@@ -103,7 +105,7 @@ def _mailed(store: Store, found: list[str]) -> dict[str, tuple[dict[str, str], s
 def _entries(store: Store, key: str) -> Iterator[dict]:
     try:
         data = store.get(key)
-    except NoObject:  # gone since it was listed: the chain walk names it
+    except (NoObject, NotAsWritten):  # gone since it was listed, or changed: the chain walk names it
         return
     try:
         yield from list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))

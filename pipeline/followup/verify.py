@@ -34,7 +34,7 @@ from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
 from pipeline.record.report import read_report
-from pipeline.record.storage import Store, sha256
+from pipeline.record.storage import NotAsWritten, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError
 
@@ -42,6 +42,16 @@ MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status 
 
 
 def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pem: bytes | None = None) -> dict:
+    try:
+        return _verified(store, run_id, cert_pem, tsa_cert_pem)
+    except NotAsWritten as e:  # read twice, so no failed read: an object of the record changed (exit 1), never exit 2
+        problem = f"{e.key}: changed (not as it was written: its CRC32 is not its writer's)"
+        return {"run_id": run_id, "sealed": False, "signed_by": "", "timestamp": {}, "shards": None, "log_objects": None,
+                "added_after_seal": None, "ok": False, "summary": f"run {run_id}: {problem}", "first_problem": problem,
+                "problems": [problem]}
+
+
+def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: bytes | None) -> dict:
     split = load_manifest(store, run_id)
     if split is None:
         raise RunNotFound(f"no run {run_id!r} in {store.url}")

@@ -10,6 +10,7 @@ production: S3 partitions by the leading characters of the key.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -45,6 +46,20 @@ BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 
 class StorageError(CannotRun, RuntimeError):
     pass
+
+
+class NotAsWritten(StorageError):
+    """The store gave an object whose bytes are not those its writer recorded (S3's CRC32 in its
+    metadata), twice: changed in place, its metadata kept. Not a failed read: a reader of the
+    record counts the object changed."""
+
+    def __init__(self, url: str, key: str):
+        super().__init__(f"{url}: object {key!r} is not as it was written (its CRC32 is not its writer's): changed "
+                         "in the bucket")
+        self.url, self.key = url, key
+
+    def __reduce__(self):
+        return NotAsWritten, (self.url, self.key)
 
 
 class NoObject(StorageError):
@@ -202,6 +217,11 @@ class FolderStore:
                 return True
             except FileExistsError:
                 return False
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):  # a file system without them
+                    raise StorageError(f"storage {self.url} does not support create-only writes (hard links): "
+                                       f"{e.strerror}; the delivery log needs them") from None
+                raise
             finally:
                 os.unlink(tmp)
 
@@ -244,8 +264,9 @@ class FolderStore:
         """The keys under a folder-like prefix (ending in '/'), in order; those after `after` only."""
         folder = self._path(prefix)
         with self._disk("list", prefix):
-            if folder.is_dir():
-                for path in sorted(folder.rglob("*")):
+            if folder.is_dir():  # os.walk told to raise: Path.rglob passes over a folder it cannot read
+                found = [Path(top, name) for top, _, names in os.walk(folder, onerror=_raise) for name in names]
+                for path in sorted(found):
                     key = path.relative_to(self.root).as_posix()
                     if path.is_file() and not path.name.startswith(".tmp-") and key > after:
                         yield key
@@ -261,6 +282,10 @@ class FolderStore:
         with self._disk("read", key), \
                 self._path(key).open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
             yield from f
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _whole(got) -> tuple[bytes, dict]:
@@ -378,15 +403,19 @@ class S3Store:
             raise self._failed("write", key, e) from None
 
     def get(self, key: str) -> bytes:
-        """The whole object, held to the CRC32 it was written with: the record's readers make
-        tens of thousands of these."""
+        """The whole object, held to the CRC32 it was written with (read twice before it is
+        refused: a transfer gone wrong is not the object): the record's readers make tens of
+        thousands of these."""
         import obstore
 
         try:
-            data, attributes = self._held(lambda: _whole(obstore.get(self.objects, inside(self.url, key))))
-            return s3.checked(data, attributes)
+            for _ in range(2):
+                data, attributes = self._held(lambda: _whole(obstore.get(self.objects, inside(self.url, key))))
+                if s3.intact(data, attributes):
+                    return data
         except Exception as e:
             raise self._failed("read", key, e) from None
+        raise NotAsWritten(self.url, key)
 
     def size(self, key: str) -> int:
         import obstore
@@ -489,5 +518,8 @@ class S3Store:
                                 .stream(min_chunk_size=1 << 20)))
         except Exception as e:
             raise self._failed("read", key, e) from None
-        yield from io.TextIOWrapper(io.BufferedReader(body, 1 << 20), encoding="utf-8-sig",
-                                    errors="surrogateescape", newline="")
+        try:  # a body cut short past the client's own resumes is a failed read too, never a traceback
+            yield from io.TextIOWrapper(io.BufferedReader(body, 1 << 20), encoding="utf-8-sig",
+                                        errors="surrogateescape", newline="")
+        except Exception as e:
+            raise self._failed("read", key, e) from None
