@@ -474,9 +474,9 @@ def test_an_object_changed_in_the_bucket_with_its_metadata_kept_is_changed_exit_
         ray_session, settings, day, s3_bucket, monkeypatch, capsys):
     """An editor that keeps an object's metadata (many S3 tools do) leaves its writer's CRC32
     on other bytes. Read twice (a transfer gone wrong is not the object), the object is changed:
-    a note, "differs from what was mailed"; a delivery-log object, "changed"; both exit 1. Before,
-    the CRC32 refusal was a failed read: verify stopped, exit 2, and a script that runs it again
-    on 2 never heard of the edit."""
+    a note, "differs from what was mailed"; a delivery-log object or the report (read first when
+    Redis forgot the run), "changed"; each exit 1. Before, the CRC32 refusal was a failed read:
+    verify stopped, exit 2, and a script that runs it again on 2 never heard of the edit."""
     on_s3 = settings.__class__(**{**settings.__dict__, "store_url": f"s3://{s3_bucket}/record"})
     run_id = run_day(on_s3, RunRequest(TRADE_DATE, str(day)))["run_id"]
     store, s3c = open_store(on_s3.store_url), boto3.client("s3")
@@ -500,6 +500,11 @@ def test_an_object_changed_in_the_bucket_with_its_metadata_kept_is_changed_exit_
     assert found["first_problem"] == f"{log_object}: changed (not as it was written: its CRC32 is not its writer's)"
     assert main(["verify", run_id, "--store", on_s3.store_url]) == 1
     assert "changed (not as it was written" in capsys.readouterr().err
+    report_key = keys.report_keys(run_id)[0]
+    edited(report_key, b"}", b"} ")
+    monkeypatch.setenv("REDIS_URL", settings.redis_url.rsplit("/", 1)[0] + "/13")  # a Redis that forgot the run:
+    assert main(["verify", run_id, "--store", on_s3.store_url]) == 1  # the run located by its report
+    assert f"{report_key}: changed (not as it was written" in capsys.readouterr().err
 
 
 class _EndsElsewhere(FolderStore):

@@ -23,7 +23,7 @@ from pipeline.errors import RunNotFound
 from pipeline.record import keys, made_with
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState
-from pipeline.record.storage import Store, check_create_only, open_store
+from pipeline.record.storage import NotAsWritten, Store, check_create_only, open_store
 from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
 
@@ -81,7 +81,12 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
         elsewhere = f"; the run recorded {own}" if own and own != url else ""
         raise RunNotFound(f"no run {run_id!r} in {url} (no manifest or report there){elsewhere}"
                           + ("" if meta else "; Redis does not hold it either"))
-    found = meta if meta else read_report(store, keys.report_keys(run_id)[0]) if report else {}
+    try:
+        found = meta if meta else read_report(store, keys.report_keys(run_id)[0]) if report else {}
+    except NotAsWritten:
+        if writes:
+            raise
+        found = {}  # changed in the bucket: a command that only reads (verify) names it as changed
     if not meta and found.get("store_url") and found["store_url"] != url:
         source += f"; a copy of the run's record (it recorded {found['store_url']})"
     if writes:
