@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import boto3
@@ -520,6 +521,26 @@ class _EndsElsewhere(FolderStore):
         return super().get(key)
 
 
+class _Unmade(Exception):
+    """An error pickle cannot make again: its class takes two arguments, its args hold one."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what}: {why}")
+
+
+class _RaisesElsewhere(FolderStore):
+    """A folder store whose reads raise _Unmade in any process but the one that made it."""
+
+    def __init__(self, root: str, home: int):
+        super().__init__(root)
+        self.home = home
+
+    def get(self, key: str) -> bytes:
+        if os.getpid() != self.home:
+            raise _Unmade(key, "refused")
+        return super().get(key)
+
+
 def _size(store, key: str) -> int:
     return len(store.get(key))
 
@@ -555,3 +576,24 @@ def test_a_process_that_ends_mid_slice_fails_the_command_naming_it_not_hanging(t
         list(_spread_over(_EndsElsewhere(str(tmp_path), os.getpid())))
     assert _children() - before == set()
 
+
+
+def test_an_error_a_spread_process_answers_with_that_cannot_be_made_again_fails_the_command_not_hanging(
+        tmp_path, monkeypatch):
+    """Before, the answer's unpickling raised in the reader thread, which ended: the slices it
+    was to answer waited for ever, and so did the command."""
+    monkeypatch.setattr(spread, "FROM_JOBS", 1)
+    before, outcome = _children(), []
+
+    def read() -> None:
+        try:
+            list(_spread_over(_RaisesElsewhere(str(tmp_path), os.getpid())))
+        except StorageError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the command hangs"
+    assert outcome and "cannot read: TypeError" in outcome[0], outcome
+    assert _children() - before == set()

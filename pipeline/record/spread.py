@@ -87,6 +87,9 @@ class _Process:
                 ok, value = self.conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # read whole, but not made again here (an error whose class needs other arguments)
+                ok, value = False, StorageError(f"a process this command spread its reads over answered with what "
+                                                f"this one cannot read: {type(e).__name__}: {e}")
             with self.lock:
                 done = self.waiting.popleft()
             done.set_result(value) if ok else done.set_exception(value)
