@@ -503,6 +503,9 @@ def test_an_object_changed_in_the_bucket_with_its_metadata_kept_is_changed_exit_
     assert "changed (not as it was written" in capsys.readouterr().err
     report_key = keys.report_keys(run_id)[0]
     edited(report_key, b"}", b"} ")
+    found = verify(store, run_id)  # the rest of the record checked too, as for a run with no report
+    assert found["problems"][:2] == [f"{report_key}: changed (not as it was written: its CRC32 is not its writer's)",
+                                     f"{log_object}: changed (not as it was written: its CRC32 is not its writer's)"]
     monkeypatch.setenv("REDIS_URL", settings.redis_url.rsplit("/", 1)[0] + "/13")  # a Redis that forgot the run:
     assert main(["verify", run_id, "--store", on_s3.store_url]) == 1  # the run located by its report
     assert f"{report_key}: changed (not as it was written" in capsys.readouterr().err
