@@ -107,6 +107,10 @@ def test_a_listing_after_a_key_names_the_keys_after_it_alone(s3_bucket, tmp_path
     assert list(store.keys("marks/", after="marks/0007.json")) == ["marks/0012.json", "marks/0100.json"]
     assert list(store.keys("marks/", after="marks/0100.json")) == []
     assert list(store.keys("marks/")) == [f"marks/{n:04d}.json" for n in (3, 7, 12, 100)]
+    for key in ("runs/RUN/1", "runs/RUN-2/1", "runs/RUN.b"):  # a folder's name beside a longer one's
+        store.put(key, b"{}")
+    assert list(store.keys("runs/")) == ["runs/RUN-2/1", "runs/RUN.b", "runs/RUN/1"], "S3's order, on both stores"
+    assert list(store.keys("runs/", after="runs/RUN-2/1")) == ["runs/RUN.b", "runs/RUN/1"]
 
 
 def test_ranges_and_streams_read_what_they_ask_and_nothing_past_the_end(s3_bucket):

@@ -261,14 +261,16 @@ class FolderStore:
             os.replace(tmp, path_to)
 
     def keys(self, prefix: str, after: str = "") -> Iterator[str]:
-        """The keys under a folder-like prefix (ending in '/'), in order; those after `after` only."""
+        """The keys under a folder-like prefix (ending in '/'), in S3's order (the keys' as strings,
+        "RUN-2/x" before "RUN/x"); those after `after` only."""
         folder = self._path(prefix)
         with self._disk("list", prefix):
             if folder.is_dir():  # os.walk told to raise: Path.rglob passes over a folder it cannot read
-                found = [Path(top, name) for top, _, names in os.walk(folder, onerror=_raise) for name in names]
-                for path in sorted(found):
-                    key = path.relative_to(self.root).as_posix()
-                    if path.is_file() and not path.name.startswith(".tmp-") and key > after:
+                found = {Path(top, name).relative_to(self.root).as_posix(): Path(top, name)
+                         for top, _, names in os.walk(folder, onerror=_raise) for name in names}
+                for key in sorted(k for k in found if k > after):
+                    path = found[key]
+                    if path.is_file() and not path.name.startswith(".tmp-"):
                         yield key
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
