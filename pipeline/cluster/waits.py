@@ -40,7 +40,8 @@ class DayWaits:
     def given_up(self) -> bool:
         """Whether an outage is waited for no more: past the later of its patience and the deadline.
         Not the store's: failing a chain reads its shard from the store; its requests give up
-        themselves (storage.S3Store), failing the notes they carry."""
+        themselves (storage.S3Store), and the run stops there (exit 2: run it again), its shard's
+        accounts not known to fail them."""
         return any(time.time() > self._gives_up(what, since) for what, since in self.now.items() if what != "store")
 
     def reason(self) -> str:

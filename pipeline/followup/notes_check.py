@@ -61,7 +61,7 @@ def shard_notes(store: Store, shard: int, trade_date: str, found: list[str]) -> 
             archived = hashlib.sha256(store.get(key)).hexdigest()
         except NotAsWritten:  # changed in the bucket, its metadata kept
             archived = "not as written"
-        except NoObject:  # not read (S3 or a disk failing) is not this: verify cannot run, exit 2
+        except NoObject:  # removed; a read that failed (S3 or a disk failing) stops verify instead, exit 2
             archived = ""
         for sha, where in hashes.items():
             if sha != archived:
@@ -105,7 +105,7 @@ def _mailed(store: Store, found: list[str]) -> dict[str, tuple[dict[str, str], s
 def _entries(store: Store, key: str) -> Iterator[dict]:
     try:
         data = store.get(key)
-    except (NoObject, NotAsWritten):  # gone since it was listed, or changed: the chain walk names it
+    except (NoObject, NotAsWritten):  # gone since listed, or changed: the chain walk, reading it too, says so
         return
     try:
         yield from list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
