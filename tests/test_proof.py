@@ -511,19 +511,6 @@ def test_an_object_changed_in_the_bucket_with_its_metadata_kept_is_changed_exit_
     assert f"{report_key}: changed (not as it was written" in capsys.readouterr().err
 
 
-class _EndsElsewhere(FolderStore):
-    """A folder store that ends, at its first read, any process but the one that made it."""
-
-    def __init__(self, root: str, home: int):
-        super().__init__(root)
-        self.home = home
-
-    def get(self, key: str) -> bytes:
-        if os.getpid() != self.home:
-            os._exit(3)
-        return super().get(key)
-
-
 class _Unmade(Exception):
     """An error pickle cannot make again: its class takes two arguments, its args hold one."""
 
@@ -531,15 +518,18 @@ class _Unmade(Exception):
         super().__init__(f"{what}: {why}")
 
 
-class _RaisesElsewhere(FolderStore):
-    """A folder store whose reads raise _Unmade in any process but the one that made it."""
+class _FailsElsewhere(FolderStore):
+    """A folder store whose first read, in any process but the one that made it, ends that
+    process ("end") or raises an error that process cannot send back whole ("unmade")."""
 
-    def __init__(self, root: str, home: int):
+    def __init__(self, root: str, home: int, how: str):
         super().__init__(root)
-        self.home = home
+        self.home, self.how = home, how
 
     def get(self, key: str) -> bytes:
         if os.getpid() != self.home:
+            if self.how == "end":
+                os._exit(3)
             raise _Unmade(key, "refused")
         return super().get(key)
 
@@ -576,7 +566,7 @@ def test_a_process_that_ends_mid_slice_fails_the_command_naming_it_not_hanging(t
     monkeypatch.setattr(spread, "FROM_JOBS", 1)
     before = _children()
     with pytest.raises(StorageError, match=r"ended \(exit status 3\) before answering"):
-        list(_spread_over(_EndsElsewhere(str(tmp_path), os.getpid())))
+        list(_spread_over(_FailsElsewhere(str(tmp_path), os.getpid(), "end")))
     assert _children() - before == set()
 
 
@@ -590,7 +580,7 @@ def test_an_error_a_spread_process_answers_with_that_cannot_be_made_again_fails_
 
     def read() -> None:
         try:
-            list(_spread_over(_RaisesElsewhere(str(tmp_path), os.getpid())))
+            list(_spread_over(_FailsElsewhere(str(tmp_path), os.getpid(), "unmade")))
         except StorageError as e:
             outcome.append(str(e))
 
