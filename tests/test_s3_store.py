@@ -89,9 +89,13 @@ def test_a_folder_it_cannot_read_fails_a_listing_never_shortens_it():
         for folder in (Path(top), root, root / "3-delivery-log", root / "3-delivery-log" / "shard-0"):
             folder.chmod(0o755)
         (root / "3-delivery-log" / "shard-1").chmod(0)
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c"]
+        can = subprocess.run([*nobody, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import pipeline.record.storage"],
+                             capture_output=True, text=True, timeout=60)
+        assert can.returncode == 0, f"uid 65534 cannot run {sys.executable} on {ROOT} (put the clone and its " \
+                                    f"interpreter where others may read them): {can.stderr[-300:]}"
         listing = "from pipeline.record.storage import open_store; print(list(open_store(sys.argv[1]).keys('3-delivery-log/')))"
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                               f"import sys; sys.path.insert(0, {str(ROOT)!r}); {listing}", str(root)],
+        done = subprocess.run([*nobody, f"import sys; sys.path.insert(0, {str(ROOT)!r}); {listing}", str(root)],
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "StorageError" in done.stderr and "Permission denied" in done.stderr, \
         (done.stdout, done.stderr)
