@@ -72,8 +72,8 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
             return chain
         try:
             data = store.get(key)
-        except NotAsWritten:
-            chain.problem = f"{key}: changed (not as it was written: its CRC32 is not its writer's)"
+        except NotAsWritten as e:
+            chain.problem = e.problem
             return chain
         sha = hashlib.sha256(data).hexdigest()
         chain.objects = n

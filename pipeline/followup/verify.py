@@ -45,7 +45,7 @@ def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pe
     try:
         return _verified(store, run_id, cert_pem, tsa_cert_pem)
     except NotAsWritten as e:  # read twice, so no failed read: an object of the record changed (exit 1), never exit 2
-        problem = _not_as_written(e)  # the run's manifest or seal: what it says of the run is not known
+        problem = e.problem  # the run's manifest or seal: what it says of the run is not known
         return {"run_id": run_id, "sealed": False, "signed_by": "", "timestamp": {}, "shards": None, "log_objects": None,
                 "added_after_seal": None, "ok": False, "summary": f"run {run_id}: {problem}", "first_problem": problem,
                 "problems": [problem]}
@@ -60,7 +60,7 @@ def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: b
         run_report = read_report(store, json_key) if store.exists(json_key) else {}
     except NotAsWritten as e:  # the rest is checked as for a run with no report
         run_report = {}
-        problems.append(_not_as_written(e))
+        problems.append(e.problem)
     seal = seal_state(store, run_id)
     proof, has_proof = _proof(store, run_id, problems), seal.proof
     signer, stamped = "", {}
@@ -102,10 +102,6 @@ def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: b
             "shards": len(split.shards), "log_objects": objects, "added_after_seal": after_seal, "ok": ok,
             "summary": summary,
             "first_problem": problems[0] if problems else None, "problems": problems[:100]}
-
-
-def _not_as_written(e: NotAsWritten) -> str:
-    return f"{e.key}: changed (not as it was written: its CRC32 is not its writer's)"
 
 
 def exit_status(result: dict) -> int:

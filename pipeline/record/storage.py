@@ -61,6 +61,11 @@ class NotAsWritten(StorageError):
     def __reduce__(self):
         return NotAsWritten, (self.url, self.key)
 
+    @property
+    def problem(self) -> str:
+        """As verify names a changed object of the record."""
+        return f"{self.key}: changed (not as it was written: its CRC32 is not its writer's)"
+
 
 class NoObject(StorageError):
     """The store answered that no object has the key. Anything else a read meets (a disk or S3
