@@ -46,7 +46,6 @@ from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, made_with, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
-from pipeline.record.report import read_report
 from pipeline.record.state import RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, Store, open_store
@@ -296,9 +295,9 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
                 raise
             record_away(run_id, e, "the key read before goes on")
             return kept[:2]
+        run_keys.pop(run_id, None)  # a key no longer recorded, or readable, is not kept
         if not found.get("token_key_id"):
             return None
-        run_keys.pop(run_id, None)  # a key no longer readable is not kept
         own = found["token_key_id"] == key_id(key())
         read = (None if own else credentials.recorded_token_key(settings, {k: found.get(k) or "" for k in KEY_RECORD}),
                 found.get("date") or "")
@@ -452,9 +451,7 @@ class StoredRuns:
                  "notes_per_s": r["notes_per_s"], "source": "storage"} for r in self.rows[:limit]]
 
     def report(self, run_id: str) -> dict | None:
-        store = open_store(self.settings.store_url)
-        key = keys.report_keys(run_id)[0]
-        return read_report(store, key) if store.exists(key) else None
+        return report.of_run(open_store(self.settings.store_url), run_id)
 
 
 def report_summary(run_id: str, found: dict, seals: Seals) -> dict:

@@ -544,9 +544,8 @@ def _of_its_date(settings: Settings, store: Store, run_id: str, trade_date: str)
 def _reported_date(store: Store, run_id: str) -> str | None:
     """The date its report says; None for a report that cannot be read (edited, cut short): the
     resume it would check does not need it, and writes it anew."""
-    key = keys.report_keys(run_id)[0]
     try:
-        return report.read_report(store, key)["trade_date"] if store.exists(key) else None
+        return (report.of_run(store, run_id) or {}).get("trade_date")
     except StorageError:
         return None
 

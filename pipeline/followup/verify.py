@@ -33,7 +33,6 @@ from pipeline.followup.seal_state import BEGAN, SEALED, SealState, seal_state
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
-from pipeline.record.report import read_report
 from pipeline.record.storage import NotAsWritten, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError
@@ -55,9 +54,9 @@ def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: b
     split = load_manifest(store, run_id)
     if split is None:
         raise RunNotFound(f"no run {run_id!r} in {store.url}")
-    json_key, problems = keys.report_keys(run_id)[0], []
+    problems = []
     try:
-        run_report = read_report(store, json_key) if store.exists(json_key) else {}
+        run_report = report.of_run(store, run_id) or {}
     except NotAsWritten as e:  # the rest is checked as for a run with no report
         run_report = {}
         problems.append(e.problem)
@@ -158,8 +157,7 @@ def _is_sha(value) -> bool:
 def signed_warrant(store: Store, run_id: str) -> dict | None:
     """close's warrant, whole and signed by the run's recorded key, or None: what an unsigned
     proof must agree with before a close signs it."""
-    json_key = keys.report_keys(run_id)[0]
-    return _warrant(store, run_id, None, read_report(store, json_key) if store.exists(json_key) else {}, [])
+    return _warrant(store, run_id, None, report.of_run(store, run_id) or {}, [])
 
 
 def _warrant(store: Store, run_id: str, cert_pem: bytes | None, run_report: dict, problems: list[str]) -> dict | None:

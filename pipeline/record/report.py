@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from pipeline.record import keys
 from pipeline.record.statuses import final_status, headline, owes_paper
-from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.record.storage import NoObject, StorageError, Store, read_json
 
 if TYPE_CHECKING:  # the report's writers hold one; `verify`, which reads it, loads no Redis client
     from pipeline.record.state import RunState
@@ -184,6 +184,14 @@ def _inert(value):
 
 
 _FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def of_run(store: Store, run_id: str) -> dict | None:
+    """The run's stored report (read_report), None where none was written (yet)."""
+    try:
+        return read_report(store, keys.report_keys(run_id)[0])
+    except NoObject:
+        return None
 
 
 def read_report(store: Store, key: str) -> dict:
