@@ -7,6 +7,7 @@ import asyncio
 import csv
 import hashlib
 import json
+import shutil
 import smtplib
 import time
 import uuid
@@ -33,6 +34,7 @@ from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.settings import parse_smtp_url
 from pipeline.stages import Batch
+from tests import servers
 from tests.conftest import TRADE_DATE
 from tests.helpers import attachment, client_rows, outbox_messages
 
@@ -316,33 +318,51 @@ def test_a_relay_silent_mid_transaction_is_given_up_at_the_deadline_and_its_conn
     assert 0.5 <= took < 3 and idle == [] and len(sessions) == 1
 
 
-def pipelining_relay(sessions: list, reads: list, cut: int = 1000, after_refused_rcpt: bytes = b"554 no valid recipients"):
-    """A relay offering PIPELINING (RFC 2920) that answers what each read brought in one write,
-    as Postfix's smtpd flushes its replies, cut into pieces of `cut` bytes. It refuses c1@."""
+def pipelining_relay(sessions: list, reads: list, cut: int = 1000, after_refused_rcpt: bytes = b"554 no valid recipients",
+                     chunking: bool = False, messages: list | None = None):
+    """A relay offering PIPELINING (RFC 2920), and CHUNKING (RFC 3030) if told, that answers
+    what each read brought in one write, as Postfix's smtpd flushes its replies, cut into
+    pieces of `cut` bytes. It refuses c1@; the messages it takes go to `messages`."""
 
     async def session(reader, writer):
         sessions.append(writer)
         writer.write(b"220 relay\r\n")
-        buffered, refused, in_data = b"", False, False
+        buffered, refused, in_data, chunk_left, data = b"", False, False, 0, b""
         while chunk := await reader.read(65536):
             reads.append(chunk)
             buffered += chunk
             replies = b""
-            while b"\n" in buffered:
+            while buffered and (chunk_left or b"\n" in buffered):
+                if chunk_left:  # a BDAT chunk's bytes, read whatever the envelope's replies were
+                    take = buffered[:chunk_left]
+                    data, buffered, chunk_left = data + take, buffered[len(take):], chunk_left - len(take)
+                    if not chunk_left:
+                        taken = not refused
+                        replies += b"250 2.0.0 queued as 7\r\n" if taken else after_refused_rcpt + b"\r\n"
+                        if taken and messages is not None:
+                            messages.append(data)
+                    continue
                 line, buffered = buffered.split(b"\n", 1)
                 if in_data:
                     if line == b".\r":
                         in_data, replies = False, replies + b"250 2.0.0 queued as 7\r\n"
+                        if messages is not None:
+                            messages.append(data)
+                    else:
+                        data += line + b"\n"
                     continue
                 verb = line[:4].upper()
                 if verb == b"EHLO":
-                    replies += b"250-relay\r\n250-PIPELINING\r\n250 HELP\r\n"
+                    replies += b"250-relay\r\n250-PIPELINING\r\n" + (b"250-CHUNKING\r\n" if chunking else b"") + \
+                        b"250 HELP\r\n"
                 elif verb == b"RCPT":
                     refused = b"c1@" in line
                     replies += b"550 5.1.1 user unknown\r\n" if refused else b"250-2.1.5 recipient\r\n250 2.1.5 ok\r\n"
                 elif verb == b"DATA":
                     reply = after_refused_rcpt if refused else b"354 go on"
-                    in_data, replies = reply.startswith(b"354"), replies + reply + b"\r\n"
+                    in_data, data, replies = reply.startswith(b"354"), b"", replies + reply + b"\r\n"
+                elif verb == b"BDAT":
+                    chunk_left, data = int(line.split()[1]), b""
                 else:
                     replies += b"250 2.0.0 ok\r\n"
             for i in range(0, len(replies), cut):
@@ -400,6 +420,104 @@ def test_a_refused_recipient_in_a_pipelined_group_fails_on_its_own_reply(data_re
     assert (b"RSET\r\n" in reads) == (sessions_after == 1)
 
 
+@pytest.mark.parametrize("cut", [1, 1000])
+def test_a_relay_offering_chunking_gets_the_envelope_and_the_message_as_bdat_in_one_write_one_round_trip(cut):
+    """One write and one round trip a mail, not two: MAIL, RCPT and `BDAT n LAST` with the
+    message, byte for byte (no end mark, nothing stuffed), its three replies read however cut."""
+    sessions, reads, taken = [], [], []
+
+    async def go():
+        server = await asyncio.start_server(pipelining_relay(sessions, reads, cut, chunking=True, messages=taken),
+                                            "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=5))
+        replies = [await pool.send("n@broker.example.com", f"c{i}@example.com", message(i)) for i in (2, 3)]
+        await pool.close()
+        server.close()
+        return replies
+
+    assert run(go()) == ["2.0.0 queued as 7"] * 2
+    assert taken == [message(2), message(3)]
+    groups = [r for r in reads if r.startswith(b"MAIL")]
+    assert groups == [b"MAIL FROM:<n@broker.example.com>\r\nRCPT TO:<c%d@example.com>\r\nBDAT %d LAST\r\n"
+                      % (i, len(message(i))) + message(i) for i in (2, 3)]
+    assert len(sessions) == 1
+
+
+def test_a_refused_recipient_with_bdat_fails_on_its_own_reply_and_the_connection_is_reset_and_reused():
+    """The relay reads the chunk sent with the refused RCPT and refuses it too: the mail fails
+    on the 550, nothing is taken, and the same session, reset, carries the next mail."""
+    sessions, reads, taken = [], [], []
+
+    async def go():
+        server = await asyncio.start_server(pipelining_relay(sessions, reads, chunking=True, messages=taken),
+                                            "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=5))
+        with pytest.raises(PermanentMailError, match="550 5.1.1 user unknown"):
+            await pool.send("n@broker.example.com", "c1@example.com", message(1))
+        reply = await pool.send("n@broker.example.com", "c2@example.com", message(2))
+        await pool.close()
+        server.close()
+        return reply
+
+    assert run(go()) == "2.0.0 queued as 7"
+    assert taken == [message(2)] and len(sessions) == 1 and b"RSET\r\n" in reads
+    sent = b"".join(reads)
+    assert sent.count(b" LAST\r\n") == 2 and b"DATA\r\n" not in sent, "both mails as BDAT"
+
+
+def test_a_relay_silent_after_the_bdat_chunk_leaves_the_mail_unconfirmed_never_resent():
+    """The message leaves with the envelope: no reply by the deadline may mean the relay has it."""
+    sessions = []
+
+    async def session(reader, writer):
+        sessions.append(writer)
+        writer.write(b"220 relay\r\n")
+        while line := await reader.readline():
+            if line.upper().startswith(b"EHLO"):
+                writer.write(b"250-relay\r\n250-PIPELINING\r\n250-CHUNKING\r\n250 HELP\r\n")
+            elif line.upper().startswith(b"BDAT"):
+                await reader.readexactly(int(line.split()[1]))  # taken, never answered
+
+    async def go():
+        server = await asyncio.start_server(session, "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=0.5))
+        with pytest.raises(UnconfirmedMailError):
+            await send_with_retry(pool, RetryPolicy(), "n@broker.example.com", "c2@example.com", message(2))
+        await pool.close()
+        server.close()
+
+    run(go())
+    assert len(sessions) == 1, "never sent again"
+
+
+def test_postfix_offers_chunking_and_a_message_sent_as_bdat_is_delivered_as_it_was_built():
+    """Against Debian's Postfix (3.4 and later offer CHUNKING by default): its log's command
+    counts say the session used BDAT and no DATA, and the mailbox has the message as built
+    (Postfix stores it with LF line ends, after the headers it adds)."""
+    mta, sent = servers.start_postfix({"@example.com": "clients"}, {"example.com"}, "bounces.example.net"), message(2)
+    try:
+        async def go():
+            pool = SmtpPool([parse_smtp_url(mta.url)], PoolOptions(size=1, timeout_s=10))
+            await pool.send("n@broker.example.com", "c2@example.com", sent)
+            await pool.close()
+
+        run(go())
+        inbox, deadline = mta.root / "vmail" / "clients" / "new", time.monotonic() + 30
+        while not (inbox.exists() and any(inbox.iterdir())) or b" disconnect from " not in (mta.root / "maillog").read_bytes():
+            assert time.monotonic() < deadline, (mta.root / "maillog").read_text()[-3000:]
+            time.sleep(0.1)
+        [delivered] = [f.read_bytes() for f in inbox.iterdir()]
+        log = (mta.root / "maillog").read_text()
+    finally:
+        mta.stop()
+        shutil.rmtree(mta.root, ignore_errors=True)
+    assert " bdat=1 " in log and " data=" not in log, log[-1500:]
+    assert delivered.replace(b"\n", b"\r\n").endswith(b"\r\n" + sent)
+
+
 def test_the_sink_offers_pipelining_and_answers_a_group_in_one_write_unless_told_not_to(smtp_server):
     """Its replies to a pipelined group come back together, after one delay (a round trip);
     with "pipelining": false it offers none, as SES does not."""
@@ -419,6 +537,44 @@ def test_the_sink_offers_pipelining_and_answers_a_group_in_one_write_unless_told
                 first = s.recv(4096)
                 assert [line[:3] for line in first.splitlines()] == [b"250", b"250", b"354"]
                 assert time.monotonic() - started < 0.2  # one delay of 20 ms, not three waits one after another
+
+
+def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_unless_told_not_to(smtp_server):
+    """CHUNKING as Postfix offers it: the message in two chunks, the envelope and the last
+    pipelined with it, is kept byte for byte, answered in one round trip; a chunk sent after a
+    refused recipient is read and refused, and the session goes on; "chunking": false offers none."""
+    import socket
+
+    body = b"Message-ID: <bdat@x>\r\nSubject: two chunks\r\n\r\n.a line with a leading dot\r\n"
+    server = smtp_server("chunking", delay_ms=20, reject={"gone@d.example"})
+    host, port = server.url.removeprefix("smtp://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.recv(1024)
+        s.sendall(b"EHLO client\r\n")
+        time.sleep(0.3)
+        assert b"250-CHUNKING" in s.recv(4096)
+        s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<gone@d.example>\r\nBDAT 5 LAST\r\nabcde")
+        assert [line[:3] for line in _replies(s, 3)] == [b"250", b"550", b"554"]
+        s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nBDAT 20\r\n" + body[:20])
+        assert [line[:3] for line in _replies(s, 3)] == [b"250", b"250", b"250"]
+        s.sendall(b"BDAT %d LAST\r\n" % len(body[20:]) + body[20:])
+        assert _replies(s, 1)[0].startswith(b"250 OK queued as")
+    [kept] = server.outbox.glob("*.eml")
+    assert kept.read_bytes() == body
+    plain = smtp_server("no-chunking", chunking=False)
+    host, port = plain.url.removeprefix("smtp://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.recv(1024)
+        s.sendall(b"EHLO client\r\n")
+        time.sleep(0.3)
+        assert b"CHUNKING" not in s.recv(4096)
+
+
+def _replies(s, n: int) -> list[bytes]:
+    got = b""
+    while got.count(b"\r\n") < n:
+        got += s.recv(4096)
+    return got.splitlines()
 
 
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):

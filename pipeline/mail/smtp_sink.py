@@ -9,6 +9,7 @@ It can misbehave on purpose (--faults FILE, JSON), the way relays do:
   delay_ms            wait before every reply it sends (a relay on the LAN, not loopback);
                       replies to pipelined commands go back together, after one wait
   pipelining          false: not offered in the EHLO reply (SES does not offer it)
+  chunking            false: CHUNKING (BDAT, RFC 3030) not offered (offered by default, as Postfix does)
   refuse_connections  answer this many connections with 421 and hang up
   throttle_connections  greet this many connections as Gmail does a sender it throttles:
                       "421 4.7.0 Try again later, closing connection."
@@ -79,6 +80,7 @@ class Faults:
     throttle_connections: int = 0
     pipelining: bool = True
     hold_after: int = 0
+    chunking: bool = True
 
     @classmethod
     def load(cls, path: Path | None) -> "Faults":
@@ -89,7 +91,7 @@ class Faults:
                    *(set(raw.get(k, [])) for k in ("reject", "tempfail_once", "drop_once", "accept_then_drop")),
                    raw.get("outage", {}), raw.get("bounce_rate", 0.0), Path(raw["bounces"]) if raw.get("bounces") else None,
                    raw.get("rate", 0.0), raw.get("daily_quota", 0), raw.get("throttle_connections", 0),
-                   raw.get("pipelining", True), raw.get("hold_after", 0))
+                   raw.get("pipelining", True), raw.get("hold_after", 0), raw.get("chunking", True))
 
 
 class OutboxHandler:
@@ -124,10 +126,13 @@ class OutboxHandler:
         return reply
 
     async def handle_EHLO(self, server, session, envelope, hostname, responses) -> list[str]:
-        """PIPELINING (RFC 2920), as Postfix and Haraka offer it; FaultySMTP.push answers that way."""
+        """PIPELINING (RFC 2920), as Postfix and Haraka offer it (FaultySMTP.push answers that
+        way), and CHUNKING (RFC 3030), as Postfix does (FaultySMTP.smtp_BDAT)."""
         session.host_name = hostname
         if self.faults.pipelining:
             responses.insert(-1, "250-PIPELINING")
+        if self.faults.chunking:
+            responses.insert(-1, "250-CHUNKING")
         return responses
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options) -> str:
@@ -233,6 +238,7 @@ def dsn(kind: str, mail_from: str, rcpt: str, original: bytes) -> bytes:
 class FaultySMTP(SMTP):
     faults: Faults
     _held: list[str]  # replies waiting for the rest of a pipelined group (push)
+    _chunks: list[bytes]  # the message's BDAT chunks so far
     line_length_limit = DATA_LIMIT + 5  # the stream's limit: smtp_DATA reads to the end mark, not by line
 
     @syntax("DATA")
@@ -271,6 +277,43 @@ class FaultySMTP(SMTP):
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
+
+    async def smtp_BDAT(self, arg: str) -> None:
+        """A chunk of the message (RFC 3030), kept until the one marked LAST, which is taken as
+        DATA's message is: the same hook, faults and reply. The chunk is read before any check,
+        as the RFC asks: a client pipelining it after a refused MAIL or RCPT has sent it anyway,
+        and its bytes are not commands."""
+        size, _, last = arg.partition(" ")
+        if not size.isdigit() or last.upper() not in ("", "LAST"):
+            return await self.push("501 5.5.4 Syntax: BDAT size [LAST]")
+        if self.data_size_limit and int(size) + sum(map(len, self._chunks)) > self.data_size_limit:
+            await self.push("552 5.3.4 Error: Too much mail data")  # not read into memory: the session ends
+            self.transport.close()
+            return
+        try:
+            self._chunks.append(await self._reader.readexactly(int(size)))
+        except asyncio.IncompleteReadError:  # the client went away mid-chunk
+            self.transport.close()
+            return
+        if not last:
+            return await self.push(f"250 2.0.0 {size} bytes received")
+        content, self._chunks = b"".join(self._chunks), []
+        if await self.check_helo_needed() or await self.check_auth_needed("BDAT"):
+            return
+        if not self.envelope.mail_from:
+            return await self.push("503 5.5.1 Error: need MAIL command")
+        if not self.envelope.rcpt_tos:
+            self._set_post_data_state()
+            return await self.push("554 5.5.1 Error: no valid recipients")
+        self.envelope.content = self.envelope.original_content = content
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()
+        await self.push("250 OK" if status is MISSING else status)
+
+    def _set_post_data_state(self) -> None:
+        """A transaction's end (its message taken or refused, RSET, EHLO) drops its chunks too."""
+        super()._set_post_data_state()
+        self._chunks = []
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         """aiosmtpd parses every address with the email package's header parser, and defines a
