@@ -31,6 +31,7 @@ from pipeline.mail.message import (
     build_message,
     message_id,
 )
+from pipeline.mail.md5s import md5_hex_all
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
 from pipeline.mail.verp import Verp
 from pipeline.note.charges import compute
@@ -437,9 +438,9 @@ def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
         with ThreadPoolExecutor(min(16, len(archived)), "archive") as reads:
             for item, pdf in zip(archived, reads.map(partial(_archived_note, store, trade_date), archived)):
                 item["pdf"] = pdf
-    for item in items:
-        if not isinstance(item["pdf"], Exception):
-            item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), hashlib.md5(item["pdf"]).hexdigest()
+    read = [item for item in items if not isinstance(item["pdf"], Exception)]
+    for item, md5 in zip(read, md5_hex_all([item["pdf"] for item in read])):
+        item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), md5
 
 
 def _archived_note(store: Store, trade_date: str, item: dict) -> bytes | Exception:
