@@ -50,12 +50,15 @@ def report_rows(settings, run_id: str) -> dict[str, dict]:
     return {r["ucc"]: r for r in csv.DictReader(path.open())}
 
 
-def test_faults_end_in_delivered_once_or_failed_or_unconfirmed_with_the_reason(ray_session, settings, day, smtp_server):
+@pytest.mark.parametrize("chunking", [True, False])
+def test_faults_end_in_delivered_once_or_failed_or_unconfirmed_with_the_reason(ray_session, settings, day, smtp_server,
+                                                                                chunking):
+    """The same faults to a relay offering CHUNKING (the mails as BDAT) and to one that does not (DATA)."""
     clients = client_rows(day)
     emails = {c["email"]: u for u, c in clients.items()}
     by_ucc = sorted(clients)
     rejected, tempfail, dropped = by_ucc[1], by_ucc[2], by_ucc[3]
-    server = smtp_server(refuse_connections=2, reject={clients[rejected]["email"]},
+    server = smtp_server(refuse_connections=2, reject={clients[rejected]["email"]}, chunking=chunking,
                          tempfail_once={clients[tempfail]["email"]}, drop_once={clients[dropped]["email"]})
     faulty = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
 
@@ -461,6 +464,56 @@ def test_a_relay_silent_after_the_bdat_chunk_leaves_the_mail_unconfirmed_never_r
     assert len(sessions) == 1, "never sent again"
 
 
+@pytest.mark.parametrize("refused, error", [(b"550 5.1.1 user unknown", PermanentMailError),
+                                             (b"451 4.3.0 try later", TransientMailError)])
+def test_a_relay_that_refuses_the_envelope_then_hangs_up_leaves_the_mail_refused_not_unconfirmed(refused, error):
+    """Its BDAT chunk left with the envelope, but a refused RCPT means the relay holds no
+    transaction to deliver: the refusal stands (a 4xx retried), however the session ends."""
+    sessions = []
+
+    async def session(reader, writer):
+        sessions.append(writer)
+        writer.write(b"220 relay\r\n")
+        while line := await reader.readline():
+            if line.upper().startswith(b"EHLO"):
+                writer.write(b"250-relay\r\n250-PIPELINING\r\n250-CHUNKING\r\n250 HELP\r\n")
+            elif line.upper().startswith(b"RCPT"):
+                writer.write(b"250 2.1.0 ok\r\n" + refused + b"\r\n")  # MAIL's, then RCPT's: and gone
+                await writer.drain()
+                writer.close()
+                return
+
+    [result] = through_relay(session, [("c2@example.com", message(2))])
+    assert type(result) is error and refused.decode()[:3] in str(result)
+
+
+def test_a_connection_idle_past_bdat_fresh_s_sends_data_first_a_fresh_one_bdat(monkeypatch):
+    """A connection that has not answered for a while may have died unseen: its mail goes as
+    DATA, whose envelope's round trip proves the session before the message leaves."""
+    from pipeline.mail import relay as relay_module
+
+    monkeypatch.setattr(relay_module, "BDAT_FRESH_S", 0.3)
+    sessions, reads, taken = [], [], []
+    mails = [message(i) for i in (2, 3, 4)]
+
+    async def go():
+        server = await asyncio.start_server(pipelining_relay(sessions, reads, chunking=True, messages=taken),
+                                            "127.0.0.1", 0)
+        pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
+                        PoolOptions(size=1, timeout_s=5))
+        await pool.send("n@broker.example.com", "c2@example.com", mails[0])
+        await pool.send("n@broker.example.com", "c3@example.com", mails[1])
+        await asyncio.sleep(0.5)
+        await pool.send("n@broker.example.com", "c4@example.com", mails[2])
+        await pool.close()
+        server.close()
+
+    run(go())
+    groups = [r for r in reads if r.startswith(b"MAIL")]
+    assert [g.split(b"\r\n")[2][:4] for g in groups] == [b"BDAT", b"BDAT", b"DATA"]
+    assert taken == mails and len(sessions) == 1
+
+
 def test_postfix_offers_chunking_and_a_message_sent_as_bdat_is_delivered_as_it_was_built():
     """Against Debian's Postfix (3.4 and later offer CHUNKING by default): its log's command
     counts say the session used BDAT and no DATA, and the mailbox has the message as built
@@ -509,9 +562,14 @@ def test_the_sink_offers_pipelining_and_answers_a_group_in_one_write_unless_told
 
 def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_unless_told_not_to(smtp_server):
     """CHUNKING as Postfix offers it: the message in two chunks, the envelope and the last
-    pipelined with it, is kept byte for byte, answered in one round trip; a chunk sent after a
-    refused recipient is read and refused, and the session goes on; "chunking": false offers none."""
+    pipelined with it, is kept byte for byte, a group answered in one write; a chunk sent after a
+    refused recipient is read and refused, and the session goes on; a chunk past the size limit
+    is refused after the group's other replies, then the session ends; "chunking": false offers none."""
     import socket
+
+    def answered(s) -> list[bytes]:
+        time.sleep(0.3)  # the group's replies, after the sink's one delay, in one write
+        return [line[:3] for line in s.recv(4096).splitlines()]
 
     body = b"Message-ID: <bdat@x>\r\nSubject: two chunks\r\n\r\n.a line with a leading dot\r\n"
     server = smtp_server("chunking", delay_ms=20, reject={"gone@d.example"})
@@ -522,11 +580,13 @@ def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_un
         time.sleep(0.3)
         assert b"250-CHUNKING" in s.recv(4096)
         s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<gone@d.example>\r\nBDAT 5 LAST\r\nabcde")
-        assert [line[:3] for line in _replies(s, 3)] == [b"250", b"550", b"554"]
+        assert answered(s) == [b"250", b"550", b"554"]
         s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nBDAT 20\r\n" + body[:20])
-        assert [line[:3] for line in _replies(s, 3)] == [b"250", b"250", b"250"]
+        assert answered(s) == [b"250", b"250", b"250"]
         s.sendall(b"BDAT %d LAST\r\n" % len(body[20:]) + body[20:])
-        assert _replies(s, 1)[0].startswith(b"250 OK queued as")
+        assert answered(s) == [b"250"]
+        s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nBDAT %d LAST\r\nab" % (DATA_LIMIT + 1))
+        assert answered(s) == [b"250", b"250", b"552"] and s.recv(4096) == b"", "said, then the session ends"
     [kept] = server.outbox.glob("*.eml")
     assert kept.read_bytes() == body
     plain = smtp_server("no-chunking", chunking=False)
@@ -536,13 +596,6 @@ def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_un
         s.sendall(b"EHLO client\r\n")
         time.sleep(0.3)
         assert b"CHUNKING" not in s.recv(4096)
-
-
-def _replies(s, n: int) -> list[bytes]:
-    got = b""
-    while got.count(b"\r\n") < n:
-        got += s.recv(4096)
-    return got.splitlines()
 
 
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):

@@ -252,9 +252,9 @@ def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_deliver
 @pytest.mark.waits
 def test_a_relay_down_for_20_s_mid_run_pauses_mailing_and_the_run_still_delivers_everyone(
         ray_session, settings, busy_day, smtp_server, tmp_path):
-    """Nothing fails for the outage. A transaction whose final dot was sent when the relay went
-    down has no answer, so it is unconfirmed (at most one per connection) and settled by the
-    relay's list, as in production."""
+    """Nothing fails for the outage. A transaction whose message was sent (its BDAT chunk, the
+    sink offering CHUNKING) when the relay went down has no answer, so it is unconfirmed (at
+    most one per connection) and settled by the relay's list, as in production."""
     server = smtp_server(outage={"after": 10, "seconds": 20})
     relay = settings.__class__(**{**settings.__dict__, "smtp_url": server.url})
 

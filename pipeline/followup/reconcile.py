@@ -1,7 +1,7 @@
 """Settling unconfirmed mails from the relay's own log: `reconcile RUN_ID --relay-log FILE...`.
 
 An account is unconfirmed when its mail may have reached the relay (the connection dropped
-after the final dot, or the mailer died between claim and reply). The relay knows: each
+after the message left, or the mailer died between claim and reply). The relay knows: each
 unconfirmed account whose Message-ID its log shows as accepted becomes delivered, in the
 delivery log first (the record), then in Redis, and the run report is written again. The
 rest stay unconfirmed for `rerun --unconfirmed`, which resends them with the same Message-ID.

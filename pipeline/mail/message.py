@@ -78,8 +78,9 @@ class QuotaError(RuntimeError):
 
 
 class UnconfirmedMailError(RuntimeError):
-    """The connection was lost after the message's final dot: the relay may have taken it.
-    Never retried blindly; the account becomes `unconfirmed` with its Message-ID."""
+    """The connection was lost after the message left (DATA's final dot, or its BDAT chunk): the
+    relay may have taken it. Never retried blindly; the account becomes `unconfirmed` with its
+    Message-ID."""
 
 
 @dataclass(frozen=True)

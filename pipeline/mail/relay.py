@@ -58,6 +58,9 @@ class RetryPolicy:
         return random.uniform(0, min(self.cap_s, self.base_s * 2 ** attempt))
 
 
+BDAT_FRESH_S = 2.0  # a connection that answered longer ago than this gets DATA, not BDAT (_transaction)
+
+
 @dataclass(frozen=True)
 class PoolOptions:
     size: int = 4  # connections per relay
@@ -392,22 +395,17 @@ class SmtpPool:
 
 
 async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes) -> str:
-    """MAIL, RCPT and the message (after DATA, or as BDAT) on the session aiosmtplib opened, each reply read
-    (replies.py) under one deadline for the transaction (`timeout_s`), not a timer, a lock and
-    a scan of the arguments per command (that machinery cost ~0.05 ms a mail). A relay
-    that offers PIPELINING (RFC 2920: Postfix, Haraka) gets MAIL, RCPT and DATA in one write and
-    answers them together: two round trips a mail, not four; one that does not (SES) answers
-    each in turn. One that offers CHUNKING too (RFC 3030: Postfix since 3.4, Exim) gets the
-    message as one `BDAT n LAST` chunk in the same write as MAIL and RCPT: one round trip and
-    one write a mail. Its server reads the chunk whatever the envelope's replies, so a refused
-    recipient costs the message's bytes, not the session; and the message leaves with the
-    envelope, so a connection lost before the replies leaves it unconfirmed, where DATA's would
-    be retried. The pool gives a connection to one coroutine at a time, so nothing else
-    speaks on it meanwhile. The message is built CRLF-only with no line starting with "."
-    (headers, base64 bodies, "--" boundaries), so it goes out as it is after DATA, and BDAT
-    needs no end mark. A failure after MAIL leaves the transaction open: RSET before reuse; a
-    421, a lost connection, a deadline passed or a 354 to a failed group closes it; one lost
-    after the message is unconfirmed."""
+    """MAIL, RCPT and the message on the session aiosmtplib opened, the replies read (replies.py)
+    under one deadline for the transaction (`timeout_s`). A relay offering PIPELINING (RFC
+    2920: Postfix, Haraka) gets MAIL, RCPT and DATA in one write: two round trips a mail, not
+    four. One offering CHUNKING too (RFC 3030: Postfix since 3.4) gets the message with them as
+    `BDAT n LAST`: one round trip, on a connection that answered within BDAT_FRESH_S (the
+    message leaves with the envelope, so an older one, which may have died unseen, proves itself
+    with DATA's envelope first). The message is built CRLF-only with no line starting with ".",
+    so it goes out as it is. A failure after MAIL leaves the transaction open: RSET before
+    reuse; a 421, a lost connection, a deadline passed or a 354 to a failed group closes it.
+    Lost once the message has left, and before the relay refused its envelope, the mail is
+    unconfirmed."""
     replies = conn.replies
     if not replies.live:
         conn.dirty = None
@@ -416,19 +414,19 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
     if COMMAND_INJECTION_REGEX.search(mail_from) or COMMAND_INJECTION_REGEX.search(rcpt_to):
         raise PermanentMailError(501, "a control character in an envelope address")
     envelope = (((b"MAIL FROM:<" + mail_from + b">\r\n",), (250,)), ((b"RCPT TO:<" + rcpt_to + b">\r\n",), (250, 251)))
-    if conn.chunking:
+    if conn.chunking and time.monotonic() - conn.last_used < BDAT_FRESH_S:
         steps = (*envelope, ((b"BDAT %d LAST\r\n" % len(message), message), (250,)))
         groups = (steps,)
     else:  # the message is not copied to add its dot
         steps = (*envelope, ((b"DATA\r\n",), (354,)), ((message, b".\r\n"), (250,)))
         groups = (steps[:3], steps[3:]) if conn.pipelining else tuple((s,) for s in steps)
     sent = False  # the message itself went out: a reply lost now leaves it unconfirmed
+    failed = None  # the first reply not expected: what the mail failed on
     try:
         async with asyncio.timeout(conn.timeout_s):
             for group in groups:
                 sent = group[-1] is steps[-1]
                 replies.write(*(data for parts, _ in group for data in parts))  # one write a group
-                failed = None  # the first reply not expected: what the mail failed on
                 for _, expected in group:
                     code, text = await replies.reply()
                     if code == 421:  # the relay is closing the session: no more replies
@@ -441,6 +439,8 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
                     raise _classify(*failed)
     except (OSError, TimeoutError) as e:
         conn.dirty = None
+        if failed is not None:  # the relay refused the envelope: it holds no transaction to deliver
+            raise _classify(*failed) from None
         if sent:
             raise UnconfirmedMailError(f"connection lost after the message was sent: {type(e).__name__}") from None
         raise TransientMailError(f"{type(e).__name__}: {e}") from None

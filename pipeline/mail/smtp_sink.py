@@ -266,9 +266,7 @@ class FaultySMTP(SMTP):
             self.transport.close()
             return
         content = bytes(data[:-3])
-        error = ("552 Error: Too much mail data" if self.data_size_limit and len(content) > self.data_size_limit
-                 else "500 Line too long (see RFC5321 4.5.3.1.6)"
-                 if max(map(len, content.split(b"\r\n"))) + 2 > SMTP.line_length_limit else None)
+        error = self._refusal(content)
         if error:
             self._set_post_data_state()
             return await self.push(error)
@@ -279,16 +277,16 @@ class FaultySMTP(SMTP):
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
 
-    async def smtp_BDAT(self, arg: str) -> None:
+    async def smtp_BDAT(self, arg: str | None) -> None:
         """A chunk of the message (RFC 3030), kept until the one marked LAST, which is taken as
-        DATA's message is: the same hook, faults and reply. The chunk is read before any check,
-        as the RFC asks: a client pipelining it after a refused MAIL or RCPT has sent it anyway,
-        and its bytes are not commands."""
-        size, _, last = arg.partition(" ")
+        DATA's message is: the same checks, hook, faults and reply. A chunk is read before its
+        command is judged, as the RFC asks: a client pipelining it after a refused MAIL or RCPT
+        has sent it anyway, and its bytes are not commands."""
+        size, _, last = (arg or "").partition(" ")
         if not size.isdigit() or last.upper() not in ("", "LAST"):
             return await self.push("501 5.5.4 Syntax: BDAT size [LAST]")
         if self.data_size_limit and int(size) + sum(map(len, self._chunks)) > self.data_size_limit:
-            await self.push("552 5.3.4 Error: Too much mail data")  # not read into memory: the session ends
+            await self._push_now("552 5.3.4 Error: Too much mail data")  # now, not read into memory: the session ends
             self.transport.close()
             return
         try:
@@ -296,20 +294,31 @@ class FaultySMTP(SMTP):
         except asyncio.IncompleteReadError:  # the client went away mid-chunk
             self.transport.close()
             return
+        if await self.check_helo_needed() or await self.check_auth_needed("BDAT"):
+            self._chunks = []
+            return
+        if not self.envelope.mail_from:
+            self._chunks = []
+            return await self.push("503 5.5.1 Error: need MAIL command")
         if not last:
             return await self.push(f"250 2.0.0 {size} bytes received")
         content, self._chunks = b"".join(self._chunks), []
-        if await self.check_helo_needed() or await self.check_auth_needed("BDAT"):
-            return
-        if not self.envelope.mail_from:
-            return await self.push("503 5.5.1 Error: need MAIL command")
-        if not self.envelope.rcpt_tos:
+        error = "554 5.5.1 Error: no valid recipients" if not self.envelope.rcpt_tos else self._refusal(content)
+        if error:
             self._set_post_data_state()
-            return await self.push("554 5.5.1 Error: no valid recipients")
+            return await self.push(error)
         self.envelope.content = self.envelope.original_content = content
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()
         await self.push("250 OK" if status is MISSING else status)
+
+    def _refusal(self, content: bytes) -> str | None:
+        """What refuses a message, whether DATA or BDAT brought it: its size, or a line too long."""
+        if self.data_size_limit and len(content) > self.data_size_limit:
+            return "552 Error: Too much mail data"
+        if max(map(len, content.split(b"\r\n"))) + 2 > SMTP.line_length_limit:
+            return "500 Line too long (see RFC5321 4.5.3.1.6)"
+        return None
 
     def _set_post_data_state(self) -> None:
         """A transaction's end (its message taken or refused, RSET, EHLO) drops its chunks too."""
@@ -343,6 +352,10 @@ class FaultySMTP(SMTP):
             return
         if self.faults.delay_ms:
             await asyncio.sleep(self.faults.delay_ms / 1000)
+        await self._push_now(status)
+
+    async def _push_now(self, status: str | bytes) -> None:
+        """The reply, after those held for its group."""
         if self._held:
             codec = "utf-8" if self.enable_SMTPUTF8 else "ascii"
             status = b"\r\n".join(r.encode(codec) if isinstance(r, str) else r for r in [*self._held, status])
