@@ -438,21 +438,34 @@ def test_a_refused_recipient_in_a_pipelined_group_fails_on_its_own_reply(data_re
     assert b"".join(reads).count(b" LAST\r\n") == (2 if chunking else 0)
 
 
-def test_a_relay_silent_after_the_bdat_chunk_leaves_the_mail_unconfirmed_never_resent():
-    """The message leaves with the envelope: no reply by the deadline may mean the relay has it."""
-    sessions = []
+def bdat_relay(sessions: list, refused: bytes = b""):
+    """A relay offering PIPELINING and CHUNKING that takes a BDAT chunk and never answers; or,
+    told `refused`, answers MAIL, refuses RCPT with it, and hangs up."""
 
     async def session(reader, writer):
         sessions.append(writer)
         writer.write(b"220 relay\r\n")
         while line := await reader.readline():
-            if line.upper().startswith(b"EHLO"):
+            verb = line[:4].upper()
+            if verb == b"EHLO":
                 writer.write(b"250-relay\r\n250-PIPELINING\r\n250-CHUNKING\r\n250 HELP\r\n")
-            elif line.upper().startswith(b"BDAT"):
+            elif verb == b"RCPT" and refused:
+                writer.write(b"250 2.1.0 ok\r\n" + refused + b"\r\n")  # MAIL's, then RCPT's: and gone
+                await writer.drain()
+                writer.close()
+                return
+            elif verb == b"BDAT":
                 await reader.readexactly(int(line.split()[1]))  # taken, never answered
 
+    return session
+
+
+def test_a_relay_silent_after_the_bdat_chunk_leaves_the_mail_unconfirmed_never_resent():
+    """The message leaves with the envelope: no reply by the deadline may mean the relay has it."""
+    sessions = []
+
     async def go():
-        server = await asyncio.start_server(session, "127.0.0.1", 0)
+        server = await asyncio.start_server(bdat_relay(sessions), "127.0.0.1", 0)
         pool = SmtpPool([parse_smtp_url(f"smtp://127.0.0.1:{server.sockets[0].getsockname()[1]}")],
                         PoolOptions(size=1, timeout_s=0.5))
         with pytest.raises(UnconfirmedMailError):
@@ -469,21 +482,7 @@ def test_a_relay_silent_after_the_bdat_chunk_leaves_the_mail_unconfirmed_never_r
 def test_a_relay_that_refuses_the_envelope_then_hangs_up_leaves_the_mail_refused_not_unconfirmed(refused, error):
     """Its BDAT chunk left with the envelope, but a refused RCPT means the relay holds no
     transaction to deliver: the refusal stands (a 4xx retried), however the session ends."""
-    sessions = []
-
-    async def session(reader, writer):
-        sessions.append(writer)
-        writer.write(b"220 relay\r\n")
-        while line := await reader.readline():
-            if line.upper().startswith(b"EHLO"):
-                writer.write(b"250-relay\r\n250-PIPELINING\r\n250-CHUNKING\r\n250 HELP\r\n")
-            elif line.upper().startswith(b"RCPT"):
-                writer.write(b"250 2.1.0 ok\r\n" + refused + b"\r\n")  # MAIL's, then RCPT's: and gone
-                await writer.drain()
-                writer.close()
-                return
-
-    [result] = through_relay(session, [("c2@example.com", message(2))])
+    [result] = through_relay(bdat_relay([], refused), [("c2@example.com", message(2))])
     assert type(result) is error and refused.decode()[:3] in str(result)
 
 
