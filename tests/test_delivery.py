@@ -486,12 +486,11 @@ def test_a_relay_that_refuses_the_envelope_then_hangs_up_leaves_the_mail_refused
     assert type(result) is error and refused.decode()[:3] in str(result)
 
 
-def test_a_connection_idle_past_bdat_fresh_s_sends_data_first_a_fresh_one_bdat(monkeypatch):
+def test_a_connection_idle_past_bdat_fresh_s_sends_data_first_a_fresh_one_bdat():
     """A connection that has not answered for a while may have died unseen: its mail goes as
     DATA, whose envelope's round trip proves the session before the message leaves."""
     from pipeline.mail import relay as relay_module
 
-    monkeypatch.setattr(relay_module, "BDAT_FRESH_S", 0.3)
     sessions, reads, taken = [], [], []
     mails = [message(i) for i in (2, 3, 4)]
 
@@ -502,7 +501,7 @@ def test_a_connection_idle_past_bdat_fresh_s_sends_data_first_a_fresh_one_bdat(m
                         PoolOptions(size=1, timeout_s=5))
         await pool.send("n@broker.example.com", "c2@example.com", mails[0])
         await pool.send("n@broker.example.com", "c3@example.com", mails[1])
-        await asyncio.sleep(0.5)
+        pool.relays[0]._idle[0].replies.answered -= relay_module.BDAT_FRESH_S  # its relay's last reply, long ago
         await pool.send("n@broker.example.com", "c4@example.com", mails[2])
         await pool.close()
         server.close()
@@ -567,8 +566,7 @@ def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_un
     import socket
 
     def answered(s) -> list[bytes]:
-        time.sleep(0.3)  # the group's replies, after the sink's one delay, in one write
-        return [line[:3] for line in s.recv(4096).splitlines()]
+        return [line[:3] for line in s.recv(4096).splitlines()]  # the group's replies, in one write
 
     body = b"Message-ID: <bdat@x>\r\nSubject: two chunks\r\n\r\n.a line with a leading dot\r\n"
     server = smtp_server("chunking", delay_ms=20, reject={"gone@d.example"})
@@ -586,6 +584,19 @@ def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_un
         assert answered(s) == [b"250"]
         s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nBDAT %d LAST\r\nab" % (DATA_LIMIT + 1))
         assert answered(s) == [b"250", b"250", b"552"] and s.recv(4096) == b"", "said, then the session ends"
+    with socket.create_connection((host, int(port))) as s:
+        s.recv(1024)
+        s.sendall(b"EHLO client\r\n")
+        time.sleep(0.3)
+        s.recv(4096)
+        s.sendall(b"BDAT 3 LAST\r\nabc")
+        assert answered(s) == [b"503"], "a chunk before MAIL: read, refused"
+        s.sendall(b"BDAT 4 FIRST\r\nQUIT")
+        assert answered(s) == [b"501"], "its chunk read: QUIT is not taken as a command"
+        s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nDATA\r\n")
+        assert answered(s) == [b"250", b"250", b"354"]
+        s.sendall(b"x" * (DATA_LIMIT + 10))
+        assert answered(s) == [b"552"] and s.recv(4096) == b"", "DATA past the limit: said, then the session ends"
     [kept] = server.outbox.glob("*.eml")
     assert kept.read_bytes() == body
     plain = smtp_server("no-chunking", chunking=False)

@@ -42,7 +42,8 @@ def _in_lanes(group: list[bytes]) -> list[str] | None:
     if lanes is None or len(group) < LANES_FROM or not all(type(data) is bytes for data in group):
         return None
     n, out = len(group), ctypes.create_string_buffer(16 * len(group))
-    lanes((ctypes.c_char_p * n)(*group), (ctypes.c_size_t * n)(*map(len, group)), n, out)
+    if lanes((ctypes.c_char_p * n)(*group), (ctypes.c_size_t * n)(*map(len, group)), n, out) != 0:
+        return None  # more messages than the C's lanes: nothing written
     raw = out.raw
     return [raw[16 * j:16 * j + 16].hex() for j in range(n)]
 

@@ -58,7 +58,7 @@ class RetryPolicy:
         return random.uniform(0, min(self.cap_s, self.base_s * 2 ** attempt))
 
 
-BDAT_FRESH_S = 2.0  # a connection that answered longer ago than this gets DATA, not BDAT (_transaction)
+BDAT_FRESH_S = 2.0  # a connection whose relay replied longer ago than this gets DATA, not BDAT (_transaction)
 
 
 @dataclass(frozen=True)
@@ -414,7 +414,7 @@ async def _transaction(conn: _Conn, sender: str, recipient: str, message: bytes)
     if COMMAND_INJECTION_REGEX.search(mail_from) or COMMAND_INJECTION_REGEX.search(rcpt_to):
         raise PermanentMailError(501, "a control character in an envelope address")
     envelope = (((b"MAIL FROM:<" + mail_from + b">\r\n",), (250,)), ((b"RCPT TO:<" + rcpt_to + b">\r\n",), (250, 251)))
-    if conn.chunking and time.monotonic() - conn.last_used < BDAT_FRESH_S:
+    if conn.chunking and time.monotonic() - replies.answered < BDAT_FRESH_S:
         steps = (*envelope, ((b"BDAT %d LAST\r\n" % len(message), message), (250,)))
         groups = (steps,)
     else:  # the message is not copied to add its dot

@@ -11,6 +11,7 @@ send is woken by a plain future, not a `wait_for` a reply.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 MAX_LINE = 8192  # RFC 5321 4.5.3.1.5 allows 512 octets a reply line; a relay past this is broken
@@ -23,6 +24,7 @@ class RelayClosed(ConnectionError):
 class Replies(asyncio.Protocol):
     def __init__(self, transport: asyncio.Transport):
         self.transport = transport
+        self.answered = time.monotonic()  # when the relay last replied: the session was opened just now
         self._buffer = bytearray()
         self._lines: list[bytes] = []  # the lines so far of a multi-line reply
         self._replies: deque[tuple[int, str]] = deque()
@@ -74,6 +76,7 @@ class Replies(asyncio.Protocol):
                 text = "\n".join(part[4:].decode("utf-8", "replace") for part in self._lines)
                 self._replies.append((int(line[:3]), text))
                 self._lines = []
+                self.answered = time.monotonic()
         del self._buffer[:start]
         if len(self._buffer) > MAX_LINE:
             self._fail(RelayClosed("a reply line longer than any relay sends"))

@@ -261,8 +261,8 @@ class FaultySMTP(SMTP):
         except asyncio.CancelledError:
             self._writer.close()
             raise
-        except asyncio.LimitOverrunError:
-            await self.push("552 Error: Too much mail data")
+        except asyncio.LimitOverrunError:  # the data stays in the reader: push would hold the reply
+            await self._push_now("552 Error: Too much mail data")
             self.transport.close()
             return
         content = bytes(data[:-3])
@@ -283,7 +283,7 @@ class FaultySMTP(SMTP):
         command is judged, as the RFC asks: a client pipelining it after a refused MAIL or RCPT
         has sent it anyway, and its bytes are not commands."""
         size, _, last = (arg or "").partition(" ")
-        if not size.isdigit() or last.upper() not in ("", "LAST"):
+        if not size.isdigit():
             return await self.push("501 5.5.4 Syntax: BDAT size [LAST]")
         if self.data_size_limit and int(size) + sum(map(len, self._chunks)) > self.data_size_limit:
             await self._push_now("552 5.3.4 Error: Too much mail data")  # now, not read into memory: the session ends
@@ -294,6 +294,9 @@ class FaultySMTP(SMTP):
         except asyncio.IncompleteReadError:  # the client went away mid-chunk
             self.transport.close()
             return
+        if last.upper() not in ("", "LAST"):  # its chunk read: the stream stays in step
+            self._chunks = []
+            return await self.push("501 5.5.4 Syntax: BDAT size [LAST]")
         if await self.check_helo_needed() or await self.check_auth_needed("BDAT"):
             self._chunks = []
             return
