@@ -105,7 +105,7 @@ class _Conn:
     """A session aiosmtplib opened, its replies read from then on by `Replies`."""
 
     def __init__(self, smtp: aiosmtplib.SMTP, timeout_s: float):
-        self.smtp, self.timeout_s, self.sent, self.last_used = smtp, timeout_s, 0, time.monotonic()
+        self.smtp, self.timeout_s, self.sent = smtp, timeout_s, 0
         self.replies = Replies(smtp.transport)
         self.pipelining = smtp.supports_extension("pipelining")
         self.chunking = self.pipelining and smtp.supports_extension("chunking")  # BDAT (RFC 3030), pipelined
@@ -172,10 +172,11 @@ class RelayPool:
             self._slots.release()
 
     def sweep(self) -> None:
-        """Closes connections idle longer than idle_s (the relay would drop them anyway)."""
+        """Closes connections idle longer than idle_s (the relay would drop them anyway): its last
+        reply is when a connection was last used (Replies.answered)."""
         cutoff = time.monotonic() - self.options.idle_s
-        stale = [c for c in self._idle if c.last_used < cutoff]
-        self._idle = [c for c in self._idle if c.last_used >= cutoff]
+        stale = [c for c in self._idle if c.replies.answered < cutoff]
+        self._idle = [c for c in self._idle if c.replies.answered >= cutoff]
         for conn in stale:
             _close(conn)
 
@@ -187,7 +188,6 @@ class RelayPool:
         if conn.sent >= self.options.max_messages:
             _close(conn)
             return
-        conn.last_used = time.monotonic()
         self._idle.append(conn)
 
     async def _take(self) -> _Conn:
