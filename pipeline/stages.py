@@ -44,7 +44,7 @@ from pipeline.record.rates import RedisBuckets
 from pipeline.record.records import Outcome, StateWriter, rank
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, write_once
-from pipeline.seal.sign import SignatureInfo, protect_all, user_half
+from pipeline.seal.sign import SignatureInfo, protect_all, user_halves
 from pipeline.seal.signer import SignError
 from pipeline.settings import TEMPLATES, ConfigError
 
@@ -203,12 +203,15 @@ def render_stage(batch: Batch, accounts: list[dict], state: RunState, only: set[
                 todo.append((item, note_data(account, client, batch.trade_date, batch.settles, batch.broker_file)))
             except Exception as e:
                 failed(ucc, e)
+        rendered = []
         for (item, _), pdf in zip(todo, render_notes([note for _, note in todo])):
             if isinstance(pdf, Exception):
                 failed(item["ucc"], pdf)
                 continue
             item["pdf"] = pdf
-            if made := user_half(item["pan"], encryption):
+            rendered.append(item)
+        for item, made in zip(rendered, user_halves([item["pan"] for item in rendered], encryption)):
+            if made:
                 item["made"] = made
             batch.items.append(item)
             writer.add(Outcome(item["ucc"], "rendered"))

@@ -22,7 +22,7 @@ from pyhanko_certvalidator import ValidationContext
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.seal.sign import SignatureInfo, protect, user_half
+from pipeline.seal.sign import SignatureInfo, protect, protect_all, user_halves
 from pipeline.seal.signer import SignError, SignerSetupError, load_signer
 from pipeline.stages import Batch, sign_stage
 from tests.helpers import assert_signed_and_encrypted
@@ -181,7 +181,7 @@ def test_a_second_attempt_of_a_signed_batch_keeps_the_first_signature_and_carrie
     lease = state.take_lease(30).token
 
     def attempt() -> Batch:  # each attempt gets the rendered batch afresh, as from Ray's object store
-        made = user_half(PAN, "aes256")
+        made = user_halves([PAN], "aes256")[0]
         items = [{"ucc": u, "pan": PAN, "pdf": note_pdf, "made": made} for u in ("C1", "C2")]
         return sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=lease), signer, OWNER, "aes256",
                           store, state)
@@ -203,7 +203,7 @@ def test_a_note_signed_with_the_user_half_its_render_made_opens_with_the_pan_and
     the file is the one made: its two hashes are not run again) and sends no file key on."""
     state = RunState(redis_url, f"half-{uuid.uuid4().hex[:8]}")
     store = open_store(str(tmp_path / "store"))
-    made = user_half(PAN.lower(), "aes256")  # as render_stage makes it: from the account's PAN, as given
+    made = user_halves([PAN.lower()], "aes256")[0]  # as render_stage makes it: from the account's PAN, as given
     items = [{"ucc": "C1", "pan": PAN.lower(), "pdf": note_pdf, "made": made}]
     batch = sign_stage(Batch(state.run_id, "2026-11-20", 0, items, lease=state.take_lease(30).token), signer, OWNER,
                        "aes256", store, state)
@@ -309,3 +309,23 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
     assert len(pdfs) == len(uccs)
     for pdf in pdfs[::50]:
         assert_signed_and_encrypted(pdf, PAN)
+
+
+def test_a_batch_keys_each_note_with_its_own_pan(tmp_path, note_pdf, signer):
+    """protect_all makes a batch's keys together (their password hashes in the C's lanes): each
+    note opens with its own client's PAN and the owner's password, not with a neighbour's; a note
+    with the render's user half and one without are keyed alike; one whose PAN is the owner's
+    password fails alone."""
+    pans, owner = [f"ABCPD{i:04d}E" for i in range(11)], OWNER.upper()
+    made = user_halves(pans[:6], "aes256") + [None] * 5
+    notes = [(note_pdf, pan, m) for pan, m in zip(pans, made)] + [(note_pdf, owner.lower(), None)]
+    signed = protect_all(notes, owner, signer, SignatureInfo(), "aes256")
+
+    assert isinstance(signed[-1], SignError) and "differ" in str(signed[-1])
+    for i, (pdf, pan) in enumerate(zip(signed[:-1], pans)):
+        path = tmp_path / f"note{i}.pdf"
+        path.write_bytes(pdf)
+        assert "Supplied password is user password" in show_encryption(path, pan)
+        assert "Supplied password is owner password" in show_encryption(path, owner)
+        assert "Incorrect password supplied" in show_encryption(path, pans[i - 1])
+    assert_signed_and_encrypted(tmp_path / "note7.pdf", pans[7])

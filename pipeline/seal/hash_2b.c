@@ -1,14 +1,23 @@
 /* ISO 32000-2 algorithm 2.B (the R6 password hash), built by pipeline/native.py. A document
- * runs it four times, in two pairs that share a password and differ in the salt (U and UE,
- * then O and OE): 64 or more rounds each of AES-128-CBC over up to 15 KB and a SHA-2 of the
- * result. CBC is a chain: one block's AES waits for the one before, so a lone hash leaves the
- * AES unit idle most of the time. cn_hash_2b runs up to two hashes in lockstep (two lanes), the
- * AES of one filling the other's waits (AES-NI where the CPU has it, OpenSSL's EVP where not);
- * the SHA-2 is OpenSSL's, fetched once a call rather than implicitly every round.
+ * runs it four times (U and UE from the user's password, O and OE from the owner's): 64 or
+ * more rounds each of AES-128-CBC over up to 15 KB and a SHA-2 of the result, 0.3-0.7 ms a
+ * hash, the largest part of a note's CPU after Typst's compile. One call hashes a whole
+ * batch's (a shard's notes: hundreds), eight at a time in lanes, a finished lane taking the
+ * next hash at once:
+ *   - CBC is a chain: one block's AES waits for the one before, so a lone chain leaves the
+ *     AES unit idle most of the time; eight chains interleaved keep it busy (AES-NI, or
+ *     OpenSSL's EVP one lane at a time where the CPU lacks it). Every lane runs to the
+ *     longest lane's blocks: what a shorter lane computes past its own end is never read.
+ *   - SHA-384 and SHA-512 share a compression function, which AVX-512 runs for eight lanes
+ *     at once, each 64-bit word in a lane of its own (sha512_lanes); a lane past its last
+ *     block keeps its state. A round takes one of the three SHA-2s by its data, so sixteen
+ *     hashes are under way, and those waiting for a SHA-384 or SHA-512 wait until eight fill
+ *     the lanes (or nothing else is left). SHA-256 is OpenSSL's (SHA-NI where the CPU has it).
  * pdfcrypt.hash_2b_reference is the same algorithm in Python, and tests/test_r6_hash.py holds
  * the two and a published vector together.
  */
 #include <openssl/evp.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
@@ -18,14 +27,20 @@
 #define MAX_PASSWORD 127 /* ISO 32000-2 7.6.4.3.3: the password's first 127 bytes */
 #define MAX_UDATA 48     /* the U string, when hashing the owner's password */
 #define MAX_SEQUENCE (MAX_PASSWORD + 64 + MAX_UDATA)
-#define LANES 2
+#define MAX_K1 (64 * MAX_SEQUENCE)
+#define LANES 8
+#define POOL (2 * LANES) /* hashes under way: their SHA-512s wait until they fill the lanes */
+#define WIDE_FROM 3 /* SHA-512s in the lanes from this many: eight lanes cost ~2.7 of OpenSSL's one at a time */
 
 typedef struct {
+    size_t job; /* the hash this lane computes */
     unsigned char k[64];
     unsigned int k_len;
-    int rounds, last;
+    int rounds, last, busy;
+    int wide; /* its SHA-384 (1) or SHA-512 (2) is waiting for the lanes */
     size_t total; /* bytes of this round's input (64 times the sequence) */
-    unsigned char k1[64 * MAX_SEQUENCE], e[64 * MAX_SEQUENCE];
+    unsigned char k1[MAX_K1];
+    unsigned char e[MAX_K1 + 256]; /* and SHA-512's padding after the input */
 } lane;
 
 static int running(const lane *l)
@@ -54,45 +69,140 @@ AESNI static void schedule(const unsigned char *key, __m128i rk[11])
     EXPAND(rk, 6, 0x20); EXPAND(rk, 7, 0x40); EXPAND(rk, 8, 0x80); EXPAND(rk, 9, 0x1b); EXPAND(rk, 10, 0x36);
 }
 
-AESNI static __m128i block(const __m128i rk[11], __m128i x)
-{
-    for (int r = 1; r < 10; r++)
-        x = _mm_aesenc_si128(x, rk[r]);
-    return _mm_aesenclast_si128(x, rk[10]);
-}
-
-/* Each lane's k1 into its e, key k[0:16], IV k[16:32]: both lanes a block at a time while both
- * have blocks (the two chains independent, so their AES rounds overlap), then the longer alone. */
+/* Each lane's k1 into its e, key k[0:16], IV k[16:32], the lanes' chains a block at a time
+ * together, to the longest lane's end. */
 AESNI static void cbc_aesni(lane **lanes, int n)
 {
-    __m128i rk[LANES][11], c[LANES];
-    size_t blocks[LANES], both;
+    __m128i rk[LANES][11], c[LANES], x[LANES];
+    size_t blocks = 0;
+    for (int i = 0; i < LANES; i++)
+        x[i] = _mm_setzero_si128(); /* a lane past n is never used: said for the compiler */
     for (int i = 0; i < n; i++) {
         schedule(lanes[i]->k, rk[i]);
         c[i] = _mm_loadu_si128((const __m128i *)(lanes[i]->k + 16));
-        blocks[i] = lanes[i]->total / 16;
+        if (lanes[i]->total / 16 > blocks)
+            blocks = lanes[i]->total / 16;
     }
-    both = n == 2 ? (blocks[0] < blocks[1] ? blocks[0] : blocks[1]) : 0;
-    for (size_t b = 0; b < both; b++) {
-        __m128i x0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(lanes[0]->k1 + 16 * b)), c[0]);
-        __m128i x1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(lanes[1]->k1 + 16 * b)), c[1]);
-        x0 = _mm_xor_si128(x0, rk[0][0]);
-        x1 = _mm_xor_si128(x1, rk[1][0]);
-        for (int r = 1; r < 10; r++) {
-            x0 = _mm_aesenc_si128(x0, rk[0][r]);
-            x1 = _mm_aesenc_si128(x1, rk[1][r]);
-        }
-        c[0] = _mm_aesenclast_si128(x0, rk[0][10]);
-        c[1] = _mm_aesenclast_si128(x1, rk[1][10]);
-        _mm_storeu_si128((__m128i *)(lanes[0]->e + 16 * b), c[0]);
-        _mm_storeu_si128((__m128i *)(lanes[1]->e + 16 * b), c[1]);
+    for (size_t b = 0; b < blocks; b++) {
+#pragma GCC unroll 8
+        for (int i = 0; i < LANES; i++)
+            if (i < n)
+                x[i] = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(lanes[i]->k1 + 16 * b)), c[i]),
+                                     rk[i][0]);
+        for (int r = 1; r < 10; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < LANES; i++)
+                if (i < n)
+                    x[i] = _mm_aesenc_si128(x[i], rk[i][r]);
+#pragma GCC unroll 8
+        for (int i = 0; i < LANES; i++)
+            if (i < n) {
+                c[i] = _mm_aesenclast_si128(x[i], rk[i][10]);
+                _mm_storeu_si128((__m128i *)(lanes[i]->e + 16 * b), c[i]);
+            }
     }
-    for (int i = 0; i < n; i++)
-        for (size_t b = both; b < blocks[i]; b++) {
-            __m128i x = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(lanes[i]->k1 + 16 * b)), c[i]);
-            c[i] = block(rk[i], _mm_xor_si128(x, rk[i][0]));
-            _mm_storeu_si128((__m128i *)(lanes[i]->e + 16 * b), c[i]);
+}
+
+#define AVX512 __attribute__((target("avx512f")))
+#define ROR(x, n) _mm512_ror_epi64(x, n)
+#define XOR3(a, b, c) _mm512_ternarylogic_epi64(a, b, c, 0x96)
+#define CH(e, f, g) _mm512_ternarylogic_epi64(e, f, g, 0xCA)  /* e ? f : g */
+#define MAJ(a, b, c) _mm512_ternarylogic_epi64(a, b, c, 0xE8) /* two of three */
+
+static const uint64_t K512[80] = {
+    0x428a2f98d728ae22, 0x7137449123ef65cd, 0xb5c0fbcfec4d3b2f, 0xe9b5dba58189dbbc, 0x3956c25bf348b538,
+    0x59f111f1b605d019, 0x923f82a4af194f9b, 0xab1c5ed5da6d8118, 0xd807aa98a3030242, 0x12835b0145706fbe,
+    0x243185be4ee4b28c, 0x550c7dc3d5ffb4e2, 0x72be5d74f27b896f, 0x80deb1fe3b1696b1, 0x9bdc06a725c71235,
+    0xc19bf174cf692694, 0xe49b69c19ef14ad2, 0xefbe4786384f25e3, 0x0fc19dc68b8cd5b5, 0x240ca1cc77ac9c65,
+    0x2de92c6f592b0275, 0x4a7484aa6ea6e483, 0x5cb0a9dcbd41fbd4, 0x76f988da831153b5, 0x983e5152ee66dfab,
+    0xa831c66d2db43210, 0xb00327c898fb213f, 0xbf597fc7beef0ee4, 0xc6e00bf33da88fc2, 0xd5a79147930aa725,
+    0x06ca6351e003826f, 0x142929670a0e6e70, 0x27b70a8546d22ffc, 0x2e1b21385c26c926, 0x4d2c6dfc5ac42aed,
+    0x53380d139d95b3df, 0x650a73548baf63de, 0x766a0abb3c77b2a8, 0x81c2c92e47edaee6, 0x92722c851482353b,
+    0xa2bfe8a14cf10364, 0xa81a664bbc423001, 0xc24b8b70d0f89791, 0xc76c51a30654be30, 0xd192e819d6ef5218,
+    0xd69906245565a910, 0xf40e35855771202a, 0x106aa07032bbd1b8, 0x19a4c116b8d2d0c8, 0x1e376c085141ab53,
+    0x2748774cdf8eeb99, 0x34b0bcb5e19b48a8, 0x391c0cb3c5c95a63, 0x4ed8aa4ae3418acb, 0x5b9cca4f7763e373,
+    0x682e6ff3d6b2b8a3, 0x748f82ee5defb2fc, 0x78a5636f43172f60, 0x84c87814a1f0ab72, 0x8cc702081a6439ec,
+    0x90befffa23631e28, 0xa4506cebde82bde9, 0xbef9a3f7b2c67915, 0xc67178f2e372532b, 0xca273eceea26619c,
+    0xd186b8c721c0c207, 0xeada7dd6cde0eb1e, 0xf57d4f7fee6ed178, 0x06f067aa72176fba, 0x0a637dc5a2c898a6,
+    0x113f9804bef90dae, 0x1b710b35131c471b, 0x28db77f523047d84, 0x32caab7b40c72493, 0x3c9ebe0a15c9bebc,
+    0x431d67c49c100d4c, 0x4cc5d4becb3e42b6, 0x597f299cfc657e2a, 0x5fcb6fab3ad6faec, 0x6c44198c4a475817};
+static const uint64_t IV512[8] = {0x6a09e667f3bcc908, 0xbb67ae8584caa73b, 0x3c6ef372fe94f82b, 0xa54ff53a5f1d36f1,
+                                  0x510e527fade682d1, 0x9b05688c2b3e6c1f, 0x1f83d9abfb41bd6b, 0x5be0cd19137e2179};
+static const uint64_t IV384[8] = {0xcbbb9d5dc1059ed8, 0x629a292a367cd507, 0x9159015a3070dd17, 0x152fecd8f70e5939,
+                                  0x67332667ffc00b31, 0x8eb44a8768581511, 0xdb0c2e0d64f98fa7, 0x47b5481dbefa4fa4};
+
+static uint64_t load_be64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return __builtin_bswap64(v);
+}
+
+/* SHA-384 (wide 1) or SHA-512 (wide 2) of each lane's e[0:total] into its k, n lanes at once. */
+AVX512 static void sha512_lanes(lane **lanes, int n)
+{
+    uint64_t words[16][LANES] __attribute__((aligned(64))), st[8][LANES] __attribute__((aligned(64)));
+    static const unsigned char idle[128];
+    size_t blocks[LANES], most = 0;
+    for (int j = 0; j < LANES; j++) {
+        blocks[j] = 0;
+        for (int i = 0; i < 8; i++)
+            st[i][j] = j < n && lanes[j]->wide == 1 ? IV384[i] : IV512[i];
+        if (j >= n)
+            continue;
+        lane *l = lanes[j]; /* the padding: 0x80, zeros, the length in bits as 128 bits big-endian */
+        size_t len = l->total, padded = (len + 17 + 127) / 128 * 128;
+        uint64_t bits = (uint64_t)len * 8;
+        memset(l->e + len, 0, padded - len);
+        l->e[len] = 0x80;
+        for (int b = 0; b < 8; b++)
+            l->e[padded - 1 - b] = (unsigned char)(bits >> (8 * b));
+        blocks[j] = padded / 128;
+        if (blocks[j] > most)
+            most = blocks[j];
+    }
+    __m512i s[8];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_load_si512(st[i]);
+    for (size_t b = 0; b < most; b++) {
+        __mmask8 live = 0;
+        for (int j = 0; j < LANES; j++) {
+            const unsigned char *p = idle;
+            if (b < blocks[j]) {
+                live |= (__mmask8)(1u << j);
+                p = lanes[j]->e + 128 * b;
+            }
+            for (int t = 0; t < 16; t++)
+                words[t][j] = load_be64(p + 8 * t);
         }
+        __m512i w[16], a = s[0], bb = s[1], c = s[2], d = s[3], e = s[4], f = s[5], g = s[6], h = s[7];
+        for (int t = 0; t < 16; t++)
+            w[t] = _mm512_load_si512(words[t]);
+        for (int t = 0; t < 80; t++) {
+            if (t >= 16) {
+                __m512i w2 = w[(t - 2) & 15], w15 = w[(t - 15) & 15];
+                __m512i s1 = XOR3(ROR(w2, 19), ROR(w2, 61), _mm512_srli_epi64(w2, 6));
+                __m512i s0 = XOR3(ROR(w15, 1), ROR(w15, 8), _mm512_srli_epi64(w15, 7));
+                w[t & 15] = _mm512_add_epi64(_mm512_add_epi64(w[t & 15], s0), _mm512_add_epi64(s1, w[(t - 7) & 15]));
+            }
+            __m512i t1 = _mm512_add_epi64(_mm512_add_epi64(h, XOR3(ROR(e, 14), ROR(e, 18), ROR(e, 41))),
+                                          _mm512_add_epi64(CH(e, f, g), _mm512_add_epi64(_mm512_set1_epi64((long long)K512[t]), w[t & 15])));
+            __m512i t2 = _mm512_add_epi64(XOR3(ROR(a, 28), ROR(a, 34), ROR(a, 39)), MAJ(a, bb, c));
+            h = g; g = f; f = e; e = _mm512_add_epi64(d, t1);
+            d = c; c = bb; bb = a; a = _mm512_add_epi64(t1, t2);
+        }
+        __m512i out[8] = {a, bb, c, d, e, f, g, h};
+        for (int i = 0; i < 8; i++)
+            s[i] = _mm512_mask_add_epi64(s[i], live, s[i], out[i]); /* a lane past its end keeps its state */
+    }
+    for (int i = 0; i < 8; i++)
+        _mm512_store_si512(st[i], s[i]);
+    for (int j = 0; j < n; j++) {
+        lanes[j]->k_len = lanes[j]->wide == 1 ? 48 : 64;
+        for (unsigned i = 0; i < lanes[j]->k_len / 8; i++)
+            for (int b = 0; b < 8; b++)
+                lanes[j]->k[8 * i + b] = (unsigned char)(st[i][j] >> (56 - 8 * b));
+    }
 }
 #endif
 
@@ -108,68 +218,120 @@ static int cbc_evp(EVP_CIPHER_CTX *aes, const EVP_CIPHER *cipher, lane **lanes, 
     return 1;
 }
 
-/* `lanes` (1 or 2) hashes of one password, salt i at salts + 8 * i, hash i to out + 32 * i.
- * Returns 0, or -1 when an argument is out of range or OpenSSL fails. */
-int cn_hash_2b(const unsigned char *password, size_t password_len, const unsigned char *salts, int lanes,
+static int digest(EVP_MD_CTX *md, const EVP_MD *sha2, lane *l)
+{
+    return EVP_DigestInit_ex2(md, sha2, NULL) && EVP_DigestUpdate(md, l->e, l->total)
+           && EVP_DigestFinal_ex(md, l->k, &l->k_len);
+}
+
+/* n hashes: hash i of the password passwords[ends[i - 1]:ends[i]] (ends[-1] being 0), the salt
+ * at salts + 8 * i and the udata at udata + udata_len * i, written to out + 32 * i. A call with
+ * n == 0 says whether the SHA-512 lanes run on this CPU (1) or not (0). Returns 0, or -1 when an
+ * argument is out of range or OpenSSL fails. */
+int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, const unsigned char *salts,
                const unsigned char *udata, size_t udata_len, unsigned char *out)
 {
-    if (password_len > MAX_PASSWORD || udata_len > MAX_UDATA || lanes < 1 || lanes > LANES)
+#if defined(__x86_64__)
+    int aesni = __builtin_cpu_supports("aes"), avx512 = __builtin_cpu_supports("avx512f");
+#else
+    int avx512 = 0;
+#endif
+    if (n == 0)
+        return avx512 != 0;
+    if (udata_len > MAX_UDATA)
         return -1;
-    lane *all = malloc(LANES * sizeof(lane)); /* 60 KB: not on a thread's stack */
+    for (size_t i = 0; i < n; i++)
+        if (ends[i] < (i ? ends[i - 1] : 0) || ends[i] - (i ? ends[i - 1] : 0) > MAX_PASSWORD)
+            return -1;
+    lane *all = calloc(POOL, sizeof(lane)); /* 500 KB: not on a thread's stack */
     EVP_MD *sha2[3] = {EVP_MD_fetch(NULL, "SHA256", NULL), EVP_MD_fetch(NULL, "SHA384", NULL),
                        EVP_MD_fetch(NULL, "SHA512", NULL)};
     EVP_MD_CTX *md = EVP_MD_CTX_new();
     EVP_CIPHER *cipher = EVP_CIPHER_fetch(NULL, "AES-128-CBC", NULL);
     EVP_CIPHER_CTX *aes = EVP_CIPHER_CTX_new();
     int ok = all && sha2[0] && sha2[1] && sha2[2] && md && cipher && aes;
-#if defined(__x86_64__)
-    int aesni = __builtin_cpu_supports("aes");
-#endif
+    size_t next = 0;
 
-    for (int i = 0; ok && i < lanes; i++) {
-        all[i].rounds = all[i].last = 0;
-        ok = EVP_DigestInit_ex2(md, sha2[0], NULL) && EVP_DigestUpdate(md, password, password_len)
-             && EVP_DigestUpdate(md, salts + 8 * i, 8) && EVP_DigestUpdate(md, udata, udata_len)
-             && EVP_DigestFinal_ex(md, all[i].k, &all[i].k_len);
-    }
     while (ok) {
-        lane *active[LANES];
-        int n = 0;
-        for (int i = 0; i < lanes; i++)
-            if (running(&all[i]))
-                active[n++] = &all[i];
-        if (n == 0)
-            break;
-        for (int i = 0; i < n; i++) {
-            lane *l = active[i];
+        lane *ready[POOL], *wide[POOL];
+        int n_ready = 0, n_wide = 0;
+        for (int j = 0; ok && j < POOL; j++) {
+            lane *l = &all[j];
+            if (l->busy && !l->wide && !running(l)) {
+                memcpy(out + 32 * l->job, l->k, 32);
+                l->busy = 0;
+            }
+            if (!l->busy && next < n) { /* the next hash: K = SHA-256(password, salt, udata) */
+                size_t from = next ? ends[next - 1] : 0;
+                l->job = next++;
+                l->busy = 1;
+                l->rounds = l->last = 0;
+                ok = EVP_DigestInit_ex2(md, sha2[0], NULL) && EVP_DigestUpdate(md, passwords + from, ends[l->job] - from)
+                     && EVP_DigestUpdate(md, salts + 8 * l->job, 8)
+                     && EVP_DigestUpdate(md, udata + udata_len * l->job, udata_len)
+                     && EVP_DigestFinal_ex(md, l->k, &l->k_len);
+            }
+            if (l->busy && !l->wide)
+                ready[n_ready++] = l;
+        }
+        for (int i = 0; ok && i < n_ready; i++) {
+            lane *l = ready[i];
+            size_t from = l->job ? ends[l->job - 1] : 0, password_len = ends[l->job] - from;
             size_t sequence = password_len + l->k_len + udata_len;
-            memcpy(l->k1, password, password_len);
+            memcpy(l->k1, passwords + from, password_len);
             memcpy(l->k1 + password_len, l->k, l->k_len);
-            memcpy(l->k1 + password_len + l->k_len, udata, udata_len);
+            memcpy(l->k1 + password_len + l->k_len, udata + udata_len * l->job, udata_len);
             for (size_t at = sequence; at < 64 * sequence; at += sequence)
                 memcpy(l->k1 + at, l->k1, sequence);
             l->total = 64 * sequence;
         }
+        for (int i = 0; ok && i < n_ready; i += LANES) {
+            int group = n_ready - i < LANES ? n_ready - i : LANES;
 #if defined(__x86_64__)
-        if (aesni)
-            cbc_aesni(active, n);
-        else
+            if (aesni)
+                cbc_aesni(ready + i, group);
+            else
 #endif
-            ok = cbc_evp(aes, cipher, active, n);
-        for (int i = 0; ok && i < n; i++) {
-            lane *l = active[i];
+                ok = cbc_evp(aes, cipher, ready + i, group);
+        }
+        for (int i = 0; ok && i < n_ready; i++) {
+            lane *l = ready[i];
             int sum = 0;
             /* the first 16 bytes as a big-endian number, mod 3: 256 = 1 (mod 3), so the bytes' sum */
             for (int b = 0; b < 16; b++)
                 sum += l->e[b];
-            ok = EVP_DigestInit_ex2(md, sha2[sum % 3], NULL) && EVP_DigestUpdate(md, l->e, l->total)
-                 && EVP_DigestFinal_ex(md, l->k, &l->k_len);
             l->last = l->e[l->total - 1];
             l->rounds++;
+            if (sum % 3 && avx512)
+                l->wide = sum % 3; /* 1: SHA-384, 2: SHA-512, in the lanes once eight wait */
+            else
+                ok = digest(md, sha2[sum % 3], l);
+        }
+        int moving = 0; /* a lane that will take the AES next: still running, or free for a hash left */
+        for (int j = 0; j < POOL; j++) {
+            lane *l = &all[j];
+            if (l->wide)
+                wide[n_wide++] = l;
+            else if ((l->busy && running(l)) || next < n)
+                moving = 1;
+        }
+        if (!ok || (n_wide == 0 && !moving && n_ready == 0))
+            break;
+        for (int i = 0; ok && i < n_wide; i += LANES) {
+            int group = n_wide - i < LANES ? n_wide - i : LANES;
+            if (group < LANES && moving)
+                break; /* they wait for more to fill the lanes */
+#if defined(__x86_64__)
+            if (group >= WIDE_FROM)
+                sha512_lanes(wide + i, group);
+            else
+#endif
+                for (int g = 0; ok && g < group; g++)
+                    ok = digest(md, sha2[wide[i + g]->wide], wide[i + g]);
+            for (int g = 0; g < group; g++)
+                wide[i + g]->wide = 0;
         }
     }
-    for (int i = 0; ok && i < lanes; i++)
-        memcpy(out + 32 * i, all[i].k, 32);
     for (int i = 0; i < 3; i++)
         EVP_MD_free(sha2[i]);
     EVP_MD_CTX_free(md);

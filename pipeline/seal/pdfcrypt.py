@@ -3,12 +3,12 @@ objects encrypted by qpdf.
 
 Why not qpdf's own R6: the qpdf bundled with pikepdf has only its "native" crypto provider
 (no AES-NI), and R6's deliberately slow password hash (ISO 32000-2, algorithm 2.B, run four
-times per document) costs ~11 ms there against ~2 ms here (hash_2b.c). So we make the keys
-and `declare` them in an update appended to the note, with identity crypt filters: qpdf,
-opening it with the file key, reads the objects as they are and, saving it with its
-encryption kept, encrypts every string and stream under our keys (~0.15 ms of its AES a
-note; walking the objects in Python to encrypt them one by one cost ~0.6 ms). qpdf leaves a
-signature's /Contents unencrypted (ISO 32000-2, 7.6.2).
+times per document) costs ~11 ms there against ~1 ms here (hash_2b.c, a batch's notes at
+once). So we make the keys and `declare` them in an update appended to the note, with
+identity crypt filters: qpdf, opening it with the file key, reads the objects as they are
+and, saving it with its encryption kept, encrypts every string and stream under our keys
+(~0.15 ms of its AES a note; walking the objects in Python to encrypt them one by one cost
+~0.6 ms). qpdf leaves a signature's /Contents unencrypted (ISO 32000-2, 7.6.2).
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -60,24 +62,32 @@ _owner_bytes = functools.lru_cache(maxsize=2)(password_bytes)
 
 def hash_2b(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
     """ISO 32000-2 algorithm 2.B, in C over OpenSSL (compiled.py) where it could be built."""
-    if len(salt) != 8:
-        raise ValueError(f"hash_2b: salt {len(salt)} bytes (8)")
-    return hash_2b_pair(password, salt, udata)[0]
+    return hash_2b_all([(password, salt, udata)])[0]
 
 
-def hash_2b_pair(password: bytes, salts: bytes, udata: bytes = b"") -> list[bytes]:
-    """Algorithm 2.B for each 8-byte salt in `salts` (one or two) with the same password and
-    udata, as R6 needs them (U and UE; O and OE): the C runs two at once, their AES interleaved,
-    in ~0.82 of the CPU of two apart (the SHA-2s, two thirds of it, cannot be shared)."""
+def hash_2b_all(jobs: Sequence[tuple[bytes, bytes, bytes]]) -> list[bytes]:
+    """Algorithm 2.B for each (password, 8-byte salt, udata) in order: the C runs a batch's hashes
+    eight at a time (hash_2b.c), so a shard's notes are hashed in one call."""
+    for password, salt, udata in jobs:
+        if len(password) > 127 or len(salt) != 8 or len(udata) not in (0, 48):
+            raise ValueError(f"hash_2b: password {len(password)} bytes (at most 127), salt {len(salt)} (8), "
+                             f"udata {len(udata)} (0 or 48)")
     fn = compiled.hash_2b()
     if fn is None:
-        return [hash_2b_reference(password, salts[i:i + 8], udata) for i in range(0, len(salts), 8)]
-    lanes = len(salts) // 8
-    out = ctypes.create_string_buffer(32 * lanes)
-    if len(salts) not in (8, 16) or fn(password, len(password), salts, lanes, udata, len(udata), out) != 0:
-        raise ValueError(f"hash_2b: password {len(password)} bytes (at most 127), salt {len(salts)} (8, or 16 for "
-                         f"two), udata {len(udata)} (0 or 48), or OpenSSL failed")
-    return [out.raw[i:i + 32] for i in range(0, 32 * lanes, 32)]
+        return [hash_2b_reference(*job) for job in jobs]
+    out: list[bytes] = [b""] * len(jobs)
+    for size in (0, 48):  # one call a udata length, as the C takes them
+        which = [i for i, job in enumerate(jobs) if len(job[2]) == size]
+        if not which:
+            continue
+        ends = list(itertools.accumulate(len(jobs[i][0]) for i in which))
+        digests = ctypes.create_string_buffer(32 * len(which))
+        if fn(len(which), b"".join(jobs[i][0] for i in which), (ctypes.c_size_t * len(which))(*ends),
+              b"".join(jobs[i][1] for i in which), b"".join(jobs[i][2] for i in which), size, digests) != 0:
+            raise ValueError("hash_2b: OpenSSL failed")
+        for at, i in enumerate(which):
+            out[i] = digests.raw[32 * at:32 * at + 32]
+    return out
 
 
 def hash_2b_reference(password: bytes, salt: bytes, udata: bytes = b"") -> bytes:
@@ -109,23 +119,38 @@ class UserKeys:
 
 def user_keys(user_password: str) -> UserKeys:
     """Algorithm 8 of ISO 32000-2: U and UE for a fresh file key."""
-    user, file_key, u_salts = password_bytes(user_password), os.urandom(32), os.urandom(16)
-    u_hash, ue_hash = hash_2b_pair(user, u_salts)
-    return UserKeys(file_key, u_hash + u_salts, _aes256_no_iv(ue_hash, file_key))
+    return user_keys_all([user_password])[0]
+
+
+def user_keys_all(user_passwords: Sequence[str]) -> list[UserKeys]:
+    """user_keys for each password, their hashes in one batch."""
+    users = [password_bytes(password) for password in user_passwords]
+    file_keys, salts = [os.urandom(32) for _ in users], [os.urandom(16) for _ in users]
+    hashes = iter(hash_2b_all([(user, salt[i:i + 8], b"") for user, salt in zip(users, salts) for i in (0, 8)]))
+    return [UserKeys(file_key, next(hashes) + salt, _aes256_no_iv(next(hashes), file_key))
+            for file_key, salt in zip(file_keys, salts)]
 
 
 def r6_keys(user_password: str, owner_password: str, p: int = PRINT_ONLY_P, made: UserKeys | None = None) -> R6Keys:
     """Algorithms 8, 9 and 10 of ISO 32000-2: U/UE (`made` for this user password, or new), O/OE
     and Perms."""
-    made, owner = made or user_keys(user_password), _owner_bytes(owner_password)
-    file_key, u = made.file_key, made.u
-    o_salts = os.urandom(16)
-    o_hash, oe_hash = hash_2b_pair(owner, o_salts, u)
-    o, oe = o_hash + o_salts, _aes256_no_iv(oe_hash, file_key)
+    return r6_keys_all([(user_password, made)], owner_password, p)[0]
+
+
+def r6_keys_all(users: Sequence[tuple[str, UserKeys | None]], owner_password: str, p: int = PRINT_ONLY_P) -> list[R6Keys]:
+    """r6_keys for each (user password, its `made` or None), their hashes in one batch or two."""
+    new = iter(user_keys_all([user for user, made in users if made is None]))
+    mades = [made or next(new) for _, made in users]
+    owner, salts = _owner_bytes(owner_password), [os.urandom(16) for _ in mades]
+    hashes = iter(hash_2b_all([(owner, salt[i:i + 8], made.u) for made, salt in zip(mades, salts) for i in (0, 8)]))
+    return [_r6(made, next(hashes) + salt, next(hashes), p) for made, salt in zip(mades, salts)]
+
+
+def _r6(made: UserKeys, o: bytes, oe_hash: bytes, p: int) -> R6Keys:
     perms_plain = struct.pack("<i", p) + b"\xff\xff\xff\xffTadb" + os.urandom(4)
-    encryptor = Cipher(algorithms.AES(file_key), modes.ECB()).encryptor()
+    encryptor = Cipher(algorithms.AES(made.file_key), modes.ECB()).encryptor()
     perms = encryptor.update(perms_plain) + encryptor.finalize()
-    return R6Keys(file_key, o, u, oe, made.ue, perms, p)
+    return R6Keys(made.file_key, o, made.u, _aes256_no_iv(oe_hash, made.file_key), made.ue, perms, p)
 
 
 def declare(pdf: bytes, keys: R6Keys) -> bytes:

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from pikepdf import Array, Dictionary, Name, String
 
-from pipeline.seal.pdfcrypt import PRINT_ONLY_P, UserKeys, declare, r6_keys, user_keys
+from pipeline.seal.pdfcrypt import PRINT_ONLY_P, R6Keys, UserKeys, declare, r6_keys, r6_keys_all, user_keys_all
 from pipeline.seal.signer import TEST_LABEL, SignError, Signer, issue_certificate, labelled_name
 
 FIELD_NAME = "BrokerSignature"
@@ -45,30 +45,33 @@ class SignatureInfo:
 
 
 def protect(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
-            algorithm: str = "aes256", made: UserKeys | None = None) -> bytes:
+            algorithm: str = "aes256", made: UserKeys | None = None, keys: R6Keys | None = None) -> bytes:
     """The whole treatment of one note: encrypt with the client's PAN (upper case), then sign.
-    `made`: AES-256's user half, made from that PAN where the note was rendered."""
-    data, start, end, digest = _prepare(pdf, pan, owner_password, signer, info, algorithm, made)
+    `made`: AES-256's user half, made from that PAN where the note was rendered; `keys`: all of
+    them, made with a batch's (protect_all)."""
+    data, start, end, digest = _prepare(pdf, pan, owner_password, signer, info, algorithm, made, keys)
     return _place(data, start, end, signer.cms(digest))
 
 
-def user_half(pan: str, algorithm: str) -> UserKeys | None:
-    """AES-256's user half of a note's keys, from the PAN as `protect` uses it, for the stage
-    that renders the note to make (None: the algorithm has none)."""
-    return user_keys(pan.upper()) if algorithm == "aes256" else None
+def user_halves(pans: list[str], algorithm: str) -> list[UserKeys | None]:
+    """AES-256's user half of each note's keys, from its PAN as `protect` uses it, for the stage
+    that renders the notes to make, their hashes in one batch (None: the algorithm has none)."""
+    return user_keys_all([pan.upper() for pan in pans]) if algorithm == "aes256" else [None] * len(pans)
 
 
 def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password: str, signer: Signer,
                 info: SignatureInfo, algorithm: str = "aes256") -> list[bytes | SignError]:
-    """protect() over (pdf, pan, made) triples, each result or the SignError it raised. With a key of
-    several sessions (an HSM across a network), each note is prepared here while the signatures
-    of those before it are on their way: the round trip is hidden behind the notes' own work."""
+    """protect() over (pdf, pan, made) triples, each result or the SignError it raised. The notes'
+    keys are made first, their password hashes in one batch (hash_2b.c runs eight at once). With
+    a key of several sessions (an HSM across a network), each note is prepared here while the
+    signatures of those before it are on their way: the round trip is hidden behind the notes' own work."""
+    keyed = [(*note, keys) for note, keys in zip(notes, _keys_all(notes, owner_password, algorithm))]
     if signer.workers == 1:
-        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made)
-                for pdf, pan, made in notes]
+        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made, keys)
+                for pdf, pan, made, keys in keyed]
     pending = []
-    for pdf, pan, made in notes:
-        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made)
+    for pdf, pan, made, keys in keyed:
+        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made, keys)
         pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
     return [p if isinstance(p, SignError) else _or_error(_finish, signer, *p) for p in pending]
 
@@ -76,6 +79,16 @@ def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password:
 def _finish(signer: Signer, prepared: tuple, signature: Future) -> bytes:
     data, start, end, digest = prepared
     return _place(data, start, end, signer.cms(digest, signature.result()))
+
+
+def _keys_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password: str,
+              algorithm: str) -> list[R6Keys | None]:
+    """Each note's AES-256 keys, None where there are none to make (another algorithm) or
+    _prepare refuses the note (its PAN is the owner's password)."""
+    which = [i for i, (_, pan, _) in enumerate(notes) if algorithm == "aes256" and pan.upper() != owner_password]
+    made = iter(r6_keys_all([(notes[i][1].upper(), notes[i][2]) for i in which], owner_password, PRINT_ONLY_P))
+    wanted = set(which)
+    return [next(made) if i in wanted else None for i in range(len(notes))]
 
 
 def _or_error(fn, *args):
@@ -86,14 +99,14 @@ def _or_error(fn, *args):
 
 
 def _prepare(pdf: bytes, pan: str, owner_password: str, signer: Signer, info: SignatureInfo,
-             algorithm: str, made: UserKeys | None = None) -> tuple[bytes, int, int, bytes]:
+             algorithm: str, made: UserKeys | None = None, keys: R6Keys | None = None) -> tuple[bytes, int, int, bytes]:
     """The note encrypted and written with its signature's place, and the digest to sign."""
     if algorithm not in ENCRYPTIONS:
         raise SignError(f"unknown encryption {algorithm!r} (one of {', '.join(ENCRYPTIONS)})")
     user = pan.upper()
     if algorithm != "none" and user == owner_password:
         raise SignError("owner password must differ from the user password")
-    keys = r6_keys(user, owner_password, PRINT_ONLY_P, made) if algorithm == "aes256" else None
+    keys = (keys or r6_keys(user, owner_password, PRINT_ONLY_P, made)) if algorithm == "aes256" else None
     try:
         if keys:
             doc = pikepdf.Pdf.open(BytesIO(declare(pdf, keys)), password=keys.file_key.hex(), hex_password=True)
