@@ -178,6 +178,7 @@ AVX512 static void sha512_lanes(lane **lanes, int n)
         __m512i w[16], a = s[0], bb = s[1], c = s[2], d = s[3], e = s[4], f = s[5], g = s[6], h = s[7];
         for (int t = 0; t < 16; t++)
             w[t] = _mm512_load_si512(words[t]);
+#pragma GCC unroll 80 /* every w[] index a constant: the schedule stays in registers */
         for (int t = 0; t < 80; t++) {
             if (t >= 16) {
                 __m512i w2 = w[(t - 2) & 15], w15 = w[(t - 15) & 15];
