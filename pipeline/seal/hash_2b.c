@@ -244,7 +244,8 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
     for (size_t i = 0; i < n; i++)
         if (ends[i] < (i ? ends[i - 1] : 0) || ends[i] - (i ? ends[i - 1] : 0) > MAX_PASSWORD)
             return -1;
-    lane *all = calloc(POOL, sizeof(lane)); /* 500 KB: not on a thread's stack */
+    int pool = n < POOL ? (int)n : POOL; /* a note's two hashes need not pay for sixteen lanes' memory */
+    lane *all = calloc(pool, sizeof(lane)); /* up to 500 KB: not on a thread's stack */
     EVP_MD *sha2[3] = {EVP_MD_fetch(NULL, "SHA256", NULL), EVP_MD_fetch(NULL, "SHA384", NULL),
                        EVP_MD_fetch(NULL, "SHA512", NULL)};
     EVP_MD_CTX *md = EVP_MD_CTX_new();
@@ -256,7 +257,7 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
     while (ok) {
         lane *ready[POOL], *wide[POOL];
         int n_ready = 0, n_wide = 0;
-        for (int j = 0; ok && j < POOL; j++) {
+        for (int j = 0; ok && j < pool; j++) {
             lane *l = &all[j];
             if (l->busy && !l->wide && !running(l)) {
                 memcpy(out + 32 * l->job, l->k, 32);
@@ -309,7 +310,7 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
                 ok = digest(md, sha2[sum % 3], l);
         }
         int moving = 0; /* a lane that will take the AES next: still running, or free for a hash left */
-        for (int j = 0; j < POOL; j++) {
+        for (int j = 0; j < pool; j++) {
             lane *l = &all[j];
             if (l->wide)
                 wide[n_wide++] = l;
