@@ -309,19 +309,22 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
             else
                 ok = digest(md, sha2[sum % 3], l);
         }
-        int moving = 0; /* a lane that will take the AES next: still running, or free for a hash left */
+        /* lanes that will take the AES next (still running, or free for a hash left), and with the
+         * waiting ones, those in flight: fewer than eight in flight never fill the lanes */
+        int moving = 0, flight;
         for (int j = 0; j < pool; j++) {
             lane *l = &all[j];
             if (l->wide)
                 wide[n_wide++] = l;
             else if ((l->busy && running(l)) || next < n)
-                moving = 1;
+                moving++;
         }
+        flight = moving + n_wide;
         if (!ok || (n_wide == 0 && !moving && n_ready == 0))
             break;
         for (int i = 0; ok && i < n_wide; i += LANES) {
             int group = n_wide - i < LANES ? n_wide - i : LANES;
-            if (group < LANES && moving)
+            if (group < LANES && moving && flight >= LANES)
                 break; /* they wait for more to fill the lanes */
 #if defined(__x86_64__)
             if (group >= WIDE_FROM)

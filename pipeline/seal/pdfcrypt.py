@@ -117,13 +117,9 @@ class UserKeys:
         return "UserKeys(...)"
 
 
-def user_keys(user_password: str) -> UserKeys:
-    """Algorithm 8 of ISO 32000-2: U and UE for a fresh file key."""
-    return user_keys_all([user_password])[0]
-
-
 def user_keys_all(user_passwords: Sequence[str]) -> list[UserKeys]:
-    """user_keys for each password, their hashes in one batch."""
+    """Algorithm 8 of ISO 32000-2 for each password: U and UE for a fresh file key, the
+    passwords' hashes in one batch."""
     users = [password_bytes(password) for password in user_passwords]
     file_keys, salts = [os.urandom(32) for _ in users], [os.urandom(16) for _ in users]
     hashes = iter(hash_2b_all([(user, salt[i:i + 8], b"") for user, salt in zip(users, salts) for i in (0, 8)]))
