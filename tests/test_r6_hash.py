@@ -65,6 +65,17 @@ def test_a_batch_in_lanes_equals_the_reference_each(jobs):
     assert pdfcrypt.hash_2b_all(jobs) == [pdfcrypt.hash_2b_reference(*job) for job in jobs]
 
 
+def test_a_shards_worth_fills_every_lane_and_each_hash_is_its_own():
+    """Forty hashes of both kinds in a call, as a shard's notes make them: sixteen in flight, the
+    SHA-512 lanes full, lanes retiring and taking the next hash; the same password with other
+    salts gives other hashes, each the reference's."""
+    for udata in (b"", os.urandom(48)):
+        jobs = [(b"ABCPD%04dE" % (i % 7), os.urandom(8), udata) for i in range(40)]
+        got = pdfcrypt.hash_2b_all(jobs)
+        assert got == [pdfcrypt.hash_2b_reference(*job) for job in jobs]
+        assert len(set(got)) == 40
+
+
 def test_the_sha512_lanes_run_where_the_cpu_has_avx512():
     """Not only the one-at-a-time path: the lanes of the test above are the ones a note uses."""
     flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
