@@ -4,7 +4,7 @@
   sign_ms         ours, signature only
   sign_aes256_ms  ours, AES-256 (R6) encryption + signature (the default), the whole of it: all four
                   R6 password hashes are counted here, the user's two included, which production
-                  makes at render (`user_half`) and hands to the signer
+                  makes at render (`user_halves`) and hands to the signer
   sign_aes256_batch_ms  the same as the stages do it, a chunk's notes a call: the render stage's
                   `user_halves`, then the signer's `protect_all` (their R6 hashes eight at once)
   sign_aes128_ms  ours, AES-128 (R4) encryption + signature

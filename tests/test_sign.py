@@ -313,16 +313,17 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
 
 def test_a_batch_keys_each_note_with_its_own_pan(tmp_path, note_pdf, signer):
     """protect_all makes a batch's keys together (their password hashes in the C's lanes): each
-    note opens with its own client's PAN and the owner's password, not with a neighbour's; a note
-    with the render's user half and one without are keyed alike; one whose PAN is the owner's
-    password fails alone."""
+    note opens with its own client's PAN and the owner's password, not with a neighbour's, notes
+    with the render's user half and without it taking turns; one whose PAN is the owner's
+    password, among them, fails alone."""
     pans, owner = [f"ABCPD{i:04d}E" for i in range(11)], OWNER.upper()
-    made = user_halves(pans[:6], "aes256") + [None] * 5
-    notes = [(note_pdf, pan, m) for pan, m in zip(pans, made)] + [(note_pdf, owner.lower(), None)]
+    halves = iter(user_halves(pans[::2], "aes256"))
+    notes = [(note_pdf, pan, next(halves) if i % 2 == 0 else None) for i, pan in enumerate(pans)]
+    notes.insert(5, (note_pdf, owner.lower(), None))  # refused, between the others: their keys must not shift
     signed = protect_all(notes, owner, signer, SignatureInfo(), "aes256")
 
-    assert isinstance(signed[-1], SignError) and "differ" in str(signed[-1])
-    for i, (pdf, pan) in enumerate(zip(signed[:-1], pans)):
+    assert isinstance(signed[5], SignError) and "differ" in str(signed[5])
+    for i, (pdf, pan) in enumerate(zip(signed[:5] + signed[6:], pans)):
         path = tmp_path / f"note{i}.pdf"
         path.write_bytes(pdf)
         assert "Supplied password is user password" in show_encryption(path, pan)

@@ -2,20 +2,24 @@
  * runs it four times (U and UE from the user's password, O and OE from the owner's): 64 or
  * more rounds each of AES-128-CBC over up to 15 KB and a SHA-2 of the result, 0.3-0.7 ms a
  * hash, the largest part of a note's CPU after Typst's compile. One call hashes a whole
- * batch's (a shard's notes: hundreds), eight at a time in lanes, a finished lane taking the
+ * batch's (a shard's notes: hundreds), sixteen under way, a finished one's lane taking the
  * next hash at once:
  *   - CBC is a chain: one block's AES waits for the one before, so a lone chain leaves the
  *     AES unit idle most of the time; eight chains interleaved keep it busy (AES-NI, or
- *     OpenSSL's EVP one lane at a time where the CPU lacks it). Every lane runs to the
+ *     OpenSSL's EVP one lane at a time where the CPU lacks it), eight at a time. Every lane runs to the
  *     longest lane's blocks: what a shorter lane computes past its own end is never read.
  *   - SHA-384 and SHA-512 share a compression function, which AVX-512 runs for eight lanes
  *     at once, each 64-bit word in a lane of its own (sha512_lanes); a lane past its last
- *     block keeps its state. A round takes one of the three SHA-2s by its data, so sixteen
- *     hashes are under way, and those waiting for a SHA-384 or SHA-512 wait until eight fill
- *     the lanes (or nothing else is left). SHA-256 is OpenSSL's (SHA-NI where the CPU has it).
+ *     block keeps its state. A round takes one of the three SHA-2s by its data, so those
+ *     waiting for a SHA-384 or SHA-512 wait, oldest first, until eight fill the lanes, when
+ *     eight or more hashes are in flight; fewer than WIDE_FROM go to OpenSSL's one at a time.
+ *     SHA-256 is OpenSSL's (SHA-NI where the CPU has it). The SHA-512 lanes need AVX-512
+ *     (Intel's Xeons since Skylake-SP, AMD's Zen 4: c6i, c7i, c7a; not c6a's Zen 3): with it
+ *     a hash in a batch costs ~0.48 of the two-lane code's CPU before, without it ~0.88.
  * pdfcrypt.hash_2b_reference is the same algorithm in Python, and tests/test_r6_hash.py holds
  * the two and a published vector together.
  */
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -253,10 +257,12 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
     EVP_CIPHER_CTX *aes = EVP_CIPHER_CTX_new();
     int ok = all && sha2[0] && sha2[1] && sha2[2] && md && cipher && aes;
     size_t next = 0;
+    lane *waiting[POOL]; /* those whose SHA-384 or SHA-512 waits, oldest first */
+    int n_waiting = 0;
 
     while (ok) {
-        lane *ready[POOL], *wide[POOL];
-        int n_ready = 0, n_wide = 0;
+        lane *ready[POOL];
+        int n_ready = 0;
         for (int j = 0; ok && j < pool; j++) {
             lane *l = &all[j];
             if (l->busy && !l->wide && !running(l)) {
@@ -304,44 +310,46 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
                 sum += l->e[b];
             l->last = l->e[l->total - 1];
             l->rounds++;
-            if (sum % 3 && avx512)
-                l->wide = sum % 3; /* 1: SHA-384, 2: SHA-512, in the lanes once eight wait */
-            else
+            if (sum % 3 && avx512) {
+                l->wide = sum % 3; /* 1: SHA-384, 2: SHA-512, in the lanes */
+                waiting[n_waiting++] = l;
+            } else
                 ok = digest(md, sha2[sum % 3], l);
         }
-        /* lanes that will take the AES next (still running, or free for a hash left), and with the
-         * waiting ones, those in flight: fewer than eight in flight never fill the lanes */
-        int moving = 0, flight;
-        for (int j = 0; j < pool; j++) {
-            lane *l = &all[j];
-            if (l->wide)
-                wide[n_wide++] = l;
-            else if ((l->busy && running(l)) || next < n)
+        /* lanes that will take the AES next (still running, or free for a hash left); with the
+         * waiting ones, those in flight: fewer than eight in flight never fill the lanes, so then
+         * none waits */
+        int moving = 0, done = 0;
+        for (int j = 0; j < pool; j++)
+            if (!all[j].wide && ((all[j].busy && running(&all[j])) || next < n))
                 moving++;
-        }
-        flight = moving + n_wide;
-        if (!ok || (n_wide == 0 && !moving && n_ready == 0))
+        if (!ok || (n_waiting == 0 && !moving && n_ready == 0))
             break;
-        for (int i = 0; ok && i < n_wide; i += LANES) {
-            int group = n_wide - i < LANES ? n_wide - i : LANES;
-            if (group < LANES && moving && flight >= LANES)
+        while (ok && done < n_waiting) {
+            int group = n_waiting - done < LANES ? n_waiting - done : LANES;
+            if (group < LANES && moving && moving + n_waiting >= LANES)
                 break; /* they wait for more to fill the lanes */
 #if defined(__x86_64__)
             if (group >= WIDE_FROM)
-                sha512_lanes(wide + i, group);
+                sha512_lanes(waiting + done, group);
             else
 #endif
                 for (int g = 0; ok && g < group; g++)
-                    ok = digest(md, sha2[wide[i + g]->wide], wide[i + g]);
+                    ok = digest(md, sha2[waiting[done + g]->wide], waiting[done + g]);
             for (int g = 0; g < group; g++)
-                wide[i + g]->wide = 0;
+                waiting[done + g]->wide = 0;
+            done += group;
         }
+        n_waiting -= done;
+        memmove(waiting, waiting + done, n_waiting * sizeof(lane *));
     }
     for (int i = 0; i < 3; i++)
         EVP_MD_free(sha2[i]);
     EVP_MD_CTX_free(md);
     EVP_CIPHER_free(cipher);
     EVP_CIPHER_CTX_free(aes);
+    if (all)
+        OPENSSL_cleanse(all, pool * sizeof(lane)); /* the passwords, and the keys UE and OE are made with */
     free(all);
     return ok ? 0 : -1;
 }

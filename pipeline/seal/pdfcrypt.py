@@ -85,8 +85,9 @@ def hash_2b_all(jobs: Sequence[tuple[bytes, bytes, bytes]]) -> list[bytes]:
         if fn(len(which), b"".join(jobs[i][0] for i in which), (ctypes.c_size_t * len(which))(*ends),
               b"".join(jobs[i][1] for i in which), b"".join(jobs[i][2] for i in which), size, digests) != 0:
             raise ValueError("hash_2b: OpenSSL failed")
+        raw = digests.raw
         for at, i in enumerate(which):
-            out[i] = digests.raw[32 * at:32 * at + 32]
+            out[i] = raw[32 * at:32 * at + 32]
     return out
 
 
