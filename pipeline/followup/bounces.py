@@ -36,6 +36,7 @@ from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source
 from pipeline.record import delivery_log, keys, report
 from pipeline.record.lease import reader
+from pipeline.record.records import stamp
 from pipeline.record.state import RunState
 from pipeline.record.storage import read_json
 from pipeline.settings import Settings
@@ -244,7 +245,7 @@ def _record(store, state: RunState, shards: int, found: dict[str, Found], tally:
     by_shard = defaultdict(dict)
     for ucc, f in fresh.items():
         by_shard[keys.shard_of(ucc, shards)][ucc] = f
-    now = round(time.time(), 3)
+    now = stamp()
 
     def log_new(item: tuple[int, dict[str, Found]]) -> None:
         """The shard's new entries, after what its log holds (the log is the truth)."""

@@ -18,7 +18,7 @@ import redis.asyncio
 from pipeline.errors import CannotRun
 from pipeline.record import keys
 from pipeline.record.lease import LeaseLostError
-from pipeline.record.records import RECORD_FN, Outcome
+from pipeline.record.records import RECORD_FN, Outcome, stamp
 
 
 class StateLostError(CannotRun, RuntimeError):
@@ -90,7 +90,7 @@ class MailGuard:
 
     def _claim_args(self, ucc: str, epoch: str, lease: str, recording: Iterable[Outcome], token: str = "",
                     resend: bool = False) -> list:
-        now = round(time.time(), 3)
+        now = stamp()
         return [keys.run_meta(self.run_id), keys.run_mailguard(self.run_id), keys.run_lease(self.run_id),
                 *self._record_keys(), ucc, epoch, self.ttl_s, token or claim_token(lease), lease, now,
                 1 if resend else 0, *self._record_args(recording, now)]  # Records, beside it in RunState
