@@ -6,7 +6,7 @@
  * next hash at once:
  *   - CBC is a chain: one block's AES waits for the one before, so a lone chain leaves the
  *     AES unit idle most of the time; eight chains interleaved keep it busy (AES-NI, or
- *     OpenSSL's EVP one lane at a time where the CPU lacks it), eight at a time. Every lane runs to the
+ *     OpenSSL's EVP one lane at a time where the CPU lacks it). Every lane runs to the
  *     longest lane's blocks: what a shorter lane computes past its own end is never read.
  *   - SHA-384 and SHA-512 share a compression function, which AVX-512 runs for eight lanes
  *     at once, each 64-bit word in a lane of its own (sha512_lanes); a lane past its last
