@@ -37,7 +37,9 @@
 #define WIDE_FROM 3 /* SHA-512s in the lanes from this many: eight lanes cost ~2.7 of OpenSSL's one at a time */
 
 typedef struct {
-    size_t job; /* the hash this lane computes */
+    size_t job; /* the hash this lane computes, of these: */
+    const unsigned char *password, *salt, *udata;
+    size_t password_len;
     unsigned char k[64];
     unsigned int k_len;
     int rounds, last, busy;
@@ -272,23 +274,27 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
             if (!l->busy && next < n) { /* the next hash: K = SHA-256(password, salt, udata) */
                 size_t from = next ? ends[next - 1] : 0;
                 l->job = next++;
+                l->password = passwords + from;
+                l->password_len = ends[l->job] - from;
+                l->salt = salts + 8 * l->job;
+                l->udata = udata + udata_len * l->job;
                 l->busy = 1;
                 l->rounds = l->last = 0;
-                ok = EVP_DigestInit_ex2(md, sha2[0], NULL) && EVP_DigestUpdate(md, passwords + from, ends[l->job] - from)
-                     && EVP_DigestUpdate(md, salts + 8 * l->job, 8)
-                     && EVP_DigestUpdate(md, udata + udata_len * l->job, udata_len)
+                ok = EVP_DigestInit_ex2(md, sha2[0], NULL) && EVP_DigestUpdate(md, l->password, l->password_len)
+                     && EVP_DigestUpdate(md, l->salt, 8) && EVP_DigestUpdate(md, l->udata, udata_len)
                      && EVP_DigestFinal_ex(md, l->k, &l->k_len);
             }
             if (l->busy && !l->wide)
                 ready[n_ready++] = l;
         }
-        for (int i = 0; ok && i < n_ready; i++) {
+        if (!ok || (n_ready == 0 && n_waiting == 0))
+            break; /* every hash written out */
+        for (int i = 0; i < n_ready; i++) {
             lane *l = ready[i];
-            size_t from = l->job ? ends[l->job - 1] : 0, password_len = ends[l->job] - from;
-            size_t sequence = password_len + l->k_len + udata_len;
-            memcpy(l->k1, passwords + from, password_len);
-            memcpy(l->k1 + password_len, l->k, l->k_len);
-            memcpy(l->k1 + password_len + l->k_len, udata + udata_len * l->job, udata_len);
+            size_t sequence = l->password_len + l->k_len + udata_len;
+            memcpy(l->k1, l->password, l->password_len);
+            memcpy(l->k1 + l->password_len, l->k, l->k_len);
+            memcpy(l->k1 + l->password_len + l->k_len, l->udata, udata_len);
             for (size_t at = sequence; at < 64 * sequence; at += sequence)
                 memcpy(l->k1 + at, l->k1, sequence);
             l->total = 64 * sequence;
@@ -323,8 +329,6 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
         for (int j = 0; j < pool; j++)
             if (!all[j].wide && ((all[j].busy && running(&all[j])) || next < n))
                 moving++;
-        if (!ok || (n_waiting == 0 && !moving && n_ready == 0))
-            break;
         while (ok && done < n_waiting) {
             int group = n_waiting - done < LANES ? n_waiting - done : LANES;
             if (group < LANES && moving && moving + n_waiting >= LANES)
