@@ -188,7 +188,7 @@ def main() -> None:
 def once(args) -> dict:
     import ray
 
-    from pipeline.cluster.driver import job_config
+    from pipeline.cluster.driver import job_config, workers_malloc
 
     with tempfile.TemporaryDirectory(prefix="bench-mail-") as tmp:
         work = Path(tmp)
@@ -196,7 +196,9 @@ def once(args) -> dict:
         (work / "faults.json").write_text(json.dumps({"delay_ms": 1, "chunking": not args.no_chunking}))
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(work / "faults.json")])
-        ray.init(num_cpus=1, resources={"smtp": 2}, include_dashboard=False, log_to_driver=False, job_config=job_config())
+        with workers_malloc():  # the allocator a run's Ray has
+            ray.init(num_cpus=1, resources={"smtp": 2}, include_dashboard=False, log_to_driver=False,
+                     job_config=job_config())
         try:
             host, port = smtp.url.removeprefix("smtp://").split(":")
             settings = Settings.from_env(redis_url=redis.url, smtp_url=smtp.url, store_url=str(work / "store"),

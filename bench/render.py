@@ -201,16 +201,17 @@ def huge(pages: int) -> dict:
     import psutil
     import ray
 
-    from pipeline.cluster.driver import RENDER_SLOT
+    from pipeline.cluster.driver import RENDER_SLOT, workers_malloc
     from pipeline.cluster.page_ranges import RANGE_PAGES
     from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
     times = tempfile.mkdtemp(prefix="cn-range-times-")
-    ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
-                          "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events
+    with workers_malloc():  # the allocator a run's Ray has
+        ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
+                              "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events
     # A worker a slot, as a render node's are once it has rendered shards. A range on the CPU the
     # render task lends while it waits for the ranges tasks hold needs one more: Ray starts it,
     # as on a node (and stops it a second after it is idle, past a worker a CPU).

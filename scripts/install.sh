@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 # opendkim: the tests' DKIM-signing relay (Postfix with OpenDKIM as its milter);
 # softhsm2 and p11-kit: the embedded default's and the tests' HSM token, in process and behind `p11-kit server`;
 # gcc, libssl-dev and python3-dev: the C functions (pipeline/native.py builds each *.c under pipeline/; the R6
-# password hash links libcrypto, and the extension modules build against the Python's headers)
+# password hash links libcrypto, and the extension modules build against the Python's headers);
+# libjemalloc2: the allocator a local run's Ray processes run with (pipeline/cluster/driver.py, workers_malloc)
 APT_PACKAGES=(redis-server poppler-utils qpdf fonts-noto-core fonts-noto-mono fonts-dejavu-core chromium
-              dovecot-imapd postfix opendkim softhsm2 p11-kit p11-kit-modules gcc libc6-dev libssl-dev python3-dev)
+              dovecot-imapd postfix opendkim softhsm2 p11-kit p11-kit-modules gcc libc6-dev libssl-dev python3-dev libjemalloc2)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
