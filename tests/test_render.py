@@ -15,7 +15,8 @@ from pipeline.day.dumps import Client, effective_trades, parse_trade
 from pipeline.note.charges import compute
 from pipeline.note.content import build_note, money
 from pipeline.note import fonts
-from pipeline.note.assemble import merge
+from pipeline.note.assemble import _split_by_qpdf, merge, split
+from pipeline.note.cut import Compile, NotCut
 from pipeline.note.render import RenderError, _Compiler, compiler, render, render_all
 from pipeline.stages import broker
 
@@ -172,6 +173,67 @@ def test_a_note_typst_cannot_compile_fails_alone_and_its_compile_mates_render(tm
         assert_only_its_own(pdfs[i], notes[i], [n for n in notes if n is not notes[i]], tmp_path)
     notes[1]["pages"][0]["groups"][0]["lines"] = "a  line"  # a text, not lines: not spaced into a list of letters
     assert isinstance(render_all(notes)[1], RenderError)
+
+
+def test_notes_cut_by_copying_the_compile_s_objects_read_as_qpdf_cuts_them(tmp_path):
+    """cut.py copies a note's objects as Typst wrote them; qpdf parses and writes them again.
+    Poppler reads the same pages and metadata from both, and qpdf finds nothing wrong."""
+    notes = [client_note(i, trades) for i, trades in enumerate([3, 70, 12, 1, 130, 20])]
+    pdf = compiler().compile(notes, False)
+    Compile(pdf)  # of the shape that is copied: no fall back here
+    copied, by_qpdf = split(pdf, notes), _split_by_qpdf(pdf, notes, sum(len(n["pages"]) for n in notes))
+    for one, other in zip(copied, by_qpdf):
+        assert pdf_text(one, tmp_path) == pdf_text(other, tmp_path)
+        kept = pdf_info(one, tmp_path)
+        assert kept.pop("PDF version") == "1.7"  # Typst's, where pikepdf's new file said 1.5
+        differ = ("File size", "Optimized", "PDF version")
+        assert {k: v for k, v in kept.items() if k not in differ} == {
+            k: v for k, v in pdf_info(other, tmp_path).items() if k not in differ}
+        (tmp_path / "one.pdf").write_bytes(one)
+        check = subprocess.run(["qpdf", "--check", str(tmp_path / "one.pdf")], capture_output=True, text=True)
+        assert check.returncode == 0 and "No syntax or stream encoding errors" in check.stdout, check.stdout
+
+
+def _restated(pdf: bytes, change=None, **save) -> bytes:
+    import io
+
+    import pikepdf
+
+    with pikepdf.open(io.BytesIO(pdf)) as doc:
+        if change:
+            change(doc)
+        out = io.BytesIO()
+        doc.save(out, **save)
+        return out.getvalue()
+
+
+def test_a_compile_not_of_the_copied_shape_is_cut_by_qpdf(tmp_path):
+    import pikepdf
+
+    notes = [client_note(i, 5) for i in range(3)]
+    streams = _restated(compiler().compile(notes, False), object_stream_mode=pikepdf.ObjectStreamMode.generate)
+    with pytest.raises(NotCut):
+        Compile(streams)
+    for note, pdf in zip(notes, split(streams, notes)):
+        assert_only_its_own(pdf, note, [n for n in notes if n is not note], tmp_path)
+
+
+def test_a_page_that_reaches_another_note_s_page_is_never_copied():
+    """A link from one note's page to the next note's page would copy that page's text."""
+    from pikepdf import Array, Dictionary, Name, ObjectStreamMode
+
+    notes = [client_note(i, 5) for i in range(2)]
+
+    def link(doc):
+        doc.pages[0].obj.Annots = Array([doc.make_indirect(Dictionary(
+            Type=Name.Annot, Subtype=Name.Link, Rect=Array([0, 0, 9, 9]), Dest=Array([doc.pages[1].obj, Name.Fit])))])
+
+    plain = Compile(_restated(compiler().compile(notes, False), object_stream_mode=ObjectStreamMode.disable))
+    assert plain.cut(0, 1, {}, b"")  # qpdf's plain objects are of the shape
+    linked = Compile(_restated(compiler().compile(notes, False), link, object_stream_mode=ObjectStreamMode.disable))
+    with pytest.raises(NotCut, match="another page"):
+        linked.cut(0, 1, {}, b"")
+    assert linked.cut(1, 1, {}, b"")
 
 
 def pdf_info(pdf: bytes, tmp_path: Path) -> dict[str, str]:

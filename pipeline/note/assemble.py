@@ -13,6 +13,8 @@ from xml.sax.saxutils import escape
 
 import pikepdf
 
+from pipeline.note.cut import MADE, Compile, NotCut
+
 
 class PaginationError(RuntimeError):
     """A compile's pages are not what its notes' pagination promised: cut by those counts, a
@@ -22,14 +24,37 @@ class PaginationError(RuntimeError):
 def split(pdf: bytes, notes: list[dict]) -> list[bytes]:
     """One file a note, with its own metadata, out of a compile of `notes` in order. Each
     note's pages are its `pages`; pagination can only add pages (a page that overflows),
-    so a total that matches means each note has exactly its own. A lone note keeps the whole
-    compile (a tagged PDF keeps its structure tree, which cutting pages out would drop)."""
+    so a total that matches means each note has exactly its own. Cut by copying the compile's
+    objects (cut.py), or with pikepdf where the compile is not of the shape that copies."""
+    promised = sum(len(n["pages"]) for n in notes)
+    try:
+        whole = Compile(pdf)
+        if len(notes) == 1:  # all its pages, as many as it printed
+            return [_cut(whole, 0, len(whole.pages), notes[0])]
+        if len(whole.pages) != promised:
+            raise PaginationError(f"{len(notes)} notes compiled to {len(whole.pages)} pages, {promised} promised")
+        out, at = [], 0
+        for note in notes:
+            out.append(_cut(whole, at, len(note["pages"]), note))
+            at += len(note["pages"])
+        return out
+    except NotCut:
+        return _split_by_qpdf(pdf, notes, promised)
+
+
+def _cut(whole: Compile, first: int, count: int, note: dict) -> bytes:
+    meta = _meta(note)
+    return whole.cut(first, count, {**whole.made, **meta}, _xmp(meta, whole.made))
+
+
+def _split_by_qpdf(pdf: bytes, notes: list[dict], promised: int) -> list[bytes]:
+    """A lone note keeps the whole compile (a tagged PDF keeps its structure tree, which
+    cutting pages out would drop)."""
     with pikepdf.open(BytesIO(pdf)) as whole:
-        made = {name: str(whole.docinfo[name]) for name in ("/Creator", "/CreationDate", "/ModDate")}
+        made = {name: str(whole.docinfo[name]) for name in MADE}
         if len(notes) == 1:
             describe(whole, notes[0], made)
             return [_saved(whole)]
-        promised = sum(len(n["pages"]) for n in notes)
         if len(whole.pages) != promised:
             raise PaginationError(f"{len(notes)} notes compiled to {len(whole.pages)} pages, {promised} promised")
         out, at = [], 0
@@ -48,16 +73,20 @@ def describe(doc: pikepdf.Pdf, note: dict, made: dict[str, str]) -> None:
     """The note's metadata, in the document information and in XMP (the fields Typst wrote when a
     compile was one note): what a reader's Properties dialog and a search index show. `made`:
     the compile's Creator, CreationDate and ModDate."""
+    meta = _meta(note)
+    doc.trailer.Info = doc.make_indirect(pikepdf.Dictionary({**made, **meta}))
+    doc.Root.Metadata = doc.make_stream(_xmp(meta, made), Type=pikepdf.Name.Metadata, Subtype=pikepdf.Name.XML)
+
+
+def _meta(note: dict) -> dict[str, str]:
     number, ucc, date = note["note"]["number"], note["client"]["ucc"], note["note"]["trade_date"]
     broker = note["broker"]
-    meta = {
+    return {
         "/Title": f"Contract Note {number}",
         "/Author": broker["name"],
         "/Subject": f"Contract note cum tax invoice for trade date {date}, client {ucc}",
         "/Keywords": ", ".join(("contract note", "tax invoice", f"SAC {broker['sac_code']}", number)),
     }
-    doc.trailer.Info = doc.make_indirect(pikepdf.Dictionary({**made, **meta}))
-    doc.Root.Metadata = doc.make_stream(_xmp(meta, made), Type=pikepdf.Name.Metadata, Subtype=pikepdf.Name.XML)
 
 
 def _xmp(meta: dict[str, str], made: dict[str, str]) -> bytes:

@@ -1,0 +1,179 @@
+"""Notes cut out of a compile by copying its objects' bytes.
+
+Typst writes a compile as plain objects under one cross-reference table: every page a /Page
+of one /Pages, the fonts and resources shared. A note's file is its pages and what they
+reference (but /Parent, back up the tree), copied as they are under the compile's object
+numbers; a /Pages of its own pages under the old /Pages number, so each page's /Parent holds;
+the compile's catalog; the note's metadata under the numbers the compile's had. Cut with
+pikepdf, which parses, copies and writes every object again, a typical note took 0.45 ms (a
+fifth of a render task's CPU under Ray); copied, 0.13.
+
+Whatever is not of that shape raises NotCut, and assemble.py cuts with pikepdf: a
+structure tree (a tagged note), a page that reaches a page that is not its note's, an object
+the table does not place where it says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+
+_TOKENS = re.compile(rb"\((?:[^()\\]|\\.)*\)|[()]|<<|>>|<[0-9A-Fa-f\s]*>|(\d+) (\d+) R\b|(stream)\r?\n|(endobj)")
+_ENTRY = re.compile(rb"(\d{10}) (\d{5}) ([nf])")
+_LITERAL = re.compile(rb"/(\w+)\s*\(((?:[^()\\]|\\.)*)\)")
+
+
+MADE = ("/Creator", "/CreationDate", "/ModDate")  # what a note's Info keeps of its compile's
+
+
+class NotCut(ValueError):
+    """The compile is not of the shape cut() copies from."""
+
+
+class Compile:
+    """A compile's objects, where each lies and what it references, read once for all its notes."""
+
+    def __init__(self, pdf: bytes) -> None:
+        self.pdf = pdf
+        self._refs: dict[int, list[int]] = {}
+        self._streams: set[int] = set()  # of the objects read so far
+        try:
+            at = int(pdf[pdf.rindex(b"startxref") + 9:].split(maxsplit=1)[0])
+        except (ValueError, IndexError):
+            raise NotCut("no startxref") from None
+        head, _, rest = pdf[at:].partition(b"trailer")
+        section = re.match(rb"xref\s+0 (\d+)\s+", head)
+        entries = _ENTRY.findall(head, section.end()) if section else []
+        if not section or len(entries) != int(section.group(1)):
+            raise NotCut("not one cross-reference table from object 0")
+        placed = sorted((int(off), n) for n, (off, _, kind) in enumerate(entries) if kind == b"n")
+        self.spans = {n: (off, end) for (off, n), (end, _) in zip(placed, [*placed[1:], (at, 0)])}
+        trailer = rest.split(b"startxref", 1)[0]
+        self.size = len(entries)
+        self.root, self.info = _ref(trailer, b"Root"), _ref(trailer, b"Info")
+        catalog = self.dict(self.root)
+        if b"/StructTreeRoot" in catalog:
+            raise NotCut("a tagged compile")
+        self.pages_at, self.metadata = _ref(catalog, b"Pages"), _ref(catalog, b"Metadata")
+        if set(self.refs(self.root)) != {self.pages_at, self.metadata}:
+            raise NotCut("the catalog references more than its pages and metadata")
+        tree = self.dict(self.pages_at)
+        self.pages = [int(n) for n in re.findall(rb"(\d+) 0 R", tree.split(b"/Kids", 1)[-1].split(b"]", 1)[0])]
+        found = {"/" + k.decode(): _unescape(v) for k, v in _LITERAL.findall(self.dict(self.info))}
+        try:
+            self.made = {name: found[name] for name in MADE}
+        except KeyError as e:
+            raise NotCut(f"no {e} in the compile's Info") from None
+
+    def object(self, n: int) -> bytes:
+        if n not in self.spans:
+            raise NotCut(f"object {n} is not in the table")
+        start, end = self.spans[n]
+        body = self.pdf[start:end]
+        if not body.startswith(b"%d 0 obj" % n):
+            raise NotCut(f"object {n} is not where the table says")
+        return body
+
+    def body(self, n: int) -> bytes:
+        """Object n's value, without its number and keywords (as an object stream holds it)."""
+        obj = self.object(n)
+        return obj[len(b"%d 0 obj" % n):obj.rindex(b"endobj")].strip()
+
+    def dict(self, n: int) -> bytes:
+        """Object n up to its stream or its end: what can reference other objects."""
+        body = self.object(n)
+        kept = re.search(rb">>\s*stream\r?\n", body)
+        return body[:kept.start() + 2] if kept else body
+
+    def refs(self, n: int) -> list[int]:
+        """The objects n references, read token by token: a string or a stream that happens
+        to hold "3 0 R" is not a reference."""
+        if n not in self._refs:
+            found, depth = [], 0
+            for m in _TOKENS.finditer(self.object(n), len(b"%d 0 obj" % n)):
+                token = m.group()
+                if token in (b"(", b")"):
+                    raise NotCut(f"object {n} has a string this reader does not follow")
+                if m.group(1):
+                    found.append(int(m.group(1)))
+                depth += (token == b"<<") - (token == b">>")
+                if m.group(3) and depth == 0:
+                    self._streams.add(n)
+                    break
+                if m.group(4):
+                    break
+            self._refs[n] = found
+        return self._refs[n]
+
+    def cut(self, first: int, count: int, info: dict[str, str], xmp: bytes) -> bytes:
+        """Pages [first, first + count) as a file of their own, with its own Info and XMP."""
+        own = self.pages[first:first + count]
+        others = set(self.pages) - set(own)
+        keep, todo = set(), list(own)
+        while todo:
+            n = todo.pop()
+            if n in keep:
+                continue
+            keep.add(n)
+            todo += [r for r in self.refs(n) if r != self.pages_at]
+        if keep & (others | {self.root, self.info, self.metadata}):
+            raise NotCut("a page of the note references another page or the document's own objects")
+        return self._write(keep, own, info, xmp)
+
+    def _write(self, keep: set[int], own: list[int], info: dict[str, str], xmp: bytes) -> bytes:
+        """The streams as they were; every other object packed into one object stream, left
+        uncompressed (the signer's qpdf reads a note's objects from one in 0.41 ms, and as
+        plain objects in 0.52)."""
+        out = bytearray(b"%PDF-1.7\n%\x80\x80\x80\x80\n")
+        rows: dict[int, tuple[int, int, int]] = {0: (0, 0, 65535)}  # the cross-reference stream's (type, field, field)
+
+        def put(n: int, body: bytes) -> None:
+            rows[n] = (1, len(out), 0)
+            out.extend(body if body.endswith(b"\n") else body + b"\n")
+
+        packed = {}
+        for n in sorted(keep):
+            if n in self._streams:
+                put(n, self.object(n))
+            else:
+                packed[n] = self.body(n)
+        put(self.metadata, b"%d 0 obj\n<</Type/Metadata/Subtype/XML/Length %d>>\nstream\n%s\nendstream\nendobj\n"
+            % (self.metadata, len(xmp), xmp))
+        packed[self.pages_at] = b"<</Type/Pages/Count %d/Kids[%s]>>" % (len(own), b" ".join(b"%d 0 R" % n for n in own))
+        packed[self.root] = self.body(self.root)
+        packed[self.info] = b"<<%s>>" % b"".join(k.encode() + _string(v) for k, v in info.items())
+        objstm, xref = self.size, self.size + 1
+        heads, data = [], bytearray()
+        for i, (n, body) in enumerate(packed.items()):
+            heads.append(b"%d %d" % (n, len(data)))
+            data += body + b"\n"
+            rows[n] = (2, objstm, i)
+        head = b" ".join(heads) + b"\n"
+        put(objstm, b"%d 0 obj\n<</Type/ObjStm/N %d/First %d/Length %d>>\nstream\n%s%s\nendstream\nendobj\n"
+            % (objstm, len(packed), len(head), len(head) + len(data), head, data))
+        rows[xref] = (1, len(out), 0)
+        table = b"".join(struct.pack(">BIH", *rows.get(n, (0, 0, 0))) for n in range(xref + 1))
+        ident = os.urandom(16).hex().encode()
+        out += (b"%d 0 obj\n<</Type/XRef/Size %d/W[1 4 2]/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]/Length %d>>\nstream\n"
+                % (xref, xref + 1, self.root, self.info, ident, ident, len(table)))
+        out += table + b"\nendstream\nendobj\nstartxref\n%d\n%%%%EOF\n" % rows[xref][1]
+        return bytes(out)
+
+
+def _ref(text: bytes, key: bytes) -> int:
+    found = re.search(rb"/%s\s*(\d+) 0 R" % key, text)
+    if not found:
+        raise NotCut(f"no /{key.decode()}")
+    return int(found.group(1))
+
+
+def _unescape(literal: bytes) -> str:
+    return re.sub(rb"\\(.)", rb"\1", literal).decode("latin-1")
+
+
+def _string(value: str) -> bytes:
+    """A PDF text string: printable ASCII as a literal, anything else UTF-16BE with its mark."""
+    if value.isascii() and value.isprintable():
+        return b"(" + re.sub(rb"([()\\])", rb"\\\1", value.encode()) + b")"
+    return b"<FEFF" + value.encode("utf-16-be").hex().upper().encode() + b">"
