@@ -21,6 +21,7 @@ import struct
 
 _TOKENS = re.compile(rb"\((?:[^()\\]|\\.)*\)|[()]|<<|>>|<[0-9A-Fa-f\s]*>|(\d+) (\d+) R\b|(stream)\r?\n|(endobj)")
 _ENTRY = re.compile(rb"(\d{10}) (\d{5}) ([nf])")
+ROW = struct.Struct(">BIH")  # a cross-reference stream's row: type, offset or object stream, generation or index
 _LITERAL = re.compile(rb"/(\w+)\s*\(((?:[^()\\]|\\.)*)\)")
 
 
@@ -38,6 +39,7 @@ class Compile:
         self.pdf = pdf
         self._refs: dict[int, list[int]] = {}
         self._streams: set[int] = set()  # of the objects read so far
+        self._reach: dict[int, frozenset[int] | None] = {}
         try:
             at = int(pdf[pdf.rindex(b"startxref") + 9:].split(maxsplit=1)[0])
         except (ValueError, IndexError):
@@ -109,17 +111,20 @@ class Compile:
     def cut(self, first: int, count: int, info: dict[str, str], xmp: bytes) -> bytes:
         """Pages [first, first + count) as a file of their own, with its own Info and XMP."""
         own = self.pages[first:first + count]
-        others = set(self.pages) - set(own)
-        keep, todo = set(), list(own)
-        while todo:
-            n = todo.pop()
-            if n in keep:
-                continue
-            keep.add(n)
-            todo += [r for r in self.refs(n) if r != self.pages_at]
-        if keep & (others | {self.root, self.info, self.metadata}):
+        keep = frozenset().union(*map(self.reach, own))
+        if keep & (set(self.pages).difference(own) | {self.root, self.info, self.metadata}):
             raise NotCut("a page of the note references another page or the document's own objects")
         return self._write(keep, own, info, xmp)
+
+    def reach(self, n: int) -> frozenset[int]:
+        """n and every object it leads to, but up the page tree: once a compile for what the
+        pages share (their resources, the fonts)."""
+        if n not in self._reach:
+            self._reach[n] = None
+            self._reach[n] = frozenset([n]).union(*(self.reach(r) for r in self.refs(n) if r != self.pages_at))
+        if self._reach[n] is None:
+            raise NotCut(f"object {n} leads back to itself")
+        return self._reach[n]
 
     def _write(self, keep: set[int], own: list[int], info: dict[str, str], xmp: bytes) -> bytes:
         """The streams as they were; every other object packed into one object stream, left
@@ -153,7 +158,9 @@ class Compile:
         put(objstm, b"%d 0 obj\n<</Type/ObjStm/N %d/First %d/Length %d>>\nstream\n%s%s\nendstream\nendobj\n"
             % (objstm, len(packed), len(head), len(head) + len(data), head, data))
         rows[xref] = (1, len(out), 0)
-        table = b"".join(struct.pack(">BIH", *rows.get(n, (0, 0, 0))) for n in range(xref + 1))
+        table = bytearray(ROW.size * (xref + 1))  # all free (type 0) but the rows written
+        for n, row in rows.items():
+            ROW.pack_into(table, ROW.size * n, *row)
         ident = os.urandom(16).hex().encode()
         out += (b"%d 0 obj\n<</Type/XRef/Size %d/W[1 4 2]/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]/Length %d>>\nstream\n"
                 % (xref, xref + 1, self.root, self.info, ident, ident, len(table)))
