@@ -85,7 +85,7 @@ def test_cluster_yaml_passes_rays_validation_and_the_aws_bootstrap(aws):
     env = (Path(ROOT) / "scripts/cluster.env").read_text()
     assert "~/.ray/auth_token" in shipped and "RAY_AUTH_MODE=token" in env
     assert f"export MALLOC_ARENA_MAX={MALLOC_ARENAS} " in env  # the nodes' Ray and workers, as a local run's
-    assert f"export LD_PRELOAD={WORKER_MALLOC} " in env and "libjemalloc2" in " ".join(config["setup_commands"])
+    assert f"export LD_PRELOAD={WORKER_MALLOC};" in env and "libjemalloc2" in " ".join(config["setup_commands"])
 
     booted = commands._bootstrap_config(copy.deepcopy(config), no_config_cache=True)
     for node_type in booted["available_node_types"].values():  # ours, not Ray's with SSH open to 0.0.0.0/0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,9 +181,9 @@ def test_notes_cut_by_copying_the_compile_s_objects_read_as_qpdf_cuts_them(tmp_p
     Poppler reads the same pages and metadata from both, and qpdf finds nothing wrong."""
     notes = [client_note(i, trades) for i, trades in enumerate([3, 70, 12, 1, 130, 20])]
     pdf = compiler().compile(notes, False)
-    Compile(pdf)  # of the shape that is copied: no fall back here
     copied, by_qpdf = split(pdf, notes), _split_by_qpdf(pdf, notes, sum(len(n["pages"]) for n in notes))
     for one, other in zip(copied, by_qpdf):
+        assert b"/Type/ObjStm" in one  # copied (what pikepdf writes says /Type /ObjStm)
         assert pdf_text(one, tmp_path) == pdf_text(other, tmp_path)
         kept = pdf_info(one, tmp_path)
         assert kept.pop("PDF version") == "1.7"  # Typst's, where pikepdf's new file said 1.5
@@ -234,6 +235,30 @@ def test_a_page_that_reaches_another_note_s_page_is_never_copied():
     with pytest.raises(NotCut, match="another page"):
         linked.cut(0, 1, {}, b"")
     assert linked.cut(1, 1, {}, b"")
+
+
+def test_what_the_copy_would_get_wrong_is_left_to_qpdf():
+    """An Info string with an escape the copy does not decode; a page size inherited from the
+    page tree, which a note's own /Pages would drop; a reference split over lines, which a
+    reader of single spaces would miss."""
+    from pikepdf import Array, ObjectStreamMode
+
+    notes = [client_note(i, 5) for i in range(2)]
+    pdf = compiler().compile(notes, False)
+    plain = ObjectStreamMode.disable
+
+    def creator(doc):
+        doc.docinfo["/Creator"] = "Typst\n0.15"
+
+    def inherited(doc):
+        doc.Root.Pages.MediaBox = Array([0, 0, 100, 100])
+
+    for change in (creator, inherited):
+        with pytest.raises(NotCut):
+            Compile(_restated(pdf, change, object_stream_mode=plain))
+    page = Compile(pdf).pages[0]
+    split_ref = re.sub(rb"(/Contents \d+) 0 R", rb"\1\n0 R", pdf, count=1)  # the same length: the table holds
+    assert split_ref != pdf and Compile(split_ref).refs(page) == Compile(pdf).refs(page)
 
 
 def pdf_info(pdf: bytes, tmp_path: Path) -> dict[str, str]:

@@ -113,12 +113,13 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     # One signer slot, not one per core: a second signer's start delayed the first note by
     # 0.5-1.6 s and cost 4-7 CPU-s a run, as much as the idle end it saved (2,000 accounts).
     cores = os.cpu_count() or 1
-    with _secrets_kept_from_children(), workers_malloc():
-        # "local": a new Ray whatever /tmp/ray/ray_current_cluster says (a `ray start` once run on this machine
-        # left it; Ray then joined that address, or refused num_cpus, and the command ended in a traceback)
-        ray.init(address="local", num_cpus=cores,
-                 resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
-                 include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
+    with _secrets_kept_from_children():
+        with workers_malloc():
+            # "local": a new Ray whatever /tmp/ray/ray_current_cluster says (a `ray start` once run on this machine
+            # left it; Ray then joined that address, or refused num_cpus, and the command ended in a traceback)
+            ray.init(address="local", num_cpus=cores,
+                     resources={"render": cores, "signer": settings.signers or 1, "smtp": settings.mailers or 1},
+                     include_dashboard=False, log_to_driver=False, object_store_memory=512 * 1024 * 1024)
         _start_reaper()
 
 

@@ -6,7 +6,7 @@ reference (but /Parent, back up the tree), copied as they are under the compile'
 numbers; a /Pages of its own pages under the old /Pages number, so each page's /Parent holds;
 the compile's catalog; the note's metadata under the numbers the compile's had. Cut with
 pikepdf, which parses, copies and writes every object again, a typical note took 0.45 ms (a
-fifth of a render task's CPU under Ray); copied, 0.13.
+fifth of a render task's CPU under Ray); copied, 0.12.
 
 Whatever is not of that shape raises NotCut, and assemble.py cuts with pikepdf: a
 structure tree (a tagged note), a page that reaches a page that is not its note's, an object
@@ -19,8 +19,11 @@ import os
 import re
 import struct
 
-_TOKENS = re.compile(rb"\((?:[^()\\]|\\.)*\)|[()]|<<|>>|<[0-9A-Fa-f\s]*>|(\d+) (\d+) R\b|(stream)\r?\n|(endobj)")
-_ENTRY = re.compile(rb"(\d{10}) (\d{5}) ([nf])")
+# Strings first (what they hold is not read), then dictionaries, references, the stream keyword
+# right after the top dictionary, the object's end; a parenthesis or comment left over is not followed.
+_TOKENS = re.compile(rb"\((?:[^()\\]|\\.)*\)|[()%]|<<|>>|<[0-9A-Fa-f\s]*>|(\d+)\s+(\d+)\s+R\b"
+                     rb"|(?<=>>)\s*(stream)\r?\n|(?<![\w/])(endobj)\b")
+_ENTRY = re.compile(rb"(\d{10}) \d{5} ([nf])")
 ROW = struct.Struct(">BIH")  # a cross-reference stream's row: type, offset or object stream, generation or index
 _LITERAL = re.compile(rb"/(\w+)\s*\(((?:[^()\\]|\\.)*)\)")
 
@@ -49,9 +52,11 @@ class Compile:
         entries = _ENTRY.findall(head, section.end()) if section else []
         if not section or len(entries) != int(section.group(1)):
             raise NotCut("not one cross-reference table from object 0")
-        placed = sorted((int(off), n) for n, (off, _, kind) in enumerate(entries) if kind == b"n")
+        placed = sorted((int(off), n) for n, (off, kind) in enumerate(entries) if kind == b"n")
         self.spans = {n: (off, end) for (off, n), (end, _) in zip(placed, [*placed[1:], (at, 0)])}
         trailer = rest.split(b"startxref", 1)[0]
+        if b"/Prev" in trailer or b"/Encrypt" in trailer:
+            raise NotCut("an updated or encrypted compile")
         self.size = len(entries)
         self.root, self.info = _ref(trailer, b"Root"), _ref(trailer, b"Info")
         catalog = self.dict(self.root)
@@ -60,8 +65,12 @@ class Compile:
         self.pages_at, self.metadata = _ref(catalog, b"Pages"), _ref(catalog, b"Metadata")
         if set(self.refs(self.root)) != {self.pages_at, self.metadata}:
             raise NotCut("the catalog references more than its pages and metadata")
-        tree = self.dict(self.pages_at)
-        self.pages = [int(n) for n in re.findall(rb"(\d+) 0 R", tree.split(b"/Kids", 1)[-1].split(b"]", 1)[0])]
+        tree = re.fullmatch(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>",
+                            self.body(self.pages_at))  # nothing a page inherits, one level of kids
+        self.pages = [int(n) for n in re.findall(rb"(\d+)\s+0\s+R", tree.group(2) or b"")] if tree else []
+        if not tree or len(self.pages) != int(tree.group(1) or -1) or not all(
+                re.search(rb"/Type\s*/Page\b", self.dict(page)) for page in self.pages):
+            raise NotCut("not one /Pages of /Page objects, nothing inherited")
         found = {"/" + k.decode(): _unescape(v) for k, v in _LITERAL.findall(self.dict(self.info))}
         try:
             self.made = {name: found[name] for name in MADE}
@@ -73,8 +82,8 @@ class Compile:
             raise NotCut(f"object {n} is not in the table")
         start, end = self.spans[n]
         body = self.pdf[start:end]
-        if not body.startswith(b"%d 0 obj" % n):
-            raise NotCut(f"object {n} is not where the table says")
+        if not body.startswith(b"%d 0 obj" % n) or not body.rstrip().endswith(b"endobj"):
+            raise NotCut(f"object {n} is not where the table says, or more than it lies there")
         return body
 
     def body(self, n: int) -> bytes:
@@ -95,8 +104,8 @@ class Compile:
             found, depth = [], 0
             for m in _TOKENS.finditer(self.object(n), len(b"%d 0 obj" % n)):
                 token = m.group()
-                if token in (b"(", b")"):
-                    raise NotCut(f"object {n} has a string this reader does not follow")
+                if token in (b"(", b")", b"%"):
+                    raise NotCut(f"object {n} has a string or comment this reader does not follow")
                 if m.group(1):
                     found.append(int(m.group(1)))
                 depth += (token == b"<<") - (token == b">>")
@@ -126,10 +135,10 @@ class Compile:
             raise NotCut(f"object {n} leads back to itself")
         return self._reach[n]
 
-    def _write(self, keep: set[int], own: list[int], info: dict[str, str], xmp: bytes) -> bytes:
+    def _write(self, keep: frozenset[int], own: list[int], info: dict[str, str], xmp: bytes) -> bytes:
         """The streams as they were; every other object packed into one object stream, left
-        uncompressed (the signer's qpdf reads a note's objects from one in 0.41 ms, and as
-        plain objects in 0.52)."""
+        uncompressed: the signer's qpdf opens and writes a typical note so in 0.38-0.39 ms, as
+        plain objects in 0.52, and as pikepdf wrote it (object streams compressed) in 0.41."""
         out = bytearray(b"%PDF-1.7\n%\x80\x80\x80\x80\n")
         rows: dict[int, tuple[int, int, int]] = {0: (0, 0, 65535)}  # the cross-reference stream's (type, field, field)
 
@@ -176,6 +185,8 @@ def _ref(text: bytes, key: bytes) -> int:
 
 
 def _unescape(literal: bytes) -> str:
+    if re.search(rb"\\[^()\\]", literal):
+        raise NotCut("an Info string with an escape other than of ( ) and \\")
     return re.sub(rb"\\(.)", rb"\1", literal).decode("latin-1")
 
 
