@@ -43,6 +43,8 @@ class Compile:
         self._refs: dict[int, list[int]] = {}
         self._streams: set[int] = set()  # of the objects read so far
         self._reach: dict[int, frozenset[int] | None] = {}
+        self._objects: dict[int, bytes] = {}
+        self._bodies: dict[int, bytes] = {}
         try:
             at = int(pdf[pdf.rindex(b"startxref") + 9:].split(maxsplit=1)[0])
         except (ValueError, IndexError):
@@ -78,18 +80,23 @@ class Compile:
             raise NotCut(f"no {e} in the compile's Info") from None
 
     def object(self, n: int) -> bytes:
-        if n not in self.spans:
-            raise NotCut(f"object {n} is not in the table")
-        start, end = self.spans[n]
-        body = self.pdf[start:end]
-        if not body.startswith(b"%d 0 obj" % n) or not body.rstrip().endswith(b"endobj"):
-            raise NotCut(f"object {n} is not where the table says, or more than it lies there")
-        return body
+        """Object n as written, read once a compile: the fonts and resources go in every note."""
+        if n not in self._objects:
+            if n not in self.spans:
+                raise NotCut(f"object {n} is not in the table")
+            start, end = self.spans[n]
+            obj = self.pdf[start:end]
+            if not obj.startswith(b"%d 0 obj" % n) or not obj.rstrip().endswith(b"endobj"):
+                raise NotCut(f"object {n} is not where the table says, or more than it lies there")
+            self._objects[n] = obj
+        return self._objects[n]
 
     def body(self, n: int) -> bytes:
         """Object n's value, without its number and keywords (as an object stream holds it)."""
-        obj = self.object(n)
-        return obj[len(b"%d 0 obj" % n):obj.rindex(b"endobj")].strip()
+        if n not in self._bodies:
+            obj = self.object(n)
+            self._bodies[n] = obj[len(b"%d 0 obj" % n):obj.rindex(b"endobj")].strip()
+        return self._bodies[n]
 
     def dict(self, n: int) -> bytes:
         """Object n up to its stream or its end: what can reference other objects."""
