@@ -188,7 +188,7 @@ def main() -> None:
 def once(args) -> dict:
     import ray
 
-    from pipeline.cluster.driver import job_config, workers_malloc
+    from pipeline.cluster.driver import job_config, workers_environment
 
     with tempfile.TemporaryDirectory(prefix="bench-mail-") as tmp:
         work = Path(tmp)
@@ -196,7 +196,7 @@ def once(args) -> dict:
         (work / "faults.json").write_text(json.dumps({"delay_ms": 1, "chunking": not args.no_chunking}))
         redis = start_redis(work / "redis")
         smtp = start_smtp_sink(work / "outbox", work / "smtp.log", ["--faults", str(work / "faults.json")])
-        with workers_malloc():  # the allocator a run's Ray has
+        with workers_environment():  # the allocator and compile threads a run's Ray has
             ray.init(num_cpus=1, resources={"smtp": 2}, include_dashboard=False, log_to_driver=False,
                      job_config=job_config())
         try:

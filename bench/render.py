@@ -109,12 +109,16 @@ def in_turns(turns: int) -> dict[str, list[float]]:
     own. This VM's speed drifts by tens of percent within a minute: rows timed one after the
     other gave ratios that moved with it, so a ratio is taken within a turn, ours beside its
     baseline. In one process, a row timed after another ran 20-30% off its own pace (Typst's
-    memo cache, the heap of the other's compiles), which a render worker never is."""
+    memo cache, the heap of the other's compiles), which a render worker never is. Both rows
+    compile on the pool a render worker's Typst has (COMPILE_THREADS)."""
+    from pipeline.cluster.driver import COMPILE_THREADS
+
+    env = {**os.environ, "RAYON_NUM_THREADS": str(COMPILE_THREADS)}
     runs: dict[str, list[float]] = {row: [] for row in ROWS}
     for _ in range(turns):
         for row in ROWS:
             done = subprocess.run([sys.executable, __file__, "--row", row], capture_output=True, text=True,
-                                  check=True)
+                                  check=True, env=env)
             runs[row].append(float(done.stdout.split()[-1]))
     return runs
 
@@ -201,14 +205,14 @@ def huge(pages: int) -> dict:
     import psutil
     import ray
 
-    from pipeline.cluster.driver import RENDER_SLOT, workers_malloc
+    from pipeline.cluster.driver import RENDER_SLOT, workers_environment
     from pipeline.cluster.page_ranges import RANGE_PAGES
     from pipeline.cluster.plan import RENDER
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
     times = tempfile.mkdtemp(prefix="cn-range-times-")
-    with workers_malloc():  # the allocator a run's Ray has
+    with workers_environment():  # the allocator and compile threads a run's Ray has
         ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
                               "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events

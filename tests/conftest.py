@@ -183,9 +183,9 @@ def ray_session(s3_endpoint, secrets_endpoint, hsm):
     endpoints."""
     import ray
 
-    from pipeline.cluster.driver import job_config, workers_malloc
+    from pipeline.cluster.driver import job_config, workers_environment
 
-    with workers_malloc():  # the allocator a run's Ray has
+    with workers_environment():  # the allocator and compile threads a run's Ray has
         context = ray.init(num_cpus=2, resources={"render": 2, "signer": 2, "smtp": 2}, include_dashboard=False,
                            object_store_memory=300 * 1024 * 1024, log_to_driver=False, job_config=job_config())
     yield context

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pipeline.cluster import plan as cluster
-from pipeline.cluster.driver import MALLOC_ARENAS, WORKER_MALLOC
+from pipeline.cluster.driver import COMPILE_THREADS, MALLOC_ARENAS, WORKER_MALLOC
 from pipeline.settings import ROOT
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -86,6 +86,7 @@ def test_cluster_yaml_passes_rays_validation_and_the_aws_bootstrap(aws):
     assert "~/.ray/auth_token" in shipped and "RAY_AUTH_MODE=token" in env
     assert f"export MALLOC_ARENA_MAX={MALLOC_ARENAS} " in env  # the nodes' Ray and workers, as a local run's
     assert f"export LD_PRELOAD={WORKER_MALLOC};" in env and "libjemalloc2" in " ".join(config["setup_commands"])
+    assert f"export RAYON_NUM_THREADS={COMPILE_THREADS} " in env
 
     booted = commands._bootstrap_config(copy.deepcopy(config), no_config_cache=True)
     for node_type in booted["available_node_types"].values():  # ours, not Ray's with SSH open to 0.0.0.0/0

@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray._private.utils import publish_error_to_driver
 
-from pipeline.cluster.driver import FIRST_NOTES, TAIL_PARTS, RunRequest, _tail, _units, run_day, workers_malloc
+from pipeline.cluster.driver import COMPILE_THREADS, FIRST_NOTES, TAIL_PARTS, RunRequest, _tail, _units, run_day, workers_environment
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys
 from pipeline.record.storage import open_store
@@ -30,17 +30,20 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 JEMALLOC_MAPPED = "import sys; sys.exit('libjemalloc' not in open('/proc/self/maps').read())"
 
 
-def test_ray_s_processes_run_with_jemalloc_and_what_the_driver_starts_after_does_not():
-    """Typst's, qpdf's and OpenSSL's allocations under glibc's malloc cost ~0.5 ms a note."""
+def test_ray_s_processes_run_with_jemalloc_and_one_compile_thread_and_what_the_driver_starts_after_do_not():
+    """Typst's, qpdf's and OpenSSL's allocations under glibc's malloc cost ~0.5 ms a note; Typst's
+    pool of a thread a core ~0.13 ms of a compile in a worker that holds one core."""
     @ray.remote(resources={"render": 1})
-    def mapped() -> bool:
-        return "libjemalloc" in Path("/proc/self/maps").read_text()
+    def worker() -> tuple[bool, str | None]:
+        return "libjemalloc" in Path("/proc/self/maps").read_text(), os.environ.get("RAYON_NUM_THREADS")
 
-    assert ray.get(mapped.remote())  # the session's Ray was started as init_ray starts one
-    before = os.environ.get("LD_PRELOAD")
-    with workers_malloc():
+    # the session's Ray was started as init_ray starts one
+    assert ray.get(worker.remote()) == (True, str(COMPILE_THREADS))
+    before = {name: os.environ.get(name) for name in ("LD_PRELOAD", "RAYON_NUM_THREADS")}
+    with workers_environment():
         assert subprocess.run([sys.executable, "-c", JEMALLOC_MAPPED]).returncode == 0
-    assert os.environ.get("LD_PRELOAD") == before
+        assert os.environ["RAYON_NUM_THREADS"] == str(COMPILE_THREADS)
+    assert {name: os.environ.get(name) for name in before} == before
     assert subprocess.run([sys.executable, "-c", JEMALLOC_MAPPED]).returncode == 1
 
 

@@ -66,7 +66,8 @@ FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shar
 TAIL_PARTS = 4  # the day's last shards go in quarters: the chains still at the signer when the renders end
 # are its work alone (one signer, 4 of 6 chains queued: 3.4 s at 1.2 cores of 2 in a 2,000-account run)
 MALLOC_ARENAS = 2  # glibc malloc arenas per process, driver and workers (see _few_malloc_arenas)
-WORKER_MALLOC = "libjemalloc.so.2"  # the allocator Ray's processes run with, where installed (see workers_malloc)
+WORKER_MALLOC = "libjemalloc.so.2"  # the allocator Ray's processes run with, where installed (see workers_environment)
+COMPILE_THREADS = 1  # threads of the pool Typst compiles on, a Ray process's (see workers_environment)
 # A task's name says its kind, never its shard: Ray 2.60 keeps about 4 KB in the driver for each distinct
 # task name, for the driver's life (8,000 named chains: +32 MB; the same chains under 10 names: +2 MB), and a
 # day of 1.5M accounts has 15,360 shards.
@@ -114,7 +115,7 @@ def init_ray(settings: Settings, address: str | None = None) -> None:
     # 0.5-1.6 s and cost 4-7 CPU-s a run, as much as the idle end it saved (2,000 accounts).
     cores = os.cpu_count() or 1
     with _secrets_kept_from_children():
-        with workers_malloc():
+        with workers_environment():
             # "local": a new Ray whatever /tmp/ray/ray_current_cluster says (a `ray start` once run on this machine
             # left it; Ray then joined that address, or refused num_cpus, and the command ended in a traceback)
             ray.init(address="local", num_cpus=cores,
@@ -135,24 +136,32 @@ def job_config() -> JobConfig:
 
 
 @contextmanager
-def workers_malloc():
-    """Ray's processes, and so every worker, start with jemalloc preloaded where it is installed.
-    Typst, qpdf and OpenSSL allocate and free millions of small blocks a day: perf put 11% of
-    the stages' CPU in glibc's malloc and free, most in its bin searches and consolidations.
-    The stages one after another in one process, 2,000 accounts: 6.9-7.0 ms a note, not
-    7.4-7.7 (render 4.26-4.33 against 4.61-4.86, sign 1.90-2.08 against 2.12-2.32). A `ray up`
-    cluster's nodes preload it through scripts/cluster.env. Only Ray's processes: this one has
-    started, and what it starts later (the embedded services, the reaper) keeps glibc's."""
-    before = os.environ.get("LD_PRELOAD")
-    if ctypes.util.find_library("jemalloc") == WORKER_MALLOC and WORKER_MALLOC not in (before or ""):
-        os.environ["LD_PRELOAD"] = " ".join(filter(None, [WORKER_MALLOC, before]))
+def workers_environment():
+    """Ray's processes, and so every worker, start with jemalloc preloaded where it is installed,
+    and with a pool of COMPILE_THREADS for Typst.
+    - jemalloc: Typst, qpdf and OpenSSL allocate and free millions of small blocks a day: perf
+      put 11% of the stages' CPU in glibc's malloc and free, most in its bin searches and
+      consolidations. The stages one after another in one process, 2,000 accounts: 6.9-7.0 ms
+      a note, not 7.4-7.7 (render 4.26-4.33 against 4.61-4.86, sign 1.90-2.08 against 2.12-2.32).
+    - Typst lays out and writes a compile's pages on rayon's pool, one thread a core unless
+      RAYON_NUM_THREADS says otherwise, whose idle threads spin before they sleep. A render
+      worker holds one of Ray's CPUs: on one thread a typical note's compile took 2.30-2.32 ms
+      of CPU, not 2.44-2.46 (three runs each, alternating), and a c6a.8xlarge's 32 workers do
+      not start 32 threads each.
+    A `ray up` cluster's nodes get both through scripts/cluster.env. Only Ray's processes: this
+    one has started, and what it starts later (the embedded services, the reaper) keeps its own."""
+    before = {name: os.environ.get(name) for name in ("LD_PRELOAD", "RAYON_NUM_THREADS")}
+    if ctypes.util.find_library("jemalloc") == WORKER_MALLOC and WORKER_MALLOC not in (before["LD_PRELOAD"] or ""):
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, [WORKER_MALLOC, before["LD_PRELOAD"]]))
+    os.environ.setdefault("RAYON_NUM_THREADS", str(COMPILE_THREADS))
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager
