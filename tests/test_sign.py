@@ -25,7 +25,7 @@ from pipeline.record.storage import open_store
 from pipeline.seal.sign import SignatureInfo, protect, protect_all, user_halves
 from pipeline.seal.signer import SignError, SignerSetupError, load_signer
 from pipeline.stages import Batch, sign_stage
-from tests.helpers import assert_signed_and_encrypted
+from tests.helpers import assert_signed_and_encrypted, pyhanko_accepts
 
 PAN = "ABCPD1234E"
 OWNER = "broker-owner-secret"
@@ -330,3 +330,66 @@ def test_a_batch_keys_each_note_with_its_own_pan(tmp_path, note_pdf, signer):
         assert "Supplied password is owner password" in show_encryption(path, owner)
         assert "Incorrect password supplied" in show_encryption(path, pans[i - 1])
     assert_signed_and_encrypted(tmp_path / "note7.pdf", pans[7])
+
+
+def test_a_cut_note_is_encrypted_and_signed_without_qpdf_and_reads_as_qpdf_wrote_it(tmp_path, note_pdf, signer,
+                                                                                     keys_dir):
+    """A note of the cut's shape is written again here, encrypted, not by qpdf (its object
+    stream stays one, where qpdf wrote every object apart). Nothing of the client's is readable
+    without the password: not the streams, not the object stream with the Info and the PAN's
+    page, not the metadata. With it, the text, the metadata, the signature's strings and its
+    permissions are what qpdf's writing gave."""
+    info = SignatureInfo(reason="Contract note for 20-11-2026", location="Mumbai", contact="desk@example.com")
+    ours = protect(note_pdf, PAN, OWNER, signer, info)
+    with pikepdf.open(BytesIO(note_pdf)) as plain:  # re-saved by qpdf: not the cut's shape
+        out = BytesIO()
+        plain.save(out, object_stream_mode=pikepdf.ObjectStreamMode.generate, fix_metadata_version=False)
+    theirs = protect(out.getvalue(), PAN, OWNER, signer, info)
+    assert ours.count(b"/Type/ObjStm") == 1 and b"/Type /ObjStm" not in theirs and b"/Type/ObjStm" not in theirs
+
+    texts = []
+    for name, pdf in (("ours", ours), ("theirs", theirs)):
+        path = tmp_path / f"{name}.pdf"
+        path.write_bytes(pdf)
+        assert_signed_and_encrypted(path, PAN)
+        pyhanko_accepts(pdf, PAN, keys_dir / "root.cert.pem")
+        assert subprocess.run(["qpdf", "--check", f"--password={PAN}", str(path)], capture_output=True).returncode == 0
+        as_user = show_encryption(path, PAN)
+        texts.append((
+            subprocess.run(["pdftotext", "-upw", PAN, str(path), "-"], capture_output=True).stdout,
+            subprocess.run(["pdfinfo", "-upw", PAN, "-meta", str(path)], capture_output=True).stdout,
+            [line for line in as_user.splitlines() if ":" in line or "=" in line]))
+        sig = PdfFileReader(BytesIO(pdf))
+        sig.decrypt(PAN)
+        found = sig.embedded_signatures[0].sig_object
+        assert (found["/Reason"], found["/Location"], found["/ContactInfo"]) == (info.reason, info.location,
+                                                                                info.contact)
+        assert str(found["/M"]).startswith("D:20")
+    assert texts[0] == texts[1] and b"Contract" in texts[0][0] and b"xmpmeta" in texts[0][1]
+    for secret in (PAN.encode(), b"Aarav", b"C0000042", b"Contract note", b"xmpmeta", b"BrokerSignature", b"Mumbai"):
+        assert secret not in ours, secret
+
+
+@pytest.mark.parametrize("case,edit,why", [  # each edit keeps every offset: only what it says is odd
+    ("a page with annotations of its own", (rb"/MediaBox\[[^]]*\]", b"/MediaBox[0 0 842 595]/Annots[]"), "/Annots"),
+    ("a stream's dictionary with a string", (rb"/WMode 0", b"/N(x)"), "without strings"),
+    ("a stream longer than its /Length", (rb"/Length 13/", b"/Length 12/"), "where its /Length says"),
+])
+def test_what_the_writer_does_not_take_is_written_by_qpdf_and_signed_all_the_same(tmp_path, note_pdf, signer,
+                                                                                  case, edit, why):
+    """A note the writer here would get wrong is left to qpdf, and comes out signed and locked."""
+    import re
+
+    from pipeline.seal.encrypt import NotSealed, sealed
+    from pipeline.seal.pdfcrypt import r6_keys
+
+    found = re.search(edit[0], note_pdf)
+    assert found and len(edit[1]) <= len(found.group()), case
+    odd = note_pdf[:found.start()] + edit[1].ljust(len(found.group())) + note_pdf[found.end():]
+    keys = r6_keys(PAN, OWNER)
+    sealed(note_pdf, keys, {"M": "D:20261120"}, 16, "S")  # the note itself is taken
+    with pytest.raises(NotSealed, match=re.escape(why)):
+        sealed(odd, keys, {"M": "D:20261120"}, 16, "S")
+    path = tmp_path / "note.pdf"
+    path.write_bytes(protect(odd, PAN, OWNER, signer, SignatureInfo()))
+    assert_signed_and_encrypted(path, PAN)

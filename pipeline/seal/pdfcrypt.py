@@ -1,14 +1,16 @@
 """PDF standard security handler, revision 6 (AES-256): its keys computed over OpenSSL, the
-objects encrypted by qpdf.
+objects encrypted by encrypt.py or qpdf.
 
 Why not qpdf's own R6: the qpdf bundled with pikepdf has only its "native" crypto provider
 (no AES-NI), and R6's deliberately slow password hash (ISO 32000-2, algorithm 2.B, run four
 times per document) costs ~11 ms there against ~1 ms here (hash_2b.c, a batch's notes at
-once). So we make the keys and `declare` them in an update appended to the note, with
-identity crypt filters: qpdf, opening it with the file key, reads the objects as they are
-and, saving it with its encryption kept, encrypts every string and stream under our keys
-(~0.15 ms of its AES a note; walking the objects in Python to encrypt them one by one cost
-~0.6 ms). qpdf leaves a signature's /Contents unencrypted (ISO 32000-2, 7.6.2).
+once). So we make the keys. encrypt.py writes a note of the render's cut under them itself,
+its streams and its one object stream each encrypted whole (OpenSSL's AES, ~0.05 ms a note).
+Any other note has them `declare`d in an update appended to it, with identity crypt filters:
+qpdf, opening it with the file key, reads the objects as they are and, saving it with its
+encryption kept, encrypts every string and stream under our keys (~0.15 ms of its AES a note;
+walking the objects in Python to encrypt them one by one cost ~0.6 ms). Either leaves a
+signature's /Contents unencrypted (ISO 32000-2, 7.6.2).
 """
 
 from __future__ import annotations
