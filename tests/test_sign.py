@@ -366,8 +366,10 @@ def test_a_cut_note_is_encrypted_and_signed_without_qpdf_and_reads_as_qpdf_wrote
                                                                                 info.contact)
         assert str(found["/M"]).startswith("D:20")
     assert texts[0] == texts[1] and b"Contract" in texts[0][0] and b"xmpmeta" in texts[0][1]
-    for secret in (PAN.encode(), b"Aarav", b"C0000042", b"Contract note", b"xmpmeta", b"BrokerSignature", b"Mumbai"):
-        assert secret not in ours, secret
+    for secret in (b"C0000042", b"Contract Note CNT-", b"xmpmeta"):  # the plain note's Info and XMP, uncompressed
+        assert secret in note_pdf and secret not in ours, secret
+    for added in (b"BrokerSignature", b"Mumbai", b"D:20"):  # the field's name, the signature's strings
+        assert added not in ours, added
 
 
 @pytest.mark.parametrize("case,edit,why", [  # each edit keeps every offset: only what it says is odd
@@ -393,3 +395,82 @@ def test_what_the_writer_does_not_take_is_written_by_qpdf_and_signed_all_the_sam
     path = tmp_path / "note.pdf"
     path.write_bytes(protect(odd, PAN, OWNER, signer, SignatureInfo()))
     assert_signed_and_encrypted(path, PAN)
+
+
+@pytest.mark.parametrize("case,odd", [
+    ("a catalog ending in a hex string", lambda pdf: _restated(pdf, rb"/Lang\(en\)(/ViewerPreferences<<[^>]*>>)",
+                                                               rb"\1/Lang<656E>")),
+    ("a kid that is a /Pages node", lambda pdf: _restated(pdf, rb"/Type/Page/", b"/Type/Pages/")),
+    ("an object stream head out of order", lambda pdf: _restated(pdf, None, None, swap_heads=True)),
+    ("a stream of its own crypt filter", lambda pdf: pdf.replace(b"/Filter/FlateDecode/WMode 0", b"/Filter[/Crypt/FlateDecode]", 1)),
+])
+def test_what_an_outside_review_found_the_writer_would_take_wrongly_it_leaves_to_qpdf(tmp_path, note_pdf, signer,
+                                                                                      case, odd):
+    """Written by hand, each as a reader would read it: a catalog's last value a hex string
+    (the field goes in beside it, the string intact), a /Kids entry that is no page, an object
+    stream's head whose offsets do not rise, a stream with a crypt filter of its own. Each is
+    either written right or left to qpdf; what comes out is signed, locked, and reads, or, for
+    the crypt filter qpdf cannot apply either, the note fails alone as a corrupt one does."""
+    from pipeline.seal.encrypt import NotSealed, sealed
+    from pipeline.seal.pdfcrypt import r6_keys
+
+    pdf = odd(note_pdf)
+    keys = r6_keys(PAN, OWNER)
+    try:
+        sealed(pdf, keys, {"M": "D:20261120"}, 16, "S")
+        taken = case == "a catalog ending in a hex string"  # the one the writer now takes, its field first
+        assert taken, f"{case}: taken"
+    except NotSealed:
+        assert case != "a catalog ending in a hex string"
+    path = tmp_path / "note.pdf"
+    if case == "a stream of its own crypt filter":
+        with pytest.raises(SignError, match="cannot rewrite"):
+            protect(pdf, PAN, OWNER, signer, SignatureInfo())
+        return
+    path.write_bytes(protect(pdf, PAN, OWNER, signer, SignatureInfo()))
+    assert_signed_and_encrypted(path, PAN)
+    if case == "a catalog ending in a hex string":
+        with pikepdf.open(path, password=PAN) as opened:
+            assert bytes(opened.Root.Lang) == b"en" and len(opened.Root.AcroForm.Fields) == 1
+
+
+def _restated(pdf: bytes, find: bytes | None, put: bytes | None, swap_heads: bool = False) -> bytes:
+    """The cut note with an edit inside its object stream, the stream's head and the file's
+    offsets written again to match (the shape the writer reads, but for the edit)."""
+    import re
+    import struct
+
+    start = re.search(rb"(\d+) 0 obj\n<</Type/ObjStm/N (\d+)/First (\d+)/Length (\d+)>>\nstream\n", pdf)
+    number, count, first, length = map(int, start.groups())
+    data = pdf[start.end():start.end() + length]
+    pairs = data[:first].split()
+    offsets = [int(o) for o in pairs[1::2]] + [length - first]
+    bodies = [data[first + a:first + b] for a, b in zip(offsets, offsets[1:])]
+    numbers = [int(n) for n in pairs[::2]]
+    if find:
+        at = next(i for i, b in enumerate(bodies) if re.search(find, b))
+        bodies[at] = re.sub(find, put, bodies[at], count=1)
+    heads, at = [], 0
+    for n, body in zip(numbers, bodies):
+        heads.append(b"%d %d" % (n, at))
+        at += len(body)
+    if swap_heads:  # the first two objects' entries name each other's offsets
+        heads[0], heads[1] = b"%s %s" % (heads[0].split()[0], heads[1].split()[1]), \
+            b"%s %s" % (heads[1].split()[0], heads[0].split()[1])
+    head = b" ".join(heads) + b"\n"
+    packed = head + b"".join(bodies)
+    obj = b"%d 0 obj\n<</Type/ObjStm/N %d/First %d/Length %d>>\nstream\n%s\nendstream\nendobj\n" % (
+        number, count, len(head), len(packed), packed)
+    end = pdf.index(b"endobj\n", start.end()) + 7
+    shift = len(obj) - (end - start.start())
+    out = pdf[:start.start()] + obj + pdf[end:]
+    xref_at = int(out[out.rindex(b"startxref") + 9:].split()[0]) + shift
+    dictionary = re.search(rb"/Length (\d+)>>\nstream\n", out[xref_at:])
+    table_at = xref_at + dictionary.end()
+    table = bytearray(out[table_at:table_at + int(dictionary.group(1))])
+    for i in range(0, len(table), 7):
+        kind, offset, gen = struct.unpack_from(">BIH", table, i)
+        if kind == 1 and offset > start.start():
+            struct.pack_into(">BIH", table, i, kind, offset + shift, gen)
+    out = out[:table_at] + bytes(table) + out[table_at + len(table):]
+    return out[:out.rindex(b"startxref")] + b"startxref\n%d\n%%%%EOF\n" % xref_at

@@ -31,7 +31,10 @@ _XREF = re.compile(rb"(\d+) 0 obj\n<</Type/XRef/Size (\d+)/W\[1 4 2\]/Root (\d+)
 _OBJSTM = re.compile(rb"(\d+) 0 obj\n<</Type/ObjStm/N (\d+)/First (\d+)/Length (\d+)>>\nstream\n")
 _STREAM = re.compile(rb"(\d+) 0 obj\n(<<.*?>>)\nstream\n", re.S)
 _LENGTH = re.compile(rb"/Length\s+(\d+)(?!\s+\d+\s+R)(?=[/>\s])")
-_STRING = re.compile(rb"\(|<[0-9A-Fa-f\s]*>")  # a literal or hex string: a stream's dictionary must hold none
+# what a stream's dictionary must not hold: a literal or hex string (not encrypted here), a crypt
+# filter of its own, or another object's bounds (the lazy match ran past its own)
+_STRANGE = re.compile(rb"\(|<[0-9A-Fa-f\s]*>|/Crypt\b|\bendobj\b|\d+\s+\d+\s+obj\b")
+_TREE = re.compile(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>")  # one level, nothing inherited
 _TAIL = re.compile(rb"\r?\n?endstream\nendobj\n+")
 
 
@@ -44,16 +47,18 @@ def sealed(pdf: bytes, keys: R6Keys, field: dict[str, str], contents: int, name:
     whose dictionary has `field`'s strings and /Contents of `contents` zero bytes."""
     tops, packed, objstm, (size, root, info, ids) = _read(pdf)
     widget, sig, encrypt, xref = size, size + 1, size + 2, size + 3
-    pages = _in(packed, int(_one(rb"/Pages\s+(\d+)\s+0\s+R", _in(packed, root), "the catalog's /Pages")))
-    kids = re.findall(rb"(\d+)\s+0\s+R", _one(rb"/Kids\s*\[([\d\sR]*)\]", pages, "the pages' /Kids"))
-    if not kids:
-        raise NotSealed("no pages")
-    last = int(kids[-1])
-    packed[last] = _added(_in(packed, last), b"/Annots", b"/Annots[%d 0 R]" % widget)
+    _in(packed, info)
+    tree = _TREE.fullmatch(_in(packed, int(_one(rb"/Pages\s+(\d+)\s+0\s+R", _in(packed, root), "the catalog's /Pages"))))
+    kids = [int(n) for n in re.findall(rb"(\d+)\s+0\s+R", tree.group(2) or b"")] if tree else []
+    if not kids or len(kids) != int(tree.group(1) or -1) or len(kids) != (tree.group(2) or b"").count(b"R") or \
+            not all(re.search(rb"/Type\s*/Page(?!s)\b", _in(packed, kid)) for kid in kids):
+        raise NotSealed("not one /Pages of /Page objects, nothing inherited")
+    last = kids[-1]
+    packed[last] = _added(packed[last], b"/Annots", b"/Annots[%d 0 R]" % widget)
     packed[root] = _added(_added(packed[root], b"/AcroForm", b"/AcroForm<</Fields[%d 0 R]/SigFlags 3>>" % widget),
                           b"/Extensions", b"/Extensions<</ADBE<</BaseVersion/1.7/ExtensionLevel 8>>>>")
-    packed[widget] = (b"<</Type/Annot/Subtype/Widget/FT/Sig/T%s/V %d 0 R/Rect[0 0 0 0]/F 132/P %d 0 R>>"
-                      % (_literal(name), sig, last))
+    packed[widget] = (b"<</Type/Annot/Subtype/Widget/FT/Sig/T<%s>/V %d 0 R/Rect[0 0 0 0]/F 132/P %d 0 R>>"
+                      % (_text(name).hex().encode(), sig, last))
 
     aes = _chain(keys.file_key)
     out = bytearray(HEADER)
@@ -124,11 +129,13 @@ def _read(pdf: bytes) -> tuple[dict[int, tuple[bytes, bytes]], dict[int, bytes],
             if not _TAIL.fullmatch(pdf, stream.end() + length, end):
                 raise NotSealed(f"object {n} does not end where its /Length says")
             packed = _unpacked(data, count, first)
+            if any(rows[m] != (2, n, i) for i, m in enumerate(packed) if m < size):
+                raise NotSealed("the object stream's objects are not where the table says")
             continue
         stream = _STREAM.match(pdf, start)
         lengths = _LENGTH.findall(stream.group(2)) if stream else []
-        if not stream or int(stream.group(1)) != n or len(lengths) != 1 or _STRING.search(stream.group(2)):
-            raise NotSealed(f"object {n} is not a stream of the cut's, without strings in its dictionary")
+        if not stream or int(stream.group(1)) != n or len(lengths) != 1 or _STRANGE.search(stream.group(2)):
+            raise NotSealed(f"object {n} is not a stream of the cut's, without strings or a crypt filter")
         data_at = stream.end()
         if not _TAIL.fullmatch(pdf, data_at + int(lengths[0]), end):
             raise NotSealed(f"object {n} does not end where its /Length says")
@@ -144,6 +151,9 @@ def _unpacked(data: bytes, count: int, first: int) -> dict[int, bytes]:
     if len(pairs) != 2 * count or not all(p.isdigit() for p in pairs):
         raise NotSealed("an object stream's head of another shape")
     numbers, offsets = [int(p) for p in pairs[::2]], [first + int(p) for p in pairs[1::2]]
+    if len(set(numbers)) != count or offsets[:1] != [first] or \
+            any(a >= b for a, b in zip(offsets, [*offsets[1:], len(data) + 1])):
+        raise NotSealed("an object stream's head of another shape")
     return {n: data[start:end].strip() for n, start, end in zip(numbers, offsets, [*offsets[1:], len(data)])}
 
 
@@ -161,10 +171,10 @@ def _one(pattern: bytes, text: bytes, what: str) -> bytes:
 
 
 def _added(value: bytes, key: bytes, entry: bytes) -> bytes:
-    """The dictionary `value` with `entry`; NotSealed if it has `key` already."""
+    """The dictionary `value` with `entry` first; NotSealed if it has `key` already."""
     if not (value.startswith(b"<<") and value.endswith(b">>")) or re.search(re.escape(key) + rb"(?![\w.-])", value):
         raise NotSealed(f"a dictionary that has {key.decode()} already, or is not one")
-    return value[:-2] + entry + b">>"
+    return value[:2] + entry + value[2:]
 
 
 def _chain(key: bytes) -> Callable[[bytes], bytes]:
@@ -183,7 +193,3 @@ def _chain(key: bytes) -> Callable[[bytes], bytes]:
 def _text(value: str) -> bytes:
     """A PDF text string's bytes: ASCII as it is, anything else UTF-16BE with its mark."""
     return value.encode() if value.isascii() else b"\xfe\xff" + value.encode("utf-16-be")
-
-
-def _literal(value: str) -> bytes:
-    return b"(" + re.sub(rb"([()\\])", rb"\\\1", _text(value)) + b")"

@@ -4,8 +4,8 @@ objects encrypted by encrypt.py or qpdf.
 Why not qpdf's own R6: the qpdf bundled with pikepdf has only its "native" crypto provider
 (no AES-NI), and R6's deliberately slow password hash (ISO 32000-2, algorithm 2.B, run four
 times per document) costs ~11 ms there against ~1 ms here (hash_2b.c, a batch's notes at
-once). So we make the keys. encrypt.py writes a note of the render's cut under them itself,
-its streams and its one object stream each encrypted whole (OpenSSL's AES, ~0.05 ms a note).
+once). So we make the keys. encrypt.py writes a note of the render's cut under them itself:
+its streams and its one object stream each encrypted whole, the signature's strings one by one.
 Any other note has them `declare`d in an update appended to it, with identity crypt filters:
 qpdf, opening it with the file key, reads the objects as they are and, saving it with its
 encryption kept, encrypts every string and stream under our keys (~0.15 ms of its AES a note;
