@@ -4,11 +4,12 @@ file's, or a logged-in session with the HSM that holds it: token.py).
 The note is written once more, encrypted, with the signature field and a fixed-size
 placeholder: for AES-256 under the keys pdfcrypt.py makes, by encrypt.py where the note is of
 the shape the render stage cuts (0.5 ms a note less than qpdf), else by one pass of qpdf (via
-pikepdf), as for AES-128 and none. The signature is then patched into the placeholder: SHA-256 over the file outside /Contents,
-one signature (RSA, or ECDSA P-256) over a CMS signed-attributes block, both written into a CMS SignedData
-template that was DER-encoded once, when the key was loaded. Every length is fixed, so the
-template stays valid DER. The result is PAdES baseline B (ETSI.CAdES.detached, SHA-256,
-ESS signing-certificate-v2, the signing time in /M) covering the whole file.
+pikepdf), as for AES-128 and none. The signature is then patched into the placeholder:
+SHA-256 over the file outside /Contents, one signature (RSA, or ECDSA P-256) over a CMS
+signed-attributes block, both written into a CMS SignedData template that was DER-encoded
+once, when the key was loaded. Every length is fixed, so the template stays valid DER. The
+result is PAdES baseline B (ETSI.CAdES.detached, SHA-256, ESS signing-certificate-v2, the
+signing time in /M) covering the whole file.
 """
 
 from __future__ import annotations
