@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import re
-import struct
+
+from pipeline.seal.packing import HEADER, object_stream, xref_stream
 
 # Strings first (what they hold is not read), then dictionaries, references, the stream keyword
 # right after the top dictionary, the object's end; a parenthesis or comment left over is not followed.
 _TOKENS = re.compile(rb"\((?:[^()\\]|\\.)*\)|[()%]|<<|>>|<[0-9A-Fa-f\s]*>|(\d+)\s+(\d+)\s+R\b"
                      rb"|(?<=>>)\s*(stream)\r?\n|(?<![\w/])(endobj)\b")
 _ENTRY = re.compile(rb"(\d{10}) \d{5} ([nf])")
-ROW = struct.Struct(">BIH")  # a cross-reference stream's row: type, offset or object stream, generation or index
 _LITERAL = re.compile(rb"/(\w+)\s*\(((?:[^()\\]|\\.)*)\)")
 
 
@@ -146,7 +146,7 @@ class Compile:
         """The streams as they were; every other object packed into one object stream, left
         uncompressed: the signer's qpdf opens and writes a typical note so in 0.38-0.39 ms, as
         plain objects in 0.52, and as pikepdf wrote it (object streams compressed) in 0.41."""
-        out = bytearray(b"%PDF-1.7\n%\x80\x80\x80\x80\n")
+        out = bytearray(HEADER)
         rows: dict[int, tuple[int, int, int]] = {0: (0, 0, 65535)}  # the cross-reference stream's (type, field, field)
 
         def put(n: int, body: bytes) -> None:
@@ -165,22 +165,9 @@ class Compile:
         packed[self.root] = self.body(self.root)
         packed[self.info] = b"<<%s>>" % b"".join(k.encode() + _string(v) for k, v in info.items())
         objstm, xref = self.size, self.size + 1
-        heads, data = [], bytearray()
-        for i, (n, body) in enumerate(packed.items()):
-            heads.append(b"%d %d" % (n, len(data)))
-            data += body + b"\n"
-            rows[n] = (2, objstm, i)
-        head = b" ".join(heads) + b"\n"
-        put(objstm, b"%d 0 obj\n<</Type/ObjStm/N %d/First %d/Length %d>>\nstream\n%s%s\nendstream\nendobj\n"
-            % (objstm, len(packed), len(head), len(head) + len(data), head, data))
-        rows[xref] = (1, len(out), 0)
-        table = bytearray(ROW.size * (xref + 1))  # all free (type 0) but the rows written
-        for n, row in rows.items():
-            ROW.pack_into(table, ROW.size * n, *row)
+        put(objstm, object_stream(objstm, packed, rows))
         ident = os.urandom(16).hex().encode()
-        out += (b"%d 0 obj\n<</Type/XRef/Size %d/W[1 4 2]/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]/Length %d>>\nstream\n"
-                % (xref, xref + 1, self.root, self.info, ident, ident, len(table)))
-        out += table + b"\nendstream\nendobj\nstartxref\n%d\n%%%%EOF\n" % rows[xref][1]
+        out += xref_stream(xref, len(out), rows, b"/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]" % (self.root, self.info, ident, ident))
         return bytes(out)
 
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from collections.abc import Callable
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from pipeline.seal.packing import HEADER, ROW, object_stream, xref_stream
 from pipeline.seal.pdfcrypt import R6Keys
 
-HEADER = b"%PDF-1.7\n%\x80\x80\x80\x80\n"
-ROW = struct.Struct(">BIH")  # a cross-reference stream's row under /W[1 4 2]
 _XREF = re.compile(rb"(\d+) 0 obj\n<</Type/XRef/Size (\d+)/W\[1 4 2\]/Root (\d+) 0 R/Info (\d+) 0 R"
                    rb"/ID\[(<[0-9a-fA-F]+><[0-9a-fA-F]+>)\]/Length (\d+)>>\nstream\n")
 _OBJSTM = re.compile(rb"(\d+) 0 obj\n<</Type/ObjStm/N (\d+)/First (\d+)/Length (\d+)>>\nstream\n")
@@ -71,15 +69,7 @@ def sealed(pdf: bytes, keys: R6Keys, field: dict[str, str], contents: int, name:
     for n, (head, data) in tops.items():
         data = aes(data)
         put(n, b"%d 0 obj\n%s\nstream\n%s\nendstream\nendobj\n" % (n, _LENGTH.sub(b"/Length %d" % len(data), head), data))
-    heads, body = [], bytearray()
-    for i, (n, value) in enumerate(packed.items()):
-        heads.append(b"%d %d" % (n, len(body)))
-        body += value + b"\n"
-        rows[n] = (2, objstm, i)
-    first = b" ".join(heads) + b"\n"
-    data = aes(first + body)
-    put(objstm, b"%d 0 obj\n<</Type/ObjStm/N %d/First %d/Length %d>>\nstream\n%s\nendstream\nendobj\n"
-        % (objstm, len(packed), len(first), len(data), data))
+    put(objstm, object_stream(objstm, packed, rows, aes))
     strings = b"".join(b"/%s<%s>" % (k.encode(), aes(_text(v)).hex().encode()) for k, v in field.items())
     put(sig, b"%d 0 obj\n<</Type/Sig/Filter/Adobe.PPKLite/SubFilter/ETSI.CAdES.detached"
         b"/ByteRange[0 1111111111 2222222222 3333333333]/Contents <%s>%s>>\nendobj\n"
@@ -88,13 +78,7 @@ def sealed(pdf: bytes, keys: R6Keys, field: dict[str, str], contents: int, name:
         b"/CF<</StdCF<</AuthEvent/DocOpen/CFM/AESV3/Length 32>>>>/StmF/StdCF/StrF/StdCF"
         b"/O<%s>/U<%s>/OE<%s>/UE<%s>/Perms<%s>>>\nendobj\n"
         % (encrypt, keys.p, *(v.hex().encode() for v in (keys.o, keys.u, keys.oe, keys.ue, keys.perms))))
-    rows[xref] = (1, len(out), 0)
-    table = bytearray(ROW.size * (xref + 1))  # all free (type 0) but the rows written
-    for n, row in rows.items():
-        ROW.pack_into(table, ROW.size * n, *row)
-    out += (b"%d 0 obj\n<</Type/XRef/Size %d/W[1 4 2]/Root %d 0 R/Info %d 0 R/Encrypt %d 0 R/ID[%s]/Length %d>>\n"
-            b"stream\n" % (xref, xref + 1, root, info, encrypt, ids, len(table)))
-    out += table + b"\nendstream\nendobj\nstartxref\n%d\n%%%%EOF\n" % rows[xref][1]
+    out += xref_stream(xref, len(out), rows, b"/Root %d 0 R/Info %d 0 R/Encrypt %d 0 R/ID[%s]" % (root, info, encrypt, ids))
     return bytes(out)
 
 
