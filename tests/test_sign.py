@@ -474,3 +474,33 @@ def _restated(pdf: bytes, find: bytes | None, put: bytes | None, swap_heads: boo
             struct.pack_into(">BIH", table, i, kind, offset + shift, gen)
     out = out[:table_at] + bytes(table) + out[table_at + len(table):]
     return out[:out.rindex(b"startxref")] + b"startxref\n%d\n%%%%EOF\n" % xref_at
+
+
+def test_an_hsm_s_signatures_are_on_their_way_while_the_later_notes_are_keyed(note_pdf, signer, monkeypatch):
+    """A network HSM's round trip is hidden behind the notes' own work, the password hashes
+    most of it: a batch's keys are made a few notes at a time, so the first signatures are
+    asked for before the last notes' hashes run (all keys made first, the HSM sat idle through
+    them: 0.55x the key file's notes a second at +5 ms, against 0.79x so)."""
+    from pipeline.seal import compiled
+    from pipeline.seal.sign import IN_FLIGHT_NOTES
+    from pipeline.seal.signer import Signer
+
+    events: list[str] = []
+    c_hash = compiled.hash_2b()
+
+    def hashing(*args):  # the C hash, the dependency the keys are made with
+        events.append("hash")
+        return c_hash(*args)
+
+    def across_a_network(data: bytes) -> bytes:
+        events.append("sign")
+        time.sleep(0.005)
+        return signer.sign(data)
+
+    monkeypatch.setattr(compiled, "hash_2b", lambda: hashing)
+    hsm = Signer(across_a_network, signer.algorithm, signer.cert, signer.chain, workers=4)
+    notes = [(note_pdf, f"ABCPD{i:04d}E", None) for i in range(3 * IN_FLIGHT_NOTES)]
+    signed = protect_all(notes, OWNER, hsm, SignatureInfo())
+
+    assert all(isinstance(pdf, bytes) for pdf in signed) and events.count("sign") == len(notes)
+    assert events.index("sign") < len(events) - 1 - events[::-1].index("hash"), events

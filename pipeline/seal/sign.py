@@ -38,6 +38,7 @@ PRINT_ONLY = pikepdf.Permissions(
 )
 SAVE_OPTIONS = dict(object_stream_mode=pikepdf.ObjectStreamMode.disable, fix_metadata_version=False)
 ENCRYPTIONS = ("aes256", "aes128", "none")
+IN_FLIGHT_NOTES = 8  # an HSM's notes keyed at a time: hash_2b.c's sixteen hashes under way, eight notes' owner pairs
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,19 @@ def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password:
     """protect() over (pdf, pan, made) triples, each result or the SignError it raised. The notes'
     keys are made first, their password hashes in one batch (hash_2b.c runs eight at once). With
     a key of several sessions (an HSM across a network), each note is prepared here while the
-    signatures of those before it are on their way: the round trip is hidden behind the notes' own work."""
-    keyed = [(*note, keys) for note, keys in zip(notes, _keys_all(notes, owner_password, algorithm))]
+    signatures of those before it are on their way: the round trip is hidden behind the notes'
+    own work. Their keys are then made IN_FLIGHT_NOTES at a time, not the batch's first: the
+    hashes are most of that work, and signatures wait on none of them but their own note's."""
     if signer.workers == 1:
+        keyed = zip(notes, _keys_all(notes, owner_password, algorithm))
         return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made, keys)
-                for pdf, pan, made, keys in keyed]
+                for (pdf, pan, made), keys in keyed]
     pending = []
-    for pdf, pan, made, keys in keyed:
-        prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made, keys)
-        pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
+    for at in range(0, len(notes), IN_FLIGHT_NOTES):
+        group = notes[at:at + IN_FLIGHT_NOTES]
+        for (pdf, pan, made), keys in zip(group, _keys_all(group, owner_password, algorithm)):
+            prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made, keys)
+            pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
     return [p if isinstance(p, SignError) else _or_error(_finish, signer, *p) for p in pending]
 
 
