@@ -144,8 +144,7 @@ class Compile:
 
     def _write(self, keep: frozenset[int], own: list[int], info: dict[str, str], xmp: bytes) -> bytes:
         """The streams as they were; every other object packed into one object stream, left
-        uncompressed: the signer's qpdf opens and writes a typical note so in 0.38-0.39 ms, as
-        plain objects in 0.52, and as pikepdf wrote it (object streams compressed) in 0.41."""
+        uncompressed (pipeline/seal/packing.py), the shape the signer writes again encrypted."""
         out = bytearray(HEADER)
         rows: dict[int, tuple[int, int, int]] = {0: (0, 0, 65535)}  # the cross-reference stream's (type, field, field)
 

@@ -69,8 +69,8 @@ def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password:
     keys are made first, their password hashes in one batch (hash_2b.c runs eight at once). With
     a key of several sessions (an HSM across a network), each note is prepared here while the
     signatures of those before it are on their way: the round trip is hidden behind the notes'
-    own work. Their keys are then made IN_FLIGHT_NOTES at a time, not the batch's first: the
-    hashes are most of that work, and signatures wait on none of them but their own note's."""
+    own work. Its notes are keyed IN_FLIGHT_NOTES at a time, not all first: the hashes are most
+    of that work, and a signature waits on none but its own note's."""
     if signer.workers == 1:
         keyed = zip(notes, _keys_all(notes, owner_password, algorithm))
         return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made, keys)
