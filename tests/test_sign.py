@@ -336,9 +336,9 @@ def test_a_cut_note_is_encrypted_and_signed_without_qpdf_and_reads_as_qpdf_wrote
                                                                                      keys_dir):
     """A note of the cut's shape is written again here, encrypted, not by qpdf (its object
     stream stays one, where qpdf wrote every object apart). Nothing of the client's is readable
-    without the password: not the streams, not the object stream with the Info and the PAN's
-    page, not the metadata. With it, the text, the metadata, the signature's strings and its
-    permissions are what qpdf's writing gave."""
+    without the password: not the streams (the pages' text among them), not the object stream
+    with the Info, not the metadata. With it, the text, the metadata, the signature's strings
+    and its permissions are what qpdf's writing gave."""
     info = SignatureInfo(reason="Contract note for 20-11-2026", location="Mumbai", contact="desk@example.com")
     ours = protect(note_pdf, PAN, OWNER, signer, info)
     with pikepdf.open(BytesIO(note_pdf)) as plain:  # re-saved by qpdf: not the cut's shape
