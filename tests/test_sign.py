@@ -398,10 +398,10 @@ def test_what_the_writer_does_not_take_is_written_by_qpdf_and_signed_all_the_sam
 
 
 @pytest.mark.parametrize("case,odd", [
-    ("a catalog ending in a hex string", lambda pdf: _restated(pdf, rb"/Lang\(en\)(/ViewerPreferences<<[^>]*>>)",
+    ("a catalog ending in a hex string", lambda pdf: _repacked(pdf, rb"/Lang\(en\)(/ViewerPreferences<<[^>]*>>)",
                                                                rb"\1/Lang<656E>")),
-    ("a kid that is a /Pages node", lambda pdf: _restated(pdf, rb"/Type/Page/", b"/Type/Pages/")),
-    ("an object stream head out of order", lambda pdf: _restated(pdf, None, None, swap_heads=True)),
+    ("a kid that is a /Pages node", lambda pdf: _repacked(pdf, rb"/Type/Page/", b"/Type/Pages/")),
+    ("an object stream head out of order", lambda pdf: _repacked(pdf, None, None, swap_heads=True)),
     ("a stream of its own crypt filter", lambda pdf: pdf.replace(b"/Filter/FlateDecode/WMode 0", b"/Filter[/Crypt/FlateDecode]", 1)),
 ])
 def test_what_an_outside_review_found_the_writer_would_take_wrongly_it_leaves_to_qpdf(tmp_path, note_pdf, signer,
@@ -434,7 +434,7 @@ def test_what_an_outside_review_found_the_writer_would_take_wrongly_it_leaves_to
             assert bytes(opened.Root.Lang) == b"en" and len(opened.Root.AcroForm.Fields) == 1
 
 
-def _restated(pdf: bytes, find: bytes | None, put: bytes | None, swap_heads: bool = False) -> bytes:
+def _repacked(pdf: bytes, find: bytes | None, put: bytes | None, swap_heads: bool = False) -> bytes:
     """The cut note with an edit inside its object stream, the stream's head and the file's
     offsets written again to match (the shape the writer reads, but for the edit)."""
     import re

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-from pipeline.seal.packing import HEADER, object_stream, xref_stream
+from pipeline.seal.packing import HEADER, object_stream, page_list, xref_stream
 
 # Strings first (what they hold is not read), then dictionaries, references, the stream keyword
 # right after the top dictionary, the object's end; a parenthesis or comment left over is not followed.
@@ -67,11 +67,8 @@ class Compile:
         self.pages_at, self.metadata = _ref(catalog, b"Pages"), _ref(catalog, b"Metadata")
         if set(self.refs(self.root)) != {self.pages_at, self.metadata}:
             raise NotCut("the catalog references more than its pages and metadata")
-        tree = re.fullmatch(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>",
-                            self.body(self.pages_at))  # nothing a page inherits, one level of kids
-        self.pages = [int(n) for n in re.findall(rb"(\d+)\s+0\s+R", tree.group(2) or b"")] if tree else []
-        if not tree or len(self.pages) != int(tree.group(1) or -1) or not all(
-                re.search(rb"/Type\s*/Page\b", self.dict(page)) for page in self.pages):
+        self.pages = page_list(self.body(self.pages_at), self.dict)
+        if not self.pages:
             raise NotCut("not one /Pages of /Page objects, nothing inherited")
         found = {"/" + k.decode(): _unescape(v) for k, v in _LITERAL.findall(self.dict(self.info))}
         try:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from pipeline.seal.packing import HEADER, ROW, object_stream, xref_stream
+from pipeline.seal.packing import HEADER, ROW, object_stream, page_list, xref_stream
 from pipeline.seal.pdfcrypt import R6Keys
 
 _XREF = re.compile(rb"(\d+) 0 obj\n<</Type/XRef/Size (\d+)/W\[1 4 2\]/Root (\d+) 0 R/Info (\d+) 0 R"
@@ -32,7 +32,6 @@ _LENGTH = re.compile(rb"/Length\s+(\d+)(?!\s+\d+\s+R)(?=[/>\s])")
 # what a stream's dictionary must not hold: a literal or hex string (not encrypted here), a crypt
 # filter of its own, or another object's bounds (the lazy match ran past its own)
 _STRANGE = re.compile(rb"\(|<[0-9A-Fa-f\s]*>|/Crypt\b|\bendobj\b|\d+\s+\d+\s+obj\b")
-_TREE = re.compile(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>")  # one level, nothing inherited
 _TAIL = re.compile(rb"\r?\n?endstream\nendobj\n+")
 
 
@@ -46,10 +45,9 @@ def sealed(pdf: bytes, keys: R6Keys, field: dict[str, str], contents: int, name:
     tops, packed, objstm, (size, root, info, ids) = _read(pdf)
     widget, sig, encrypt, xref = size, size + 1, size + 2, size + 3
     _in(packed, info)
-    tree = _TREE.fullmatch(_in(packed, int(_one(rb"/Pages\s+(\d+)\s+0\s+R", _in(packed, root), "the catalog's /Pages"))))
-    kids = [int(n) for n in re.findall(rb"(\d+)\s+0\s+R", tree.group(2) or b"")] if tree else []
-    if not kids or len(kids) != int(tree.group(1) or -1) or len(kids) != (tree.group(2) or b"").count(b"R") or \
-            not all(re.search(rb"/Type\s*/Page(?!s)\b", _in(packed, kid)) for kid in kids):
+    tree = _in(packed, int(_one(rb"/Pages\s+(\d+)\s+0\s+R", _in(packed, root), "the catalog's /Pages")))
+    kids = page_list(tree, lambda n: _in(packed, n))
+    if not kids:
         raise NotSealed("not one /Pages of /Page objects, nothing inherited")
     last = kids[-1]
     packed[last] = _added(packed[last], b"/Annots", b"/Annots[%d 0 R]" % widget)
@@ -124,8 +122,7 @@ def _read(pdf: bytes) -> tuple[dict[int, tuple[bytes, bytes]], dict[int, bytes],
         if not _TAIL.fullmatch(pdf, data_at + int(lengths[0]), end):
             raise NotSealed(f"object {n} does not end where its /Length says")
         tops[n] = (stream.group(2), pdf[data_at:data_at + int(lengths[0])])
-    if objstm is None or any(kind == 2 and field != objstm for kind, field, _ in rows) or \
-            set(packed) != {n for n, (kind, _, _) in enumerate(rows) if kind == 2}:
+    if objstm is None or set(packed) != {n for n, (kind, _, _) in enumerate(rows) if kind == 2}:
         raise NotSealed("not one object stream holding every object that is not a stream")
     return tops, packed, objstm, (size, root, info, trailer.group(5))
 

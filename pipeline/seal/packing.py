@@ -6,11 +6,24 @@ writer for both, so that what encrypt.py reads is what cut.py wrote."""
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 
 HEADER = b"%PDF-1.7\n%\x80\x80\x80\x80\n"
 ROW = struct.Struct(">BIH")  # a cross-reference stream's row under /W[1 4 2]: type, offset or object stream, index
+_TREE = re.compile(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>")
+
+
+def page_list(tree: bytes, value: Callable[[int], bytes]) -> list[int]:
+    """The pages of the /Pages dictionary `tree`, each a /Page by `value(n)` (object n's
+    dictionary); [] unless it is of the cut's shape: one level of kids, nothing they inherit."""
+    found = _TREE.fullmatch(tree)
+    kids = re.findall(rb"(\d+)\s+(\d+)\s+R", found.group(2) or b"") if found else []
+    if not kids or len(kids) != int(found.group(1) or -1) or any(gen != b"0" for _, gen in kids) or \
+            not all(re.search(rb"/Type\s*/Page\b", value(int(n))) for n, _ in kids):
+        return []
+    return [int(n) for n, _ in kids]
 
 
 def object_stream(number: int, packed: dict[int, bytes], rows: dict[int, tuple[int, int, int]],
