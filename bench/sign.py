@@ -26,9 +26,9 @@ stand for a machine across the network, work on the other), the three in turn, `
 the medians of notes/s (wall), CPU ms a note (that process; the server's is the HSM's), the
 round trip of one signature and the sessions; each row's ratios to the key file are the median
 of its turns' (`--turns` of 200 notes each way, both signers meeting the same moments of this
-VM), and their spread over the rounds. `--one-batch-at-a-time`: the actor as it was before.
+VM), and their spread over the rounds.
 
-    python bench/sign.py [--notes 400] [--runs 3] [--turns 8] [--one-batch-at-a-time]
+    python bench/sign.py [--notes 400] [--runs 3] [--turns 8]
 """
 
 from __future__ import annotations

@@ -466,9 +466,11 @@ class HsmService(Service):
 
 
 class DelayingProxy:
-    """A socket in front of another that holds each request `delay_s` before passing it on:
-    a network HSM's round trip, on one machine. Replies pass at once. The first `drop_first`
-    connections are closed unanswered: an HSM that misses a first contact."""
+    """A socket in front of another that passes each request on `delay_s` after it came, in
+    order, as a network's latency does: requests in flight together are each delayed once, not
+    one after another (p11-kit's client sends every session's calls on one connection, several
+    at once). A network HSM's round trip, on one machine; replies pass at once. The first
+    `drop_first` connections are closed unanswered: an HSM that misses a first contact."""
 
     def __init__(self, listen: Path, target: Path, delay_s: float, drop_first: int = 0):
         import socket as sk
@@ -479,7 +481,6 @@ class DelayingProxy:
         self.server = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
         self.server.bind(str(listen))
         self.server.listen(64)
-        self.requests = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -501,29 +502,45 @@ class DelayingProxy:
                 continue
             upstream = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
             upstream.connect(str(self.target))
-            answered = threading.Event()  # a request after an answer is a new round trip: it waits
-            answered.set()
-            threading.Thread(target=self._pipe, args=(client, upstream, answered, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, answered, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
 
-    def _pipe(self, src, dst, answered, requests: bool) -> None:
+    def _pipe(self, src, dst, delayed: bool) -> None:
+        """What src sends, to dst: each chunk `delay_s` after it came, if `delayed`, by a thread
+        of its own, so that the chunks behind it are read (and their delay begins) meanwhile."""
+        import queue
+        import threading
+
+        due: queue.SimpleQueue = queue.SimpleQueue()
+
+        def send() -> None:
+            try:
+                while (chunk := due.get()) is not None:
+                    time.sleep(max(0.0, chunk[0] - time.monotonic()))
+                    dst.sendall(chunk[1])
+            except OSError:
+                pass
+            finally:
+                for s in (src, dst):
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+
+        if delayed:
+            threading.Thread(target=send, daemon=True).start()
         try:
             while data := src.recv(65536):
-                if requests and answered.is_set():
-                    answered.clear()
-                    self.requests += 1
-                    time.sleep(self.delay_s)
-                elif not requests:
-                    answered.set()
-                dst.sendall(data)
+                if delayed:
+                    due.put((time.monotonic() + self.delay_s, data))
+                else:
+                    dst.sendall(data)
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
+            due.put(None)
+            if not delayed:
+                send()
 
     def stop(self) -> None:
         self.server.close()
