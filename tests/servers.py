@@ -540,7 +540,7 @@ class DelayingProxy:
         finally:
             due.put(None)
             if not delayed:
-                send()
+                send()  # nothing queued: it closes both ends
 
     def stop(self) -> None:
         self.server.close()
