@@ -466,7 +466,7 @@ class HsmService(Service):
 
 
 class DelayingProxy:
-    """A socket in front of another that passes each request on `delay_s` after it came, in
+    """A socket in front of another that passes what it reads on `delay_s` after it read it, in
     order, as a network's latency does: requests in flight together are each delayed once, not
     one after another (p11-kit's client sends every session's calls on one connection, several
     at once). A network HSM's round trip, on one machine; replies pass at once. The first
@@ -506,9 +506,11 @@ class DelayingProxy:
             threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
 
     def _pipe(self, src, dst, delayed: bool) -> None:
-        """What src sends, to dst: each chunk `delay_s` after it came, if `delayed`, by a thread
-        of its own, so that the chunks behind it are read (and their delay begins) meanwhile."""
+        """What src sends, to dst: each chunk `delay_s` after it was read, if `delayed`, by a
+        thread of its own, so that the chunks behind it are read (and their delay begins) meanwhile."""
+        import contextlib
         import queue
+        import socket as sk
         import threading
 
         due: queue.SimpleQueue = queue.SimpleQueue()
@@ -521,11 +523,11 @@ class DelayingProxy:
             except OSError:
                 pass
             finally:
-                for s in (src, dst):
-                    try:
+                for s in (src, dst):  # shut down first: a thread in recv() on it returns, each peer reads its end
+                    with contextlib.suppress(OSError):
+                        s.shutdown(sk.SHUT_RDWR)
+                    with contextlib.suppress(OSError):
                         s.close()
-                    except OSError:
-                        pass
 
         if delayed:
             threading.Thread(target=send, daemon=True).start()
