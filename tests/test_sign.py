@@ -434,6 +434,20 @@ def test_what_an_outside_review_found_the_writer_would_take_wrongly_it_leaves_to
             assert bytes(opened.Root.Lang) == b"en" and len(opened.Root.AcroForm.Fields) == 1
 
 
+def test_a_page_tree_is_the_cut_s_shape_only_when_every_kid_is_a_reference_to_a_page():
+    """packing.page_list, the reader both the cut and the signer's writer trust: the checks that
+    encrypt.py made of its own before they were shared (4360a6f) dropped one, that each R in /Kids
+    ends a reference; "[3 0 R 4 R]" with /Count 1 read as one page."""
+    from pipeline.seal.packing import page_list
+
+    page = lambda n: b"<</Type/Page/Parent 2 0 R>>"  # noqa: E731
+    assert page_list(b"<</Type/Pages/Count 2/Kids[3 0 R 4 0 R]>>", page) == [3, 4]
+    for odd in (b"<</Type/Pages/Count 1/Kids[3 0 R 4 R]>>", b"<</Type/Pages/Count 1/Kids[3 1 R]>>",
+                b"<</Type/Pages/Count 2/Kids[3 0 R 4 0 R]/Resources 5 0 R>>"):
+        assert page_list(odd, page) == [], odd
+    assert page_list(b"<</Type/Pages/Count 1/Kids[3 0 R]>>", lambda n: b"<</Type/Pages/Kids[4 0 R]>>") == []
+
+
 def _repacked(pdf: bytes, find: bytes | None, put: bytes | None, swap_heads: bool = False) -> bytes:
     """The cut note with an edit inside its object stream, the stream's head and the file's
     offsets written again to match (the shape the writer reads, but for the edit)."""

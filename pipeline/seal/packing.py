@@ -17,11 +17,13 @@ _TREE = re.compile(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)
 
 def page_list(tree: bytes, value: Callable[[int], bytes]) -> list[int]:
     """The pages of the /Pages dictionary `tree`, each a /Page by `value(n)` (object n's
-    dictionary); [] unless it is of the cut's shape: one level of kids, nothing they inherit."""
+    dictionary); [] unless it is of the cut's shape: one level of kids, each an indirect
+    reference of generation 0 (an R that is not one is no page of it), nothing they inherit."""
     found = _TREE.fullmatch(tree)
-    kids = re.findall(rb"(\d+)\s+(\d+)\s+R", found.group(2) or b"") if found else []
-    if not kids or len(kids) != int(found.group(1) or -1) or any(gen != b"0" for _, gen in kids) or \
-            not all(re.search(rb"/Type\s*/Page\b", value(int(n))) for n, _ in kids):
+    array = (found.group(2) or b"") if found else b""
+    kids = re.findall(rb"(\d+)\s+(\d+)\s+R", array)
+    if not kids or len(kids) != int(found.group(1) or -1) or len(kids) != array.count(b"R") or \
+            any(gen != b"0" for _, gen in kids) or not all(re.search(rb"/Type\s*/Page\b", value(int(n))) for n, _ in kids):
         return []
     return [int(n) for n, _ in kids]
 
