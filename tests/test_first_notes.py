@@ -10,6 +10,7 @@ from email import policy
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline import credentials
 from pipeline.cluster import driver, first_notes
@@ -105,6 +106,18 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
 
 
 @pytest.mark.usefixtures("ray_session")
+def test_the_split_waits_for_the_first_notes_only_where_it_would_start_beside_the_pools():
+    """One machine (the session's Ray, a laptop's) renders, signs and mails on one node: the
+    split's workers would take the cores the first actors start on. cluster.yaml's node types
+    render apart from signing and mailing: there the split does not wait."""
+    types = yaml.safe_load((Path(driver.ROOT) / "cluster.yaml").read_text())["available_node_types"]
+    cluster = [{"Alive": True, "Resources": t["resources"]} for t in types.values()]
+    assert not driver.split_beside_pools(cluster)
+    one = {"Alive": True, "Resources": {"CPU": 2, "render": 2, "signer": 1, "smtp": 1}}
+    assert driver.split_beside_pools(cluster + [one])
+    assert not driver.split_beside_pools(cluster + [{**one, "Alive": False}])
+
+
 def test_a_run_whose_driver_died_after_its_first_notes_resumes_with_their_numbers_and_mails_none_twice(
         settings, day, smtp_sink):
     run_id = "died-after-first-notes"

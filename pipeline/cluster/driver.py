@@ -63,7 +63,7 @@ from pipeline.stages import (Batch, broker, forced_again, forced_unanswered, loa
 log = logging.getLogger("pipeline.cluster.driver")
 FIRST_NOTES = 4  # a fresh run's first chain carries a few notes of a light shard, not a whole one:
 # the first mail leaves a render, a sign and a send of 4 notes after the split, not of 100
-SPLIT_HOLD_S = 3.0  # on a running Ray, how long the split waits for the first notes to reach the relay (_run_day)
+SPLIT_HOLD_S = 3.0  # joining a one-machine Ray, how long the split waits for the first notes to reach the relay (_run_day)
 TAIL_PARTS = 4  # the day's last shards go in quarters: the chains still at the signer when the renders end
 # are its work alone (one signer, 4 of 6 chains queued: 3.4 s at 1.2 cores of 2 in a 2,000-account run)
 MALLOC_ARENAS = 2  # glibc malloc arenas per process, driver and workers (see _few_malloc_arenas)
@@ -329,14 +329,15 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                                                open_store(req.input_url, run=settings), store, state, lease.token, _render_cpus(),
                                                partial(_handed, lead))
         early.chain = lead
-        # The split starts once they are mailed, or SPLIT_HOLD_S after they were handed over.
-        # Started beside the pools' first actors, on one machine, its workers' boots took the
-        # cores those actors started, signed and mailed on: the first note reached the relay
-        # 3.4-4.6 s into a 20,000-account day, and 1.97-2.47 s when the split waited. On a
-        # cluster the split starts that much later, a second or two of the day.
-        early.join()
-        if early.sent is not None:
-            ray.wait([early.sent], timeout=SPLIT_HOLD_S, fetch_local=False)
+        if split_beside_pools(ray.nodes()):
+            # The split starts once they are mailed, or SPLIT_HOLD_S after they were handed
+            # over. Started at once, its workers' boots took the cores the pools' first actors
+            # started, signed and mailed on: the first note reached the relay 3.4-4.6 s into a
+            # 20,000-account day, and 1.97-2.47 s when the split waited. On a cluster its
+            # workers start on render nodes, apart: it does not wait there.
+            early.join()
+            if early.sent is not None:
+                ray.wait([early.sent], timeout=SPLIT_HOLD_S, fetch_local=False)
     split = manifest if manifest is not None and manifest.complete else None
     splitting = None
     if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
@@ -417,6 +418,14 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         summary["lease_taken_over_from"] = lease.taken_over_from
     summary["report"] = report.write(store, state, run_id, summary, split.input_errors, settings.paper_due_days)
     return summary
+
+
+def split_beside_pools(nodes: list[dict]) -> bool:
+    """Whether a node of `nodes` (ray.nodes()) both renders and signs or mails (one machine: a
+    laptop's Ray, the bench's): there the split's workers would start on the cores the pools'
+    first actors start on."""
+    return any(r.get("render") and (r.get("signer") or r.get("smtp"))
+               for r in (node["Resources"] for node in nodes if node["Alive"]))
 
 
 def _render_cpus() -> int:

@@ -13,8 +13,8 @@ a day bigger than that goes straight to the split, as before.
 A run that joins a running Ray (a cluster's head, which neither signs nor mails) makes the same
 first notes as far as their render, in the driver, and hands them to the pools' first actors as
 they start: a task for them would wait ~1.1 s for a worker of the run's own, then read the day.
-The split waits for them to be mailed (driver.py): its workers' boots would take the cores those
-actors start on.
+On one machine the split waits for them to be mailed, at most SPLIT_HOLD_S after they were handed
+over (driver.py): its workers' boots would take the cores those actors start on.
 """
 
 from __future__ import annotations
