@@ -97,9 +97,14 @@ def _keeper():
 
 
 def _add(counts: dict[tuple, float]) -> None:
+    """Counted where Ray runs: a run's driver and actors, `bounces` joined to the head. A process
+    without Ray counts nothing: Ray's own first call would start a Ray of its own for it, with
+    none of the role resources, and a run in that process then waited for ever on its split."""
     global _last
+    import ray
+
     counts = {key: n for key, n in counts.items() if n > 0}
-    if counts:
+    if counts and ray.is_initialized():
         _last = _keeper().add.remote(counts)  # one caller's calls run in order: the last answer has them all
         for key, n in counts.items():
             _counted[key] = _counted.get(key, 0) + n

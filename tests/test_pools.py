@@ -120,3 +120,20 @@ def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_
     now[0] = 61
     with pytest.raises(CapacityError, match="no mailer actor has been alive for 61 s"):
         fleet.check(NodeView(frozenset(), frozenset(), {}, {}))
+
+
+def test_counting_a_lost_node_where_no_ray_runs_starts_no_ray():
+    """The test above counts nodes in the test's own process: Ray's first call there started a Ray
+    of its own, without the role resources, and a day later run in that process (the quick
+    lane's xdist workers run many) waited for ever on its split's tasks."""
+    import subprocess
+    import sys
+
+    from pipeline.settings import ROOT
+
+    code = ("from actors import metrics; metrics.nodes('lost', 1); metrics.day({'ok': 1}); import ray; "
+            "print(ray.is_initialized())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
