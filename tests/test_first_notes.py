@@ -105,7 +105,6 @@ def test_a_fresh_run_mails_its_first_notes_before_any_chain_once_each(settings, 
     assert summary["delivered_now"] == summary["accounts"]
 
 
-@pytest.mark.usefixtures("ray_session")
 def test_the_split_waits_for_the_first_notes_only_where_it_would_start_beside_the_pools():
     """One machine (the session's Ray, a laptop's) renders, signs and mails on one node: the
     split's workers would take the cores the first actors start on. cluster.yaml's node types
@@ -118,6 +117,7 @@ def test_the_split_waits_for_the_first_notes_only_where_it_would_start_beside_th
     assert not driver.split_beside_pools(cluster + [{**one, "Alive": False}])
 
 
+@pytest.mark.usefixtures("ray_session")
 def test_a_run_whose_driver_died_after_its_first_notes_resumes_with_their_numbers_and_mails_none_twice(
         settings, day, smtp_sink):
     run_id = "died-after-first-notes"

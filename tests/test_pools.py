@@ -124,8 +124,9 @@ def test_the_fleet_drops_a_lost_node_s_actors_counts_lost_and_drained_nodes_and_
 
 def test_counting_a_lost_node_where_no_ray_runs_starts_no_ray():
     """The test above counts nodes in the test's own process: Ray's first call there started a Ray
-    of its own, without the role resources, and a day later run in that process (the quick
-    lane's xdist workers run many) waited for ever on its split's tasks."""
+    of its own, without the role resources, and a day run later in that process used it and
+    waited for ever on its split's tasks (381159f's suite, where a day's test had lost its
+    ray_session fixture and ran in the quick lane after it)."""
     import subprocess
     import sys
 
