@@ -127,6 +127,7 @@ def test_counting_a_lost_node_where_no_ray_runs_starts_no_ray():
     of its own, without the role resources, and a day run later in that process used it and
     waited for ever on its split's tasks (381159f's suite, where a day's test had lost its
     ray_session fixture and ran in the quick lane after it)."""
+    import os
     import subprocess
     import sys
 
@@ -135,6 +136,6 @@ def test_counting_a_lost_node_where_no_ray_runs_starts_no_ray():
     code = ("from actors import metrics; metrics.nodes('lost', 1); metrics.day({'ok': 1}); import ray; "
             "print(ray.is_initialized())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "False"
