@@ -11,7 +11,7 @@ worker_process_setup_hook; `run` has no flag for any of it):
   render   the Typst compile: a fixed one-page PDF (~0.4 KB) naming the account
            (pipeline.note.render.render_all); the note's data, charges in Decimal, is built as ever
   sign     the signature and AES-256: the PDF with a fixed byte string appended
-           (pipeline.seal.sign.protect_all, and the user half of the keys made at render)
+           (pipeline.seal.sign.protect_each, and the user half of the keys made at render)
   relay    the message: a relay (this file, --relay) that answers 250 at once, keeping only a
            digest of each Message-ID, so each message is counted once
 Then, the run's end set back past the bounce window, `close` and `verify` on the folder store,
@@ -92,7 +92,7 @@ def install_standins() -> None:
     from pipeline.cluster import driver, first_notes
 
     driver.render_all = first_notes.render_all = stand_in_render
-    stages.protect_all = stand_in_protect
+    stages.protect_each = stand_in_protect
     stages.user_halves = lambda pans, algorithm: [None] * len(pans)
 
 

@@ -40,7 +40,9 @@ counted at its access log), measured in one go and printed as one JSON line:
 With --first-note-only, only that cold run of the large day, stopped once the relay has kept
 its first message: first_note_s_cold_large alone, in seconds rather than minutes a run.
 With --s3-only, only the S3 run of the small day (issue 73's requests a note), a minute a run;
-with --baseline TREE too, the same run of that tree's pipeline after ours (figures *_baseline).
+with --baseline TREE too, the same run of that tree's pipeline after ours (figures *_baseline);
+with --s3-latency-ms N too, each request held N ms on its way to S3, as a region's round trip
+(s3_notes_per_s: what the signer's archive writes cost the day when each is a round trip).
 With --save (and --runs 3 or more), the runs' medians and spread go to
 pipeline/cluster/measured.json, where `plan` reads its rates from (bench/measured.py).
 
@@ -77,7 +79,7 @@ from pipeline.record import keys  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.seal.sign import make_test_certificate  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, start_versitygw  # noqa: E402
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, start_versitygw  # noqa: E402
 
 DATE = "2026-11-20"
 PY = sys.executable
@@ -216,6 +218,8 @@ def main() -> None:
                         help="with --first-note-only: the run joins a Ray the bench started (as on a cluster)")
     parser.add_argument("--s3-only", action="store_true",
                         help="only the small day's run on S3: its requests a note, by kind")
+    parser.add_argument("--s3-latency-ms", type=float, default=0.0,
+                        help="with --s3-only: each request held this long on its way to S3 (a proxy in front)")
     parser.add_argument("--baseline", metavar="TREE",
                         help="with --first-note-only or --s3-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
@@ -347,7 +351,7 @@ def s3_only(args) -> dict:
     on an S3 server of its own: its figures end in _baseline."""
     if args.save:
         raise SystemExit("--s3-only measures one figure of the bench: nothing to --save")
-    out: dict = {"accounts_small": args.small}
+    out: dict = {"accounts_small": args.small, "s3_latency_ms": args.s3_latency_ms}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         write_dumps(work / "small", SynthOptions(dt.date.fromisoformat(DATE), args.small, args.seed))
@@ -355,10 +359,13 @@ def s3_only(args) -> dict:
             sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
             for i, (suffix, tree) in enumerate(sides):
                 s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
+                held = S3Between(s3.url, delay_s=args.s3_latency_ms / 1000) if args.s3_latency_ms else None
                 try:
-                    figures = s3_run(env, s3.url, work / "small", args.small, work / f"side-{i}" / "versitygw.log",
-                                     tree, f"scale-s3-{i}")
+                    figures = s3_run(env, held.url if held else s3.url, work / "small", args.small,
+                                     work / f"side-{i}" / "versitygw.log", tree, f"scale-s3-{i}")
                 finally:
+                    if held:
+                        held.stop()
                     s3.stop()
                 out.update({k + suffix: v for k, v in figures.items()})
     return out
@@ -400,7 +407,8 @@ def s3_run(env: dict, endpoint: str, day: Path, accounts: int, log: Path, tree: 
     summary = run(s3env, "s3://cn-input/day", run_id, tree=tree)
     notes, served = summary["delivered_now"], _requests(log)[before:]
     fixed = sum(1 for fields in served if _fixed(fields))
-    return {"first_note_s_cold": summary["first_note_s"], "s3_requests": len(served), "s3_notes": notes,
+    return {"first_note_s_cold": summary["first_note_s"], "s3_notes_per_s": summary["notes_per_s"],
+            "s3_requests": len(served), "s3_notes": notes,
             "s3_requests_per_note": round(len(served) / max(1, notes), 3), "s3_requests_by_kind": s3_kinds(served),
             "s3_fixed_requests": fixed, "s3_requests_per_note_less_fixed": round((len(served) - fixed) / max(1, notes), 3)}
 

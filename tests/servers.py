@@ -560,13 +560,15 @@ class S3Between:
     the key ends): "refuse" answers each with 500 InternalError and passes none on (the store's
     retries meet it every time, until the test takes the fault away); "lose" passes the first on
     and closes the connection instead of its reply; "refuse gets" answers the key's GETs, not its
-    PUTs, with 500 InternalError. `passed(key)` is called once a PUT of `key`
+    PUTs, with 500 InternalError. `delay_s` holds each request that long before passing it on (a
+    region's round trip to S3); `most_puts` is the most PUTs it held at once. `passed(key)` is called once a PUT of `key`
     was stored and answered: a test's moment to fail another dependency there; `arriving(key,
     body)` before a PUT is passed on: another writer's moment to get there first. `put_keys`
     lists the key of every PUT that reached the server, in order."""
 
     def __init__(self, upstream: str, throttle: int = 0, corrupt: bool = False, lose: int = 0,
-                 faults: dict[str, str] | None = None, passed=None, arriving=None, timed_out: int = 0):
+                 faults: dict[str, str] | None = None, passed=None, arriving=None, timed_out: int = 0,
+                 delay_s: float = 0.0):
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -575,6 +577,7 @@ class S3Between:
         self.upstream, self.throttle, self.corrupt, self.requests = urlsplit(upstream), throttle, corrupt, 0
         self.lose, self.puts, self.faults, self.passed, self.put_keys = lose, 0, faults or {}, passed, []
         self.arriving, self.timed_out = arriving, timed_out  # timed_out: the first PUTs answered 400 RequestTimeout
+        self.delay_s, self.puts_now, self.most_puts, counting = delay_s, 0, 0, threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -600,13 +603,21 @@ class S3Between:
                     return self._answer(500, {"Content-Type": "application/xml"}, INTERNAL_ERROR)
                 if proxy.arriving:
                     proxy.arriving(self._key(), body)
-                self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body, lost=fault == "lose")
+                with counting:
+                    proxy.puts_now += 1
+                    proxy.most_puts = max(proxy.most_puts, proxy.puts_now)
+                try:
+                    self._pass_on(bytes([body[0] ^ 1]) + body[1:] if proxy.corrupt else body, lost=fault == "lose")
+                finally:
+                    with counting:
+                        proxy.puts_now -= 1
 
             def _key(self) -> str:
                 return unquote(urlsplit(self.path).path).split("/", 2)[-1]
 
             def _pass_on(self, sent: bytes, lost: bool = False):
                 proxy.requests += 1
+                time.sleep(proxy.delay_s)
                 if proxy.requests <= proxy.throttle:
                     body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
                     return self._answer(503, {"Content-Type": "application/xml"}, body)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from io import BytesIO
@@ -65,23 +67,37 @@ def user_halves(pans: list[str], algorithm: str) -> list[UserKeys | None]:
 
 def protect_all(notes: list[tuple[bytes, str, UserKeys | None]], owner_password: str, signer: Signer,
                 info: SignatureInfo, algorithm: str = "aes256") -> list[bytes | SignError]:
-    """protect() over (pdf, pan, made) triples, each result or the SignError it raised. The notes'
-    keys are made first, their password hashes in one batch (hash_2b.c runs eight at once). With
-    a key of several sessions (an HSM across a network), each note is prepared here while the
-    signatures of those before it are on their way: the round trip is hidden behind the notes'
-    own work. Its notes are keyed IN_FLIGHT_NOTES at a time, not all first: the hashes are most
-    of that work, and a signature waits on none but its own note's."""
+    """protect() over (pdf, pan, made) triples, each result or the SignError it raised."""
+    return list(protect_each(notes, owner_password, signer, info, algorithm))
+
+
+def protect_each(notes: list[tuple[bytes, str, UserKeys | None]], owner_password: str, signer: Signer,
+                 info: SignatureInfo, algorithm: str = "aes256") -> Iterator[bytes | SignError]:
+    """protect_all's results one at a time, each as soon as it is made: the signer archives a note
+    while it signs the next (stages.sign_stage). The notes' keys are made first, their password
+    hashes in one batch (hash_2b.c runs eight at once). With a key of several sessions (an HSM
+    across a network), each note is prepared here while the signatures of those before it are on
+    their way: the round trip is hidden behind the notes' own work. Its notes are keyed
+    IN_FLIGHT_NOTES at a time, not all first: the hashes are most of that work, and a signature
+    waits on none but its own note's."""
     if signer.workers == 1:
         keyed = zip(notes, _keys_all(notes, owner_password, algorithm))
-        return [_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made, keys)
-                for (pdf, pan, made), keys in keyed]
-    pending = []
+        yield from (_or_error(protect, pdf, pan, owner_password, signer, info, algorithm, made, keys)
+                    for (pdf, pan, made), keys in keyed)
+        return
+    pending: deque = deque()
     for at in range(0, len(notes), IN_FLIGHT_NOTES):
         group = notes[at:at + IN_FLIGHT_NOTES]
         for (pdf, pan, made), keys in zip(group, _keys_all(group, owner_password, algorithm)):
             prepared = _or_error(_prepare, pdf, pan, owner_password, signer, info, algorithm, made, keys)
             pending.append(prepared if isinstance(prepared, SignError) else (prepared, signer.signing(prepared[3])))
-    return [p if isinstance(p, SignError) else _or_error(_finish, signer, *p) for p in pending]
+        while pending and (isinstance(pending[0], SignError) or pending[0][1].done()):  # in order, as they come back
+            yield _finished(signer, pending.popleft())
+    yield from (_finished(signer, p) for p in pending)
+
+
+def _finished(signer: Signer, pending: SignError | tuple[tuple, Future]) -> bytes | SignError:
+    return pending if isinstance(pending, SignError) else _or_error(_finish, signer, *pending)
 
 
 def _finish(signer: Signer, prepared: tuple, signature: Future) -> bytes:
