@@ -331,7 +331,7 @@ def test_a_pool_signer_killed_mid_batch_is_not_run_again_by_ray_and_the_fleets_r
         if hung.is_fifo():  # the test stopped before the store answered again
             hung.unlink()
 
-    assert 4 <= len(first) < len(uccs), "the kill did not land mid-batch"  # the notes archived beside the hung write too
+    assert len(first) == 4, "the kill did not land mid-batch"
     assert [i["ucc"] for i in signed.items] == uccs
     carried = {keys.signed_pdf_key("2026-11-20", i["ucc"]): i["pdf"] for i in signed.items}
     for path, pdf in first.items():
