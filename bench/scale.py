@@ -62,6 +62,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -79,7 +80,7 @@ from pipeline.record import keys  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.seal.sign import make_test_certificate  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Between, start_versitygw  # noqa: E402
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, DelayingProxy, start_versitygw  # noqa: E402
 
 DATE = "2026-11-20"
 PY = sys.executable
@@ -219,13 +220,15 @@ def main() -> None:
     parser.add_argument("--s3-only", action="store_true",
                         help="only the small day's run on S3: its requests a note, by kind")
     parser.add_argument("--s3-latency-ms", type=float, default=0.0,
-                        help="with --s3-only: each request held this long on its way to S3 (a proxy in front)")
+                        help="with --s3-only: each request held this long on its way to S3 (a delaying link in front)")
     parser.add_argument("--baseline", metavar="TREE",
                         help="with --first-note-only or --s3-only: the same run of this tree's pipeline after ours")
     measured.run("scale", parser, once, {"small": 60, "large": 120, "volatile_trades": 2_000})
 
 
 def once(args) -> dict:
+    if args.s3_latency_ms and not args.s3_only:
+        raise SystemExit("--s3-latency-ms holds the S3 run's requests: it goes with --s3-only")
     if args.first_note_only:
         return first_note_only(args)
     if args.s3_only:
@@ -359,7 +362,8 @@ def s3_only(args) -> dict:
             sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
             for i, (suffix, tree) in enumerate(sides):
                 s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
-                held = S3Between(s3.url, delay_s=args.s3_latency_ms / 1000) if args.s3_latency_ms else None
+                held = DelayingProxy(None, ("127.0.0.1", urlsplit(s3.url).port), args.s3_latency_ms / 1000) \
+                    if args.s3_latency_ms else None
                 try:
                     figures = s3_run(env, held.url if held else s3.url, work / "small", args.small,
                                      work / f"side-{i}" / "versitygw.log", tree, f"scale-s3-{i}")

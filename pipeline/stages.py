@@ -13,8 +13,7 @@ import hashlib
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache, partial
@@ -57,7 +56,7 @@ RECORD_WAIT_S = 0.005  # longest a relay's reply waits for a claim to ride to Re
 # A signer's writes to S3 under way at once: one after another, a batch of 100 notes waited out
 # 100 of S3's round trips (~2 s at ~20 ms a PUT) for ~0.5 s of signing. A folder's stay in the
 # signer's thread: in threads, its creates in one directory cost ~0.35 ms more CPU a note.
-ARCHIVE_WRITES = 16
+_ARCHIVE_WRITES = ThreadPoolExecutor(16, "archive")
 _REDIS_CALLS = ThreadPoolExecutor(8, "redis")  # a mailer's Redis calls (MailContext.redis)
 
 
@@ -262,14 +261,16 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
             item["pdf"] = None  # mailed, or being mailed, from the archive
     todo = [item for item in batch.items if item["pdf"] is not None]
     notes = [(i["pdf"], i["pan"], made[i["ucc"]]) for i in todo]
-    writes = None if isinstance(store, FolderStore) else ThreadPoolExecutor(ARCHIVE_WRITES, "archive")
-    with writes or nullcontext():  # to S3, each note archived while the next is signed
-        archived = {}
+    aside = not isinstance(store, FolderStore)  # to S3, each note archived while the next is signed
+    archived: dict[int, Future] = {}
+    try:
         for item, signed in zip(todo, protect_each(notes, owner_password, signer, info, encryption)):
             item["pdf"] = signed  # the signed note, or why it could not be signed
             if isinstance(signed, bytes):
                 write = partial(_archived_or_error, store, batch.trade_date, item["ucc"], signed)
-                archived[id(item)] = writes.submit(write) if writes else _done(write())
+                archived[id(item)] = _ARCHIVE_WRITES.submit(write) if aside else _done(write())
+    finally:  # nothing of the batch goes on, nor fails, while a write of it is under way
+        wait(archived.values())
     kept = []
     with StateWriter(state) as writer:
         for item in batch.items:
