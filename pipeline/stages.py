@@ -243,10 +243,10 @@ def note_data(account: dict, client: Client, trade_date: str, settles: dict[str,
 def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store: Store,
                state: RunState, info: SignatureInfo = SignatureInfo()) -> Batch:
     """Sign and encrypt, then archive: the signed PDF is in storage before any mail leaves, each
-    note written while the next is signed (to S3, a round trip each). Only for the driver holding
-    the run. The archive is what the client got: a note whose mail was
-    claimed is not signed again (it may have gone out), and a note archived by an earlier
-    attempt is never replaced (_archived): the item carries the archived bytes."""
+    note written while the next is signed (to S3, a round trip each). Only for the driver
+    holding the run. The archive is what the client got: a note whose mail was claimed is not
+    signed again (it may have gone out), and a note archived by an earlier attempt is never
+    replaced (_archived): the item carries the archived bytes."""
     started = time.process_time()
     if not state.holds_lease(batch.lease):
         if state.lease_holder() is None:  # Redis lost the run (its epoch too): say that, as a claim would
