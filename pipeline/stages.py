@@ -267,7 +267,7 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
         for item, signed in zip(todo, protect_each(notes, owner_password, signer, info, encryption)):
             item["pdf"] = signed  # the signed note, or why it could not be signed
             if isinstance(signed, bytes):
-                write = partial(_archived_or_error, store, batch.trade_date, item["ucc"], signed)
+                write = partial(_or_error, _archived, store, batch.trade_date, item["ucc"], signed)
                 archived[id(item)] = _ARCHIVE_WRITES.submit(write) if aside else _done(write())
     finally:  # nothing of the batch goes on, nor fails, while a write of it is under way
         wait(archived.values())
@@ -300,10 +300,12 @@ def _done(value) -> Future:
     return future
 
 
-def _archived_or_error(store: Store, trade_date: str, ucc: str, signed: bytes) -> bytes | Exception:
+def _or_error(fn, *args):
+    """What a storage call gives, or its error, for the note to fail alone: storage errors come
+    in many types (StorageError, OSError, obstore's)."""
     try:
-        return _archived(store, trade_date, ucc, signed)
-    except Exception as e:  # storage errors come in many types (StorageError, OSError, obstore's)
+        return fn(*args)
+    except Exception as e:
         return e
 
 
@@ -464,18 +466,12 @@ def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
     archived = [item for item in items if item["pdf"] is None]
     if archived:
         with ThreadPoolExecutor(min(16, len(archived)), "archive") as reads:
-            for item, pdf in zip(archived, reads.map(partial(_archived_note, store, trade_date), archived)):
+            names = [keys.signed_pdf_key(trade_date, item["ucc"]) for item in archived]
+            for item, pdf in zip(archived, reads.map(partial(_or_error, store.get), names)):
                 item["pdf"] = pdf
     read = [item for item in items if not isinstance(item["pdf"], Exception)]
     for item, md5 in zip(read, md5_hex_all([item["pdf"] for item in read])):
         item["sha256"], item["md5"] = hashlib.sha256(item["pdf"]).hexdigest(), md5
-
-
-def _archived_note(store: Store, trade_date: str, item: dict) -> bytes | Exception:
-    try:
-        return store.get(keys.signed_pdf_key(trade_date, item["ucc"]))
-    except Exception as e:  # storage errors come in many types (StorageError, OSError, botocore)
-        return e
 
 
 def _record(ctx: MailContext, outcome: Outcome) -> None:
