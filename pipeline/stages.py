@@ -267,7 +267,7 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
         for item, signed in zip(todo, protect_each(notes, owner_password, signer, info, encryption)):
             item["pdf"] = signed  # the signed note, or why it could not be signed
             if isinstance(signed, bytes):
-                write = partial(_or_error, _archived, store, batch.trade_date, item["ucc"], signed)
+                write = partial(_or_storage_error, _archived, store, batch.trade_date, item["ucc"], signed)
                 archived[id(item)] = _ARCHIVE_WRITES.submit(write) if aside else _done(write())
     finally:  # nothing of the batch goes on, nor fails, while a write of it is under way
         wait(archived.values())
@@ -300,7 +300,7 @@ def _done(value) -> Future:
     return future
 
 
-def _or_error(fn, *args):
+def _or_storage_error(fn, *args):
     """What a storage call gives, or its error, for the note to fail alone: storage errors come
     in many types (StorageError, OSError, obstore's)."""
     try:
@@ -467,7 +467,7 @@ def _attach(store: Store, trade_date: str, items: list[dict]) -> None:
     if archived:
         with ThreadPoolExecutor(min(16, len(archived)), "archive") as reads:
             names = [keys.signed_pdf_key(trade_date, item["ucc"]) for item in archived]
-            for item, pdf in zip(archived, reads.map(partial(_or_error, store.get), names)):
+            for item, pdf in zip(archived, reads.map(partial(_or_storage_error, store.get), names)):
                 item["pdf"] = pdf
     read = [item for item in items if not isinstance(item["pdf"], Exception)]
     for item, md5 in zip(read, md5_hex_all([item["pdf"] for item in read])):
