@@ -23,12 +23,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # after PYTHONPATH: a child measures the tree it names
 from bench import measured  # noqa: E402
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, DelayingProxy, start_versitygw  # noqa: E402
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, delaying_link, start_versitygw  # noqa: E402
 
 BATCH = 100  # a shard's accounts: one signer call
 
@@ -69,7 +68,7 @@ def _child(tree: Path, work: Path, latency_ms: float | None, batches: int) -> tu
             stop.append(s3.stop)
             endpoint = s3.url
             if latency_ms:
-                link = DelayingProxy(None, ("127.0.0.1", urlsplit(s3.url).port), latency_ms / 1000)
+                link = delaying_link(s3.url, latency_ms / 1000)
                 stop.append(link.stop)
                 endpoint = link.url
             store = "s3://bench-archive"

@@ -290,18 +290,15 @@ def head_lost(accounts: int, at: float, seed: int = 55) -> dict:
             delivered_then = int(state.counts().get("delivered", 0) or 0)
             _kill_all(first.pid, tmp1, psutil)
             lost.append({"role": "head", "after_s": round(time.monotonic() - began, 1), "delivered_then": delivered_then})
-        retried = 0
-        while True:  # Ray's own start gives a raylet 30 s to register: on a loaded machine, a new head again
+        for retried in range(2):  # Ray's own start gives a raylet 30 s to register: on a loaded machine, again once
             said = (work / "phase-1.log").stat().st_size if (work / "phase-1.log").exists() else 0
             with tempfile.TemporaryDirectory(prefix="cnh2", dir="/tmp") as tmp2:
                 second = phase(tmp2)
                 out, _ = second.communicate(timeout=900)
-                timed_out = second.returncode and RAY_START_TIMED_OUT in (work / "phase-1.log").read_text()[said:]
-                if timed_out and not retried:
-                    _kill_all(second.pid, tmp2, psutil)
-                    retried += 1
-                    continue
-            break
+                if retried or not (second.returncode and
+                                   RAY_START_TIMED_OUT in (work / "phase-1.log").read_text()[said:]):
+                    break
+                _kill_all(second.pid, tmp2, psutil)
         lines = [line for line in out.splitlines() if line.startswith("{")]
         if second.returncode or not lines:
             raise RuntimeError(f"the new head's run failed ({second.returncode}): "

@@ -62,7 +62,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -80,7 +79,7 @@ from pipeline.record import keys  # noqa: E402
 from pipeline.record.state import RunState  # noqa: E402
 from pipeline.seal.sign import make_test_certificate  # noqa: E402
 from pipeline.settings import Settings  # noqa: E402
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, DelayingProxy, start_versitygw  # noqa: E402
+from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, delaying_link, start_versitygw  # noqa: E402
 
 DATE = "2026-11-20"
 PY = sys.executable
@@ -362,8 +361,7 @@ def s3_only(args) -> dict:
             sides = [("", ROOT)] + ([("_baseline", Path(args.baseline))] if args.baseline else [])
             for i, (suffix, tree) in enumerate(sides):
                 s3 = start_versitygw(work / f"side-{i}" / "s3")  # its log: side-i/versitygw.log
-                held = DelayingProxy(None, ("127.0.0.1", urlsplit(s3.url).port), args.s3_latency_ms / 1000) \
-                    if args.s3_latency_ms else None
+                held = delaying_link(s3.url, args.s3_latency_ms / 1000) if args.s3_latency_ms else None
                 try:
                     figures = s3_run(env, held.url if held else s3.url, work / "small", args.small,
                                      work / f"side-{i}" / "versitygw.log", tree, f"scale-s3-{i}")

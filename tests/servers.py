@@ -560,6 +560,14 @@ class DelayingProxy:
             self.listen.unlink(missing_ok=True)
 
 
+def delaying_link(url: str, delay_s: float) -> DelayingProxy:
+    """A DelayingProxy in front of the TCP server at `url` (an S3 server's): its own `url` to use."""
+    from urllib.parse import urlsplit
+
+    target = urlsplit(url)
+    return DelayingProxy(None, (target.hostname, target.port), delay_s)
+
+
 INTERNAL_ERROR = b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"
 
 
