@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # after PYTHONPATH: a child measures the tree it names
 from bench import measured  # noqa: E402
-from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, delaying_link, start_versitygw  # noqa: E402
 
 BATCH = 100  # a shard's accounts: one signer call
 
@@ -58,7 +57,10 @@ def once(args) -> dict:
 
 def _child(tree: Path, work: Path, latency_ms: float | None, batches: int) -> tuple[float, float]:
     """One store's figures, in a process of its own running `tree`'s code: a folder (latency
-    None), or an S3 server started here, behind a delaying link if `latency_ms`."""
+    None), or an S3 server started here, behind a delaying link if `latency_ms`. The servers are
+    this tree's (imported here, not where a child imports `tree`'s code)."""
+    from tests.servers import S3_ACCESS_KEY, S3_SECRET_KEY, delaying_link, start_versitygw
+
     env, stop = {**os.environ, "PYTHONPATH": str(tree)}, []
     try:
         if latency_ms is None:
