@@ -11,6 +11,7 @@ first attempt's notes and mails those bytes.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
@@ -20,13 +21,15 @@ from pipeline import credentials
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store, tell
 from pipeline.seal.sign import SignatureInfo
+from pipeline.seal.signer import BATCHES_AT_ONCE
 from pipeline.settings import Settings
 from pipeline.stages import Batch, sign_stage
 
 
 # Out of order: a batch is signed once its render has ended, not after the batches submitted
 # before it (in order, the signer waited on the first chain's render while others were ready).
-@ray.remote(num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True)
+# Threaded: the key says how many batches it signs together (Signer.batches_at_once).
+@ray.remote(num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True, max_concurrency=BATCHES_AT_ONCE)
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
         self.settings, self.signer = credentials.read(settings)  # one read of the secret
@@ -36,11 +39,19 @@ class SignerActor:
         notes = RunState.of(self.settings, run_id, patience_retries=0)  # said now or not at all: never waited on
         self.signer.tell(lambda since: notes.note_wait("hsm", since))  # the page: waiting for the HSM since ...
         tell(settings.store_url, lambda since: notes.note_wait("store", since))
+        self.turns = threading.Semaphore(self.signer.batches_at_once)
+        self.cpu = SharedCpu()
 
     def sign(self, batch: Batch) -> Batch:
-        started, before = time.perf_counter(), len(batch.items)
-        batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
-                           self.store, self.state, self.info)
+        with self.turns:
+            started, before, earlier = time.perf_counter(), len(batch.items), batch.cpu_s.get("sign", 0.0)
+            self.cpu.start()
+            try:
+                batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
+                                   self.store, self.state, self.info)
+            finally:
+                spent = self.cpu.end()
+            batch.cpu_s["sign"] = earlier + spent  # not all the process's while it ran: the other batch's too
         batch.waits += [("hsm", start, end) for start, end in self.signer.outages()]
         metrics.observe("sign", {"ok": len(batch.items), "failed": before - len(batch.items)},
                         time.perf_counter() - started)
@@ -52,3 +63,24 @@ class SignerActor:
     def node(self) -> str:
         """The node it runs on: the pool chooses it once it has answered, and drops it with its node."""
         return ray.get_runtime_context().get_node_id()
+
+
+class SharedCpu:
+    """The process's CPU shared out among calls that run together: each, as it ends, takes what
+    the process spent since the last one ended (or since it began, when none ran before it). Their
+    sum is the process's CPU while any ran, counted once; a call alone takes its own."""
+
+    def __init__(self):
+        self._lock, self._running, self._mark = threading.Lock(), 0, 0.0
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._running:
+                self._mark = time.process_time()
+            self._running += 1
+
+    def end(self) -> float:
+        with self._lock:
+            now = time.process_time()
+            spent, self._mark, self._running = now - self._mark, now, self._running - 1
+            return spent

@@ -16,7 +16,8 @@
 All are CPU milliseconds per note (process time). Then the key on an HSM (issue 41), each row a
 signer actor's work (sign + AES-256, `protect_all`: signatures in flight while the next notes are prepared):
   hsm.file          the key file (the baseline of the rows below)
-                    Each signs as a signer actor does: a shard's notes (100) a call
+                    Each signs as a signer actor does: a shard's notes (100) a call, two calls
+                    together where a signature takes a round trip (Signer.batches_at_once)
   hsm.softhsm       SoftHSM2 in this process (CPU ratio to the file key: the target is <= 1.10)
   hsm.p11kit        SoftHSM2 behind `p11-kit server`, through p11-kit-client.so: a network HSM
   hsm.p11kit_5ms    the same with 5 ms added to every round trip by a delaying proxy (notes/s
@@ -40,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from io import BytesIO
 from pathlib import Path
 
@@ -152,8 +154,11 @@ CHUNK = 2 * BATCH  # notes signed one way, then the other: both see the same mom
 
 
 def as_the_actor(items: list, signer, info) -> list:
-    """protect_all over batches of BATCH, one after another, as a signer actor's calls come."""
-    return [note for i in range(0, len(items), BATCH) for note in protect_all(items[i:i + BATCH], OWNER, signer, info)]
+    """protect_all over batches of BATCH as a signer actor's calls come: `batches_at_once` of them
+    under way together (actors/signer.py)."""
+    with ThreadPoolExecutor(signer.batches_at_once) as calls:
+        signed = calls.map(lambda i: protect_all(items[i:i + BATCH], OWNER, signer, info), range(0, len(items), BATCH))
+        return [note for batch in signed for note in batch]
 
 
 def hsm_rows(tmp: Path, key: Path, cert: Path, root: Path, notes: int, runs: int, turns: int) -> dict:
