@@ -1,12 +1,15 @@
-"""A small day on Ray's real autoscaler with fake nodes of cluster.yaml's types (slow: ~50 s)."""
+"""A small day on Ray's real autoscaler with fake nodes of cluster.yaml's types (slow: ~50 s), and
+a day on a Ray started by hand, which has none."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from pipeline.settings import ROOT
+from tests.conftest import TRADE_DATE
 
 
 def test_the_driver_demand_launches_render_and_signer_nodes_which_go_afterwards(keys_dir, tmp_path):
@@ -22,8 +25,37 @@ def test_the_driver_demand_launches_render_and_signer_nodes_which_go_afterwards(
     assert summary["actors"] == {"signers": 2, "mailers": 2}, "the pools follow the two signer/SMTP nodes"
 
 
-def _env() -> dict:
-    import os
+def test_a_day_on_a_ray_started_by_hand_with_no_render_node_stops_naming_the_role(
+        redis_url, smtp_sink, keys_dir, day, tmp_path):
+    """Joined by its address, a Ray with no autoscaler and no node offering `render` kept the day
+    in its split for ever. It is said at once, waited for CN_CAPACITY_WAIT_S, then the run stops
+    (exit 2) naming the role and how a node offers it."""
+    held = subprocess.Popen([sys.executable, "-c", HELD_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=_env())
+    try:
+        address = held.stdout.readline().strip()
+        assert address, "the hand-started Ray did not start"
+        env = {k: v for k, v in _env().items() if not k.startswith(("CN_", "SMTP_URL"))}
+        env.update(RAY_ADDRESS=address, RAY_AUTH_MODE="token", REDIS_URL=redis_url, SMTP_URL=smtp_sink.url, CN_CAPACITY_WAIT_S="5",
+                   CN_STORE=str(tmp_path / "store"), CN_TOKEN_KEY_FILE=str(keys_dir / "token.key"),
+                   CN_SIGNER_KEY=str(keys_dir / "signer.key.pem"), CN_SIGNER_CERT=str(keys_dir / "signer.cert.pem"),
+                   CN_SIGNER_CHAIN=str(keys_dir / "root.cert.pem"), CN_OWNER_PASSWORD="test-owner-secret")
+        done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(day)],
+                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    finally:
+        held.communicate("", timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "no node of this Ray offers render" in done.stderr and "--resources" in done.stderr, done.stderr[-3000:]
 
+
+HELD_RAY = """
+import sys, ray
+ray.init(address="local", num_cpus=1, resources={"signer": 1, "smtp": 1}, include_dashboard=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
+
+
+def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "AWS_"))}
     return {**env, "PYTHONPATH": ROOT}

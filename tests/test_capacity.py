@@ -81,3 +81,15 @@ def test_the_stop_names_only_the_roles_with_nothing_booting():
         w.check()
     with pytest.raises(CapacityError, match=r"no signer/smtp node came up in 30 s.*VcpuLimitExceeded"):
         w.check()
+
+
+def test_a_ray_without_an_autoscaler_says_the_missing_role_at_once_and_stops_naming_how_to_offer_it(caplog):
+    views = iter([ClusterView({"signer": 1, "smtp": 1}, set(), [])] * 100)
+    clock = iter(range(0, 10_000, 10))
+    w = CapacityWatch(lambda bundles: None, lambda: next(views), {}, 30, 30, clock=lambda: next(clock))
+    w.check()
+    assert "no node of this Ray offers render; waiting 30 s" in caplog.text
+    w.check()
+    w.check()
+    with pytest.raises(CapacityError, match=r"no node of this Ray offers render after 30 s .*--resources='\{\"render\": N\}'"):
+        w.check()

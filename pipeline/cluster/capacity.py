@@ -7,7 +7,9 @@ render capacity has neither arrived nor started booting for `spot_wait_s`, it as
 render resource with `ondemand` (a resource only the on-demand render type offers), which the
 autoscaler can satisfy only by launching that type. If any role the day needs (render, signer,
 smtp) is still absent after `capacity_wait_s`, with no node of it booting, the run stops and
-names the node types that failed to launch, instead of waiting for the dead-man switch.
+names the node types that failed to launch, instead of waiting for the dead-man switch. On a
+Ray started by hand and joined by its address (`by_hand`), no autoscaler launches anything: a
+role no node offers is said at once and waited for as long, then the run stops the same way.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class CapacityWatch:
             self.started = now
         view = self.look()
         missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
+        if missing and not self.node_types and now == self.started:
+            log.warning("capacity: no node of this Ray offers %s; waiting %.0f s (CN_CAPACITY_WAIT_S) for one",
+                        "/".join(missing), self.capacity_wait_s)
         if not missing:
             self.arrived = True
             log.info("capacity: every role has a node after %.0f s", now - self.started)
@@ -76,6 +81,12 @@ class CapacityWatch:
                         waited, _last(view.failures, self._types_with("render")))
             self.ask(self.bundles or [{"CPU": 1, "render": 1}])
         stalled = [r for r in missing if not view.booting & self._types_with(r)]  # a booting node is coming
+        if waited >= self.capacity_wait_s and stalled and not self.node_types:
+            raise CapacityError(
+                f"no node of this Ray offers {'/'.join(stalled)} after {waited:.0f} s (CN_CAPACITY_WAIT_S), and it "
+                "has no autoscaler to start one: start a node with the role's resource (`ray start --address=... "
+                f"--resources='{{\"{stalled[0]}\": N}}'`, as cluster.yaml's node types declare it); what was mailed "
+                "is recorded: run the same run id again once it has one")
         if waited >= self.capacity_wait_s and stalled:
             types = set().union(*map(self._types_with, stalled))
             raise CapacityError(
@@ -88,6 +99,12 @@ class CapacityWatch:
 
     def _types_with(self, resource: str) -> set[str]:
         return {name for name, t in self.node_types.items() if t.get("resources", {}).get(resource)}
+
+
+def by_hand(capacity_wait_s: float) -> CapacityWatch:
+    """The watch of a Ray joined by its address, with no `ray up` head: without it, a day on a
+    Ray none of whose nodes offered `render` waited for ever in its split."""
+    return CapacityWatch(lambda bundles: None, look_at_ray, {}, capacity_wait_s, capacity_wait_s)
 
 
 def _last(failures: list[str], types: set[str]) -> str:

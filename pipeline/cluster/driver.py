@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from actors import metrics
 from pipeline import credentials
-from pipeline.cluster import first_notes, fleet
+from pipeline.cluster import capacity, first_notes, fleet
 from pipeline.cluster.fleet import why
 from pipeline.cluster.waits import DayWaits
 from pipeline.followup import located, opened
@@ -176,6 +176,11 @@ def _secrets_kept_from_children():
         yield
     finally:
         os.environ.update(kept)
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> None:
+    first()
+    then()
 
 
 def _ray_address(address: str | None) -> str | None:
@@ -321,6 +326,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     # A local Ray starts meanwhile, in this thread: Ray's processes get SIGKILL when the thread
     # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
     init_ray(settings, address)
+    if _ray_address(address) and not on_cluster():  # a Ray started by hand: no autoscaler brings a missing role
+        watch = partial(_both, capacity.by_hand(settings.capacity_wait_s).check, watch)
     actors = fleet.start(settings, run_id, req.force, req.resend_unconfirmed, req.relays)  # booting while the split runs
     if early is None and not resume and req.only is None:  # joined a running Ray: rendered here, mailed by the pools
         lead = Chain(-1, None)
