@@ -28,7 +28,8 @@ from pipeline.stages import Batch, sign_stage
 
 # Out of order: a batch is signed once its render has ended, not after the batches submitted
 # before it (in order, the signer waited on the first chain's render while others were ready).
-# Threaded: the key says how many batches it signs together (Signer.batches_at_once).
+# Threaded: two calls at most; as many sign at once as the key's Signer.batches_at_once (one for a key
+# in this process), the other waiting its turn.
 @ray.remote(num_cpus=0, resources={"signer": 1}, allow_out_of_order_execution=True, max_concurrency=BATCHES_AT_ONCE)
 class SignerActor:
     def __init__(self, settings: Settings, run_id: str):
@@ -44,14 +45,14 @@ class SignerActor:
 
     def sign(self, batch: Batch) -> Batch:
         with self.turns:
-            started, before, earlier = time.perf_counter(), len(batch.items), batch.cpu_s.get("sign", 0.0)
+            started, before = time.perf_counter(), len(batch.items)
             self.cpu.start()
             try:
                 batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
                                    self.store, self.state, self.info)
             finally:
                 spent = self.cpu.end()
-            batch.cpu_s["sign"] = earlier + spent  # not all the process's while it ran: the other batch's too
+            batch.cpu_s["sign"] = spent  # not the process's CPU while it ran, which holds the other batch's too
         batch.waits += [("hsm", start, end) for start, end in self.signer.outages()]
         metrics.observe("sign", {"ok": len(batch.items), "failed": before - len(batch.items)},
                         time.perf_counter() - started)
@@ -67,8 +68,9 @@ class SignerActor:
 
 class SharedCpu:
     """The process's CPU shared out among calls that run together: each, as it ends, takes what
-    the process spent since the last one ended (or since it began, when none ran before it). Their
-    sum is the process's CPU while any ran, counted once; a call alone takes its own."""
+    the process spent since the last one ended, or since the process went from idle to busy. Their
+    sum is the process's CPU while any ran, counted once (the report adds them up); a call alone
+    takes its own; which of two overlapping calls takes what is arbitrary."""
 
     def __init__(self):
         self._lock, self._running, self._mark = threading.Lock(), 0, 0.0
