@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 
@@ -33,6 +34,7 @@ def test_a_day_on_a_ray_started_by_hand_with_no_render_node_stops_naming_the_rol
     held = subprocess.Popen([sys.executable, "-c", HELD_RAY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=_env())
     try:
+        assert select.select([held.stdout], [], [], 120)[0], "the hand-started Ray did not start in 120 s"
         address = held.stdout.readline().strip()
         assert address, "the hand-started Ray did not start"
         env = {k: v for k, v in _env().items() if not k.startswith(("CN_", "SMTP_URL"))}
@@ -43,14 +45,20 @@ def test_a_day_on_a_ray_started_by_hand_with_no_render_node_stops_naming_the_rol
         done = subprocess.run([sys.executable, "-m", "pipeline", "run", "--date", TRADE_DATE, "--input", str(day)],
                               capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     finally:
-        held.communicate("", timeout=60)
+        try:
+            held.communicate("", timeout=60)  # its Ray shut down by the process that started it
+        except subprocess.TimeoutExpired:
+            held.kill()
+            held.wait()
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert "no node of this Ray offers render" in done.stderr and "--resources" in done.stderr, done.stderr[-3000:]
+    said, stopped = (done.stderr.find(f"no node of this Ray offers render{s}") for s in (" yet", " after"))
+    assert 0 <= said < stopped and "--resources=" in done.stderr[stopped:], done.stderr[-3000:]
 
 
 HELD_RAY = """
 import sys, ray
-ray.init(address="local", num_cpus=1, resources={"signer": 1, "smtp": 1}, include_dashboard=False)
+ray.init(address="local", num_cpus=1, resources={"signer": 1, "smtp": 1}, include_dashboard=False,
+         object_store_memory=150 * 1024 * 1024)
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()
 """

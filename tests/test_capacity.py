@@ -88,8 +88,18 @@ def test_a_ray_without_an_autoscaler_says_the_missing_role_at_once_and_stops_nam
     clock = iter(range(0, 10_000, 10))
     w = CapacityWatch(lambda bundles: None, lambda: next(views), {}, 30, 30, clock=lambda: next(clock))
     w.check()
-    assert "no node of this Ray offers render; waiting 30 s" in caplog.text
+    assert "no node of this Ray offers render yet; waiting 30 s" in caplog.text and "--resources=" in caplog.text
     w.check()
     w.check()
     with pytest.raises(CapacityError, match=r"no node of this Ray offers render after 30 s .*--resources='\{\"render\": N\}'"):
+        w.check()
+
+
+def test_a_ray_without_known_node_types_does_not_stop_while_a_node_boots():
+    views = iter([ClusterView({}, {"some-type"}, [])] * 5 + [ClusterView({}, set(), [])] * 100)
+    clock = iter(range(0, 10_000, 10))
+    w = CapacityWatch(lambda bundles: None, lambda: next(views), {}, 30, 30, clock=lambda: next(clock))
+    for _ in range(5):  # 0..40 s: past the wait, a node booting
+        w.check()
+    with pytest.raises(CapacityError, match=r"offers render/signer/smtp after 50 s .*\{\"render\": N, \"signer\": N, \"smtp\": N\}"):
         w.check()

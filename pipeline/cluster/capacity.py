@@ -61,18 +61,19 @@ class CapacityWatch:
         """Called about once a second by the driver while it waits on the cluster."""
         if self.arrived:
             return
-        now = self.clock()
-        if self.started < 0:
+        now, first = self.clock(), self.started < 0
+        if first:
             self.started = now
         view = self.look()
         missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
-        if missing and not self.node_types and now == self.started:
-            log.warning("capacity: no node of this Ray offers %s; waiting %.0f s (CN_CAPACITY_WAIT_S) for one",
-                        "/".join(missing), self.capacity_wait_s)
         if not missing:
             self.arrived = True
-            log.info("capacity: every role has a node after %.0f s", now - self.started)
+            if not first:
+                log.info("capacity: every role has a node after %.0f s", now - self.started)
             return
+        if first and not self.node_types:
+            log.warning("capacity: no node of this Ray offers %s yet; waiting %.0f s (CN_CAPACITY_WAIT_S) for one: %s",
+                        "/".join(missing), self.capacity_wait_s, _offered(missing))
         waited = now - self.started
         if ("render" in missing and not self.ondemand and waited >= self.spot_wait_s
                 and not view.booting & self._types_with("render") and self._types_with(ONDEMAND)):
@@ -80,13 +81,15 @@ class CapacityWatch:
             log.warning("capacity: no spot render node after %.0f s (%s); asking for on-demand render nodes",
                         waited, _last(view.failures, self._types_with("render")))
             self.ask(self.bundles or [{"CPU": 1, "render": 1}])
-        stalled = [r for r in missing if not view.booting & self._types_with(r)]  # a booting node is coming
+        if self.node_types:
+            stalled = [r for r in missing if not view.booting & self._types_with(r)]  # a booting node is coming
+        else:  # its node types unknown here: any node booting (an autoscaler of its own) may bring the role
+            stalled = [] if view.booting else missing
         if waited >= self.capacity_wait_s and stalled and not self.node_types:
             raise CapacityError(
-                f"no node of this Ray offers {'/'.join(stalled)} after {waited:.0f} s (CN_CAPACITY_WAIT_S), and it "
-                "has no autoscaler to start one: start a node with the role's resource (`ray start --address=... "
-                f"--resources='{{\"{stalled[0]}\": N}}'`, as cluster.yaml's node types declare it); what was mailed "
-                "is recorded: run the same run id again once it has one")
+                f"no node of this Ray offers {'/'.join(stalled)} after {waited:.0f} s (CN_CAPACITY_WAIT_S), and none "
+                f"is booting: {_offered(stalled)}; what was mailed is recorded: run the same run id again once it has "
+                "one")
         if waited >= self.capacity_wait_s and stalled:
             types = set().union(*map(self._types_with, stalled))
             raise CapacityError(
@@ -102,9 +105,16 @@ class CapacityWatch:
 
 
 def by_hand(capacity_wait_s: float) -> CapacityWatch:
-    """The watch of a Ray joined by its address, with no `ray up` head: without it, a day on a
-    Ray none of whose nodes offered `render` waited for ever in its split."""
+    """The watch of a run not on a `ray up` head: without it, a day on a Ray joined by its address
+    none of whose nodes offered `render` waited for ever in its split. It asks for nothing and
+    knows no node types (so no spot fallback: its spot wait means nothing); a local Ray, started
+    with every role, is seen whole at the first look."""
     return CapacityWatch(lambda bundles: None, look_at_ray, {}, capacity_wait_s, capacity_wait_s)
+
+
+def _offered(roles: list[str]) -> str:
+    resources = ", ".join(f'"{r}": N' for r in roles)
+    return f"start a node with `ray start --address=... --resources='{{{resources}}}'`, as cluster.yaml's node types declare"
 
 
 def _last(failures: list[str], types: set[str]) -> str:

@@ -178,11 +178,6 @@ def _secrets_kept_from_children():
         os.environ.update(kept)
 
 
-def _both(first: Callable[[], None], then: Callable[[], None]) -> None:
-    first()
-    then()
-
-
 def _ray_address(address: str | None) -> str | None:
     """The cluster to join; None: Ray is started on this machine."""
     return address or os.environ.get("RAY_ADDRESS") or ("auto" if on_cluster() else None)
@@ -326,55 +321,59 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     # A local Ray starts meanwhile, in this thread: Ray's processes get SIGKILL when the thread
     # that started them ends (PR_SET_PDEATHSIG), so it is the first notes that take a thread.
     init_ray(settings, address)
-    if _ray_address(address) and not on_cluster():  # a Ray started by hand: no autoscaler brings a missing role
-        watch = partial(_both, capacity.by_hand(settings.capacity_wait_s).check, watch)
+    if not on_cluster():  # a Ray joined by its address may lack a role: said, waited for, then the run stops
+        roles, then = capacity.by_hand(settings.capacity_wait_s), watch
+
+        def watch() -> None:
+            roles.check()
+            then()
     actors = fleet.start(settings, run_id, req.force, req.resend_unconfirmed, req.relays)  # booting while the split runs
-    if early is None and not resume and req.only is None:  # joined a running Ray: rendered here, mailed by the pools
-        lead = Chain(-1, None)
-        lead.signer, lead.mailer = actors.take(starting=True)  # the first actors, as they start
-        early = lead.first = first_notes.start(settings, resolved, None, run_id, req.trade_date,
-                                               open_store(req.input_url, run=settings), store, state, lease.token, _render_cpus(),
-                                               partial(_handed, lead))
-        early.chain = lead
-        if split_beside_pools(ray.nodes()):
-            # The split starts once they are mailed, or SPLIT_HOLD_S after they were handed
-            # over. Started at once, its workers' boots took the cores the pools' first actors
-            # started, signed and mailed on: the first note reached the relay 3.4-4.6 s into a
-            # 20,000-account day, and 1.97-2.47 s when the split waited. On a cluster its
-            # workers start on render nodes, apart: it does not wait there.
-            early.join()
-            if early.sent is not None:
-                ray.wait([early.sent], timeout=SPLIT_HOLD_S, fetch_local=False)
-    split = manifest if manifest is not None and manifest.complete else None
-    splitting = None
-    if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
-        numbered = early.numbered if early else lambda: (made or {}).get("numbers", {})
-        splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
-                                _render_cpus(), resume, watch, early.plan.result() if early else None, numbered,
-                                manifest.groups if manifest else 0,
-                                manifest.shard_count if manifest else (made or {}).get("shard_count", 0))
-        splitting.recorded = made_record  # a resumed split's manifest keeps the run's record (or none, as before)
-        save_manifest(store, run_id, splitting.partial())
-        log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
-                 len(splitting.weights))
-        shards, expected = splitting.shards(), splitting.clients()
-    else:
-        _split_done(store, state, run_id, split, on_accounts, started, save=False)
-        shards, expected = split.heaviest_first(split.shards), split.accounts
-    # a fresh split whose first notes the driver did not make: a light shard, among the first assembled, leads
-    leads = splitting and not resume and req.only is None and not (early and early.numbered())
-    first = splitting.lead(watch) if leads else None
-    if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
-        wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
-        shards, expected = [s for s in shards if s in wanted], len(req.only)
+    try:  # the pools' actors end with the run, whatever ends it (a CapacityError in the split too)
+        if early is None and not resume and req.only is None:  # joined a running Ray: rendered here, mailed by the pools
+            lead = Chain(-1, None)
+            lead.signer, lead.mailer = actors.take(starting=True)  # the first actors, as they start
+            early = lead.first = first_notes.start(settings, resolved, None, run_id, req.trade_date,
+                                                   open_store(req.input_url, run=settings), store, state, lease.token, _render_cpus(),
+                                                   partial(_handed, lead))
+            early.chain = lead
+            if split_beside_pools(ray.nodes()):
+                # The split starts once they are mailed, or SPLIT_HOLD_S after they were handed
+                # over. Started at once, its workers' boots took the cores the pools' first actors
+                # started, signed and mailed on: the first note reached the relay 3.4-4.6 s into a
+                # 20,000-account day, and 1.97-2.47 s when the split waited. On a cluster its
+                # workers start on render nodes, apart: it does not wait there.
+                early.join()
+                if early.sent is not None:
+                    ray.wait([early.sent], timeout=SPLIT_HOLD_S, fetch_local=False)
+        split = manifest if manifest is not None and manifest.complete else None
+        splitting = None
+        if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
+            numbered = early.numbered if early else lambda: (made or {}).get("numbers", {})
+            splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
+                                    _render_cpus(), resume, watch, early.plan.result() if early else None, numbered,
+                                    manifest.groups if manifest else 0,
+                                    manifest.shard_count if manifest else (made or {}).get("shard_count", 0))
+            splitting.recorded = made_record  # a resumed split's manifest keeps the run's record (or none, as before)
+            save_manifest(store, run_id, splitting.partial())
+            log.info("run %s: dumps read after %.1f s, %d shards being assembled", run_id, time.time() - started,
+                     len(splitting.weights))
+            shards, expected = splitting.shards(), splitting.clients()
+        else:
+            _split_done(store, state, run_id, split, on_accounts, started, save=False)
+            shards, expected = split.heaviest_first(split.shards), split.accounts
+        # a fresh split whose first notes the driver did not make: a light shard, among the first assembled, leads
+        leads = splitting and not resume and req.only is None and not (early and early.numbered())
+        first = splitting.lead(watch) if leads else None
+        if req.only is not None:  # a targeted rerun visits only the shards holding its accounts
+            wanted = {keys.shard_of(u, (split or splitting.partial()).shard_count) for u in req.only}
+            shards, expected = [s for s in shards if s in wanted], len(req.only)
 
-    def watching() -> None:
-        nonlocal split
-        if split is None and (done := splitting.done()) is not None:
-            split = _split_done(store, state, run_id, done, on_accounts, started)
-        watch()
+        def watching() -> None:
+            nonlocal split
+            if split is None and (done := splitting.done()) is not None:
+                split = _split_done(store, state, run_id, done, on_accounts, started)
+            watch()
 
-    try:
         actors.started(watching)
         cut = _tail(_window(settings, fleet.look().slots)) if splitting and not resume and req.only is None else 0
         tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, actors,
