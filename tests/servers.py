@@ -511,7 +511,12 @@ class DelayingProxy:
                 client.close()
                 continue
             upstream = sk.socket(self.family, sk.SOCK_STREAM)
-            upstream.connect(self.target if self.family == sk.AF_INET else str(self.target))
+            try:
+                upstream.connect(self.target if self.family == sk.AF_INET else str(self.target))
+            except OSError:  # the server is down: this connection refused, as across a network; the link stays
+                for s in (client, upstream):
+                    s.close()
+                continue
             threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
 

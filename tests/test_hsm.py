@@ -476,14 +476,15 @@ def test_the_bench_s_link_delays_signatures_in_flight_together_once_not_one_afte
     assert one >= 1.5 and eight < 1.25 * one, (one, eight)  # nine requests of 0.2 s one after another: 1.8 s
 
 
-def test_a_signer_on_a_network_hsm_signs_two_batches_together(
+def test_a_signer_on_a_network_hsm_signs_two_batches_together_each_reporting_an_outage_both_waited_out(
         ray_session, settings, hsm, session_dir, tmp_path):
     """One batch at a time, a signer actor on a network HSM sat idle while its batch's last
     signatures came back: ~5% of its time at +5 ms (bench/sign.py's p11kit_5ms row, 0.90x-0.96x
     the key file's notes/s). It now signs a second batch meanwhile. Here the link's round trip
     (0.4 s, set once the key's sessions are open) is most of a batch's time: two batches of one
     note each, sent together, take about one's time, where one after another they took two (2.07
-    s alone, 4.03 s for two, before)."""
+    s alone, 4.03 s for two, before). Then the HSM is gone for 2 s under two batches: each reports
+    the outage (the first to ask took it alone, before, and a resent batch lost it)."""
     import ray
 
     from actors.signer import SignerActor
@@ -499,21 +500,30 @@ def test_a_signer_on_a_network_hsm_signs_two_batches_together(
         ray.get(actor.pid.remote(), timeout=120)
         lease, pdf = RunState(settings.redis_url, run_id).take_lease(120).token, render(sample_note())
         batches = [Batch(run_id, TRADE_DATE, n, [{"ucc": f"T{n}", "pan": "ABCPD1234E", "pdf": pdf}], lease=lease)
-                   for n in range(4)]
+                   for n in range(6)]
         ray.get(actor.sign.remote(batches.pop()), timeout=120)  # its first call's own work, before the timing
         link.delay_s = 0.4
         started = time.monotonic()
         ray.get(actor.sign.remote(batches[0]), timeout=120)
         alone = time.monotonic() - started
         started = time.monotonic()
-        together = ray.get([actor.sign.remote(b) for b in batches[1:]], timeout=120)
+        together = ray.get([actor.sign.remote(b) for b in batches[1:3]], timeout=120)
         both = time.monotonic() - started
+        waiting = [actor.sign.remote(b) for b in batches[3:]]
+        time.sleep(0.5)  # both under way
+        server.kill()
+        time.sleep(2)
+        server = servers.start_p11kit_server(tmp_path / "p11.sock", SOFTHSM, hsm.label)
+        waited = ray.get(waiting, timeout=180)
     finally:
         ray.kill(actor)
         link.stop()
         server.stop()
     assert [len(b.items) for b in together] == [1, 1], [b.items for b in together]
     assert alone >= 0.8 and both < 1.5 * alone, (alone, both)  # a signature is two round trips or more
+    assert [len(b.items) for b in waited] == [1, 1], [b.items for b in waited]
+    spans = [[end - start for what, start, end in b.waits if what == "hsm"] for b in waited]
+    assert all(s and max(s) >= 1.5 for s in spans), spans
 
 
 def test_the_cpu_of_batches_signed_together_is_counted_once():

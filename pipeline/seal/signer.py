@@ -45,10 +45,10 @@ class Signer:
 
     def __init__(self, sign: Callable[[bytes], bytes], algorithm: str, cert: x509.Certificate,
                  chain: list[x509.Certificate], workers: int = 1, about: dict | None = None,
-                 outages: Callable[[], list[tuple[float, float]]] = list,
+                 outages: Callable[[float], list[tuple[float, float]]] = lambda since: [],
                  tell: Callable[[Callable[[float], None]], None] = lambda told: None):
         self.sign, self.algorithm, self.cert, self.chain, self.workers = sign, algorithm, cert, chain, workers
-        self.outages = outages  # the key's outages waited out since last asked (a token's; a file has none)
+        self.outages = outages  # outages(since): the key's that went on since then (a token's; a file has none)
         self.tell = tell  # tell(told): told(since) as an outage of the key's HSM begins, told(0.0) as it ends
         self.about = about or {"key": "file"}  # what the run records of its key (never the key)
         attrs = _signed_attributes(cert)

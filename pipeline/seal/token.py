@@ -250,11 +250,14 @@ class TokenKey:
             raise HsmRefused(f"the HSM refused CKM_{mechanism.name} with the {self.config.names()}: {returned(e)} "
                              "(the same on every try: not waited out)") from None
 
-    def take_outages(self) -> list[tuple[float, float]]:
-        """The outages (epoch seconds, from, to) since last asked, one still going up to now:
-        what the run reports it waited on the HSM."""
+    def outages_since(self, since: float) -> list[tuple[float, float]]:
+        """The outages (epoch seconds, from, to) that went on at any time since `since`, one still
+        going up to now: what a batch begun then reports it waited on the HSM. Not taken once by
+        whoever asks first: a signer's two batches at once both waited through an outage, and
+        either may be lost and sent again (the driver counts a span reported twice once). A
+        process's outages are few: they are all kept."""
         with self._lock:
-            spans, self._outages = self._outages, []
+            spans = [(start, end) for start, end in self._outages if end >= since]
             if self._down_since:
                 spans.append((self._down_at, time.time()))
         return spans
