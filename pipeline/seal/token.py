@@ -67,6 +67,7 @@ NOTE_CPU_S = 0.0008  # the least CPU a note costs the signer besides its signatu
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
 MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again, every 0.25 s
+OUTAGES_KEPT_S = 86400.0  # a process's past HSM outages kept to be reported: a day's
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
@@ -254,8 +255,9 @@ class TokenKey:
         """The outages (epoch seconds, from, to) that went on at any time since `since`, one still
         going up to now: what a batch begun then reports it waited on the HSM. Not taken once by
         whoever asks first: a signer's two batches at once both waited through an outage, and
-        either may be lost and sent again (the driver counts a span reported twice once). A
-        process's outages are few: they are all kept."""
+        one of them may be lost and sent again after it (the driver counts a span reported twice
+        once; a batch sent again after the outage ended reports none). A day's are kept
+        (OUTAGES_KEPT_S), for a process that outlives its run (a notebook's driver)."""
         with self._lock:
             spans = [(start, end) for start, end in self._outages if end >= since]
             if self._down_since:
@@ -541,7 +543,9 @@ class TokenKey:
 
     def _end_outage(self) -> None:
         with self._lock:
-            self._outages.append((self._down_at, time.time()))
+            now = time.time()
+            self._outages = [span for span in self._outages if span[1] >= now - OUTAGES_KEPT_S]
+            self._outages.append((self._down_at, now))
             self._down_since, self._down_at = 0.0, 0.0
         self._tell(0.0)
 
