@@ -45,7 +45,7 @@ class SignerActor:
 
     def sign(self, batch: Batch) -> Batch:
         with self.turns:
-            started, since, before = time.perf_counter(), time.time(), len(batch.items)
+            started, before = time.perf_counter(), len(batch.items)
             self.cpu.start()
             try:
                 batch = sign_stage(batch, self.signer, self.settings.owner_password, self.settings.encryption,
@@ -53,7 +53,6 @@ class SignerActor:
             finally:
                 spent = self.cpu.end()
             batch.cpu_s["sign"] = spent  # not the process's CPU while it ran, which holds the other batch's too
-        batch.waits += [("hsm", start, end) for start, end in self.signer.outages(since)]
         metrics.observe("sign", {"ok": len(batch.items), "failed": before - len(batch.items)},
                         time.perf_counter() - started)
         return batch

@@ -246,8 +246,9 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
     note written while the next is signed (to S3, a round trip each). Only for the driver
     holding the run. The archive is what the client got: a note whose mail was claimed is not
     signed again (it may have gone out), and a note archived by an earlier attempt is never
-    replaced (_archived): the item carries the archived bytes."""
-    started = time.process_time()
+    replaced (_archived): the item carries the archived bytes. The HSM's outages while it ran go
+    in the batch's waits (the report's time waited on the HSM)."""
+    started, since = time.process_time(), time.time()
     if not state.holds_lease(batch.lease):
         if state.lease_holder() is None:  # Redis lost the run (its epoch too): say that, as a claim would
             raise StateLostError(f"Redis no longer holds run {batch.run_id}: nothing signed or archived; run the "
@@ -291,6 +292,7 @@ def sign_stage(batch: Batch, signer, owner_password: str, encryption: str, store
             kept.append(item)
     batch.items = kept
     batch.timed("sign", started)
+    batch.waits += [("hsm", start, end) for start, end in signer.outages(since)]
     return batch
 
 

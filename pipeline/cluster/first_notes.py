@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Callable
@@ -147,10 +146,8 @@ def mail_notes(settings: Settings, resolved: Settings, signer: Signer, batch: Ba
                store: Store, state: RunState) -> dict:
     """A few accounts through render, sign and mail in this process (the test send's too)."""
     batch = render_stage(batch, accounts, state, render_notes=partial(render_all, tagged=settings.pdf_tags))
-    since = time.time()
     batch = sign_stage(batch, signer, resolved.owner_password, resolved.encryption, store, state,
                        SignatureInfo(settings.sign_reason, settings.sign_location, settings.sign_contact))
-    batch.waits += [("hsm", start, end) for start, end in signer.outages(since)]  # as a signer actor reports them
     return asyncio.run(_mailed(resolved, state, store, batch, credentials.dkim_signer(settings)))
 
 
