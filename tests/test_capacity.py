@@ -12,10 +12,10 @@ EVERY_ROLE = {"CPU": 40, "render": 32, "signer": 8, "smtp": 4}
 DAY = [{"CPU": 32, "render": 32}] * 3 + [{"CPU": 8, "signer": 8, "smtp": 4}]
 
 
-def watch(views, spot_wait_s=60, capacity_wait_s=600):
+def watch(views, spot_wait_s=60, capacity_wait_s=600, node_types=NODE_TYPES):
     clock = iter(range(0, 10_000, 10))  # each check is ten seconds after the last
     requests = []
-    w = CapacityWatch(requests.append, lambda: next(views), NODE_TYPES, spot_wait_s, capacity_wait_s,
+    w = CapacityWatch(requests.append, lambda: next(views), node_types, spot_wait_s, capacity_wait_s,
                       clock=lambda: next(clock))
     return w, requests
 
@@ -85,8 +85,7 @@ def test_the_stop_names_only_the_roles_with_nothing_booting():
 
 def test_a_ray_without_an_autoscaler_says_the_missing_role_at_once_and_stops_naming_how_to_offer_it(caplog):
     views = iter([ClusterView({"signer": 1, "smtp": 1}, set(), [])] * 100)
-    clock = iter(range(0, 10_000, 10))
-    w = CapacityWatch(lambda bundles: None, lambda: next(views), {}, 30, 30, clock=lambda: next(clock))
+    w, _ = watch(views, 30, 30, node_types={})  # a Ray joined by its address: no node types known
     w.check()
     assert "no node of this Ray offers render yet; waiting 30 s" in caplog.text and "--resources=" in caplog.text
     w.check()
@@ -97,8 +96,7 @@ def test_a_ray_without_an_autoscaler_says_the_missing_role_at_once_and_stops_nam
 
 def test_a_ray_without_known_node_types_does_not_stop_while_a_node_boots():
     views = iter([ClusterView({}, {"some-type"}, [])] * 5 + [ClusterView({}, set(), [])] * 100)
-    clock = iter(range(0, 10_000, 10))
-    w = CapacityWatch(lambda bundles: None, lambda: next(views), {}, 30, 30, clock=lambda: next(clock))
+    w, _ = watch(views, 30, 30, node_types={})  # a Ray joined by its address: no node types known
     for _ in range(5):  # 0..40 s: past the wait, a node booting
         w.check()
     with pytest.raises(CapacityError, match=r"offers render/signer/smtp after 50 s .*\{\"render\": N, \"signer\": N, \"smtp\": N\}"):
