@@ -1,10 +1,12 @@
 """The capacity watch's decisions, on a fake clock and a scripted cluster view (pure logic;
 the same watch runs against a cloud that refuses spot in tests/test_ray_up.py)."""
 
+import logging
+
 import pytest
 import yaml
 
-from pipeline.cluster.capacity import CapacityError, CapacityWatch, ClusterView
+from pipeline.cluster.capacity import LOOK_AGAIN_S, CapacityError, CapacityWatch, ClusterView
 from pipeline.settings import ROOT
 
 NODE_TYPES = yaml.safe_load(open(f"{ROOT}/cluster.yaml"))["available_node_types"]
@@ -60,12 +62,55 @@ def test_no_capacity_at_all_stops_the_run_with_the_autoscalers_reason():
         w.check()
 
 
-def test_once_every_role_has_a_node_the_watch_stops_looking():
-    views = iter([ClusterView(EVERY_ROLE, set(), [])])
-    w, _ = watch(views, capacity_wait_s=0)
+def test_once_every_role_has_a_node_the_watch_looks_again_only_every_few_seconds():
+    now, views = [0.0], iter([ClusterView(EVERY_ROLE, set(), [])] * 2)
+    w = CapacityWatch(lambda bundles: None, lambda: next(views), NODE_TYPES, 60, 0, clock=lambda: now[0])
     w.check()
+    now[0] = LOOK_AGAIN_S - 1
     w.check()  # would raise StopIteration if it looked again
-    assert w.arrived
+    now[0] = LOOK_AGAIN_S
+    w.check()
+    with pytest.raises(StopIteration):  # it looked
+        now[0] = 2 * LOOK_AGAIN_S
+        w.check()
+
+
+def test_a_role_whose_last_node_is_lost_mid_day_on_a_ray_by_hand_is_waited_for_then_stops_the_run(caplog):
+    """No autoscaler replaces a node of a Ray started by hand: without the watch looking again
+    once every role had a node, the day's render tasks waited for ever (bench/node_loss.py's
+    `--lose render --every`, in tests/test_node_loss.py)."""
+    views = iter([ClusterView(EVERY_ROLE, set(), [])] * 3 + [ClusterView({"signer": 1, "smtp": 1}, set(), [])] * 100)
+    w, _ = watch(views, 30, 30, node_types={})
+    for _ in range(3):  # 0..20 s: every role
+        w.check()
+    w.check()  # 30 s: render gone
+    assert not w.arrived and "offers render any more; waiting 30 s" in caplog.text and "--resources=" in caplog.text
+    for _ in range(2):  # 40, 50 s
+        w.check()
+    with pytest.raises(CapacityError, match=r"offers render after 30 s .*what was mailed is recorded"):
+        w.check()
+
+
+def test_a_lost_role_s_replacement_booting_is_waited_for_and_its_arrival_said(caplog):
+    caplog.set_level(logging.INFO, "pipeline.cluster.capacity")
+    views = iter([ClusterView(EVERY_ROLE, set(), [])] + [ClusterView({"signer": 8, "smtp": 4}, {"render_spot"}, [])] * 9
+                 + [ClusterView(EVERY_ROLE, set(), [])])
+    w, requests = watch(views, capacity_wait_s=30)
+    w.ask(DAY)
+    for _ in range(11):  # render lost at 10 s, its replacement booting past the waits, up at 100 s
+        w.check()
+    assert w.arrived and not w.ondemand and requests == [DAY]
+    assert "the autoscaler has 30 s (CN_CAPACITY_WAIT_S) to replace it" in caplog.text
+    assert "every role has a node after 90 s" in caplog.text
+
+
+def test_a_lost_role_with_nothing_booting_stops_the_run_saying_what_was_mailed_is_recorded():
+    views = iter([ClusterView(EVERY_ROLE, set(), [])] + [ClusterView({"render": 32}, set(), [])] * 100)
+    w, _ = watch(views, capacity_wait_s=30)
+    for _ in range(4):
+        w.check()
+    with pytest.raises(CapacityError, match=r"no signer/smtp node came up in 30 s.*what was mailed is recorded"):
+        w.check()
 
 
 def test_only_the_on_demand_render_type_offers_the_fallback_resource():

@@ -10,6 +10,9 @@ smtp) is still absent after `capacity_wait_s`, with no node of it booting, the r
 names the node types that failed to launch, instead of waiting for the dead-man switch. On a
 Ray started by hand and joined by its address (`by_hand`), no autoscaler launches anything: a
 role no node offers is said at once and waited for as long, then the run stops the same way.
+Once every role has a node, the watch looks again every LOOK_AGAIN_S: a role whose last node
+is lost mid-day is waited for in the same way, from when it was seen gone (its tasks would
+otherwise wait for ever where nothing replaces the node).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pipeline.errors import CannotRun
 log = logging.getLogger("pipeline.cluster.capacity")
 ROLES = ("render", "signer", "smtp")
 ONDEMAND = "ondemand"  # cluster.yaml: only render_ondemand offers it
+LOOK_AGAIN_S = 10.0  # every role seen: a look at the cluster (7-23 ms of the driver's CPU) this often
 
 
 class CapacityError(CannotRun, RuntimeError):
@@ -51,6 +55,8 @@ class CapacityWatch:
     bundles: list[dict] = field(default_factory=list)
     ondemand: bool = False
     arrived: bool = False
+    looked: float = 0.0  # when the cluster was last looked at
+    lost: bool = False  # a role's nodes were lost after every role had one: the day has begun
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -59,19 +65,28 @@ class CapacityWatch:
 
     def check(self) -> None:
         """Called about once a second by the driver while it waits on the cluster."""
-        if self.arrived:
+        now = self.clock()
+        if self.arrived and now - self.looked < LOOK_AGAIN_S:
             return
-        now, first = self.clock(), self.started < 0
+        first, self.looked = self.started < 0, now
         if first:
             self.started = now
         view = self.look()
         missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
         if not missing:
-            self.arrived = True
-            if not first:
+            if not first and not self.arrived:
                 log.info("capacity: every role has a node after %.0f s", now - self.started)
+            self.arrived = True
             return
-        if first and not self.node_types:
+        if self.arrived:  # its last node lost mid-day: waited for from now, as at the start
+            self.arrived, self.started, self.lost = False, now, True
+            if self.node_types:
+                log.warning("capacity: no node offers %s any more; the autoscaler has %.0f s (CN_CAPACITY_WAIT_S) to "
+                            "replace it", "/".join(missing), self.capacity_wait_s)
+            else:
+                log.warning("capacity: no node of this Ray offers %s any more; waiting %.0f s (CN_CAPACITY_WAIT_S) for "
+                            "one: %s", "/".join(missing), self.capacity_wait_s, _offered(missing))
+        elif first and not self.node_types:
             log.warning("capacity: no node of this Ray offers %s yet; waiting %.0f s (CN_CAPACITY_WAIT_S) for one: %s",
                         "/".join(missing), self.capacity_wait_s, _offered(missing))
         waited = now - self.started
@@ -92,10 +107,11 @@ class CapacityWatch:
                 "one")
         if waited >= self.capacity_wait_s and stalled:
             types = set().union(*map(self._types_with, stalled))
+            mailed = "what was mailed is recorded" if self.lost else "nothing was mailed by this attempt"
             raise CapacityError(
                 f"no {'/'.join(stalled)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
-                f"{_last(view.failures, types)}; nothing was mailed by this attempt: run the same run id again "
-                "when the account has capacity (or raise its EC2 quota)")
+                f"{_last(view.failures, types)}; {mailed}: run the same run id again when the account has capacity "
+                "(or raise its EC2 quota)")
 
     def _placed(self, bundle: dict) -> dict:
         return {**bundle, ONDEMAND: 1} if "render" in bundle else bundle
