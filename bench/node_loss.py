@@ -10,6 +10,7 @@ wall and CPU seconds. With `--baseline`, the same day without a loss runs first,
 cost of the loss is printed as the difference: extra seconds and extra CPU seconds.
 
     python bench/node_loss.py --accounts 2000 --lose signer --baseline
+    python bench/node_loss.py --accounts 200 --lose render --every   (nothing left to replace them)
     python bench/node_loss.py --smoke          (the tests' size: 60 accounts, a signer node)
 
 Each day runs in a process of its own: a driver joins one Ray.
@@ -41,15 +42,19 @@ WORKER_LEASE_MS = 500
 ROLES = {"render": {"render": 1}, "signer": {"signer": 1, "smtp": 1}}
 
 
-def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: float = 0.0) -> dict:
+def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: float = 0.0, every: bool = False) -> dict:
     """`notice_s`: the render node lost gets a spot notice that long before it goes, and its
-    watcher (pipeline/cluster/spot_notice.py, against a metadata stand-in) drains it."""
+    watcher (pipeline/cluster/spot_notice.py, against a metadata stand-in) drains it. `every`:
+    every node of the roles lost, none left to take their work (no autoscaler on a Ray by hand):
+    the run is to stop after CN_CAPACITY_WAIT_S, saying so; then, as its message says, a node
+    of each role is started and the same run id runs again (`stopped`: what it said, when)."""
     import ray
     from ray.cluster_utils import Cluster
 
     from pipeline.cluster.driver import RunRequest, job_config, run_day
     from pipeline.day.synth import SynthOptions, write_dumps
     from pipeline.embedded import start_redis, start_smtp_sink
+    from pipeline.errors import CannotRun
     from pipeline.mail.message import message_id
     from pipeline.record import delivery_log
     from pipeline.record.state import RunState
@@ -90,20 +95,30 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
                 return
             time.sleep(0.05)
         for role in lose:
-            node = nodes[role][-1]
-            if notice_s and role == "render":
-                _noticed(cluster, node, metadata, notice_s, lost, started)
-                continue
-            cluster.remove_node(node, allow_graceful=False)
-            lost.append({"role": role, "after_s": round(time.monotonic() - started, 1),
-                         "delivered_then": int(state.counts().get("delivered", 0) or 0)})
+            for node in nodes[role] if every else nodes[role][-1:]:
+                if notice_s and role == "render":
+                    _noticed(cluster, node, metadata, notice_s, lost, started)
+                    continue
+                cluster.remove_node(node, allow_graceful=False)
+                lost.append({"role": role, "after_s": round(time.monotonic() - started, 1),
+                             "delivered_then": int(state.counts().get("delivered", 0) or 0)})
 
     killer = threading.Thread(target=lose_nodes, daemon=True)
     if lose:
         killer.start()
     cpu0, began = busy_s(), time.monotonic()
+    stopped = None
     try:
-        summary = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id), address=cluster.address)
+        try:
+            summary = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id), address=cluster.address)
+        except CannotRun as e:
+            if not every:
+                raise
+            stopped = {"said": str(e), "after_s": round(time.monotonic() - began, 1)}
+            killer.join()
+            for role in lose:  # what the message asks for: a node of the role, then the same run id again
+                cluster.add_node(num_cpus=1, resources=ROLES[role], object_store_memory=150 * 2**20)
+            summary = run_day(settings, RunRequest(TRADE_DATE, str(work / "input"), run_id), address=cluster.address)
         elapsed, cpu = time.monotonic() - began, busy_s() - cpu0
         at_relay = Counter(m for m in _message_ids(work / "outbox"))
         key_ = settings.hmac_key()
@@ -116,7 +131,8 @@ def day(accounts: int, lose: list[str], at: float, seed: int = 55, notice_s: flo
             "tasks_started_there_after_the_notice": [t for n in noticed for t in _started_after(n["node_id"],
                                                                                              n["drained_at"])],
             "worker_lease_ms": WORKER_LEASE_MS,
-            "accounts": summary["accounts"], "lose": lose, "lost": lost, "elapsed_s": round(elapsed, 1),
+            "accounts": summary["accounts"], "lose": lose, "lost": lost, "stopped": stopped,
+            "elapsed_s": round(elapsed, 1),
             "cpu_s": round(cpu, 1),
             "run": {k: summary.get(k) for k in ("delivered", "failed", "unconfirmed", "physical", "rejected", "nodes",
                                             "resent_chains", "waited_s")},
@@ -367,11 +383,12 @@ def busy_s() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-def in_process(accounts: int, lose: list[str], at: float, notice_s: float = 0.0) -> dict:
+def in_process(accounts: int, lose: list[str], at: float, notice_s: float = 0.0, every: bool = False) -> dict:
     """One day in a fresh process (its own Ray, its own temp dir for Ray's sockets)."""
     with tempfile.TemporaryDirectory(prefix="cnnl", dir="/tmp") as tmp:  # short: Ray's socket paths
         done = subprocess.run([sys.executable, __file__, "--one", "--accounts", str(accounts), "--at", str(at),
-                               "--lose", ",".join(lose) or "none", "--notice-s", str(notice_s)],
+                               "--lose", ",".join(lose) or "none", "--notice-s", str(notice_s),
+                               *(["--every"] if every else [])],
                               capture_output=True, text=True,
                               env={**os.environ, "RAY_TMPDIR": tmp}, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -387,6 +404,8 @@ def main() -> None:
     ap.add_argument("--at", type=float, default=0.26, help="the fraction of accounts delivered when the node goes")
     ap.add_argument("--notice-s", type=float, default=0.0,
                     help="a lost render node gets a spot notice this long before it goes (its watcher drains it)")
+    ap.add_argument("--every", action="store_true",
+                    help="every node of the roles lost: the run stops, then runs again once a node of each is added")
     ap.add_argument("--baseline", action="store_true", help="the same day without a loss first; print the cost")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a day, in this process
     if sys.argv[1:2] == ["--head-phase"]:
@@ -396,10 +415,10 @@ def main() -> None:
     lose = [r for r in args.lose.split(",") if r and r != "none"]
     if args.one:
         one = head_lost(args.accounts, args.at) if lose == ["head"] else day(args.accounts, lose, args.at,
-                                                                               notice_s=args.notice_s)
+                                                                               notice_s=args.notice_s, every=args.every)
         print(json.dumps(one), flush=True)
         return
-    with_loss = in_process(args.accounts, lose, args.at, args.notice_s)
+    with_loss = in_process(args.accounts, lose, args.at, args.notice_s, args.every)
     out = {"bench": "node_loss", "with_loss": with_loss}
     if args.baseline:
         base = in_process(args.accounts, [], args.at)

@@ -32,9 +32,9 @@ from tests.helpers import outbox_messages
 ACCOUNTS = 200
 
 
-def lose(roles: str, accounts: int = ACCOUNTS, *more: str) -> dict:
+def lose(roles: str, accounts: int = ACCOUNTS, *more: str, timeout: float = 900) -> dict:
     done = subprocess.run([sys.executable, f"{ROOT}/bench/node_loss.py", "--accounts", str(accounts), "--lose", roles,
-                           *more], capture_output=True, text=True, timeout=900)
+                           *more], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     day = json.loads(done.stdout.splitlines()[-1])["with_loss"]
     print(json.dumps({k: day[k] for k in ("lose", "lost", "elapsed_s", "cpu_s", "run", "relay")}))
@@ -72,6 +72,27 @@ def test_a_day_that_loses_a_node_without_grace_ends_by_itself_with_every_account
             # those the relay has are settled; a claim the lost process never sent stays unconfirmed, for
             # `rerun --unconfirmed`: exactly the accounts the relay lacks, none lost
             assert settled["still_unconfirmed"] == mailable - relay["distinct"], settled
+    finally:
+        shutil.rmtree(day["work"], ignore_errors=True)
+
+
+def test_a_ray_by_hand_that_loses_every_render_node_stops_the_day_saying_so_then_the_same_run_id_mails_the_rest_once(
+        monkeypatch):
+    """No autoscaler replaces a node of a Ray started by hand. Before the capacity watch looked
+    again once every role had a node, the day's render tasks waited for ever (this day on the
+    code before: still running at 150 s). Now the run stops CN_CAPACITY_WAIT_S after the role is
+    seen gone, saying what to start; with a render node started, the same run id mails the
+    rest: every account at the relay once."""
+    monkeypatch.setenv("CN_CAPACITY_WAIT_S", "10")
+    day = lose("render", 100, "--every", timeout=240)
+    try:
+        assert [n["role"] for n in day["lost"]] == ["render", "render"] and day["lost"][0]["delivered_then"] < 60
+        said = day["stopped"]["said"]
+        assert "no node of this Ray offers render after" in said and "--resources='{\"render\": N}'" in said, said
+        assert "run the same run id again" in said
+        assert day["run"]["delivered"] == 100 and day["run"]["failed"] == 0, day["run"]
+        assert day["relay"] == {"messages": 100, "distinct": 100, "twice": 0}, day["relay"]
+        assert day["log_delivered"] == 100 and day["at_relay_not_logged"] == 0
     finally:
         shutil.rmtree(day["work"], ignore_errors=True)
 
