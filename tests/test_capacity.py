@@ -84,7 +84,7 @@ def test_a_role_whose_last_node_is_lost_mid_day_on_a_ray_by_hand_is_waited_for_t
     for _ in range(3):  # 0..20 s: every role
         w.check()
     w.check()  # 30 s: render gone
-    assert not w.arrived and "offers render any more; waiting 30 s" in caplog.text and "--resources=" in caplog.text
+    assert w.gone == {"render": 30} and "offers render any more; waiting 30 s" in caplog.text and "--resources=" in caplog.text
     for _ in range(2):  # 40, 50 s
         w.check()
     with pytest.raises(CapacityError, match=r"offers render after 30 s .*what was mailed is recorded"):
@@ -101,7 +101,7 @@ def test_a_lost_role_s_replacement_booting_is_waited_for_and_its_arrival_said(ca
         w.check()
     assert w.arrived and not w.ondemand and requests == [DAY]
     assert "the autoscaler has 30 s (CN_CAPACITY_WAIT_S) to replace it" in caplog.text
-    assert "every role has a node after 90 s" in caplog.text
+    assert "render has a node again, after 90 s waited for" in caplog.text and not w.gone
 
 
 def test_a_lost_role_with_nothing_booting_stops_the_run_saying_what_was_mailed_is_recorded():
@@ -110,6 +110,37 @@ def test_a_lost_role_with_nothing_booting_stops_the_run_saying_what_was_mailed_i
     for _ in range(4):
         w.check()
     with pytest.raises(CapacityError, match=r"no signer/smtp node came up in 30 s.*what was mailed is recorded"):
+        w.check()
+
+
+def test_a_render_role_lost_when_no_task_waits_for_it_stops_nothing_nor_launches_on_demand():
+    """A mail-bound day's tail, its rendering done: its render node reclaimed stops nothing
+    (stopping would end the mailers mid-send); once a task waits for render again, it counts."""
+    idle = ClusterView({"signer": 8, "smtp": 4}, set(), [], demanded={"signer", "smtp"})
+    views = iter([ClusterView(EVERY_ROLE, set(), [])] + [idle] * 20
+                 + [ClusterView({"signer": 8, "smtp": 4}, set(), [], demanded={"render"})] * 100)
+    w, requests = watch(views, spot_wait_s=60, capacity_wait_s=100)
+    w.ask(DAY)
+    for _ in range(21):  # render gone from 10 s to 200 s, no task waiting for it
+        w.check()
+    assert w.gone == {"render": 200} and not w.ondemand and requests == [DAY]
+    for _ in range(6):  # from 210 s a render task waits (a lost result made again): spot for 60 s
+        w.check()
+    assert w.ondemand and requests[-1] == [{"CPU": 32, "render": 32, "ondemand": 1}] * 3 + DAY[3:]
+    for _ in range(3):
+        w.check()
+    with pytest.raises(CapacityError, match=r"no render node came up in 100 s"):  # 300 s
+        w.check()
+
+
+def test_two_roles_lost_at_different_times_are_each_waited_for_from_their_own_loss():
+    views = iter([ClusterView(EVERY_ROLE, set(), [])] + [ClusterView({"signer": 1, "smtp": 1}, set(), [])] * 5
+                 + [ClusterView({}, set(), [])] * 100)
+    w, _ = watch(views, 30, 100, node_types={})
+    for _ in range(11):  # render gone at 10 s, signer/smtp at 60 s
+        w.check()
+    assert w.gone == {"render": 10, "signer": 60, "smtp": 60}
+    with pytest.raises(CapacityError, match=r"offers render after 100 s .*\{\"render\": N\}'"):  # 110 s
         w.check()
 
 

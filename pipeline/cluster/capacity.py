@@ -11,8 +11,9 @@ names the node types that failed to launch, instead of waiting for the dead-man 
 Ray started by hand and joined by its address (`by_hand`), no autoscaler launches anything: a
 role no node offers is said at once and waited for as long, then the run stops the same way.
 Once every role has a node, the watch looks again every LOOK_AGAIN_S: a role whose last node
-is lost mid-day is waited for in the same way, from when it was seen gone (its tasks would
-otherwise wait for ever where nothing replaces the node).
+is lost mid-day, while the day's tasks or actors wait for it, is waited for in the same way,
+from when it was seen gone (its tasks would otherwise wait for ever where nothing replaces the
+node).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ClusterView:
     resources: dict[str, float]  # of the live nodes
     booting: set[str]  # node types launched and not yet joined
     failures: list[str]  # the autoscaler's failed launches, newest last
+    demanded: set[str] | None = None  # the roles tasks and actors wait for; None: not known
 
 
 @dataclass
@@ -56,7 +58,7 @@ class CapacityWatch:
     ondemand: bool = False
     arrived: bool = False
     looked: float = 0.0  # when the cluster was last looked at
-    lost: bool = False  # a role's nodes were lost after every role had one: the day has begun
+    gone: dict[str, float] = field(default_factory=dict)  # after arrival: a role without a node, waited for since
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -73,45 +75,70 @@ class CapacityWatch:
             self.started = now
         view = self.look()
         missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
-        if not missing:
-            if not first and not self.arrived:
-                log.info("capacity: every role has a node after %.0f s", now - self.started)
+        if self.arrived:
+            waits = self._lost(now, view, missing)
+        elif not missing:
             self.arrived = True
+            if not first:
+                log.info("capacity: every role has a node after %.0f s", now - self.started)
             return
-        if self.arrived:  # its last node lost mid-day: waited for from now, as at the start
-            self.arrived, self.started, self.lost = False, now, True
-            if self.node_types:
-                log.warning("capacity: no node offers %s any more; the autoscaler has %.0f s (CN_CAPACITY_WAIT_S) to "
-                            "replace it", "/".join(missing), self.capacity_wait_s)
-            else:
-                log.warning("capacity: no node of this Ray offers %s any more; waiting %.0f s (CN_CAPACITY_WAIT_S) for "
+        else:  # the day's start: every role is needed, each waited for from the first look
+            if first and not self.node_types:
+                log.warning("capacity: no node of this Ray offers %s yet; waiting %.0f s (CN_CAPACITY_WAIT_S) for "
                             "one: %s", "/".join(missing), self.capacity_wait_s, _offered(missing))
-        elif first and not self.node_types:
-            log.warning("capacity: no node of this Ray offers %s yet; waiting %.0f s (CN_CAPACITY_WAIT_S) for one: %s",
-                        "/".join(missing), self.capacity_wait_s, _offered(missing))
-        waited = now - self.started
-        if ("render" in missing and not self.ondemand and waited >= self.spot_wait_s
-                and not view.booting & self._types_with("render") and self._types_with(ONDEMAND)):
+            waits = {r: now - self.started for r in missing}
+        if "render" in waits:
+            self._fall_back(waits["render"], view)
+        self._stop(waits, view)
+
+    def _lost(self, now: float, view: ClusterView, missing: list[str]) -> dict[str, float]:
+        """Once every role has had a node: each role whose nodes are all gone is said, and waited
+        for from when it was seen gone or, if nothing waited for it then, from when something
+        does (Ray's demand; every role where that cannot be read): a render node lost in a
+        mail-bound tail, its work done, stops nothing."""
+        for role in missing:
+            if role not in self.gone:
+                self.gone[role] = now
+                if self.node_types:
+                    log.warning("capacity: no node offers %s any more; the autoscaler has %.0f s "
+                                "(CN_CAPACITY_WAIT_S) to replace it", role, self.capacity_wait_s)
+                else:
+                    log.warning("capacity: no node of this Ray offers %s any more; waiting %.0f s (CN_CAPACITY_WAIT_S) "
+                                "for one: %s", role, self.capacity_wait_s, _offered([role]))
+        for role in [r for r in self.gone if r not in missing]:
+            log.info("capacity: %s has a node again, after %.0f s waited for", role, now - self.gone.pop(role))
+        needed = set(ROLES) if view.demanded is None else view.demanded
+        for role in self.gone.keys() - needed:
+            self.gone[role] = now  # nothing waits for it: its wait starts when something does
+        return {r: now - since for r, since in self.gone.items()}
+
+    def _fall_back(self, waited: float, view: ClusterView) -> None:
+        if (not self.ondemand and waited >= self.spot_wait_s and not view.booting & self._types_with("render")
+                and self._types_with(ONDEMAND)):
             self.ondemand = True
             log.warning("capacity: no spot render node after %.0f s (%s); asking for on-demand render nodes",
                         waited, _last(view.failures, self._types_with("render")))
             self.ask(self.bundles or [{"CPU": 1, "render": 1}])
+
+    def _stop(self, waits: dict[str, float], view: ClusterView) -> None:
+        over = [r for r in ROLES if r in waits and waits[r] >= self.capacity_wait_s]
         if self.node_types:
-            stalled = [r for r in missing if not view.booting & self._types_with(r)]  # a booting node is coming
+            stalled = [r for r in over if not view.booting & self._types_with(r)]  # a booting node is coming
         else:  # its node types unknown here: any node booting (an autoscaler of its own) may bring the role
-            stalled = [] if view.booting else missing
-        if waited >= self.capacity_wait_s and stalled and not self.node_types:
+            stalled = [] if view.booting else over
+        if not stalled:
+            return
+        waited = min(waits[r] for r in stalled)
+        if not self.node_types:
             raise CapacityError(
                 f"no node of this Ray offers {'/'.join(stalled)} after {waited:.0f} s (CN_CAPACITY_WAIT_S), and none "
                 f"is booting: {_offered(stalled)}; what was mailed is recorded: run the same run id again once it has "
                 "one")
-        if waited >= self.capacity_wait_s and stalled:
-            types = set().union(*map(self._types_with, stalled))
-            mailed = "what was mailed is recorded" if self.lost else "nothing was mailed by this attempt"
-            raise CapacityError(
-                f"no {'/'.join(stalled)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
-                f"{_last(view.failures, types)}; {mailed}: run the same run id again when the account has capacity "
-                "(or raise its EC2 quota)")
+        types = set().union(*map(self._types_with, stalled))
+        raise CapacityError(
+            f"no {'/'.join(stalled)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
+            f"{_last(view.failures, types)}; what was mailed is recorded: run the same run id again when the account "
+            "has capacity (or raise its EC2 quota)")
 
     def _placed(self, bundle: dict) -> dict:
         return {**bundle, ONDEMAND: 1} if "render" in bundle else bundle
@@ -145,7 +172,7 @@ def look_at_ray() -> ClusterView:
     autoscaler v2 status (empty if it cannot be read: the timeouts still hold)."""
     import ray
 
-    booting, failures = set(), []
+    booting, failures, demanded = set(), [], None
     try:
         from ray.autoscaler.v2.sdk import get_cluster_status
 
@@ -153,6 +180,8 @@ def look_at_ray() -> ClusterView:
         booting = {n.ray_node_type_name for n in status.pending_nodes}  # launched: an instance exists
         failures = [f"{f.ray_node_type_name} launch failed" + (f" ({f.details})" if f.details else "")
                     for f in status.failed_launches]
+        demanded = {r for d in status.resource_demands.ray_task_actor_demand for b in d.bundles_by_count
+                    for r in b.bundle if r in ROLES}  # not the day's request: what waits for a node now
     except Exception as e:  # a status the SDK cannot read must not stop the run
         log.debug("capacity: no autoscaler status (%s)", e)
-    return ClusterView(dict(ray.cluster_resources()), booting, failures)
+    return ClusterView(dict(ray.cluster_resources()), booting, failures, demanded)

@@ -379,6 +379,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, actors,
                          resume, epoch, lease, watching,
                          splitting.after if splitting else lambda shard: None, early, splitting.rows if splitting else {})
+    except capacity.CapacityError as e:  # it says to run the same run id again: which one
+        raise capacity.CapacityError(f"run {run_id}: {e}") from None
     finally:
         actors.close()
     if split is None:
@@ -783,11 +785,23 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 window = _window(settings, view.slots)
                 actors.place()
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
+    except BaseException:  # the run stops: its render tasks are not left queued (a notebook's driver lives on)
+        _cancel_renders([*pending.values(), *again, *queue])
+        raise
     finally:
         progress.close()
     state.clear_waits()
     totals["nodes"] = actors.counts()
     return totals
+
+
+def _cancel_renders(chains: list[Chain]) -> None:
+    for chain in chains:
+        if chain.rendered is not None:
+            try:
+                ray.cancel(chain.rendered)
+            except Exception as e:  # a first notes' batch (put, not a task's), or one already ended
+                log.debug("render of shard %s not cancelled: %s", chain.shard, e)
 
 
 def _count(result: dict, totals: dict, progress: tqdm) -> None:
