@@ -89,7 +89,7 @@ def test_a_ray_by_hand_that_loses_every_render_node_stops_the_day_saying_so_then
         assert [n["role"] for n in day["lost"]] == ["render", "render"] and day["lost"][0]["delivered_then"] < 60
         said = day["stopped"]["said"]
         assert "no node of this Ray offers render after" in said and "--resources='{\"render\": N}'" in said, said
-        assert "run the same run id again" in said
+        assert said.startswith(f"run {day['run_id']}: ") and "run the same run id again" in said, said
         assert day["run"]["delivered"] == 100 and day["run"]["failed"] == 0, day["run"]
         assert day["relay"] == {"messages": 100, "distinct": 100, "twice": 0}, day["relay"]
         assert day["log_delivered"] == 100 and day["at_relay_not_logged"] == 0
