@@ -133,6 +133,21 @@ def test_a_render_role_lost_when_no_task_waits_for_it_stops_nothing_nor_launches
         w.check()
 
 
+def test_a_role_nothing_waits_for_stops_nothing_even_with_no_wait_at_all(caplog):
+    caplog.set_level(logging.INFO, "pipeline.cluster.capacity")
+    views = iter([ClusterView(EVERY_ROLE, set(), [])]
+                 + [ClusterView({"signer": 8, "smtp": 4}, set(), [], demanded={"signer"})] * 3
+                 + [ClusterView({"signer": 8, "smtp": 4}, set(), [], demanded=None)])
+    w, requests = watch(views, spot_wait_s=0, capacity_wait_s=0)  # CN_CAPACITY_WAIT_S=0: no wait for a role needed
+    w.ask(DAY)
+    for _ in range(4):
+        w.check()
+    assert w.gone == {"render": 30} and not w.ondemand and requests == [DAY]
+    assert "no task waits for render now" in caplog.text
+    with pytest.raises(CapacityError, match="no render node came up in 10 s"):  # its demand unknown: it counts
+        w.check()
+
+
 def test_two_roles_lost_at_different_times_are_each_waited_for_from_their_own_loss():
     views = iter([ClusterView(EVERY_ROLE, set(), [])] + [ClusterView({"signer": 1, "smtp": 1}, set(), [])] * 5
                  + [ClusterView({}, set(), [])] * 100)

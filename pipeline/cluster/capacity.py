@@ -59,6 +59,7 @@ class CapacityWatch:
     arrived: bool = False
     looked: float = 0.0  # when the cluster was last looked at
     gone: dict[str, float] = field(default_factory=dict)  # after arrival: a role without a node, waited for since
+    idle: set[str] = field(default_factory=set)  # of those, the ones nothing waited for at the last look
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -107,10 +108,18 @@ class CapacityWatch:
                                 "for one: %s", role, self.capacity_wait_s, _offered([role]))
         for role in [r for r in self.gone if r not in missing]:
             log.info("capacity: %s has a node again, after %.0f s waited for", role, now - self.gone.pop(role))
+            self.idle.discard(role)
         needed = set(ROLES) if view.demanded is None else view.demanded
         for role in self.gone.keys() - needed:
             self.gone[role] = now  # nothing waits for it: its wait starts when something does
-        return {r: now - since for r, since in self.gone.items()}
+            if role not in self.idle:
+                self.idle.add(role)
+                log.info("capacity: no task waits for %s now: the run goes on without it", role)
+        for role in self.idle & needed:
+            self.idle.discard(role)
+            log.warning("capacity: a task waits for %s, which no node offers: waiting %.0f s (CN_CAPACITY_WAIT_S)",
+                        role, self.capacity_wait_s)
+        return {r: now - since for r, since in self.gone.items() if r in needed}
 
     def _fall_back(self, waited: float, view: ClusterView) -> None:
         if (not self.ondemand and waited >= self.spot_wait_s and not view.booting & self._types_with("render")

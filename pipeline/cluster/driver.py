@@ -380,7 +380,9 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          resume, epoch, lease, watching,
                          splitting.after if splitting else lambda shard: None, early, splitting.rows if splitting else {})
     except capacity.CapacityError as e:  # it says to run the same run id again: which one
-        raise capacity.CapacityError(f"run {run_id}: {e}") from None
+        e.args = (f"run {run_id}: {e}; a mail the stop cut short is unconfirmed: `reconcile`, then "
+                  f"`rerun {run_id} --unconfirmed`",)
+        raise
     finally:
         actors.close()
     if split is None:
@@ -786,7 +788,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 actors.place()
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
     except BaseException:  # the run stops: its render tasks are not left queued (a notebook's driver lives on)
-        _cancel_renders([*pending.values(), *again, *queue])
+        _cancel_renders([*pending.values(), *again])
         raise
     finally:
         progress.close()
