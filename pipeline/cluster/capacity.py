@@ -97,29 +97,33 @@ class CapacityWatch:
         for from when it was seen gone or, if nothing waited for it then, from when something
         does (Ray's demand; every role where that cannot be read): a render node lost in a
         mail-bound tail, its work done, stops nothing."""
-        for role in missing:
-            if role not in self.gone:
-                self.gone[role] = now
-                if self.node_types:
-                    log.warning("capacity: no node offers %s any more; the autoscaler has %.0f s "
-                                "(CN_CAPACITY_WAIT_S) to replace it", role, self.capacity_wait_s)
-                else:
-                    log.warning("capacity: no node of this Ray offers %s any more; waiting %.0f s (CN_CAPACITY_WAIT_S) "
-                                "for one: %s", role, self.capacity_wait_s, _offered([role]))
+        needed = set(ROLES) if view.demanded is None else view.demanded
         for role in [r for r in self.gone if r not in missing]:
             log.info("capacity: %s has a node again, after %.0f s waited for", role, now - self.gone.pop(role))
             self.idle.discard(role)
-        needed = set(ROLES) if view.demanded is None else view.demanded
+        for role in missing:
+            if role not in self.gone:
+                self.gone[role] = now
+                if role in needed:
+                    self._say_gone(role)
         for role in self.gone.keys() - needed:
             self.gone[role] = now  # nothing waits for it: its wait starts when something does
             if role not in self.idle:
                 self.idle.add(role)
-                log.info("capacity: no task waits for %s now: the run goes on without it", role)
+                log.info("capacity: no node offers %s any more, but no task waits for %s now: the run goes on "
+                         "without it", role, role)
         for role in self.idle & needed:
             self.idle.discard(role)
-            log.warning("capacity: a task waits for %s, which no node offers: waiting %.0f s (CN_CAPACITY_WAIT_S)",
-                        role, self.capacity_wait_s)
+            self._say_gone(role)
         return {r: now - since for r, since in self.gone.items() if r in needed}
+
+    def _say_gone(self, role: str) -> None:
+        if self.node_types:
+            log.warning("capacity: no node offers %s any more; the autoscaler has %.0f s (CN_CAPACITY_WAIT_S) to "
+                        "replace it", role, self.capacity_wait_s)
+        else:
+            log.warning("capacity: no node of this Ray offers %s any more; waiting %.0f s (CN_CAPACITY_WAIT_S) for "
+                        "one: %s", role, self.capacity_wait_s, _offered([role]))
 
     def _fall_back(self, waited: float, view: ClusterView) -> None:
         if (not self.ondemand and waited >= self.spot_wait_s and not view.booting & self._types_with("render")
