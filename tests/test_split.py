@@ -565,3 +565,48 @@ def test_wanted_c_finds_the_lines_its_python_twin_finds_in_random_chunks():
         assert with_c == in_python, (chunk, needles)
         held += bool(with_c and with_c[1])
     assert held > 700, "too few chunks were a row a line with a code in them to compare"
+
+
+def test_a_split_stopped_while_its_ranges_are_read_leaves_none_of_them_to_run(ray_session, settings, tmp_path):
+    """A notebook's driver outlives its run. A run stopped while its split read the dumps (the
+    capacity watch's CapacityError, the user's interrupt) left the reads queued on that Ray, and
+    they ran after the run had ended, on its render slots. Both slots are held here, so every read
+    waits; the run stops at the watch's first call; the slots are let go. Ray's own task events
+    then show no read ever started."""
+    import ray
+    from ray.core.generated import common_pb2
+
+    from pipeline.cluster.split_tasks import Split
+
+    go = tmp_path / "go"
+
+    @ray.remote(num_cpus=0, resources={"render": 1})
+    def hold(flag: str) -> None:
+        while not os.path.exists(flag):
+            time.sleep(0.02)
+
+    holders = [hold.remote(str(go)) for _ in range(2)]
+    deadline = time.time() + 30
+    while ray.available_resources().get("render", 0) > 0:
+        assert time.time() < deadline, "the render slots were not taken"
+        time.sleep(0.05)
+    day = tmp_path / "in"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(DATE), 100, seed=9))
+    inputs = open_store(str(day))
+    plan = make_plan(inputs, DATE, 4, parts=1)
+    plan.ranges = [Range(name, i, a, min(a + 8192, inputs.size(name))) for name in ("clients.csv", "trades.csv")
+                   for i, a in enumerate(range(0, inputs.size(name), 8192))]
+
+    def stop() -> None:
+        raise KeyboardInterrupt
+
+    run, since = f"stopped-{os.urandom(3).hex()}", time.time_ns()
+    with pytest.raises(KeyboardInterrupt):
+        Split.start(settings, run, DATE, str(day), 2, False, stop, plan)
+    go.touch()
+    ray.get(holders)
+    time.sleep(3)  # the reads left queued would run now; Ray flushes its task events about once a second
+    asked = [e for e in ray._private.state.state._get_all_task_events() if e.task_info.name.startswith("split ")
+             and min(e.state_updates.state_ts_ns.values(), default=0) >= since]  # this test's, not the session's others
+    ran = [e for e in asked if e.state_updates.state_ts_ns.get(common_pb2.TaskStatus.RUNNING)]
+    assert len(asked) >= len(plan.ranges) > 5 and ran == [], f"{len(ran)} of the {len(plan.ranges)} reads ran after the stop"

@@ -328,6 +328,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
             roles.check()
             then()
     actors = fleet.start(settings, run_id, req.force, req.resend_unconfirmed, req.relays)  # booting while the split runs
+    splitting = None
     try:  # the pools' actors end with the run, whatever ends it (a CapacityError in the split too)
         if early is None and not resume and req.only is None:  # joined a running Ray: rendered here, mailed by the pools
             lead = Chain(-1, None)
@@ -346,7 +347,6 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                 if early.sent is not None:
                     ray.wait([early.sent], timeout=SPLIT_HOLD_S, fetch_local=False)
         split = manifest if manifest is not None and manifest.complete else None
-        splitting = None
         if split is None:  # a run splits its input once; a rerun reuses the shards and their note numbers
             numbered = early.numbered if early else lambda: (made or {}).get("numbers", {})
             splitting = Split.start(credentials.for_render(settings), run_id, req.trade_date, req.input_url,
@@ -379,9 +379,12 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         tally = _fan_out(settings, run_id, req, _units(shards, first, cut, settings.shard_size), expected, actors,
                          resume, epoch, lease, watching,
                          splitting.after if splitting else lambda shard: None, early, splitting.rows if splitting else {})
-    except capacity.CapacityError as e:  # it says to run the same run id again: which one
-        e.args = (f"run {run_id}: {e}; a mail the stop cut short is unconfirmed: `reconcile`, then "
-                  f"`rerun {run_id} --unconfirmed`",)
+    except BaseException as e:
+        if splitting is not None:  # its assemblies not left queued in a Ray that lives on (a notebook's)
+            splitting.cancel()
+        if isinstance(e, capacity.CapacityError):  # it says to run the same run id again: which one
+            e.args = (f"run {run_id}: {e}; a mail the stop cut short is unconfirmed: `reconcile`, then "
+                      f"`rerun {run_id} --unconfirmed`",)
         raise
     finally:
         actors.close()

@@ -9,6 +9,7 @@ still being assembled. The driver holds refs and counts per shard, never rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Iterable, Iterator
 
@@ -23,7 +24,7 @@ from pipeline.record.storage import Store, open_store
 from pipeline.settings import Settings
 from pipeline.stages import broker
 
-
+log = logging.getLogger(__name__)
 HANDED_TRADES = 200_000  # the day's first shards, by their trades, whose files an assembly hands to their render
 # tasks through Ray's object store as it writes them (~50 MB there): each render reads no file, and the rest
 # of a 1.5M day's rows never wait in the object store for their turn
@@ -75,15 +76,29 @@ def tally(metas: Iterable[dict]) -> tuple[list[dict], dict[int, int]]:
     return kept, weights
 
 
+def _cancel(refs: list[ray.ObjectRef]) -> None:
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception as e:  # ended already
+            log.debug("split task not cancelled: %s", e)
+
+
 def _arriving(waiting: list[ray.ObjectRef], watch: Callable[[], None]) -> Iterator[dict]:
     """Each value as its task ends, its ref let go once read (a small value lives in the
-    driver's own memory while a ref to it does)."""
-    while waiting:
-        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
-        while ready:
-            yield ray.get(ready.pop())
-        if waiting:
-            watch()
+    driver's own memory while a ref to it does). If the run stops meanwhile (the watch's
+    CapacityError, a notebook's interrupt), the tasks not yet ended are cancelled: a Ray that
+    lives on (a notebook's) is not left running a stopped run's split."""
+    try:
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
+            while ready:
+                yield ray.get(ready.pop())
+            if waiting:
+                watch()
+    except BaseException:
+        _cancel(waiting)
+        raise
 
 
 class Split:
@@ -173,6 +188,11 @@ class Split:
 
     def clients(self) -> int:
         return sum(m["rows"] for m in self.metas if m["file"] == "clients.csv")
+
+    def cancel(self) -> None:
+        """The run stopped: its assemblies not yet run are not left queued in a Ray that lives on (a
+        notebook's). One cut short leaves what a node lost midway leaves, which the run resumed takes on."""
+        _cancel(list(self.assembling.values()))
 
     def done(self, block: bool = False) -> SplitResult | None:
         """The finished split once every group is assembled (raises if a group failed for good)."""
