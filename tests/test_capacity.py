@@ -23,7 +23,7 @@ def watch(views, spot_wait_s=60, capacity_wait_s=600, node_types=NODE_TYPES):
 
 
 def test_spot_that_never_launches_is_replaced_by_on_demand_render_nodes_only():
-    views = iter([ClusterView({"signer": 8, "smtp": 4}, set(), ["render_spot launch failed (InsufficientInstanceCapacity)"])] * 100)
+    views = iter([ClusterView({"signer": 8, "smtp": 4}, set(), [(0, "render_spot launch failed (InsufficientInstanceCapacity)")])] * 100)
     w, requests = watch(views)
     w.ask(DAY)
     for _ in range(6):  # 0..50 s: still waiting for spot
@@ -54,7 +54,7 @@ def test_a_spot_node_that_is_booting_is_waited_for():
 
 
 def test_no_capacity_at_all_stops_the_run_with_the_autoscalers_reason():
-    views = iter([ClusterView({}, set(), ["signer_smtp launch failed (VcpuLimitExceeded)"])] * 100)
+    views = iter([ClusterView({}, set(), [(0, "signer_smtp launch failed (VcpuLimitExceeded)")])] * 100)
     w, _ = watch(views, capacity_wait_s=100)
     for _ in range(10):
         w.check()
@@ -113,6 +113,19 @@ def test_a_lost_role_with_nothing_booting_stops_the_run_saying_what_was_mailed_i
         w.check()
 
 
+@pytest.mark.parametrize("failed_at, said", [(0, "no failed launch reported"), (20, "InsufficientInstanceCapacity")])
+def test_a_stop_quotes_a_failed_launch_only_from_after_the_role_was_lost(failed_at, said):
+    """The morning's refused launch is not the evening's reason: a failure from before the
+    role's loss (at 10 s) is not quoted; one after it is."""
+    refused = [(failed_at, "render_spot launch failed (InsufficientInstanceCapacity)")]
+    views = iter([ClusterView(EVERY_ROLE, set(), refused)] + [ClusterView({"signer": 8, "smtp": 4}, set(), refused)] * 100)
+    w, _ = watch(views, spot_wait_s=1000, capacity_wait_s=30)
+    for _ in range(4):
+        w.check()
+    with pytest.raises(CapacityError, match=f"no render node came up in 30 s.*the autoscaler says: [^;]*{said}"):
+        w.check()
+
+
 def test_a_render_role_lost_when_no_task_waits_for_it_stops_nothing_nor_launches_on_demand():
     """A mail-bound day's tail, its rendering done: its render node reclaimed stops nothing
     (stopping would end the mailers mid-send); once a task waits for render again, it counts."""
@@ -166,7 +179,7 @@ def test_only_the_on_demand_render_type_offers_the_fallback_resource():
 
 
 def test_the_stop_names_only_the_roles_with_nothing_booting():
-    views = iter([ClusterView({}, {"render_ondemand"}, ["signer_smtp launch failed (VcpuLimitExceeded)"])] * 100)
+    views = iter([ClusterView({}, {"render_ondemand"}, [(0, "signer_smtp launch failed (VcpuLimitExceeded)")])] * 100)
     w, _ = watch(views, capacity_wait_s=30)
     for _ in range(3):
         w.check()

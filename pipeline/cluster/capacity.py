@@ -19,6 +19,7 @@ node).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,7 +42,7 @@ class ClusterView:
 
     resources: dict[str, float]  # of the live nodes
     booting: set[str]  # node types launched and not yet joined
-    failures: list[str]  # the autoscaler's failed launches, newest last
+    failures: list[tuple[float, str]]  # the autoscaler's failed launches, (when, on the watch's clock; what)
     demanded: set[str] | None = None  # the roles tasks and actors wait for; None: not known
 
 
@@ -60,6 +61,7 @@ class CapacityWatch:
     looked: float = 0.0  # when the cluster was last looked at
     gone: dict[str, float] = field(default_factory=dict)  # after arrival: a role without a node, waited for since
     idle: set[str] = field(default_factory=set)  # of those, the ones nothing waited for at the last look
+    lost: dict[str, float] = field(default_factory=dict)  # after arrival: when each role without a node was seen so
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -101,9 +103,10 @@ class CapacityWatch:
         for role in [r for r in self.gone if r not in missing]:
             log.info("capacity: %s has a node again, after %.0f s waited for", role, now - self.gone.pop(role))
             self.idle.discard(role)
+            del self.lost[role]
         for role in missing:
             if role not in self.gone:
-                self.gone[role] = now
+                self.gone[role] = self.lost[role] = now
                 if role in needed:
                     self._say_gone(role)
         for role in self.gone.keys() - needed:
@@ -130,7 +133,7 @@ class CapacityWatch:
                 and self._types_with(ONDEMAND)):
             self.ondemand = True
             log.warning("capacity: no spot render node after %.0f s (%s); asking for on-demand render nodes",
-                        waited, _last(view.failures, self._types_with("render")))
+                        waited, _last(view.failures, self._types_with("render"), self.lost.get("render", -math.inf)))
             self.ask(self.bundles or [{"CPU": 1, "render": 1}])
 
     def _stop(self, waits: dict[str, float], view: ClusterView) -> None:
@@ -148,9 +151,10 @@ class CapacityWatch:
                 f"is booting: {_offered(stalled)}; what was mailed is recorded: run the same run id again once it has "
                 "one")
         types = set().union(*map(self._types_with, stalled))
+        since = min(self.lost.get(r, -math.inf) for r in stalled)  # before arrival: any (the cluster's start too)
         raise CapacityError(
             f"no {'/'.join(stalled)} node came up in {waited:.0f} s (CN_CAPACITY_WAIT_S); the autoscaler says: "
-            f"{_last(view.failures, types)}; what was mailed is recorded: run the same run id again when the account "
+            f"{_last(view.failures, types, since)}; what was mailed is recorded: run the same run id again when the account "
             "has capacity (or raise its EC2 quota)")
 
     def _placed(self, bundle: dict) -> dict:
@@ -173,11 +177,11 @@ def _offered(roles: list[str]) -> str:
     return f"start a node with `ray start --address=... --resources='{{{resources}}}'`, as cluster.yaml's node types declare"
 
 
-def _last(failures: list[str], types: set[str]) -> str:
-    """The newest failed launch of these node types (Ray 2.60's status names the type, but
-    not the cloud's reason)."""
-    mine = [f for f in failures if f.split(" ", 1)[0] in types]
-    return mine[-1] if mine else "no failed launch reported"
+def _last(failures: list[tuple[float, str]], types: set[str], since: float) -> str:
+    """The newest failed launch of these node types since `since` (the role's loss): a role
+    lost in the evening does not quote the morning's refusal as its reason."""
+    mine = sorted((when, f) for when, f in failures if when >= since and f.split(" ", 1)[0] in types)
+    return mine[-1][1] if mine else "no failed launch reported"
 
 
 def look_at_ray() -> ClusterView:
@@ -191,7 +195,9 @@ def look_at_ray() -> ClusterView:
 
         status = get_cluster_status(ray.get_runtime_context().gcs_address)
         booting = {n.ray_node_type_name for n in status.pending_nodes}  # launched: an instance exists
-        failures = [f"{f.ray_node_type_name} launch failed" + (f" ({f.details})" if f.details else "")
+        offset = time.time() - time.monotonic()  # epoch seconds to the watch's clock (CapacityWatch.clock)
+        failures = [((f.failed_ts_s or f.request_ts_s) + 1 - offset,  # the end of its second: whole seconds given
+                     f"{f.ray_node_type_name} launch failed" + (f" ({f.details})" if f.details else ""))
                     for f in status.failed_launches]
         demanded = {r for d in status.resource_demands.ray_task_actor_demand for b in d.bundles_by_count
                     for r in b.bundle if r in ROLES}  # not the day's request: what waits for a node now
