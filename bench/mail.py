@@ -9,7 +9,9 @@ pooling would look useless):
 The server offers PIPELINING and CHUNKING, as Postfix does, so (b) sends a mail's envelope and
 message as one BDAT group (one round trip); with --no-chunking it offers PIPELINING alone, and
 (b) sends DATA's two groups, as to a relay that does not offer BDAT.
-Client CPU is the sending thread's (a) or process's (b) CPU time per mail. The two take turns
+Client CPU is the sending thread's (a) or process's (b) CPU time per mail. The relay sink (aiosmtpd, in
+Python) and Redis run on the same two cores: their CPU a mail while (b) mails is printed beside it
+(`relay_sink_cpu_ms_per_mail`, `redis_cpu_ms_per_mail`), since with (b)'s own it bounds (b)'s mails/s here. The two take turns
 (`--turns`): in each, (a) mails `--mails / turns`, then (b) `--mails` on the same actor, and the
 speedup (b's mails/s over a's) is taken within the turn; the median and the spread of the turns
 are printed. Run once each, 15 s apart, the VM's speed moved between them by more than the code
@@ -160,6 +162,13 @@ def ours(mailer, run_id: str, lease: str, pdfs: list[bytes], prefix: str, batch_
     return elapsed, cpu
 
 
+def _cpu_s(*services) -> list[float]:
+    """Each service process's CPU seconds so far (user and system)."""
+    import psutil
+
+    return [sum(psutil.Process(s.process.pid).cpu_times()[:2]) for s in services]
+
+
 def warm_mailer(settings: Settings, run_id: str, pdf: bytes):
     """A MailerActor of a started run, its pool open: (the actor, the run's lease)."""
     import ray
@@ -206,9 +215,12 @@ def once(args) -> dict:
             mailer, lease = warm_mailer(settings, "bench-ours", pdfs[0])
             share = max(1, args.mails // args.turns)
             turns = []
+            beside = []  # the relay sink's and Redis's CPU while ours mailed: on the same two cores
             for t in range(args.turns):
                 base_s, base_cpu = baseline(host, int(port), pdfs[t * share:(t + 1) * share])
+                others = _cpu_s(smtp, redis)
                 ours_s, ours_cpu = ours(mailer, "bench-ours", lease, pdfs, f"O{t}")
+                beside.append([b - a for a, b in zip(others, _cpu_s(smtp, redis))])
                 turns.append((share, base_s, base_cpu, args.mails, ours_s, ours_cpu))
             limited = Settings.from_env(redis_url=redis.url, smtp_url=f"{smtp.url}?rate={args.rate}",
                                         store_url=str(work / "store"), smtp_connections=args.connections)
@@ -238,6 +250,8 @@ def once(args) -> dict:
         "baseline_client_cpu_ms_per_mail": round(statistics.median(c * 1000 / b_n for b_n, _, c, *_ in turns), 2),
         "ours_client_cpu_ms_per_mail": round(statistics.median(c * 1000 / o_n for *_, o_n, _, c in turns), 2),
         "ours_client_cpu_ms_per_mail_turns": [round(c * 1000 / o_n, 2) for *_, o_n, _, c in turns],
+        "relay_sink_cpu_ms_per_mail": round(statistics.median(sink * 1000 / n for sink, _ in beside), 2),
+        "redis_cpu_ms_per_mail": round(statistics.median(r * 1000 / n for _, r in beside), 3),
         "limited_rate": args.rate,
         "limited_mails_per_s": round(n / limited_s, 1),
         "limited_client_cpu_ms_per_mail": round(limited_cpu * 1000 / n, 2),
