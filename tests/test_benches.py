@@ -74,6 +74,7 @@ def test_the_mail_bench_measures_unsigned_mail_against_smtplib_then_dkim_signing
     result = smoke("mail.py", "--dkim")[-1]
     assert result["dkim_sign_cpu_ms_per_mail"] > 0 and result["dkim_client_cpu_ms_per_mail"] > 0
     assert result["speedup"] > 0 and result["ours_client_cpu_ms_per_mail"] > 0, result
+    assert result["relay_sink_cpu_ms_per_mail"] > 0 and result["redis_cpu_ms_per_mail"] >= 0, result
 
 
 def test_the_first_note_bench_times_a_run_joining_a_running_ray_beside_a_baseline_tree():
