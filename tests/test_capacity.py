@@ -113,10 +113,12 @@ def test_a_lost_role_with_nothing_booting_stops_the_run_saying_what_was_mailed_i
         w.check()
 
 
-@pytest.mark.parametrize("failed_at, said", [(0, "no failed launch reported"), (20, "InsufficientInstanceCapacity")])
+@pytest.mark.parametrize("failed_at, said", [(-5, "no failed launch reported"), (5, "InsufficientInstanceCapacity"),
+                                              (20, "InsufficientInstanceCapacity")])
 def test_a_stop_quotes_a_failed_launch_only_from_after_the_role_was_lost(failed_at, said):
     """The morning's refused launch is not the evening's reason: a failure from before the
-    role's loss (at 10 s) is not quoted; one after it is."""
+    role's loss is not quoted; one since the last look that saw the role's node (at 0 s; the
+    loss is seen at 10 s) is."""
     refused = [(failed_at, "render_spot launch failed (InsufficientInstanceCapacity)")]
     views = iter([ClusterView(EVERY_ROLE, set(), refused)] + [ClusterView({"signer": 8, "smtp": 4}, set(), refused)] * 100)
     w, _ = watch(views, spot_wait_s=1000, capacity_wait_s=30)

@@ -603,10 +603,17 @@ def test_a_split_stopped_while_its_ranges_are_read_leaves_none_of_them_to_run(ra
     run, since = f"stopped-{os.urandom(3).hex()}", time.time_ns()
     with pytest.raises(KeyboardInterrupt):
         Split.start(settings, run, DATE, str(day), 2, False, stop, plan)
+    deadline = time.time() + 60
     go.touch()
-    ray.get(holders)
-    time.sleep(3)  # the reads left queued would run now; Ray flushes its task events about once a second
-    asked = [e for e in ray._private.state.state._get_all_task_events() if e.task_info.name.startswith("split ")
-             and min(e.state_updates.state_ts_ns.values(), default=0) >= since]  # this test's, not the session's others
-    ran = [e for e in asked if e.state_updates.state_ts_ns.get(common_pb2.TaskStatus.RUNNING)]
-    assert len(asked) >= len(plan.ranges) > 5 and ran == [], f"{len(ran)} of the {len(plan.ranges)} reads ran after the stop"
+    ray.get(holders, timeout=60)
+
+    def reads() -> list:  # this test's, not the session's others of the same name
+        return [e for e in ray._private.state.state._get_all_task_events() if e.task_info.name.startswith("split ")
+                and min(e.state_updates.state_ts_ns.values(), default=0) >= since]
+
+    while len(reads()) < len(plan.ranges):  # Ray flushes its task events about once a second
+        assert time.time() < deadline, f"Ray's task events hold {len(reads())} of the {len(plan.ranges)} reads"
+        time.sleep(0.5)
+    time.sleep(3)  # the reads left queued would have run by now, and their events been flushed
+    ran = [e for e in reads() if e.state_updates.state_ts_ns.get(common_pb2.TaskStatus.RUNNING)]
+    assert len(plan.ranges) > 5 and ran == [], f"{len(ran)} of the {len(plan.ranges)} reads ran after the stop"

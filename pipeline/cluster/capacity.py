@@ -61,7 +61,7 @@ class CapacityWatch:
     looked: float = 0.0  # when the cluster was last looked at
     gone: dict[str, float] = field(default_factory=dict)  # after arrival: a role without a node, waited for since
     idle: set[str] = field(default_factory=set)  # of those, the ones nothing waited for at the last look
-    lost: dict[str, float] = field(default_factory=dict)  # after arrival: when each role without a node was seen so
+    lost: dict[str, float] = field(default_factory=dict)  # after arrival: each gone role last seen with a node then
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -73,13 +73,13 @@ class CapacityWatch:
         now = self.clock()
         if self.arrived and now - self.looked < LOOK_AGAIN_S:
             return
-        first, self.looked = self.started < 0, now
+        first, seen, self.looked = self.started < 0, self.looked, now
         if first:
             self.started = now
         view = self.look()
         missing = [r for r in ROLES if view.resources.get(r, 0) <= 0]
         if self.arrived:
-            waits = self._lost(now, view, missing)
+            waits = self._lost(now, seen, view, missing)
         elif not missing:
             self.arrived = True
             if not first:
@@ -94,19 +94,20 @@ class CapacityWatch:
             self._fall_back(waits["render"], view)
         self._stop(waits, view)
 
-    def _lost(self, now: float, view: ClusterView, missing: list[str]) -> dict[str, float]:
+    def _lost(self, now: float, seen: float, view: ClusterView, missing: list[str]) -> dict[str, float]:
         """Once every role has had a node: each role whose nodes are all gone is said, and waited
         for from when it was seen gone or, if nothing waited for it then, from when something
         does (Ray's demand; every role where that cannot be read): a render node lost in a
-        mail-bound tail, its work done, stops nothing."""
+        mail-bound tail, its work done, stops nothing. `seen`: the look before this one, when every
+        role not yet said gone still had a node: a failed launch since then is the loss's."""
         needed = set(ROLES) if view.demanded is None else view.demanded
         for role in [r for r in self.gone if r not in missing]:
             log.info("capacity: %s has a node again, after %.0f s waited for", role, now - self.gone.pop(role))
             self.idle.discard(role)
-            del self.lost[role]
+            self.lost.pop(role, None)
         for role in missing:
             if role not in self.gone:
-                self.gone[role] = self.lost[role] = now
+                self.gone[role], self.lost[role] = now, seen
                 if role in needed:
                     self._say_gone(role)
         for role in self.gone.keys() - needed:

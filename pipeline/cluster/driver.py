@@ -791,7 +791,7 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 actors.place()
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
     except BaseException:  # the run stops: its render tasks are not left queued (a notebook's driver lives on)
-        _cancel_renders([*pending.values(), *again])
+        _cancel_renders([*pending.values(), *again], rows)
         raise
     finally:
         progress.close()
@@ -800,13 +800,14 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
     return totals
 
 
-def _cancel_renders(chains: list[Chain]) -> None:
-    for chain in chains:
-        if chain.rendered is not None:
+def _cancel_renders(chains: list[Chain], rows: _SharedRows) -> None:
+    """The chains' render tasks, and the shard reads a render not yet asked for would have taken."""
+    for ref in [chain.rendered for chain in chains] + list(rows.refs.values()):
+        if ref is not None:
             try:
-                ray.cancel(chain.rendered)
+                ray.cancel(ref)
             except Exception as e:  # a first notes' batch (put, not a task's), or one already ended
-                log.debug("render of shard %s not cancelled: %s", chain.shard, e)
+                log.debug("%s not cancelled: %s", ref, e)
 
 
 def _count(result: dict, totals: dict, progress: tqdm) -> None:

@@ -86,19 +86,13 @@ def _cancel(refs: list[ray.ObjectRef]) -> None:
 
 def _arriving(waiting: list[ray.ObjectRef], watch: Callable[[], None]) -> Iterator[dict]:
     """Each value as its task ends, its ref let go once read (a small value lives in the
-    driver's own memory while a ref to it does). If the run stops meanwhile (the watch's
-    CapacityError, a notebook's interrupt), the tasks not yet ended are cancelled: a Ray that
-    lives on (a notebook's) is not left running a stopped run's split."""
-    try:
-        while waiting:
-            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
-            while ready:
-                yield ray.get(ready.pop())
-            if waiting:
-                watch()
-    except BaseException:
-        _cancel(waiting)
-        raise
+    driver's own memory while a ref to it does)."""
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
+        while ready:
+            yield ray.get(ready.pop())
+        if waiting:
+            watch()
 
 
 class Split:
@@ -130,20 +124,27 @@ class Split:
         reads = [read_task.options(num_returns=groups + 1, name=f"split {r.file}").remote(
             inputs, r, plan.columns[r.file], plan.shard_count, groups, trade_date, closes, plan.closed,
             plan.segments, plan.left_to) for r in plan.ranges]
-        metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
-        split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
-        offsets, numbered = row_offsets(metas), ray.put(numbered())
-        heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
-        for shard, n in split.weights.items():
-            heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
-        handed = split.handed()
-        for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
-            mine = tuple(s for s in handed if s % groups == g)
-            made = assemble_task.options(name="split assemble", num_returns=1 + len(mine)).remote(
-                settings, run_id, trade_date, offsets, reuse, numbered, mine, *[refs[g] for refs in reads])
-            split.assembling[g], *rows = made if mine else [made]
-            split.rows.update(zip(mine, rows))
-        return split
+        split = None
+        try:
+            metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
+            split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
+            offsets, numbered = row_offsets(metas), ray.put(numbered())
+            heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
+            for shard, n in split.weights.items():
+                heaviest[shard % groups] = max(heaviest.get(shard % groups, 0), n)
+            handed = split.handed()
+            for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
+                mine = tuple(s for s in handed if s % groups == g)
+                made = assemble_task.options(name="split assemble", num_returns=1 + len(mine)).remote(
+                    settings, run_id, trade_date, offsets, reuse, numbered, mine, *[refs[g] for refs in reads])
+                split.assembling[g], *rows = made if mine else [made]
+                split.rows.update(zip(mine, rows))
+            return split
+        except BaseException:  # the run stopped in its split (the watch's CapacityError, a notebook's interrupt)
+            _cancel([refs[0] for refs in reads])  # a read's other values name its task too
+            if split is not None:
+                split.cancel()
+            raise
 
     def handed(self) -> list[int]:
         """The first shards the fan-out takes (heaviest first), up to HANDED_TRADES trades."""
