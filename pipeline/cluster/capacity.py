@@ -61,7 +61,7 @@ class CapacityWatch:
     looked: float = 0.0  # when the cluster was last looked at
     gone: dict[str, float] = field(default_factory=dict)  # after arrival: a role without a node, waited for since
     idle: set[str] = field(default_factory=set)  # of those, the ones nothing waited for at the last look
-    lost: dict[str, float] = field(default_factory=dict)  # after arrival: each gone role last seen with a node then
+    lost: dict[str, float] = field(default_factory=dict)  # after arrival: when each gone role was last seen with a node
 
     def ask(self, bundles: list[dict]) -> None:
         """Request the day's bundles; render bundles go on-demand once the watch fell back."""
@@ -179,8 +179,8 @@ def _offered(roles: list[str]) -> str:
 
 
 def _last(failures: list[tuple[float, str]], types: set[str], since: float) -> str:
-    """The newest failed launch of these node types since `since` (the role's loss): a role
-    lost in the evening does not quote the morning's refusal as its reason."""
+    """The newest failed launch of these node types since `since` (when the lost role was last
+    seen with a node): a role lost in the evening does not quote the morning's refusal."""
     mine = sorted((when, f) for when, f in failures if when >= since and f.split(" ", 1)[0] in types)
     return mine[-1][1] if mine else "no failed launch reported"
 

@@ -25,6 +25,7 @@ from pipeline.settings import Settings
 from pipeline.stages import broker
 
 log = logging.getLogger(__name__)
+
 HANDED_TRADES = 200_000  # the day's first shards, by their trades, whose files an assembly hands to their render
 # tasks through Ray's object store as it writes them (~50 MB there): each render reads no file, and the rest
 # of a 1.5M day's rows never wait in the object store for their turn
