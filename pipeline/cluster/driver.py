@@ -40,7 +40,7 @@ from pipeline.cluster.waits import DayWaits
 from pipeline.followup import located, opened
 from pipeline.cluster.page_ranges import render_notes
 from pipeline.cluster.plan import on_cluster
-from pipeline.cluster.split_tasks import Split
+from pipeline.cluster.split_tasks import Split, cancel_tasks
 from pipeline.day import trading_calendar
 from pipeline.day.split import check_inputs
 from pipeline.mail.message import message_id
@@ -790,24 +790,14 @@ def _fan_out(settings: Settings, run_id: str, req: RunRequest, units: list[tuple
                 window = _window(settings, view.slots)
                 actors.place()
         actors.tally(fleet.look())  # a node Ray has declared dead since the last look: counted too
-    except BaseException:  # the run stops: its render tasks are not left queued (a notebook's driver lives on)
-        _cancel_renders([*pending.values(), *again], rows)
+    except BaseException:  # the run stops: its renders and their shard reads not left queued (a notebook's driver lives on)
+        cancel_tasks([chain.rendered for chain in [*pending.values(), *again]] + list(rows.refs.values()))
         raise
     finally:
         progress.close()
     state.clear_waits()
     totals["nodes"] = actors.counts()
     return totals
-
-
-def _cancel_renders(chains: list[Chain], rows: _SharedRows) -> None:
-    """The chains' render tasks, and the shard reads a render not yet asked for would have taken."""
-    for ref in [chain.rendered for chain in chains] + list(rows.refs.values()):
-        if ref is not None:
-            try:
-                ray.cancel(ref)
-            except Exception as e:  # a first notes' batch (put, not a task's), or one already ended
-                log.debug("%s not cancelled: %s", ref, e)
 
 
 def _count(result: dict, totals: dict, progress: tqdm) -> None:

@@ -77,12 +77,15 @@ def tally(metas: Iterable[dict]) -> tuple[list[dict], dict[int, int]]:
     return kept, weights
 
 
-def _cancel(refs: list[ray.ObjectRef]) -> None:
+def cancel_tasks(refs: list[ray.ObjectRef | None]) -> None:
+    """The tasks of these refs cancelled, where they have not ended (a stopped run's: a Ray that
+    lives on, a notebook's, is not left running them); a ref that is None is skipped."""
     for ref in refs:
-        try:
-            ray.cancel(ref)
-        except Exception as e:  # ended already
-            log.debug("split task not cancelled: %s", e)
+        if ref is not None:
+            try:
+                ray.cancel(ref)
+            except Exception as e:  # ended already, or put rather than made by a task
+                log.debug("%s not cancelled: %s", ref, e)
 
 
 def _arriving(waiting: list[ray.ObjectRef], watch: Callable[[], None]) -> Iterator[dict]:
@@ -142,7 +145,7 @@ class Split:
                 split.rows.update(zip(mine, rows))
             return split
         except BaseException:  # the run stopped in its split (the watch's CapacityError, a notebook's interrupt)
-            _cancel([refs[0] for refs in reads])  # a read's other values name its task too
+            cancel_tasks([refs[0] for refs in reads])  # a read's other values name its task too
             if split is not None:
                 split.cancel()
             raise
@@ -194,7 +197,7 @@ class Split:
     def cancel(self) -> None:
         """The run stopped: its assemblies not yet run are not left queued in a Ray that lives on (a
         notebook's). One cut short leaves what a node lost midway leaves, which the run resumed takes on."""
-        _cancel(list(self.assembling.values()))
+        cancel_tasks(list(self.assembling.values()))
 
     def done(self, block: bool = False) -> SplitResult | None:
         """The finished split once every group is assembled (raises if a group failed for good)."""
