@@ -524,18 +524,18 @@ def cmd_status(args) -> int:
     except RunNotFound as e:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
-    sealed = status.sealed(found.store, args.run_id)
+    seal = status.seal(found.store, args.run_id)
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id, patience_retries=0)
         meta = state.meta()
         run = status.from_redis(args.run_id, where, meta, state.counts(), state.final_counts(meta),
-                                rates.snapshot(state.r), sealed)
+                                rates.snapshot(state.r), seal)
     else:
         key = report_keys(args.run_id)[0]
         if not found.store.exists(key):
             return _not_found(args, RunNotFound(f"run {args.run_id}: {found.store.url} holds its manifest but no "
                                                 "report yet (the run has not finished), and Redis does not hold it"))
-        run = status.from_report(args.run_id, where, read_report(found.store, key), sealed)
+        run = status.from_report(args.run_id, where, read_report(found.store, key), seal)
     print(json.dumps(run) if args.json else status.table(run), file=args.stdout)
     return 0
 

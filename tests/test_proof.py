@@ -4,6 +4,7 @@ One run is mailed, bounced and closed for the module; each test works on a copy 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import threading
 from pathlib import Path
 
 import boto3
+import redis as redis_module
 import psutil
 import pytest
 
@@ -308,6 +310,44 @@ def test_a_sealed_run_brought_back_from_storage_into_a_new_redis_writes_nothing_
     assert main(["close", run_id, "--store", str(root)]) == 0
     assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before
     assert verified(root, run_id)["ok"]
+
+
+@pytest.mark.parametrize("close", ["sealed", "began"])
+def test_a_run_whose_close_began_is_resumed_by_no_command_even_where_redis_lost_it(closed_run, tmp_path, monkeypatch,
+                                                                                    capsys, close):
+    """`run --run-id` looked at no seal: a sealed run resumed that way was mailed and its report
+    written again, and verify then called the seal broken. And a close that stopped just after its
+    warrant (its first write), on a laptop whose Redis never had the run, left a report with no
+    `closed_at`: `rerun` brought the run back from it and went on. The close's own objects in
+    storage now refuse both, and the record stays as the close left it, for the next close."""
+    settings, run_id, opened, sealed, _ = closed_run
+    if close == "sealed":
+        root = copy(sealed, tmp_path / "store")
+    else:  # the warrant written, nothing after it
+        root = copy(opened, tmp_path / "store")
+        for key in keys.closing_keys(run_id):
+            (root / key).write_bytes((sealed / key).read_bytes())
+    laptop = settings.redis_url.rsplit("/", 1)[0] + "/14"
+    redis_module.Redis.from_url(laptop).flushdb()
+    monkeypatch.setenv("REDIS_URL", laptop)
+    before = {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK}
+    said = "closed and its record sealed" if close == "sealed" else "its close began and stopped before the seal"
+
+    assert main(["rerun", run_id, "--failed", "--store", str(root)]) == 2
+    assert said in capsys.readouterr().err
+    resumed = dataclasses.replace(settings, store_url=str(root), redis_url=laptop)
+    with pytest.raises(RunClosed, match=said):
+        run_day(resumed, RunRequest(TRADE_DATE, str(opened.parent / "input"), run_id))
+    assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before
+    shown = "sealed" if close == "sealed" else "closing"  # the same in both tools, whatever Redis was told
+    assert main(["status", run_id, "--store", str(root), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["state"] == shown and "rerun" not in status["next"] and "reconcile" not in status["next"], status
+    assert close == "sealed" or f"close {run_id} again" in status["next"], status
+    assert main(["runs", "--store", str(root), "--json"]) == 0
+    assert [r["state"] for r in json.loads(capsys.readouterr().out) if r["run_id"] == run_id] == [shown]
+    proof.close(resumed, run_id, now=after_the_window(settings, run_id))  # the close it began, finished
+    assert verified(root, run_id)["ok"] and verified(root, run_id)["sealed"]
 
 
 def test_after_the_seal_only_a_fetch_or_a_refused_bounce_may_follow(closed_run, tmp_path):

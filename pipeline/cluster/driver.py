@@ -274,6 +274,8 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         settings = made_with.resumed(settings, run_id)
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
+        if req.run_id:  # `run --run-id` as much as `rerun`: nothing is mailed under a run whose close began
+            opened.refuse_closed(open_store(settings.store_url), run_id, state.meta())
         checked = checked or preflight(settings, req, run_id)
         with run_log.shipped(open_store(settings.store_url), run_id):  # a run that starts: its log kept with it
             return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)

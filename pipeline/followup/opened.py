@@ -12,7 +12,7 @@ from typing import Iterator
 
 from pipeline.errors import RunNotFound
 from pipeline.followup.located import locate
-from pipeline.followup.seal_state import SEALED, seal_state
+from pipeline.followup.seal_state import OPEN, SEALED, seal_state
 from pipeline.record.lease import Lease, held
 from pipeline.record.manifest import SplitResult, load_manifest
 from pipeline.record.state import RunClosed, RunState
@@ -51,7 +51,7 @@ def open_run(settings: Settings, run_id: str, store_url: str | None = None, comm
     """The one way a follow-up (rerun, reconcile, bounces, close) opens a run: on its own store
     and keys (`locate`), under its lease while the block runs (`hold`; a bounce reader holds it
     only to bring the run back), brought back from storage if Redis lost it (`restored`; close
-    looks at its seal first), and refused once sealed unless `sealed_ok`."""
+    looks at its seal first), and refused once its close began unless `sealed_ok`."""
     found = locate(settings, run_id, store_url, writes=True, command=command)
     settings, store = found.settings, found.store
     state = RunState(settings.redis_url, run_id, settings.state_ttl_s)
@@ -63,10 +63,20 @@ def open_run(settings: Settings, run_id: str, store_url: str | None = None, comm
         if restored:
             with nullcontext() if hold or state.exists() else held(state, settings.lease_s):
                 meta = run.meta()
-            if meta.get("closed_at") and not sealed_ok:
-                if seal_state(store, run_id).state != SEALED:
-                    raise RunClosed(f"run {run_id}: its close began and stopped before the seal: run `close {run_id}` "
-                                    "again to finish it; nothing more is mailed or settled under it")
-                raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed or settled "
-                                "under it (its failed and bounced accounts are on the paper list)")
+            if not sealed_ok:
+                refuse_closed(store, run_id, meta)
         yield run
+
+
+def refuse_closed(store: Store, run_id: str, meta: dict) -> None:
+    """Raises RunClosed once the run's close began: Redis says so (`meta`), or storage does. The
+    close's warrant is written before Redis hears of it, so a close stopped between the two is
+    refused too: a mail after it would leave a record the next close refuses to seal."""
+    sealing = seal_state(store, run_id).state
+    if not meta.get("closed_at") and sealing == OPEN:
+        return
+    if sealing != SEALED:
+        raise RunClosed(f"run {run_id}: its close began and stopped before the seal: run `close {run_id}` "
+                        "again to finish it; nothing more is mailed or settled under it")
+    raise RunClosed(f"run {run_id} was closed and its record sealed: nothing more is mailed or settled "
+                    "under it (its failed and bounced accounts are on the paper list)")

@@ -6,7 +6,7 @@ are its report's, through report.final_counts: the numbers `status` and the live
 
 from __future__ import annotations
 
-from pipeline.followup.seal_state import BEGAN, SEALED, seal_state
+from pipeline.followup.seal_state import BEGAN, OPEN, SEALED, seal_state
 from pipeline.record import keys, report as reports
 from pipeline.record.statuses import phase
 from pipeline.record.storage import Store, StorageError, read_json
@@ -31,7 +31,7 @@ def _row(store: Store, run_id: str) -> dict:
     final = reports.final_counts(report)
     seal = seal_state(store, run_id).state
     started, finished, is_sealed = reports.started_at(report), report.get("finished_at"), seal == SEALED
-    closed = bool((report.get("bounce_window") or {}).get("closed_at"))
+    closed = bool((report.get("bounce_window") or {}).get("closed_at")) or seal != OPEN  # as `status` says it
     return {"run_id": run_id, "date": report.get("trade_date") or run_id[:10], **final,
             "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed, "seal": seal,
             "started_at": started, "finished_at": finished,

@@ -8,41 +8,43 @@ from storage), for the scripts that read those.
 
 from __future__ import annotations
 
-from pipeline.followup.seal_state import SEALED, seal_state
+from pipeline.followup.seal_state import OPEN, SEALED, seal_state
 from pipeline.record import report
 from pipeline.record.statuses import HEADLINE, phase
 from pipeline.record.storage import Store
 
 
-def sealed(store: Store, run_id: str) -> bool:
-    """Whether the run's record is sealed, every object of its seal there (seal_state.py)."""
-    return seal_state(store, run_id).state == SEALED
+def seal(store: Store, run_id: str) -> str:
+    """Where the run's seal stands in storage (seal_state.py): a close that began is one there
+    before Redis hears of it (its warrant is close's first write), and whether Redis still does."""
+    return seal_state(store, run_id).state
 
 
 def from_redis(run_id: str, where: dict, meta: dict, counts: dict, final: dict, relays: dict,
-               sealed: bool) -> dict:
+               seal: str) -> dict:
     """`final`: RunState.final_counts(); `counts` the stage counters, as earlier releases printed them."""
     shape = _shape(run_id, "redis", where, meta.get("date", ""), meta.get("input", ""), final, meta.get("relays", ""),
                    _iso(meta.get("started")), _iso(meta.get("last_started")), _iso(meta.get("finished")),
-                   report.bounce_window(meta), sealed)
+                   report.bounce_window(meta), seal)
     return {**shape, "meta": meta, "counts": counts, "relays": relays}
 
 
-def from_report(run_id: str, where: dict, run_report: dict, sealed: bool) -> dict:
+def from_report(run_id: str, where: dict, run_report: dict, seal: str) -> dict:
     shape = _shape(run_id, "storage", where, run_report.get("trade_date", ""), run_report.get("input", ""),
                    report.final_counts(run_report), run_report.get("relays", ""), _iso(report.started_at(run_report)),
                    _iso(run_report.get("last_started_at")), _iso(run_report.get("finished_at")),
-                   run_report.get("bounce_window", {}), sealed)
+                   run_report.get("bounce_window", {}), seal)
     return {**shape, "relays": {}, "report": run_report}
 
 
 def _shape(run_id: str, source: str, where: dict, trade_date: str, input_url: str, final: dict, relay: str,
-           started: str, last_started: str, finished: str, window: dict, sealed: bool) -> dict:
+           started: str, last_started: str, finished: str, window: dict, seal: str) -> dict:
     statuses = {k: final[k] for k in sorted(HEADLINE) if final[k]}
+    sealed = seal == SEALED
     shape = {"run_id": run_id, "source": source, **where, "trade_date": trade_date, "input": input_url,
              **final, "statuses": statuses, "relay": relay, "started_at": started, "last_started_at": last_started,
              "finished_at": finished, "bounce_window": window, "sealed": sealed,
-             "state": phase(bool(finished), bool(window.get("closed_at")), sealed)}
+             "state": phase(bool(finished), bool(window.get("closed_at")) or seal != OPEN, sealed)}
     return {**shape, "next": next_step(shape)}
 
 
@@ -54,7 +56,7 @@ def next_step(run: dict) -> str:
     steps = []
     if not run["finished_at"]:
         return "wait: the run has not finished (its driver runs, or was lost: `runs`, then `run --run-id` resumes it)"
-    closed = bool(window.get("closed_at"))
+    closed = run["state"] in ("closing", "sealed")  # Redis's word, or the close's objects in storage
     if run["failed"] and not closed:
         steps.append(f"rerun {rid} --failed ({run['failed']} failed)")
     if run["unconfirmed"] and not closed:
