@@ -288,7 +288,11 @@ def _watching(redis_url: str, keys_dir: Path, tmp_path: Path):
     state, store = RunState(redis_url, run_id), open_store(settings.store_url)
     state.start({"date": TRADE_DATE, "finished": time.time(), "bounce_window_h": 72})
     state.record([Outcome(u, "delivered", message_id=message_id(run_id, u), reply="250 ok") for u in ("C1", "C2")])
-    save_manifest(store, run_id, SplitResult([0], 10, 2))
+    save_manifest(store, run_id, SplitResult(sorted({keys.shard_of(u, 10) for u in ("C1", "C2")}), 10, 2))
+    for u in ("C1", "C2"):  # its shards' files (what a restore reads the accounts from) and the mail its log says left
+        store.put(keys.shard_key(run_id, keys.shard_of(u, 10)), json.dumps({"ucc": u}).encode() + b"\n")
+        delivery_log.append(store, run_id, keys.shard_of(u, 10), [
+            {"ucc": u, "status": "delivered", "message_id": message_id(run_id, u), "reply": "250 ok", "at": time.time()}])
     report.write(store, state, run_id, {"run_id": run_id, "trade_date": TRADE_DATE}, [])
     box = tmp_path / "box"
     for sub in ("new", "cur", "tmp"):
@@ -315,6 +319,17 @@ def _deliver(box: Path, name: str, message: bytes) -> None:
     (box / "tmp" / name).rename(box / "new" / name)
 
 
+def _polling(state: RunState, run_id: str, watcher: subprocess.Popen) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
+        if watcher.poll() is not None or time.monotonic() > deadline:
+            watcher.kill()
+            pytest.fail(f"the watch is not polling: {watcher.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+
+
 def test_bounces_watch_records_what_arrives_and_a_sigterm_ends_it_with_the_report_written(
         redis_url, keys_dir, tmp_path):
     import signal
@@ -336,7 +351,7 @@ def _recorded(state: RunState, ucc: str, watcher: subprocess.Popen, box: Path) -
     import time
 
     deadline = time.monotonic() + 60
-    while "bounce" not in state.accounts([ucc])[ucc]:
+    while "bounce" not in state.accounts([ucc]).get(ucc, {}):
         if watcher.poll() is not None or time.monotonic() > deadline:
             watcher.kill()
             out, err = watcher.communicate()
@@ -397,19 +412,13 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
     them waits on Redis when the SIGTERM comes. The watch ends after the first: its bounce
     recorded, counted and marked seen, the other left unseen, and a later `bounces` records it.
     Before, both."""
-    import time
 
     from pipeline.embedded import start_redis
 
     redis = start_redis(tmp_path / "redis", aof=False)
     try:
         with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
-            deadline = time.monotonic() + 60
-            while not state.r.exists(keys.run_bounce_reader(run_id)):  # the watch polling, its handlers set
-                if watcher.poll() is not None or time.monotonic() > deadline:
-                    watcher.kill()
-                    pytest.fail(f"the watch is not polling: {watcher.communicate()[1][-2000:]}")
-                time.sleep(0.1)
+            _polling(state, run_id, watcher)
             out, err = _sigterm_while_redis_waits(redis, watcher, lambda: [
                 _deliver(box, f"{n}.dsn", returned(f"C{n}")) for n in (1, 2)])
         assert watcher.returncode == 0, err[-2000:]
@@ -419,6 +428,71 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
         assert [p.name[-4:] for p in (box / "cur").iterdir()] == [":2,S"] and len(list((box / "new").iterdir())) == 1
         assert bounces.collect(settings, run_id, [str(box)])["bounced"] == 1, "a later reader records the other"
         assert {r["status"] for r in rows(settings, run_id).values()} == {"bounced"}
+    finally:
+        redis.stop()
+
+
+def test_a_watch_records_nothing_while_close_seals_and_close_waits_for_a_poll_being_recorded(
+        redis_url, keys_dir, tmp_path):
+    """A watch read the run's state once a poll, then logged its bounces: one that read it just
+    before a close began logged a bounce after the seal's heads (verify: a 'bounced' entry after
+    the seal, and no close could ever seal again), or one the sealed report did not have. Now the
+    run's record is held by close from its first read to its seal, and by a watch's poll while it
+    records: a bounce arriving meanwhile waits, unseen, and a close waits for a poll."""
+    import signal
+    import threading
+    import time
+
+    with _watching(redis_url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
+        _polling(state, run_id, watcher)
+        fence = keys.run_recording(run_id)
+        assert state.r.set(fence, json.dumps({"host": "head", "pid": 1, "since": time.time()}), nx=True, px=30_000)
+        _deliver(box, "1.dsn", returned("C2"))  # while a close seals (its hold, as close takes it)
+        time.sleep(2)  # ten polls
+        assert "bounce" not in state.accounts(["C2"])["C2"] and len(list((box / "new").iterdir())) == 1
+        assert not [e for e in delivery_log.entries(open_store(settings.store_url), run_id) if e["status"] == "bounced"]
+        state.r.delete(fence)  # the close ended without closing (its window open): the bounce is a bounce
+        _recorded(state, "C2", watcher, box)
+
+        window_over = time.time() + 73 * 3600
+        assert state.r.set(fence, json.dumps({"host": "here", "pid": 2, "since": time.time()}), nx=True, px=30_000)
+        signing = dataclasses.replace(settings, signer_key=str(keys_dir / "signer.key.pem"),
+                                      signer_cert=str(keys_dir / "signer.cert.pem"),
+                                      signer_chain=str(keys_dir / "root.cert.pem"))
+        closing = threading.Thread(target=proof.close, args=(signing, run_id, window_over))
+        watcher.send_signal(signal.SIGTERM)  # its last report waits for no one: its lock let go
+        assert watcher.wait(timeout=30) == 0
+        closing.start()  # a poll is being recorded: close waits for it
+        time.sleep(1.5)
+        assert not (Path(settings.store_url) / keys.closing_keys(run_id)[0]).exists(), "close began beside the poll"
+        state.r.delete(fence)
+        closing.join(timeout=60)
+    cert = (keys_dir / "signer.cert.pem").read_bytes()  # this made-up run recorded none
+    sealed = verifier.verify(open_store(settings.store_url), run_id, cert)
+    assert not closing.is_alive() and sealed["ok"] and sealed["sealed"], sealed["first_problem"]
+    _deliver(box, "2.dsn", returned("C1"))  # after the seal: refused after close, and the seal still whole
+    assert bounces.collect(settings, run_id, [str(box)])["refused_after_close"] == 1
+    after = verifier.verify(open_store(settings.store_url), run_id, cert)
+    assert after["ok"] and after["sealed"], after["first_problem"]
+
+
+def test_a_watch_whose_redis_lost_the_run_brings_it_back_and_records_the_bounce_not_refuses_it(
+        keys_dir, tmp_path):
+    """Redis restarted without its data while a watch polled: each bounce then named "no such
+    account in the run" and was marked seen, lost from the mailbox and never logged. Now the
+    poll brings the run back from storage, as any follow-up does, and records it."""
+    from pipeline.embedded import start_redis
+
+    redis = start_redis(tmp_path / "redis", aof=False)
+    try:
+        with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
+            _polling(state, run_id, watcher)
+            state.r.flushall()  # what a Redis restarted without persistence holds
+            _deliver(box, "1.dsn", returned("C2"))
+            _recorded(state, "C2", watcher, box)
+        logged = delivery_log.scan(open_store(settings.store_url), run_id, keys.shard_of("C2", 10), ("bounced",))[0]
+        assert [e["ucc"] for e in logged] == ["C2"], logged
+        assert state.meta()["restored_from"] and [p.name[-4:] for p in (box / "cur").iterdir()] == [":2,S"]
     finally:
         redis.stop()
 

@@ -22,6 +22,7 @@ after close (all the seal allows) and counted, and changes nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -31,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from pipeline import credentials
+from pipeline.errors import CannotRun, RunNotFound
 from pipeline.followup import opened
 from pipeline.mail import bounce, verp
 from pipeline.mail.mailbox import Message, describe, open_source
 from pipeline.record import delivery_log, keys, report
-from pipeline.record.lease import reader
+from pipeline.record.lease import LeaseHeldError, held, reader
 from pipeline.record.records import stamp
 from pipeline.record.state import RunState
 from pipeline.record.storage import read_json
@@ -58,6 +60,7 @@ class Tally:
     token_mismatch: int = 0
     refused_after_close: int = 0
     left_for_other_runs: int = 0
+    left_unseen: int = 0  # genuine, for accounts Redis had no record of: read again by the next poll
     refused_first: list[dict] = field(default_factory=list)  # {"message", "why"}: the first 50
 
     def refuse(self, name: str, why: str) -> None:
@@ -100,20 +103,27 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
         try:
             stopped = lambda: watch and stop()  # noqa: E731
             while True:  # --watch ends with Ctrl-C or SIGTERM (cmd_bounces: `stop`): what was read is recorded
-                meta = state.meta()
-                for box in boxes:
-                    unseen = box.unseen()
-                    while messages := _taken(unseen, stopped):
-                        box.seen(apply(store, state, split.shard_count, v, messages, tally, on_applied,
-                                       settings.bounce_max_bytes, meta.get("message_ids") == "keyed",
-                                       bool(meta.get("closed_at"))))
+                try:
+                    for box in boxes:
+                        unseen = box.unseen()
+                        while True:  # the record held, then a batch read (a stop heeded as each is read) and recorded
+                            with _recording(run, settings.lease_s) as meta:
+                                if messages := _taken(unseen, stopped):
+                                    box.seen(apply(store, state, split.shard_count, v, messages, tally, on_applied,
+                                                   settings.bounce_max_bytes, meta.get("message_ids") == "keyed",
+                                                   bool(meta.get("closed_at"))))
+                            if not messages or stopped():
+                                break
                         if stopped():
                             break
-                    if stopped():
-                        break
-                if not watch or time.monotonic() - written > REPORT_EVERY_S:
-                    _report_level(store, state, run_id, settings.paper_due_days)
-                    written = time.monotonic()
+                    if not watch or time.monotonic() - written > REPORT_EVERY_S:
+                        with _recording(run, settings.lease_s):
+                            _report_level(store, state, run_id, settings.paper_due_days)
+                        written = time.monotonic()
+                except NotNow as e:  # what this poll read stays unseen, for the next
+                    if not watch:
+                        raise
+                    log.warning("%s: this poll's bounces are left unseen for the next", e)
                 if not watch or _stopped_within(every_s, stop):
                     break
         except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: at once
@@ -123,12 +133,45 @@ def _collect(run: opened.OpenRun, sources: list[str], watch: bool, every_s: floa
             for box in boxes:
                 box.close()
             if watch:  # stopped while watching: what was recorded reaches the report
-                _report_level(store, state, run_id, settings.paper_due_days)
+                with contextlib.suppress(NotNow), _recording(run, settings.lease_s):
+                    _report_level(store, state, run_id, settings.paper_due_days)
     return {"read": tally.read,
             "bounced": tally.applied["bounced"], "deferred": tally.applied["deferred"],
             "unchanged": tally.unchanged, "refused": tally.refused, "token_mismatch": tally.token_mismatch,
             "refused_after_close": tally.refused_after_close, "left_for_other_runs": tally.left_for_other_runs,
+            "left_unseen": tally.left_unseen,
             "refused_first": tally.refused_first}
+
+
+class NotNow(CannotRun, RuntimeError):
+    """This reader cannot record now: what it read is left unseen, for its next poll (or the next reader)."""
+
+
+@contextlib.contextmanager
+def _recording(run: opened.OpenRun, lease_s: float) -> Iterator[dict]:
+    """The run's meta, read while this reader holds the run's record against `close`
+    (keys.run_recording, which close holds throughout): a bounce is logged as a bounce only
+    while the run is open, and as refused after close once its close is done, never in
+    between, where the seal would end before it or the sealed report miss it. A Redis that
+    lost the run (restarted without its data) gets it back from storage first, as any
+    follow-up brings it back: the accounts are there to record bounces against, not refused."""
+    state = run.state
+    with contextlib.ExitStack() as fenced:
+        try:
+            fenced.enter_context(reader(state.r, keys.run_recording(state.run_id), f"run {state.run_id}'s record",
+                                        lease_s, by="being sealed by close",
+                                        one="bounces are recorded before or after it, not during"))
+        except LeaseHeldError as e:
+            raise NotNow(str(e)) from None
+        yield state.meta() or _brought_back(run, lease_s)
+
+
+def _brought_back(run: opened.OpenRun, lease_s: float) -> dict:
+    try:
+        with held(run.state, lease_s):  # as open_run brings a run back: no driver rebuilds it meanwhile
+            return run.meta()
+    except (LeaseHeldError, RunNotFound) as e:  # a driver resuming it rebuilds it; or no report yet (mid-day)
+        raise NotNow(f"Redis no longer holds run {run.state.run_id}, and it is not brought back now: {e}") from None
 
 
 def _taken(unseen: Iterator[Message], stopped: Callable[[], bool]) -> list[Message]:
@@ -188,7 +231,8 @@ def apply(store, state: RunState, shards: int, v: verp.Verp, messages: list[Mess
         elif not (mapped.ucc in found and found[mapped.ucc].bounce.kind == "bounced"):
             found[mapped.ucc] = mapped  # a permanent failure is what counts; a delay after it changes nothing
     if found:
-        _record(store, state, shards, found, tally, on_applied, closed)
+        unrecorded = _record(store, state, shards, found, tally, on_applied, closed)
+        seen = [m for m in seen if m.name not in unrecorded]
     return seen
 
 
@@ -226,13 +270,16 @@ def _ucc_of(message_id: str) -> str:
 
 
 def _record(store, state: RunState, shards: int, found: dict[str, Found], tally: Tally, on_applied,
-            closed: bool) -> None:
+            closed: bool) -> set[str]:
+    """Returns the messages left unseen: a genuine bounce (its token or Message-ID is the run's
+    HMAC) names an account the run mailed, so one Redis has no record of is Redis's loss (an
+    older snapshot), not the bounce's: it waits for the record, never dropped."""
     records = state.accounts(sorted(found))
-    fresh = {}
+    fresh, unrecorded = {}, set()
     for ucc, f in found.items():
         rec = records.get(ucc)
         if rec is None:
-            tally.refuse(f.name, CODES[-1])
+            unrecorded.add(f.name)
             continue
         old = (rec.get("bounce") or {}).get("kind")
         if not closed and (old == "bounced" or old == f.bounce.kind):
@@ -274,9 +321,12 @@ def _record(store, state: RunState, shards: int, found: dict[str, Found], tally:
         for item in by_shard.items():
             log_new(item)
     tally.token_mismatch += sum(f.mismatch for f in fresh.values())
+    tally.left_unseen += len(unrecorded)
+    if unrecorded:
+        log.warning("run %s: %d bounces for accounts Redis has no record of: left unseen", state.run_id, len(unrecorded))
     if closed:
         tally.refused_after_close += len(fresh)
-        return
+        return unrecorded
     codes = state.bounce([(ucc, f.bounce.kind, f.bounce.status, _reason(f), now) for ucc, f in fresh.items()])
     for f, code in zip(fresh.values(), codes):
         if code == 1:
@@ -288,6 +338,7 @@ def _record(store, state: RunState, shards: int, found: dict[str, Found], tally:
             tally.refuse(f.name, CODES[code])
     log.info("run %s: %d bounced, %d deferred so far; %d unchanged, %d refused", state.run_id,
              tally.applied["bounced"], tally.applied["deferred"], tally.unchanged, tally.refused)
+    return unrecorded
 
 
 def _reason(f: Found) -> str:

@@ -22,7 +22,10 @@ taken is settled by reading the key back: storage.write_once). A signer, TSA or 
 one line naming it; whatever prefix of the writes it leaves reads as a close begun
 (seal_state.py), and the next close completes it: from its warrant, or from the proof's bytes as
 stored, once the record matches them. A second `close` of a sealed run changes nothing: it
-prints the seal there is, or fails naming the object that no longer matches it.
+prints the seal there is, or fails naming the object that no longer matches it. A bounce reader
+records nothing while a close runs (keys.run_recording, held by close from its first read to its
+seal, after waiting for a reader's poll to be recorded): a bounce is logged before the close, or
+after it as refused after close, never between the warrant's heads and the seal.
 followup/verify.py checks all of it from storage alone.
 """
 
@@ -34,6 +37,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from urllib.parse import urlsplit
 
 from pipeline.errors import CannotRun
@@ -43,6 +47,7 @@ from pipeline.followup.verify import signed_warrant, verify
 from pipeline.credentials import read as read_credentials
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import proof_keys, timestamp_key
+from pipeline.record.lease import reader
 from pipeline.record.storage import StorageError, Store, sha256, write_once
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError, Signer
@@ -51,6 +56,7 @@ from pipeline.settings import ConfigError, Settings, without_password
 
 log = logging.getLogger("pipeline.followup.close")
 AGAIN = "the close began and is not sealed: run close again once it answers, to finish it"
+READER_PASS_S = 300  # the most close waits for a bounce reader's poll to be recorded (its report's rewrite: ~30 s at 1.5M)
 
 
 class WindowOpen(CannotRun, RuntimeError):
@@ -70,7 +76,10 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
     """Under the run's lease: nothing mails the run while it is sealed. On the run's own store
     and key (located.py), unless `store_url` names a copy of its record."""
     now = time.time() if now is None else now
-    with opened.open_run(settings, run_id, store_url, command="close", restored=False) as run:
+    with opened.open_run(settings, run_id, store_url, command="close", restored=False) as run, \
+            reader(run.state.r, keys.run_recording(run_id), f"run {run_id}'s record", settings.lease_s,
+                   wait_s=READER_PASS_S, by="being written by a bounce reader",
+                   one="close waits for its poll to be recorded"):  # bounces/_recording: never both at once
         settings, store, state, where = run.settings, run.store, run.state, {"run_id": run_id, **run.where()}
         sealing = seal_state(store, run_id)
         if sealing.state == SEALED:  # sealed once: shown, never sealed again
@@ -93,7 +102,9 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
             _matches(store, run_id, "began its close, and its record no longer matches where it began")
         found = _read_chains(store, run_id, run.split.shards)
         warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
-                                float(meta.get("closed_at") or now), signer, without_password(settings.tsa_url))
+                                float(meta.get("closed_at") or now), partial(_signed, run_id, signer=signer,
+                                                                             what="warrant"),
+                                without_password(settings.tsa_url))
         closed_at = warrant["closed_at"]
         settings = dataclasses.replace(settings, tsa_url=_tsa(settings, run_id, warrant.get("tsa", ""), "warrant"))
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
@@ -234,9 +245,9 @@ def _made(run_id: str, data: bytes, signer: Signer, sign: bool, tsa: str) -> lis
     return made
 
 
-def _signed(run_id: str, data: bytes, signer: Signer) -> bytes:
-    """The proof's signature, checked: an HSM lost past its patience (CN_HSM_PATIENCE_S) is named
-    with its token, a key file as the signing key."""
+def _signed(run_id: str, data: bytes, signer: Signer, what: str = "proof") -> bytes:
+    """The proof's (or the warrant's) signature, checked: an HSM lost past its patience
+    (CN_HSM_PATIENCE_S) is named with its token, a key file as the signing key; one line, exit 2."""
     about = signer.about
     who = f"the HSM (token {about.get('token')!r}, {about.get('module')})" if about.get("key") == "pkcs11" \
         else "the signing key"
@@ -244,7 +255,7 @@ def _signed(run_id: str, data: bytes, signer: Signer) -> bytes:
         signature = detached.sign(data, signer)
         detached.check(data, signature)
     except SignError as e:
-        raise SealStopped(f"close {run_id}: {who} did not sign the proof: {e}; {AGAIN}") from None
+        raise SealStopped(f"close {run_id}: {who} did not sign the {what}: {e}; {AGAIN}") from None
     return signature
 
 

@@ -13,19 +13,18 @@ mail logged after close began, a warrant not signed by the run's key) is named, 
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 from pipeline.record import delivery_log
 from pipeline.record.keys import closing_keys
 from pipeline.record.storage import StorageError, Store
-from pipeline.seal import detached
-from pipeline.seal.signer import Signer
 
 
 def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None], closed_at: float,
-          signer: Signer, tsa: str = "") -> dict:
-    """The run's warrant: written (and signed) now, from each shard's chain end as close read it
-    (`links`), and the timestamp authority the seal asks (`tsa`, "" none), or the one an earlier
-    close that stopped wrote."""
+          sign: Callable[[bytes], bytes], tsa: str = "") -> dict:
+    """The run's warrant: written (and signed by `sign`, which returns its detached signature)
+    now, from each shard's chain end as close read it (`links`), and the timestamp authority the
+    seal asks (`tsa`, "" none), or the one an earlier close that stopped wrote."""
     key, sig_key = closing_keys(run_id)
     if not store.exists(key):
         warrant = {"run_id": run_id, "closed_at": closed_at, "tsa": tsa,
@@ -36,7 +35,7 @@ def begin(store: Store, run_id: str, links: dict[int, delivery_log.Link | None],
     if warrant is None:
         raise StorageError(f"{store.url}: {key} is not a warrant close could have written")
     if not store.exists(sig_key):
-        store.put_new(sig_key, detached.sign(data, signer))
+        store.put_new(sig_key, sign(data))
     return warrant
 
 

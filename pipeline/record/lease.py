@@ -168,17 +168,20 @@ return 1
 
 
 @contextmanager
-def reader(r, key: str, what: str, lease_s: float) -> Iterator[None]:
+def reader(r, key: str, what: str, lease_s: float, wait_s: float = 0.0,
+           by: str = "being read by another reader", one: str = "one reader at a time") -> Iterator[None]:
     """Held while the block runs (renewed every third of `lease_s`); LeaseHeldError naming the
-    holder if another live reader has it; one that died frees it after `lease_s`."""
+    holder if another live holder has it after `wait_s`; one that died frees it after `lease_s`."""
     me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "id": uuid.uuid4().hex})
-    ms = int(lease_s * 1000)
-    if not r.set(key, me, nx=True, px=ms):
+    ms, until = int(lease_s * 1000), time.monotonic() + wait_s
+    while not r.set(key, me, nx=True, px=ms):
+        if time.monotonic() < until:
+            time.sleep(0.2)
+            continue
         held = r.get(key)
         h = json.loads(held) if held else {"host": "?", "pid": "?", "since": time.time()}
-        raise LeaseHeldError(f"{what} is being read by another reader on {h['host']} (pid {h['pid']}) since "
-                             f"{_when(h['since'])}: one reader at a time; wait for it to end, or for {lease_s:.0f} s "
-                             "(CN_LEASE_S) after it stops")
+        raise LeaseHeldError(f"{what} is {by} on {h['host']} (pid {h['pid']}) since {_when(h['since'])}: {one}; "
+                             f"wait for it to end, or for {lease_s:.0f} s (CN_LEASE_S) after it stops")
     done = threading.Event()
 
     def renew() -> None:
