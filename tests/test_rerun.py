@@ -563,3 +563,44 @@ def test_a_second_fresh_run_of_a_day_is_refused_before_it_mails_the_first_run_s_
     day_claim.claim(other, TRADE_DATE, "never-started", lambda run: False)
     day_claim.claim(other, TRADE_DATE, "the-next", lambda run: False)  # the holder never started: taken over
     assert json.loads(other.get(keys.day_claim_key(TRADE_DATE)))["run_id"] == "the-next"
+
+
+def test_a_rerun_stopped_midway_leaves_the_run_finished_again_in_every_view_and_closable(
+        ray_session, settings, day, smtp_server, monkeypatch, capsys):
+    """A rerun cleared the run's end when it began, and only its own end set it again: one that
+    stopped (a notebook's interrupt, a role with no node) left `status` and the page saying
+    running for good, `runs` saying finished with the counts before it, and `close` refusing a
+    run that "has not finished". Now its stop ends the run again, its report written again
+    from Redis, so every view says one thing, and each account it took has an outcome."""
+    import dataclasses
+
+    import pytest
+
+    from pipeline.__main__ import main
+    from pipeline.followup import close as proof
+    from pipeline.record.state import RunState
+
+    first, sign_victim, mail_victim, _ = failing_first_run(settings, day, smtp_server)
+    run_id, state = first["run_id"], RunState(settings.redis_url, first["run_id"])
+    slow = smtp_server("slow", delay_ms=3000)  # a relay slow to answer: the stop comes while the rerun waits on it
+    fixed = dataclasses.replace(settings, smtp_url=slow.url)
+
+    def interrupted() -> None:  # the driver's wait, as a notebook's Ctrl-C or the capacity watch's stop meets it
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_day(fixed, RunRequest(TRADE_DATE, str(day), run_id, frozenset({sign_victim, mail_victim}),
+                                  relays=fixed.relays()), watch=interrupted)
+
+    assert state.final_counts()["pending"] == 0, "each account the rerun took has an outcome"
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    assert main(["status", run_id, "--store", settings.store_url, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert main(["runs", "--store", settings.store_url, "--json"]) == 0
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["run_id"] == run_id)
+    assert status["state"] == row["state"] == "finished", (status["state"], row["state"])
+    assert {k: status[k] for k in ("delivered", "failed", "unconfirmed")} == \
+        {k: row[k] for k in ("delivered", "failed", "unconfirmed")}
+    stopped = json.loads((Path(settings.store_url) / keys.report_keys(run_id)[0]).read_text())
+    assert "KeyboardInterrupt" in stopped["last_stopped"] and stopped["finished_at"] > first["finished_at"]
+    sealed = proof.close(settings, run_id, now=float(state.meta()["finished"]) + 73 * 3600)
+    assert not sealed["already_sealed"], "closable: its window runs from the stop"

@@ -274,11 +274,39 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
         settings = made_with.resumed(settings, run_id)
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
+        meta = state.meta()
         if req.run_id:  # `run --run-id` as much as `rerun`: nothing is mailed under a run whose close began
-            opened.refuse_closed(open_store(settings.store_url), run_id, state.meta())
+            opened.refuse_closed(open_store(settings.store_url), run_id, meta)
         checked = checked or preflight(settings, req, run_id)
         with run_log.shipped(open_store(settings.store_url), run_id):  # a run that starts: its log kept with it
-            return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
+            try:
+                return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
+            except BaseException as e:
+                if meta.get("finished") and not lease.lost and not isinstance(e, (LeaseLostError, StateLostError)):
+                    _stopped_again(settings, state, run_id, req.only, e)
+                raise
+
+
+def _stopped_again(settings: Settings, state: RunState, run_id: str, only: frozenset[str] | None,
+                   e: BaseException) -> None:
+    """A finished run's rerun (or resume) that stopped: the run is finished again, now, rather
+    than left "running" by the start that cleared its end (status, the page and close go by it;
+    `runs` by the report, written again from Redis so that the two agree), and its bounce
+    window runs from now, after the last mail this driver could have sent. An account a rerun
+    took and left without an outcome is failed, with why (unconfirmed if its mail was claimed).
+    Whatever fails here is logged: the stop's own error is the one raised."""
+    stopped = f"{type(e).__name__}: {e}"[:300]
+    try:
+        if only:
+            _fail_accounts(settings, run_id, sorted(only), f"the rerun stopped: {stopped}")
+        finished = time.time()
+        state.update_meta(finished=finished, notes_per_s="")
+        report.rewrite(open_store(settings.store_url, run=settings), state, run_id, settings.paper_due_days,
+                       {"finished_at": finished, "last_started_at": float(state.meta().get("last_started") or finished),
+                        "last_stopped": stopped})
+    except Exception as failed:
+        log.warning("run %s: its rerun stopped, and its end was not recorded (%s): `status` says running until a "
+                    "rerun or `run --run-id` ends", run_id, failed)
 
 
 def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, lease: Lease,
@@ -845,7 +873,7 @@ def _first_notes_done(early: first_notes.FirstNotes, settings: Settings, run_id:
     log.error("run %s: the driver's first notes failed: %s", run_id, early.error)
     if not numbers:
         return _no_notes()
-    return _fail_accounts(settings, run_id, early.shard, sorted(numbers), f"first notes: {why(early.error)}")
+    return _fail_accounts(settings, run_id, sorted(numbers), f"shard {early.shard}: first notes: {why(early.error)}")
 
 
 def _result(ref, settings: Settings, run_id: str, chain: Chain, pending: dict, skip: frozenset[str],
@@ -879,7 +907,7 @@ def _handed(chain: Chain, batch: Batch) -> ray.ObjectRef:
 def _fail_chain(settings: Settings, run_id: str, chain: Chain, reason: str, skip: frozenset[str],
                 rerun: Rerun | None = None) -> dict:
     if chain.first is not None:  # the first notes' own chain: its few accounts, not their shard
-        return _fail_accounts(settings, run_id, chain.shard, sorted(chain.first.numbered()), f"first notes: {reason}")
+        return _fail_accounts(settings, run_id, sorted(chain.first.numbered()), f"shard {chain.shard}: first notes: {reason}")
     return _fail_shard(settings, run_id, chain.shard, reason, chain.part, skip, rerun)
 
 
@@ -890,14 +918,14 @@ def _fail_shard(settings: Settings, run_id: str, shard: int, reason: str, part: 
         uccs = uccs[part[0]:part[1]] if part else uccs
     except NoObject:  # never written: its split task failed, and the run stops with that error
         return _no_notes()
-    return _fail_accounts(settings, run_id, shard, [u for u in uccs if u not in skip], reason, rerun)
+    return _fail_accounts(settings, run_id, [u for u in uccs if u not in skip], f"shard {shard}: {reason}", rerun)
 
 
 def _no_notes() -> dict:
     return {"tally": {}, "cpu_s": {}, "notes": 0}
 
 
-def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str], reason: str,
+def _fail_accounts(settings: Settings, run_id: str, uccs: list[str], reason: str,
                    rerun: Rerun | None = None) -> dict:
     """Accounts whose mail was claimed may have reached the relay: unconfirmed, not failed. An
     account with an outcome (delivered, failed with the relay's answer, physical ...) keeps it;
@@ -910,11 +938,11 @@ def _fail_accounts(settings: Settings, run_id: str, shard: int, uccs: list[str],
     unfinished = [u for u in uccs if final_status(records.get(u, {})) == "pending"]
     claimed = state.claimed(unfinished)
     outcomes = [Outcome(u, "delivered", "unconfirmed", message_id=message_id(run_id, u, key, settings.message_id_domain),
-                        reason=f"shard {shard}: {reason}; mail claimed, no answer recorded")
-                if u in claimed else Outcome(u, "delivered", "failed", reason=f"shard {shard}: {reason}")
+                        reason=f"{reason}; mail claimed, no answer recorded")
+                if u in claimed else Outcome(u, "delivered", "failed", reason=reason)
                 for u in unfinished]
     if rerun is not None and rerun.force:
-        outcomes += _forced_left(state, records, uccs, rerun, f"shard {shard}: {reason}")
+        outcomes += _forced_left(state, records, uccs, rerun, reason)
     state.record(outcomes)
     tally: dict[str, int] = {}
     for o in outcomes:

@@ -65,16 +65,16 @@ def write(store: Store, state: RunState, run_id: str, summary: dict, input_error
     return json_key
 
 
-def rewrite(store: Store, state: RunState, run_id: str, due_days: int = 1) -> None:
-    """The report again, after the run (reconcile, bounces, close): the run's totals as it
-    wrote them, its counts from its accounts now (write)."""
+def rewrite(store: Store, state: RunState, run_id: str, due_days: int = 1, changed: dict | None = None) -> None:
+    """The report again, after the run (reconcile, bounces, close, a rerun that stopped): the
+    run's totals as it wrote them but for `changed`, its counts from its accounts now (write)."""
     json_key, _ = keys.report_keys(run_id)
     if not store.exists(json_key):
         return
     previous = read_json(store, json_key)
     summary = {k: v for k, v in previous.items() if k not in ("statuses", "stage_counts", "physical_dispatch",
                                                              "physical_dispatch_count", "input_errors", "bounce_window", "paper_list")}
-    write(store, state, run_id, summary, previous.get("input_errors", []), due_days)
+    write(store, state, run_id, {**summary, **(changed or {})}, previous.get("input_errors", []), due_days)
 
 
 def final_counts(report: dict) -> dict[str, int]:
