@@ -186,15 +186,23 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
     @app.get("/runs", summary="The recent runs, newest first")
     def runs(limit: int = Query(20, ge=1, le=500)):
         """Each run's trade date, state (running, finished, closing, sealed), counts by final
-        status, start, duration and notes a second: from Redis, or from the reports in storage
-        when Redis is gone or holds none (a cluster's Redis ends with the cluster). No token
-        needed; 422 for a limit outside 1-500, 503 when storage does not answer."""
+        status, start, duration and notes a second: from Redis where it holds the run, else from
+        its report in storage (a cluster's Redis ends with the cluster; one Redis run hid every
+        other). No token needed; 422 for a limit outside 1-500, 503 when storage does not answer
+        and Redis holds none."""
         try:
             ids = redis_client(settings.redis_url, ASKED_RETRIES).zrevrange(keys.RUNS, 0, limit - 1)
             live = [summary(s, seals) for s in map(state_of, ids) if s.exists()]
         except redis.exceptions.RedisError:
             live = []
-        return {"runs": live or stored.listed(limit)}
+        shown = {r["run_id"] for r in live}  # a run Redis holds, as Redis has it; every other, as storage has it
+        try:
+            rows = live + [r for r in stored.listed(limit + len(live)) if r["run_id"] not in shown]
+        except StorageError:
+            if not live:
+                raise
+            rows = live
+        return {"runs": sorted(rows, key=lambda r: -(r["started"] or 0))[:limit]}
 
     @app.get("/runs/{run_id}", summary="One run's counters, rate, ETA and timeline")
     def run(run_id: str):
@@ -435,8 +443,9 @@ class Seals:
 
 
 class StoredRuns:
-    """The runs in storage, for a service whose Redis no longer holds them: their list read at
-    most every LIST_EVERY_S (each refresh of a page would otherwise read every report)."""
+    """The runs in storage, for those Redis no longer holds: their list read at most every
+    LIST_EVERY_S (each refresh of a page would otherwise read every report), a sealed run's row
+    kept from the read before."""
 
     LIST_EVERY_S = 30.0
 
@@ -445,7 +454,8 @@ class StoredRuns:
 
     def listed(self, limit: int) -> list[dict]:
         if time.monotonic() - self.at > self.LIST_EVERY_S:
-            self.rows, self.at = list_runs(open_store(self.settings.store_url)), time.monotonic()
+            known = {r["run_id"]: r for r in self.rows}
+            self.rows, self.at = list_runs(open_store(self.settings.store_url), known), time.monotonic()
         return [{**{k: r[k] for k in HEADLINE}, "paper_owed": r["paper_owed"], "run_id": r["run_id"], "date": r["date"],
                  "accounts": r["accounts"] or 0, "state": r["state"], **_times(r["started_at"], r["finished_at"]),
                  "notes_per_s": r["notes_per_s"], "source": "storage"} for r in self.rows[:limit]]

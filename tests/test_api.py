@@ -69,6 +69,35 @@ def test_health_runs_and_a_run_with_counters_rate_and_timeline(client, api_run):
     assert run["timeline"] and run["timeline"][-1]["delivered"] == summary["delivered"]
 
 
+def test_a_run_only_storage_holds_is_listed_beside_the_runs_redis_holds(client, api_run):
+    """The grid listed storage's runs only when Redis held none: a run Redis lost (a cluster's
+    ended with it) vanished from the page the moment any other run started, while `runs` listed it."""
+    import uuid
+
+    from pipeline.record import report
+    from pipeline.record.manifest import SplitResult, save_manifest
+    from pipeline.record.records import Outcome
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    settings, summary = api_run[0], api_run[1]
+    run_id = f"2026-11-19-{uuid.uuid4().hex[:8]}"
+    gone = RunState(settings.redis_url.rsplit("/", 1)[0] + "/15", run_id)  # the Redis that ran it, not the service's
+    gone.start({"date": "2026-11-19", "finished": time.time() - 86400, "bounce_window_h": 72})
+    gone.record([Outcome(u, "delivered", message_id=f"<{u}@x>", reply="250 ok") for u in ("C1", "C2")])
+    store = open_store(settings.store_url)
+    save_manifest(store, run_id, SplitResult([0], 10, 2))
+    report.write(store, gone, run_id, {"run_id": run_id, "trade_date": "2026-11-19", "accounts": 2,
+                                      "finished_at": time.time() - 86400}, [])
+    gone.r.flushdb()
+
+    runs = client.get("/runs", params={"limit": 500}).json()["runs"]
+    [live] = [r for r in runs if r["run_id"] == summary["run_id"]]
+    [stored] = [r for r in runs if r["run_id"] == run_id]
+    assert (live["source"], stored["source"], stored["delivered"], stored["state"]) == ("redis", "storage", 2,
+                                                                                       "finished"), stored
+
+
 def test_accounts_page_through_every_account_and_filter_by_status(client, api_run):
     _, summary, victim, _ = api_run
     seen, cursor = [], 0

@@ -16,9 +16,12 @@ HEAD = ("run", "date", "accounts", "delivered", "failed", "unconfirmed", "bounce
         "duration", "state", "sealed")
 
 
-def list_runs(store: Store) -> list[dict]:
+def list_runs(store: Store, known: dict[str, dict] | None = None) -> list[dict]:
+    """`known`: rows read before, by run id; a sealed run's is taken from it (a seal is never
+    undone: the live page lists the store every half minute, and a year's runs are sealed)."""
+    known = known or {}
     found = [k[len("reports/"):-len(MANIFEST)] for k in store.keys("reports/") if k.endswith(MANIFEST)]
-    rows = [_row(store, run_id) for run_id in found]
+    rows = [known[run_id] if run_id in known and known[run_id]["sealed"] else _row(store, run_id) for run_id in found]
     return sorted(rows, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
 
 
