@@ -119,8 +119,11 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     delivery Redis saw that the log missed (its mailing died before logging) goes into the
     log. Only the shard's `accounts` are looked at: an entry for any other is not the run's.
     `as_of`: the records were rebuilt from a report whose accounts were read then (restore.py).
+    The log's bounces go back too, after the mail they answer (records.bounce: each once), so a
+    run resumed after Redis lost it reports a bounced client bounced, as its log does.
     Returns how many accounts Redis got back: none the second time, without `as_of`."""
-    found = delivery_log.latest(delivery_log.entries(store, run_id, shard), accounts)
+    log_entries = list(delivery_log.entries(store, run_id, shard))  # one shard's: a few entries an account
+    found = delivery_log.latest(log_entries, accounts)
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
@@ -150,6 +153,9 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
         delivery_log.append(store, run_id, shard, catch_up)
     state.restore_claims(guard)
     state.record(outcomes)
+    state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
+                         for e in log_entries if e["status"] in ("bounced", "deferred") and e["ucc"] in accounts),
+                        key=lambda b: b[1] == "bounced"))  # a delay, then the failure that ends it
     return len({o.ucc for o in outcomes})
 
 

@@ -350,6 +350,25 @@ def test_a_run_whose_close_began_is_resumed_by_no_command_even_where_redis_lost_
     assert verified(root, run_id)["ok"] and verified(root, run_id)["sealed"]
 
 
+def test_a_run_resumed_where_redis_lost_it_keeps_its_bounces_and_its_first_start(closed_run, tmp_path):
+    """`run --run-id`, the way back from a lost head, rebuilt Redis from each shard's mailings
+    alone: a client the bounce reader had recorded bounced came out delivered in the report (and
+    off the paper list), which verify then named against the log, and the run's start became the
+    resume's. Each shard's log now gives back its bounces too, and the report its first start."""
+    settings, run_id, opened, _, bounced = closed_run
+    root = copy(opened, tmp_path / "store")  # the run as its bounce window ran, before close
+    before = json.loads((root / keys.report_keys(run_id)[0]).read_text())
+    assert before["statuses"].get("bounced") == len(bounced) > 0
+    new_head = settings.redis_url.rsplit("/", 1)[0] + "/14"
+    redis_module.Redis.from_url(new_head).flushdb()
+    resumed = dataclasses.replace(settings, store_url=str(root), redis_url=new_head)
+    after = run_day(resumed, RunRequest(TRADE_DATE, str(opened.parent / "input"), run_id))
+    report = json.loads((root / keys.report_keys(run_id)[0]).read_text())
+    assert (after["bounced"], report["statuses"].get("bounced")) == (len(bounced), len(bounced)), report["statuses"]
+    assert report["started_at"] == before["started_at"], "the run's first start, not the resume's"
+    assert verified(root, run_id)["ok"]
+
+
 def test_after_the_seal_only_a_fetch_or_a_refused_bounce_may_follow(closed_run, tmp_path):
     _, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")

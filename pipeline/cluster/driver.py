@@ -324,8 +324,11 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: %s", run_id, warning)
     manifest, made = load_manifest(store, run_id), load_first_notes(store, run_id)
     resume = manifest is not None or made is not None  # mail may have gone out: each shard restores its delivery log first
+    began = {}  # the run's first start, where Redis lost it and its report kept it: a resume's is not the run's
     if resume and not state.exists():
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
+        if first := report.started_at(report.of_run(store, run_id) or {}):
+            began = {"started": first}
     own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
     record = located.recorded(settings, resolved, signer.cert)
     if signer.about.get("extractable"):
@@ -342,7 +345,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
                          req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          **made_record,
-                         "signing_key": json.dumps(signer.about)})  # a file's, or a token's (never the key, the PIN)
+                         "signing_key": json.dumps(signer.about), **began})  # a file's, or a token's (never the key, the PIN)
     state.clear_waits()  # an earlier run's note (its actors ended while they waited) is not this one's
     early = None  # on one machine, a fresh run's first notes: on a cluster the head neither signs nor mails
     if not resume and req.only is None and _ray_address(address) is None:

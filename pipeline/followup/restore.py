@@ -15,7 +15,7 @@ import itertools
 import json
 
 from pipeline.day.dumps import UCC
-from pipeline.record import delivery_log, keys, made_with
+from pipeline.record import keys, made_with
 from pipeline.errors import RunNotFound
 from pipeline.record.manifest import load_manifest
 from pipeline.record.records import Outcome
@@ -48,9 +48,6 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
     for shard in split.shards if split else []:  # what happened after the report (a later rerun, reconcile, a bounce)
         restore_from_log(store, state, run_id, shard, {a["ucc"] for a in load_shard(store, run_id, shard)},
                          report.get("records_read_at") or _number(report.get("finished_at")) or None)
-        state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
-                             for e in delivery_log.entries(store, run_id, shard)
-                             if e["status"] in ("bounced", "deferred")), key=lambda b: b[1] == "bounced"))
     window = report.get("bounce_window", {})
     closed = window.get("closed_at") or ""
     started = report_started_at(report)  # the run's first start, not this rebuild's (None: not recorded)
