@@ -40,13 +40,14 @@ from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
 from pipeline.followup.runs import list_runs
-from pipeline.followup.seal_state import SEALED, seal_state
+from pipeline.followup.opened import refuse_closed
+from pipeline.followup.seal_state import OPEN, SEALED, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, made_with, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
-from pipeline.record.state import RunState, redis_client
+from pipeline.record.state import RunClosed, RunState, redis_client
 from pipeline.record.statuses import HEADLINE, final_status, phase
 from pipeline.record.storage import StorageError, Store, open_store
 from pipeline.settings import ROOT, ConfigError, Settings, key_id
@@ -397,9 +398,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         if not full:
             raise HTTPException(401, "a bearer token is required to rerun", headers={"WWW-Authenticate": "Bearer"})
         state = run_state(run_id)
-        if state.meta().get("closed_at"):
-            raise HTTPException(409, f"run {run_id} was closed: nothing more is mailed under it (its failed and "
-                                     "bounced accounts are on the paper list)")
+        try:  # as the rerun refuses it: Redis's word, or the close's objects in storage
+            refuse_closed(store_of(run_id), run_id, state.meta())
+        except RunClosed as e:
+            raise HTTPException(409, str(e)) from None
         if holder := state.live_holder(settings.lease_s):
             raise HTTPException(409, f"run {run_id} is held by a driver on {holder['host']} (pid {holder['pid']}): "
                                      "a rerun waits for it to end")
@@ -430,16 +432,23 @@ def content_security_policy(html: str) -> str:
 
 
 class Seals:
-    """Whether a run is sealed, asked of storage only once its close began (Redis says when), and
-    remembered once it is: a seal is never undone, and the page asks for every run each second."""
+    """Where a finished run's seal stands (seal_state), as `status` and `runs` say it: a close
+    whose warrant storage holds began, whether or not Redis heard of it. Asked of storage at most
+    every ASK_EVERY_S a run (the page asks for every run each second), and a seal, never undone,
+    once."""
+
+    ASK_EVERY_S = 30.0
 
     def __init__(self, store_of: Callable[[str], Store]):
-        self.store_of, self.known = store_of, set()
+        self.store_of, self.known = store_of, {}
 
-    def sealed(self, run_id: str, closed: bool) -> bool:
-        if closed and run_id not in self.known and seal_state(self.store_of(run_id), run_id).state == SEALED:
-            self.known.add(run_id)
-        return run_id in self.known
+    def phase(self, run_id: str, finished: bool, closed: bool) -> str:
+        """statuses.phase, the seal's objects in storage counted."""
+        seal, at = self.known.get(run_id, (OPEN, 0.0))
+        if finished and seal != SEALED and (closed or time.monotonic() - at > self.ASK_EVERY_S):
+            seal = seal_state(self.store_of(run_id), run_id).state
+            self.known[run_id] = (seal, time.monotonic())
+        return phase(finished, closed or seal != OPEN, seal == SEALED)
 
 
 class StoredRuns:
@@ -474,7 +483,7 @@ def report_summary(run_id: str, found: dict, seals: Seals) -> dict:
     return {"run_id": run_id, "date": found.get("trade_date"), **final, "accounts": found.get("accounts", 0),
             "counts": _headline_counts(found.get("stage_counts", {}), final),
             **_times(report.started_at(found) if finished else None, finished),
-            "state": phase(bool(finished), closed, seals.sealed(run_id, closed)),
+            "state": seals.phase(run_id, bool(finished), closed),
             "bounce_window": found.get("bounce_window", {}), "relays": {}, "relay": found.get("relays", ""),
             "notes_per_s": float(found.get("notes_per_s") or 0), "eta_s": None, "source": "storage",
             "reran": _reran(report.started_at(found), found.get("last_started_at"))}
@@ -518,7 +527,7 @@ def summary(state: RunState, seals: Seals) -> dict:
     closed = bool(meta.get("closed_at"))
     return {"run_id": state.run_id, "date": meta.get("date"), **final, "accounts": accounts,
             "counts": _headline_counts(counts, final), **_times(started or None, finished),
-            "state": phase(bool(finished), closed, seals.sealed(state.run_id, closed)),
+            "state": seals.phase(state.run_id, bool(finished), closed),
             "bounce_window": report.bounce_window(meta), "relays": rates.snapshot(state.r),
             "relay": meta.get("relays", ""), "notes_per_s": rate, "reran": _reran(started, meta.get("last_started")),
             "eta_s": round(eta, 1) if eta is not None else None, "source": "redis",

@@ -218,7 +218,7 @@ def test_a_rerun_the_run_would_refuse_at_once_is_409_naming_why_not_202(redis_ur
         moved = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
         state.r.hdel(keys.run_meta(state.run_id), "broker_file", "broker_file_sha256")
         taken = api.post(f"/runs/{state.run_id}/rerun", json={"failed": True}, headers=AUTH)
-    assert closed.status_code == 409 and "was closed" in closed.json()["detail"]
+    assert closed.status_code == 409 and "its close began" in closed.json()["detail"]  # as `rerun` says it: no seal yet
     assert moved.status_code == 409 and f"{entity} (CN_BROKER_FILE)" in moved.json()["detail"], moved.text
     assert held.status_code == 409 and f"(pid {os.getpid()})" in held.json()["detail"]
     assert unknown.status_code == 422 and "has no account C0000404" in unknown.json()["detail"], unknown.text

@@ -432,13 +432,26 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
         redis.stop()
 
 
+def _hold(state: RunState, key: str, host: str) -> None:
+    """The run's record held as another host's close or poll holds it, once the watch's poll under
+    way lets it go (each poll holds it while it reads and records)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while not state.r.set(key, json.dumps({"host": host, "pid": 1, "since": time.time()}), nx=True, px=30_000):
+        assert time.monotonic() < deadline, "the watch's poll kept the run's record"
+        time.sleep(0.01)
+
+
 def test_a_watch_records_nothing_while_close_seals_and_close_waits_for_a_poll_being_recorded(
         redis_url, keys_dir, tmp_path):
     """A watch read the run's state once a poll, then logged its bounces: one that read it just
     before a close began logged a bounce after the seal's heads (verify: a 'bounced' entry after
     the seal, and no close could ever seal again), or one the sealed report did not have. Now the
     run's record is held by close from its first read to its seal, and by a watch's poll while it
-    records: a bounce arriving meanwhile waits, unseen, and a close waits for a poll."""
+    records: a bounce arriving during a close waits, unseen; a close waits for a poll being
+    recorded, saying so; and a watch polling beside a real close logs a bounce after the seal as
+    refused after close, the seal whole."""
     import signal
     import threading
     import time
@@ -446,7 +459,7 @@ def test_a_watch_records_nothing_while_close_seals_and_close_waits_for_a_poll_be
     with _watching(redis_url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
         _polling(state, run_id, watcher)
         fence = keys.run_recording(run_id)
-        assert state.r.set(fence, json.dumps({"host": "head", "pid": 1, "since": time.time()}), nx=True, px=30_000)
+        _hold(state, fence, "head")
         _deliver(box, "1.dsn", returned("C2"))  # while a close seals (its hold, as close takes it)
         time.sleep(2)  # ten polls
         assert "bounce" not in state.accounts(["C2"])["C2"] and len(list((box / "new").iterdir())) == 1
@@ -455,25 +468,31 @@ def test_a_watch_records_nothing_while_close_seals_and_close_waits_for_a_poll_be
         _recorded(state, "C2", watcher, box)
 
         window_over = time.time() + 73 * 3600
-        assert state.r.set(fence, json.dumps({"host": "here", "pid": 2, "since": time.time()}), nx=True, px=30_000)
+        _hold(state, fence, "here")
         signing = dataclasses.replace(settings, signer_key=str(keys_dir / "signer.key.pem"),
                                       signer_cert=str(keys_dir / "signer.cert.pem"),
                                       signer_chain=str(keys_dir / "root.cert.pem"))
         closing = threading.Thread(target=proof.close, args=(signing, run_id, window_over))
-        watcher.send_signal(signal.SIGTERM)  # its last report waits for no one: its lock let go
-        assert watcher.wait(timeout=30) == 0
-        closing.start()  # a poll is being recorded: close waits for it
+        closing.start()  # a poll is being recorded (its hold, as a poll takes it): close waits for it
         time.sleep(1.5)
         assert not (Path(settings.store_url) / keys.closing_keys(run_id)[0]).exists(), "close began beside the poll"
+        assert state.r.exists(keys.run_close_waiting(run_id)), "it says it waits: the watch's next poll lets it in"
         state.r.delete(fence)
         closing.join(timeout=60)
-    cert = (keys_dir / "signer.cert.pem").read_bytes()  # this made-up run recorded none
-    sealed = verifier.verify(open_store(settings.store_url), run_id, cert)
-    assert not closing.is_alive() and sealed["ok"] and sealed["sealed"], sealed["first_problem"]
-    _deliver(box, "2.dsn", returned("C1"))  # after the seal: refused after close, and the seal still whole
-    assert bounces.collect(settings, run_id, [str(box)])["refused_after_close"] == 1
-    after = verifier.verify(open_store(settings.store_url), run_id, cert)
-    assert after["ok"] and after["sealed"], after["first_problem"]
+        assert not closing.is_alive()
+        _deliver(box, "2.dsn", returned("C1"))  # the watch polled beside the close; after the seal, refused
+        deadline = time.monotonic() + 60
+        while not any(e["status"] == "refused_after_close" and e["ucc"] == "C1"
+                      for e in delivery_log.entries(open_store(settings.store_url), run_id)):
+            assert watcher.poll() is None and time.monotonic() < deadline, watcher.communicate()[1][-2000:]
+            time.sleep(0.1)
+        watcher.send_signal(signal.SIGTERM)
+        out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err[-2000:]
+    said = json.loads(out.strip().splitlines()[-1])
+    assert (said["bounced"], said["refused_after_close"]) == (1, 1), said
+    sealed = verifier.verify(open_store(settings.store_url), run_id, (keys_dir / "signer.cert.pem").read_bytes())
+    assert sealed["ok"] and sealed["sealed"], sealed["first_problem"]  # (this made-up run recorded no certificate)
 
 
 def test_a_watch_whose_redis_lost_the_run_brings_it_back_and_records_the_bounce_not_refuses_it(

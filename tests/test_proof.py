@@ -306,7 +306,9 @@ def test_a_sealed_run_brought_back_from_storage_into_a_new_redis_writes_nothing_
     assert json.loads(capsys.readouterr().out)["state"] == "sealed"
     assert main(["rerun", run_id, "--failed", "--store", str(root)]) == 2
     assert "closed and its record sealed" in capsys.readouterr().err
-    assert RunState(os.environ["REDIS_URL"], run_id).meta()["restored_from"], "the rerun brought the run back"
+    back = RunState(os.environ["REDIS_URL"], run_id).meta()
+    assert back["restored_from"], "the rerun brought the run back"
+    assert back["message_ids"] == "keyed", "a token-less bounce is matched by its keyed Message-ID, as before the loss"
     assert main(["close", run_id, "--store", str(root)]) == 0
     assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before
     assert verified(root, run_id)["ok"]
@@ -346,6 +348,16 @@ def test_a_run_whose_close_began_is_resumed_by_no_command_even_where_redis_lost_
     assert close == "sealed" or f"close {run_id} again" in status["next"], status
     assert main(["runs", "--store", str(root), "--json"]) == 0
     assert [r["state"] for r in json.loads(capsys.readouterr().out) if r["run_id"] == run_id] == [shown]
+    from fastapi.testclient import TestClient
+
+    from pipeline.api import create_app
+    launched = []
+    with TestClient(create_app(dataclasses.replace(resumed, api_token="t0ken-for-the-page"),
+                               launch=lambda *a: launched.append(a) or 1)) as page:
+        assert page.get(f"/runs/{run_id}").json()["state"] == shown
+        refused = page.post(f"/runs/{run_id}/rerun", json={"failed": True},
+                            headers={"Authorization": "Bearer t0ken-for-the-page"})
+        assert refused.status_code == 409 and said in refused.json()["detail"] and not launched, refused.text
     proof.close(resumed, run_id, now=after_the_window(settings, run_id))  # the close it began, finished
     assert verified(root, run_id)["ok"] and verified(root, run_id)["sealed"]
 

@@ -275,6 +275,7 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
     state = RunState.of(settings, run_id)
     with nullcontext(lease) if lease else held(state, settings.lease_s) as lease:
         meta = state.meta()
+        finished = meta.get("finished")  # Redis holds the whole run, finished: a rerun's stop can end it again
         if req.run_id:  # `run --run-id` as much as `rerun`: nothing is mailed under a run whose close began
             opened.refuse_closed(open_store(settings.store_url), run_id, meta)
         checked = checked or preflight(settings, req, run_id)
@@ -282,26 +283,30 @@ def run_day(settings: Settings, req: RunRequest, on_accounts: Callable[[int], No
             try:
                 return _run_day(settings, req, run_id, state, lease, on_accounts, watch, address, checked)
             except BaseException as e:
-                if meta.get("finished") and not lease.lost and not isinstance(e, (LeaseLostError, StateLostError)):
+                if finished and not lease.lost and not isinstance(e, (LeaseLostError, StateLostError)):
                     _stopped_again(settings, state, run_id, req.only, e)
                 raise
 
 
 def _stopped_again(settings: Settings, state: RunState, run_id: str, only: frozenset[str] | None,
                    e: BaseException) -> None:
-    """A finished run's rerun (or resume) that stopped: the run is finished again, now, rather
-    than left "running" by the start that cleared its end (status, the page and close go by it;
+    """A finished run's rerun (or resume) that stopped, where Redis held the whole run (not one
+    it is rebuilding: its records are whole only at its end). The run is finished again, now,
+    rather than left "running" by the start that cleared its end (status, the page and close go by it;
     `runs` by the report, written again from Redis so that the two agree), and its bounce
     window runs from now, after the last mail this driver could have sent. An account a rerun
     took and left without an outcome is failed, with why (unconfirmed if its mail was claimed).
     Whatever fails here is logged: the stop's own error is the one raised."""
     stopped = f"{type(e).__name__}: {e}"[:300]
     try:
+        if state.meta().get("finished") != "":
+            return  # stopped before its start cleared the run's end: as it stands
+        store = open_store(settings.store_url, run=settings)
         if only:
             _fail_accounts(settings, run_id, sorted(only), f"the rerun stopped: {stopped}")
         finished = time.time()
         state.update_meta(finished=finished, notes_per_s="")
-        report.rewrite(open_store(settings.store_url, run=settings), state, run_id, settings.paper_due_days,
+        report.rewrite(store, state, run_id, settings.paper_due_days,
                        {"finished_at": finished, "last_started_at": float(state.meta().get("last_started") or finished),
                         "last_stopped": stopped})
     except Exception as failed:
@@ -454,6 +459,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "resent_chains": tally.get("resent", 0),  # batches sent again to living actors
         "waited_s": _waited(tally),  # how long batches were held waiting on a dependency (the HSM), by what
         "relays": meta.get("relays") or relays,  # the run's own, kept in the report for a later rerun
+        "message_ids": meta.get("message_ids", ""),  # how its Message-IDs were made, for a run brought back
         **{k: v for k, v in meta.items() if k in made_with.KEYS},  # what a rerun's notes are made with
         **record,  # where its record and keys are: what a command after the day opens
         "driver_peak_rss_mb": peak_rss_mb(),

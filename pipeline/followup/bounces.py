@@ -77,6 +77,7 @@ class Found:
     bounce: bounce.Bounce
     name: str
     mismatch: bool  # its token names this account, its returned Message-ID another
+    proven: bool = True  # by the run's HMAC (a token, or a keyed Message-ID): the run mailed this account
 
 
 def collect(settings: Settings, run_id: str, sources: list[str], watch: bool = False, every_s: float = 30.0,
@@ -156,6 +157,8 @@ def _recording(run: opened.OpenRun, lease_s: float) -> Iterator[dict]:
     lost the run (restarted without its data) gets it back from storage first, as any
     follow-up brings it back: the accounts are there to record bounces against, not refused."""
     state = run.state
+    if state.r.exists(keys.run_close_waiting(state.run_id)):  # a close waits for the record: it goes first
+        raise NotNow(f"run {state.run_id}: a close is waiting to seal the run's record")
     with contextlib.ExitStack() as fenced:
         try:
             fenced.enter_context(reader(state.r, keys.run_recording(state.run_id), f"run {state.run_id}'s record",
@@ -258,7 +261,7 @@ def _map(m: Message, v: verp.Verp, pattern, run_id: str, keyed: bool, max_bytes:
         ucc = _ucc_of(b.message_id)
         domain = b.message_id.rsplit("@", 1)[-1].rstrip(">")  # the digest is the proof; the domain is the run's
         if ucc and keys.message_id(run_id, ucc, v.key if keyed else b"", domain) == b.message_id:
-            return Found(ucc, b, m.name, False), "", False
+            return Found(ucc, b, m.name, False, proven=keyed), "", False
         return None, "a Message-ID that is not the run's", True
     return None, "no VERP token and no original Message-ID in it", False
 
@@ -271,15 +274,19 @@ def _ucc_of(message_id: str) -> str:
 
 def _record(store, state: RunState, shards: int, found: dict[str, Found], tally: Tally, on_applied,
             closed: bool) -> set[str]:
-    """Returns the messages left unseen: a genuine bounce (its token or Message-ID is the run's
-    HMAC) names an account the run mailed, so one Redis has no record of is Redis's loss (an
-    older snapshot), not the bounce's: it waits for the record, never dropped."""
+    """Returns the messages left unseen: a bounce the run's HMAC proves (its token, or a keyed
+    Message-ID) names an account the run mailed, so one Redis has no record of is Redis's loss
+    (an older snapshot), not the bounce's: it waits for the record, never dropped. An unkeyed
+    Message-ID (a run from before the keys) proves nothing: refused, as anyone could make it."""
     records = state.accounts(sorted(found))
     fresh, unrecorded = {}, set()
     for ucc, f in found.items():
         rec = records.get(ucc)
         if rec is None:
-            unrecorded.add(f.name)
+            if f.proven:
+                unrecorded.add(f.name)
+            else:
+                tally.refuse(f.name, CODES[-1])
             continue
         old = (rec.get("bounce") or {}).get("kind")
         if not closed and (old == "bounced" or old == f.bounce.kind):

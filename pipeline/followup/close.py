@@ -37,7 +37,9 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 from pipeline.errors import CannotRun
@@ -77,9 +79,7 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
     and key (located.py), unless `store_url` names a copy of its record."""
     now = time.time() if now is None else now
     with opened.open_run(settings, run_id, store_url, command="close", restored=False) as run, \
-            reader(run.state.r, keys.run_recording(run_id), f"run {run_id}'s record", settings.lease_s,
-                   wait_s=READER_PASS_S, by="being written by a bounce reader",
-                   one="close waits for its poll to be recorded"):  # bounces/_recording: never both at once
+            _record_held(run, settings.lease_s) as holds:
         settings, store, state, where = run.settings, run.store, run.state, {"run_id": run_id, **run.where()}
         sealing = seal_state(store, run_id)
         if sealing.state == SEALED:  # sealed once: shown, never sealed again
@@ -107,14 +107,40 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
                                 without_password(settings.tsa_url))
         closed_at = warrant["closed_at"]
         settings = dataclasses.replace(settings, tsa_url=_tsa(settings, run_id, warrant.get("tsa", ""), "warrant"))
+        _still_held(holds, run_id)
         state.update_meta(closed_at=closed_at, bounce_window_h=hours)
         with ThreadPoolExecutor(1) as aside:  # the report from Redis while the chains' closing objects go out
             written = aside.submit(report.rewrite, store, state, run_id, settings.paper_due_days)
             ended = _close_chains(store, run_id, found, closed_at)
             written.result()
         del found  # what the seal needs is in `ended`
+        _still_held(holds, run_id)
         seal(settings, store, run_id, ended, signer)
     return {**where, "already_sealed": False, **_sealed(store, run_id)}
+
+
+@contextmanager
+def _record_held(run: opened.OpenRun, lease_s: float) -> Iterator[Callable[[], bool]]:
+    """The run's record held against bounce readers (keys.run_recording; bounces._recording) while
+    close runs. It says first that it waits, so a reader lets it in before its next poll, then
+    waits (READER_PASS_S at most) for the poll being recorded."""
+    r, run_id, waiting = run.state.r, run.state.run_id, keys.run_close_waiting(run.state.run_id)
+    r.set(waiting, "close", px=READER_PASS_S * 1000)
+    try:
+        with reader(r, keys.run_recording(run_id), f"run {run_id}'s record", lease_s, wait_s=READER_PASS_S,
+                    by="being written by a bounce reader", one="close waits for its poll to be recorded") as holds:
+            r.delete(waiting)
+            yield holds
+    finally:
+        r.delete(waiting)
+
+
+def _still_held(holds: Callable[[], bool], run_id: str) -> None:
+    """Before the next write: a Redis restarted without its data, or a close stalled past
+    CN_LEASE_S, let a bounce reader in beside it."""
+    if not holds():
+        raise SealStopped(f"close {run_id}: its hold on the run's record in Redis was lost (Redis restarted, or "
+                          f"the close stalled past CN_LEASE_S); {AGAIN}")
 
 
 def _sealed(store: Store, run_id: str) -> dict:

@@ -56,6 +56,7 @@ def from_storage(store: Store, state: RunState, run_id: str) -> dict:
                  **({"started": started, "last_started": last} if started else {}),
                  "relays": report.get("relays", ""), "finished": _number(report.get("finished_at")),
                  "notes_per_s": _number(report.get("notes_per_s")),
+                 "message_ids": report.get("message_ids", ""),  # keyed: a bounce's returned Message-ID is checked so
                  **made,
                  "bounce_window_h": _number(window.get("hours")),
                  "closed_at": dt.datetime.fromisoformat(closed).timestamp() if closed else "",

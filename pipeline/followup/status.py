@@ -15,8 +15,8 @@ from pipeline.record.storage import Store
 
 
 def seal(store: Store, run_id: str) -> str:
-    """Where the run's seal stands in storage (seal_state.py): a close that began is one there
-    before Redis hears of it (its warrant is close's first write), and whether Redis still does."""
+    """Where the run's seal stands in storage (seal_state.py): a close that began shows there
+    before Redis hears of it (its warrant is close's first write), and after Redis lost the run."""
     return seal_state(store, run_id).state
 
 

@@ -13,6 +13,7 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:lease         hash   the driver that holds the run: holder (JSON), token, renewed
   cn:run:{run}:bounce-reader string the one `bounces` reader of the run (JSON), while it renews
   cn:run:{run}:recording     string held by `close` throughout, or a bounce reader while it records (JSON)
+  cn:run:{run}:recording:close string a close waits for it: bounce readers let it in first
   cn:noteseq:{fy}            int    contract note numbers issued in a financial year
   cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
   cn:rate:relay:{host}:{port} hash  a relay's send rate, shared by every mailer of every run (rates.py)
@@ -99,6 +100,10 @@ def run_bounce_reader(run_id: str) -> str:
 
 def run_recording(run_id: str) -> str:
     return f"cn:run:{run_id}:recording"
+
+
+def run_close_waiting(run_id: str) -> str:
+    return f"cn:run:{run_id}:recording:close"
 
 
 def run_timeline(run_id: str) -> str:

@@ -20,7 +20,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pipeline.errors import CannotRun
 from pipeline.record import keys
@@ -168,10 +168,11 @@ return 1
 
 
 @contextmanager
-def reader(r, key: str, what: str, lease_s: float, wait_s: float = 0.0,
-           by: str = "being read by another reader", one: str = "one reader at a time") -> Iterator[None]:
+def reader(r, key: str, what: str, lease_s: float, wait_s: float = 0.0, by: str = "being read by another reader",
+           one: str = "one reader at a time") -> Iterator[Callable[[], bool]]:
     """Held while the block runs (renewed every third of `lease_s`); LeaseHeldError naming the
-    holder if another live holder has it after `wait_s`; one that died frees it after `lease_s`."""
+    holder if another live holder has it after `wait_s`; one that died frees it after `lease_s`.
+    Yields whether it is still held, asked of Redis (one restarted without its data forgot it)."""
     me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "id": uuid.uuid4().hex})
     ms, until = int(lease_s * 1000), time.monotonic() + wait_s
     while not r.set(key, me, nx=True, px=ms):
@@ -191,10 +192,10 @@ def reader(r, key: str, what: str, lease_s: float, wait_s: float = 0.0,
             except Exception as e:  # Redis restarting: try again
                 log.warning("%s: reader's lock not renewed (%s); trying again", what, e)
 
-    thread = threading.Thread(target=renew, name="bounce-reader", daemon=True)
+    thread = threading.Thread(target=renew, name=f"held {key}", daemon=True)
     thread.start()
     try:
-        yield
+        yield lambda: r.get(key) == me
     finally:
         done.set()
         thread.join()
