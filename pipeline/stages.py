@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from email.utils import parseaddr
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Container
+from typing import TYPE_CHECKING, Callable, Container, Iterator
 
 from pipeline.day.dumps import EMAIL, SEGMENTS, Client, Trade
 from pipeline.mail import link
@@ -122,8 +122,14 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
     The log's bounces go back too, after the mail they answer (records.bounce: each once), so a
     run resumed after Redis lost it reports a bounced client bounced, as its log does.
     Returns how many accounts Redis got back: none the second time, without `as_of`."""
-    log_entries = list(delivery_log.entries(store, run_id, shard))  # one shard's: a few entries an account
-    found = delivery_log.latest(log_entries, accounts)
+    bounces: list[tuple] = []
+
+    def mailings() -> Iterator[dict]:  # the log read once, as it streams: its bounces kept aside (a few)
+        for e in delivery_log.entries(store, run_id, shard):
+            if e["status"] in ("bounced", "deferred") and e["ucc"] in accounts:
+                bounces.append((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"]))
+            yield e
+    found = delivery_log.latest(mailings(), accounts)
     records = state.accounts(sorted(found))
     guard, outcomes, catch_up = set(), [], []
     for ucc, e in found.items():
@@ -153,9 +159,7 @@ def restore_from_log(store: Store, state: RunState, run_id: str, shard: int, acc
         delivery_log.append(store, run_id, shard, catch_up)
     state.restore_claims(guard)
     state.record(outcomes)
-    state.bounce(sorted(((e["ucc"], e["status"], e.get("dsn_status", ""), e.get("reason", ""), e["at"])
-                         for e in log_entries if e["status"] in ("bounced", "deferred") and e["ucc"] in accounts),
-                        key=lambda b: b[1] == "bounced"))  # a delay, then the failure that ends it
+    state.bounce(sorted(bounces, key=lambda b: b[1] == "bounced"))  # a delay, then the failure that ends it
     return len({o.ucc for o in outcomes})
 
 

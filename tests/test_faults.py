@@ -233,7 +233,7 @@ def test_a_forced_rerun_s_chain_failed_for_good_says_what_became_of_each_deliver
         state.release_mail(u, state.claim_tokens([u])[u])
 
     took = frozenset("ABCEFHI")
-    left = _fail_accounts(settings, run_id, 0, list("ABCDEFGHI"), "the mailer was lost", Rerun(lease, took, True, started))
+    left = _fail_accounts(settings, run_id, list("ABCDEFGHI"), "shard 0: the mailer was lost", Rerun(lease, took, True, started))
 
     assert left["tally"] == {"failed": 2, "unconfirmed": 1}, left
     records = state.accounts(list("ABCDEFGHI"))
