@@ -10,7 +10,9 @@ is written whole (it costs the day's accounts, not the bounces': ~30 s at 1.5M),
 writes it at most every REPORT_EVERY_S, and when it stops.
 
 One reader a run at a time (a lock of its own in Redis, not the run's lease: a reader watching
-the 72-hour window does not stop a rerun). Many runs may share one bounce mailbox: a message
+the 72-hour window does not stop a rerun). A reader and `close` never write the record at once
+(_recording): a batch is read and recorded under a hold close also takes, and gives way to a
+close that waits. Many runs may share one bounce mailbox: a message
 for another run (its run tag is in the VERP token) is left unseen for that run; only messages
 this run recorded, or that no run can ever use, are marked seen. A bounce with a forged or
 mangled token, for no account of the run, too big or unreadable is reported and changes no
