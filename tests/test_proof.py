@@ -276,6 +276,23 @@ def test_a_closed_run_whose_proof_was_deleted_and_a_bounce_edited_away_fails(clo
     assert any(p.startswith(f"{proof.proof_keys(run_id)[0]}: not there") for p in found["problems"]), found
 
 
+def test_a_proof_deleted_and_a_bounce_appended_after_a_closing_object_is_named_not_read_as_begun(
+        closed_run, tmp_path):
+    """With the proof gone, a bounce appended after a chain's closing object read as a close that
+    began (exit 3), and the next close sealed it in: docs/proof.md's promise that a proof deleted
+    with any other change is named did not hold. No bounce reader writes beside a close now (it logs a
+    bounce after close as refused after close), so such an entry is named, exit 1."""
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    for key in proof.proof_keys(run_id):
+        (root / key).unlink()
+    added = delivery_log.append(open_store(str(root)), run_id, shard_of(root, run_id, bounced[0]), [
+        {"ucc": bounced[0], "status": "bounced", "kind": "bounced", "reason": "550 forged", "at": 2e9}])
+    found = verified(root, run_id)
+    assert exit_status(found) == 1 and found["first_problem"].startswith(f"{added.key}: a 'bounced' entry after "
+                                                                         "the chain's closing object"), found
+
+
 def test_close_seals_once_and_refuses_a_log_that_no_longer_matches_its_seal(closed_run, tmp_path):
     settings, run_id, _, sealed, bounced = closed_run
     root = copy(sealed, tmp_path / "store")

@@ -113,6 +113,10 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
                 chain.problem = f"{key}: a {e['status']!r} entry after close began (its warrant's head is object " \
                                 f"{begun[0]})"
                 return chain
+            if sealed is None and chain.closed and e["status"] not in delivery_log.AFTER_CLOSING:
+                chain.problem = (f"{key}: a {e['status']!r} entry after the chain's closing object (only a client's "
+                                 "fetch or a bounce refused after close may follow it)")
+                return chain
             chain.closed |= e["status"] == "closed"
             chain.where[e["ucc"]] = key
         entries += lines

@@ -41,6 +41,9 @@ AFTER_SEAL = ("fetched", "refused_after_close")  # all that may follow a run's s
 # all a chain may gain between close's warrant and the seal (followup/closing.py): the closing object, a
 # bounce that came in meanwhile, a client's fetch
 AFTER_WARRANT = ("closed", "bounced", "deferred") + AFTER_SEAL
+# all that may follow a chain's closing object before the seal: no bounce reader writes beside a close
+# (followup/bounces.py), and a close stopped, then run again, may close a chain again
+AFTER_CLOSING = ("closed",) + AFTER_SEAL
 STATUSES = MAIL_STATUSES + ("bounced", "deferred", "closed") + AFTER_SEAL
 GENESIS = "0" * 64  # the `prev` of a chain's first object
 CHAINED = re.compile(r"/[0-9]{8}\.jsonl\Z")
