@@ -513,6 +513,7 @@ def cmd_status(args) -> int:
     from pipeline.errors import RunNotFound
     from pipeline.followup import status
     from pipeline.followup.located import locate
+    from pipeline.followup.seal_state import seal_state
     from pipeline.record import rates
     from pipeline.record.keys import report_keys
     from pipeline.record.report import read_report
@@ -524,7 +525,7 @@ def cmd_status(args) -> int:
     except RunNotFound as e:
         return _not_found(args, e)
     where = {"store": found.store.url, "store_from": found.source}
-    seal = status.seal(found.store, args.run_id)
+    seal = seal_state(found.store, args.run_id).state  # a close that began shows there before Redis hears of it
     if found.in_redis:
         state = RunState(settings.redis_url, args.run_id, patience_retries=0)
         meta = state.meta()

@@ -41,14 +41,14 @@ from pipeline.day.split import find_account
 from pipeline.record.manifest import load_manifest
 from pipeline.followup.runs import list_runs
 from pipeline.followup.opened import refuse_closed
-from pipeline.followup.seal_state import OPEN, SEALED, seal_state
+from pipeline.followup.seal_state import OPEN, SEALED, run_phase, seal_state
 from pipeline.mail import link
 from pipeline.mail.message import attachment_name
 from pipeline.record import delivery_log, keys, made_with, rates, report, waiting
 from pipeline.record.records import FINAL_STATUSES, history, rejected_at_validation
 from pipeline.record.redact import mask_email, mask_name, mask_pan, mask_text
 from pipeline.record.state import RunClosed, RunState, redis_client
-from pipeline.record.statuses import HEADLINE, final_status, phase
+from pipeline.record.statuses import HEADLINE, final_status
 from pipeline.record.storage import StorageError, Store, open_store
 from pipeline.settings import ROOT, ConfigError, Settings, key_id
 
@@ -443,12 +443,12 @@ class Seals:
         self.store_of, self.known = store_of, {}
 
     def phase(self, run_id: str, finished: bool, closed: bool) -> str:
-        """statuses.phase, the seal's objects in storage counted."""
+        """seal_state.run_phase, the seal asked of storage as the class says."""
         seal, at = self.known.get(run_id, (OPEN, 0.0))
         if finished and seal != SEALED and (closed or time.monotonic() - at > self.ASK_EVERY_S):
             seal = seal_state(self.store_of(run_id), run_id).state
             self.known[run_id] = (seal, time.monotonic())
-        return phase(finished, closed or seal != OPEN, seal == SEALED)
+        return run_phase(finished, closed, seal)
 
 
 class StoredRuns:

@@ -6,9 +6,8 @@ are its report's, through report.final_counts: the numbers `status` and the live
 
 from __future__ import annotations
 
-from pipeline.followup.seal_state import BEGAN, OPEN, SEALED, seal_state
+from pipeline.followup.seal_state import BEGAN, SEALED, run_phase, seal_state
 from pipeline.record import keys, report as reports
-from pipeline.record.statuses import phase
 from pipeline.record.storage import Store, StorageError, read_json
 
 MANIFEST = ".manifest.json"
@@ -34,13 +33,13 @@ def _row(store: Store, run_id: str) -> dict:
     final = reports.final_counts(report)
     seal = seal_state(store, run_id).state
     started, finished, is_sealed = reports.started_at(report), report.get("finished_at"), seal == SEALED
-    closed = bool((report.get("bounce_window") or {}).get("closed_at")) or seal != OPEN  # as `status` says it
+    closed = bool((report.get("bounce_window") or {}).get("closed_at"))
     return {"run_id": run_id, "date": report.get("trade_date") or run_id[:10], **final,
             "accounts": report.get("accounts"), "paper": final["paper_owed"], "sealed": is_sealed, "seal": seal,
             "started_at": started, "finished_at": finished,
             "duration_s": round(float(finished) - started, 3) if finished and started else None,
             "notes_per_s": float(report.get("notes_per_s") or 0),  # the last driver's: a rerun's own
-            "state": report.get("problem") or phase(bool(finished), closed, is_sealed)}
+            "state": report.get("problem") or run_phase(bool(finished), closed, seal)}
 
 
 def table(rows: list[dict]) -> str:

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
+from pipeline.record.statuses import phase
 from pipeline.record.storage import Store
 
 OPEN, BEGAN, SEALED = "open", "began", "sealed"
@@ -53,6 +54,13 @@ def seal_state(store: Store, run_id: str) -> SealState:
     tsa = named_tsa(store, proof_key) if proof and not stamped else ""
     warrant = not proof and store.exists(closing_keys(run_id)[0])
     return SealState(warrant, proof, signed, stamped, tsa)
+
+
+def run_phase(finished: bool, closed: bool, seal: str) -> str:
+    """statuses.phase with the seal's objects counted, as `status`, `runs` and the page say it: a
+    close whose warrant storage holds began (closing), whether or not Redis or the report has
+    its `closed_at` (`closed`)."""
+    return phase(finished, closed or seal != OPEN, seal == SEALED)
 
 
 def named_tsa(store: Store, proof_key: str) -> str:

@@ -8,16 +8,9 @@ from storage), for the scripts that read those.
 
 from __future__ import annotations
 
-from pipeline.followup.seal_state import OPEN, SEALED, seal_state
+from pipeline.followup.seal_state import SEALED, run_phase
 from pipeline.record import report
-from pipeline.record.statuses import HEADLINE, phase
-from pipeline.record.storage import Store
-
-
-def seal(store: Store, run_id: str) -> str:
-    """Where the run's seal stands in storage (seal_state.py): a close that began shows there
-    before Redis hears of it (its warrant is close's first write), and after Redis lost the run."""
-    return seal_state(store, run_id).state
+from pipeline.record.statuses import HEADLINE
 
 
 def from_redis(run_id: str, where: dict, meta: dict, counts: dict, final: dict, relays: dict,
@@ -44,7 +37,7 @@ def _shape(run_id: str, source: str, where: dict, trade_date: str, input_url: st
     shape = {"run_id": run_id, "source": source, **where, "trade_date": trade_date, "input": input_url,
              **final, "statuses": statuses, "relay": relay, "started_at": started, "last_started_at": last_started,
              "finished_at": finished, "bounce_window": window, "sealed": sealed,
-             "state": phase(bool(finished), bool(window.get("closed_at")) or seal != OPEN, sealed)}
+             "state": run_phase(bool(finished), bool(window.get("closed_at")), seal)}
     return {**shape, "next": next_step(shape)}
 
 
