@@ -360,16 +360,22 @@ def _recorded(state: RunState, ucc: str, watcher: subprocess.Popen, box: Path) -
         time.sleep(0.1)
 
 
-def _sigterm_while_redis_waits(redis, watcher: subprocess.Popen, arrive) -> tuple[str, str]:
+def _sigterm_while_redis_waits(redis, state: RunState, run_id: str, watcher: subprocess.Popen,
+                               arrive) -> tuple[str, str]:
     """Redis paused (SIGSTOP), then `arrive()` delivers DSNs, so the poll that reads them waits on
-    Redis when the SIGTERM comes; Redis resumed after it. The watch's (stdout, stderr)."""
+    Redis when the SIGTERM comes; Redis resumed after it. The watch's (stdout, stderr). The polls
+    are first held at their start, before they read the mailbox (a close waiting, for 3 s by the
+    clock): the one Redis pauses has read nothing yet. Paused once it had read an empty mailbox,
+    it would end leaving the arrivals unseen for the next reader, as it should."""
     import signal
     import time
 
+    state.r.set(keys.run_close_waiting(run_id), "close", px=3000)
     try:
+        time.sleep(1)  # no poll under way: each gives way at its start
         redis.process.send_signal(signal.SIGSTOP)
         arrive()
-        time.sleep(2)  # the watch waits on Redis, at its poll's start or within it (it polls every 0.2 s)
+        time.sleep(2.5)  # the wait has expired when Redis resumes; the watch waits on Redis at its poll's start
         watcher.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         redis.process.send_signal(signal.SIGCONT)
@@ -394,7 +400,8 @@ def test_a_sigterm_while_the_watch_waits_on_redis_ends_it_after_that_poll_its_bo
         with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
             _deliver(box, "1.dsn", returned("C1"))
             _recorded(state, "C1", watcher, box)  # the watch polling
-            out, err = _sigterm_while_redis_waits(redis, watcher, lambda: _deliver(box, "2.dsn", returned("C2")))
+            out, err = _sigterm_while_redis_waits(redis, state, run_id, watcher,
+                                                  lambda: _deliver(box, "2.dsn", returned("C2")))
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
         assert said["bounced"] == 2 and "bounce" in state.accounts(["C2"])["C2"], (said["bounced"], err[-2000:])
@@ -419,7 +426,7 @@ def test_a_sigterm_during_a_backlog_ends_the_watch_at_the_message_being_read_the
     try:
         with _watching(redis.url, keys_dir, tmp_path) as (run_id, settings, state, box, watcher, returned):
             _polling(state, run_id, watcher)
-            out, err = _sigterm_while_redis_waits(redis, watcher, lambda: [
+            out, err = _sigterm_while_redis_waits(redis, state, run_id, watcher, lambda: [
                 _deliver(box, f"{n}.dsn", returned(f"C{n}")) for n in (1, 2)])
         assert watcher.returncode == 0, err[-2000:]
         said = json.loads(out.strip().splitlines()[-1])
