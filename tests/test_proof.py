@@ -148,6 +148,32 @@ def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_th
     assert "changed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit", ["the manifest removed", "the manifest not a manifest", "the report not JSON"])
+def test_a_sealed_run_s_manifest_or_report_removed_or_garbled_is_changed_exit_1_not_a_run_never_made(
+        closed_run, tmp_path, monkeypatch, capsys, edit):
+    """Before, `verify` of a sealed run whose manifest was deleted said "no run" (exit 2, a command
+    that could not run, which a script runs again), and one whose manifest or report was edited
+    into something else stopped as on a failed read (exit 2): tampering never named."""
+    settings, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    manifest, report_key = root / keys.manifest_key(run_id), root / keys.report_keys(run_id)[0]
+    if edit == "the manifest removed":
+        manifest.unlink()
+    elif edit == "the manifest not a manifest":
+        manifest.write_text('{"shards": "all of them"}')
+    else:
+        report_key.write_bytes(report_key.read_bytes()[:40])
+    named = keys.report_keys(run_id)[0] if edit == "the report not JSON" else keys.manifest_key(run_id)
+    found = verified(root, run_id)
+    assert not found["ok"] and exit_status(found) == 1 and found["first_problem"].startswith(
+        f"{named}: {'removed' if edit == 'the manifest removed' else 'changed'}"), found
+    laptop = settings.redis_url.rsplit("/", 1)[0] + "/13"  # a Redis without the run: the store given is where it is
+    redis_module.Redis.from_url(laptop).flushdb()
+    monkeypatch.setenv("REDIS_URL", laptop)
+    assert main(["verify", run_id, "--store", str(root)]) == 1
+    assert named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("edit", ["objects as numbers", "a report that is a folder", "a report outside the store",
                                   "a report key added", "another run's"])
 def test_a_well_formed_proof_edited_into_another_shape_is_changed_exit_1_never_a_traceback(
@@ -409,6 +435,23 @@ def test_after_the_seal_only_a_fetch_or_a_refused_bounce_may_follow(closed_run, 
                                                          "reply": "250 ok", "at": 2e9}])
     found = verified(root, run_id)
     assert not found["ok"] and found["first_problem"].startswith(f"{forged.key}: a 'delivered' entry after the seal")
+
+
+def test_close_refuses_to_seal_a_log_edited_before_it_naming_the_object_and_writes_nothing(closed_run, tmp_path):
+    """Before, close checked an open run's record only where an earlier close had begun: it sealed
+    the chains as it found them, an edited object too, and the record read as tampered for good
+    (verify exit 1 over its own seal). docs/proof.md promised a refusal naming the object."""
+    settings, run_id, opened, _, bounced = closed_run
+    root = copy(opened, tmp_path / "store")
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    header, body = objects[0].read_bytes().split(b"\n", 1)
+    assert len(objects) >= 2 and b'"status":"sending"' in body
+    objects[0].write_bytes(header + b"\n" + body.replace(b'"status":"sending"', b'"status":"failed"', 1))
+    assert not verified(root, run_id)["ok"]
+    before = {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK}
+    with pytest.raises(proof.SealBroken, match=f"{run_id} is not sealed .*{objects[0].relative_to(root)}: changed"):
+        proof.close(settings, run_id, now=after_the_window(settings, run_id), store_url=str(root))
+    assert {k: v for k, v in tree(root).items() if k != keys.WRITE_CHECK} == before, "no warrant, no closing object"
 
 
 def test_a_log_edited_before_the_seal_is_caught_by_the_report_it_no_longer_matches(closed_run, tmp_path):

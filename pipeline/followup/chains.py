@@ -20,18 +20,24 @@ class Read:
     last: str  # "" for a chain with no object
     hashes: list[str]  # each object's SHA-256
     closed: bool  # its last object is a closing object (a close that stopped half-way wrote it)
+    problem: str = ""  # the first object out of its chain (walk's words): never sealed over
 
     @property
     def end(self) -> delivery_log.Link | None:
         return delivery_log.Link(self.last, len(self.hashes), self.hashes[-1]) if self.hashes else None
 
 
-def read(store: Store, found: list[str]) -> Read:
-    """`found`: the chain's keys, as listed."""
+def read(store: Store, run_id: str, shard: int, found: list[str]) -> Read:
+    """`found`: the chain's keys, as listed. Each object's number, header and link checked as
+    `walk` checks them, on the bytes read for the seal: a seal over an edited object would make
+    the record read as tampered for good."""
     data = [store.get(k) for k in found]
+    hashes = [hashlib.sha256(d).hexdigest() for d in data]
+    problem = next((p for i in range(len(found)) if (p := _unlinked(store, run_id, shard, found, i, data[i],
+                                                                  hashes[i - 1] if i else delivery_log.GENESIS))), "")
     closed = bool(found) and any(e["status"] == "closed" for e in delivery_log.parse(
         store, found[-1], data[-1].decode("utf-8", "surrogateescape").splitlines()))
-    return Read(found[-1] if found else "", [hashlib.sha256(d).hexdigest() for d in data], closed)
+    return Read(found[-1] if found else "", hashes, closed, problem)
 
 
 def close(store: Store, run_id: str, shard: int, chain: Read, closed_at: float) -> tuple[str, list[str]]:
@@ -40,7 +46,8 @@ def close(store: Store, run_id: str, shard: int, chain: Read, closed_at: float) 
         return chain.last, chain.hashes
     added = delivery_log.append(store, run_id, shard, [{"ucc": "", "status": "closed", "at": closed_at}], chain.end)
     if added.seq != len(chain.hashes) + 1:  # another writer (a client's fetch) got there first: read the chain again
-        return close(store, run_id, shard, read(store, delivery_log.chain_keys(store, run_id, shard)), closed_at)
+        return close(store, run_id, shard, read(store, run_id, shard, delivery_log.chain_keys(store, run_id, shard)),
+                     closed_at)
     return added.key, chain.hashes + [added.sha256]
 
 
@@ -63,12 +70,11 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
     SHA-256 the seal recorded for each object (None: the run is not sealed); `begun`: the head
     (number, SHA-256) close's warrant recorded, when a close began and has not sealed."""
     chain = Chain(shard)
-    prev_sha, prev_key, entries, unreadable = delivery_log.GENESIS, "", [], ""
+    prev_sha, entries, unreadable = delivery_log.GENESIS, [], ""
     for i, key in enumerate(found):
         n = i + 1
-        if delivery_log.seq_of(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
-            chain.problem = f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from " \
-                            f"{prev_key or 'its start'} to {key})"
+        if delivery_log.seq_of(key) > n:  # named further on than its place: not read (the same words _unlinked has)
+            chain.problem = _unlinked(store, run_id, shard, found, i, b"", prev_sha)
             return chain
         try:
             data = store.get(key)
@@ -83,20 +89,10 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
         if begun and n == begun[0] and sha != begun[1]:
             chain.problem = f"{key}: changed (not the object close's warrant recorded)"
             return chain
-        try:
-            header = delivery_log.chain_header(store, key, data)
-        except StorageError:
-            chain.problem = f"{key}: changed (its chain header is gone)"
+        chain.problem = _unlinked(store, run_id, shard, found, i, data, prev_sha)
+        if chain.problem:
             return chain
-        if header["run"] != run_id or header["shard"] != shard or key != delivery_log.object_key(run_id, shard, n):
-            chain.problem = _misplaced(run_id, shard, n, key, header, prev_key)
-            return chain
-        if header["prev"] != prev_sha:  # this object or the one before was changed: the next link tells which
-            this_changed = not prev_key or _links_elsewhere(store, found[i + 1:], sha)
-            chain.problem = f"{key}: changed (its link to {prev_key or 'the start'} was edited)" if this_changed \
-                else f"{prev_key}: changed (the next object, {key}, links to another)"
-            return chain
-        prev_sha, prev_key = sha, key
+        prev_sha = sha
         try:
             lines = list(delivery_log.parse(store, key, data.decode("utf-8", "surrogateescape").splitlines()))
         except StorageError as e:
@@ -131,6 +127,27 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
     chain.problem = unreadable
     chain.statuses = delivery_log.final_statuses(entries, closed) if sealed is not None else {}
     return chain
+
+
+def _unlinked(store: Store, run_id: str, shard: int, found: list[str], i: int, data: bytes, prev_sha: str) -> str:
+    """Why object `i` of the chain `found` (its bytes `data`) is out of its chain: its number
+    further on than its place (those before it removed), its header gone or another chain's, or
+    its link not to the object before (`prev_sha`); "" where it is in place."""
+    key, n, prev_key = found[i], i + 1, found[i - 1] if i else ""
+    if delivery_log.seq_of(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
+        return f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from {prev_key or 'its start'} " \
+               f"to {key})"
+    try:
+        header = delivery_log.chain_header(store, key, data)
+    except StorageError:
+        return f"{key}: changed (its chain header is gone)"
+    if header["run"] != run_id or header["shard"] != shard or key != delivery_log.object_key(run_id, shard, n):
+        return _misplaced(run_id, shard, n, key, header, prev_key)
+    if header["prev"] != prev_sha:  # this object or the one before was changed: the next link tells which
+        if not prev_key or _links_elsewhere(store, found[i + 1:], hashlib.sha256(data).hexdigest()):
+            return f"{key}: changed (its link to {prev_key or 'the start'} was edited)"
+        return f"{prev_key}: changed (the next object, {key}, links to another)"
+    return ""
 
 
 def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:

@@ -101,6 +101,8 @@ def close(settings: Settings, run_id: str, now: float | None = None, store_url: 
         if sealing.warrant:  # an earlier close began and stopped: finished only as it began
             _matches(store, run_id, "began its close, and its record no longer matches where it began")
         found = _read_chains(store, run_id, run.split.shards)
+        if broken := next((chain.problem for chain in found.values() if chain.problem), ""):
+            raise SealBroken(f"run {run_id} is not sealed over a delivery log that is not as written: {broken}")
         warrant = closing.begin(store, run_id, {shard: chain.end for shard, chain in found.items()},
                                 float(meta.get("closed_at") or now), partial(_signed, run_id, signer=signer,
                                                                              what="warrant"),
@@ -158,7 +160,8 @@ def _read_chains(store: Store, run_id: str, shards: list[int]) -> dict[int, chai
     at a time: record/spread.py): the warrant's heads, the seal's hashes and where each closing
     object goes all come from this one pass."""
     listed = delivery_log.run_chain_keys(store, run_id)
-    return dict(zip(shards, spread.each(chains.read, store, ((listed.get(s, []),) for s in shards), len(shards))))
+    jobs = ((run_id, s, listed.get(s, [])) for s in shards)
+    return dict(zip(shards, spread.each(chains.read, store, jobs, len(shards))))
 
 
 def _close_chains(store: Store, run_id: str, found: dict[int, chains.Read],

@@ -33,7 +33,7 @@ from pipeline.followup.seal_state import BEGAN, SEALED, SealState, seal_state
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
-from pipeline.record.storage import NotAsWritten, Store, sha256
+from pipeline.record.storage import Garbled, NotAsWritten, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError
 
@@ -43,21 +43,27 @@ MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status 
 def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pem: bytes | None = None) -> dict:
     try:
         return _verified(store, run_id, cert_pem, tsa_cert_pem)
-    except NotAsWritten as e:  # read twice, so no failed read: an object of the record changed (exit 1), never exit 2
-        problem = e.problem  # the run's manifest or seal: what it says of the run is not known
-        return {"run_id": run_id, "sealed": False, "signed_by": "", "timestamp": {}, "shards": None, "log_objects": None,
-                "added_after_seal": None, "ok": False, "summary": f"run {run_id}: {problem}", "first_problem": problem,
-                "problems": [problem]}
+    except (NotAsWritten, Garbled) as e:  # read whole: an object of the record changed (exit 1), never exit 2
+        return _unread(run_id, e.problem)  # the run's manifest or seal: what it says of the run is not known
+
+
+def _unread(run_id: str, problem: str) -> dict:
+    return {"run_id": run_id, "sealed": False, "signed_by": "", "timestamp": {}, "shards": None, "log_objects": None,
+            "added_after_seal": None, "ok": False, "summary": f"run {run_id}: {problem}", "first_problem": problem,
+            "problems": [problem]}
 
 
 def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: bytes | None) -> dict:
     split = load_manifest(store, run_id)
-    if split is None:
+    if split is None:  # a run's first object: with its report or seal there, it was removed (exit 1), not never made
+        if left := [k for k in (keys.report_keys(run_id)[0], proof_keys(run_id)[0], closing_keys(run_id)[0])
+                    if store.exists(k)]:
+            return _unread(run_id, f"{keys.manifest_key(run_id)}: removed ({', '.join(left)} remain)")
         raise RunNotFound(f"no run {run_id!r} in {store.url}")
     problems = []
     try:
         run_report = report.of_run(store, run_id) or {}
-    except NotAsWritten as e:  # the rest is checked as for a run with no report
+    except (NotAsWritten, Garbled) as e:  # the rest is checked as for a run with no report
         run_report = {}
         problems.append(e.problem)
     seal = seal_state(store, run_id)

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 from pipeline.record import keys
-from pipeline.record.storage import StorageError, Store, read_json
+from pipeline.record.storage import Garbled, Store, read_json
 
 
 @dataclass
@@ -47,7 +47,7 @@ def load_manifest(store: Store, run_id: str) -> SplitResult | None:
         split = None
     if split is None or not isinstance(split.shard_count, int) or not isinstance(split.groups, int) or \
             not all(isinstance(s, int) for s in split.shards):
-        raise StorageError(f"{store.url}: object {key!r} is not a run manifest (edited?)")
+        raise Garbled(store.url, key, "is not a run manifest (edited?)")
     return split
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from pipeline.record import keys
 from pipeline.record.statuses import final_status, headline, owes_paper
-from pipeline.record.storage import NoObject, StorageError, Store, read_json
+from pipeline.record.storage import Garbled, NoObject, Store, read_json
 
 if TYPE_CHECKING:  # the report's writers hold one; `verify`, which reads it, loads no Redis client
     from pipeline.record.state import RunState
@@ -207,6 +207,6 @@ def read_report(store: Store, key: str) -> dict:
     except (KeyError, TypeError, ValueError, AttributeError):
         ok = False
     if not ok or not all(isinstance(report.get(k, ""), str) for k in ("input", "relays")):
-        raise StorageError(f"{store.url}: object {key!r} is not a run report (its trade_date, accounts, input, "
-                           "relays or bounce window were edited)")
+        raise Garbled(store.url, key, "is not a run report (its trade_date, accounts, input, relays or bounce "
+                      "window were edited)")
     return report

@@ -67,6 +67,23 @@ class NotAsWritten(StorageError):
         return f"{self.key}: changed (not as it was written: its CRC32 is not its writer's)"
 
 
+class Garbled(StorageError):
+    """An object this job wrote as JSON, read whole, that is not what it wrote (not JSON, not the
+    object's shape): edited or cut short in the store. A reader of the record counts it changed
+    (exit 1), as NotAsWritten; any other command stops on it as on a failed read."""
+
+    def __init__(self, url: str, key: str, what: str):
+        super().__init__(f"{url}: object {key!r} {what}")
+        self.url, self.key, self.what = url, key, what
+
+    def __reduce__(self):
+        return Garbled, (self.url, self.key, self.what)
+
+    @property
+    def problem(self) -> str:
+        return f"{self.key}: changed ({self.what})"
+
+
 class NoObject(StorageError):
     """The store answered that no object has the key. Anything else a read meets (a disk or S3
     failing) is a plain StorageError: not read is not "not there", and a reader of the record
@@ -113,9 +130,9 @@ def read_json(store: Store, key: str) -> dict:
     try:
         value = json.loads(store.get(key))
     except ValueError as e:
-        raise StorageError(f"{store.url}: object {key!r} is not valid JSON (truncated or edited?): {e}") from None
+        raise Garbled(store.url, key, f"is not valid JSON (truncated or edited?): {e}") from None
     if not isinstance(value, dict):
-        raise StorageError(f"{store.url}: object {key!r} is not a JSON object (edited?)")
+        raise Garbled(store.url, key, "is not a JSON object (edited?)")
     return value
 
 
