@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None, stdout=None) -> int:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("pikepdf", "botocore"):  # "logger bridge initialized", "Found credentials": no news to anyone
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    logging.getLogger("pipeline.followup.located.store").setLevel(logging.INFO)  # which store, and why: always said
     try:
         return args.func(args)
     except Exception as e:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from pipeline.record.storage import FolderStore, StorageError, open_store
 from pipeline.seal import detached
 from pipeline.seal.sign import make_test_certificate
 from pipeline.seal.signer import load_signer
-from pipeline.settings import Settings
+from pipeline.settings import ROOT, Settings
 from tests import servers
 from tests.conftest import TRADE_DATE
 
@@ -110,6 +111,10 @@ def test_a_sealed_run_verifies_and_an_open_one_is_not_yet_proof(closed_run, monk
     monkeypatch.setenv("REDIS_URL", settings.redis_url)
     assert main(["verify", run_id, "--store", str(opened)]) == 3
     assert "not sealed: consistent so far, not yet proof" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, "-m", "pipeline", "verify", run_id], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "REDIS_URL": settings.redis_url, "CN_STORE": str(opened)})
+    assert done.returncode == 0 and f"verify {run_id}: store {sealed} (the run's own, recorded in Redis" in done.stderr, \
+        done.stderr  # which store, and why, said without --verbose (CN_STORE is not the run's)
 
 
 def test_the_first_object_edited_and_every_later_link_forged_is_named(closed_run, tmp_path):

@@ -28,6 +28,7 @@ from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
 
 log = logging.getLogger("pipeline.followup.located")
+said = log.getChild("store")  # which store a command works on, and why: shown whatever the command's level
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
         source += f"; a copy of the run's record (it recorded {found['store_url']})"
     if writes:
         check_create_only(store, keys.create_only_check_key(run_id))
-    log.info("%s %s: store %s (%s)", command or "run", run_id, url, source)
+    said.info("%s %s: store %s (%s)", command or "run", run_id, url, source)
     settings = _with_keys(replace(settings, store_url=url), found)
     if writes:  # what it writes (a report's paper list, a rerun's notes and mails) is as the run made it
         settings = made_with.run_settings(settings, found, run_id, command or "run")
