@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.followup import bounces, close as proof
 from pipeline.followup import verify as verifier
-from pipeline.cluster.driver import RunRequest, run_day
+from pipeline.cluster.driver import RunRequest, rerun, run_day, undone
 from pipeline.mail import bounce, verp
 from pipeline.mail.smtp_sink import dsn
 from pipeline.record import delivery_log, keys, report
@@ -125,6 +125,14 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
         assert cause in why, why
     assert (Path(settings.store_url) / keys.report_keys(run_id)[1]).read_bytes() == report_before
     assert rows(settings, run_id)[victim]["status"] == "delivered"
+
+    # a bounced and a deferred client mailed again, each new mail accepted: the rerun did what it could (its
+    # exit 0), and each stays as its bounce says (paper owed; the recipient's server retrying). Before, exit 1.
+    deferred_one = next(u for u, k in expected.items() if k == "deferred")
+    again_mailed = rerun(settings, run_id, accounts=[some, deferred_one], force=True)
+    assert again_mailed["rerun_outcomes"] == {"bounced": 1, "deferred": 1} and undone(again_mailed) == {}, again_mailed
+    assert {u: r["status"] for u, r in rows(settings, run_id).items() if u in (some, deferred_one)} == \
+        {some: "bounced", deferred_one: "deferred"}
 
     # verify before the seal: every chain whole
     store = open_store(settings.store_url)

@@ -588,9 +588,11 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
 
 def undone(summary: dict) -> dict:
     """What a rerun left undone, from its summary; empty when each account it took ended delivered
-    or on paper and no new mail of its own failed or went unanswered. `rerun` exits 1 on it, and
-    the notebook says it, then stops."""
-    ended = {k: n for k, n in summary.get("rerun_outcomes", {}).items() if n and k not in ("delivered", "physical")}
+    (a bounce standing: owed on paper, or the recipient's server retrying) or on paper and no new
+    mail of its own failed or went unanswered. `rerun` exits 1 on it, and the notebook says it,
+    then stops."""
+    ended = {k: n for k, n in summary.get("rerun_outcomes", {}).items()
+             if n and k not in ("delivered", "bounced", "deferred", "physical")}
     return ({"rerun_outcomes": ended} if ended else {}) | {
         k: summary[k] for k in ("failed_now", "unconfirmed_now") if summary.get(k)}
 
