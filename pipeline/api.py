@@ -392,14 +392,19 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         unknown run, 422 for a bad body or an account the run lacks; 409, naming why, for a run the
         rerun would refuse at once (closed, held by a live driver, or its notes' files neither
         where the run read them nor named by this service's settings): its own output is not the
-        page's to show."""
+        page's to show. A run Redis no longer holds, its report in storage, is rerun as `rerun`
+        reruns it: brought back from storage first, then its accounts chosen (`from_storage`
+        names the store; `accounts` is null for the failed ones, not known until then)."""
         if read_only:
             raise HTTPException(403, "this status service is read-only")
         if not full:
             raise HTTPException(401, "a bearer token is required to rerun", headers={"WWW-Authenticate": "Bearer"})
-        state = run_state(run_id)
+        state, store = state_of(run_id) if keys.RUN_ID.match(run_id) else None, store_of(run_id)
+        held = state is not None and state.exists()
+        if not held and (state is None or not store.exists(keys.report_keys(run_id)[0])):
+            raise HTTPException(404, f"no run {run_id!r}")
         try:  # as the rerun refuses it: Redis's word, or the close's objects in storage
-            refuse_closed(store_of(run_id), run_id, state.meta())
+            refuse_closed(store, run_id, state.meta() if held else {})
         except RunClosed as e:
             raise HTTPException(409, str(e)) from None
         if holder := state.live_holder(settings.lease_s):
@@ -409,6 +414,10 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             made_with.resumed(settings, run_id, "the page's rerun of")  # the run's own files, or refused
         except ConfigError as e:
             raise HTTPException(409, str(e)) from None
+        if not held:
+            pid = launch(run_id, body.accounts, body.failed, body.force)
+            return {"run_id": run_id, "accounts": None if body.failed else body.accounts, "force": body.force,
+                    "pid": pid, "from_storage": store.url}
         chosen = state.failed() if body.failed else body.accounts
         records = state.accounts(chosen)
         if unknown := [u for u in chosen if u not in records]:  # refused at once by the rerun (NotInRun)

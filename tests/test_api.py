@@ -96,6 +96,11 @@ def test_a_run_only_storage_holds_is_listed_beside_the_runs_redis_holds(client, 
     [stored] = [r for r in runs if r["run_id"] == run_id]
     assert (live["source"], stored["source"], stored["delivered"], stored["state"]) == ("redis", "storage", 2,
                                                                                        "finished"), stored
+    # its rerun, as `rerun` reruns it: brought back from storage first (before, 404 "no run")
+    started = client.post(f"/runs/{run_id}/rerun", json={"failed": True}, headers=AUTH)
+    assert started.status_code == 202 and started.json()["from_storage"] == store.url, started.text
+    assert client.launched[-1] == (run_id, None, True, False)
+    assert client.post("/runs/2026-11-19-00000000/rerun", json={"failed": True}, headers=AUTH).status_code == 404
 
 
 def test_accounts_page_through_every_account_and_filter_by_status(client, api_run):
