@@ -610,15 +610,16 @@ def cmd_logs(args) -> int:
 
 @command("runs", "the runs in the store, newest first: date, accounts, delivered, failed, unconfirmed, bounced, "
                  "rejected, paper notes owed, sealed or not, start, duration and state (running, finished, closing, "
-                 "sealed), from storage alone", STORE, arg("--json", action="store_true"))
+                 "sealed), from storage, a run Redis holds as Redis has it", STORE, arg("--json", action="store_true"))
 def cmd_runs(args) -> int:
-    from pipeline.followup.runs import list_runs, table
+    from pipeline.followup.runs import list_runs, live, table
     from pipeline.record.storage import open_store
 
-    url = args.store or Settings.from_env().store_url
+    settings = Settings.from_env()
+    url = args.store or settings.store_url
     if "://" not in url and not Path(url).is_dir():
         raise ConfigError(f"no store at {url}: no such folder (CN_STORE, or --store)")
-    rows = list_runs(open_store(url, probe=True))
+    rows = live(list_runs(open_store(url, probe=True)), _on_redis(settings).redis_url)
     if not rows:
         raise ConfigError(f"no runs in {url}: it holds no run's manifest or report")
     print(json.dumps(rows) if args.json else table(rows), file=args.stdout)

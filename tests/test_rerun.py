@@ -585,14 +585,21 @@ def test_a_rerun_stopped_midway_leaves_the_run_finished_again_in_every_view_and_
     slow = smtp_server("slow", delay_ms=3000)  # a relay slow to answer: the stop comes while the rerun waits on it
     fixed = dataclasses.replace(settings, smtp_url=slow.url)
 
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    during = {}
+
     def interrupted() -> None:  # the driver's wait, as a notebook's Ctrl-C or the capacity watch's stop meets it
+        assert main(["status", run_id, "--store", settings.store_url, "--json"]) == 0
+        during["status"] = json.loads(capsys.readouterr().out)["state"]
+        assert main(["runs", "--store", settings.store_url, "--json"]) == 0  # before, "finished" (its report's)
+        during["runs"] = next(r for r in json.loads(capsys.readouterr().out) if r["run_id"] == run_id)["state"]
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         run_day(fixed, RunRequest(TRADE_DATE, str(day), run_id, frozenset({sign_victim, mail_victim}),
                                   relays=fixed.relays()), watch=interrupted)
 
+    assert during == {"status": "running", "runs": "running"}, "while the rerun ran, every view said so"
     assert state.final_counts()["pending"] == 0, "each account the rerun took has an outcome"
-    monkeypatch.setenv("REDIS_URL", settings.redis_url)
     assert main(["status", run_id, "--store", settings.store_url, "--json"]) == 0
     status = json.loads(capsys.readouterr().out)
     assert main(["runs", "--store", settings.store_url, "--json"]) == 0

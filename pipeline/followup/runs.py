@@ -1,13 +1,17 @@
 """`runs`: the runs a store holds, newest first, each in one line: what an operator looks at
-before anything else (as `ray job list` or Airflow's grid). Read from storage alone, so it
-answers after the cluster and its Redis are gone: a run with a manifest and no report yet is
-running, or stopped before its end (`status RUN` says which, while Redis has it). Its counts
-are its report's, through report.final_counts: the numbers `status` and the live page show."""
+before anything else (as `ray job list` or Airflow's grid). Read from storage, so it answers
+after the cluster and its Redis are gone: a run with a manifest and no report yet is running,
+or stopped before its end. Its counts are its report's, through report.final_counts; a run
+Redis holds is shown as Redis has it (`live`), as `status` and the live page show it: a rerun
+under way is running there, while its report still says finished."""
 
 from __future__ import annotations
 
 from pipeline.followup.seal_state import BEGAN, SEALED, run_phase, seal_state
+import redis
+
 from pipeline.record import keys, report as reports
+from pipeline.record.state import RunState
 from pipeline.record.storage import Store, StorageError, read_json
 
 MANIFEST = ".manifest.json"
@@ -22,6 +26,27 @@ def list_runs(store: Store, known: dict[str, dict] | None = None) -> list[dict]:
     found = [k[len("reports/"):-len(MANIFEST)] for k in store.keys("reports/") if k.endswith(MANIFEST)]
     rows = [known[run_id] if run_id in known and known[run_id]["sealed"] else _row(store, run_id) for run_id in found]
     return sorted(rows, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
+
+
+def live(rows: list[dict], redis_url: str) -> list[dict]:
+    """Each row of a run Redis holds as Redis has it (its counts, its end, whether close told it);
+    the seal as storage has it. All as storage has them where Redis does not answer at once."""
+    try:
+        shown = [_live(row, RunState(redis_url, row["run_id"], patience_retries=0)) for row in rows]
+    except redis.RedisError:
+        return rows
+    return sorted(shown, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
+
+
+def _live(row: dict, state: RunState) -> dict:
+    meta = state.meta()
+    if not meta:
+        return row
+    final, finished = state.final_counts(meta), float(meta["finished"]) if meta.get("finished") else None
+    started = row["started_at"] or (float(meta["started"]) if meta.get("started") else None)
+    return {**row, **final, "paper": final["paper_owed"], "started_at": started, "finished_at": finished,
+            "duration_s": round(finished - started, 3) if finished and started else None,
+            "state": run_phase(bool(finished), bool(meta.get("closed_at")), row["seal"])}
 
 
 def _row(store: Store, run_id: str) -> dict:
