@@ -280,6 +280,7 @@ def _run(args) -> dict:
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
         if args.run_id:
             settings = made_with.resumed(settings, request.run_id)  # a resumed run's own
+            request = _as_recorded(settings, request, bool(args.smtp))
         else:  # a new run's are all the shell's: a name mistyped is said now, not at its first rerun
             made_with.shell_settings(settings)
         checked = preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
@@ -292,6 +293,25 @@ def _run(args) -> dict:
         metrics.wait_exported()
     print(json.dumps(summary), file=args.stdout)
     return summary
+
+
+def _as_recorded(settings: Settings, request, smtp_given: bool):
+    """A run resumed by its id (`run --run-id`, the way back from a lost head) mails through the
+    relays it recorded and keeps its bounce window, as `rerun` does, unless --smtp names other
+    relays: from Redis, else its report. A run id new to both takes this shell's. Said in its log."""
+    import dataclasses
+
+    from pipeline.record import report
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import open_store
+
+    found = RunState(settings.redis_url, request.run_id, patience_retries=0).meta()
+    if not found and (stored := report.of_run(open_store(settings.store_url), request.run_id)):
+        found = {"relays": stored.get("relays", ""), "bounce_window_h": stored.get("bounce_window", {}).get("hours")}
+    relays = settings.relays() if smtp_given else found.get("relays") or ""
+    if relays:
+        log.info("run %s: mailing through %s (%s)", request.run_id, relays, "--smtp" if smtp_given else "the run's own")
+    return dataclasses.replace(request, relays=relays, bounce_window_h=report.window_h(found))
 
 
 def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:

@@ -611,3 +611,33 @@ def test_a_rerun_stopped_midway_leaves_the_run_finished_again_in_every_view_and_
     assert "KeyboardInterrupt" in stopped["last_stopped"] and stopped["finished_at"] > first["finished_at"]
     sealed = proof.close(settings, run_id, now=float(state.meta()["finished"]) + 73 * 3600)
     assert not sealed["already_sealed"], "closable: its window runs from the stop"
+
+
+def test_run_with_the_run_id_keeps_the_run_s_own_relays_and_bounce_window(ray_session, settings, day, smtp_server,
+                                                                          monkeypatch):
+    """`run --run-id`, the way back from a lost head, recorded its shell's SMTP_URL and
+    CN_BOUNCE_WINDOW_H over the run's own: the run's later reruns mailed through the other relay,
+    and its close went by the other window. Now it keeps them, as `rerun` does, unless --smtp
+    names another relay."""
+    import dataclasses
+
+    from pipeline.__main__ import main
+    from pipeline.record import report
+    from pipeline.record.state import RunState
+
+    own = smtp_server("own")
+    run_id = run_day(dataclasses.replace(settings, smtp_url=own.url), RunRequest(TRADE_DATE, str(day)))["run_id"]
+    state = RunState(settings.redis_url, run_id)
+    recorded = {k: state.meta()[k] for k in ("relays", "bounce_window_h")}
+    other = smtp_server("other")
+    for name, value in {"REDIS_URL": settings.redis_url, "CN_STORE": settings.store_url, "SMTP_URL": other.url,
+                        "CN_BOUNCE_WINDOW_H": "1", "CN_SIGNER_KEY": settings.signer_key,
+                        "CN_SIGNER_CERT": settings.signer_cert, "CN_SIGNER_CHAIN": settings.signer_chain,
+                        "CN_TOKEN_KEY_FILE": settings.token_key_file, "CN_OWNER_PASSWORD": settings.owner_password,
+                        "CN_SHARD_SIZE": "8", "CN_WINDOW": "4", "CN_SIGNERS": "1", "CN_MAILERS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["run", "--date", TRADE_DATE, "--input", str(day), "--run-id", run_id,
+                 "--accept-volatile-redis"]) != 2
+    assert {k: state.meta()[k] for k in recorded} == recorded, "the run's own, not the shell's"
+    written = json.loads((Path(settings.store_url) / keys.report_keys(run_id)[0]).read_text())
+    assert (written["relays"], report.window_h(state.meta())) == (recorded["relays"], 72.0)
