@@ -301,11 +301,16 @@ def _as_recorded(settings: Settings, request, smtp_given: bool):
     relays: from Redis, else its report. A run id new to both takes this shell's. Said in its log."""
     import dataclasses
 
+    import redis
+
     from pipeline.record import report
     from pipeline.record.state import RunState
     from pipeline.record.storage import open_store
 
-    found = RunState(settings.redis_url, request.run_id, patience_retries=0).meta()
+    try:
+        found = RunState(settings.redis_url, request.run_id, patience_retries=0).meta()
+    except redis.RedisError:  # said by the preflight next, in its words
+        return request
     if not found and (stored := report.of_run(open_store(settings.store_url), request.run_id)):
         found = {"relays": stored.get("relays", ""), "bounce_window_h": stored.get("bounce_window", {}).get("hours")}
     relays = settings.relays() if smtp_given else found.get("relays") or ""
