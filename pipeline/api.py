@@ -240,23 +240,28 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
 
     @app.get("/runs/{run_id}/accounts/{ucc}", summary="One account's history and its client")
     def account(run_id: str, ucc: str, full: bool = Depends(authorised)):
-        """Everything that happened to one client's note in the run, stage by stage, with who
-        the client is: the name, e-mail, PAN and state need the bearer token (without it they
-        are masked). 404 for an unknown run or account, 503 when Redis or storage is down."""
+        """Everything that happened to one client's note in the run, stage by stage (`history`,
+        from Redis), its entries in the run's delivery log (`delivery_log`, the record: each
+        mailing, the relay's reply, a bounce, the client's fetches of the note), and who the
+        client is: the name, e-mail, PAN and state need the bearer token (without it they and
+        the texts are masked). 404 for an unknown run or account, 503 when Redis or storage is down."""
         state = run_state(run_id)
         record = state.accounts([ucc]).get(ucc) if re.fullmatch(r"[A-Za-z0-9]{1,10}", ucc) else None
         if record is None:
             raise HTTPException(404, f"no account {ucc!r} in run {run_id!r}")
-        entry = find_account(store_of(run_id), run_id, ucc)
+        store = store_of(run_id)
+        entry = find_account(store, run_id, ucc)
         client = {k: entry["client"][k] for k in ("name", "email", "pan", "state")} if entry else {}
         if client and not full:  # who the client is needs the token; what happened to the note does not
             client.update(name=mask_name(client["name"]), email=mask_email(client["email"]),
                           pan=mask_pan(client["pan"]), state="***")
-        events = [{k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
-                  for event in history(record)]
-        meta = state.meta()
+        def shown(event: dict) -> dict:
+            return {k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
+        meta, split = state.meta(), load_manifest(store, run_id)
+        logged = [] if split is None else [shown(e) for e in delivery_log.entries(
+            store, run_id, keys.shard_of(ucc, split.shard_count)) if e["ucc"] == ucc]
         return {**public_record(record, full, due_days(meta), bool(meta.get("closed_at"))),
-                "history": events, "client": client,
+                "history": [shown(e) for e in history(record)], "delivery_log": logged, "client": client,
                 "pii": "shown" if full else "masked"}
 
     @app.get("/runs/{run_id}/report.csv", response_class=PlainTextResponse, summary="The run's report as CSV")

@@ -131,6 +131,9 @@ def test_an_account_shows_its_history_and_masks_pii_without_the_token(client, ap
     assert masked["client"]["state"] == "***"
     assert [e["stage"] for e in masked["history"]][:4] == ["validated", "rendered", "signed", "archived"]
     assert masked["history"][-1]["status"] == "failed"
+    # the record's own word on it too, the relay's refusal masked (docs/operations.md said so; it was not there)
+    assert [e["status"] for e in masked["delivery_log"]] == ["sending", "failed"], masked["delivery_log"]
+    assert "550" in masked["delivery_log"][-1]["reason"] and masked["delivery_log"][0]["message_id"]
     full = client.get(url, headers=AUTH).json()
     assert full["pii"] == "shown" and full["client"]["pan"] == clients[victim]["pan"]
     assert full["client"]["email"] == clients[victim]["email"]
