@@ -280,7 +280,8 @@ def _run(args) -> dict:
         request = RunRequest(args.date.isoformat(), args.input, args.run_id or new_run_id(args.date.isoformat()))
         if args.run_id:
             settings = made_with.resumed(settings, request.run_id)  # a resumed run's own
-            request = _as_recorded(settings, request, bool(args.smtp))
+            if args.smtp:  # else the driver mails through the relays the run recorded, as `rerun` does
+                request = dataclasses.replace(request, relays=settings.relays())
         else:  # a new run's are all the shell's: a name mistyped is said now, not at its first rerun
             made_with.shell_settings(settings)
         checked = preflight(settings, request, request.run_id, require_persistence=not args.accept_volatile_redis)
@@ -293,30 +294,6 @@ def _run(args) -> dict:
         metrics.wait_exported()
     print(json.dumps(summary), file=args.stdout)
     return summary
-
-
-def _as_recorded(settings: Settings, request, smtp_given: bool):
-    """A run resumed by its id (`run --run-id`, the way back from a lost head) mails through the
-    relays it recorded and keeps its bounce window, as `rerun` does, unless --smtp names other
-    relays: from Redis, else its report. A run id new to both takes this shell's. Said in its log."""
-    import dataclasses
-
-    import redis
-
-    from pipeline.record import report
-    from pipeline.record.state import RunState
-    from pipeline.record.storage import open_store
-
-    try:
-        found = RunState(settings.redis_url, request.run_id, patience_retries=0).meta()
-    except redis.RedisError:  # said by the preflight next, in its words
-        return request
-    if not found and (stored := report.of_run(open_store(settings.store_url), request.run_id)):
-        found = {"relays": stored.get("relays", ""), "bounce_window_h": stored.get("bounce_window", {}).get("hours")}
-    relays = settings.relays() if smtp_given else found.get("relays") or ""
-    if relays:
-        log.info("run %s: mailing through %s (%s)", request.run_id, relays, "--smtp" if smtp_given else "the run's own")
-    return dataclasses.replace(request, relays=relays, bounce_window_h=report.window_h(found))
 
 
 def _with_test_key_if_default(settings: Settings, key_dir: Path, force: bool = False) -> Settings:
@@ -506,7 +483,8 @@ def cmd_verify(args) -> int:
     from pipeline.followup.verify import exit_status, verify
 
     cert, tsa_cert = _certificate(args.cert, "--cert"), _certificate(args.tsa_cert, "--tsa-cert")
-    found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True)
+    found = locate(_on_redis(Settings.from_env()), args.run_id, args.store, command="verify", redis_optional=True,
+                   sealed_is_found=True)
     result = verify(found.store, args.run_id, cert, tsa_cert)
     print(result["summary"], file=sys.stderr)
     print(json.dumps({**result, "store": found.store.url, "store_from": found.source}), file=args.stdout)
@@ -644,7 +622,11 @@ def cmd_runs(args) -> int:
     url = args.store or settings.store_url
     if "://" not in url and not Path(url).is_dir():
         raise ConfigError(f"no store at {url}: no such folder (CN_STORE, or --store)")
-    rows = live(list_runs(open_store(url, probe=True)), _on_redis(settings).redis_url)
+    rows = list_runs(open_store(url, probe=True))
+    try:
+        rows = live(rows, _on_redis(settings).redis_url)
+    except ConfigError as e:  # the secret's Redis password out of reach: the runs as storage has them
+        log.warning("runs as storage has them: %s", e)
     if not rows:
         raise ConfigError(f"no runs in {url}: it holds no run's manifest or report")
     print(json.dumps(rows) if args.json else table(rows), file=args.stdout)

@@ -636,8 +636,13 @@ def test_run_with_the_run_id_keeps_the_run_s_own_relays_and_bounce_window(ray_se
                         "CN_TOKEN_KEY_FILE": settings.token_key_file, "CN_OWNER_PASSWORD": settings.owner_password,
                         "CN_SHARD_SIZE": "8", "CN_WINDOW": "4", "CN_SIGNERS": "1", "CN_MAILERS": "1"}.items():
         monkeypatch.setenv(name, value)
-    assert main(["run", "--date", TRADE_DATE, "--input", str(day), "--run-id", run_id,
-                 "--accept-volatile-redis"]) != 2
+    resume = ["run", "--date", TRADE_DATE, "--input", str(day), "--run-id", run_id, "--accept-volatile-redis"]
+    assert main(resume) != 2
     assert {k: state.meta()[k] for k in recorded} == recorded, "the run's own, not the shell's"
     written = json.loads((Path(settings.store_url) / keys.report_keys(run_id)[0]).read_text())
     assert (written["relays"], report.window_h(state.meta())) == (recorded["relays"], 72.0)
+    lost = settings.redis_url.rsplit("/", 1)[0] + "/12"  # the head lost with its Redis: the run's report keeps them
+    RunState(lost, run_id).r.flushdb()
+    monkeypatch.setenv("REDIS_URL", lost)
+    assert main(resume) != 2
+    assert {k: RunState(lost, run_id).meta()[k] for k in recorded} == recorded, "from its report"

@@ -323,18 +323,25 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
     notes = RunState.of(settings, run_id, patience_retries=0)  # said now or not at all: never waited on
     signer.tell(partial(notes.note_wait, "hsm"))  # its first notes'
     tell(settings.store_url, partial(notes.note_wait, "store"))  # the page: waiting for the store since ...
-    relays = req.relays or resolved.relays()
     warnings = trading_calendar.trade_date_warnings(req.trade_date, settings.holidays_file)
     for warning in warnings:
         log.warning("run %s: %s", run_id, warning)
     manifest, made = load_manifest(store, run_id), load_first_notes(store, run_id)
     resume = manifest is not None or made is not None  # mail may have gone out: each shard restores its delivery log first
-    began = {}  # the run's first start, where Redis lost it and its report kept it: a resume's is not the run's
-    if resume and not state.exists():
+    # What a resumed run recorded is kept: its relays (a rerun's --smtp mails through others without
+    # replacing them), its bounce window, and its first start: from Redis, else from its report
+    kept, began = state.meta() if resume else {}, {}
+    if resume and not kept:
         log.warning("run %s: Redis has no state for it; rebuilding from the delivery log before mailing", run_id)
-        if first := report.started_at(report.of_run(store, run_id) or {}):
+        stored = report.of_run(store, run_id) or {}
+        kept = {"relays": stored.get("relays", ""), "bounce_window_h": stored.get("bounce_window", {}).get("hours")}
+        if first := report.started_at(stored):
             began = {"started": first}
-    own = {} if req.relays else {"relays": relays}  # the run's own relays: a rerun's --smtp does not replace them
+    relays = req.relays or kept.get("relays") or resolved.relays()
+    if resume and req.only is None:  # a rerun says it in its own words
+        log.info("run %s: mailing through %s (%s)", run_id, relays,
+                 "--smtp" if req.relays else "the run's own" if kept.get("relays") else "SMTP_URL or the secret's")
+    window = report.window_h(kept) if req.bounce_window_h is None else req.bounce_window_h
     record = located.recorded(settings, resolved, signer.cert)
     if signer.about.get("extractable"):
         log.warning("run %s: the signing key on token %r is marked extractable (CKA_EXTRACTABLE): it can leave the HSM",
@@ -346,8 +353,8 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         log.warning("run %s: made with this shell's %s, as CN_SHELL_SETTINGS asks; the run's record keeps its own",
                     run_id, ", ".join(f"{made_with.ENV[f]}={v!r}" for f, v in told.items()))
     epoch = state.start({"date": req.trade_date, "input": req.input_url, "config": json.dumps(settings.summary()),
-                         "bounce_window_h": settings.bounce_window_h if req.bounce_window_h is None else
-                         req.bounce_window_h, **own, **record, "finished": "", "notes_per_s": "",
+                         "bounce_window_h": settings.bounce_window_h if window is None else window,
+                         "relays": kept.get("relays") or relays, **record, "finished": "", "notes_per_s": "",
                          "message_ids": "keyed",  # by the run's HMAC key (a run from before: unkeyed)
                          **made_record,
                          "signing_key": json.dumps(signer.about), **began})  # a file's, or a token's (never the key, the PIN)
