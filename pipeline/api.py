@@ -16,6 +16,7 @@ gets the same 404, and each address may try only so often (429).
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
 import hmac
 import logging
@@ -255,11 +256,13 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
         if client and not full:  # who the client is needs the token; what happened to the note does not
             client.update(name=mask_name(client["name"]), email=mask_email(client["email"]),
                           pan=mask_pan(client["pan"]), state="***")
-        def shown(event: dict) -> dict:
-            return {k: mask_text(v) if isinstance(v, str) and not full else v for k, v in event.items()}
-        meta, split = state.meta(), load_manifest(store, run_id)
-        logged = [] if split is None else [shown(e) for e in delivery_log.entries(
-            store, run_id, keys.shard_of(ucc, split.shard_count)) if e["ucc"] == ucc]
+
+        def shown(event: dict) -> dict:  # without the token: texts masked, and no bounce's VERP token (it proves one)
+            return event if full else {k: mask_text(v) if isinstance(v, str) else v for k, v in event.items()
+                                       if k != "token"}
+        meta, shards = state.meta(), shard_count(store.url, run_id)
+        logged = [shown(e) for e in delivery_log.entries(store, run_id, keys.shard_of(ucc, shards))
+                  if e["ucc"] == ucc] if shards else []
         return {**public_record(record, full, due_days(meta), bool(meta.get("closed_at"))),
                 "history": [shown(e) for e in history(record)], "delivery_log": logged, "client": client,
                 "pii": "shown" if full else "masked"}
@@ -419,21 +422,34 @@ def create_app(settings: Settings | None = None, launch: Launcher = launch_rerun
             made_with.resumed(settings, run_id, "the page's rerun of")  # the run's own files, or refused
         except ConfigError as e:
             raise HTTPException(409, str(e)) from None
-        if not held:
+        if not held:  # the accounts named, as its report has them; the failed ones, as the rerun finds them
+            reported = {} if body.failed else _reported(store, run_id, set(body.accounts))
+            _all_in_run(run_id, body.accounts or [], reported)
             pid = launch(run_id, body.accounts, body.failed, body.force)
-            return {"run_id": run_id, "accounts": None if body.failed else body.accounts, "force": body.force,
-                    "pid": pid, "from_storage": store.url}
+            return {"run_id": run_id, "force": body.force, "pid": pid, "from_storage": store.url,
+                    "accounts": None if body.failed else [u for u in body.accounts if reported[u] != "rejected"]}
         chosen = state.failed() if body.failed else body.accounts
         records = state.accounts(chosen)
-        if unknown := [u for u in chosen if u not in records]:  # refused at once by the rerun (NotInRun)
-            raise HTTPException(422, f"run {run_id} has no account {', '.join(unknown[:5])}"
-                                     + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        _all_in_run(run_id, chosen, records)
         rejected = set(rejected_at_validation(records))  # as the rerun takes them: not those the input got wrong
         chosen = [u for u in chosen if u not in rejected]
         pid = launch(run_id, body.accounts, body.failed, body.force)
         return {"run_id": run_id, "accounts": chosen, "force": body.force, "pid": pid}
 
     return app
+
+
+def _all_in_run(run_id: str, chosen: list[str], found) -> None:
+    """422 for accounts the run lacks, as the rerun refuses them at once (NotInRun)."""
+    if unknown := [u for u in chosen if u not in found]:
+        raise HTTPException(422, f"run {run_id} has no account {', '.join(unknown[:5])}"
+                                 + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+
+
+def _reported(store: Store, run_id: str, wanted: set[str]) -> dict[str, str]:
+    """The status the run's stored report gives each of `wanted`: its CSV read once as it streams."""
+    return {r["ucc"]: r["status"] for r in csv.DictReader(store.lines(keys.report_keys(run_id)[1]))
+            if r["ucc"] in wanted}
 
 
 def content_security_policy(html: str) -> str:

@@ -100,6 +100,9 @@ def test_a_run_only_storage_holds_is_listed_beside_the_runs_redis_holds(client, 
     started = client.post(f"/runs/{run_id}/rerun", json={"failed": True}, headers=AUTH)
     assert started.status_code == 202 and started.json()["from_storage"] == store.url, started.text
     assert client.launched[-1] == (run_id, None, True, False)
+    assert client.post(f"/runs/{run_id}/rerun", json={"accounts": ["C9"]}, headers=AUTH).status_code == 422
+    named = client.post(f"/runs/{run_id}/rerun", json={"accounts": ["C1"], "force": True}, headers=AUTH)
+    assert named.status_code == 202 and named.json()["accounts"] == ["C1"], named.text
     assert client.post("/runs/2026-11-19-00000000/rerun", json={"failed": True}, headers=AUTH).status_code == 404
 
 

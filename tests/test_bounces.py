@@ -103,6 +103,13 @@ def test_bounces_from_imap_paper_notes_deemed_delivery_and_a_sealed_record(
     served = TestClient(create_app(settings, read_only=True)).get(f"/runs/{run_id}/paper.csv")
     assert served.status_code == 200 and {r["ucc"] for r in csv.DictReader(served.text.splitlines())} == set(paper)
     assert "@" not in served.text.replace("***@", ""), "addresses in a bounce's reason are masked without the token"
+    page = TestClient(create_app(settings, read_only=True)).get(f"/runs/{run_id}/accounts/{some}").json()
+    bounce_entry = next(e for e in delivery_log.entries(open_store(settings.store_url), run_id,
+                                                          keys.shard_of(some, load_manifest(open_store(
+                                                              settings.store_url), run_id).shard_count))
+                        if e["ucc"] == some and e["status"] == "bounced")
+    assert bounce_entry.get("token") and "bounced" in [e["status"] for e in page["delivery_log"]]
+    assert bounce_entry["token"] not in json.dumps(page), "a bounce's VERP token (it proves one) needs the API token"
     assert RunState(settings.redis_url, run_id).counts()["bounced"] == list(expected.values()).count("bounced")
 
     # hostile DSNs, and the same ones again: nothing changes
