@@ -153,7 +153,8 @@ def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_th
     assert "changed" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("edit", ["the manifest removed", "the manifest not a manifest", "the report not JSON"])
+@pytest.mark.parametrize("edit", ["the manifest removed", "the manifest and report removed",
+                                  "the manifest not a manifest", "the report not JSON"])
 def test_a_sealed_run_s_manifest_or_report_removed_or_garbled_is_changed_exit_1_not_a_run_never_made(
         closed_run, tmp_path, monkeypatch, capsys, edit):
     """Before, `verify` of a sealed run whose manifest was deleted said "no run" (exit 2, a command
@@ -162,8 +163,10 @@ def test_a_sealed_run_s_manifest_or_report_removed_or_garbled_is_changed_exit_1_
     settings, run_id, _, sealed, _ = closed_run
     root = copy(sealed, tmp_path / "store")
     manifest, report_key = root / keys.manifest_key(run_id), root / keys.report_keys(run_id)[0]
-    if edit == "the manifest removed":
+    if edit.startswith("the manifest") and edit.endswith("removed"):
         manifest.unlink()
+        if "report" in edit:
+            report_key.unlink()
     elif edit == "the manifest not a manifest":
         manifest.write_text('{"shards": "all of them"}')
     else:
@@ -171,7 +174,7 @@ def test_a_sealed_run_s_manifest_or_report_removed_or_garbled_is_changed_exit_1_
     named = keys.report_keys(run_id)[0] if edit == "the report not JSON" else keys.manifest_key(run_id)
     found = verified(root, run_id)
     assert not found["ok"] and exit_status(found) == 1 and found["first_problem"].startswith(
-        f"{named}: {'removed' if edit == 'the manifest removed' else 'changed'}"), found
+        f"{named}: {'removed' if edit.endswith('removed') else 'changed'}"), found
     laptop = settings.redis_url.rsplit("/", 1)[0] + "/13"  # a Redis without the run: the store given is where it is
     redis_module.Redis.from_url(laptop).flushdb()
     monkeypatch.setenv("REDIS_URL", laptop)

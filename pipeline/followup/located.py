@@ -56,11 +56,13 @@ def recorded(settings: Settings, resolved: Settings, cert: x509.Certificate) -> 
 
 
 def locate(settings: Settings, run_id: str, store_url: str | None = None, writes: bool = False,
-           command: str = "", redis_optional: bool = False) -> Located:
+           command: str = "", redis_optional: bool = False, sealed_is_found: bool = False) -> Located:
     """The run's store and key locations: Redis's record of the run, else `store_url` (--store),
     else CN_STORE. An explicit store other than the recorded one is used only if it holds the
     run's manifest (a copied or moved record). `writes`: the store must refuse a second
-    create-only write (the delivery log's chain rests on it). Reads only, until that check."""
+    create-only write (the delivery log's chain rests on it). Reads only, until that check.
+    `sealed_is_found` (verify): a run whose close's warrant or proof is there is found, its
+    manifest and report removed or not, for the reader to name what was removed."""
     keys.check_run_id(run_id)
     meta = _meta(settings, run_id, redis_optional)
     own = meta.get("store_url", "")
@@ -78,7 +80,9 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
         source += ": Redis does not hold the run"
     store = open_store(url, probe=True)
     manifest, report = store.exists(keys.manifest_key(run_id)), store.exists(keys.report_keys(run_id)[0])
-    if not (manifest or report) or (own and url != own and not manifest):
+    sealed = sealed_is_found and not (manifest or report) and any(
+        store.exists(k) for k in (keys.proof_keys(run_id)[0], keys.closing_keys(run_id)[0]))
+    if not (manifest or report or sealed) or (own and url != own and not manifest):
         elsewhere = f"; the run recorded {own}" if own and own != url else ""
         raise RunNotFound(f"no run {run_id!r} in {url} (no manifest or report there){elsewhere}"
                           + ("" if meta else "; Redis does not hold it either"))

@@ -15,6 +15,7 @@ from pipeline.record.state import RunState
 from pipeline.record.storage import Store, StorageError, read_json
 
 MANIFEST = ".manifest.json"
+PHASES = ("running", "finished", "closing", "sealed")  # run_phase's words
 HEAD = ("run", "date", "accounts", "delivered", "failed", "unconfirmed", "bounced", "rejected", "paper", "start",
         "duration", "state", "sealed")
 
@@ -31,7 +32,8 @@ def list_runs(store: Store, known: dict[str, dict] | None = None) -> list[dict]:
 def live(rows: list[dict], redis_url: str) -> list[dict]:
     """Each row of a run Redis holds as Redis has it (its counts, its end, whether close told it);
     the seal as storage has it. All as storage has them where Redis does not answer at once."""
-    try:
+    try:  # a Redis gone with its cluster is passed over at once, not after a connection's timeout
+        redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
         shown = [_live(row, RunState(redis_url, row["run_id"], patience_retries=0)) for row in rows]
     except redis.RedisError:
         return rows
@@ -46,7 +48,8 @@ def _live(row: dict, state: RunState) -> dict:
     started = row["started_at"] or (float(meta["started"]) if meta.get("started") else None)
     return {**row, **final, "paper": final["paper_owed"], "started_at": started, "finished_at": finished,
             "duration_s": round(finished - started, 3) if finished and started else None,
-            "state": run_phase(bool(finished), bool(meta.get("closed_at")), row["seal"])}
+            "state": run_phase(bool(finished), bool(meta.get("closed_at")), row["seal"]) if row["state"] in PHASES
+            else row["state"]}  # an edited report, named
 
 
 def _row(store: Store, run_id: str) -> dict:
