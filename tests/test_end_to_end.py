@@ -150,18 +150,27 @@ def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, 
     orphan = trades[1].split(",")
     orphan[header.index("ucc")] = "NOCLIENT1"
     trades.append(",".join(orphan))
+    # a trade number given twice as an original (another trade's, or the dump repeated): one was
+    # silently dropped and the note charged the other; now the account is rejected, naming it
+    again = next(r.split(",") for r in trades[6:] if r.split(",")[header.index("status")] == "11"
+                 and r.split(",")[header.index("ucc")] not in (victim, "NOCLIENT1"))
+    twice = again[header.index("ucc")]
+    again[header.index("quantity")] = str(int(again[header.index("quantity")]) * 2)
+    trades.append(",".join(again))
     (day / "trades.csv").write_text("\n".join(trades) + "\n")
 
     summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
 
-    assert summary["rejected"] == 2
-    assert summary["delivered"] == summary["accounts"] - 2
+    assert summary["rejected"] == 3
+    assert summary["delivered"] == summary["accounts"] - 3
     rows = {r["ucc"]: r for r in csv.DictReader(
         (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).open())}
     assert rows[victim]["status"] == "rejected"
     assert "trades.csv row 5 field 'price'" in rows[victim]["reason"]
     assert rows["NOCLIENT1"]["status"] == "rejected"
     assert "no valid client record" in rows["NOCLIENT1"]["reason"]
+    assert rows[twice]["status"] == "rejected" and "field 'trade_no'" in rows[twice]["reason"] and \
+        again[header.index("trade_no")] in rows[twice]["reason"], rows[twice]["reason"]
     mailed_to = {m["To"].addresses[0].addr_spec for m in outbox_messages(smtp_sink.outbox)}
     assert client_rows(day)[victim]["email"] not in mailed_to
 

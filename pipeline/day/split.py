@@ -692,6 +692,10 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         if ucc not in clients and ucc in trades:
             errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc",
                                 "error": "trades for an account with no valid client record"})
+        if twice := _original_twice(trades.get(ucc, ())):  # which of the two is the trade is not ours to guess
+            errors[ucc].append({"file": "trades.csv", "row": "", "field": "trade_no",
+                                "error": f"{twice} is given twice as an original (status 11): a trade number is "
+                                         "unique within its exchange and segment"})
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
@@ -701,6 +705,17 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         else:
             cancelled.append(ucc)
     return accounts, rejects, cancelled
+
+
+def _original_twice(rows) -> str:
+    """The first trade (exchange, segment, number) with two original rows, in words; "" if none."""
+    seen = set()
+    for t in rows:
+        if _STATUS(t) == "11":
+            if _IDENTITY(t) in seen:
+                return "{} {} trade {}".format(*_IDENTITY(t).split(SEP))
+            seen.add(_IDENTITY(t))
+    return ""
 
 
 def _describe(errors: list[dict]) -> str:
