@@ -383,7 +383,11 @@ def _redis(settings: Settings, secret: dict[str, str]) -> Settings:
 
 
 def secret_json(settings: Settings) -> str:
-    """The secret's JSON from the settings' key files and variables: what to store in Secrets Manager."""
+    """The secret's JSON from the settings' key files and variables: what to store in Secrets Manager.
+    With CN_SECRET naming the secret it replaces (a new signing key, the move to an HSM), that
+    secret's HMAC key and Redis password are kept: a new HMAC key would leave every earlier run's
+    links, bounces and reruns refused (the key its record names is gone)."""
+    kept = fetch(settings.secret) if settings.secret else {}
     def read(path: str) -> str:
         try:
             return Path(path).read_text()
@@ -404,6 +408,8 @@ def secret_json(settings: Settings) -> str:
     secret["smtp_url"] = settings.smtp_url
     if settings.dkim_key:
         secret["dkim_key_pem"] = read(settings.dkim_key)
-    secret["redis_password"] = secrets.token_urlsafe(32)  # the head's Redis (redis_acl.py): no one types it
-    secret["token_key"] = secrets.token_hex(32)
+    secret["redis_password"] = kept.get("redis_password") or secrets.token_urlsafe(32)  # the head's Redis: no one types it
+    secret["token_key"] = kept.get("token_key") or secrets.token_hex(32)
+    if kept:
+        log.warning("secret-json: the HMAC key and Redis password of %s kept", settings.secret)
     return json.dumps(secret)

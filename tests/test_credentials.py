@@ -31,6 +31,17 @@ def test_a_file_secret_made_by_secret_json_gives_back_the_key_and_passwords(sett
     assert credentials.read(bare)[1].cert.serial_number == credentials.read(settings)[1].cert.serial_number
 
 
+def test_a_secret_made_again_over_the_one_cn_secret_names_keeps_its_hmac_key_and_redis_password(settings, tmp_path):
+    """docs/aws.md's move to an HSM makes the secret again: its new random HMAC key left every
+    earlier run's links, bounces and reruns refused (the key their record names was gone)."""
+    first = tmp_path / "first.json"
+    first.write_text(credentials.secret_json(settings))
+    again = json.loads(credentials.secret_json(dataclasses.replace(settings, secret=f"file:{first}")))
+    kept = json.loads(first.read_text())
+    assert (again["token_key"], again["redis_password"]) == (kept["token_key"], kept["redis_password"])
+    assert json.loads(credentials.secret_json(settings))["token_key"] != kept["token_key"], "a first secret's is new"
+
+
 @pytest.mark.parametrize("content, error", [
     (None, "cannot read it"),
     ("not json", "not a JSON object"),
