@@ -48,7 +48,8 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     fresh_redis = redis_url.rsplit("/", 1)[0] + "/8"  # a laptop's: the cluster's Redis ended with the cluster
     redis.Redis.from_url(fresh_redis).flushdb()
     looked = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)  # Run All as it ships: mails nothing
-    inject(looked, REDIS_URL=fresh_redis, STORE_URL=good.store_url, RUN_ID=first["run_id"], SMTP_URL=healthy_relay.url)
+    # RUN_ID left None: a laptop's Redis holds no run, so the store's newest (before: an IndexError)
+    inject(looked, REDIS_URL=fresh_redis, STORE_URL=good.store_url, SMTP_URL=healthy_relay.url)
     NotebookClient(looked, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()
     [shown] = [o for o in looked.cells[-1].outputs if o["output_type"] == "execute_result"]
@@ -72,6 +73,19 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     assert victims[1] in paper and "smtp permanent" in paper, "the relay's 550 is on the paper list"
     assert len(outbox_messages(failing_relay.outbox)) == first["delivered"]
     assert sorted(m["Subject"].split("(")[-1].rstrip(")") for m in outbox_messages(healthy_relay.outbox)) == victims
+
+
+@pytest.mark.parametrize("accounts, arguments", [
+    ("failed", {"failed": True}), ("unconfirmed", {"unconfirmed": True}),
+    ("C0000042", {"accounts": ["C0000042"]}),  # before: its letters, each refused as no such account
+    (["C0000042", "C0000043"], {"accounts": ["C0000042", "C0000043"]}),
+])
+def test_the_notebook_s_accounts_parameter_is_taken_as_rerun_takes_it(accounts, arguments):
+    from pipeline.cluster.driver import chosen
+
+    assert chosen(accounts) == arguments
+    nb = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)
+    assert "**chosen(ACCOUNTS)" in next(c.source for c in nb.cells if "rerun(settings, RUN_ID" in c.source)
 
 
 @pytest.mark.parametrize("result, stops", [

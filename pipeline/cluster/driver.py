@@ -593,6 +593,14 @@ def _rerun(run: opened.OpenRun, accounts: list[str] | None, failed: bool, force:
     return summary
 
 
+def chosen(accounts: str | list[str]) -> dict:
+    """The notebook's ACCOUNTS as `rerun`'s arguments: "failed", "unconfirmed", one client code,
+    or a list of them (a code given alone was read as its letters)."""
+    if accounts in ("failed", "unconfirmed"):
+        return {accounts: True}
+    return {"accounts": [accounts] if isinstance(accounts, str) else list(accounts)}
+
+
 def undone(summary: dict) -> dict:
     """What a rerun left undone, from its summary; empty when each account it took ended delivered
     (a bounce standing: owed on paper, or the recipient's server retrying) or on paper and no new
