@@ -155,6 +155,7 @@ def test_bse_index_options_are_an_fo_trade_of_bse():
     (USDINR, "multiplier", "100", "must be 1000"),
     (USDINR, "symbol", "EURGBP", "not a currency pair taken"),
     (USDINR, "symbol", "USDINRX", "not a currency pair taken"),
+    (USDINR, "symbol", "AUDINR", "not a currency pair taken"),  # before: any XXXINR, a lot of 1,000 (an exercise charged)
     ({**USDINR, "symbol": "EURUSD"}, "price", "10000", "not a EURUSD quote"),
     (USDINR, "exchange", "MCX", "BSE or NSE in segment CDS"),
     (USDINR, "agri", "N", "only for commodities"),
@@ -177,6 +178,7 @@ def test_the_fast_check_agrees_with_parse_trade_on_the_new_segments():
     closes = {("NSE", "CDS", "FUTCUR", "USDINR", "2026-11-26", None, ""): Decimal("84.2"),
               ("MCX", "COM", "FUTCOM", "GOLD", "2027-02-05", None, ""): Decimal("76600")}
     cases = [USDINR, {**USDINR, "multiplier": "1000"}, GOLD, {**GOLD, "agri": ""}, {**USDINR, "symbol": "EURGBP"},
+             {**USDINR, "symbol": "AUDINR"},
              {**USDINR, "symbol": "EURUSD"},
              {**GOLD, "exchange": "BSE"}, {**GOOD, "multiplier": "1"}, {**GOOD, "agri": "Y"},
              {**GOLD, "quantity": "10000001"}, {**USDINR, "quantity": "1000000"}, {**USDINR, "quantity": "1000001"}]

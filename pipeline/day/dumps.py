@@ -81,7 +81,7 @@ SEGMENTS = [f"{exchange}-{segment}" for segment, exchanges in EXCHANGES.items() 
 # in rupees at RBI's reference rate for that currency on the trade date (reference_rates.csv).
 CURRENCY_MULTIPLIER = 1000
 _CURRENCY = str(CURRENCY_MULTIPLIER)
-INR_PAIR = re.compile(r"^[A-Z]{3}INR\Z")
+INR_PAIRS = frozenset({"USDINR", "EURINR", "GBPINR", "JPYINR"})  # what NSE and BSE list: another is no contract
 CROSS_PAIRS = {"EURUSD": "USD", "GBPUSD": "USD", "USDJPY": "JPY"}  # pair -> the currency it is quoted in
 # A cross-currency quote (about 1.1 or 150) is bounded well under MAX_PRICE, so its rupee value,
 # the quote times a reference rate of at most 6 places, stays exact in Decimal's 28 digits
@@ -448,8 +448,8 @@ def _lot_terms(v: dict[str, str], fail) -> int:
         fail("agri", f"is only for commodities (segment COM), not {segment}")
     if segment == "CDS":
         cross = v["symbol"] in CROSS_PAIRS
-        if not cross and not INR_PAIR.match(v["symbol"]):
-            fail("symbol", f"{v['symbol']!r} is not a currency pair taken: an INR pair (e.g. USDINR) or "
+        if not cross and v["symbol"] not in INR_PAIRS:
+            fail("symbol", f"{v['symbol'][:40]!r} is not a currency pair taken: {', '.join(sorted(INR_PAIRS))} or "
                            f"{', '.join(CROSS_PAIRS)}")
         if multiplier not in ("", str(CURRENCY_MULTIPLIER)):
             fail("multiplier", f"must be {CURRENCY_MULTIPLIER} (or empty) for a currency lot, not {multiplier[:40]!r}")
@@ -528,7 +528,7 @@ def _fits_segment(v) -> str | None:
     if agri:
         return None
     if segment == "CDS":
-        fits = multiplier in ("", _CURRENCY) and INR_PAIR.match(v[9]) and int(v[16]) <= MAX_QUANTITY // 1000
+        fits = multiplier in ("", _CURRENCY) and v[9] in INR_PAIRS and int(v[16]) <= MAX_QUANTITY // 1000
         return _CURRENCY if fits else None
     return "" if multiplier in ("", "1") else None
 
