@@ -143,7 +143,7 @@ def _outlived(tmp_path, redis_url, count: int, between) -> tuple[list, int, RunS
     thread.start()
     try:
         assert store.stalled.wait(30)
-        state.r.delete(keys.note_sequence_lock(fy))  # its 120 s are up
+        state.r.delete(keys.note_sequence_lock(fy, str(tmp_path)))  # its 120 s are up
         between(state, fy)
         b = note_numbers.reserve(open_store(str(tmp_path)), state, fy, 30)
     finally:
@@ -160,7 +160,7 @@ def test_a_reservation_that_outlives_its_lock_never_lowers_the_mark_a_redis_that
     a, b, state, fy = _outlived(tmp_path, redis_url, 50, lambda state, fy: None)
     store = open_store(str(tmp_path))
     assert json.loads(store.get(keys.note_sequence_key(fy)))["high"] == 80, "A's late write moved the old object down"
-    state.r.delete(keys.note_sequence(fy))  # Redis restarted without its data
+    state.r.delete(keys.note_sequence(fy, str(tmp_path)))  # Redis restarted without its data
 
     assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 81, "B's numbers issued again"
     assert note_numbers.high_water_mark(open_store(str(tmp_path)), fy) == 90
@@ -171,10 +171,21 @@ def test_numbers_issued_twice_while_a_reservation_outlived_its_lock_are_used_by_
         tmp_path, redis_url):
     """A's mark is stalled past the lock's life and Redis loses its counter meanwhile: B is issued
     A's numbers again. A finds B's mark over its numbers and uses none of them."""
-    a, b, state, fy = _outlived(tmp_path, redis_url, 50, lambda state, fy: state.r.delete(keys.note_sequence(fy)))
+    a, b, state, fy = _outlived(tmp_path, redis_url, 50,
+                                lambda state, fy: state.r.delete(keys.note_sequence(fy, str(tmp_path))))
     assert b == 1 and len(a) == 1 and isinstance(a[0], note_numbers.NumbersTaken), a
     assert "1-50" in str(a[0])
     assert note_numbers.reserve(open_store(str(tmp_path)), state, fy, 10) == 51
+
+
+def test_two_entities_on_one_redis_each_number_from_their_own_last(tmp_path, redis_url):
+    """Each issuing entity keeps its own store, and so its own note numbers: on one Redis (one
+    machine, a head kept for both), the second's first note was numbered after the first's last."""
+    state, fy = RunState(redis_url, f"run-{os.urandom(3).hex()}"), f"fy-{os.urandom(3).hex()}"
+    broking, commodities = open_store(str(tmp_path / "broking")), open_store(str(tmp_path / "commodities"))
+    assert note_numbers.reserve(broking, state, fy, 1000) == 1
+    assert note_numbers.reserve(commodities, state, fy, 10) == 1, "its own sequence, not after the other's"
+    assert note_numbers.reserve(broking, state, fy, 5) == 1001
 
 
 def test_a_group_with_no_account_to_number_reserves_nothing(tmp_path, redis_url):

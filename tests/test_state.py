@@ -141,7 +141,8 @@ def test_unconfirmed_accounts_have_their_own_registry_and_leave_it_when_settled(
 
 def test_note_numbers_are_reserved_in_disjoint_blocks(state):
     fy = f"test-{uuid.uuid4().hex[:6]}"
-    a, b = state.next_note_numbers(fy, 5), state.next_note_numbers(fy, 3)
+    sequence = keys.note_sequence(fy, "a-store")
+    a, b = state.next_note_numbers(sequence, 5), state.next_note_numbers(sequence, 3)
     assert (a, b) == (1, 6)
 
 

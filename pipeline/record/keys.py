@@ -110,12 +110,15 @@ def run_timeline(run_id: str) -> str:
     return f"cn:run:{run_id}:timeline"
 
 
-def note_sequence_lock(fy: str) -> str:
-    return f"cn:noteseq:{fy}:lock"
+def note_sequence(fy: str, store_url: str) -> str:
+    """A store's year of note numbers: each issuing entity keeps its own store (its marks), so two
+    entities on one Redis number each from its own last, without a gap the other's numbers made.
+    Redis's counter only speeds it: the floor is always the store's marks."""
+    return f"cn:noteseq:{hashlib.sha256(store_url.encode()).hexdigest()[:16]}:{fy}"
 
 
-def note_sequence(fy: str) -> str:
-    return f"cn:noteseq:{fy}"
+def note_sequence_lock(fy: str, store_url: str) -> str:
+    return f"{note_sequence(fy, store_url)}:lock"
 
 
 def note_block(fy: str, accounts_digest: str) -> str:

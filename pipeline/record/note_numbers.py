@@ -54,7 +54,7 @@ def reserve(store: Store, state: RunState, fy: str, count: int) -> int:
     """The first of `count` fresh numbers; the storage mark covers all of them on return.
     Split tasks reserve side by side: a Redis lock makes reading the mark, reserving and
     writing the mark one step."""
-    with _sequence_held(state, fy):
+    with _sequence_held(store, state, fy):
         return _reserved(store, state, fy, count)
 
 
@@ -74,7 +74,7 @@ def reserve_for(store: Store, state: RunState, fy: str, accounts: list[str],
     never issued twice. No account to number (a group of first notes alone) reserves nothing."""
     if not accounts:
         return {}
-    with _sequence_held(state, fy):
+    with _sequence_held(store, state, fy):
         held = state.r.get(block := _block(state, fy, accounts))
         if held is None and fresh is not None:
             accounts = fresh
@@ -96,13 +96,14 @@ class NumbersTaken(StorageError):
 
 
 @contextmanager
-def _sequence_held(state: RunState, fy: str) -> Iterator[None]:
-    """The year's reservations one at a time. One that outlives the lock (its store stalled past
-    LOCK_S) keeps its numbers once its mark shows no other reservation was issued any of them."""
-    lock = state.r.lock(keys.note_sequence_lock(fy), timeout=LOCK_S, blocking_timeout=600)
+def _sequence_held(store: Store, state: RunState, fy: str) -> Iterator[None]:
+    """The store's year's reservations one at a time. One that outlives the lock (its store
+    stalled past LOCK_S) keeps its numbers once its mark shows no other reservation was issued
+    any of them."""
+    lock = state.r.lock(keys.note_sequence_lock(fy, store.url), timeout=LOCK_S, blocking_timeout=600)
     if not lock.acquire():
         raise LockError(f"the note numbers of {fy}: another reservation held them for 600 s (Redis "
-                        f"{keys.note_sequence_lock(fy)})")
+                        f"{keys.note_sequence_lock(fy, store.url)})")
     try:
         yield
     finally:
@@ -118,8 +119,9 @@ def _reserved(store: Store, state: RunState, fy: str, count: int) -> int:
     lock), the later to list finds the other's mark and uses none of them."""
     if count < 1:  # a mark of none would be named as the reservation before it
         raise ValueError(f"a reservation of {count} note numbers")
-    high = high_water_mark(store, fy, above=state.issued_note_numbers(fy))
-    first = state.next_note_numbers(fy, count, floor=high)
+    sequence = keys.note_sequence(fy, store.url)
+    high = high_water_mark(store, fy, above=state.issued_note_numbers(sequence))
+    first = state.next_note_numbers(sequence, count, floor=high)
     last = first + count - 1
     key, mark = keys.note_mark_key(fy, last), {"fy": fy, "first": first, "high": last, "by": os.urandom(8).hex()}
     data = json.dumps(mark).encode()

@@ -136,15 +136,16 @@ class RunState(Records, MailGuard, RunLease):
         meta = self.meta() if meta is None else meta
         return headline(self.statuses(), bool(meta.get("closed_at")), self.paper_owed(), int(meta.get("accounts") or 0))
 
-    def issued_note_numbers(self, fy: str) -> int:
-        """The highest note number of the year Redis has issued (0: none, or it lost them)."""
-        return int(self.r.get(keys.note_sequence(fy)) or 0)
+    def issued_note_numbers(self, sequence: str) -> int:
+        """The highest note number Redis has issued of a store's year (keys.note_sequence; 0:
+        none, or it lost them)."""
+        return int(self.r.get(sequence) or 0)
 
-    def next_note_numbers(self, fy: str, count: int, floor: int = 0) -> int:
-        """Reserve `count` contract note numbers of a financial year; returns the first. The
-        counter is first raised to `floor` (the highest number ever issued, from storage), so
-        a Redis that lost it never hands out a number twice."""
-        last = self.r.eval(_RESERVE, 1, keys.note_sequence(fy), count, floor)
+    def next_note_numbers(self, sequence: str, count: int, floor: int = 0) -> int:
+        """Reserve `count` contract note numbers of a store's year (keys.note_sequence); returns
+        the first. The counter is first raised to `floor` (the highest number ever issued, from
+        storage), so a Redis that lost it never hands out a number twice."""
+        last = self.r.eval(_RESERVE, 1, sequence, count, floor)
         return int(last) - count + 1
 
 
