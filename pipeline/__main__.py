@@ -366,11 +366,14 @@ def cmd_plan(args) -> int:
                             "relays, as it recorded them; not SMTP_URL)"),
          ADDRESS, STORE, PIN_CORRECTED)
 def cmd_rerun(args) -> int:
+    from pipeline import credentials
     from pipeline.cluster.driver import rerun, undone
     from pipeline.errors import RunNotFound
 
     settings = _on_redis(Settings.from_env(smtp_url=args.smtp).with_deadline())
     _pin_corrected(settings, args.pin_corrected)
+    if args.smtp:
+        credentials.check_relay_logins(settings)
     try:
         summary = rerun(settings, args.run_id, args.accounts, args.failed, args.force, args.unconfirmed,
                         settings.relays() if args.smtp else None, args.store, args.address)

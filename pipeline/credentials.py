@@ -137,6 +137,20 @@ def recorded_token_key(settings: Settings, found: dict) -> bytes:
                                        token_key_id=found["token_key_id"])).hmac_key()
 
 
+def check_relay_logins(settings: Settings) -> None:
+    """A relay `--smtp` names with a login, where a secret holds the relays' credentials: the
+    mailers log in with the secret's (they lay its smtp_url over their settings), so a login
+    given only on the command line would never be used and each mail refused. Said at once."""
+    if not settings.secret:
+        return
+    held = {(t.host, t.port) for t in resolve(settings).smtp() if t.username}
+    for t in settings.smtp():
+        if t.username and (t.host, t.port) not in held:
+            raise ConfigError(f"--smtp {t.url()}: the mailers log in to relays with the credentials in the secret "
+                              f"({settings.secret}), and its smtp_url has none for {t.host}:{t.port}: add the relay "
+                              "there (smtp_url, comma-separated), then name it with --smtp")
+
+
 def for_mailer(settings: Settings) -> tuple[Settings, DkimSigner | None]:
     """What a mailer holds, from one read of the secret: the resolved settings, and the DKIM
     key loaded once (None: the mail goes unsigned, for the relay to sign)."""

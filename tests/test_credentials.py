@@ -161,3 +161,19 @@ def test_the_pin_and_passwords_stay_out_of_every_process_a_local_run_starts():
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen == {"worker": [None, None], "leaked_into": [], "driver": "pin-4242-secret"}, seen
+
+
+def test_a_rerun_through_a_relay_whose_login_only_the_command_line_names_is_refused_at_once(
+        settings, tmp_path, monkeypatch, capsys):
+    """With a secret, the mailers log in with the secret's relay credentials: a login given only
+    to `--smtp` was never used, and every mail the rerun made was refused by the relay."""
+    from pipeline.__main__ import main
+
+    secret = tmp_path / "secret.json"
+    secret.write_text(credentials.secret_json(dataclasses.replace(settings, smtp_url="smtp://cn:pw@relay-a:587")))
+    monkeypatch.setenv("CN_SECRET", f"file:{secret}")
+    monkeypatch.setenv("REDIS_URL", settings.redis_url)
+    assert main(["rerun", "no-such-run", "--failed", "--smtp", "smtp://cn:other@relay-b:587"]) == 2
+    assert "its smtp_url has none for relay-b:587" in capsys.readouterr().err
+    assert main(["rerun", "no-such-run", "--failed", "--smtp", "smtp://cn:pw@relay-a:587"]) == 2
+    assert "relay-a" not in capsys.readouterr().err, "a relay the secret logs in to is taken (the run is not there)"
