@@ -48,7 +48,10 @@ def test_the_notebook_shows_the_failures_and_its_rerun_delivers_them(
     fresh_redis = redis_url.rsplit("/", 1)[0] + "/8"  # a laptop's: the cluster's Redis ended with the cluster
     redis.Redis.from_url(fresh_redis).flushdb()
     looked = nbformat.read(f"{ROOT}/notebooks/rerun.ipynb", as_version=4)  # Run All as it ships: mails nothing
-    # RUN_ID left None: a laptop's Redis holds no run, so the store's newest (before: an IndexError)
+    from pipeline.record.manifest import SplitResult, save_manifest
+    save_manifest(open_store(good.store_url), "2026-11-19-abandoned", SplitResult([0], 10, 2))  # died mid-split
+    # RUN_ID left None: a laptop's Redis holds no run, so the store's newest, not a run that died before it
+    # (before: an IndexError; then the run that died, listed first as running)
     inject(looked, REDIS_URL=fresh_redis, STORE_URL=good.store_url, SMTP_URL=healthy_relay.url)
     NotebookClient(looked, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": f"{ROOT}/notebooks"}}).execute()

@@ -14,8 +14,8 @@ Redis (live state, with a TTL; the report in storage is the permanent record):
   cn:run:{run}:bounce-reader string the one `bounces` reader of the run (JSON), while it renews
   cn:run:{run}:recording     string held by `close` throughout, or a bounce reader while it records (JSON)
   cn:run:{run}:recording:close string a close waits for it: bounce readers let it in first
-  cn:noteseq:{fy}            int    contract note numbers issued in a financial year
-  cn:noteseq:{fy}:lock       string held while a split task reserves numbers and raises the mark
+  cn:noteseq:{store}:{fy}    int    contract note numbers a store (an issuing entity) issued in a financial year
+  cn:noteseq:{store}:{fy}:lock string held while a split task reserves numbers and raises the mark
   cn:rate:relay:{host}:{port} hash  a relay's send rate, shared by every mailer of every run (rates.py)
   cn:rate:domain:{domain}    hash   a receiving domain's send rate (CN_DOMAIN_RATES), likewise
   cn:hsm:{token}:pin-refused string when the HSM refused the PIN: never offered again (credentials.py)
@@ -114,7 +114,7 @@ def note_sequence(fy: str, store_url: str) -> str:
     """A store's year of note numbers: each issuing entity keeps its own store (its marks), so two
     entities on one Redis number each from its own last, without a gap the other's numbers made.
     Redis's counter only speeds it: the floor is always the store's marks."""
-    return f"cn:noteseq:{hashlib.sha256(store_url.encode()).hexdigest()[:16]}:{fy}"
+    return f"cn:noteseq:{hashlib.sha256(store_url.rstrip('/').encode()).hexdigest()[:16]}:{fy}"  # s3://b/p/ is s3://b/p
 
 
 def note_sequence_lock(fy: str, store_url: str) -> str:

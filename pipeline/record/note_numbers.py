@@ -1,4 +1,5 @@
-"""Contract note numbers: one sequence per financial year, never issued twice.
+"""Contract note numbers: one sequence per financial year and store (an issuing entity), never
+issued twice.
 
 Redis hands them out (atomic across a run's split tasks and concurrent runs); storage keeps the
 highest number reserved so far (noteseq/), written before any of them is used. Every
