@@ -7,9 +7,9 @@ under way is running there, while its report still says finished."""
 
 from __future__ import annotations
 
-from pipeline.followup.seal_state import BEGAN, SEALED, run_phase, seal_state
 import redis
 
+from pipeline.followup.seal_state import BEGAN, SEALED, run_phase, seal_state
 from pipeline.record import keys, report as reports
 from pipeline.record.state import RunState
 from pipeline.record.storage import Store, StorageError, read_json
@@ -26,7 +26,7 @@ def list_runs(store: Store, known: dict[str, dict] | None = None) -> list[dict]:
     known = known or {}
     found = [k[len("reports/"):-len(MANIFEST)] for k in store.keys("reports/") if k.endswith(MANIFEST)]
     rows = [known[run_id] if run_id in known and known[run_id]["sealed"] else _row(store, run_id) for run_id in found]
-    return sorted(rows, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
+    return _newest_first(rows)
 
 
 def live(rows: list[dict], redis_url: str) -> list[dict]:
@@ -37,7 +37,12 @@ def live(rows: list[dict], redis_url: str) -> list[dict]:
         shown = [_live(row, RunState(redis_url, row["run_id"], patience_retries=0)) for row in rows]
     except redis.RedisError:
         return rows
-    return sorted(shown, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
+    return _newest_first(shown)
+
+
+def _newest_first(rows: list[dict]) -> list[dict]:
+    """Those not finished (running, or stopped before their end) first, then by their end."""
+    return sorted(rows, key=lambda r: (r["finished_at"] is not None, -(r["finished_at"] or 0), r["run_id"]))
 
 
 def _live(row: dict, state: RunState) -> dict:

@@ -81,7 +81,7 @@ class Garbled(StorageError):
 
     @property
     def problem(self) -> str:
-        return f"{self.key}: changed ({self.what})"
+        return f"{self.key}: changed (it {self.what})"
 
 
 class NoObject(StorageError):
