@@ -73,8 +73,8 @@ def walk(store: Store, run_id: str, shard: int, sealed: list[str] | None, closed
     prev_sha, entries, unreadable = delivery_log.GENESIS, [], ""
     for i, key in enumerate(found):
         n = i + 1
-        if delivery_log.seq_of(key) > n:  # named further on than its place: not read (the same words _unlinked has)
-            chain.problem = _unlinked(store, run_id, shard, found, i, b"", prev_sha)
+        if gap := _gap(run_id, shard, found, i):  # named further on than its place: not read
+            chain.problem = gap
             return chain
         try:
             data = store.get(key)
@@ -134,9 +134,8 @@ def _unlinked(store: Store, run_id: str, shard: int, found: list[str], i: int, d
     further on than its place (those before it removed), its header gone or another chain's, or
     its link not to the object before (`prev_sha`); "" where it is in place."""
     key, n, prev_key = found[i], i + 1, found[i - 1] if i else ""
-    if delivery_log.seq_of(key) > n:  # named further on than its place: those before it are gone, whatever the seal says
-        return f"{delivery_log.object_key(run_id, shard, n)}: removed (the chain goes from {prev_key or 'its start'} " \
-               f"to {key})"
+    if gap := _gap(run_id, shard, found, i):
+        return gap
     try:
         header = delivery_log.chain_header(store, key, data)
     except StorageError:
@@ -148,6 +147,14 @@ def _unlinked(store: Store, run_id: str, shard: int, found: list[str], i: int, d
             return f"{key}: changed (its link to {prev_key or 'the start'} was edited)"
         return f"{prev_key}: changed (the next object, {key}, links to another)"
     return ""
+
+
+def _gap(run_id: str, shard: int, found: list[str], i: int) -> str:
+    """Object `i` named further on than its place: those before it are gone, whatever the seal says."""
+    if delivery_log.seq_of(found[i]) <= i + 1:
+        return ""
+    return f"{delivery_log.object_key(run_id, shard, i + 1)}: removed (the chain goes from " \
+           f"{found[i - 1] if i else 'its start'} to {found[i]})"
 
 
 def _misplaced(run_id: str, shard: int, n: int, key: str, header: dict, prev_key: str) -> str:

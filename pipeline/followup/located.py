@@ -23,7 +23,7 @@ from pipeline.errors import RunNotFound
 from pipeline.record import keys, made_with
 from pipeline.record.report import read_report
 from pipeline.record.state import RunState
-from pipeline.record.storage import Garbled, NotAsWritten, Store, check_create_only, open_store
+from pipeline.record.storage import Garbled, Store, check_create_only, open_store
 from pipeline.seal import detached
 from pipeline.settings import KEY_FILES, Settings, absolute_store, key_id
 
@@ -88,7 +88,7 @@ def locate(settings: Settings, run_id: str, store_url: str | None = None, writes
                           + ("" if meta else "; Redis does not hold it either"))
     try:
         found = meta if meta else read_report(store, keys.report_keys(run_id)[0]) if report else {}
-    except (NotAsWritten, Garbled):
+    except Garbled:  # NotAsWritten too
         if writes:
             raise
         found = {}  # changed in the bucket: a command that only reads (verify) names it as changed

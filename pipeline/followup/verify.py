@@ -33,7 +33,7 @@ from pipeline.followup.seal_state import BEGAN, SEALED, SealState, seal_state
 from pipeline.record import delivery_log, keys, report, spread
 from pipeline.record.keys import closing_keys, proof_keys, timestamp_key
 from pipeline.record.manifest import load_manifest
-from pipeline.record.storage import Garbled, NotAsWritten, Store, sha256
+from pipeline.record.storage import Garbled, Store, sha256
 from pipeline.seal import detached, timestamp
 from pipeline.seal.signer import SignError
 
@@ -43,7 +43,7 @@ MAILED = ("delivered", "bounced", "deferred", "unconfirmed")  # a report status 
 def verify(store: Store, run_id: str, cert_pem: bytes | None = None, tsa_cert_pem: bytes | None = None) -> dict:
     try:
         return _verified(store, run_id, cert_pem, tsa_cert_pem)
-    except (NotAsWritten, Garbled) as e:  # read whole: an object of the record changed (exit 1), never exit 2
+    except Garbled as e:  # read whole: an object of the record changed (exit 1), never exit 2
         return _unread(run_id, e.problem)  # the run's manifest or seal: what it says of the run is not known
 
 
@@ -63,7 +63,7 @@ def _verified(store: Store, run_id: str, cert_pem: bytes | None, tsa_cert_pem: b
     problems = []
     try:
         run_report = report.of_run(store, run_id) or {}
-    except (NotAsWritten, Garbled) as e:  # the rest is checked as for a run with no report
+    except Garbled as e:  # the rest is checked as for a run with no report
         run_report = {}
         problems.append(e.problem)
     seal = seal_state(store, run_id)

@@ -48,29 +48,11 @@ class StorageError(CannotRun, RuntimeError):
     pass
 
 
-class NotAsWritten(StorageError):
-    """The store gave an object whose bytes are not those its writer recorded (S3's CRC32 in its
-    metadata), twice: changed in place, its metadata kept. Not a failed read: a reader of the
-    record counts the object changed."""
-
-    def __init__(self, url: str, key: str):
-        super().__init__(f"{url}: object {key!r} is not as it was written (its CRC32 is not its writer's): changed "
-                         "in the bucket")
-        self.url, self.key = url, key
-
-    def __reduce__(self):
-        return NotAsWritten, (self.url, self.key)
-
-    @property
-    def problem(self) -> str:
-        """As verify names a changed object of the record."""
-        return f"{self.key}: changed (not as it was written: its CRC32 is not its writer's)"
-
-
 class Garbled(StorageError):
-    """An object this job wrote as JSON, read whole, that is not what it wrote (not JSON, not the
-    object's shape): edited or cut short in the store. A reader of the record counts it changed
-    (exit 1), as NotAsWritten; any other command stops on it as on a failed read."""
+    """An object of the record read whole that is not what its writer wrote (not JSON, not the
+    object's shape, or not its recorded bytes): edited or cut short in the store. Not a failed
+    read: a reader of the record (verify) counts it changed (exit 1); any other command stops on
+    it as on a failed read."""
 
     def __init__(self, url: str, key: str, what: str):
         super().__init__(f"{url}: object {key!r} {what}")
@@ -82,6 +64,22 @@ class Garbled(StorageError):
     @property
     def problem(self) -> str:
         return f"{self.key}: changed (it {self.what})"
+
+
+class NotAsWritten(Garbled):
+    """The store gave an object whose bytes are not those its writer recorded (S3's CRC32 in its
+    metadata), twice: changed in place, its metadata kept."""
+
+    def __init__(self, url: str, key: str):
+        super().__init__(url, key, "is not as it was written (its CRC32 is not its writer's): changed in the bucket")
+
+    def __reduce__(self):
+        return NotAsWritten, (self.url, self.key)
+
+    @property
+    def problem(self) -> str:
+        """As verify names a changed object of the record."""
+        return f"{self.key}: changed (not as it was written: its CRC32 is not its writer's)"
 
 
 class NoObject(StorageError):
