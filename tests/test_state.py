@@ -1,15 +1,17 @@
 """The Redis state model against a real redis-server."""
 
+import asyncio
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 
 import pytest
 
 from pipeline.mail.message import message_id
-from pipeline.record import keys
+from pipeline.record import guard, keys
 from pipeline.record.guard import StateLostError, claim_token
 from pipeline.record.lease import LeaseHeldError, LeaseLostError, held
 from pipeline.record.records import STAGES, Outcome, final_status, history
@@ -98,6 +100,33 @@ def test_a_claim_whose_kept_connection_redis_cut_claims_once_through_the_client(
     assert not state.claim_mail("A", "<a>", epoch, lease)
     assert state.claim_mail("C", "<c>", epoch, lease), "the connection is usable again"
     assert state.claimed(["A", "B", "C"]) == {"A", "B", "C"}
+
+
+def test_a_mailer_s_claim_on_a_redis_that_stops_answering_ends_in_its_timeout_then_the_patient_client(
+        redis_url, monkeypatch):
+    """A mailer's claim (claim_mail_async, on its loop's own connection) to a Redis that takes the
+    connection and never answers (frozen, a half-open link) gives up within the claim's timeout
+    and hands the same call to the client's patient retries (here a stand-in that answers 1), never
+    waiting on its loop for good: the timeout is the claim's whole, connection to reply."""
+    monkeypatch.setattr(guard, "CLAIM_TIMEOUT_S", 0.5)
+    silent = socket.create_server(("127.0.0.1", 0))
+    held_open = []
+    threading.Thread(target=lambda: held_open.append(silent.accept()), daemon=True).start()
+    mute = RunState(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", f"test-{uuid.uuid4().hex[:8]}")
+    handed = []
+
+    async def patient(fn, args):
+        handed.append(args)
+        return 1
+
+    started = time.monotonic()
+    try:
+        claimed = asyncio.run(mute.claim_mail_async("A", "<a>", "epoch", "lease", [], patient, claim_token("lease")))
+    finally:
+        silent.close()
+    assert claimed and len(handed) == 1 and "A" in handed[0]
+    assert held_open, "the claim reached the silent server"
+    assert 0.5 <= time.monotonic() - started < 3
 
 
 def test_replies_ride_to_redis_with_the_next_claim_even_after_redis_lost_its_scripts(state):
