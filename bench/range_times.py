@@ -3,7 +3,9 @@
 render task that asked for it, its start and end (epoch seconds) and the process's PID go to a
 file named by its first page, in the directory CN_BENCH_RANGE_TIMES names. Only the render call
 is timed: a range task's argument, its memo's release and its result's trip through Ray's
-object store are not."""
+object store are not. When the render task asked for each range's task (handed it to Ray) goes
+to a file of its own there, ASKED: read from Ray's task events, those needed the dashboard,
+whose CPU counted in the note's."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import time
 from pathlib import Path
 
 DIR = "CN_BENCH_RANGE_TIMES"
+ASKED = "asked"
 
 
 def hook() -> None:
     from pipeline.cluster import page_ranges
 
-    render = page_ranges.render
+    render, task = page_ranges.render, page_ranges.render_pages_task
 
     def timed(part: dict, tagged: bool) -> bytes:
         began = time.time()
@@ -28,9 +31,27 @@ def hook() -> None:
             out.write(json.dumps([os.getpid(), began, ended]))
         return pdf
 
+    class Asked:
+        """render_pages_task.options(...), each .remote() noted once it has returned."""
+
+        def __init__(self, options: dict) -> None:
+            self.asking = task.options(**options)
+
+        def remote(self, *args):
+            ref = self.asking.remote(*args)
+            with open(Path(os.environ[DIR], ASKED), "a") as out:
+                out.write(f"{time.time()}\n")
+            return ref
+
     page_ranges.render = timed
+    page_ranges.render_pages_task = type("AskedTask", (), {"options": staticmethod(lambda **kw: Asked(kw))})
 
 
 def read(directory: str) -> dict[int, tuple[int, float, float]]:
     """First page -> (PID, start, end) of each range rendered."""
-    return {int(p.name): tuple(json.loads(p.read_text())) for p in Path(directory).iterdir()}
+    return {int(p.name): tuple(json.loads(p.read_text())) for p in Path(directory).iterdir() if p.name != ASKED}
+
+
+def asked(directory: str) -> list[float]:
+    """When each range's task was asked for (epoch seconds)."""
+    return [float(line) for line in (Path(directory) / ASKED).read_text().split()]

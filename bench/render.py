@@ -213,9 +213,9 @@ def huge(pages: int) -> dict:
     cores = os.cpu_count() or 1
     times = tempfile.mkdtemp(prefix="cn-range-times-")
     with workers_environment():  # the allocator and compile threads a run's Ray has
-        ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=True, log_to_driver=False,
+        ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
-                              "worker_process_setup_hook": "bench.range_times.hook"})  # the dashboard: Ray's task events
+                              "worker_process_setup_hook": "bench.range_times.hook"})
     # A worker a slot, as a render node's are once it has rendered shards. A range on the CPU the
     # render task lends while it waits for the ranges tasks hold needs one more: Ray starts it,
     # as on a node (and stops it a second after it is idle, past a worker a CPU).
@@ -245,12 +245,12 @@ def huge(pages: int) -> dict:
     stop.set()
     sampler.join()
     started, built, finished = done["started"], done["built"], done["finished"]
-    asked = _asked(-(-done["total_pages"] // RANGE_PAGES), ray.get_runtime_context().gcs_address)
     ray.shutdown()
-    rendered = range_times.read(times)
+    rendered, asked = range_times.read(times), range_times.asked(times)
     shutil.rmtree(times)
-    if sorted(rendered) != list(range(0, done["total_pages"], RANGE_PAGES)):
-        raise RuntimeError(f"ranges rendered from pages {sorted(rendered)}: not each of the note's once")
+    if sorted(rendered) != list(range(0, done["total_pages"], RANGE_PAGES)) or len(asked) != len(rendered):
+        raise RuntimeError(f"ranges rendered from pages {sorted(rendered)}, {len(asked)} asked for: "
+                           "not each of the note's once")
     ranges = [rendered[first] for first in sorted(rendered)]
     slots = RENDER.vcpus  # a range a vCPU of the render task's node
     submit_s = max(asked) - built  # the ranges cut from the note and handed to Ray
@@ -293,21 +293,6 @@ def _volatile_shard(pages: int) -> dict:
     finished = time.time()
     return {"started": started, "built": built, "finished": finished, "total_pages": note["total_pages"],
             "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1), "pid": os.getpid()}
-
-
-def _asked(expected: int, address: str) -> list[float]:
-    """When each of the `expected` "render pages" tasks was asked for (epoch seconds), from the
-    task events (flushed about once a second) of the Ray at `address`: this bench's own, not
-    another on the machine. A task cancelled (its range taken by the render task) counts too."""
-    from ray.util.state import list_tasks
-
-    for _ in range(30):
-        tasks = list_tasks(address, filters=[("name", "=", "render pages")], limit=10_000, detail=True,
-                           raise_on_missing_output=False)
-        if len(tasks) == expected:
-            return [t.creation_time_ms / 1000 for t in tasks]
-        time.sleep(0.5)
-    raise RuntimeError(f"Ray's task events hold {len(tasks)} of the {expected} page ranges' tasks")
 
 
 def _peak_kb(pid: int) -> int:
