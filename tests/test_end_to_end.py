@@ -150,27 +150,43 @@ def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, 
     orphan = trades[1].split(",")
     orphan[header.index("ucc")] = "NOCLIENT1"
     trades.append(",".join(orphan))
+    orphan_row = len(trades) - 1  # a row's number: its line's, the header line 0
     # a trade number given twice as an original (another trade's, or the dump repeated): one was
     # silently dropped and the note charged the other; now the account is rejected, naming it
-    again = next(r.split(",") for r in trades[6:] if r.split(",")[header.index("status")] == "11"
+    first = next(i for i, r in enumerate(trades) if i > 5 and r.split(",")[header.index("status")] == "11"
                  and r.split(",")[header.index("ucc")] not in (victim, "NOCLIENT1"))
+    again = trades[first].split(",")
     twice = again[header.index("ucc")]
     again[header.index("quantity")] = str(int(again[header.index("quantity")]) * 2)
     trades.append(",".join(again))
     (day / "trades.csv").write_text("\n".join(trades) + "\n")
+    # a client code given twice in clients.csv (the same row again, or another client's code)
+    clients = (day / "clients.csv").read_text().splitlines()
+    header_c = clients[0].split(",")
+    dup_at = next(i for i, c in enumerate(clients) if i > 0 and c.split(",")[header_c.index("ucc")] not in
+                  (victim, twice))
+    dup = clients[dup_at].split(",")[header_c.index("ucc")]
+    clients.append(clients[dup_at])
+    (day / "clients.csv").write_text("\n".join(clients) + "\n")
 
     summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))
 
-    assert summary["rejected"] == 3
-    assert summary["delivered"] == summary["accounts"] - 3
+    assert summary["rejected"] == 4
+    assert summary["delivered"] == summary["accounts"] - 4
     rows = {r["ucc"]: r for r in csv.DictReader(
         (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).open())}
     assert rows[victim]["status"] == "rejected"
     assert "trades.csv row 5 field 'price'" in rows[victim]["reason"]
+    # what no one row makes wrong names its rows: the operator finds each in the file
     assert rows["NOCLIENT1"]["status"] == "rejected"
-    assert "no valid client record" in rows["NOCLIENT1"]["reason"]
-    assert rows[twice]["status"] == "rejected" and "field 'trade_no'" in rows[twice]["reason"] and \
-        again[header.index("trade_no")] in rows[twice]["reason"], rows[twice]["reason"]
+    assert f"trades.csv row {orphan_row} field 'ucc': trades for an account with no valid client record" in \
+        rows["NOCLIENT1"]["reason"], rows["NOCLIENT1"]["reason"]
+    assert rows[twice]["status"] == "rejected" and again[header.index("trade_no")] in rows[twice]["reason"]
+    assert f"trades.csv row {len(trades) - 1} field 'trade_no'" in rows[twice]["reason"] and \
+        f"also row {first}:" in rows[twice]["reason"], rows[twice]["reason"]
+    assert rows[dup]["status"] == "rejected"
+    assert f"clients.csv row {len(clients) - 1} field 'ucc': duplicate client (also row {dup_at})" in \
+        rows[dup]["reason"], rows[dup]["reason"]
     mailed_to = {m["To"].addresses[0].addr_spec for m in outbox_messages(smtp_sink.outbox)}
     assert client_rows(day)[victim]["email"] not in mailed_to
 

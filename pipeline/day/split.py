@@ -160,8 +160,9 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     """Validates one range's rows. Returns what the range saw (its row count, the errors that
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
     text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
-    identity, its place on the note and its status joined by SEP, then the row as JSON) or e (an
-    error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
+    identity, its place on the note and its status joined by SEP, then the row as JSON), each
+    ending in `RS range:row` (the row in this range: a rejection no one row makes names its rows),
+    or e (an error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
     `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
     `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected; `segments` and
@@ -186,6 +187,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
         pad, present = (), columns
     shard_of, contracts = {}, {}  # an account's rows and a contract's trades repeat: work each out once
     errors, n = [], 0
+    at_range = f"{RS}{rng.index}:"  # each line ends in RS range:row; this part once a range
     entity = kind == "t" and (segments is not None or bool(left_to))
     left: dict[str, int] = defaultdict(int)
     for n, raw in rows:
@@ -210,10 +212,10 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                 r = trade_row(name, n, values, trade_date, closes, contracts, closed)
                 ucc = r[4]  # what assembly needs of a trade, worked out here: the trade, the order on the note
                 line = f"{r[1]}{SEP}{r[2]}{SEP}{r[7]}{RS}{r[1]}{SEP}{r[2]}{SEP}{r[3]}{SEP}{r[8]}{SEP}{r[7]}{RS}{r[19]}" \
-                       f"{RS}{_json_row(r)}"
+                       f"{RS}{_json_row(r)}{at_range}{n}"
             else:
                 client = parse_client(name, n, dict(zip(CLIENT_FIELDS, values)))
-                ucc, line = client.ucc, json.dumps(vars(client), separators=(",", ":"))
+                ucc, line = client.ucc, f"{json.dumps(vars(client), separators=(',', ':'))}{at_range}{n}"
             shard = shard_of.get(ucc)
             if shard is None:
                 shard = shard_of[ucc] = keys.shard_of(ucc, shards)
@@ -666,6 +668,7 @@ def _json_row(row: list[str]) -> str:
 
 # a trade's bucket line after its kind and account: identity, order on the note, status, row
 _IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_AT = 4  # then its range and row
 
 
 def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome], list[str]]:
@@ -674,6 +677,7 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
     cancelled: no trade stands, so no note is due (they were in no count before, a day of 1.5M
     synthetic accounts showed 183 of them)."""
     clients: dict[str, str] = {}
+    client_at: dict[str, str] = {}  # its bucket line's range:row, a row's number worked out only when named
     trades: dict[str, list[list[str]]] = defaultdict(list)
     errors: dict[str, list[dict]] = defaultdict(list)
     for line in lines:
@@ -682,20 +686,26 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         if kind == "t":
             trades[ucc].append(payload.split(RS))
         elif kind == "c":
+            client, at = payload.rsplit(RS, 1)
             if ucc in clients:
-                errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc", "error": "duplicate client"})
-            clients[ucc] = payload
+                errors[ucc].append({"file": "clients.csv", "row": _row("clients.csv", at, offsets), "field": "ucc",
+                                    "error": f"duplicate client (also row {_row('clients.csv', client_at[ucc], offsets)})"})
+            else:
+                clients[ucc], client_at[ucc] = client, at
         else:
             errors[ucc].append(_moved(json.loads(payload), offsets))
     accounts, rejects, cancelled = [], [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
-            errors[ucc].append({"file": "clients.csv", "row": "", "field": "ucc",
-                                "error": "trades for an account with no valid client record"})
+            errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", trades[ucc][0][_AT], offsets),
+                                "field": "ucc", "error": f"trades for an account with no valid client record "
+                                                         f"({len(trades[ucc])} rows, the first here)"})
         if twice := _original_twice(trades.get(ucc, ())):  # which of the two is the trade is not ours to guess
-            errors[ucc].append({"file": "trades.csv", "row": "", "field": "trade_no",
-                                "error": f"{twice} is given twice as an original (status 11): a trade number is "
-                                         "unique within its exchange and segment"})
+            first, again = twice
+            errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", again[_AT], offsets), "field": "trade_no",
+                                "error": "{} {} trade {} is given twice as an original (status 11), also row {}: a trade "
+                                         "number is unique within its exchange and segment".format(
+                                             *_IDENTITY(again).split(SEP), _row("trades.csv", first[_AT], offsets))})
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
@@ -707,15 +717,21 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
     return accounts, rejects, cancelled
 
 
-def _original_twice(rows) -> str:
-    """The first trade (exchange, segment, number) with two original rows, in words; "" if none."""
-    seen = set()
+def _original_twice(rows) -> tuple[list[str], list[str]] | None:
+    """The first trade (exchange, segment, number) with two original rows: those two rows."""
+    seen: dict[str, list[str]] = {}
     for t in rows:
         if _STATUS(t) == "11":
             if _IDENTITY(t) in seen:
-                return "{} {} trade {}".format(*_IDENTITY(t).split(SEP))
-            seen.add(_IDENTITY(t))
-    return ""
+                return seen[_IDENTITY(t)], t
+            seen[_IDENTITY(t)] = t
+    return None
+
+
+def _row(file: str, at: str, offsets: dict) -> int:
+    """A bucket line's `range:row` as the row's number in its file."""
+    index, row = at.split(":")
+    return offsets[(file, int(index))] + int(row)
 
 
 def _describe(errors: list[dict]) -> str:
