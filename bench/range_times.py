@@ -3,9 +3,9 @@
 render task that asked for it, its start and end (epoch seconds) and the process's PID go to a
 file named by its first page, in the directory CN_BENCH_RANGE_TIMES names. Only the render call
 is timed: a range task's argument, its memo's release and its result's trip through Ray's
-object store are not. When the render task asked for each range's task (handed it to Ray) goes
-to a file of its own there, ASKED: read from Ray's task events, those needed the dashboard,
-whose CPU counted in the note's."""
+object store are not. When the render task asked for each range's task (handed it to Ray) is
+kept in its process, in ASKED, for bench/render.py's task to return: Ray's task events told it
+before, and reading them took Ray's dashboard, whose CPU counted in the note's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 DIR = "CN_BENCH_RANGE_TIMES"
-ASKED = "asked"
+ASKED: list[float] = []  # in the render task's process: when each range's task was asked for (epoch seconds)
 
 
 def hook() -> None:
@@ -39,8 +39,7 @@ def hook() -> None:
 
         def remote(self, *args):
             ref = self.asking.remote(*args)
-            with open(Path(os.environ[DIR], ASKED), "a") as out:
-                out.write(f"{time.time()}\n")
+            ASKED.append(time.time())
             return ref
 
     page_ranges.render = timed
@@ -49,9 +48,4 @@ def hook() -> None:
 
 def read(directory: str) -> dict[int, tuple[int, float, float]]:
     """First page -> (PID, start, end) of each range rendered."""
-    return {int(p.name): tuple(json.loads(p.read_text())) for p in Path(directory).iterdir() if p.name != ASKED}
-
-
-def asked(directory: str) -> list[float]:
-    """When each range's task was asked for (epoch seconds)."""
-    return [float(line) for line in (Path(directory) / ASKED).read_text().split()]
+    return {int(p.name): tuple(json.loads(p.read_text())) for p in Path(directory).iterdir()}

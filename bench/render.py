@@ -246,7 +246,7 @@ def huge(pages: int) -> dict:
     sampler.join()
     started, built, finished = done["started"], done["built"], done["finished"]
     ray.shutdown()
-    rendered, asked = range_times.read(times), range_times.asked(times)
+    rendered, asked = range_times.read(times), done["asked"]
     shutil.rmtree(times)
     if sorted(rendered) != list(range(0, done["total_pages"], RANGE_PAGES)) or len(asked) != len(rendered):
         raise RuntimeError(f"ranges rendered from pages {sorted(rendered)}, {len(asked)} asked for: "
@@ -278,7 +278,7 @@ def huge(pages: int) -> dict:
 
 def _volatile_shard(pages: int) -> dict:
     """In a render task's place: the note built from its shard rows and rendered, timed by the
-    wall clock (epoch seconds, to set beside Ray's task events and the ranges' times)."""
+    wall clock (epoch seconds, to set beside the ranges' times and when each was asked for)."""
     from pipeline.cluster.page_ranges import render_notes
 
     _, typical = corpus(240)
@@ -292,7 +292,8 @@ def _volatile_shard(pages: int) -> dict:
     [pdf] = render_notes([note])
     finished = time.time()
     return {"started": started, "built": built, "finished": finished, "total_pages": note["total_pages"],
-            "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1), "pid": os.getpid()}
+            "pages": _pages(pdf), "pdf_mb": round(len(pdf) / 2**20, 1), "pid": os.getpid(),
+            "asked": range_times.ASKED}
 
 
 def _peak_kb(pid: int) -> int:

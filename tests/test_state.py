@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -10,8 +11,9 @@ import uuid
 
 import pytest
 
+from pipeline.embedded import start_redis
 from pipeline.mail.message import message_id
-from pipeline.record import guard, keys
+from pipeline.record import keys
 from pipeline.record.guard import StateLostError, claim_token
 from pipeline.record.lease import LeaseHeldError, LeaseLostError, held
 from pipeline.record.records import STAGES, Outcome, final_status, history
@@ -102,31 +104,39 @@ def test_a_claim_whose_kept_connection_redis_cut_claims_once_through_the_client(
     assert state.claimed(["A", "B", "C"]) == {"A", "B", "C"}
 
 
-def test_a_mailer_s_claim_on_a_redis_that_stops_answering_ends_in_its_timeout_then_the_patient_client(
-        redis_url, monkeypatch):
-    """A mailer's claim (claim_mail_async, on its loop's own connection) to a Redis that takes the
-    connection and never answers (frozen, a half-open link) gives up within the claim's timeout
-    and hands the same call to the client's patient retries (here a stand-in that answers 1), never
-    waiting on its loop for good: the timeout is the claim's whole, connection to reply."""
-    monkeypatch.setattr(guard, "CLAIM_TIMEOUT_S", 0.5)
-    silent = socket.create_server(("127.0.0.1", 0))
-    held_open = []
-    threading.Thread(target=lambda: held_open.append(silent.accept()), daemon=True).start()
-    mute = RunState(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", f"test-{uuid.uuid4().hex[:8]}")
-    handed = []
-
-    async def patient(fn, args):
-        handed.append(args)
-        return 1
-
-    started = time.monotonic()
+def test_a_mailer_s_claim_to_a_redis_frozen_mid_claim_gives_up_in_its_timeout_and_never_reads_that_reply(tmp_path):
+    """A mailer's claims (claim_mail_async) go on its loop's own kept connection. Redis stops
+    answering (SIGSTOP: a frozen server, or a half-open link) after a claim was sent on it: the
+    claim gives up within the URL's socket timeout and hands the same call to the client's
+    patient retries, which claim once Redis is back (the same token: its own claim). The kept
+    connection, whose reply was never read, is never used again: a claim after it that must be
+    refused is refused, not answered with the frozen claim's reply."""
+    server = start_redis(tmp_path / "redis", aof=False)
     try:
-        claimed = asyncio.run(mute.claim_mail_async("A", "<a>", "epoch", "lease", [], patient, claim_token("lease")))
+        state = RunState(server.url + "?socket_timeout=0.5", f"test-{uuid.uuid4().hex[:8]}")
+        epoch, lease = state.start({}), state.take_lease(60).token
+        handed = []
+
+        async def patient(fn, args):
+            handed.append(time.monotonic())
+            return await asyncio.to_thread(fn, args)
+
+        async def claims() -> tuple[bool, bool, bool, float]:
+            first = await state.claim_mail_async("A", "<a>", epoch, lease, [], patient, claim_token(lease))
+            server.process.send_signal(signal.SIGSTOP)
+            threading.Timer(1.5, server.process.send_signal, (signal.SIGCONT,)).start()
+            started = time.monotonic()
+            frozen = await state.claim_mail_async("B", "<b>", epoch, lease, [], patient, claim_token(lease))
+            again = await state.claim_mail_async("A", "<a>", epoch, lease, [], patient, claim_token(lease))
+            return first, frozen, again, started
+
+        first, frozen, again, started = asyncio.run(claims())
     finally:
-        silent.close()
-    assert claimed and len(handed) == 1 and "A" in handed[0]
-    assert held_open, "the claim reached the silent server"
-    assert 0.5 <= time.monotonic() - started < 3
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()
+    assert first and frozen and not again
+    waited = [t - started for t in handed if t >= started]  # the first claim's too, had its script to be loaded
+    assert len(waited) == 1 and 0.5 <= waited[0] < 1.4, "the frozen claim waited its timeout, no more"
 
 
 def test_replies_ride_to_redis_with_the_next_claim_even_after_redis_lost_its_scripts(state):

@@ -698,8 +698,8 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
             errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", trades[ucc][0][_AT], offsets),
-                                "field": "ucc", "error": f"trades for an account with no valid client record "
-                                                         f"({len(trades[ucc])} rows, the first here)"})
+                                "field": "ucc", "error": "trades for an account with no valid client record "
+                                                         "(its first trade row)"})
         if twice := _original_twice(trades.get(ucc, ())):  # which of the two is the trade is not ours to guess
             first, again = twice
             errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", again[_AT], offsets), "field": "trade_no",

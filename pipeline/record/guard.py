@@ -58,7 +58,6 @@ return 0
 
 
 _CLAIM_SHA = hashlib.sha1(_CLAIM.encode()).hexdigest()
-CLAIM_TIMEOUT_S = redis.asyncio.connection.DEFAULT_SOCKET_TIMEOUT  # as long as redis-py waits for a reply
 
 
 class MailGuard:
@@ -113,15 +112,19 @@ class MailGuard:
 
     async def _evalsha_async(self, args: list) -> int:
         """One connection at a time from this loop's own pool, kept between claims (as _evalsha's).
-        The whole claim (a connection, the call, its reply) is within one timeout, as long as
-        redis-py's own; its TimeoutError (an OSError) hands the claim to the patient client, as a
-        lost connection does. redis-py's, a wait_for on the write (a task) and a timeout on the
-        read, cost a claim 29 µs of CPU, eight at once on uvloop; this one 21."""
+        The whole claim (a connection, the call, its reply) is within one timeout, the socket
+        timeout redis-py would take (the URL's socket_timeout, else its default); its TimeoutError
+        (an OSError) hands the claim to the patient client, as a lost connection does. redis-py's
+        own, a wait_for on the write (a task) and a timeout on the read, cost a claim 29 µs of
+        CPU, eight at once on uvloop; this one 21."""
         loop = asyncio.get_running_loop()
         if getattr(self, "_aio", (None,))[0] is not loop:
-            self._aio = (loop, redis.asyncio.ConnectionPool.from_url(self.redis_url, socket_timeout=None), [])
-        _, pool, spares = self._aio
-        async with asyncio.timeout(CLAIM_TIMEOUT_S):
+            pool = redis.asyncio.ConnectionPool.from_url(self.redis_url)
+            timeout_s = pool.connection_kwargs.get("socket_timeout") or redis.asyncio.connection.DEFAULT_SOCKET_TIMEOUT
+            pool.connection_kwargs["socket_timeout"] = None  # the claim's one timeout is its connections' too
+            self._aio = (loop, pool, [], timeout_s)
+        _, pool, spares, timeout_s = self._aio
+        async with asyncio.timeout(timeout_s):
             conn = spares.pop() if spares else await pool.get_connection()
             try:
                 await conn.send_packed_command([hiredis.pack_command(("EVALSHA", _CLAIM_SHA, 7, *args))],
