@@ -31,7 +31,7 @@ from pipeline.mail import verp
 from pipeline.record import delivery_log, keys, spread
 from pipeline.record.manifest import load_manifest
 from pipeline.record.state import RunClosed, RunState
-from pipeline.record.storage import FolderStore, StorageError, open_store
+from pipeline.record.storage import FolderStore, Garbled, StorageError, open_store
 from pipeline.seal import detached
 from pipeline.seal.sign import make_test_certificate
 from pipeline.seal.signer import load_signer
@@ -137,6 +137,21 @@ def test_an_object_removed_from_a_sealed_chain_is_named_as_removed(closed_run, t
     found = verified(root, run_id)
     assert not found["ok"] and exit_status(found) == 1
     assert found["first_problem"].startswith(f"{objects[removed].relative_to(root)}: removed"), found
+
+
+def test_a_log_object_whose_stat_the_disk_fails_stops_verify_as_unread_never_named_removed(closed_run, tmp_path):
+    """A folder store's listing passed over a file the disk could not stat (os.path.isfile says
+    False on any error: EIO on a failing disk; ELOOP here, a link to itself), so verify named the
+    log object removed: a sealed record read as tampered (exit 1) over a fault of the disk. It
+    is a store that could not be read (exit 2: a retry after the repair finds the record whole)."""
+    _, run_id, _, sealed, bounced = closed_run
+    root = copy(sealed, tmp_path / "store")
+    objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
+    objects[0].unlink()
+    objects[0].symlink_to(objects[0].name)
+    with pytest.raises(StorageError, match="Too many levels of symbolic links") as raised:
+        verified(root, run_id)
+    assert not isinstance(raised.value, Garbled), "not a changed record"
 
 
 def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_that_could_not_run(closed_run, tmp_path,

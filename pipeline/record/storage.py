@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -291,7 +292,7 @@ class FolderStore:
                     under = os.path.relpath(top, self.root) + "/"
                     found += [under + name for name in names if not name.startswith(".tmp-") and under + name > after]
                 found.sort()
-                yield from (key for key in found if os.path.isfile(os.path.join(self.root, key)))
+                yield from (key for key in found if _a_file(os.path.join(self.root, key)))
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
         """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
@@ -308,6 +309,16 @@ class FolderStore:
 
 def _raise(error: OSError) -> None:
     raise error
+
+
+def _a_file(path: str) -> bool:
+    """os.path.isfile, but for a file whose stat fails other than by its absence (EIO on a failing
+    disk, ELOOP): that raises, where isfile said False, and a listing of the record passed over
+    the object as if it had never been written (verify then named it removed: tampered)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:  # removed since the walk, or a link to nothing
+        return False
 
 
 def _whole(got) -> tuple[bytes, dict]:
