@@ -474,7 +474,8 @@ def cmd_close(args) -> int:
 
 @command("verify", "check a run's delivery log, proof, signature and timestamp from storage alone, and its report "
                    "against the log: exit 0 sealed and whole; 1 naming the first object changed, removed, out of "
-                   "place or disagreeing; 3 not sealed yet (or its close began: the next close finishes it)",
+                   "place or disagreeing; 2 the store could not be read; 3 not sealed yet (or its close began: the next "
+                   "close finishes it)",
          RUN_ID,
          arg("--cert", type=Path, help="the broker's signing certificate (PEM): the proof must be signed by it "
                                        "(default: the certificate the run recorded when it started)"),

@@ -149,9 +149,16 @@ def test_a_log_object_whose_stat_the_disk_fails_stops_verify_as_unread_never_nam
     objects = chain(root, run_id, shard_of(root, run_id, bounced[0]))
     objects[0].unlink()
     objects[0].symlink_to(objects[0].name)
-    with pytest.raises(StorageError, match="Too many levels of symbolic links") as raised:
+    with pytest.raises(StorageError, match="cannot list .*Too many levels of symbolic links") as raised:
         verified(root, run_id)
     assert not isinstance(raised.value, Garbled), "not a changed record"
+    assert main(["verify", run_id, "--store", str(root)]) == 2
+    objects[0].unlink()  # the chain's folder itself a link to itself: read as empty, every chain in it removed
+    folder = objects[0].parent
+    shutil.move(folder, tmp_path / "aside")
+    folder.symlink_to(folder.name)
+    with pytest.raises(StorageError, match="cannot list .*Too many levels of symbolic links"):
+        verified(root, run_id)
 
 
 def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_that_could_not_run(closed_run, tmp_path,

@@ -286,7 +286,7 @@ class FolderStore:
         "RUN-2/x" before "RUN/x"); those after `after` only."""
         folder = self._path(prefix)
         with self._disk("list", prefix):
-            if folder.is_dir():  # os.walk told to raise: Path.rglob passes over a folder it cannot read
+            if _a_folder(str(folder)):  # os.walk told to raise: Path.rglob passes over a folder it cannot read
                 found = []  # the keys alone (a day's partition of notes: 150,000 at 1.5M accounts)
                 for top, _, names in os.walk(folder, onerror=_raise):
                     under = os.path.relpath(top, self.root) + "/"
@@ -317,7 +317,16 @@ def _a_file(path: str) -> bool:
     the object as if it had never been written (verify then named it removed: tampered)."""
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
-    except FileNotFoundError:  # removed since the walk, or a link to nothing
+    except (FileNotFoundError, NotADirectoryError):  # removed since the walk, or a link to nothing
+        return False
+
+
+def _a_folder(path: str) -> bool:
+    """The same for a listing's folder (Path.is_dir says False on ELOOP: the folder of a day's
+    delivery log that the disk cannot stat read as empty, each of its chains as removed)."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
