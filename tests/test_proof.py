@@ -153,8 +153,9 @@ def test_a_log_object_whose_stat_the_disk_fails_stops_verify_as_unread_never_nam
         verified(root, run_id)
     assert not isinstance(raised.value, Garbled), "not a changed record"
     assert main(["verify", run_id, "--store", str(root)]) == 2
-    objects[0].unlink()  # the chain's folder itself a link to itself: read as empty, every chain in it removed
-    folder = objects[0].parent
+    objects[0].unlink()  # the run's folder of a partition's log a link to itself: read as empty, each chain removed
+    folder = objects[0].parent.parent
+    assert folder.name == run_id and folder.parent.name.endswith("-delivery-log"), folder
     shutil.move(folder, tmp_path / "aside")
     folder.symlink_to(folder.name)
     with pytest.raises(StorageError, match="cannot list .*Too many levels of symbolic links"):
