@@ -177,7 +177,7 @@ def test_bad_rows_reject_their_account_and_the_rest_is_delivered(settings, day, 
         (Path(settings.store_url) / keys.report_keys(summary["run_id"])[1]).open())}
     assert rows[victim]["status"] == "rejected"
     assert "trades.csv row 5 field 'price'" in rows[victim]["reason"]
-    # what no one row makes wrong names its rows: the operator finds each in the file
+    # a rejection no single row causes names its rows: the operator finds each in the file
     assert rows["NOCLIENT1"]["status"] == "rejected"
     assert f"trades.csv row {orphan_row} field 'ucc': trades for an account with no valid client record" in \
         rows["NOCLIENT1"]["reason"], rows["NOCLIENT1"]["reason"]

@@ -161,7 +161,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     name no account, trades per shard) and one bucket per group of shards: {shard: its rows as
     text}, a line per row, `kind ucc RS payload`: c (a client as JSON), t (a trade: its
     identity, its place on the note and its status joined by SEP, then the row as JSON), each
-    ending in `RS range:row` (the row in this range: a rejection no one row makes names its rows),
+    ending in `RS range:row` (its row in this range: a rejection no single row causes names its rows),
     or e (an error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
     `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
