@@ -13,6 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 DIR = "CN_BENCH_RANGE_TIMES"
 ASKED: list[float] = []  # in the render task's process: when each range's task was asked for (epoch seconds)
@@ -43,7 +44,7 @@ def hook() -> None:
             return ref
 
     page_ranges.render = timed
-    page_ranges.render_pages_task = type("AskedTask", (), {"options": staticmethod(lambda **kw: Asked(kw))})
+    page_ranges.render_pages_task = SimpleNamespace(options=lambda **options: Asked(options))
 
 
 def read(directory: str) -> dict[int, tuple[int, float, float]]:

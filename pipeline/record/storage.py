@@ -286,13 +286,13 @@ class FolderStore:
         "RUN-2/x" before "RUN/x"); those after `after` only."""
         folder = self._path(prefix)
         with self._disk("list", prefix):
-            if _a_folder(str(folder)):  # os.walk told to raise: Path.rglob passes over a folder it cannot read
+            if _is(str(folder), stat.S_ISDIR):  # os.walk told to raise: Path.rglob passes over a folder it cannot read
                 found = []  # the keys alone (a day's partition of notes: 150,000 at 1.5M accounts)
                 for top, _, names in os.walk(folder, onerror=_raise):
                     under = os.path.relpath(top, self.root) + "/"
                     found += [under + name for name in names if not name.startswith(".tmp-") and under + name > after]
                 found.sort()
-                yield from (key for key in found if _a_file(os.path.join(self.root, key)))
+                yield from (key for key in found if _is(os.path.join(self.root, key), stat.S_ISREG))
 
     def md5s(self, prefix: str) -> Iterator[tuple[str, str]]:
         """The keys under a prefix with each object's MD5 (hex), as S3Store.md5s lists them."""
@@ -311,22 +311,14 @@ def _raise(error: OSError) -> None:
     raise error
 
 
-def _a_file(path: str) -> bool:
-    """os.path.isfile, but for a file whose stat fails other than by its absence (EIO on a failing
-    disk, ELOOP): that raises, where isfile said False, and a listing of the record passed over
-    the object as if it had never been written (verify then named it removed: tampered)."""
+def _is(path: str, kind: Callable[[int], bool]) -> bool:
+    """os.path.isfile or isdir (`kind`: stat.S_ISREG, S_ISDIR), but a stat that fails other than
+    by the path's absence (EIO on a failing disk, ELOOP) raises. Those said False, and a listing
+    of the record passed over the object, or read its folder as empty, as if never written:
+    verify then named it removed (tampered)."""
     try:
-        return stat.S_ISREG(os.stat(path).st_mode)
+        return kind(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):  # removed since the walk, or a link to nothing
-        return False
-
-
-def _a_folder(path: str) -> bool:
-    """The same for a listing's folder (Path.is_dir says False on ELOOP: the folder of a day's
-    delivery log that the disk cannot stat read as empty, each of its chains as removed)."""
-    try:
-        return stat.S_ISDIR(os.stat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
