@@ -22,11 +22,11 @@ ASKED: list[float] = []  # in the render task's process: when each range's task 
 def hook() -> None:
     from pipeline.cluster import page_ranges
 
-    render, task = page_ranges.render, page_ranges.render_pages_task
+    compiled, task = page_ranges.compiled, page_ranges.render_pages_task
 
     def timed(part: dict, tagged: bool) -> bytes:
         began = time.time()
-        pdf = render(part, tagged)
+        pdf = compiled(part, tagged)
         ended = time.time()
         with open(Path(os.environ[DIR], str(part["page_offset"])), "x") as out:  # a range rendered twice: an error
             out.write(json.dumps([os.getpid(), began, ended]))
@@ -43,7 +43,7 @@ def hook() -> None:
             ASKED.append(time.time())
             return ref
 
-    page_ranges.render = timed
+    page_ranges.compiled = timed
     page_ranges.render_pages_task = SimpleNamespace(options=lambda **options: Asked(options))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import io
 import random
 import re
 import subprocess
@@ -18,7 +19,7 @@ from pipeline.note.content import build_note, money
 from pipeline.note import fonts
 from pipeline.note.assemble import _split_by_qpdf, merge, split
 from pipeline.note.cut import Compile, NotCut
-from pipeline.note.render import RenderError, _Compiler, compiler, render, render_all
+from pipeline.note.render import RenderError, _Compiler, compiled, compiler, render, render_all
 from pipeline.stages import broker
 
 TRADE_DATE = "2026-11-20"
@@ -103,15 +104,44 @@ def test_a_note_across_every_segment_never_overflows_a_page_either(tmp_path):
 
 
 def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
+    """Joined by copying each range's objects: the pages in order, the note's metadata, the
+    catalog's language, and nothing qpdf finds wrong."""
+    import pikepdf
+
     from pipeline.note.content import page_range
 
     note = sample_note(400)
     total = note["total_pages"]
-    parts = [render(page_range(note, a, min(a + 3, total))) for a in range(0, total, 3)]
-    merged = merge(parts)
+    parts = [compiled(page_range(note, a, min(a + 3, total))) for a in range(0, total, 3)]
+    merged = merge(iter(parts), note)
+    assert merged.count(b"/Type/ObjStm") == 1  # joined by the copy, not by pikepdf
+    assert_one_continuous_note(merged, note, tmp_path)
+    with pikepdf.open(io.BytesIO(merged)) as opened:
+        assert str(opened.Root.Lang) == "en"
+
+
+def test_page_ranges_of_a_shape_the_copy_does_not_join_are_merged_by_qpdf(tmp_path):
+    """A tagged range (its structure tree) is not joined by the copy, though the ranges before
+    it were read for the copy already: pikepdf merges them all, in order."""
+    from pipeline.note.content import page_range
+    from pipeline.note.cut import Compile
+
+    note = sample_note(400)
+    total = note["total_pages"]
+    parts = [compiled(page_range(note, a, min(a + 3, total)), tagged=a == 3) for a in range(0, total, 3)]
+    with pytest.raises(NotCut, match="tagged"):
+        Compile(parts[1])
+    merged = merge(iter(parts), note)
+    assert b"/Type/ObjStm" not in merged  # pikepdf writes "/Type /ObjStm"
+    assert_one_continuous_note(merged, note, tmp_path)
+
+
+def assert_one_continuous_note(merged: bytes, note: dict, tmp_path: Path) -> None:
+    total = note["total_pages"]
     assert page_count(merged, tmp_path) == total
     text = pdf_text(merged, tmp_path)
-    assert all(f"Page {p} of {total}" in text for p in range(1, total + 1))
+    pages = text.split("\f")[:-1]
+    assert [f"Page {k} of {total}" in page for k, page in enumerate(pages, 1)] == [True] * total
     assert text.count("CONTRACT NOTE CUM TAX INVOICE") == 1
     assert text.count("Levies and charges") == 1
     info = pdf_info(merged, tmp_path)
@@ -119,6 +149,10 @@ def test_page_ranges_rendered_apart_merge_into_one_continuous_note(tmp_path):
     assert info["Author"] == broker()["name"]
     assert info["Subject"] == "Contract note cum tax invoice for trade date 20-11-2026, client C0000042"
     assert "SAC 997152" in info["Keywords"] and "CNT-26/27-0000042" in info["Keywords"]
+    assert info["Creator"].startswith("Typst")
+    (tmp_path / "merged.pdf").write_bytes(merged)
+    check = subprocess.run(["qpdf", "--check", str(tmp_path / "merged.pdf")], capture_output=True, text=True)
+    assert check.returncode == 0 and "No syntax or stream encoding errors" in check.stdout, check.stdout
 
 
 def client_note(i: int, trades: int) -> dict:

@@ -40,6 +40,18 @@ def note_pdf() -> bytes:
 
 
 @pytest.fixture(scope="module")
+def merged_pdf() -> bytes:
+    """A huge note's shape: page ranges compiled apart and joined (three ranges of three pages)."""
+    from pipeline.note.assemble import merge
+    from pipeline.note.content import page_range
+    from pipeline.note.render import compiled
+    from tests.test_render import sample_note
+
+    note = sample_note(trades=400)
+    return merge((compiled(page_range(note, a, a + 3)) for a in range(0, 9, 3)), note)
+
+
+@pytest.fixture(scope="module")
 def signer(keys_dir):
     return load_signer(str(keys_dir / "signer.key.pem"), str(keys_dir / "signer.cert.pem"), None,
                        str(keys_dir / "root.cert.pem"))
@@ -365,13 +377,15 @@ def test_a_batch_keys_each_note_with_its_own_pan(tmp_path, note_pdf, signer):
     assert_signed_and_encrypted(tmp_path / "note7.pdf", pans[7])
 
 
-def test_a_cut_note_is_encrypted_and_signed_without_qpdf_and_reads_as_qpdf_wrote_it(tmp_path, note_pdf, signer,
+@pytest.mark.parametrize("shape", ["note_pdf", "merged_pdf"])  # a note cut from a compile, a huge one's ranges joined
+def test_a_cut_note_is_encrypted_and_signed_without_qpdf_and_reads_as_qpdf_wrote_it(tmp_path, request, shape, signer,
                                                                                      keys_dir):
     """A note of the cut's shape is written again here, encrypted, not by qpdf (its object
     stream stays one, where qpdf wrote every object apart). Nothing of the client's is readable
     without the password: not the streams (the pages' text among them), not the object stream
     with the Info, not the metadata. With it, the text, the metadata, the signature's strings
     and its permissions are what qpdf's writing gave."""
+    note_pdf = request.getfixturevalue(shape)
     info = SignatureInfo(reason="Contract note for 20-11-2026", location="Mumbai", contact="desk@example.com")
     ours = protect(note_pdf, PAN, OWNER, signer, info)
     with pikepdf.open(BytesIO(note_pdf)) as plain:  # re-saved by qpdf: not the cut's shape

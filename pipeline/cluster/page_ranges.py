@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.note.assemble import merge
 from pipeline.note.content import page_range
-from pipeline.note.render import compiler, forget, render, render_all
+from pipeline.note.render import compiled, compiler, forget, render_all
 
 log = logging.getLogger("pipeline.cluster.page_ranges")
 PARALLEL_FROM_PAGES = 100
@@ -44,7 +44,7 @@ def render_pages_task(part: dict, tagged: bool, claim: str) -> bytes | None:
     every slot held by such tasks no range could run."""
     if not claimed(claim, TASK):
         return None
-    pdf = render(part, tagged)
+    pdf = compiled(part, tagged)
     _forget()
     return pdf
 
@@ -84,7 +84,7 @@ def render_notes(notes: list[dict], tagged: bool = False) -> list[bytes | Except
                 for i, ranges in parts.items()}
         small = iter(render_all([note for i, note in enumerate(notes) if i not in pages], tagged))
         own = _render_unstarted(parts, refs, claims, tagged)
-        return [_merged(refs[i], own.get(i, {})) if i in pages else next(small) for i in range(len(notes))]
+        return [_merged(refs[i], own.get(i, {}), notes[i]) if i in pages else next(small) for i in range(len(notes))]
     finally:
         shutil.rmtree(claims, ignore_errors=True)
 
@@ -101,7 +101,7 @@ def _render_unstarted(parts: dict[int, list[dict]], refs: dict[int, list], claim
                 continue
             ray.cancel(refs[i][k])
             try:
-                pdf = render(parts[i][k], tagged)
+                pdf = compiled(parts[i][k], tagged)
             except Exception as e:
                 pdf = e
             own.setdefault(i, {})[k] = pdf
@@ -109,9 +109,9 @@ def _render_unstarted(parts: dict[int, list[dict]], refs: dict[int, list], claim
     return own
 
 
-def _merged(refs: list, own: dict[int, bytes | Exception]) -> bytes | Exception:
+def _merged(refs: list, own: dict[int, bytes | Exception], note: dict) -> bytes | Exception:
     try:
-        return merge(_part(own[k]) if k in own else ray.get(ref) for k, ref in enumerate(refs))
+        return merge((_part(own[k]) if k in own else ray.get(ref) for k, ref in enumerate(refs)), note)
     except Exception as e:  # a range that failed (its own retries spent) fails its note only
         return e
 

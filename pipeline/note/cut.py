@@ -8,6 +8,10 @@ the compile's catalog; the note's metadata under the numbers the compile's had. 
 pikepdf, which parses, copies and writes every object again, a typical note took 0.45 ms (a
 fifth of a render task's CPU under Ray); copied, 0.12.
 
+A huge note's page ranges, each compiled apart, are joined the same way (join): each
+compile's objects copied under numbers of the file's own. Joined by pikepdf, a 1,961-page
+note's 40 ranges took 0.28 s of CPU, and 0.09 s more to cut each range first; copied, 0.14.
+
 Whatever is not of that shape raises NotCut, and assemble.py cuts with pikepdf: a
 structure tree (a tagged note), a page that reaches a page that is not its note's, an object
 the table does not place where it says.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 
 from pipeline.seal.packing import HEADER, object_stream, page_list, xref_stream
 
@@ -165,6 +170,61 @@ class Compile:
         ident = os.urandom(16).hex().encode()
         out += xref_stream(xref, len(out), rows, b"/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]" % (self.root, self.info, ident, ident))
         return bytes(out)
+
+
+def join(compiles: Iterable[Compile], info: dict[str, str], xmp: bytes) -> bytes:
+    """The pages of `compiles` (a note's page ranges, in order) as one file, with its own Info
+    and XMP, written as cut() writes a note: each compile's pages and what they reference, every
+    reference in them renumbered (outside strings and streams' data); one /Pages of them all;
+    the first compile's catalog."""
+    out = bytearray(HEADER)
+    rows: dict[int, tuple[int, int, int]] = {0: (0, 0, 65535)}
+    pages, root, info_at, metadata = 1, 2, 3, 4
+    size = 5  # the next number free
+    packed: dict[int, bytes] = {}
+    kids: list[int] = []
+    first = None
+    for whole in compiles:
+        first = first or whole
+        keep = frozenset().union(*map(whole.reach, whole.pages))
+        if keep & {whole.root, whole.info, whole.metadata}:
+            raise NotCut("a page of the note references the document's own objects")
+        numbers = {whole.pages_at: pages, **{n: size + i for i, n in enumerate(sorted(keep))}}
+        size += len(keep)
+        for n in sorted(keep):
+            if n in whole._streams:  # its dictionary renumbered, its data as it is
+                head, obj = whole.dict(n), whole.object(n)
+                rows[numbers[n]] = (1, len(out), 0)
+                out += b"%d 0 obj" % numbers[n] + _renumbered(head[len(b"%d 0 obj" % n):], numbers) + obj[len(head):]
+                if not obj.endswith(b"\n"):
+                    out += b"\n"
+            else:
+                packed[numbers[n]] = _renumbered(whole.body(n), numbers)
+        kids += [numbers[n] for n in whole.pages]
+    if first is None:
+        raise NotCut("no compile to join")
+    rows[metadata] = (1, len(out), 0)
+    out += b"%d 0 obj\n<</Type/Metadata/Subtype/XML/Length %d>>\nstream\n%s\nendstream\nendobj\n" % (
+        metadata, len(xmp), xmp)
+    packed[pages] = b"<</Type/Pages/Count %d/Kids[%s]>>" % (len(kids), b" ".join(b"%d 0 R" % n for n in kids))
+    packed[root] = _renumbered(first.body(first.root), {first.pages_at: pages, first.metadata: metadata})
+    packed[info_at] = b"<<%s>>" % b"".join(k.encode() + _string(v) for k, v in info.items())
+    rows[size] = (1, len(out), 0)
+    out += object_stream(size, packed, rows)
+    ident = os.urandom(16).hex().encode()
+    out += xref_stream(size + 1, len(out), rows, b"/Root %d 0 R/Info %d 0 R/ID[<%s><%s>]" % (root, info_at, ident, ident))
+    return bytes(out)
+
+
+def _renumbered(text: bytes, numbers: dict[int, int]) -> bytes:
+    """`text` (an object's value, up to its stream) with each reference to object n made one to numbers[n]."""
+    def one(token: re.Match) -> bytes:
+        if not token.group(1):
+            return token.group()
+        if token.group(2) != b"0" or int(token.group(1)) not in numbers:
+            raise NotCut(f"a reference to {token.group(1).decode()} {token.group(2).decode()} outside the note's pages")
+        return b"%d 0 R" % numbers[int(token.group(1))]
+    return _TOKENS.sub(one, text)
 
 
 def _ref(text: bytes, key: bytes) -> int:

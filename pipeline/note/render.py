@@ -127,6 +127,15 @@ def render(note: dict, tagged: bool = False) -> bytes:
     return pdf
 
 
+def compiled(note: dict, tagged: bool = False) -> bytes:
+    """The note's compile as Typst wrote it, not cut: a huge note's page range, which
+    assemble.merge joins with the others (cut once there, not once a range)."""
+    try:
+        return compiler().compile([note], tagged)
+    except typst.TypstError as e:
+        raise _failed(note, e) from None
+
+
 def render_all(notes: list[dict], tagged: bool = False) -> list[bytes | RenderError]:
     """Each note's PDF, or why it could not be rendered, in order. A compile that fails is
     compiled again note by note, so one note's bad data fails only that note. Tagged notes
@@ -139,8 +148,12 @@ def render_all(notes: list[dict], tagged: bool = False) -> list[bytes | RenderEr
             if len(group) > 1:
                 out += [pdf for note in group for pdf in render_all([note], tagged)]
             else:
-                out.append(RenderError(f"note {group[0]['note']['number']}: {getattr(e, 'message', e)}"))
+                out.append(_failed(group[0], e))
     return out
+
+
+def _failed(note: dict, e: Exception) -> RenderError:
+    return RenderError(f"note {note['note']['number']}: {getattr(e, 'message', e)}")
 
 
 def _groups(notes: list[dict], pages: int) -> list[list[dict]]:

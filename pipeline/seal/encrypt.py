@@ -10,7 +10,7 @@ written again with the field's widget in it, on the last page and in the catalog
 then encrypted whole (what it holds is not encrypted again, 7.6.2); the signature dictionary
 (its /Contents left plain) and the encryption dictionary beside it, as top-level objects.
 Anything not of that shape raises NotSealed, and qpdf writes the note as before: one cut by
-pikepdf, the volatile client's merged note, AES-128 or no encryption.
+pikepdf, a merged note whose ranges pikepdf joined, AES-128 or no encryption.
 """
 
 from __future__ import annotations
