@@ -131,8 +131,24 @@ def test_page_ranges_of_a_shape_the_copy_does_not_join_are_merged_by_qpdf(tmp_pa
     parts = [compiled(page_range(note, a, min(a + 3, total)), tagged=a == 3) for a in range(0, total, 3)]
     with pytest.raises(NotCut, match="tagged"):
         Compile(parts[1])
-    merged = merge(iter(parts), note)
-    assert b"/Type/ObjStm" not in merged  # pikepdf writes "/Type /ObjStm"
+    for given in (iter(parts), parts):  # a list too: the range read for the copy is not merged twice
+        merged = merge(given, note)
+        assert b"/Type/ObjStm" not in merged  # pikepdf writes "/Type /ObjStm"
+        assert_one_continuous_note(merged, note, tmp_path)
+
+
+def test_page_ranges_too_many_objects_for_one_object_stream_are_merged_by_qpdf(tmp_path, monkeypatch):
+    """Every range read and copied before the count is known (a note of some 30,000 pages
+    packs more objects than a cross-reference row can index): pikepdf merges them instead."""
+    from pipeline.note import cut
+    from pipeline.note.content import page_range
+
+    note = sample_note(400)
+    total = note["total_pages"]
+    parts = [compiled(page_range(note, a, min(a + 3, total))) for a in range(0, total, 3)]
+    monkeypatch.setattr(cut, "MAX_PACKED", 8)  # the limit, not the code: 65,536 objects need ~30,000 pages
+    merged = merge(parts, note)
+    assert b"/Type/ObjStm" not in merged
     assert_one_continuous_note(merged, note, tmp_path)
 
 

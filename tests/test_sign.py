@@ -444,6 +444,21 @@ def test_what_the_writer_does_not_take_is_written_by_qpdf_and_signed_all_the_sam
     assert_signed_and_encrypted(path, PAN)
 
 
+def test_a_note_of_more_objects_than_one_object_stream_holds_is_written_by_qpdf(tmp_path, note_pdf, signer,
+                                                                                monkeypatch):
+    """A cross-reference row indexes an object stream's objects in two bytes: a note of more
+    (some 30,000 pages) is left to qpdf, not packed past what the row can say."""
+    from pipeline.seal import encrypt
+    from pipeline.seal.pdfcrypt import r6_keys
+
+    monkeypatch.setattr(encrypt, "MAX_PACKED", 4)  # the limit, not the code: 65,536 objects need ~30,000 pages
+    with pytest.raises(encrypt.NotSealed, match="more than one object stream holds"):
+        encrypt.sealed(note_pdf, r6_keys(PAN, OWNER), {"M": "D:20261120"}, 16, "S")
+    path = tmp_path / "note.pdf"
+    path.write_bytes(protect(note_pdf, PAN, OWNER, signer, SignatureInfo()))
+    assert_signed_and_encrypted(path, PAN)
+
+
 @pytest.mark.parametrize("case,odd", [
     ("a catalog ending in a hex string", lambda pdf: _repacked(pdf, rb"/Lang\(en\)(/ViewerPreferences<<[^>]*>>)",
                                                                rb"\1/Lang<656E>")),

@@ -131,7 +131,7 @@ def merge(parts: Iterable[bytes], note: dict) -> bytes:
     for each range: each is read as it comes, while the later ranges still render, so what is
     left after the last is that range and the writing. Joined by copying the compiles' objects
     (cut.join), or with pikepdf where a compile is not of the shape that copies."""
-    seen: list[bytes] = []
+    parts, seen = iter(parts), []  # once each: pikepdf takes those seen, then the rest
 
     def read() -> Iterator[Compile]:
         for pdf in parts:

@@ -12,9 +12,10 @@ A huge note's page ranges, each compiled apart, are joined the same way (join): 
 compile's objects copied under numbers of the file's own. Joined by pikepdf, a 1,961-page
 note's 40 ranges took 0.28 s of CPU, and 0.09 s more to cut each range first; copied, 0.14.
 
-Whatever is not of that shape raises NotCut, and assemble.py cuts with pikepdf: a
+Whatever is not of that shape raises NotCut, and assemble.py cuts or merges with pikepdf: a
 structure tree (a tagged note), a page that reaches a page that is not its note's, an object
-the table does not place where it says.
+the table does not place where it says, a reference of a generation other than 0 (join), more
+objects than one object stream holds (a note of some 30,000 pages).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from pipeline.seal.packing import HEADER, object_stream, page_list, xref_stream
+from pipeline.seal.packing import HEADER, MAX_PACKED, object_stream, page_list, xref_stream
 
 # Strings first (what they hold is not read), then dictionaries, references, the stream keyword
 # right after the top dictionary, the object's end; a parenthesis or comment left over is not followed.
@@ -203,6 +204,8 @@ def join(compiles: Iterable[Compile], info: dict[str, str], xmp: bytes) -> bytes
         kids += [numbers[n] for n in whole.pages]
     if first is None:
         raise NotCut("no compile to join")
+    if len(packed) + 4 > MAX_PACKED:  # its pages, catalog and Info, and the signer's widget (encrypt.py)
+        raise NotCut(f"{len(packed):,} objects to pack: more than one object stream holds")
     rows[metadata] = (1, len(out), 0)
     out += b"%d 0 obj\n<</Type/Metadata/Subtype/XML/Length %d>>\nstream\n%s\nendstream\nendobj\n" % (
         metadata, len(xmp), xmp)

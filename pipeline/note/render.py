@@ -129,7 +129,7 @@ def render(note: dict, tagged: bool = False) -> bytes:
 
 def compiled(note: dict, tagged: bool = False) -> bytes:
     """The note's compile as Typst wrote it, not cut: a huge note's page range, which
-    assemble.merge joins with the others (cut once there, not once a range)."""
+    assemble.merge joins with the others, copying each range's objects once."""
     try:
         return compiler().compile([note], tagged)
     except typst.TypstError as e:

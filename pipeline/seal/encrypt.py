@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from pipeline.seal.packing import HEADER, ROW, object_stream, page_list, xref_stream
+from pipeline.seal.packing import HEADER, MAX_PACKED, ROW, object_stream, page_list, xref_stream
 from pipeline.seal.pdfcrypt import R6Keys
 
 _XREF = re.compile(rb"(\d+) 0 obj\n<</Type/XRef/Size (\d+)/W\[1 4 2\]/Root (\d+) 0 R/Info (\d+) 0 R"
@@ -55,6 +55,8 @@ def sealed(pdf: bytes, keys: R6Keys, field: dict[str, str], contents: int, name:
                           b"/Extensions", b"/Extensions<</ADBE<</BaseVersion/1.7/ExtensionLevel 8>>>>")
     packed[widget] = (b"<</Type/Annot/Subtype/Widget/FT/Sig/T<%s>/V %d 0 R/Rect[0 0 0 0]/F 132/P %d 0 R>>"
                       % (_text(name).hex().encode(), sig, last))
+    if len(packed) > MAX_PACKED:
+        raise NotSealed(f"{len(packed):,} objects to pack: more than one object stream holds")
 
     aes = _chain(keys.file_key)
     out = bytearray(HEADER)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 HEADER = b"%PDF-1.7\n%\x80\x80\x80\x80\n"
 ROW = struct.Struct(">BIH")  # a cross-reference stream's row under /W[1 4 2]: type, offset or object stream, index
+MAX_PACKED = 1 << 16  # objects an object stream holds at most: an index is a row's 2 bytes
 _TREE = re.compile(rb"<<\s*(?:/Type\s*/Pages|/Count\s*(\d+)|/Kids\s*\[([\d\sR]*)\]|\s)*>>")
 
 
