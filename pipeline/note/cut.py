@@ -187,12 +187,12 @@ def join(compiles: Iterable[Compile], info: dict[str, str], xmp: bytes) -> bytes
     first = None
     for whole in compiles:
         first = first or whole
-        keep = frozenset().union(*map(whole.reach, whole.pages))
-        if keep & {whole.root, whole.info, whole.metadata}:
+        keep = sorted(frozenset().union(*map(whole.reach, whole.pages)))
+        if {whole.root, whole.info, whole.metadata}.intersection(keep):
             raise NotCut("a page of the note references the document's own objects")
-        numbers = {whole.pages_at: pages, **{n: size + i for i, n in enumerate(sorted(keep))}}
+        numbers = {whole.pages_at: pages, **{n: size + i for i, n in enumerate(keep)}}
         size += len(keep)
-        for n in sorted(keep):
+        for n in keep:
             if n in whole._streams:  # its dictionary renumbered, its data as it is
                 head, obj = whole.dict(n), whole.object(n)
                 rows[numbers[n]] = (1, len(out), 0)
