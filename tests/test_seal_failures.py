@@ -268,12 +268,14 @@ def test_a_proof_another_close_wrote_first_is_adopted_and_sealed_when_the_record
     sealed(store, run_id)
 
 
+@pytest.mark.parametrize("lost_after", [1, 0])  # the warrant's signature stored, or the warrant alone
 def test_the_hsm_lost_after_the_warrant_fails_close_in_one_line_before_the_seal_and_the_next_close_seals(
-        ray_session, settings, day, hsm, session_dir, tmp_path, on_s3):
+        ray_session, settings, day, hsm, session_dir, tmp_path, on_s3, lost_after):
     """The run signed on a network HSM (p11-kit server); the HSM killed once close's warrant is
     signed and stored, so the proof's signature is the first it cannot make. Before, the proof was
     written and then the signature failed: a SignError traceback, and `verify` said the proof's
-    signature is no CMS signature (exit 1), for good."""
+    signature is no CMS signature (exit 1), for good. Killed once the warrant is stored and before
+    it is signed, the warrant's own signature is the one it cannot make: a close begun all the same."""
     socket = session_dir / "hsm" / HSM_SOCKET
     hsm_server = servers.start_p11kit_server(socket, SOFTHSM, hsm.label)
     try:
@@ -281,7 +283,7 @@ def test_the_hsm_lost_after_the_warrant_fails_close_in_one_line_before_the_seal_
         run_id = run_day(on_hsm, RunRequest(TRADE_DATE, str(day)))["run_id"]
 
         def kill_the_hsm(key: str) -> None:
-            if key == keys.closing_keys(run_id)[1]:
+            if key == keys.closing_keys(run_id)[lost_after]:
                 hsm_server.kill()
         url, _ = on_s3(Path(on_hsm.store_url), passed=kill_the_hsm)
         with pytest.raises(CannotRun) as failed:
@@ -289,8 +291,10 @@ def test_the_hsm_lost_after_the_warrant_fails_close_in_one_line_before_the_seal_
         said = str(failed.value)
         assert f"close {run_id}" in said and "HSM" in said and hsm.label in said and "\n" not in said, said
         store = open_store(url)
-        assert seal_objects(store, run_id) == [] and store.exists(keys.closing_keys(run_id)[1])
-        began(store, run_id)
+        assert seal_objects(store, run_id) == [] and store.exists(keys.closing_keys(run_id)[0])
+        assert store.exists(keys.closing_keys(run_id)[1]) == (lost_after == 1)
+        summary = began(store, run_id)["summary"]
+        assert ("before its warrant was signed" in summary) == (lost_after == 0), summary
     finally:
         hsm_server.stop()
 
