@@ -162,6 +162,21 @@ def test_a_log_object_whose_stat_the_disk_fails_stops_verify_as_unread_never_nam
         verified(root, run_id)
 
 
+def test_a_proof_whose_stat_the_disk_fails_stops_verify_as_unread_never_read_as_unsealed(closed_run, tmp_path):
+    """A folder store's `exists` said False where the disk could not stat the object (Path.exists
+    passes over ELOOP; here a link to itself), so a sealed run's proof read as never written:
+    verify said "not sealed: close began ... and stopped before its proof" (exit 3). It is a
+    store that could not be read (exit 2)."""
+    _, run_id, _, sealed, _ = closed_run
+    root = copy(sealed, tmp_path / "store")
+    proof_path = root / proof.proof_keys(run_id)[0]
+    proof_path.unlink()
+    proof_path.symlink_to(proof_path.name)
+    with pytest.raises(StorageError, match="Too many levels of symbolic links"):
+        verified(root, run_id)
+    assert main(["verify", run_id, "--store", str(root)]) == 2
+
+
 def test_a_proof_replaced_by_garbage_is_a_changed_record_exit_1_not_a_command_that_could_not_run(closed_run, tmp_path,
                                                                                                  capsys):
     settings, run_id, _, sealed, _ = closed_run

@@ -251,8 +251,15 @@ class FolderStore:
             return self._path(key).read_bytes()
 
     def exists(self, key: str) -> bool:
+        """Whether an object has the key; a stat that fails other than by its absence raises
+        (Path.exists says False on ELOOP: a proof the disk could not read was no proof, never
+        written)."""
         with self._disk("read", key):
-            return self._path(key).exists()
+            try:
+                os.stat(self._path(key))
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
 
     def size(self, key: str) -> int:
         with self._disk("read", key):
