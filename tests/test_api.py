@@ -482,16 +482,29 @@ def test_behind_no_trusted_proxy_a_forged_x_forwarded_for_does_not_dodge_the_lin
     import urllib.request
 
     from pipeline.api import NOTE_FETCHES
-    from pipeline.embedded import free_port, wait_for_port
+    from pipeline.embedded import EmbeddedError, free_port, wait_for_port
 
-    def statuses(trusting: list[str]) -> list[int]:
-        port = free_port()
+    def serving(trusting: list[str]) -> tuple[int, subprocess.Popen]:
+        """The service on a free port, once it listens there itself: a program of the other test
+        sessions that took the port meanwhile (Ray's, answering 401) must not answer for it."""
         env = {**os.environ, "REDIS_URL": redis_url, "CN_STORE": str(tmp_path / "store"), "PYTHONPATH": ROOT,
                "CN_TOKEN_KEY_FILE": str(keys_dir / "token.key")}
-        server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", "--read-only", "--port", str(port),
-                                   *trusting], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for attempt in range(3):
+            port = free_port()
+            server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", "--read-only", "--port", str(port),
+                                       *trusting], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_for_port(port, server, "serve", own=True)
+                return port, server
+            except EmbeddedError:
+                server.kill()
+                server.wait(10)
+                if attempt == 2:
+                    raise
+
+    def statuses(trusting: list[str]) -> list[int]:
+        port, server = serving(trusting)
         try:
-            wait_for_port(port, server, "serve")
             found = []
             for n in range(NOTE_FETCHES[0] + 5):
                 request = urllib.request.Request(f"http://127.0.0.1:{port}/notes/x.y",
