@@ -44,8 +44,13 @@ def split(pdf: bytes, notes: list[dict]) -> list[bytes]:
 
 
 def _cut(whole: Compile, first: int, count: int, note: dict) -> bytes:
+    return whole.cut(first, count, *_metadata(note, whole.made))
+
+
+def _metadata(note: dict, made: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    """The note's Info and XMP, for a file copied from a compile whose Creator and dates are `made`."""
     meta = _meta(note)
-    return whole.cut(first, count, {**whole.made, **meta}, _xmp(meta, whole.made))
+    return {**made, **meta}, _xmp(meta, made)
 
 
 def _split_by_qpdf(pdf: bytes, notes: list[dict], promised: int) -> list[bytes]:
@@ -63,9 +68,7 @@ def _split_by_qpdf(pdf: bytes, notes: list[dict], promised: int) -> list[bytes]:
             with pikepdf.new() as one:
                 one.pages.extend(whole.pages[at:at + len(note["pages"])])
                 at += len(note["pages"])
-                one.Root.Lang = whole.Root.Lang
-                one.Root.ViewerPreferences = pikepdf.Dictionary(whole.Root.ViewerPreferences)
-                describe(one, note, made)
+                _as_compiled(one, whole, note)
                 out.append(_saved(one))
         return out
 
@@ -143,8 +146,7 @@ def merge(parts: Iterable[bytes], note: dict) -> bytes:
         first = next(compiles, None)
         if first is None:
             raise ValueError(f"note {note['note']['number']}: no page range to merge")
-        meta = _meta(note)
-        return join(chain([first], compiles), {**first.made, **meta}, _xmp(meta, first.made))
+        return join(chain([first], compiles), *_metadata(note, first.made))
     except NotCut:
         return _merge_by_qpdf(chain(seen, parts), note)
 
@@ -157,7 +159,13 @@ def _merge_by_qpdf(parts: Iterable[bytes], note: dict) -> bytes:
             src = opened.enter_context(pikepdf.Pdf.open(BytesIO(part)))
             out.pages.extend(src.pages)
             first = first or src
-        out.Root.Lang = first.Root.Lang
-        out.Root.ViewerPreferences = pikepdf.Dictionary(first.Root.ViewerPreferences)
-        describe(out, note, {name: str(first.docinfo[name]) for name in MADE})
+        _as_compiled(out, first, note)
         return _saved(out)
+
+
+def _as_compiled(doc: pikepdf.Pdf, whole: pikepdf.Pdf, note: dict) -> None:
+    """A note's file made of pages of `whole` (a compile): its catalog's language and viewer
+    preferences, and the note's metadata."""
+    doc.Root.Lang = whole.Root.Lang
+    doc.Root.ViewerPreferences = pikepdf.Dictionary(whole.Root.ViewerPreferences)
+    describe(doc, note, {name: str(whole.docinfo[name]) for name in MADE})

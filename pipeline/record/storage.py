@@ -255,11 +255,7 @@ class FolderStore:
         (Path.exists says False on ELOOP: a proof the disk could not read was no proof, never
         written)."""
         with self._disk("read", key):
-            try:
-                os.stat(self._path(key))
-            except (FileNotFoundError, NotADirectoryError):
-                return False
-            return True
+            return _is(str(self._path(key)))
 
     def size(self, key: str) -> int:
         with self._disk("read", key):
@@ -318,13 +314,13 @@ def _raise(error: OSError) -> None:
     raise error
 
 
-def _is(path: str, kind: Callable[[int], bool]) -> bool:
-    """os.path.isfile or isdir (`kind`: stat.S_ISREG, S_ISDIR), but a stat that fails other than
-    by the path's absence (EIO on a failing disk, ELOOP) raises. Those said False, and a listing
-    of the record passed over the object, or read its folder as empty, as if never written:
-    verify then named it removed (tampered)."""
+def _is(path: str, kind: Callable[[int], bool] = bool) -> bool:
+    """os.path.exists, isfile or isdir (`kind`: any, stat.S_ISREG, S_ISDIR), but a stat that
+    fails other than by the path's absence (EIO on a failing disk, ELOOP) raises. Those said
+    False, and a listing of the record passed over the object, or read its folder as empty, as
+    if never written: verify then named it removed (tampered)."""
     try:
-        return kind(os.stat(path).st_mode)
+        return kind(os.stat(path).st_mode)  # bool: any mode is some kind of file
     except (FileNotFoundError, NotADirectoryError):  # removed since the walk, or a link to nothing
         return False
 
