@@ -87,9 +87,9 @@ def recompute(day: Path, date: str) -> dict[str, dict[str, dict[str, D]]]:
         rbi = {r["currency"]: D(r["rate"]) / D(r["units"]) for r in rows(day / "reference_rates.csv")
                if r["date"] == date}
     states = {r["ucc"]: r["gst_state_code"] for r in rows(day / "clients.csv")}
-    standing: dict[tuple, dict] = {}
+    standing: dict[tuple, dict] = {}  # a trade number is the exchange's and segment's: its last version names its client
     for t in rows(day / "trades.csv"):
-        key = (t["ucc"], t["exchange"], t["segment"], t["trade_no"])
+        key = (t["exchange"], t["segment"], t["trade_no"])
         if t["status"] in ("12", "13") or key not in standing:
             standing[key] = t
     by_account: dict[str, list[dict]] = defaultdict(list)

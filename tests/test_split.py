@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import functools
 import io
 import json
 import os
 import random
 import threading
 import time
+from collections import defaultdict
 
 import pytest
 
+from pipeline import stages
 from pipeline.day import bhavcopy
-from pipeline.day.dumps import TRADE_FIELDS, RowError, parse_trade, trade_row
-from pipeline.day.split import Range, _json_row, assemble, make_plan, read_range, result, row_offsets, split_day
+from pipeline.day.dumps import TRADE_FIELDS, Client, RowError, parse_trade, trade_row
+from pipeline.day.split import (
+    Range, _json_row, assemble, find_account, first_accounts, make_plan, read_range, result, row_offsets, split_day,
+)
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record import keys, note_numbers, report
 from pipeline.record.manifest import SplitResult, load_manifest, save_manifest
@@ -40,8 +45,9 @@ def ranged_split(inputs, store, state, run_id: str, cut_every: int, groups: int 
         meta, parts = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, groups, DATE, plan.closes)
         metas.insert(0, meta)
         buckets.insert(0, parts)
-    offsets = row_offsets(metas)
-    assembled = [assemble(store, state, run_id, DATE, "CNT", [b[g] for b in buckets], offsets) for g in range(groups)]
+    offsets, moves = row_offsets(metas), [m.pop("moves") for m in metas]
+    assembled = [assemble(store, state, run_id, DATE, "CNT", [b[g] for b in buckets], offsets, moves=moves)
+                 for g in range(groups)]
     return result(plan, metas, assembled)
 
 
@@ -459,6 +465,99 @@ def test_a_client_whose_every_trade_was_cancelled_is_counted_and_named_not_lost(
     assert RunState(redis_url, run).accounts([gone]) == {}  # no record: nothing was made for it
 
 
+@pytest.mark.parametrize("cut_every", [97, 1 << 20])
+def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp_path, redis_url, cut_every):
+    """A modification (status 12) names the trade's client as it now stands. A trade given to
+    another client code is that client's, off the first's note, wherever their rows are (other
+    ranges, shards, groups); cancelled under the new code, it is off both; moved back, it is the
+    first's, as last modified; a client whose every trade moved has no note due. Before, the
+    first client kept the original and was charged for it too. The first notes, read before the
+    split, are the split's; every figure agrees with tests/recompute.py."""
+    from tests.recompute import check_text, recompute
+    from tests.every_segment_day import note_text
+
+    day = tmp_path / "in"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(DATE), 40, seed=11))
+    inputs = open_store(str(day))
+    plan = make_plan(inputs, DATE, 4, parts=1)
+    _, first = first_accounts(inputs, plan, DATE, 4)
+    with (day / "trades.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    changed = {r["trade_no"] for r in rows if r["status"] != "11"}
+    plain = defaultdict(list)  # an account's trades never modified nor cancelled
+    for r in rows:
+        if r["trade_no"] not in changed:
+            plain[r["ucc"]].append(r)
+    shard = functools.partial(keys.shard_of, shards=plan.shard_count)
+    a = next(u for u, _, _ in first if len(plain[u]) > 1)  # one of the first notes' accounts loses a trade
+    others = sorted(u for u in plain if u != a and shard(u) != shard(a) and len(plain[u]) > 1)
+    b, c, d, e, f, g, h = others[:7]
+    moved, gone, back = plain[a][0], plain[c][0], plain[e][0]
+    rows += [{**moved, "ucc": b, "status": "12"},
+             {**gone, "ucc": d, "status": "12"}, {**gone, "ucc": d, "status": "13"},
+             {**back, "ucc": f, "status": "12"}, {**back, "ucc": e, "status": "12", "quantity": str(int(back["quantity"]) + 1)}]
+    rows += [{**t, "ucc": h, "status": "12"} for t in plain[g]]  # every trade of g, to h
+    with (day / "trades.csv").open("w", newline="") as out:
+        writer = csv.DictWriter(out, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    run, store = f"moved-{os.urandom(3).hex()}", open_store(str(tmp_path / "store"))
+    split = ranged_split(inputs, store, RunState(redis_url, run), run, cut_every)
+    save_manifest(store, run, split)
+    assert (split.rejected, split.input_errors, split.nothing_due_accounts) == (0, [], [g])
+
+    def trades(ucc: str) -> dict[str, dict]:
+        return {t[TRADE_FIELDS.index("trade_no")]: dict(zip(TRADE_FIELDS, t)) for t in find_account(store, run, ucc)["trades"]}
+
+    assert moved["trade_no"] not in trades(a) and trades(b)[moved["trade_no"]]["ucc"] == b
+    assert gone["trade_no"] not in trades(c) and gone["trade_no"] not in trades(d)
+    assert back["trade_no"] not in trades(f) and trades(e)[back["trade_no"]]["quantity"] == str(int(back["quantity"]) + 1)
+    assert find_account(store, run, g) is None and set(trades(h)) >= {t["trade_no"] for t in plain[g]}
+
+    plan = make_plan(inputs, DATE, 4, parts=1)
+    plan.ranges = [Range(name, i, x, min(x + cut_every, inputs.size(name))) for name in ("clients.csv", "trades.csv")
+                   for i, x in enumerate(range(0, inputs.size(name), cut_every))]
+    _, again = first_accounts(inputs, plan, DATE, 4)
+    assert a in [u for u, _, _ in again]
+    for ucc, _, made in again:
+        assert [json.loads(t) for t in made] == find_account(store, run, ucc)["trades"], ucc
+
+    expected = recompute(day, DATE)
+    assert set(expected) == {a for a in {r["ucc"] for r in rows} if find_account(store, run, a)}
+    for ucc, figures in expected.items():
+        account = find_account(store, run, ucc)
+        note = stages.note_data(account, Client(**account["client"]), DATE, {"NSE": "2026-11-23", "BSE": "2026-11-23"})
+        assert check_text(note_text(note), figures) == [], ucc
+
+
+def test_the_split_on_ray_moves_a_trade_to_the_client_it_was_given_to(ray_session, settings, tmp_path):
+    """The same on Ray: each range's moves go from its read task to every assembly task (the
+    driver never holds them); the accounts are in other shards, groups and ranges."""
+    from pipeline.cluster.split_tasks import Split
+
+    day = tmp_path / "in"
+    write_dumps(day, SynthOptions(dt.date.fromisoformat(DATE), 100, seed=9))
+    with (day / "trades.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    inputs = open_store(str(day))
+    shards = make_plan(inputs, DATE, 4, parts=1).shard_count
+    moved = next(r for r in rows if r["status"] == "11" and sum(t["trade_no"] == r["trade_no"] for t in rows) == 1)
+    to = next(u for u in sorted({r["ucc"] for r in rows})
+              if keys.shard_of(u, shards) % 2 != keys.shard_of(moved["ucc"], shards) % 2)
+    with (day / "trades.csv").open("a", newline="") as f:
+        csv.DictWriter(f, list(rows[0])).writerow({**moved, "ucc": to, "status": "12"})
+    plan = make_plan(inputs, DATE, 4, parts=1)
+    plan.ranges = [Range(name, i, x, min(x + 8192, inputs.size(name))) for name in ("clients.csv", "trades.csv")
+                   for i, x in enumerate(range(0, inputs.size(name), 8192))]
+    run, store = f"moved-{os.urandom(3).hex()}", open_store(settings.store_url)
+    split = Split.start(settings, run, DATE, str(day), 2, False, lambda: None, plan, groups=2)
+    save_manifest(store, run, split.done(block=True))
+    at = TRADE_FIELDS.index("trade_no")
+    assert moved["trade_no"] not in [t[at] for t in find_account(store, run, moved["ucc"])["trades"]]
+    assert moved["trade_no"] in [t[at] for t in find_account(store, run, to)["trades"]]
+
+
 def test_the_driver_keeps_one_trade_count_a_shard_however_many_ranges_the_dumps_are_read_in(
         ray_session, settings, tmp_path):
     """Each range counts the trades of every shard it saw. Kept per range, the 72 ranges of a 1.5M-
@@ -558,7 +657,7 @@ def test_the_first_notes_read_of_a_range_gives_the_full_read_s_rows_of_the_wante
 
 def test_wanted_c_finds_the_lines_its_python_twin_finds_in_random_chunks():
     """wanted.c against split.py's own lines, on chunks of the bytes that decide a row a line
-    (quotes, NULs, CRs, blank lines) and codes inside one another."""
+    (quotes, NULs, CRs, blank lines), codes inside one another, and marks in one field."""
     from pipeline.day import split
 
     scan = split._wanted_lines()
@@ -569,11 +668,12 @@ def test_wanted_c_finds_the_lines_its_python_twin_finds_in_random_chunks():
         alphabet = b'C12C12,,\n\n\r" a\0' if i % 3 == 0 else b"C12C12,,,  a\n"  # most chunks a row a line
         chunk = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
         needles = rng.sample([b"C1", b"C12", b"2", b"C", b"1,"], rng.randrange(0, 4))
-        with_c = split._lines_holding(chunk, needles)
+        column, marks = rng.randrange(-1, 4), rng.sample([b"12", b"1", b"C", b" a"], rng.randrange(0, 3))
+        with_c = split._lines_holding(chunk, needles, column, marks)
         with pytest.MonkeyPatch.context() as twin:
             twin.setattr(split, "_wanted_lines", lambda: None)
-            in_python = split._lines_holding(chunk, needles)
-        assert with_c == in_python, (chunk, needles)
+            in_python = split._lines_holding(chunk, needles, column, marks)
+        assert with_c == in_python, (chunk, needles, column, marks)
         held += bool(with_c and with_c[1])
     assert held > 700, "too few chunks were a row a line with a code in them to compare"
 

@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Container, Iterator
+from typing import Container, Iterable, Iterator
 
 from pipeline import native
 from pipeline.day import bhavcopy, trading_calendar
@@ -90,6 +90,7 @@ class Plan:
 
 MIN_SHARDS = 2 * keys.PARTITIONS
 _SEGMENTS = frozenset(SEGMENTS)
+_CHANGED = ("12", "13")  # a trade modified or cancelled: the row names its client as it now stands
 
 
 def find_account(store: Store, run_id: str, ucc: str) -> dict | None:
@@ -125,7 +126,8 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
                                      plan.closes, closed=plan.closed, segments=plan.segments, left_to=plan.left_to)
         metas.append(meta)
         parts.append(bucket)
-    assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas))
+    assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas),
+                         moves=[m.pop("moves") for m in metas])
     return result(plan, metas, [assembled])
 
 
@@ -164,19 +166,25 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     ending in `RS range:row` (its row in this range: a rejection no single row causes names its rows),
     or e (an error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
-    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes).
-    `closed`: the exchanges shut that day (Plan.closed), whose trades are rejected; `segments` and
-    `left_to`: the issuing entity's memberships (Plan.segments): a trade of a segment left to
-    another entity is counted and left out, one of a segment no entity holds rejects its account."""
+    The meta's "moves": each trade row modified or cancelled (status 12 or 13), a line each in
+    file order, `identity RS ucc`, for `owners` (a trade may move to another client's code),
+    valid or not (a bad row rejects its own account; the trade is still not the first one's).
+    `wanted`: only these accounts' rows, the rest counted but not validated (the first notes),
+    but for the moves. `closed`: the exchanges shut that day (Plan.closed), whose trades are
+    rejected; `segments` and `left_to`: the issuing entity's memberships (Plan.segments): a trade
+    of a segment left to another entity is counted and left out, one of a segment no entity holds
+    rejects its account."""
     kind, name = rng.file[0], rng.file
     at = DUMPS[name].index("ucc")
+    status = DUMPS[name].index("status") if kind == "t" else -1
     if wanted is None:
         reader = csv.reader(_range_lines(inputs, rng))
         if rng.index == 0:
             next(reader, None)  # the header
         rows = _rows(reader)
     else:
-        rows = _wanted_rows(inputs, rng, wanted)
+        rows = _wanted_rows(inputs, rng, wanted, column=columns[status] if kind == "t" else -1,
+                            marks=[code.encode() for code in _CHANGED])
     lines: dict[int, list[str]] = defaultdict(list)
     weights: dict[int, int] = defaultdict(int)
     present = [c for c in columns if c >= 0]  # a missing optional column is -1
@@ -190,6 +198,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     at_range = f"{RS}{rng.index}:"  # each line ends in RS range:row; this part once a range
     entity = kind == "t" and (segments is not None or bool(left_to))
     left: dict[str, int] = defaultdict(int)
+    moves: list[str] = []
     for n, raw in rows:
         try:
             if raw is None:
@@ -197,6 +206,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                     continue
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
             values = (pick(raw) if len(raw) >= width else tuple(raw[i] if 0 <= i < len(raw) else "" for i in present)) + pad
+            if status >= 0 and values[status].strip() in _CHANGED and (move := _move(values, at)):
+                moves.append(move)  # valid or not: the first notes never validate another account's row
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
             if entity and (segment := f"{values[1].strip()}-{values[2].strip()}") in _SEGMENTS:
@@ -232,7 +243,23 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     for shard, rows in lines.items():
         buckets[shard % groups][shard] = "\n".join(rows)
     return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights),
-            "left_to": dict(left)}, buckets
+            "left_to": dict(left), "moves": "\n".join(moves)}, buckets
+
+
+def _move(values: tuple[str, ...], at: int) -> str:
+    """A trade row's `identity RS ucc` as the split reads a valid one (its fields stripped), or
+    "" when a field holds what no valid row does (a line break, a record separator)."""
+    move = f"{values[1].strip()}{SEP}{values[2].strip()}{SEP}{values[7].strip()}{RS}{values[at].strip()}"
+    return "" if "\n" in move or move.count(RS) != 1 else move
+
+
+def owners(moves: Iterable[str]) -> dict[str, str]:
+    """Each trade modified or cancelled -> the account its last such row names (read_range's
+    moves, every range's in the plan's order: the last one read is the file's last). A
+    modification may name another client's code: the trade is then that client's, off the
+    first's note, wherever in the day its rows are. Every assembly reads the day's moves (a few
+    percent of its trades: 0.7 MB of 20,000 accounts' 439,000 synthetic trades)."""
+    return dict(line.split(RS) for text in moves if text for line in text.split("\n"))
 
 
 def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
@@ -246,7 +273,7 @@ def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
 
 def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_prefix: str,
              parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None,
-             hand: Container[int] = ()) -> dict:
+             hand: Container[int] = (), moves: Iterable[str] = ()) -> dict:
     """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
     are reserved for the whole group in one block, shard after shard, each account numbered by
     its place in it; an account in `numbered` (the run's first notes, made before the split)
@@ -260,15 +287,16 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     An account is validated by its first record alone: an attempt still running beside another
     (its node cut off, not dead) never resets one. Returns {shard: (accounts, trades)}, the
     rejected, and the clients whose every trade was cancelled (no note is due); with `hand`,
-    "rows": those shards' files as written, for their render tasks (split_tasks.HANDED_TRADES)."""
-    numbered = numbered or {}
+    "rows": those shards' files as written, for their render tasks (split_tasks.HANDED_TRADES).
+    `moves`: every range's (read_range), for the trades that moved between clients."""
+    numbered, moved = numbered or {}, owners(moves)
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
             by_shard[shard].append(text)
     done, fresh, rejected, cancelled, rows, block = {}, [], 0, [], {}, []
     for shard in sorted(by_shard):
-        accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets)
+        accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets, moved)
         rejected += len(rejects)
         cancelled += nothing
         state.record(rejects, only_new=True)  # an assembly run again, or a resumed split, finds them recorded
@@ -335,7 +363,8 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
             metas.append(meta)
             if shard in bucket:
                 lines.append(bucket[shard])
-    accounts, _, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas))
+    accounts, _, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas),
+                               owners(m.pop("moves") for m in metas))
     return shard, accounts
 
 
@@ -436,14 +465,15 @@ def _range_lines(inputs: Store, rng: Range, chunk: int = CHUNK) -> Iterator[str]
         yield from _lines(whole, first)
 
 
-def _wanted_rows(inputs: Store, rng: Range, wanted: Container[str],
-                 chunk: int = CHUNK) -> Iterator[tuple[int, list[str] | None]]:
+def _wanted_rows(inputs: Store, rng: Range, wanted: Container[str], chunk: int = CHUNK, column: int = -1,
+                 marks: list[bytes] = ()) -> Iterator[tuple[int, list[str] | None]]:
     """The first notes' read of a range: (row number, row) for the rows that may be the wanted
     accounts', the others counted, not parsed, and last (the range's row count, None). A chunk
     with no quote, lone CR, NUL or blank line holds a row a line, as the csv module parses it:
     its rows are its lines, and only a line naming a wanted account is parsed (a 20,000-account
     day's 62 MB: 0.23 s with wanted.c, 0.55 s in Python, 1.2 s parsing every row). From the first
-    chunk that has one of them, the rest of the range is parsed whole, as the split parses it."""
+    chunk that has one of them, the rest of the range is parsed whole, as the split parses it. A
+    line with one of `marks` in its field number `column` is parsed too (a trade's move)."""
     needles = [ucc.encode() for ucc in wanted if ucc]  # a substring finds the ucc however the row pads it
     chunks, n = _range_chunks(inputs, rng, chunk), 0
     for whole, first in chunks:
@@ -454,7 +484,7 @@ def _wanted_rows(inputs: Store, rng: Range, wanted: Container[str],
             whole = whole if parsed else whole[header:]
         else:
             parsed = False
-        if parsed or (held := _lines_holding(whole, needles)) is None:
+        if parsed or (held := _lines_holding(whole, needles, column, marks)) is None:
             reader = csv.reader(itertools.chain(_lines(whole, False), (
                 line for more, _ in chunks for line in _lines(more, False))))
             if parsed:
@@ -471,27 +501,39 @@ def _wanted_rows(inputs: Store, rng: Range, wanted: Container[str],
     yield n, None
 
 
-def _lines_holding(whole: bytes, needles: list[bytes]) -> tuple[int, list[tuple[int, int]]] | None:
-    """The chunk's newlines, and (newlines before it, its start) of each line holding a needle, in
-    order; None when the chunk is not a row a line. In C (wanted.c) where it builds, in one call."""
+def _lines_holding(whole: bytes, needles: list[bytes], column: int = -1,
+                   marks: list[bytes] = ()) -> tuple[int, list[tuple[int, int]]] | None:
+    """The chunk's newlines, and (newlines before it, its start) of each line holding a needle, or
+    one of `marks` in its field number `column` (-1: none), in order; None when the chunk is not a
+    row a line (so no field holds a quoted comma). In C (wanted.c) where it builds, in one call."""
     scan = _wanted_lines()
     if scan is None:
         if not _a_row_a_line(whole):
             return None
+        held = {whole.rfind(b"\n", 0, hit) + 1 for needle in needles for hit in _finds(whole, needle)}
+        start = 0
+        for line in whole.split(b"\n") if column >= 0 else ():
+            fields = line.split(b",")
+            if len(fields) > column and any(mark and mark in fields[column] for mark in marks):
+                held.add(start)
+            start += len(line) + 1
         lines, before, at = [], 0, 0  # the newlines before `at`, counted a stretch at a time
-        for start in sorted({whole.rfind(b"\n", 0, hit) + 1 for needle in needles for hit in _finds(whole, needle)}):
+        for start in sorted(held):
             before, at = before + whole.count(b"\n", at, start), start
             lines.append((before, start))
         return whole.count(b"\n"), lines
-    joined, lengths, cap = b"".join(needles), (ctypes.c_long * len(needles))(*map(len, needles)), 64
+    joined, lengths = b"".join(needles), (ctypes.c_long * len(needles))(*map(len, needles))
+    cap = 64 + len(whole) // 256  # room for the lines of a few percent of trades modified, scanned once
+    marked, mark_lengths = b"".join(marks), (ctypes.c_long * len(marks))(*map(len, marks))
     while True:
         starts, rows, newlines = (ctypes.c_long * cap)(), (ctypes.c_long * cap)(), ctypes.c_long()
-        held = scan(whole, len(whole), joined, lengths, len(needles), starts, rows, cap, ctypes.byref(newlines))
+        held = scan(whole, len(whole), joined, lengths, len(needles), column, marked, mark_lengths, len(marks),
+                    starts, rows, cap, ctypes.byref(newlines))
         if held == -1:
             return None
         if held >= 0:
             return newlines.value, list(zip(rows[:held], starts[:held]))
-        cap = (newlines.value + 1) * len(needles)  # a heavy account's lines: room for every line once a code
+        cap = newlines.value  # a heavy account's lines, or many trades modified: room for every hit
 
 
 @functools.cache
@@ -499,7 +541,8 @@ def _wanted_lines():
     """wanted.c's cn_wanted_lines, or None when it cannot be built."""
     long, longs = ctypes.c_long, ctypes.POINTER(ctypes.c_long)
     built = native.functions(Path(__file__).with_name("wanted.c"), {"cn_wanted_lines": (
-        [ctypes.c_char_p, long, ctypes.c_char_p, longs, long, longs, longs, long, longs], long)},
+        [ctypes.c_char_p, long, ctypes.c_char_p, longs, long, long, ctypes.c_char_p, longs, long, longs, longs, long,
+         longs], long)},
         "the first notes read the day's lines in Python (~0.3 s more at 20,000 accounts)")
     return built[0] if built else None
 
@@ -671,11 +714,12 @@ _IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), ope
 _AT = 4  # then its range and row
 
 
-def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, list[str]]], list[Outcome], list[str]]:
+def _accounts(lines: list[str], offsets: dict, moved: dict[str, str] | None = None
+              ) -> tuple[list[tuple[str, str, list[str]]], list[Outcome], list[str]]:
     """One shard's accounts from its rows (read_range's lines, in file order): (ucc, client as
     JSON, the note's trades as JSON), the rejected, and the clients whose every trade was
-    cancelled: no trade stands, so no note is due (they were in no count before, a day of 1.5M
-    synthetic accounts showed 183 of them)."""
+    cancelled, or moved to another client (`moved`: owners'): no trade stands, so no note is due
+    (they were in no count before, a day of 1.5M synthetic accounts showed 183 of them)."""
     clients: dict[str, str] = {}
     client_at: dict[str, str] = {}  # its bucket line's range:row, a row's number worked out only when named
     trades: dict[str, list[list[str]]] = defaultdict(list)
@@ -709,7 +753,10 @@ def _accounts(lines: list[str], offsets: dict) -> tuple[list[tuple[str, str, lis
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
-        kept = effective(trades[ucc], _IDENTITY, _STATUS, _ORDER)
+        rows = trades[ucc]
+        if moved:  # a trade whose last modification or cancellation names another client is not this one's
+            rows = [t for t in rows if moved.get(_IDENTITY(t), ucc) == ucc]
+        kept = effective(rows, _IDENTITY, _STATUS, _ORDER)
         if kept:
             accounts.append((ucc, clients[ucc], [t[3] for t in kept]))
         else:
