@@ -75,7 +75,7 @@ def schedule(date: str) -> dict:
 
 
 def recompute(day: Path, date: str) -> dict[str, dict[str, dict[str, D]]]:
-    """ucc -> "EXCHANGE-SEGMENT" -> figure -> amount, for every account with a trade standing."""
+    """ucc -> "EXCHANGE-SEGMENT" -> figure -> amount, for every client with a trade standing."""
     rates, broker = schedule(date), json.loads(BROKER.read_text())
     settle = {}
     for r in rows(day / "bhavcopy.csv"):
@@ -97,7 +97,7 @@ def recompute(day: Path, date: str) -> dict[str, dict[str, dict[str, D]]]:
         if t["status"] != "13":
             by_account[t["ucc"]].append(t)
     return {ucc: _account(trades, rates, broker, settle, rbi, states[ucc] == broker["gst_state_code"])
-            for ucc, trades in by_account.items()}
+            for ucc, trades in by_account.items() if ucc in states}
 
 
 def _account(trades, rates, broker, settle, rbi, intra) -> dict[str, dict[str, D]]:

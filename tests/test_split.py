@@ -18,7 +18,7 @@ from collections import defaultdict
 import pytest
 
 from pipeline import stages
-from pipeline.day import bhavcopy
+from pipeline.day import bhavcopy, moves
 from pipeline.day.dumps import TRADE_FIELDS, Client, RowError, parse_trade, trade_row
 from pipeline.day.split import (
     Range, _json_row, assemble, find_account, first_accounts, make_plan, read_range, result, row_offsets, split_day,
@@ -45,8 +45,8 @@ def ranged_split(inputs, store, state, run_id: str, cut_every: int, groups: int 
         meta, parts = read_range(inputs, rng, plan.columns[rng.file], plan.shard_count, groups, DATE, plan.closes)
         metas.insert(0, meta)
         buckets.insert(0, parts)
-    offsets, moves = row_offsets(metas), [m.pop("moves") for m in metas]
-    assembled = [assemble(store, state, run_id, DATE, "CNT", [b[g] for b in buckets], offsets, moves=moves)
+    offsets, owners = row_offsets(metas), moves.owners(m.pop("moves") for m in metas)
+    assembled = [assemble(store, state, run_id, DATE, "CNT", [b[g] for b in buckets], offsets, owners=owners)
                  for g in range(groups)]
     return result(plan, metas, assembled)
 
@@ -491,11 +491,13 @@ def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp
     shard = functools.partial(keys.shard_of, shards=plan.shard_count)
     a = next(u for u, _, _ in first if len(plain[u]) > 1)  # one of the first notes' accounts loses a trade
     others = sorted(u for u in plain if u != a and shard(u) != shard(a) and len(plain[u]) > 1)
-    b, c, d, e, f, g, h = others[:7]
-    moved, gone, back = plain[a][0], plain[c][0], plain[e][0]
+    b, c, d, e, f, g, h, x = others[:8]
+    moved, gone, back, lost = plain[a][0], plain[c][0], plain[e][0], plain[x][0]
     rows += [{**moved, "ucc": b, "status": "12"},
              {**gone, "ucc": d, "status": "12"}, {**gone, "ucc": d, "status": "13"},
-             {**back, "ucc": f, "status": "12"}, {**back, "ucc": e, "status": "12", "quantity": str(int(back["quantity"]) + 1)}]
+             {**back, "ucc": f, "status": "12"}, {**back, "ucc": e, "status": "12", "quantity": str(int(back["quantity"]) + 1)},
+             {**lost, "ucc": "NO-CODE", "status": "12"}]  # whose trade it is now is not known: x is rejected
+    unknown = len(rows)  # that row's number in the file
     rows += [{**t, "ucc": h, "status": "12"} for t in plain[g]]  # every trade of g, to h
     with (day / "trades.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, list(rows[0]))
@@ -505,7 +507,10 @@ def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp
     run, store = f"moved-{os.urandom(3).hex()}", open_store(str(tmp_path / "store"))
     split = ranged_split(inputs, store, RunState(redis_url, run), run, cut_every)
     save_manifest(store, run, split)
-    assert (split.rejected, split.input_errors, split.nothing_due_accounts) == (0, [], [g])
+    assert (split.rejected, split.nothing_due_accounts) == (1, [g])
+    assert [(i["row"], i["field"]) for i in split.input_errors] == [(unknown, "ucc")]  # the row naming no client
+    assert "was last modified or cancelled by a row whose client code is not valid" in \
+        RunState(redis_url, run).accounts([x])[x]["reason"]
 
     def trades(ucc: str) -> dict[str, dict]:
         return {t[TRADE_FIELDS.index("trade_no")]: dict(zip(TRADE_FIELDS, t)) for t in find_account(store, run, ucc)["trades"]}
@@ -523,7 +528,7 @@ def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp
     for ucc, _, made in again:
         assert [json.loads(t) for t in made] == find_account(store, run, ucc)["trades"], ucc
 
-    expected = recompute(day, DATE)
+    expected = {u: figures for u, figures in recompute(day, DATE).items() if u != x}
     assert set(expected) == {a for a in {r["ucc"] for r in rows} if find_account(store, run, a)}
     for ucc, figures in expected.items():
         account = find_account(store, run, ucc)

@@ -452,7 +452,7 @@ def _run_day(settings: Settings, req: RunRequest, run_id: str, state: RunState, 
         "physical_now": tally["statuses"].get("physical", 0),
         "unconfirmed_now": tally["statuses"].get("unconfirmed", 0),  # claimed under this driver, no answer recorded
         "failed_now": tally["statuses"].get("failed", 0),  # failed under this driver (a rerun's: _left_now)
-        "nothing_due": split.nothing_due,  # clients whose every trade was cancelled: no note is due
+        "nothing_due": split.nothing_due,  # clients whose every trade was cancelled or moved to another: no note is due
         "nothing_due_accounts": split.nothing_due_accounts,
         "left_to_other_entities": split.left_to_others,  # trades of segments another entity's run makes notes for
         "started_at": float(meta.get("started") or started),  # the run's first start, a rerun's too

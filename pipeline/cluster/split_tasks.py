@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 
 import ray
 
+from pipeline.day import moves
 from pipeline.day.split import Plan, assemble, make_plan, read_range, result, row_offsets
 
 from pipeline.record import made_with
@@ -44,23 +45,27 @@ def group_count(shards: int, cpus: int, ranges: int) -> int:
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def read_task(inputs: Store, rng, columns: list[int], shards: int, groups: int, trade_date: str, closes: dict,
               closed: dict, segments: frozenset | None = None, left_to: dict | None = None):
-    """The range's meta, its moves (every assembly reads every range's: the driver never holds
-    them), then its bucket for each group."""
+    """The range's meta, its moves (for owners_task alone), then its bucket for each group."""
     meta, buckets = read_range(inputs, rng, columns, shards, groups, trade_date, closes, closed=closed,
                                segments=segments, left_to=left_to)
     return (meta, meta.pop("moves"), *buckets)
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
+def owners_task(*changes: str) -> moves.Owners:
+    """The day's moved trades, once (every range's moves, in the plan's order), for every assembly."""
+    return moves.owners(changes)
+
+
+@ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
 def assemble_task(settings: Settings, run_id: str, trade_date: str, offsets: dict, reuse: bool, numbered: dict,
-                  handed: tuple[int, ...], ranges: int, *parts):
+                  handed: tuple[int, ...], owners: moves.Owners, *parts):
     """The group's result, then the file of each `handed` shard (None: no file, every account
     rejected), each a return of its own (num_returns) for its render tasks to take. Run again
-    for a lost return, it hands the files first written (split.assemble writes each once).
-    `parts`: every range's moves (`ranges` of them), then the group's bucket of each range."""
+    for a lost return, it hands the files first written (split.assemble writes each once)."""
     state = RunState.of(settings, run_id)
     done = assemble(open_store(settings.store_url, run=settings), state, run_id, trade_date, broker(settings.broker_file)["note_prefix"],
-                    list(parts[ranges:]), offsets, reuse, numbered, frozenset(handed), parts[:ranges])
+                    list(parts), offsets, reuse, numbered, frozenset(handed), owners)
     if not handed:
         return done
     rows = done.pop("rows")
@@ -134,7 +139,7 @@ class Split:
         split = None
         try:
             metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
-            moves = [refs.pop(0) for refs in reads]
+            owners = owners_task.options(name="split owners").remote(*[refs.pop(0) for refs in reads])
             split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
             offsets, numbered = row_offsets(metas), ray.put(numbered())
             heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
@@ -144,8 +149,7 @@ class Split:
             for g in sorted(range(groups), key=lambda g: -heaviest.get(g, 0)):
                 mine = tuple(s for s in handed if s % groups == g)
                 made = assemble_task.options(name="split assemble", num_returns=1 + len(mine)).remote(
-                    settings, run_id, trade_date, offsets, reuse, numbered, mine, len(moves), *moves,
-                    *[refs[g] for refs in reads])
+                    settings, run_id, trade_date, offsets, reuse, numbered, mine, owners, *[refs[g] for refs in reads])
                 split.assembling[g], *rows = made if mine else [made]
                 split.rows.update(zip(mine, rows))
             return split

@@ -26,10 +26,10 @@ from collections import Counter, defaultdict
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Container, Iterable, Iterator
+from typing import Container, Iterator
 
 from pipeline import native
-from pipeline.day import bhavcopy, trading_calendar
+from pipeline.day import bhavcopy, moves, trading_calendar
 from pipeline.day.dumps import (
     CLIENT_FIELDS,
     MAX_FIELD,
@@ -127,7 +127,7 @@ def split_day(inputs: Store, store: Store, state: RunState, run_id: str, trade_d
         metas.append(meta)
         parts.append(bucket)
     assembled = assemble(store, state, run_id, trade_date, note_prefix, parts, row_offsets(metas),
-                         moves=[m.pop("moves") for m in metas])
+                         owners=moves.owners(m.pop("moves") for m in metas))
     return result(plan, metas, [assembled])
 
 
@@ -167,8 +167,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     or e (an error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
     The meta's "moves": each trade row modified or cancelled (status 12 or 13), a line each in
-    file order, `identity RS ucc`, for `owners` (a trade may move to another client's code),
-    valid or not (a bad row rejects its own account; the trade is still not the first one's).
+    file order (moves.move), for moves.owners: a trade may move to another client's code.
     `wanted`: only these accounts' rows, the rest counted but not validated (the first notes),
     but for the moves. `closed`: the exchanges shut that day (Plan.closed), whose trades are
     rejected; `segments` and `left_to`: the issuing entity's memberships (Plan.segments): a trade
@@ -198,7 +197,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     at_range = f"{RS}{rng.index}:"  # each line ends in RS range:row; this part once a range
     entity = kind == "t" and (segments is not None or bool(left_to))
     left: dict[str, int] = defaultdict(int)
-    moves: list[str] = []
+    changes: list[str] = []
     for n, raw in rows:
         try:
             if raw is None:
@@ -206,8 +205,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
                     continue
                 raise RowError(name, n, "", "is not a CSV row (a stray quote or a NUL byte)")
             values = (pick(raw) if len(raw) >= width else tuple(raw[i] if 0 <= i < len(raw) else "" for i in present)) + pad
-            if status >= 0 and values[status].strip() in _CHANGED and (move := _move(values, at)):
-                moves.append(move)  # valid or not: the first notes never validate another account's row
+            if status >= 0 and values[status].strip() in _CHANGED and (move := moves.move(values, at)):
+                changes.append(move)  # valid or not: the first notes never validate another account's row
             if wanted is not None and values[at].strip() not in wanted:  # the parsers strip the ucc too
                 continue
             if entity and (segment := f"{values[1].strip()}-{values[2].strip()}") in _SEGMENTS:
@@ -243,23 +242,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     for shard, rows in lines.items():
         buckets[shard % groups][shard] = "\n".join(rows)
     return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights),
-            "left_to": dict(left), "moves": "\n".join(moves)}, buckets
-
-
-def _move(values: tuple[str, ...], at: int) -> str:
-    """A trade row's `identity RS ucc` as the split reads a valid one (its fields stripped), or
-    "" when a field holds what no valid row does (a line break, a record separator)."""
-    move = f"{values[1].strip()}{SEP}{values[2].strip()}{SEP}{values[7].strip()}{RS}{values[at].strip()}"
-    return "" if "\n" in move or move.count(RS) != 1 else move
-
-
-def owners(moves: Iterable[str]) -> dict[str, str]:
-    """Each trade modified or cancelled -> the account its last such row names (read_range's
-    moves, every range's in the plan's order: the last one read is the file's last). A
-    modification may name another client's code: the trade is then that client's, off the
-    first's note, wherever in the day its rows are. Every assembly reads the day's moves (a few
-    percent of its trades: 0.7 MB of 20,000 accounts' 439,000 synthetic trades)."""
-    return dict(line.split(RS) for text in moves if text for line in text.split("\n"))
+            "left_to": dict(left), "moves": "\n".join(changes)}, buckets
 
 
 def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
@@ -273,7 +256,7 @@ def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
 
 def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_prefix: str,
              parts: list[list[tuple]], offsets: dict, reuse: bool = False, numbered: dict[str, str] | None = None,
-             hand: Container[int] = (), moves: Iterable[str] = ()) -> dict:
+             hand: Container[int] = (), owners: moves.Owners | None = None) -> dict:
     """One group's shards from its buckets (`parts`, in the plan's range order). Note numbers
     are reserved for the whole group in one block, shard after shard, each account numbered by
     its place in it; an account in `numbered` (the run's first notes, made before the split)
@@ -286,17 +269,17 @@ def assemble(store: Store, state: RunState, run_id: str, trade_date: str, note_p
     and the accounts of a file the lost attempt wrote without recording them are recorded now.
     An account is validated by its first record alone: an attempt still running beside another
     (its node cut off, not dead) never resets one. Returns {shard: (accounts, trades)}, the
-    rejected, and the clients whose every trade was cancelled (no note is due); with `hand`,
+    rejected, and the clients whose every trade was cancelled or moved (no note is due); with `hand`,
     "rows": those shards' files as written, for their render tasks (split_tasks.HANDED_TRADES).
-    `moves`: every range's (read_range), for the trades that moved between clients."""
-    numbered, moved = numbered or {}, owners(moves)
+    `owners`: the day's trades that moved between clients (moves.owners)."""
+    numbered = numbered or {}
     by_shard: dict[int, list[str]] = defaultdict(list)
     for part in parts:  # in range order: a later row of a trade or client comes later
         for shard, text in part.items():
             by_shard[shard].append(text)
     done, fresh, rejected, cancelled, rows, block = {}, [], 0, [], {}, []
     for shard in sorted(by_shard):
-        accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets, moved)
+        accounts, rejects, nothing = _accounts("\n".join(by_shard.pop(shard)).split("\n"), offsets, owners)
         rejected += len(rejects)
         cancelled += nothing
         state.record(rejects, only_new=True)  # an assembly run again, or a resumed split, finds them recorded
@@ -364,7 +347,7 @@ def first_accounts(inputs: Store, plan: Plan, trade_date: str, count: int) -> tu
             if shard in bucket:
                 lines.append(bucket[shard])
     accounts, _, _ = _accounts("\n".join(lines).split("\n") if lines else [], row_offsets(metas),
-                               owners(m.pop("moves") for m in metas))
+                               moves.owners(m.pop("moves") for m in metas))
     return shard, accounts
 
 
@@ -714,12 +697,13 @@ _IDENTITY, _ORDER, _STATUS = operator.itemgetter(0), operator.itemgetter(1), ope
 _AT = 4  # then its range and row
 
 
-def _accounts(lines: list[str], offsets: dict, moved: dict[str, str] | None = None
+def _accounts(lines: list[str], offsets: dict, owners: moves.Owners | None = None
               ) -> tuple[list[tuple[str, str, list[str]]], list[Outcome], list[str]]:
     """One shard's accounts from its rows (read_range's lines, in file order): (ucc, client as
     JSON, the note's trades as JSON), the rejected, and the clients whose every trade was
-    cancelled, or moved to another client (`moved`: owners'): no trade stands, so no note is due
-    (they were in no count before, a day of 1.5M synthetic accounts showed 183 of them)."""
+    cancelled, or moved to another client (`owners`): no trade stands, so no note is due (they
+    were in no count before, a day of 1.5M synthetic accounts showed 183 of them). A trade last
+    modified by a row naming no valid client code rejects the accounts holding it."""
     clients: dict[str, str] = {}
     client_at: dict[str, str] = {}  # its bucket line's range:row, a row's number worked out only when named
     trades: dict[str, list[list[str]]] = defaultdict(list)
@@ -738,6 +722,10 @@ def _accounts(lines: list[str], offsets: dict, moved: dict[str, str] | None = No
                 clients[ucc], client_at[ucc] = client, at
         else:
             errors[ucc].append(_moved(json.loads(payload), offsets))
+    owner: dict[int, int] = {}  # id(row) -> its trade's owner (moves.client_key), where the trade moved
+    if owners:  # one lookup for the shard's rows
+        flat = [t for rows in trades.values() for t in rows]
+        owner = {id(t): o for t, o in zip(flat, owners.of([moves.trade_key(_IDENTITY(t)) for t in flat]).tolist()) if o}
     accounts, rejects, cancelled = [], [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
@@ -750,12 +738,18 @@ def _accounts(lines: list[str], offsets: dict, moved: dict[str, str] | None = No
                                 "error": "{} {} trade {} is given twice as an original (status 11), also row {}: a trade "
                                          "number is unique within its exchange and segment".format(
                                              *_IDENTITY(again).split(SEP), _row("trades.csv", first[_AT], offsets))})
+        rows = trades.get(ucc, [])
+        if owner:  # a trade whose last modification or cancellation names another client is not this one's
+            me = moves.client_key(ucc)
+            if lost := next((t for t in rows if owner.get(id(t)) == moves.NOBODY), None):
+                errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", lost[_AT], offsets), "field": "ucc",
+                                    "error": "{} {} trade {} was last modified or cancelled by a row whose client code "
+                                             "is not valid (the run's input errors name it): whose trade it is now is "
+                                             "not known".format(*_IDENTITY(lost).split(SEP))})
+            rows = [t for t in rows if owner.get(id(t), me) == me]
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
-        rows = trades[ucc]
-        if moved:  # a trade whose last modification or cancellation names another client is not this one's
-            rows = [t for t in rows if moved.get(_IDENTITY(t), ucc) == ucc]
         kept = effective(rows, _IDENTITY, _STATUS, _ORDER)
         if kept:
             accounts.append((ucc, clients[ucc], [t[3] for t in kept]))

@@ -17,7 +17,7 @@ class SplitResult:
     shard_count: int = 0  # what stable_hash is taken modulo
     accounts: int = 0
     rejected: int = 0
-    nothing_due: int = 0  # clients whose every trade was cancelled: no contract note is due, none is made
+    nothing_due: int = 0  # clients whose every trade was cancelled or moved to another: no contract note is due, none is made
     nothing_due_accounts: list[str] = field(default_factory=list)  # the first NAMED of them
     input_errors: list[dict] = field(default_factory=list)  # rows naming no usable account
     trades: list[int] = field(default_factory=list)  # per shard of `shards`: its trades, heaviest first
