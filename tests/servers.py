@@ -33,7 +33,7 @@ def start_versitygw(root: Path, nometa: bool = False, keep_alive: bool = False,
          *(["--keep-alive"] if keep_alive else []), *(["--cert", str(tls[0]), "--key", str(tls[1])] if tls else []),
          "posix", *(["--nometa"] if nometa else []), str(root)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    wait_for_port(port, process, "versitygw")
+    wait_for_port(port, process, "versitygw", own=True)
     return Service("s3", process, f"{'https' if tls else 'http'}://127.0.0.1:{port}")
 
 
@@ -46,7 +46,7 @@ def start_secrets_manager(root: Path) -> Service:
     log = (root / "moto.log").open("ab")
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                stdout=log, stderr=subprocess.STDOUT)
-    wait_for_port(port, process, "moto server")
+    wait_for_port(port, process, "moto server", own=True)
     return Service("secretsmanager", process, f"http://127.0.0.1:{port}")
 
 
@@ -180,7 +180,7 @@ service submission-login {{
 """)
     process = subprocess.Popen([binary, "-F", "-c", str(root / "dovecot.conf")], stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
-    wait_for_port(port, process, "dovecot")
+    wait_for_port(port, process, "dovecot", own=True)
     service = Service("imap", process, f"imap://{DOVECOT_USER}:{DOVECOT_PASSWORD}@127.0.0.1:{port}/INBOX")
     service.root = root
     return service
@@ -255,7 +255,7 @@ smtputf8_enable = no
       + (f"smtpd_milters = inet:{milter}\nmilter_default_action = tempfail\n" if milter else ""))
     subprocess.run(["postfix", "-c", str(etc), "check"], check=True)  # makes the queue's folders
     process = subprocess.Popen([str(master), "-c", str(etc), "-d"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    wait_for_port(port, process, "postfix")
+    wait_for_port(port, process, "postfix", own=True)
     service = Service("smtp", process, f"smtp://127.0.0.1:{port}")
     service.root = root
     return service
@@ -283,7 +283,7 @@ PidFile {root}/opendkim.pid
 """)
     process = subprocess.Popen([binary, "-f", "-x", str(root / "opendkim.conf")], stdout=subprocess.DEVNULL,
                                stderr=(root / "opendkim.log").open("ab"))
-    wait_for_port(port, process, "opendkim")
+    wait_for_port(port, process, "opendkim", own=True)
     return Service("milter", process, f"127.0.0.1:{port}")
 
 

@@ -51,7 +51,7 @@ def head_redis(tmp_path, head):
     process = subprocess.Popen(["redis-server", str(tmp_path / "redis.conf")], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
-        wait_for_port(port, process, "redis-server")
+        wait_for_port(port, process, "redis-server", own=True)
         yield port
     finally:
         process.terminate()

@@ -37,7 +37,7 @@ def head_redis(tmp_path_factory):
     process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--dir", str(work), "--aclfile", str(work / "users.acl")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port, process, "redis-server")
+    wait_for_port(port, process, "redis-server", own=True)
     yield Settings(redis_url=f"redis://cn@127.0.0.1:{port}/0", secret="file:unused")
     process.terminate()
     process.wait(10)
