@@ -50,8 +50,9 @@ COUNT = 4
 # parallel: among the first notes (a 60,000-trade client is often the first of clients.csv) its
 # 921 pages were rendered whole in this thread, and the other first notes waited on them
 MAX_TRADES = 4 * ROWS_PER_PAGE
-MAX_INPUT_BYTES = 128 << 20  # read for a few accounts (a 20,000-account day, 63 MB: 0.23 s of CPU with wanted.c,
-# 0.55 s in Python; 0.41 s of wall time in one traced run): up to ~1 s, well before a cold run's first chain could mail
+MAX_INPUT_BYTES = 128 << 20  # read for a few accounts (a 20,000-account day, 63 MB: 0.49 s of CPU with wanted.c,
+# 1.75 s in Python; 0.41 s of wall time in one traced run before the moves were read): up to ~1 s, well before a cold
+# run's first chain could mail
 
 
 class FirstNotes:
