@@ -509,7 +509,7 @@ def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp
     save_manifest(store, run, split)
     assert (split.rejected, split.nothing_due_accounts) == (1, [g])
     assert [(i["row"], i["field"]) for i in split.input_errors] == [(unknown, "ucc")]  # the row naming no client
-    assert "was last modified or cancelled by a row whose client code is not valid" in \
+    assert "was last modified or cancelled by another row, whose client code is not valid" in \
         RunState(redis_url, run).accounts([x])[x]["reason"]
 
     def trades(ucc: str) -> dict[str, dict]:
@@ -537,8 +537,8 @@ def test_a_trade_modified_under_another_client_s_code_is_that_client_s_alone(tmp
 
 
 def test_the_split_on_ray_moves_a_trade_to_the_client_it_was_given_to(ray_session, settings, tmp_path):
-    """The same on Ray: each range's moves go from its read task to every assembly task (the
-    driver never holds them); the accounts are in other shards, groups and ranges."""
+    """The same on Ray: each range's moves go to one task that works out the day's owners, which
+    every assembly reads; the accounts are in other shards, groups and ranges."""
     from pipeline.cluster.split_tasks import Split
 
     day = tmp_path / "in"

@@ -1,9 +1,10 @@
 """The split on the cluster: one Ray task per byte range of the dumps, then one per group of shards.
 
-Every range is read and validated at once on the render CPUs; each group of shards is then
-assembled by its own task as soon as every range has dealt it its rows, and a shard's render
-task waits on its group's object ref alone, so notes are rendered while other groups are
-still being assembled. The driver holds refs and counts per shard, never rows.
+Every range is read and validated at once on the render CPUs; one task works out the trades
+that moved between clients from every range's moves; each group of shards is then assembled by
+its own task as soon as every range has dealt it its rows, and a shard's render task waits on its
+group's object ref alone, so notes are rendered while other groups are still being assembled.
+The driver holds refs and counts per shard, never rows.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def read_task(inputs: Store, rng, columns: list[int], shards: int, groups: int, 
 
 
 @ray.remote(num_cpus=1, resources={"render": 1}, max_retries=3)
-def owners_task(*changes: str) -> moves.Owners:
+def owners_task(*changes) -> moves.Owners:
     """The day's moved trades, once (every range's moves, in the plan's order), for every assembly."""
     return moves.owners(changes)
 
@@ -117,6 +118,7 @@ class Split:
         self.plan, self.metas, self.groups, self.assembling, self.weights = plan, metas, groups, assembling, weights
         self.recorded = recorded  # what the notes are made with (made_with.recorded), for the manifest
         self.rows: dict[int, ray.ObjectRef] = {}  # shard -> its file's bytes, as its assembly wrote it (HANDED_TRADES)
+        self.moved: list[ray.ObjectRef] = []  # the day's moved trades (owners_task), then each range's moves
 
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
@@ -139,8 +141,10 @@ class Split:
         split = None
         try:
             metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
-            owners = owners_task.options(name="split owners").remote(*[refs.pop(0) for refs in reads])
+            changes = [refs.pop(0) for refs in reads]  # held while the split lives: a lost owners is made again
+            owners = owners_task.options(name="split owners").remote(*changes)  # from them, not from the reads
             split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
+            split.moved = [owners, *changes]
             offsets, numbered = row_offsets(metas), ray.put(numbered())
             heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
             for shard, n in split.weights.items():
@@ -206,7 +210,7 @@ class Split:
     def cancel(self) -> None:
         """The run stopped: its assemblies not yet run are not left queued in a Ray that lives on (a
         notebook's). One cut short leaves what a node lost midway leaves, which the run resumed takes on."""
-        cancel_tasks(list(self.assembling.values()))
+        cancel_tasks([*self.moved[:1], *self.assembling.values()])
 
     def done(self, block: bool = False) -> SplitResult | None:
         """The finished split once every group is assembled (raises if a group failed for good)."""

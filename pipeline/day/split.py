@@ -166,8 +166,8 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     ending in `RS range:row` (its row in this range: a rejection no single row causes names its rows),
     or e (an error rejecting the account, as JSON). Text, because a range's rows as Python lists cost
     seconds to pickle to the assembly tasks; JSON, because that is how the shard file holds them.
-    The meta's "moves": each trade row modified or cancelled (status 12 or 13), a line each in
-    file order (moves.move), for moves.owners: a trade may move to another client's code.
+    The meta's "moves": each trade row modified or cancelled (status 12 or 13), in file order
+    (moves.packed), for moves.owners: a trade may move to another client's code.
     `wanted`: only these accounts' rows, the rest counted but not validated (the first notes),
     but for the moves. `closed`: the exchanges shut that day (Plan.closed), whose trades are
     rejected; `segments` and `left_to`: the issuing entity's memberships (Plan.segments): a trade
@@ -197,7 +197,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     at_range = f"{RS}{rng.index}:"  # each line ends in RS range:row; this part once a range
     entity = kind == "t" and (segments is not None or bool(left_to))
     left: dict[str, int] = defaultdict(int)
-    changes: list[str] = []
+    changes: list[tuple[int, int]] = []
     for n, raw in rows:
         try:
             if raw is None:
@@ -242,7 +242,7 @@ def read_range(inputs: Store, rng: Range, columns: list[int], shards: int, group
     for shard, rows in lines.items():
         buckets[shard % groups][shard] = "\n".join(rows)
     return {"file": name, "index": rng.index, "rows": n, "errors": errors, "weights": dict(weights),
-            "left_to": dict(left), "moves": "\n".join(changes)}, buckets
+            "left_to": dict(left), "moves": moves.packed(changes)}, buckets
 
 
 def row_offsets(metas: list[dict]) -> dict[tuple[str, int], int]:
@@ -723,10 +723,10 @@ def _accounts(lines: list[str], offsets: dict, owners: moves.Owners | None = Non
                 clients[ucc], client_at[ucc] = client, at
         else:
             errors[ucc].append(_moved(json.loads(payload), offsets))
-    owner: dict[int, int] = {}  # id(row) -> its trade's owner (moves.client_key), where the trade moved
-    if owners:  # one lookup for the shard's rows
-        flat = [t for rows in trades.values() for t in rows]
-        owner = {id(t): o for t, o in zip(flat, owners.of([moves.trade_key(_IDENTITY(t)) for t in flat]).tolist()) if o}
+    owner: dict[str, int] = {}  # a trade's identity -> its owner (moves.client_key), where the trade moved
+    if owners:  # one lookup for the shard's trades
+        mine = list({_IDENTITY(t) for rows in trades.values() for t in rows})
+        owner = {i: o for i, o in zip(mine, owners.of([moves.row_key(i) for i in mine]).tolist()) if o}
     accounts, rejects, cancelled = [], [], []
     for ucc in sorted(set(trades) | set(errors)):
         if ucc not in clients and ucc in trades:
@@ -742,12 +742,12 @@ def _accounts(lines: list[str], offsets: dict, owners: moves.Owners | None = Non
         rows = trades.get(ucc, [])
         if owner:  # a trade whose last modification or cancellation names another client is not this one's
             me = moves.client_key(ucc)
-            if lost := next((t for t in rows if owner.get(id(t)) == moves.NOBODY), None):
-                errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", lost[_AT], offsets), "field": "ucc",
-                                    "error": "{} {} trade {} was last modified or cancelled by a row whose client code "
-                                             "is not valid (the run's input errors name it): whose trade it is now is "
-                                             "not known".format(*_IDENTITY(lost).split(SEP))})
-            rows = [t for t in rows if owner.get(id(t), me) == me]
+            if lost := next((t for t in rows if owner.get(_IDENTITY(t)) == moves.NOBODY), None):
+                errors[ucc].append({"file": "trades.csv", "row": _row("trades.csv", lost[_AT], offsets), "field": "trade_no",
+                                    "error": "{} {} trade {} was last modified or cancelled by another row, whose client "
+                                             "code is not valid: whose trade it is now is not known".format(
+                                                 *_IDENTITY(lost).split(SEP))})
+            rows = [t for t in rows if owner.get(_IDENTITY(t), me) == me]
         if errors[ucc]:
             rejects.append(Outcome(ucc, "validated", "rejected", reason=_describe(errors[ucc])))
             continue
