@@ -1,12 +1,13 @@
 """Stage 1: read the dumps in byte ranges, validate each row, and write one shard file per group of accounts.
 
-Two kinds of independent step, so the split runs on every core of the cluster
+Independent steps, so the split runs on every core of the cluster
 (pipeline/cluster/split_tasks.py) or in one process (split_day, tests and benchmarks):
 - read_range validates the rows of one byte range of one dump (a ranged GET on S3) and deals
-  them into buckets, one per shard group;
+  them into buckets, one per shard group, with the range's modified and cancelled trades;
+- moves.owners works out, from every range's, the trades that moved to another client;
 - assemble takes one group's buckets from every range, builds each shard's accounts (trades
-  grouped by account, cancellations and modifications applied), reserves their contract note
-  numbers and writes the shards to storage.
+  grouped by account, cancellations and modifications applied, moved trades with their new
+  client), reserves their contract note numbers and writes the shards to storage.
 Row numbers stay the file's own: a range counts its rows, and the errors it found are moved
 by the rows of the ranges before it once every range is read. A bad row rejects its account
 with the file, row and field named; the rest of the run goes on.
