@@ -6,9 +6,11 @@
  * next hash at once:
  *   - CBC is a chain: one block's AES waits for the one before, so a lone chain leaves the
  *     AES unit idle most of the time; eight chains interleaved keep it busy (AES-NI, or
- *     OpenSSL's EVP one lane at a time where the CPU lacks it), sixteen with VAES, four in a
- *     register (~0.6 of AES-NI's CPU; a hash 0.90-0.96 of the CPU before). Every lane runs to the
- *     longest lane's blocks: what a shorter lane computes past its own end is never read.
+ *     OpenSSL's EVP one lane at a time where the CPU lacks it); with VAES, where more than
+ *     eight are ready, sixteen, four in a register (their AES ~0.6 of AES-NI's CPU: a hash in
+ *     a batch 0.89-0.91 of its CPU before). Fewer go to AES-NI: two registers' chains would
+ *     wait on VAES's longer latency (a lone hash took 1.12x). Every lane runs to the longest
+ *     lane's blocks: what a shorter lane computes past its own end is never read.
  *   - SHA-384 and SHA-512 share a compression function, which AVX-512 runs for eight lanes
  *     at once, each 64-bit word in a lane of its own (sha512_lanes); a lane past its last
  *     block keeps its state. A round takes one of the three SHA-2s by its data, so those
@@ -124,7 +126,7 @@ VAES static void cbc_vaes(lane **lanes, int n)
     __m512i c[VAES_LANES / 4], x[VAES_LANES / 4];
     int groups = (n + 3) / 4;
     size_t blocks = 0;
-    for (int i = 0; i < VAES_LANES; i++) {
+    for (int i = 0; i < 4 * groups; i++) {
         lane *l = lanes[i < n ? i : 0];
         __m128i rk[11];
         schedule(l->k, rk);
@@ -363,7 +365,7 @@ int cn_hash_2b(size_t n, const unsigned char *passwords, const size_t *ends, con
             l->total = 64 * sequence;
         }
 #if defined(__x86_64__)
-        if (vaes)
+        if (vaes && n_ready > LANES) /* fewer: AES-NI's eight lanes wait less on each other than two registers */
             for (int i = 0; i < n_ready; i += VAES_LANES)
                 cbc_vaes(ready + i, n_ready - i < VAES_LANES ? n_ready - i : VAES_LANES);
         else
