@@ -118,7 +118,8 @@ class Split:
         self.plan, self.metas, self.groups, self.assembling, self.weights = plan, metas, groups, assembling, weights
         self.recorded = recorded  # what the notes are made with (made_with.recorded), for the manifest
         self.rows: dict[int, ray.ObjectRef] = {}  # shard -> its file's bytes, as its assembly wrote it (HANDED_TRADES)
-        self.moved: list[ray.ObjectRef] = []  # the day's moved trades (owners_task), then each range's moves
+        self.owners: ray.ObjectRef | None = None  # the day's moved trades (owners_task)
+        self.changes: list[ray.ObjectRef] = []  # each range's moves, held so a lost owners is made again from them
 
     @classmethod
     def start(cls, settings: Settings, run_id: str, trade_date: str, input_url: str, cpus: int, reuse: bool,
@@ -141,10 +142,9 @@ class Split:
         split = None
         try:
             metas, weights = tally(_arriving([refs.pop(0) for refs in reads], watch))
-            changes = [refs.pop(0) for refs in reads]  # held while the split lives: a lost owners is made again
-            owners = owners_task.options(name="split owners").remote(*changes)  # from them, not from the reads
             split = cls(plan, metas, groups, {}, weights, made_with.recorded(settings))
-            split.moved = [owners, *changes]
+            split.changes = [refs.pop(0) for refs in reads]
+            split.owners = owners = owners_task.options(name="split owners").remote(*split.changes)
             offsets, numbered = row_offsets(metas), ray.put(numbered())
             heaviest = {}  # group -> its heaviest shard's trades: the group holding a huge account goes first
             for shard, n in split.weights.items():
@@ -210,7 +210,7 @@ class Split:
     def cancel(self) -> None:
         """The run stopped: its assemblies not yet run are not left queued in a Ray that lives on (a
         notebook's). One cut short leaves what a node lost midway leaves, which the run resumed takes on."""
-        cancel_tasks([*self.moved[:1], *self.assembling.values()])
+        cancel_tasks([self.owners, *self.assembling.values()])
 
     def done(self, block: bool = False) -> SplitResult | None:
         """The finished split once every group is assembled (raises if a group failed for good)."""
