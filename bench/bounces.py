@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -89,6 +90,7 @@ def once(args) -> dict:
                 "per_s_with_one_report": round(args.dsns / (elapsed + written), 1)}
     finally:
         redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

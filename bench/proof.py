@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,7 @@ def once(args) -> dict:
             out[f"at_{accounts}"] = size
         finally:
             redis.stop()
+            shutil.rmtree(work, ignore_errors=True)
     small, large = out[f"at_{args.accounts // 4}"], out[f"at_{args.accounts}"]
     for name in ("close", "verify"):  # a fixed part and a part per account, from the two sizes
         per_account = (large[name]["elapsed_s"] - small[name]["elapsed_s"]) / (args.accounts - args.accounts // 4)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def once(args) -> dict:
         return result | ({} if "previous" in us else {"previous": f"{args.previous} is not in this clone"})
     finally:
         s3.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

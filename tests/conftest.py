@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -137,7 +136,6 @@ def imap_box():
     service = servers.start_dovecot()
     yield service
     service.stop()
-    shutil.rmtree(service.root, ignore_errors=True)
 
 
 @pytest.fixture

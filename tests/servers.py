@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.embedded import EmbeddedError, Service, free_port, wait_for_port
@@ -119,6 +120,18 @@ def make_tls_chain(directory: Path) -> tuple[Path, Path, Path]:
 DOVECOT_USER, DOVECOT_PASSWORD = "bounces", "bounce-box-secret"
 
 
+@dataclass
+class FolderService(Service):
+    """A server in a folder of its own, made for it in /tmp: stopped, its folder goes too (left, the
+    Postfix of one relay test left 1,000 messages there a run)."""
+
+    root: Path
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def start_dovecot(mail_root: Path | None = None) -> Service:
     """Debian's Dovecot as the bounce domain's IMAP mailbox: a throwaway configuration, one
     user, plain IMAP on a free loopback port. Its mail lives in a folder of its own (Dovecot
@@ -181,9 +194,7 @@ service submission-login {{
     process = subprocess.Popen([binary, "-F", "-c", str(root / "dovecot.conf")], stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
     wait_for_port(port, process, "dovecot", own=True)
-    service = Service("imap", process, f"imap://{DOVECOT_USER}:{DOVECOT_PASSWORD}@127.0.0.1:{port}/INBOX")
-    service.root = root
-    return service
+    return FolderService("imap", process, f"imap://{DOVECOT_USER}:{DOVECOT_PASSWORD}@127.0.0.1:{port}/INBOX", root)
 
 
 def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: str, policy: str = "",
@@ -256,9 +267,7 @@ smtputf8_enable = no
     subprocess.run(["postfix", "-c", str(etc), "check"], check=True)  # makes the queue's folders
     process = subprocess.Popen([str(master), "-c", str(etc), "-d"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     wait_for_port(port, process, "postfix", own=True)
-    service = Service("smtp", process, f"smtp://127.0.0.1:{port}")
-    service.root = root
-    return service
+    return FolderService("smtp", process, f"smtp://127.0.0.1:{port}", root)
 
 
 def start_opendkim(root: Path, key: Path, selector: str, domain: str) -> Service:

@@ -11,7 +11,6 @@ import dataclasses
 import imaplib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,8 +241,6 @@ def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_read_over_imap_i
     finally:
         imap.stop()
         mta.stop()
-        shutil.rmtree(imap.root, ignore_errors=True)
-        shutil.rmtree(mta.root, ignore_errors=True)
     assert (result["bounced"], result["deferred"], result["refused"]) == (len(unknown), 0, 0), result
     csv_rows = rows(settings, summary["run_id"])
     assert {u for u, r in csv_rows.items() if r["status"] == "bounced"} == unknown
