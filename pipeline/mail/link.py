@@ -19,6 +19,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from pipeline.record.macs import hmac_sha256
+
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")  # a run id or a client code: nothing that walks a path
 
 
@@ -67,7 +69,7 @@ def _parts(payload: str) -> list[str]:
 
 
 def _mac(key: bytes, payload: str) -> bytes:
-    return hmac.digest(key, b"note-link\0" + payload.encode(), "sha256")[:18]  # one-shot: no HMAC object
+    return hmac_sha256(key, b"note-link\0" + payload.encode())[:18]
 
 
 def _b64(data: bytes) -> str:

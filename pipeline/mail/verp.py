@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pipeline.record.macs import hmac_sha256
+
 _TOKEN = re.compile(r"^([a-z2-7]{1,40})-([0-9a-f]{8})-([0-9a-f]{16})$")
 
 
@@ -73,4 +75,4 @@ def genuine(key: bytes, run_id: str, t: Token) -> bool:
 
 
 def _mac(key: bytes, run_id: str, ucc: str) -> str:
-    return hmac.digest(key, f"verp\0{run_id}\0{ucc}".encode(), "sha256").hex()[:16]  # one-shot: no HMAC object
+    return hmac_sha256(key, f"verp\0{run_id}\0{ucc}".encode()).hex()[:16]

@@ -45,8 +45,9 @@ Storage (fixed partition prefixes p = stable_hash(ucc) % 10, so S3 spreads the l
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
+
+from pipeline.record.macs import hmac_sha256
 
 PARTITIONS = 10
 # Where a run's record and keys are, absolute (locations and a key's fingerprint, never key
@@ -144,7 +145,7 @@ def message_id(run_id: str, ucc: str, key: bytes = b"", domain: str = "contract-
     token_key): the run id is readable in a client's link, and an unkeyed digest let anyone
     write a DSN naming another client's Message-ID. Without a key: a run started before."""
     text = f"{run_id}/{ucc}".encode()
-    digest = (hmac.digest(key, b"message-id\0" + text, "sha256") if key else hashlib.sha256(text).digest()).hex()[:24]
+    digest = (hmac_sha256(key, b"message-id\0" + text) if key else hashlib.sha256(text).digest()).hex()[:24]
     return message_id_of(digest, ucc, domain)
 
 

@@ -1,0 +1,26 @@
+"""pipeline/record/macs.py is HMAC-SHA256: the same bytes as the standard library's, for keys
+shorter than, as long as, and longer than SHA-256's block (hashed first), and for one key after
+another (the pads are kept per key)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import random
+
+from pipeline.record.macs import BLOCK, hmac_sha256
+
+
+def test_it_is_hmac_sha256_for_every_key_length_and_message():
+    rng = random.Random(73)
+    for length in [*range(0, 2 * BLOCK + 3), 1000]:
+        key = os.urandom(length)
+        for message in (b"", os.urandom(rng.randrange(1, 300)), b"verp\0run\0C0000001"):
+            assert hmac_sha256(key, message) == hmac.digest(key, message, "sha256"), (length, message)
+
+
+def test_a_key_s_pads_are_not_spent_by_its_messages():
+    key = os.urandom(32)
+    first = hmac_sha256(key, b"message-id\0run/C1")
+    hmac_sha256(key, b"something else")
+    assert hmac_sha256(key, b"message-id\0run/C1") == first == hmac.digest(key, b"message-id\0run/C1", "sha256")
