@@ -7,6 +7,7 @@ import asyncio
 import csv
 import hashlib
 import json
+import random
 import smtplib
 import time
 import uuid
@@ -28,7 +29,7 @@ from pipeline.mail.message import (
     build_message,
 )
 from pipeline.mail.relay import PoolOptions, RetryPolicy, SmtpPool, send_with_retry
-from pipeline.mail.smtp_sink import DATA_LIMIT, Faults, OutboxHandler, SinkController
+from pipeline.mail.smtp_sink import DATA_LIMIT, Faults, OutboxHandler, SinkController, has_long_line
 from pipeline.record import keys
 from pipeline.record.state import RunState
 from pipeline.settings import parse_smtp_url
@@ -604,6 +605,46 @@ def test_the_sink_offers_chunking_and_keeps_a_bdat_message_as_it_keeps_data_s_un
         s.sendall(b"EHLO client\r\n")
         time.sleep(0.3)
         assert b"CHUNKING" not in s.recv(4096)
+
+
+def test_the_sink_refuses_a_line_over_rfc_5321_s_length_in_data_or_bdat_and_keeps_one_at_it(smtp_server):
+    """998 bytes a line and its CRLF is the most RFC 5321 allows: kept; one byte more refused with
+    500, whether the message came by DATA or as a BDAT chunk, wherever in it the line is."""
+    import socket
+
+    server = smtp_server("lines")
+    host, port = server.url.removeprefix("smtp://").split(":")
+    rng = random.Random(5321)
+    with socket.create_connection((host, int(port))) as s:
+        s.recv(1024)
+        s.sendall(b"EHLO client\r\n")
+        time.sleep(0.3)
+        s.recv(4096)
+        for n, size in enumerate((999, 1000, 999, 1000, 4000)):
+            lines = [b"x" * rng.randrange(1, 77) for _ in range(rng.randrange(0, 60))]
+            lines.insert(rng.randrange(0, len(lines) + 1), b"y" * size)
+            body = b"Message-ID: <line-%d@x>\r\n\r\n" % n + b"\r\n".join(lines) + b"\r\n"
+            if n % 2:
+                s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nBDAT %d LAST\r\n" % len(body) + body)
+            else:
+                s.sendall(b"MAIL FROM:<a@b.example>\r\nRCPT TO:<c@d.example>\r\nDATA\r\n")
+                time.sleep(0.2)
+                s.recv(4096)
+                s.sendall(body + b".\r\n")
+            time.sleep(0.2)
+            assert s.recv(4096).splitlines()[-1][:3] == (b"250" if size < 1000 else b"500"), (n, size)
+    assert len(list(server.outbox.glob("*.eml"))) == 2
+
+
+def test_a_long_line_is_found_wherever_it_is_as_by_cutting_the_message_into_lines():
+    rng = random.Random(3030)
+    for _ in range(20000):
+        limit = rng.choice([1, 2, 3, 5, 8, 13, 998, 999])
+        parts = [bytes(rng.choice(b"ab\r\n.") for _ in range(rng.choice([0, 1, limit - 1, limit, limit + 1,
+                                                                           rng.randrange(0, 2 * limit + 3)])))
+                 for _ in range(rng.randrange(0, 8))]
+        content = b"\r\n".join(parts)
+        assert has_long_line(content, limit) == (max(map(len, content.split(b"\r\n"))) > limit), (limit, parts)
 
 
 def test_connections_are_reused_capped_swept_and_bounded(smtp_server):

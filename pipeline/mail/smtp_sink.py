@@ -52,6 +52,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from email.utils import formatdate
+from itertools import repeat
 from pathlib import Path
 
 from aiosmtpd.controller import Controller
@@ -207,6 +208,19 @@ class OutboxHandler:
         return path.stem
 
 
+def has_long_line(content: bytes, limit: int) -> bool:
+    """Whether a line of `content` (the bytes between two CRLFs) is longer than `limit`. Such a
+    line holds one of the windows of (limit + 1) // 2 bytes that start at multiples of that, with
+    no CRLF in it; only where a window has none are the lines measured. A message of 76-byte
+    base64 lines has one in every window: ~100 finds for a note, in C, where cutting it into its
+    ~650 lines cost the sink ~40 us a mail."""
+    width = (limit + 1) // 2
+    windows = range(0, len(content) - width + 1, width)
+    if -1 not in map(content.find, repeat(b"\r\n"), windows, range(width, len(content) + 1, width)):
+        return False
+    return max(map(len, content.split(b"\r\n"))) > limit
+
+
 def bounce_kind(rcpt: str, rate: float) -> str:
     """"bounced", "deferred" or "": a fixed choice per address, half of `rate` each."""
     x = int.from_bytes(hashlib.sha256(rcpt.encode()).digest()[:8], "big") / 2 ** 64
@@ -319,7 +333,7 @@ class FaultySMTP(SMTP):
         """What refuses a message, whether DATA or BDAT brought it: its size, or a line too long."""
         if self.data_size_limit and len(content) > self.data_size_limit:
             return "552 Error: Too much mail data"
-        if max(map(len, content.split(b"\r\n"))) + 2 > SMTP.line_length_limit:
+        if has_long_line(content, SMTP.line_length_limit - 2):
             return "500 Line too long (see RFC5321 4.5.3.1.6)"
         return None
 
