@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,22 +150,22 @@ def once(args) -> dict:
     out = {"bench": "proof", "latency_ms": args.latency_ms, "parallel": 64, "goal_s_at_1_5m": GOAL_S,
            "goal_peak_mb": GOAL_MB}
     for accounts in (args.accounts // 4, args.accounts):  # two sizes: memory must not follow the day
-        work = Path(tempfile.mkdtemp(prefix="cn-bench-proof-"))
-        redis = start_redis(work / "redis")
-        try:
-            built = time.perf_counter()
-            settings, run_id = lay_out(work, accounts, redis.url)
-            built = time.perf_counter() - built
-            size = {"accounts": accounts, "laid_out_s": round(built, 1)}
-            for name in ("close", "verify"):
-                done = subprocess.run(step_command(name, run_id, args.latency_ms, settings), capture_output=True,
-                                      text=True, check=True,
-                                      env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
-                size[name] = json.loads(done.stdout.splitlines()[-1])
-            out[f"at_{accounts}"] = size
-        finally:
-            redis.stop()
-            shutil.rmtree(work, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="cn-bench-proof-", ignore_cleanup_errors=True) as scratch:
+            work = Path(scratch)
+            redis = start_redis(work / "redis")
+            try:
+                built = time.perf_counter()
+                settings, run_id = lay_out(work, accounts, redis.url)
+                built = time.perf_counter() - built
+                size = {"accounts": accounts, "laid_out_s": round(built, 1)}
+                for name in ("close", "verify"):
+                    done = subprocess.run(step_command(name, run_id, args.latency_ms, settings), capture_output=True,
+                                          text=True, check=True,
+                                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                    size[name] = json.loads(done.stdout.splitlines()[-1])
+                out[f"at_{accounts}"] = size
+            finally:
+                redis.stop()
     small, large = out[f"at_{args.accounts // 4}"], out[f"at_{args.accounts}"]
     for name in ("close", "verify"):  # a fixed part and a part per account, from the two sizes
         per_account = (large[name]["elapsed_s"] - small[name]["elapsed_s"]) / (args.accounts - args.accounts // 4)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,45 +106,45 @@ def timed(threads: ThreadPoolExecutor, fn, jobs: list[tuple]) -> float:
 
 
 def once(args) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="cn-bench-s3-"))
-    s3 = start_versitygw(work / "s3", keep_alive=True)
-    try:
-        os.environ.update({"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
-                           "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"})
-        store, client = open_store("s3://bench-s3-client"), boto_client()
-        client.create_bucket(Bucket=store.bucket)
-        made = rows(store, client, previous_module(args.previous))
-        data = os.urandom(args.size)
-        objects = [f"{n % 10}/get/{n:06d}" for n in range(args.requests)]
-        with ThreadPoolExecutor(args.threads) as threads:
-            list(threads.map(lambda key: store.put(key, data), objects))
-            for get, put in made.values():  # connections opened, modules warm
-                assert get(objects[0]) == data
-                put(f"warm/{uuid.uuid4().hex}", data)
-            spent = {name: [0.0, 0.0] for name in made}
-            for k in range(0, args.requests, args.chunk):
-                part = objects[k:k + args.chunk]
-                for name, (get, put) in made.items():
-                    spent[name][0] += timed(threads, get, [(key,) for key in part])
-                    spent[name][1] += timed(threads, put, [(f"{name}/{key}", data) for key in part])
-        us = {name: [round(s * 1e6 / args.requests, 1) for s in pair] for name, pair in spent.items()}
-        result = {"requests": args.requests, "size": args.size, "threads": args.threads,
-                  "get_us": {name: pair[0] for name, pair in us.items()},
-                  "put_new_us": {name: pair[1] for name, pair in us.items()}}
-        for base in ("previous", "botocore"):
-            if base in us:
-                result[f"ours_over_{base}"] = {"get": round(us["ours"][0] / us[base][0], 3),
-                                              "put_new": round(us["ours"][1] / us[base][1], 3)}
-        for name in s3_native.missing():
-            result[name] = "not installed"
-        for native in ("obstore", "awscrt"):
-            if native in us and "previous" in us:
-                result[f"{native}_over_previous"] = {"get": round(us[native][0] / us["previous"][0], 3),
-                                                     "put_new": round(us[native][1] / us["previous"][1], 3)}
-        return result | ({} if "previous" in us else {"previous": f"{args.previous} is not in this clone"})
-    finally:
-        s3.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="cn-bench-s3-", ignore_cleanup_errors=True) as scratch:
+        work = Path(scratch)
+        s3 = start_versitygw(work / "s3", keep_alive=True)
+        try:
+            os.environ.update({"AWS_ENDPOINT_URL": s3.url, "AWS_ACCESS_KEY_ID": S3_ACCESS_KEY,
+                               "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1"})
+            store, client = open_store("s3://bench-s3-client"), boto_client()
+            client.create_bucket(Bucket=store.bucket)
+            made = rows(store, client, previous_module(args.previous))
+            data = os.urandom(args.size)
+            objects = [f"{n % 10}/get/{n:06d}" for n in range(args.requests)]
+            with ThreadPoolExecutor(args.threads) as threads:
+                list(threads.map(lambda key: store.put(key, data), objects))
+                for get, put in made.values():  # connections opened, modules warm
+                    assert get(objects[0]) == data
+                    put(f"warm/{uuid.uuid4().hex}", data)
+                spent = {name: [0.0, 0.0] for name in made}
+                for k in range(0, args.requests, args.chunk):
+                    part = objects[k:k + args.chunk]
+                    for name, (get, put) in made.items():
+                        spent[name][0] += timed(threads, get, [(key,) for key in part])
+                        spent[name][1] += timed(threads, put, [(f"{name}/{key}", data) for key in part])
+            us = {name: [round(s * 1e6 / args.requests, 1) for s in pair] for name, pair in spent.items()}
+            result = {"requests": args.requests, "size": args.size, "threads": args.threads,
+                      "get_us": {name: pair[0] for name, pair in us.items()},
+                      "put_new_us": {name: pair[1] for name, pair in us.items()}}
+            for base in ("previous", "botocore"):
+                if base in us:
+                    result[f"ours_over_{base}"] = {"get": round(us["ours"][0] / us[base][0], 3),
+                                                  "put_new": round(us["ours"][1] / us[base][1], 3)}
+            for name in s3_native.missing():
+                result[name] = "not installed"
+            for native in ("obstore", "awscrt"):
+                if native in us and "previous" in us:
+                    result[f"{native}_over_previous"] = {"get": round(us[native][0] / us["previous"][0], 3),
+                                                         "put_new": round(us[native][1] / us["previous"][1], 3)}
+            return result | ({} if "previous" in us else {"previous": f"{args.previous} is not in this clone"})
+        finally:
+            s3.stop()
 
 
 def main() -> None:

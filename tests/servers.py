@@ -128,8 +128,10 @@ class FolderService(Service):
     root: Path
 
     def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            super().stop()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def start_dovecot(mail_root: Path | None = None) -> Service:
@@ -138,13 +140,22 @@ def start_dovecot(mail_root: Path | None = None) -> Service:
     refuses to run mail as root, and a test's tmp_path is closed to other users), or in
     `mail_root` (an MTA's maildirs, one per user, owned by nobody); url is
     imap://bounces:PASSWORD@127.0.0.1:PORT/INBOX."""
-    import pwd
     import tempfile
 
     binary = shutil.which("dovecot") or "/usr/sbin/dovecot"
     if not Path(binary).exists():
         raise EmbeddedError("dovecot not found: run scripts/install.sh (dovecot-imapd)")
     root = Path(tempfile.mkdtemp(prefix="cn-dovecot-"))
+    try:
+        return _dovecot(root, binary, mail_root)
+    except BaseException:  # not started: its folder goes now
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _dovecot(root: Path, binary: str, mail_root: Path | None) -> FolderService:
+    import pwd
+
     root.chmod(0o755)
     nobody = pwd.getpwnam("nobody")
     for sub in ("run", "state", "mail", "home"):
@@ -208,13 +219,23 @@ def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: s
     the end of each message's data (smtpd_end_of_data_restrictions), as a rate-limiting policy
     service is. `milter` (HOST:PORT): a milter each message passes through, as OpenDKIM signs
     (start_opendkim); a milter that does not answer defers the message, never passes it unsigned."""
-    import pwd
     import tempfile
 
     master = Path("/usr/lib/postfix/sbin/master")
     if not master.exists() or not shutil.which("postfix"):
         raise EmbeddedError("postfix not found: run scripts/install.sh")
     root = Path(tempfile.mkdtemp(prefix="cn-postfix-"))
+    try:
+        return _postfix(root, master, mailboxes, domains, bounce_domain, policy, milter)
+    except BaseException:  # not started: its folder goes now
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
+def _postfix(root: Path, master: Path, mailboxes: dict[str, str], domains: set[str], bounce_domain: str, policy: str,
+             milter: str) -> FolderService:
+    import pwd
+
     root.chmod(0o755)
     nobody = pwd.getpwnam("nobody")
     etc, port = root / "etc", free_port()

@@ -226,7 +226,11 @@ def test_a_real_mta_bounces_unknown_users_to_the_verp_addresses_read_over_imap_i
     uccs = sorted(clients)
     known = {clients[u]["email"]: "clients" for u in uccs[::2]}
     mta = servers.start_postfix(known, {c["email"].split("@")[1] for c in clients.values()}, settings.bounce_domain)
-    imap = servers.start_dovecot(mta.root / "vmail")
+    try:
+        imap = servers.start_dovecot(mta.root / "vmail")
+    except BaseException:
+        mta.stop()
+        raise
     try:
         settings = dataclasses.replace(settings, smtp_url=mta.url)
         summary = run_day(settings, RunRequest(TRADE_DATE, str(day)))

@@ -214,7 +214,7 @@ def has_long_line(content: bytes, limit: int) -> bool:
     no CRLF in it; only where a window has none are the lines measured. A message of 76-byte
     base64 lines has one in every window: ~100 finds for a note, in C, where cutting it into its
     ~650 lines cost the sink ~40 us a mail."""
-    width = (limit + 1) // 2
+    width = max(1, (limit + 1) // 2)
     windows = range(0, len(content) - width + 1, width)
     if -1 not in map(content.find, repeat(b"\r\n"), windows, range(width, len(content) + 1, width)):
         return False
