@@ -42,7 +42,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -211,43 +210,42 @@ def huge(pages: int) -> dict:
     from pipeline.settings import ROOT as PROJECT
 
     cores = os.cpu_count() or 1
-    times = tempfile.mkdtemp(prefix="cn-range-times-")
-    with workers_environment():  # the allocator and compile threads a run's Ray has
-        ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
-                              "worker_process_setup_hook": "bench.range_times.hook"})
-    # A worker a slot, as a render node's are once it has rendered shards. A range on the CPU the
-    # render task lends while it waits for the ranges tasks hold needs one more: Ray starts it,
-    # as on a node (and stops it a second after it is idle, past a worker a CPU).
-    warm = ray.remote(**RENDER_SLOT)(lambda: render(note_for(trades(3, 1), 1)) and None)
-    ray.get([warm.remote() for _ in range(cores)])
-    peak, busy, stop = {"kb": 0}, [], threading.Event()
+    with tempfile.TemporaryDirectory(prefix="cn-range-times-") as times:  # each range's times, from its worker
+        with workers_environment():  # the allocator and compile threads a run's Ray has
+            ray.init(num_cpus=cores, resources={"render": cores}, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": PROJECT, range_times.DIR: times},
+                                  "worker_process_setup_hook": "bench.range_times.hook"})
+        # A worker a slot, as a render node's are once it has rendered shards. A range on the CPU the
+        # render task lends while it waits for the ranges tasks hold needs one more: Ray starts it,
+        # as on a node (and stops it a second after it is idle, past a worker a CPU).
+        warm = ray.remote(**RENDER_SLOT)(lambda: render(note_for(trades(3, 1), 1)) and None)
+        ray.get([warm.remote() for _ in range(cores)])
+        peak, busy, stop = {"kb": 0}, [], threading.Event()
 
-    def sample() -> None:
-        """The cores' busy time every 50 ms; every 250 ms each live process's peak RSS so far (the
-        kernel's VmHWM: a peak between two reads is still seen, unless its process ends before
-        the next; the warm-up's count too): reading every process's RSS every 50 ms took 6.5%
-        of a core from the note it measured."""
-        me = psutil.Process()
-        for tick in itertools.count():
-            busy.append((time.time(), busy_s()))
-            last = stop.is_set()
-            if last or tick % 5 == 0:
-                for proc in [me, *me.children(recursive=True)]:
-                    peak["kb"] = max(peak["kb"], _peak_kb(proc.pid))
-            if last:
-                break
-            time.sleep(0.05)
+        def sample() -> None:
+            """The cores' busy time every 50 ms; every 250 ms each live process's peak RSS so far (the
+            kernel's VmHWM: a peak between two reads is still seen, unless its process ends before
+            the next; the warm-up's count too): reading every process's RSS every 50 ms took 6.5%
+            of a core from the note it measured."""
+            me = psutil.Process()
+            for tick in itertools.count():
+                busy.append((time.time(), busy_s()))
+                last = stop.is_set()
+                if last or tick % 5 == 0:
+                    for proc in [me, *me.children(recursive=True)]:
+                        peak["kb"] = max(peak["kb"], _peak_kb(proc.pid))
+                if last:
+                    break
+                time.sleep(0.05)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    done = ray.get(ray.remote(**RENDER_SLOT)(_volatile_shard).remote(pages))
-    stop.set()
-    sampler.join()
-    started, built, finished = done["started"], done["built"], done["finished"]
-    ray.shutdown()
-    rendered, asked = range_times.read(times), done["asked"]
-    shutil.rmtree(times)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        done = ray.get(ray.remote(**RENDER_SLOT)(_volatile_shard).remote(pages))
+        stop.set()
+        sampler.join()
+        started, built, finished = done["started"], done["built"], done["finished"]
+        ray.shutdown()
+        rendered, asked = range_times.read(times), done["asked"]
     if sorted(rendered) != list(range(0, done["total_pages"], RANGE_PAGES)) or len(asked) != len(rendered):
         raise RuntimeError(f"ranges rendered from pages {sorted(rendered)}, {len(asked)} asked for: "
                            "not each of the note's once")
