@@ -40,7 +40,7 @@ from pipeline import credentials
 from pipeline.day.split import find_account
 
 from pipeline.record.manifest import load_manifest
-from pipeline.followup.runs import list_runs
+from pipeline.followup.runs import list_runs, run_rate
 from pipeline.followup.opened import refuse_closed
 from pipeline.followup.seal_state import OPEN, SEALED, run_phase, seal_state
 from pipeline.mail import link
@@ -563,18 +563,6 @@ def summary(state: RunState, seals: Seals) -> dict:
             "eta_s": round(eta, 1) if eta is not None else None, "source": "redis",
             "waiting": [] if finished else [waiting.said(what, since) for what, since in
                                             sorted(waiting.waits(meta).items(), key=lambda w: w[1])]}
-
-
-def run_rate(meta: dict, delivered: int, now: float) -> float:
-    """The run's notes a second: once a driver has ended, the figure it recorded (its report's,
-    a rerun's own); while one runs, the notes it delivered over its time so far. Never over the
-    pause before a rerun: a day mailed in minutes and rerun hours later was not slow."""
-    if meta.get("finished") and meta.get("notes_per_s"):
-        return float(meta["notes_per_s"])
-    since = float(meta.get("last_started") or meta.get("started") or 0)
-    end = float(meta["finished"]) if meta.get("finished") else now
-    done = delivered - int(meta.get("delivered_at_start") or 0)
-    return round(done / (end - since), 2) if since and end > since else 0.0
 
 
 def _reran(started: float | None, last_started) -> bool:
