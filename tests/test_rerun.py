@@ -613,6 +613,31 @@ def test_a_rerun_stopped_midway_leaves_the_run_finished_again_in_every_view_and_
     assert not sealed["already_sealed"], "closable: its window runs from the stop"
 
 
+def test_a_rerun_stopped_before_it_began_leaves_the_run_as_its_last_driver_ended_it(ray_session, settings, day,
+                                                                                     smtp_server):
+    """Only a rerun that cleared the run's end (its start in Redis) ends the run again when it
+    stops. One stopped before that, here by the store giving garbage for the run's first-notes
+    record, has taken no account and mailed nothing: the run's end, its report and its accounts'
+    outcomes stay as its last driver left them, not a new end and "the rerun stopped" for each."""
+    import pytest
+
+    from pipeline.record.state import RunState
+    from pipeline.record.storage import Garbled
+
+    first, sign_victim, mail_victim, _ = failing_first_run(settings, day, smtp_server)
+    run_id, state, victims = first["run_id"], RunState(settings.redis_url, first["run_id"]), [sign_victim, mail_victim]
+    reported = Path(settings.store_url) / keys.report_keys(run_id)[0]
+    ended, report, outcomes = state.meta()["finished"], reported.read_bytes(), state.accounts(victims)
+    garbled = Path(settings.store_url) / keys.first_notes_key(run_id)  # read by the rerun after its checks
+    garbled.parent.mkdir(parents=True, exist_ok=True)
+    garbled.write_text("{not json")
+
+    with pytest.raises(Garbled):
+        run_day(settings, RunRequest(TRADE_DATE, str(day), run_id, frozenset(victims), relays=settings.relays()))
+
+    assert (state.meta()["finished"], reported.read_bytes(), state.accounts(victims)) == (ended, report, outcomes)
+
+
 def test_run_with_the_run_id_keeps_the_run_s_own_relays_and_bounce_window(ray_session, settings, day, smtp_server,
                                                                           monkeypatch):
     """`run --run-id`, the way back from a lost head, recorded its shell's SMTP_URL and
