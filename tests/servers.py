@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,15 @@ class FolderService(Service):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _started_or_removed(root: Path, start: Callable[[], FolderService]) -> FolderService:
+    """A service started in `root`, or, if it does not start, `root` removed before the error goes on."""
+    try:
+        return start()
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+
+
 def start_dovecot(mail_root: Path | None = None) -> Service:
     """Debian's Dovecot as the bounce domain's IMAP mailbox: a throwaway configuration, one
     user, plain IMAP on a free loopback port. Its mail lives in a folder of its own (Dovecot
@@ -146,11 +156,7 @@ def start_dovecot(mail_root: Path | None = None) -> Service:
     if not Path(binary).exists():
         raise EmbeddedError("dovecot not found: run scripts/install.sh (dovecot-imapd)")
     root = Path(tempfile.mkdtemp(prefix="cn-dovecot-"))
-    try:
-        return _dovecot(root, binary, mail_root)
-    except BaseException:  # not started: its folder goes now
-        shutil.rmtree(root, ignore_errors=True)
-        raise
+    return _started_or_removed(root, lambda: _dovecot(root, binary, mail_root))
 
 
 def _dovecot(root: Path, binary: str, mail_root: Path | None) -> FolderService:
@@ -225,11 +231,7 @@ def start_postfix(mailboxes: dict[str, str], domains: set[str], bounce_domain: s
     if not master.exists() or not shutil.which("postfix"):
         raise EmbeddedError("postfix not found: run scripts/install.sh")
     root = Path(tempfile.mkdtemp(prefix="cn-postfix-"))
-    try:
-        return _postfix(root, master, mailboxes, domains, bounce_domain, policy, milter)
-    except BaseException:  # not started: its folder goes now
-        shutil.rmtree(root, ignore_errors=True)
-        raise
+    return _started_or_removed(root, lambda: _postfix(root, master, mailboxes, domains, bounce_domain, policy, milter))
 
 
 def _postfix(root: Path, master: Path, mailboxes: dict[str, str], domains: set[str], bounce_domain: str, policy: str,
