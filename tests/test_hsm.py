@@ -449,11 +449,12 @@ def test_the_bench_s_link_delays_signatures_in_flight_together_once_not_one_afte
     """bench/sign.py's network HSM at +5 ms is SoftHSM2 behind `p11-kit server` and this link.
     p11-kit's client sends every session's calls on one connection, several at once. The link
     used to hold a request while it held the one before: eight threads signing three notes each
-    took 1.33 and 1.72 s at 0.1 s a request, where one thread took 0.91 (a signature was three
-    requests; it is two since token._two_calls), as if the network carried one request at a time.
-    Now each request is delayed once, from when it came: 0.93 s. Here at 0.2 s a request, for a
-    margin over a busy machine's noise. The link is slow only once the key's sessions are open and used (in a process of its
-    own: p11-kit's client reads the address once)."""
+    took 1.33 and 1.72 s at 0.1 s a request, where one thread took 0.91, as if the network
+    carried one request at a time. Now each request is delayed once, from when it came: 0.93 s.
+    Here at 0.2 s a request, for a margin over a busy machine's noise. One thread's three
+    signatures also show a signature's requests: two since token._two_calls (1.2 s), three
+    before (1.8 s). The link is slow only once the key's sessions are open and used (in a
+    process of its own: p11-kit's client reads the address once)."""
     import select
 
     server = servers.start_p11kit_server(tmp_path / "p11.sock", SOFTHSM, hsm.label)
@@ -475,6 +476,30 @@ def test_the_bench_s_link_delays_signatures_in_flight_together_once_not_one_afte
     one, eight = map(float, out.split())
     # three signatures, two requests each, of 0.2 s one after another: 1.2 s (three requests each, before: 1.8 s)
     assert 1.1 <= one < 1.5 and eight < 1.25 * one, (one, eight)
+
+
+def test_two_calls_sign_in_the_length_the_module_asks_and_raise_a_lost_session_at_once(hsm, monkeypatch):
+    """token._two_calls signs with C_SignInit and one C_Sign into a buffer it fits. A buffer too
+    small is filled again at the length the module says (the operation goes on); a mechanism the
+    module refuses gives None, for python-pkcs11 to sign once more and name; a session gone raises
+    SessionHandleInvalid at once, as python-pkcs11 would (a lost HSM, waited out), without a
+    second try that would cost a network HSM another round trip or timeout."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import padding
+
+    key = token.TokenKey(token.TokenConfig(SOFTHSM, hsm.label, hsm.key_label, pin=hsm.pin_file.read_text()))
+    session, private, _ = key._free.get()
+    public = x509.load_pem_x509_certificate(hsm.cert.read_bytes()).public_key()
+    try:
+        monkeypatch.setattr(token, "_SIGNATURE_MAX", 8)
+        signature = token._two_calls(private, token.Mechanism.SHA256_RSA_PKCS, b"signed attributes")
+        public.verify(signature, b"signed attributes", padding.PKCS1v15(), hashes.SHA256())
+        assert token._two_calls(private, token.Mechanism.SHA1_RSA_PKCS_PSS, b"x") is None
+        session.close()
+        with pytest.raises(token.p11.SessionHandleInvalid):
+            token._two_calls(private, token.Mechanism.SHA256_RSA_PKCS, b"x")
+    finally:
+        key.close()
 
 
 def test_a_signer_on_a_network_hsm_signs_two_batches_together_each_reporting_an_outage_both_waited_out(

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Callable
 
 import pkcs11
-from pkcs11._pkcs11 import HasFuncList
 from asn1crypto import algos
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -243,7 +242,8 @@ class TokenKey:
         mechanism = Mechanism.ECDSA if self.kind == "ec" else Mechanism.SHA256_RSA_PKCS
         signed = hashlib.sha256(data).digest() if self.kind == "ec" else data
         try:
-            return _two_calls(key, mechanism, signed) or key.sign(signed, mechanism=mechanism)
+            signature = _two_calls(key, mechanism, signed)
+            return signature if signature is not None else key.sign(signed, mechanism=mechanism)
         except PIN_REFUSALS + (p11.UserNotLoggedIn,) as e:
             raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
         except LOST as e:
@@ -626,45 +626,59 @@ class _FunctionList(ctypes.Structure):  # CK_FUNCTION_LIST to C_Sign: its versio
 _SIGN_INIT = ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.POINTER(_Mechanism), ctypes.c_ulong)
 _SIGN = ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p,
                          ctypes.POINTER(ctypes.c_ulong))
-C_SIGN_INIT, C_SIGN = 42, 43  # their places in CK_FUNCTION_LIST
-CKR_BUFFER_TOO_SMALL = 0x150
-SIGNATURE_MAX = 1024  # bytes: an RSA key's to 8,192 bits; ECDSA P-256's is 64
-# python-pkcs11 0.10 keeps a module's function list as the first field of its objects (HasFuncList):
-# read there only while its layout is that one; otherwise its own three calls a signature
-_LIST_AT = object.__basicsize__ if HasFuncList.__base__ is object and \
-    HasFuncList.__basicsize__ == object.__basicsize__ + 3 * ctypes.sizeof(ctypes.c_void_p) else 0
-_SIGNS: dict[int, tuple] = {}  # a function list's address: its C_SignInit and C_Sign
+_C_SIGN_INIT, _C_SIGN = 42, 43  # their places in CK_FUNCTION_LIST
+_BUFFER_TOO_SMALL = 0x150
+_SIGNATURE_MAX = 1024  # bytes: an RSA key's to 8,192 bits; ECDSA P-256's is 64
+# the return values _raw tells apart, raised as python-pkcs11 would; any other is named by python-pkcs11's own try
+_RAISED = {0x30: p11.DeviceError, 0x32: p11.DeviceRemoved, 0x05: p11.GeneralError, 0xE0: p11.TokenNotPresent,
+           0xB3: p11.SessionHandleInvalid, 0xB0: p11.SessionClosed, 0x101: p11.UserNotLoggedIn,
+           0xA0: p11.PinIncorrect, 0xA1: p11.PinInvalid, 0xA2: p11.PinLenRange, 0xA3: p11.PinExpired,
+           0xA4: p11.PinLocked}
+try:  # python-pkcs11 0.10 keeps a module's function list as the first field of its objects: read there
+    from pkcs11._pkcs11 import HasFuncList  # only while its layout is that one; else its three calls
+    _LIST_AT = object.__basicsize__ if HasFuncList.__base__ is object and \
+        HasFuncList.__basicsize__ == object.__basicsize__ + 3 * ctypes.sizeof(ctypes.c_void_p) else 0
+except ImportError:
+    HasFuncList, _LIST_AT = None, 0
+_SIGNS: dict[tuple, tuple] = {}  # a function list's address and its two functions': those as callables
 
 
 def _functions(session) -> tuple | None:
     """C_SignInit and C_Sign of the session's own instance of the module (a network client's
     C_GetFunctionList gives a fresh instance, not started, at each call); None when python-pkcs11's
     layout is not the one read here."""
-    table = ctypes.c_void_p.from_address(id(session) + _LIST_AT).value \
-        if _LIST_AT and isinstance(session, HasFuncList) else None
-    if table and table not in _SIGNS:
-        functions = _FunctionList.from_address(table).functions
-        _SIGNS[table] = (_SIGN_INIT(functions[C_SIGN_INIT]), _SIGN(functions[C_SIGN]))
-    return _SIGNS.get(table)
+    if not _LIST_AT or not isinstance(session, HasFuncList):
+        return None
+    table = ctypes.c_void_p.from_address(id(session) + _LIST_AT).value
+    listed = _FunctionList.from_address(table) if table else None
+    if listed is None or listed.version[0] not in (2, 3):
+        return None
+    found = (table, listed.functions[_C_SIGN_INIT], listed.functions[_C_SIGN])
+    if found not in _SIGNS:
+        _SIGNS[found] = (_SIGN_INIT(found[1]), _SIGN(found[2]))
+    return _SIGNS[found]
 
 
 def _two_calls(key, mechanism: Mechanism, data: bytes) -> bytes | None:
     """The raw signature in two calls into the module, C_SignInit and one C_Sign with a buffer it
-    fits, where python-pkcs11's `sign` makes three (it asks C_Sign for the length first). Through
-    a network HSM's client each call is a round trip: at +5 ms a round trip, a signature waits 10
-    ms, not 15, and the client wakes twice, not three times. None when the module refused a call:
-    python-pkcs11 then signs, and raises the error it names (a refused C_SignInit started nothing;
-    a refused C_Sign ended the operation), or when its layout is not the one read here."""
+    fits, where python-pkcs11's `sign` makes three (it asks C_Sign for the length first): through
+    a network HSM's client, each call is a round trip. A lost HSM or a refused login raises what
+    python-pkcs11 would; None for any other refusal (a refused C_SignInit started nothing, a
+    refused C_Sign ended the operation: python-pkcs11 then signs once more, and names what the
+    module says), or when python-pkcs11's layout is not the one read here."""
     session = key.wrapper.session
     functions = _functions(session)
-    if not functions or functions[0](session.handle, ctypes.byref(_Mechanism(mechanism, None, 0)), key.wrapper.handle):
+    if functions is None:
         return None
-    length = ctypes.c_ulong(SIGNATURE_MAX)
-    out = ctypes.create_string_buffer(length.value)
-    rv = functions[1](session.handle, data, len(data), out, ctypes.byref(length))
-    if rv == CKR_BUFFER_TOO_SMALL:  # the operation goes on: once more with the length the module said
+    rv = functions[0](session.handle, ctypes.byref(_Mechanism(mechanism, None, 0)), key.wrapper.handle)
+    length = ctypes.c_ulong(_SIGNATURE_MAX)
+    for _ in range(3 if rv == 0 else 0):  # a module that wants more room says how much; the operation goes on
         out = ctypes.create_string_buffer(length.value)
         rv = functions[1](session.handle, data, len(data), out, ctypes.byref(length))
+        if rv != _BUFFER_TOO_SMALL:
+            break
+    if rv in _RAISED:
+        raise _RAISED[rv]()
     return out.raw[:length.value] if rv == 0 else None
 
 
