@@ -245,10 +245,10 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, t
     """Eight threads sign through `p11-kit server` while it is killed and started again three
     times: each loss is a reconnection (C_Finalize, C_Initialize, login), and none of them runs
     while a thread is inside the library's C_Sign (counted by wrapping python-pkcs11's entry
-    point and ours, token._two_calls). Before, the thread that reconnected re-initialised the library under the
-    others' signatures. The next kill waits for the signer to be back (a loaded machine's
-    reconnection can take longer than the second between kills), and the signer signs until
-    told to stop, not for a fixed time."""
+    point and ours, token._two_calls). Before, the thread that reconnected re-initialised the
+    library under the others' signatures. The next kill waits for the signer to be back (a
+    loaded machine's reconnection can take longer than the second between kills), and the
+    signer signs until told to stop, not for a fixed time."""
     sock = tmp_path / "p11.sock"
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
     try:
