@@ -640,7 +640,9 @@ try:  # python-pkcs11 0.10 keeps a module's function list as the first field of 
         HasFuncList.__basicsize__ == object.__basicsize__ + 3 * ctypes.sizeof(ctypes.c_void_p) else 0
 except ImportError:
     HasFuncList, _LIST_AT = None, 0
-_SIGNS: dict[tuple, tuple] = {}  # a function list's address and its two functions': those as callables
+# a list's address: its C_SignInit and C_Sign, or None (not a list read here). Never stale: no instance of a
+# module is unloaded in a process (one left with calls stranded in it is kept: _ABANDONED)
+_SIGNS: dict[int, tuple | None] = {}
 
 
 def _functions(session) -> tuple | None:
@@ -650,13 +652,11 @@ def _functions(session) -> tuple | None:
     if not _LIST_AT or not isinstance(session, HasFuncList):
         return None
     table = ctypes.c_void_p.from_address(id(session) + _LIST_AT).value
-    listed = _FunctionList.from_address(table) if table else None
-    if listed is None or listed.version[0] not in (2, 3):
-        return None
-    found = (table, listed.functions[_C_SIGN_INIT], listed.functions[_C_SIGN])
-    if found not in _SIGNS:
-        _SIGNS[found] = (_SIGN_INIT(found[1]), _SIGN(found[2]))
-    return _SIGNS[found]
+    if table not in _SIGNS:
+        listed = _FunctionList.from_address(table) if table else None
+        _SIGNS[table] = (_SIGN_INIT(listed.functions[_C_SIGN_INIT]), _SIGN(listed.functions[_C_SIGN])) \
+            if listed is not None and listed.version[0] in (2, 3) else None
+    return _SIGNS[table]
 
 
 def _two_calls(key, mechanism: Mechanism, data: bytes) -> bytes | None:
