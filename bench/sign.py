@@ -231,7 +231,7 @@ def one_row(args) -> None:
                                pin=token.pin_file.read_text()))
     signers = {"file": load_signer(args.key, args.cert, None, args.root),
                args.row: Signer(key.sign, key.algorithm, x509.load_pem_x509_certificate(token.cert.read_bytes()), [],
-                                key.sessions)}
+                                key.sessions, submit=key.signing)}  # as credentials.read makes it
     info, turns = SignatureInfo(), []
     for signer in signers.values():
         protect_all(items[:4], OWNER, signer, info)  # warm

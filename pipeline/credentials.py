@@ -280,7 +280,8 @@ def _from_token(settings: Settings, secret: dict[str, str]) -> tuple[Settings, S
                     config.token)
     about = {"key": "pkcs11", "token": config.token, "module": config.module, "extractable": key.extractable,
              "sessions": key.sessions, "round_trip_ms": round(key.round_trip_s * 1000, 2)}
-    return resolved, Signer(key.sign, key.algorithm, cert, chain, key.sessions, about, key.outages_since, key.tell)
+    return resolved, Signer(key.sign, key.algorithm, cert, chain, key.sessions, about, key.outages_since, key.tell,
+                            key.signing)
 
 
 _logged_in: dict[TokenConfig, TokenKey] = {}  # one login a process: the driver's preflight, its run, its close

@@ -119,7 +119,8 @@ pkcs11_lib = pkcs11.lib
 count = threading.Lock()
 seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0, "libraries": 0}
 libraries = {}  # a token's id: the instance of the library it came from
-hold = float(sys.argv[5]) if len(sys.argv) > 5 else 0.3
+hold = float(sys.argv[5] or 0.3)
+way = sys.argv[6]  # "sign": the caller's thread hands the call to one of the key's; "signing": a future, as a signer's
 
 def counted(sign):  # a way into the library's C_Sign, with the signatures inside it counted
     def inside(key, *args, **kwargs):
@@ -165,7 +166,10 @@ def signing(nth):
     time.sleep(nth * 0.04)  # staggered: a signature is always about to end while the others are inside
     while time.monotonic() < stop and not told.is_set():
         try:
-            key.sign(b"contract-notes: a note")
+            if way == "signing":
+                key.signing(b"contract-notes: a note").result()
+            else:
+                key.sign(b"contract-notes: a note")
             with count:
                 seen["signed"] += 1
         except Exception as e:
@@ -191,12 +195,13 @@ class Said:
         self.reader.start()
 
     @classmethod
-    def signing(cls, hsm, server_url: str, hold_s: float | None = None) -> "Said":
+    def signing(cls, hsm, server_url: str, hold_s: float | None = None, way: str = "sign") -> "Said":
         """Started through the server at `server_url`, once its threads sign; `hold_s`: how long
-        each signature stays inside C_Sign (its default, unless given)."""
-        hold = [] if hold_s is None else [str(hold_s)]
+        each signature stays inside C_Sign (its default, unless given); `way`: each thread's
+        signature by TokenKey.sign, or by TokenKey.signing, as a signer of several at once."""
+        hold = "" if hold_s is None else str(hold_s)
         signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                                   hsm.key_label, "300", *hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   hsm.key_label, "300", hold, way], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=PROJECT,
                                   env={**os.environ, "P11_KIT_SERVER_ADDRESS": server_url})
         try:
@@ -241,7 +246,8 @@ class Said:
         return self.signer.stdout.read(), self.text()
 
 
-def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, tmp_path):
+@pytest.mark.parametrize("way", ["sign", "signing"])
+def test_the_library_is_started_again_only_when_no_signature_is_in_flight(way, hsm, tmp_path):
     """Eight threads sign through `p11-kit server` while it is killed and started again three
     times: each loss is a reconnection (C_Finalize, C_Initialize, login), and none of them runs
     while a thread is inside the library's C_Sign (counted by wrapping python-pkcs11's entry
@@ -252,7 +258,7 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(hsm, t
     sock = tmp_path / "p11.sock"
     server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
     try:
-        with Said.signing(hsm, server.url) as said:
+        with Said.signing(hsm, server.url, way=way) as said:
             for times in range(1, 4):  # the HSM lost and back, mid-signature
                 time.sleep(1.0)
                 server.kill()
@@ -305,7 +311,8 @@ ssize_t write(int fd, const void *buf, size_t len) {
 """
 
 
-def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
+@pytest.mark.parametrize("way", ["sign", "signing"])
+def test_a_server_dying_mid_reply_strands_no_signature(way, hsm, tmp_path):
     """Eight threads sign through `p11-kit server` with no pause between signatures, and the
     server dies between a reply's header and its body, another request waiting (its own
     `write`, preloaded, kills it there: a loaded machine's SIGKILL landing between the two
@@ -314,7 +321,9 @@ def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
     one is woken). Every signature still ends, through a fresh instance of the module, with no
     error, and no instance is started again under a signature inside it. Before, the
     reconnection waited for those calls for good: the signer hung ("the HSM is taken as lost",
-    never "back")."""
+    never "back"). Through `signing`, as a signer of several notes at once signs, the calls
+    stranded are on the key's workers, with no caller's thread to give up on them: their
+    signatures are made again on fresh workers (TokenKey._redrive), or they never end."""
     shim, trigger, sock = tmp_path / "cut_short.so", tmp_path / "cut-short-now", tmp_path / "p11.sock"
     (tmp_path / "cut_short.c").write_text(CUT_SHORT)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "cut_short.c"), "-ldl"], check=True)
@@ -322,7 +331,7 @@ def test_a_server_dying_mid_reply_strands_no_signature(hsm, tmp_path):
         server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label, env={"LD_PRELOAD": str(shim),
                                                                             "CUT_SHORT": str(trigger)})
         try:
-            with Said.signing(hsm, server.url, hold_s=0) as said:
+            with Said.signing(hsm, server.url, hold_s=0, way=way) as said:
                 time.sleep(1.0)
                 trigger.touch()  # the next reply is cut short
                 server.process.wait(timeout=30)

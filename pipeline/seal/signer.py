@@ -41,12 +41,14 @@ class Signer:
     signature: per note, two slices are replaced and nothing is re-encoded. `sign` takes the
     signed attributes and returns the signature (a key file's, or a token's: token.py); an
     ECDSA signature's DER length varies by a byte or two, so there is a template a length.
-    `workers`: notes signed at once (a network HSM's round trip hidden behind other notes)."""
+    `workers`: notes signed at once (a network HSM's round trip hidden behind other notes), on
+    threads of `submit`'s (a token key's own: token.TokenKey.signing), else of a pool here."""
 
     def __init__(self, sign: Callable[[bytes], bytes], algorithm: str, cert: x509.Certificate,
                  chain: list[x509.Certificate], workers: int = 1, about: dict | None = None,
                  outages: Callable[[float], list[tuple[float, float]]] = lambda since: [],
-                 tell: Callable[[Callable[[float], None]], None] = lambda told: None):
+                 tell: Callable[[Callable[[float], None]], None] = lambda told: None,
+                 submit: Callable[[bytes], Future] | None = None):
         self.sign, self.algorithm, self.cert, self.chain, self.workers = sign, algorithm, cert, chain, workers
         self.outages = outages  # outages(since): the key's that went on since then (a token's; a file has none)
         self.tell = tell  # tell(told): told(since) as an outage of the key's HSM begins, told(0.0) as it ends
@@ -57,7 +59,8 @@ class Signer:
         self._templates: dict[int, tuple[bytes, int, int]] = {}
         longest = cert.public_key().key_size // 8 if algorithm == RSA else ECDSA_P256_MAX
         self.size = len(self._template(longest)[0])
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sign") if workers > 1 else None
+        self._submit = submit
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sign") if workers > 1 and not submit else None
 
     def signed_attributes(self, digest: bytes) -> bytes:
         """What is signed: the CMS signed attributes holding the document's digest."""
@@ -72,7 +75,8 @@ class Signer:
     def signing(self, digest: bytes) -> Future:
         """The signature of a digest, made by one of `workers` threads: only the wait for the HSM
         is spent there (its module releases the GIL), the notes' own work stays in the caller's."""
-        return self._pool.submit(self.sign, self.signed_attributes(digest))
+        attributes = self.signed_attributes(digest)
+        return self._submit(attributes) if self._submit else self._pool.submit(self.sign, attributes)
 
     @property
     def batches_at_once(self) -> int:

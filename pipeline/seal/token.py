@@ -16,7 +16,9 @@ client strands every call waiting on its socket when the server dies between a r
 its body) holds that thread, not the caller; past `stranded_s` the reconnection leaves that
 instance of the library as it is (never finalized: calls are inside it) and signs through a fresh
 one, if the module gives one (a network HSM's client does; an in-process module does not, and its
-signatures then fail with "HSM unreachable" at the patience's end, not never).
+signatures then fail with "HSM unreachable" at the patience's end, not never). A signer that
+signs several notes at once (`signing`) has no caller's thread to spare: its signature's first try
+is made on the worker that runs it, and one stranded there is made again on a fresh worker.
 
 One login per process: the first session logs in, the others share its login, as PKCS#11
 defines. A refused PIN is never offered again by this process (HSMs lock a user after a few
@@ -27,6 +29,7 @@ round trip it measures when it opens, and the signer signs that many notes at on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime as dt
 import hashlib
@@ -41,6 +44,7 @@ import statistics
 import subprocess
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -67,6 +71,7 @@ NOTE_CPU_S = 0.0008  # the least CPU a note costs the signer besides its signatu
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
 MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again, every 0.25 s
+WORKER_IDLE_S = 60.0  # a signer's worker (`signing`) idle this long ends; the next signature starts one
 OUTAGES_KEPT_S = 86400.0  # a process's past HSM outages kept to be reported: a day's
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
@@ -136,6 +141,8 @@ class TokenKey:
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
         self._calls = _Calls()  # the threads that call into the library for the signatures
+        self._workers = _Workers()  # a signer's signatures at once (`signing`), `sessions` of them
+        self._direct: dict[Future, bytes] = {}  # those inside the library on their worker's own thread
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
@@ -162,7 +169,7 @@ class TokenKey:
             raise
         self._inline = False
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
-        self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
+        self.sessions = self._workers.size = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
 
     @property
@@ -188,6 +195,43 @@ class TokenKey:
                     raise SignError(self._unreachable(since, e)) from None
                 time.sleep(min(wait, max(0.05, self._next_try - time.monotonic())))
 
+    def signing(self, data: bytes) -> Future:
+        """The signature as a future, one of `sessions` made at once (signer.Signer.signing): its
+        first try on its worker's own thread, one hand-off from the caller, not two (a worker, then
+        a thread of _Calls: docs/benchmarks.md). A call of it the library never returns
+        holds that worker; once the reconnection gives up on such calls (`stranded_s`), their
+        signatures are made again on fresh workers (_redrive). Past a first try that met a lost or
+        reconnecting HSM, the signature is `sign`'s, on the same worker."""
+        future: Future = Future()
+        self._workers.submit(lambda: self._complete(future, data, True))
+        return future
+
+    def _complete(self, future: Future, data: bytes, first: bool) -> None:
+        if future.done():  # made meanwhile on a fresh worker: this one's call came back late
+            return
+        try:
+            try:
+                value = self._sign_once(data, future) if first and not (self._down_since or self.refused) else None
+            except _Down:
+                value = None
+            if value is None:
+                value = self.sign(data)
+        except BaseException as e:
+            with contextlib.suppress(InvalidStateError):  # set already: made again meanwhile
+                future.set_exception(e)
+            return
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(value)
+
+    def _redrive(self) -> None:
+        """The signatures whose calls the library did not return, made again on fresh workers (the
+        stranded ones hold theirs for good), `sign`'s way; whichever ends first is the future's."""
+        with self._lock:
+            stranded, self._direct = list(self._direct.items()), {}
+        self._workers.renew()
+        for future, data in stranded:
+            self._workers.submit(lambda future=future, data=data: self._complete(future, data, False))
+
     def tell(self, told: Callable[[float], None]) -> None:
         """`told(since)` when an outage begins (epoch seconds), `told(0.0)` when it ends."""
         self.told = told
@@ -200,18 +244,28 @@ class TokenKey:
         return (f"HSM unreachable since {at}, for over {self.config.patience_s:g} s (CN_HSM_PATIENCE_S): {e}; "
                 "a rerun signs these notes")
 
-    def _sign_once(self, data: bytes) -> bytes:
+    def _sign_once(self, data: bytes, direct: Future | None = None) -> bytes:
+        """One try, its call into the library on a thread of _Calls; on this one while the key is
+        measured, or for `direct`, a signer's future (`signing`): said in `_direct` while inside."""
         session, key, made = self._take()
         gate, keep = self.gate, True
 
         def inside() -> bytes:
             with gate.shared():
-                if made != self._generation:  # taken before the library was started again: gone with it
-                    raise _Down("a session of the HSM's last connection")
-                return self._raw(key, data)
+                with self._lock:  # as the reconnection gives up on the calls inside, none enters unsaid
+                    if made != self._generation:  # taken before the library was started again: gone with it
+                        raise _Down("a session of the HSM's last connection")
+                    if direct is not None:
+                        self._direct[direct] = data
+                try:
+                    return self._raw(key, data)
+                finally:
+                    if direct is not None:
+                        with self._lock:
+                            self._direct.pop(direct, None)
 
         try:
-            if self._inline:
+            if self._inline or direct is not None:
                 raw = inside()
                 return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
             call = self._calls.run(inside)
@@ -513,7 +567,9 @@ class TokenKey:
                 return
             except Stranded as e:
                 self._stranded = str(e)
-                self._generation += 1  # their callers give up on them (and on every session of that start)
+                with self._lock:  # their callers give up on them (and on every session of that start)
+                    self._generation += 1
+                self._redrive()
         try:
             fresh = pkcs11.lib(self.config.module)  # C_GetFunctionList and C_Initialize anew
         except Exception as e:  # CKR_CRYPTOKI_ALREADY_INITIALIZED: one instance a process, the stranded calls' own
@@ -613,6 +669,48 @@ class _Calls:
             with self._lock:
                 self._idle += 1
             call = self._tasks.get()
+
+
+class _Workers:
+    """Daemon threads, `size` at most, that run a signer's signatures in turn; one idle for
+    WORKER_IDLE_S ends. A call the library never returns holds its worker for good (not the
+    process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers."""
+
+    def __init__(self) -> None:
+        self.size, self._started = 1, 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:  # put while held: a worker ending for want of jobs sees this one first
+            self._jobs.put(job)
+            start = self._started < self.size
+            self._started += start
+            jobs = self._jobs
+        if start:
+            threading.Thread(target=self._work, args=(jobs,), name="pkcs11-sign", daemon=True).start()
+
+    def renew(self) -> None:
+        with self._lock:
+            old, self._jobs, self._started = self._jobs, queue.SimpleQueue(), 0
+        while True:
+            try:
+                job = old.get_nowait()
+            except queue.Empty:
+                return
+            self.submit(job)
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                jobs.get(timeout=WORKER_IDLE_S)()
+            except queue.Empty:
+                with self._lock:
+                    if jobs is not self._jobs:  # renewed: this worker no longer counts
+                        return
+                    if jobs.empty():
+                        self._started -= 1
+                        return
 
 
 class _Mechanism(ctypes.Structure):
