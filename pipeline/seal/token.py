@@ -17,8 +17,8 @@ its body) holds that thread, not the caller; past `stranded_s` the reconnection 
 instance of the library as it is (never finalized: calls are inside it) and signs through a fresh
 one, if the module gives one (a network HSM's client does; an in-process module does not, and its
 signatures then fail with "HSM unreachable" at the patience's end, not never). A signer that
-signs several notes at once (`signing`) has no caller's thread to spare: its signature's first try
-is made on the worker that runs it, and one stranded there is made again on a fresh worker.
+signs several notes at once (`signing`) makes a signature's first try on the worker that runs it,
+one hand-off from the note's thread, not two; one stranded there is made again on a fresh worker.
 
 One login per process: the first session logs in, the others share its login, as PKCS#11
 defines. A refused PIN is never offered again by this process (HSMs lock a user after a few
@@ -207,28 +207,33 @@ class TokenKey:
         return future
 
     def _complete(self, future: Future, data: bytes, first: bool) -> None:
-        if future.done():  # made meanwhile on a fresh worker: this one's call came back late
+        if future.done():  # made again after a stranding, but the stranded call came back first
             return
         try:
             try:
                 value = self._sign_once(data, future) if first and not (self._down_since or self.refused) else None
             except _Down:
                 value = None
-            if value is None:
+            if value is None and not future.done():
                 value = self.sign(data)
         except BaseException as e:
-            with contextlib.suppress(InvalidStateError):  # set already: made again meanwhile
+            with contextlib.suppress(InvalidStateError):  # set already: made meanwhile on a fresh worker
                 future.set_exception(e)
             return
         with contextlib.suppress(InvalidStateError):
             future.set_result(value)
 
     def _redrive(self) -> None:
-        """The signatures whose calls the library did not return, made again on fresh workers (the
-        stranded ones hold theirs for good), `sign`'s way; whichever ends first is the future's."""
-        with self._lock:
+        """The calls inside the library given up on (their callers', and every session of this
+        start, with them), and those made on a worker's own thread made again on fresh workers
+        (the stranded ones hold theirs for good), `sign`'s way; whichever ends first is the
+        future's."""
+        with self._lock:  # as no call enters unsaid (_sign_once)
+            self._generation += 1
             stranded, self._direct = list(self._direct.items()), {}
         self._workers.renew()
+        if stranded:
+            log.warning("%d signature(s) inside the HSM's library are made again on fresh workers", len(stranded))
         for future, data in stranded:
             self._workers.submit(lambda future=future, data=data: self._complete(future, data, False))
 
@@ -539,6 +544,7 @@ class TokenKey:
         self.refused = said
         if self._down_since:
             self._end_outage()
+        self._redrive()  # a call left in the library waits no more: its signature fails so too
         return SignError(said)
 
     def _keep_refusal(self, said: str) -> None:
@@ -567,8 +573,6 @@ class TokenKey:
                 return
             except Stranded as e:
                 self._stranded = str(e)
-                with self._lock:  # their callers give up on them (and on every session of that start)
-                    self._generation += 1
                 self._redrive()
         try:
             fresh = pkcs11.lib(self.config.module)  # C_GetFunctionList and C_Initialize anew
@@ -688,7 +692,13 @@ class _Workers:
             self._started += start
             jobs = self._jobs
         if start:
-            threading.Thread(target=self._work, args=(jobs,), name="pkcs11-sign", daemon=True).start()
+            try:
+                threading.Thread(target=self._work, args=(jobs,), name="pkcs11-sign", daemon=True).start()
+            except BaseException:  # no thread: the slot is not taken
+                with self._lock:
+                    if jobs is self._jobs:
+                        self._started -= 1
+                raise
 
     def renew(self) -> None:
         with self._lock:
