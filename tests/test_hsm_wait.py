@@ -113,9 +113,9 @@ def test_a_mechanism_the_hsm_refuses_fails_in_seconds_named_not_after_the_patien
 SIGN_THROUGH_RESTARTS = """
 import json, sys, threading, time
 import pkcs11
-from pkcs11 import types
+from pkcs11 import _pkcs11, types
 
-pkcs11_lib = pkcs11.lib
+native_lib = _pkcs11.lib  # python-pkcs11's object for an instance of a module (pkcs11.lib keeps one a path)
 count = threading.Lock()
 seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0, "libraries": 0}
 libraries = {}  # a token's id: the instance of the library it came from
@@ -139,7 +139,7 @@ def counted(sign):  # a way into the library's C_Sign, with the signatures insid
 
 class Lib:  # an instance of the module, its C_Finalize + C_Initialize counted against the signatures inside it
     def __init__(self, path):
-        self.lib, self.inside = pkcs11_lib(path), 0
+        self.lib, self.inside = native_lib(path), 0
         seen["libraries"] += 1
     def reinitialize(self):
         with count:
@@ -153,7 +153,7 @@ class Lib:  # an instance of the module, its C_Finalize + C_Initialize counted a
     def __getattr__(self, name):
         return getattr(self.lib, name)
 
-types.SignMixin.sign, pkcs11.lib = counted(types.SignMixin.sign), Lib
+types.SignMixin.sign, _pkcs11.lib = counted(types.SignMixin.sign), Lib
 from pipeline.seal import token
 from pipeline.seal.token import TokenConfig, TokenKey
 token._two_calls = counted(token._two_calls)  # ours: C_SignInit and C_Sign, beside python-pkcs11's
@@ -319,8 +319,10 @@ def test_a_server_dying_mid_reply_strands_no_signature(way, hsm, tmp_path):
     `write`, preloaded, kills it there: a loaded machine's SIGKILL landing between the two
     writes; with no other request waiting, nothing is stranded). p11-kit's client then
     never returns the calls waiting on that socket (the reply's number stays claimed, and no
-    one is woken). Every signature still ends, through a fresh instance of the module, with no
-    error, and no instance is started again under a signature inside it. Before, the
+    one is woken). Every signature still ends, through a fresh instance of the module (a
+    python-pkcs11 object of its own: `pkcs11.lib` gave back the one it keeps for the path, the
+    stranded calls' own, started again), with no error, and no instance is started again under
+    a signature inside it. Before, the
     reconnection waited for those calls for good: the signer hung ("the HSM is taken as lost",
     never "back"). Through `signing`, as a signer of several notes at once signs, the calls
     stranded are on the key's workers, with no caller's thread to give up on them: their

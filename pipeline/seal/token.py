@@ -575,7 +575,9 @@ class TokenKey:
                 self._stranded = str(e)
                 self._redrive()
         try:
-            fresh = pkcs11.lib(self.config.module)  # C_GetFunctionList and C_Initialize anew
+            from pkcs11 import _pkcs11  # pkcs11.lib gives back the instance it keeps a path: this one
+
+            fresh = _pkcs11.lib(self.config.module)  # C_GetFunctionList and C_Initialize anew
         except Exception as e:  # CKR_CRYPTOKI_ALREADY_INITIALIZED: one instance a process, the stranded calls' own
             raise _NotReached(f"{self._stranded}; no fresh instance of {self.config.module} "
                               f"({type(e).__name__})") from None
