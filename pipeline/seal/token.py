@@ -197,11 +197,11 @@ class TokenKey:
 
     def signing(self, data: bytes) -> Future:
         """The signature as a future, one of `sessions` made at once (signer.Signer.signing): its
-        first try on its worker's own thread, one hand-off from the caller, not two (a worker, then
-        a thread of _Calls: docs/benchmarks.md). A call of it the library never returns
-        holds that worker; once the reconnection gives up on such calls (`stranded_s`), their
-        signatures are made again on fresh workers (_redrive). Past a first try that met a lost or
-        reconnecting HSM, the signature is `sign`'s, on the same worker."""
+        first try on its worker's own thread, one hand-off from the caller, not two (a worker,
+        then a thread of _Calls: docs/benchmarks.md). A call the library never returns holds that
+        worker; once the reconnection gives up on such calls (`stranded_s`), their signatures are
+        made again on fresh workers (_redrive). Past a first try that met a lost or reconnecting
+        HSM, the signature is `sign`'s, on the same worker."""
         future: Future = Future()
         self._workers.submit(lambda: self._complete(future, data, True))
         return future
@@ -224,10 +224,10 @@ class TokenKey:
             future.set_result(value)
 
     def _redrive(self) -> None:
-        """The calls inside the library given up on (their callers', and every session of this
-        start, with them), and those made on a worker's own thread made again on fresh workers
-        (the stranded ones hold theirs for good), `sign`'s way; whichever ends first is the
-        future's."""
+        """Gives up on the calls inside the library: their callers stop waiting, and every session
+        of this start is dropped. Those made on a worker's own thread (`signing`) are made again on
+        fresh workers, `sign`'s way, as a stranded worker holds its thread for good; whichever
+        ends first sets the future."""
         with self._lock:  # as no call enters unsaid (_sign_once)
             self._generation += 1
             stranded, self._direct = list(self._direct.items()), {}
