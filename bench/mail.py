@@ -6,8 +6,9 @@ pooling would look useless):
   (a) baseline: smtplib, a new connection per message, built with email.message.EmailMessage;
   (b) ours: a MailerActor on local Ray (pooled aiosmtplib connections, prepared MIME
       template, the Redis exactly-once guard and delivery log), message building included,
-      each call a shard's batch as in a run (CN_SHARD_SIZE's, 100 by default; `--batch`): Ray
-      costs the actor ~0.65 ms of CPU a call, whatever the call carries.
+      each call a shard's batch, as most of a large day's are (CN_SHARD_SIZE's, 100 by
+      default; `--batch`): what a call costs beside its mails (Ray's part ~0.65 ms of CPU; the
+      batch's delivery-log writes, thread hand-offs and metrics) is shared by that many.
 The server offers PIPELINING and CHUNKING, as Postfix does, so (b) sends a mail's envelope and
 message as one BDAT group (one round trip); with --no-chunking it offers PIPELINING alone, and
 (b) sends DATA's two groups, as to a relay that does not offer BDAT.

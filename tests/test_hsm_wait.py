@@ -158,7 +158,8 @@ from pipeline.seal import token
 from pipeline.seal.token import TokenConfig, TokenKey
 token._two_calls = counted(token._two_calls)  # ours: C_SignInit and C_Sign, beside python-pkcs11's
 module, label, key_label = sys.argv[1:4]
-key = TokenKey(TokenConfig(module, label, key_label, pin=sys.stdin.readline().strip(), sessions=8, patience_s=60))
+pin = sys.stdin.readline().strip()
+key = TokenKey(TokenConfig(module, label, key_label, pin=pin, sessions=8, patience_s=60))
 stop, errors, told = time.monotonic() + float(sys.argv[4]), [], threading.Event()
 threading.Thread(target=lambda: (sys.stdin.readline(), told.set()), daemon=True).start()  # "stop", or the bound
 
@@ -182,6 +183,9 @@ for t in threads:
 print("signing", flush=True)
 for t in threads:
     t.join()
+second = TokenKey(TokenConfig(module, label, key_label, pin=pin, sessions=2, patience_s=60))  # made after: the same module
+second.sign(b"contract-notes: a second key's note")
+seen["second_key"] = 1
 print(json.dumps({**seen, "errors": errors[:3], "gate_overlaps": key.gate.overlaps}), flush=True)
 """
 
@@ -276,11 +280,12 @@ def test_the_library_is_started_again_only_when_no_signature_is_in_flight(way, h
 
 
 def _signed_cleanly(said, out: str, err: str) -> dict:
-    """What the signer saw, once it ended: it signed, with no error, and no instance of the
-    module was started again under a signature inside it."""
+    """What the signer saw, once it ended: it signed, with no error, no instance of the module
+    was started again under a signature inside it, and a key of the same module made after
+    signed too (after a stranding, through the fresh instance, not the abandoned one)."""
     assert said.signer.returncode == 0, err[-1500:]
     seen = json.loads(out.strip().splitlines()[-1])
-    assert seen["signed"] > 0 and seen["errors"] == [], seen
+    assert seen["signed"] > 0 and seen["errors"] == [] and seen["second_key"] == 1, seen
     assert seen["overlaps"] == 0 and seen["gate_overlaps"] == 0, seen
     return seen
 
@@ -321,8 +326,8 @@ def test_a_server_dying_mid_reply_strands_no_signature(way, hsm, tmp_path):
     never returns the calls waiting on that socket (the reply's number stays claimed, and no
     one is woken). Every signature still ends, through a fresh instance of the module (a
     python-pkcs11 object of its own: `pkcs11.lib` gave back the one it keeps for the path, the
-    stranded calls' own, started again), with no error, and no instance is started again under
-    a signature inside it. Before, the
+    stranded calls' own, which the next reconnection then started again under them), with no
+    error, and no instance is started again under a signature inside it. Before, the
     reconnection waited for those calls for good: the signer hung ("the HSM is taken as lost",
     never "back"). Through `signing`, as a signer of several notes at once signs, the calls
     stranded are on the key's workers, with no caller's thread to give up on them: their

@@ -75,6 +75,7 @@ WORKER_IDLE_S = 60.0  # a signer's worker (`signing`) idle this long ends; the n
 OUTAGES_KEPT_S = 86400.0  # a process's past HSM outages kept to be reported: a day's
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
+_CURRENT: dict[str, tuple] = {}  # a module's instance and gate since one was started afresh: later keys' too
 log = logging.getLogger(__name__)
 
 
@@ -136,7 +137,7 @@ class TokenKey:
         self.lib = None
         self._lock = threading.Lock()  # the outage's state: held for moments only
         self._reconnecting = threading.Lock()  # one thread reconnects; the others wait for it
-        self.gate = gate_for(config.module)  # calls into the library, or the library started again: never both
+        self.gate = _CURRENT.get(config.module, (None, gate_for(config.module)))[1]  # calls, or a restart: never both
         self._generation = 0  # the library's starts: a session of an earlier one is gone with it
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
@@ -169,7 +170,8 @@ class TokenKey:
             raise
         self._inline = False
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
-        self.sessions = self._workers.size = config.sessions or min(MAX_SESSIONS, 1 + waiting)
+        self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
+        self._workers.size = 2 * self.sessions  # (_Workers)
         self._open_more(self.sessions - 1)
 
     @property
@@ -585,6 +587,7 @@ class TokenKey:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.lib))  # never freed, so never finalized, even at exit
         log.warning("the HSM's library is started afresh: %s (%s)", self._stranded, self.config.module)
         self.lib, self.gate, self._stranded = fresh, Gate(), ""
+        _CURRENT[self.config.module] = fresh, self.gate  # not the abandoned one for a key made after
         with self.gate.alone():
             self._open_again(lambda: None, close=False)
 
@@ -680,7 +683,10 @@ class _Calls:
 class _Workers:
     """Daemon threads, `size` at most, that run a signer's signatures in turn; one idle for
     WORKER_IDLE_S ends. A call the library never returns holds its worker for good (not the
-    process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers."""
+    process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers.
+    Twice the key's sessions: calls stranded with no error said (an HSM gone silent) hold at
+    most one worker a session, and the others still take each later job to a session or to the
+    end of the patience (_take), as the signer's pool did before."""
 
     def __init__(self) -> None:
         self.size, self._started = 1, 0
@@ -828,7 +834,12 @@ def _load(module: str):
         raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
             from None
     try:
-        return pkcs11.lib(module)
+        if module not in _CURRENT:
+            return pkcs11.lib(module)
+        lib = _CURRENT[module][0]
+        if not lib.initialized:
+            lib.initialize()
+        return lib
     except Exception as e:
         raise _NotReached(f"CN_PKCS11_MODULE {module}: it did not start ({type(e).__name__})") from None
 
