@@ -170,8 +170,7 @@ class TokenKey:
             raise
         self._inline = False
         waiting = max(1, math.ceil(self.wait_s / NOTE_CPU_S)) if blocks else 0  # in-process: none
-        self.sessions = config.sessions or min(MAX_SESSIONS, 1 + waiting)
-        self._workers.size = 2 * self.sessions  # (_Workers)
+        self.sessions = self._workers.size = config.sessions or min(MAX_SESSIONS, 1 + waiting)
         self._open_more(self.sessions - 1)
 
     @property
@@ -684,9 +683,8 @@ class _Workers:
     """Daemon threads, `size` at most, that run a signer's signatures in turn; one idle for
     WORKER_IDLE_S ends. A call the library never returns holds its worker for good (not the
     process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers.
-    Twice the key's sessions: calls stranded with no error said (an HSM gone silent) hold at
-    most one worker a session, and the others still take each later job to a session or to the
-    end of the patience (_take), as the signer's pool did before."""
+    As many as the key's sessions: twice as many, so that calls stranded with no error said
+    could not hold back the jobs behind them, cost the signer too much (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self.size, self._started = 1, 0
