@@ -683,8 +683,9 @@ class _Workers:
     """Daemon threads, `size` at most, that run a signer's signatures in turn; one idle for
     WORKER_IDLE_S ends. A call the library never returns holds its worker for good (not the
     process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers.
-    As many as the key's sessions: twice as many, so that calls stranded with no error said
-    could not hold back the jobs behind them, cost the signer too much (docs/benchmarks.md)."""
+    As many as the key's sessions, as the signer's pool had threads: twice as many, so that
+    calls stranded with no error said could not hold back the jobs behind them, cost the signer
+    too much (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self.size, self._started = 1, 0
