@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from pipeline.cluster.driver import RunRequest, run_day
 from pipeline.day.synth import SynthOptions, write_dumps
 from pipeline.record.state import RunState
 from pipeline.record.storage import open_store
-from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM
+from pipeline.seal.token import P11_KIT_CLIENT, SOFTHSM, STRANDED_S
 from pipeline.settings import ROOT as PROJECT
 from tests import servers
 from tests.conftest import HSM_SOCKET, TRADE_DATE
@@ -121,6 +122,7 @@ seen = {"inside": 0, "overlaps": 0, "reinits": 0, "signed": 0, "libraries": 0}
 libraries = {}  # a token's id: the instance of the library it came from
 hold = float(sys.argv[5] or 0.3)
 way = sys.argv[6]  # "sign": the caller's thread hands the call to one of the key's; "signing": futures, as a signer's
+stranded_s = float(sys.argv[7])  # calls in the library this long are given up on
 
 def counted(sign):  # a way into the library's C_Sign, with the signatures inside it counted
     def inside(key, *args, **kwargs):
@@ -159,7 +161,7 @@ from pipeline.seal.token import TokenConfig, TokenKey
 token._two_calls = counted(token._two_calls)  # ours: C_SignInit and C_Sign, beside python-pkcs11's
 module, label, key_label = sys.argv[1:4]
 pin = sys.stdin.readline().strip()
-key = TokenKey(TokenConfig(module, label, key_label, pin=pin, sessions=8, patience_s=60))
+key = TokenKey(TokenConfig(module, label, key_label, pin=pin, sessions=8, patience_s=60, stranded_s=stranded_s))
 stop, errors, told = time.monotonic() + float(sys.argv[4]), [], threading.Event()
 threading.Thread(target=lambda: (sys.stdin.readline(), told.set()), daemon=True).start()  # "stop", or the bound
 
@@ -200,13 +202,14 @@ class Said:
         self.reader.start()
 
     @classmethod
-    def signing(cls, hsm, server_url: str, hold_s: float | None = None, way: str = "sign") -> "Said":
+    def signing(cls, hsm, server_url: str, hold_s: float | None = None, way: str = "sign",
+                stranded_s: float = STRANDED_S) -> "Said":
         """Started through the server at `server_url`, once its threads sign; `hold_s`: how long
         each signature stays inside C_Sign (its default, unless given); `way`: each thread's
         signature by TokenKey.sign, or by TokenKey.signing, as a signer of several at once."""
         hold = "" if hold_s is None else str(hold_s)
         signer = subprocess.Popen([sys.executable, "-c", SIGN_THROUGH_RESTARTS, P11_KIT_CLIENT, hsm.label,
-                                   hsm.key_label, "300", hold, way], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   hsm.key_label, "300", hold, way, str(stranded_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=PROJECT,
                                   env={**os.environ, "P11_KIT_SERVER_ADDRESS": server_url})
         try:
@@ -356,3 +359,31 @@ def test_a_server_dying_mid_reply_strands_no_signature(way, hsm, tmp_path):
             break
     assert "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
     assert way == "sign" or "made again on fresh workers" in err, err[-1500:]  # not only through `sign`
+
+
+@pytest.mark.parametrize("way", ["sign", "signing"])
+def test_an_hsm_gone_silent_is_given_up_on_and_its_signatures_made_through_a_fresh_connection(way, hsm, tmp_path):
+    """Eight threads sign through `p11-kit server`, which then stops answering with no error
+    said (SIGSTOP: its connections open, nothing read or written, as a network that drops
+    every packet or a server hung), and a server starts at the same address (the HSM's
+    failover). Past `stranded_s` with no answer, the calls inside the library are given up on
+    as stranded: the HSM is taken as lost, their signatures are made again, and a fresh
+    instance of the module reaches the new server. Before, nothing was ever said, so nothing
+    gave up: every session held by a silent call, the signer waited for good ("the HSM is
+    taken as lost" never said, nor "back")."""
+    sock = tmp_path / "p11.sock"
+    server = silent = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)
+    try:
+        with Said.signing(hsm, server.url, way=way, stranded_s=4) as said:
+            time.sleep(1.0)
+            os.killpg(silent.process.pid, signal.SIGSTOP)  # the server and each connection's child
+            server = servers.start_p11kit_server(sock, SOFTHSM, hsm.label)  # the path now names the new one
+            said.back(1, within=60)
+            time.sleep(1.0)  # signatures through the fresh instance
+            out, err = said.stop()
+    finally:
+        silent.kill()
+        server.stop()
+    seen = _signed_cleanly(said, out, err)
+    assert "no answer" in err and "started afresh" in err and seen["libraries"] == 2, (seen, err[-1500:])
+    assert way == "sign" or "made again on fresh workers" in err, err[-1500:]

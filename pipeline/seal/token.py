@@ -13,7 +13,9 @@ a key not for signing) is the same on every try, so it fails the note at once, n
 library is started again only when no signature is in flight (gate.py). A signature is made on a
 thread of the key's own, its caller waiting for it: a call the library never returns (p11-kit's
 client strands every call waiting on its socket when the server dies between a reply's header and
-its body) holds that thread, not the caller; past `stranded_s` the reconnection leaves that
+its body) holds that thread, not the caller. An HSM that goes silent (a network dropping every
+packet, a server hung) says no error at all: a call given no answer for `stranded_s` has the HSM
+taken as lost (`_watch`), as an error would. Past `stranded_s` the reconnection leaves that
 instance of the library as it is (never finalized: calls are inside it) and signs through a fresh
 one, if the module gives one (a network HSM's client does; an in-process module does not, and its
 signatures then fail with "HSM unreachable" at the patience's end, not never). A signer that
@@ -143,7 +145,8 @@ class TokenKey:
         self._free: queue.Queue = queue.Queue()
         self._calls = _Calls()  # the threads that call into the library for the signatures
         self._workers = _Workers()  # a signer's signatures at once (`signing`), `sessions` of them
-        self._direct: dict[Future, bytes] = {}  # those inside the library on their worker's own thread
+        self._inside: dict[object, tuple] = {}  # the calls in the library: (entered, data, a `signing` future or None)
+        self._watching = False  # a thread watches for calls given no answer (_watch) while any is inside
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
@@ -231,12 +234,34 @@ class TokenKey:
         ends first sets the future."""
         with self._lock:  # as no call enters unsaid (_sign_once)
             self._generation += 1
-            stranded, self._direct = list(self._direct.items()), {}
+            stranded = [(future, data) for _, data, future in self._inside.values() if future is not None]
+            self._inside = {}
         self._workers.renew()
         if stranded:
             log.warning("%d signature(s) inside the HSM's library are made again on fresh workers", len(stranded))
         for future, data in stranded:
             self._workers.submit(lambda future=future, data=data: self._complete(future, data, False))
+
+    def _watch(self) -> None:
+        """While calls are in the library: one given no answer for `stranded_s` has the HSM taken
+        as lost and the calls inside given up on (_redrive). A silent HSM says no error, so
+        nothing else would: each session held by a silent call, every signature waited for
+        good. The reconnection then starts a fresh instance of the module, as after a stranding."""
+        every = min(1.0, self.config.stranded_s / 4)
+        while True:
+            time.sleep(every)
+            with self._lock:
+                if not self._inside:
+                    self._watching = False
+                    return
+                entered = min(call[0] for call in self._inside.values())
+                silent = time.monotonic() - entered > self.config.stranded_s
+                if silent:
+                    self._stranded = f"{len(self._inside)} calls in the library with no answer for over " \
+                                     f"{self.config.stranded_s:g} s"
+            if silent:
+                self._lost(f"no answer for over {self.config.stranded_s:g} s")
+                self._redrive()
 
     def tell(self, told: Callable[[float], None]) -> None:
         """`told(since)` when an outage begins (epoch seconds), `told(0.0)` when it ends."""
@@ -252,23 +277,25 @@ class TokenKey:
 
     def _sign_once(self, data: bytes, direct: Future | None = None) -> bytes:
         """One try, its call into the library on a thread of _Calls; on this one while the key is
-        measured, or for `direct`, a signer's future (`signing`): said in `_direct` while inside."""
+        measured, or for `direct`, a signer's future (`signing`). Said in `_inside` while inside."""
         session, key, made = self._take()
         gate, keep = self.gate, True
 
         def inside() -> bytes:
+            call = object()
             with gate.shared():
                 with self._lock:  # as the reconnection gives up on the calls inside, none enters unsaid
                     if made != self._generation:  # taken before the library was started again: gone with it
                         raise _Down("a session of the HSM's last connection")
-                    if direct is not None:
-                        self._direct[direct] = data
+                    self._inside[call] = time.monotonic(), data, direct
+                    watch, self._watching = not self._watching, True
+                if watch:
+                    threading.Thread(target=self._watch, name="pkcs11-watch", daemon=True).start()
                 try:
                     return self._raw(key, data)
                 finally:
-                    if direct is not None:
-                        with self._lock:
-                            self._direct.pop(direct, None)
+                    with self._lock:
+                        self._inside.pop(call, None)
 
         try:
             if self._inline or direct is not None:
@@ -307,7 +334,7 @@ class TokenKey:
         except PIN_REFUSALS + (p11.UserNotLoggedIn,) as e:
             raise SignError(f"the HSM logged this signer out ({type(e).__name__})") from None
         except LOST as e:
-            self._lost(e)
+            self._lost(returned(e))
             raise _Down(f"{returned(e)} from {self.config.module}") from None
         except p11.PKCS11Error as e:
             raise HsmRefused(f"the HSM refused CKM_{mechanism.name} with the {self.config.names()}: {returned(e)} "
@@ -497,14 +524,14 @@ class TokenKey:
             switches.append(_voluntary_switches() - switched)
         return statistics.median(walls), max(0.0, statistics.median(waits)), sum(switches) >= probes
 
-    def _lost(self, e: Exception) -> None:
+    def _lost(self, said: str) -> None:
         """Marks the HSM lost (once an outage): its sessions are closed by the reconnection, when
         no signature is in flight."""
         with self._lock:
             if self._down_since:
                 return
             self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
-        log.warning("the HSM is taken as lost: %s from %s; its signatures wait for it until %s", returned(e),
+        log.warning("the HSM is taken as lost: %s from %s; its signatures wait for it until %s", said,
                     self.config.module, clock(self.config.gives_up_at(self._down_at)))
         self._tell(self._down_at)
 
