@@ -646,11 +646,12 @@ while not stop.is_set() and time.monotonic() < until:  # ends by itself: killed 
 """
 STARTS = """
 import sys, pkcs11
-from pipeline.seal.token import TokenConfig, TokenKey, gate_for
+from pipeline.seal.gate import current
+from pipeline.seal.token import TokenConfig, TokenKey
 module, label, key_label, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 config, lib = TokenConfig(module, label, key_label, pin=sys.stdin.read(), patience_s=10), pkcs11.lib(module)
 for _ in range(count):
-    with gate_for(module).alone():
+    with current(module)[1].alone():
         lib.reinitialize()  # the list a signer's new process starts with
     TokenKey(config).close()
 print("started", count)

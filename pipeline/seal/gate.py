@@ -8,7 +8,8 @@ signer would otherwise keep it out for good). One gate a module and process: eve
 module shares its library. A call that never comes out of the library (p11-kit 0.24-0.26's client
 strands every thread waiting on its socket when a reply is cut short between its header and its
 body) would keep a reconnect out for good: `alone(within=...)` gives up on them (Stranded), and the
-caller starts a fresh instance of the module behind a gate of its own (token.py).
+caller starts a fresh instance of the module behind a gate of its own (token.py), which every
+key of the module made after uses too: the abandoned one's gate still counts its stranded calls.
 """
 
 from __future__ import annotations
@@ -17,14 +18,23 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-_GATES: dict[str, "Gate"] = {}
+_CURRENT: dict[str, tuple] = {}  # a module's instance started afresh (None: python-pkcs11's own) and its gate
 _MADE = threading.Lock()
 
 
-def gate_for(module: str) -> "Gate":
-    """The gate of a PKCS#11 module's library in this process."""
+def current(module: str) -> tuple:
+    """A PKCS#11 module's instance in this process, None until one was started afresh (the one
+    python-pkcs11 keeps for the path), and the gate of its calls."""
     with _MADE:
-        return _GATES.setdefault(module, Gate())
+        return _CURRENT.setdefault(module, (None, Gate()))
+
+
+def started_afresh(module: str, lib) -> "Gate":
+    """`lib`, a fresh instance of the module, is its instance from now on, behind a new gate."""
+    gate = Gate()
+    with _MADE:
+        _CURRENT[module] = lib, gate
+    return gate
 
 
 class Stranded(Exception):

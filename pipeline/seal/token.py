@@ -59,7 +59,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11 import exceptions as p11
 
-from pipeline.seal.gate import Gate, Stranded, gate_for
+from pipeline.seal.gate import Stranded, current, started_afresh
 from pipeline.seal.signer import TEST_LABEL, SignError, SignerSetupError, issue_certificate, labelled_name
 from pipeline.settings import clock, gives_up_at
 
@@ -77,7 +77,6 @@ WORKER_IDLE_S = 60.0  # a signer's worker (`signing`) idle this long ends; the n
 OUTAGES_KEPT_S = 86400.0  # a process's past HSM outages kept to be reported: a day's
 STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
-_CURRENT: dict[str, tuple] = {}  # a module's instance and gate since one was started afresh: later keys' too
 log = logging.getLogger(__name__)
 
 
@@ -139,12 +138,12 @@ class TokenKey:
         self.lib = None
         self._lock = threading.Lock()  # the outage's state: held for moments only
         self._reconnecting = threading.Lock()  # one thread reconnects; the others wait for it
-        self.gate = _CURRENT.get(config.module, (None, gate_for(config.module)))[1]  # calls, or a restart: never both
+        self.gate = current(config.module)[1]  # calls, or a restart: never both
         self._generation = 0  # the library's starts: a session of an earlier one is gone with it
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
-        self._calls = _Calls()  # the threads that call into the library for the signatures
-        self._workers = _Workers()  # a signer's signatures at once (`signing`), `sessions` of them
+        self._calls = _Threads("pkcs11-call")  # the threads that call into the library for `sign`
+        self._workers = _Threads("pkcs11-sign", 1)  # a signer's signatures at once (`signing`), `sessions` of them
         self._inside: dict[object, tuple] = {}  # the calls in the library: (entered, data, a `signing` future or None)
         self._watching = False  # a thread watches for calls given no answer (_watch) while any is inside
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
@@ -202,7 +201,7 @@ class TokenKey:
     def signing(self, data: bytes) -> Future:
         """The signature as a future, one of `sessions` made at once (signer.Signer.signing): its
         first try on its worker's own thread, one hand-off from the caller, not two (a worker,
-        then a thread of _Calls: docs/benchmarks.md). A call the library never returns holds that
+        then a thread of `_calls`: docs/benchmarks.md). A call the library never returns holds that
         worker; once the reconnection gives up on such calls (`stranded_s`), their signatures are
         made again on fresh workers (_redrive). Past a first try that met a lost or reconnecting
         HSM, the signature is `sign`'s, on the same worker."""
@@ -276,7 +275,7 @@ class TokenKey:
                 "a rerun signs these notes")
 
     def _sign_once(self, data: bytes, direct: Future | None = None) -> bytes:
-        """One try, its call into the library on a thread of _Calls; on this one while the key is
+        """One try, its call into the library on a thread of `_calls`; on this one while the key is
         measured, or for `direct`, a signer's future (`signing`). Said in `_inside` while inside."""
         session, key, made = self._take()
         gate, keep = self.gate, True
@@ -301,13 +300,15 @@ class TokenKey:
             if self._inline or direct is not None:
                 raw = inside()
                 return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
-            call = self._calls.run(inside)
-            while not call.done.wait(0.25):
-                if made != self._generation:  # the library started afresh while this call was in it: stranded
-                    raise _Down("a signature stranded in the HSM's last library")
-            if call.error is not None:
-                raise call.error
-            raw = call.value
+            call: Future = Future()
+            self._calls.submit(lambda: _settle(call, inside))
+            while True:
+                try:
+                    raw = call.result(0.25)
+                    break
+                except TimeoutError:
+                    if made != self._generation:  # the library started afresh while this call was in it: stranded
+                        raise _Down("a signature stranded in the HSM's last library") from None
         except _Down:
             keep = False
             raise
@@ -612,8 +613,7 @@ class TokenKey:
         _ABANDONED.append((self.lib, self.gate))
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.lib))  # never freed, so never finalized, even at exit
         log.warning("the HSM's library is started afresh: %s (%s)", self._stranded, self.config.module)
-        self.lib, self.gate, self._stranded = fresh, Gate(), ""
-        _CURRENT[self.config.module] = fresh, self.gate  # not the abandoned one for a key made after
+        self.lib, self.gate, self._stranded = fresh, started_afresh(self.config.module, fresh), ""
         with self.gate.alone():
             self._open_again(lambda: None, close=False)
 
@@ -659,84 +659,46 @@ class TokenKey:
         self._sessions = []
 
 
-class _Call:
-    """One call into the library, made on a thread of _Calls: `done` once it returned or raised."""
-
-    __slots__ = ("fn", "done", "value", "error")
-
-    def __init__(self, fn: Callable[[], bytes]):
-        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn()
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.done.set()
+def _settle(future: Future, fn: Callable[[], bytes]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:
+        future.set_exception(e)
 
 
-class _Calls:
-    """Daemon threads, as many as calls at once, that make the calls into the library: one the
-    library never returns holds its thread for good, not the signature's caller (nor the
-    process's exit)."""
+class _Threads:
+    """Daemon threads that run jobs, `size` at most (None: a thread for each job at once, none
+    waiting), one idle for WORKER_IDLE_S ending. A call the library never returns holds its
+    thread for good (not the caller, nor the process's exit): `renew` hands the jobs not begun,
+    and every later one, to fresh threads. A signer's workers are as many as the key's sessions,
+    as its pool had threads: twice as many cost the signer too much (docs/benchmarks.md)."""
 
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def run(self, fn: Callable[[], bytes]) -> _Call:
-        call = _Call(fn)
-        with self._lock:
-            spawn = not self._idle
-            self._idle -= not spawn
-        if spawn:
-            threading.Thread(target=self._work, args=(call,), name="pkcs11-call", daemon=True).start()
-        else:
-            self._tasks.put(call)
-        return call
-
-    def _work(self, call: _Call) -> None:
-        while True:
-            call.run()
-            del call
-            with self._lock:
-                self._idle += 1
-            call = self._tasks.get()
-
-
-class _Workers:
-    """Daemon threads, `size` at most, that run a signer's signatures in turn; one idle for
-    WORKER_IDLE_S ends. A call the library never returns holds its worker for good (not the
-    process's exit): `renew` hands the jobs not begun, and every later one, to fresh workers.
-    As many as the key's sessions, as the signer's pool had threads: twice as many, so that
-    calls stranded with no error said could not hold back the jobs behind them, cost the signer
-    too much (docs/benchmarks.md)."""
-
-    def __init__(self) -> None:
-        self.size, self._started = 1, 0
+    def __init__(self, name: str, size: int | None = None) -> None:
+        self.name, self.size = name, size
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._started, self._idle = 0, 0  # idle: the threads waiting for a job less the jobs waiting for one
         self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:  # put while held: a worker ending for want of jobs sees this one first
+        with self._lock:  # put while held: a thread ending for want of jobs sees this one first
             self._jobs.put(job)
-            start = self._started < self.size
+            start = self._idle <= 0 and (self.size is None or self._started < self.size)
             self._started += start
+            self._idle -= not start
             jobs = self._jobs
         if start:
             try:
-                threading.Thread(target=self._work, args=(jobs,), name="pkcs11-sign", daemon=True).start()
+                threading.Thread(target=self._work, args=(jobs,), name=self.name, daemon=True).start()
             except BaseException:  # no thread: the slot is not taken
                 with self._lock:
                     if jobs is self._jobs:
                         self._started -= 1
+                        self._idle -= 1  # the job waits for a thread like any other
                 raise
 
     def renew(self) -> None:
         with self._lock:
-            old, self._jobs, self._started = self._jobs, queue.SimpleQueue(), 0
+            old, self._jobs, self._started, self._idle = self._jobs, queue.SimpleQueue(), 0, 0
         while True:
             try:
                 job = old.get_nowait()
@@ -747,14 +709,22 @@ class _Workers:
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:
             try:
-                jobs.get(timeout=WORKER_IDLE_S)()
+                job = jobs.get(timeout=WORKER_IDLE_S)
             except queue.Empty:
                 with self._lock:
-                    if jobs is not self._jobs:  # renewed: this worker no longer counts
+                    if jobs is not self._jobs:  # renewed: this thread no longer counts
                         return
                     if jobs.empty():
                         self._started -= 1
+                        self._idle -= 1
                         return
+                continue
+            job()
+            del job
+            with self._lock:
+                if jobs is not self._jobs:
+                    return
+                self._idle += 1
 
 
 class _Mechanism(ctypes.Structure):
@@ -860,9 +830,9 @@ def _load(module: str):
         raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
             from None
     try:
-        if module not in _CURRENT:
+        lib = current(module)[0]
+        if lib is None:
             return pkcs11.lib(module)
-        lib = _CURRENT[module][0]
         if not lib.initialized:
             lib.initialize()
         return lib
@@ -906,7 +876,7 @@ def make_test_token(directory: Path, label: str = "cn-test", key_label: str = "s
     subprocess.run(["softhsm2-util", "--init-token", "--free", "--label", label, "--pin", made.pin_file.read_text(),
                     "--so-pin", secrets.token_hex(8)], env=env, check=True, capture_output=True)
     lib = pkcs11.lib(SOFTHSM)
-    with gate_for(SOFTHSM).alone():
+    with current(SOFTHSM)[1].alone():
         lib.reinitialize()  # the library read its configuration when first loaded: this token is new
     private = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: extractable, Attribute.ID: b"\x01"}
     with lib.get_token(token_label=label).open(user_pin=made.pin_file.read_text(), rw=True) as session:
