@@ -73,9 +73,9 @@ NOTE_CPU_S = 0.0008  # the least CPU a note costs the signer besides its signatu
 MAX_SESSIONS = 32
 RECONNECT_MAX_S = 5.0  # the longest gap between two tries to reach a lost HSM
 MISREAD_S = 4.0  # a token's answer that may be misread while another process writes it: asked again, every 0.25 s
-WORKER_IDLE_S = 60.0  # a signer's worker (`signing`) idle this long ends; the next signature starts one
+WORKER_IDLE_S = 60.0  # a thread of the key's (_Threads) idle this long ends; the next signature starts one
 OUTAGES_KEPT_S = 86400.0  # a process's past HSM outages kept to be reported: a day's
-STRANDED_S = 15.0  # a lost HSM's calls still in its library after this long are taken as never coming out
+STRANDED_S = 15.0  # a call in the library this long, unanswered, is taken as never coming out (the HSM lost)
 _ABANDONED: list = []  # instances of a library left with calls stranded inside: never finalized nor freed
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class TokenConfig:
     sessions: int = 0  # signatures in flight; 0: sized from the measured round trip
     patience_s: float = 120.0  # the least a lost HSM's signatures wait for it before they fail
     deadline_at: float = field(default=0.0, compare=False)  # the run's deadline (epoch): waited for until then
-    stranded_s: float = STRANDED_S  # a lost HSM's calls waited for before its library is started afresh
+    stranded_s: float = STRANDED_S  # a call unanswered this long: the HSM lost, the library started afresh
 
     def gives_up_at(self, since: float) -> float:
         """When an outage begun at `since` (epoch) stops being waited for (settings.gives_up_at)."""
@@ -135,10 +135,10 @@ class TokenKey:
     def __init__(self, config: TokenConfig, on_refused: Callable[[str], None] = lambda said: None,
                  refusal: Callable[[], str] = lambda: ""):
         self.config = config
-        self.lib = None
         self._lock = threading.Lock()  # the outage's state: held for moments only
-        self._reconnecting = threading.Lock()  # one thread reconnects; the others wait for it
-        self.gate = current(config.module)[1]  # calls, or a restart: never both
+        self._reconnecting = threading.Lock()  # one thread reconnects (or gives up on silent calls); the others wait
+        self._afresh, self.gate = current(config.module)  # read together: calls, or a restart, never both
+        self.lib = None
         self._generation = 0  # the library's starts: a session of an earlier one is gone with it
         self.told: Callable[[float], None] = lambda since: None  # an outage's start (epoch), or 0.0: its end
         self._free: queue.Queue = queue.Queue()
@@ -206,7 +206,11 @@ class TokenKey:
         made again on fresh workers (_redrive). Past a first try that met a lost or reconnecting
         HSM, the signature is `sign`'s, on the same worker."""
         future: Future = Future()
-        self._workers.submit(lambda: self._complete(future, data, True))
+        try:
+            self._workers.submit(lambda: self._complete(future, data, True))
+        except BaseException:
+            future.cancel()  # queued with no worker: never made later for no one (_complete passes it over)
+            raise
         return future
 
     def _complete(self, future: Future, data: bytes, first: bool) -> None:
@@ -247,20 +251,40 @@ class TokenKey:
         nothing else would: each session held by a silent call, every signature waited for
         good. The reconnection then starts a fresh instance of the module, as after a stranding."""
         every = min(1.0, self.config.stranded_s / 4)
-        while True:
-            time.sleep(every)
+        try:
+            while True:
+                time.sleep(every)
+                with self._lock:
+                    if not self._inside:
+                        self._watching = False
+                        return
+                    oldest = min(call[0] for call in self._inside.values())
+                if time.monotonic() - oldest > self.config.stranded_s and self._reconnecting.acquire(timeout=every):
+                    try:  # no reconnection meanwhile: one under way gives up on these calls itself (Stranded)
+                        self._give_up_silent()
+                    finally:
+                        self._reconnecting.release()
+        except BaseException:
             with self._lock:
-                if not self._inside:
-                    self._watching = False
-                    return
-                entered = min(call[0] for call in self._inside.values())
-                silent = time.monotonic() - entered > self.config.stranded_s
-                if silent:
-                    self._stranded = f"{len(self._inside)} calls in the library with no answer for over " \
-                                     f"{self.config.stranded_s:g} s"
-            if silent:
-                self._lost(f"no answer for over {self.config.stranded_s:g} s")
-                self._redrive()
+                self._watching = False  # the next call watches again
+            raise
+
+    def _give_up_silent(self) -> None:
+        with self._lock:
+            silent = [call for call in self._inside.values() if time.monotonic() - call[0] > self.config.stranded_s]
+            if not silent:  # they came out, or a reconnection gave up on them, while the lock was awaited
+                return
+            self._stranded = f"{len(silent)} calls in the library with no answer for over {self.config.stranded_s:g} s"
+        self._lost(f"no answer for over {self.config.stranded_s:g} s")
+        self._redrive()
+
+    def _start_watch(self) -> None:
+        try:
+            threading.Thread(target=self._watch, name="pkcs11-watch", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._watching = False
+            raise
 
     def tell(self, told: Callable[[float], None]) -> None:
         """`told(since)` when an outage begins (epoch seconds), `told(0.0)` when it ends."""
@@ -288,9 +312,9 @@ class TokenKey:
                         raise _Down("a session of the HSM's last connection")
                     self._inside[call] = time.monotonic(), data, direct
                     watch, self._watching = not self._watching, True
-                if watch:
-                    threading.Thread(target=self._watch, name="pkcs11-watch", daemon=True).start()
                 try:
+                    if watch:
+                        self._start_watch()
                     return self._raw(key, data)
                 finally:
                     with self._lock:
@@ -301,12 +325,18 @@ class TokenKey:
                 raw = inside()
                 return algos.DSASignature.from_p1363(raw).dump() if self.kind == "ec" else raw
             call: Future = Future()
-            self._calls.submit(lambda: _settle(call, inside))
+            try:
+                self._calls.submit(lambda: _settle(call, inside))
+            except BaseException:
+                call.cancel()  # queued with no thread: never made later, on a session given back
+                raise
             while True:
                 try:
                     raw = call.result(0.25)
                     break
                 except TimeoutError:
+                    if call.done():  # the call's own error, not the wait's
+                        raise
                     if made != self._generation:  # the library started afresh while this call was in it: stranded
                         raise _Down("a signature stranded in the HSM's last library") from None
         except _Down:
@@ -413,7 +443,7 @@ class TokenKey:
         while True:
             try:
                 if self.lib is None:
-                    self.lib = _load(self.config.module)
+                    self.lib = _load(self.config.module, self._afresh)
                 return self._connect_once()
             except _NotReached as e:
                 now, misread = time.time(), isinstance(e, _Misread)
@@ -620,7 +650,8 @@ class TokenKey:
     def _open_again(self, start: Callable[[], None], close: bool = True) -> None:
         """The sessions of the library's last start dropped (closed, unless calls are stranded in
         it), `start`, and the sessions opened anew; alone in the library."""
-        self._generation += 1
+        with self._lock:
+            self._generation += 1
         self._close_sessions(close)
         try:
             start()
@@ -660,6 +691,8 @@ class TokenKey:
 
 
 def _settle(future: Future, fn: Callable[[], bytes]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
     try:
         future.set_result(fn())
     except BaseException as e:
@@ -821,8 +854,8 @@ def _thread_busy_s() -> float:
     return time.thread_time() + queued
 
 
-def _load(module: str):
-    """The module, started. A library that cannot be opened is said at once; one that opens but
+def _load(module: str, afresh):
+    """The module, started: `afresh`, its instance started afresh in this process, or None. A library that cannot be opened is said at once; one that opens but
     does not start (C_Initialize: a network module that did not reach its HSM) may be tried again."""
     try:
         ctypes.CDLL(module)
@@ -830,12 +863,11 @@ def _load(module: str):
         raise SignerSetupError(f"CN_PKCS11_MODULE {module}: cannot load it ({str(e).split(':')[-1].strip()})") \
             from None
     try:
-        lib = current(module)[0]
-        if lib is None:
+        if afresh is None:
             return pkcs11.lib(module)
-        if not lib.initialized:
-            lib.initialize()
-        return lib
+        if not afresh.initialized:
+            afresh.initialize()
+        return afresh
     except Exception as e:
         raise _NotReached(f"CN_PKCS11_MODULE {module}: it did not start ({type(e).__name__})") from None
 
