@@ -1,6 +1,6 @@
 """The threads a token key signs on (token._Threads): at most `size` at once, an idle one reused
-rather than another started, and a call whose thread could not start never made later on a
-session already given back. Pure logic: no HSM."""
+rather than another started; and a signature whose thread could not start is never made later,
+on a session already given back."""
 
 from __future__ import annotations
 
@@ -9,21 +9,24 @@ import time
 
 import pytest
 
-from pipeline.seal import token
-from pipeline.seal.token import _Threads
+from pipeline.seal.token import SOFTHSM, TokenConfig, TokenKey, _Threads
 
 
-def _running(threads: _Threads, jobs: int) -> tuple[int, set[int]]:
-    """The most jobs that ran at once, and the threads that ran them, for `jobs` jobs that each
-    hold on for a moment."""
-    lock, now, most, seen, done = threading.Lock(), [0], [0], set(), threading.Semaphore(0)
+def _together(threads: _Threads, jobs: int, at_once: int) -> tuple[int, set[int], list[str]]:
+    """`jobs` jobs, each of which waits until `at_once` of them run (a barrier): the most that
+    ran at once, the threads that ran them, and what went wrong (a barrier never met)."""
+    lock, now, most, seen, failed = threading.Lock(), [0], [0], set(), []
+    barrier, done = threading.Barrier(at_once, timeout=10), threading.Semaphore(0)
 
     def job() -> None:
         with lock:
             now[0] += 1
             most[0] = max(most[0], now[0])
             seen.add(threading.get_ident())
-        time.sleep(0.02)
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            failed.append("fewer than %d at once" % at_once)
         with lock:
             now[0] -= 1
         done.release()
@@ -31,49 +34,47 @@ def _running(threads: _Threads, jobs: int) -> tuple[int, set[int]]:
     for _ in range(jobs):
         threads.submit(job)
     for _ in range(jobs):
-        assert done.acquire(timeout=10), "a job never ran"
-    return most[0], seen
+        assert done.acquire(timeout=30), "a job never ran"
+    return most[0], seen, failed
 
 
-def test_a_bounded_pool_runs_at_most_its_size_at_once_and_every_job():
-    most, seen = _running(_Threads("test", 3), 30)
-    assert most == 3 and len(seen) == 3
+def test_a_bounded_pool_runs_its_size_at_once_never_more_and_every_job():
+    most, seen, failed = _together(_Threads("test", 3), 30, 3)
+    assert most == 3 and len(seen) == 3 and not failed, (most, len(seen), failed)
 
 
-def test_an_unbounded_pool_reuses_an_idle_thread_rather_than_start_another():
+def test_an_unbounded_pool_runs_every_call_at_once_and_reuses_idle_threads():
     threads = _Threads("test")
-    assert _running(threads, 8)[0] == 8  # as many as the calls at once
-    time.sleep(0.05)  # each back to waiting
-    most, seen = _running(threads, 1)
-    assert most == 1
-    again = set()
-    for _ in range(5):  # one at a time: the same few threads, not five new ones
-        again |= _running(threads, 1)[1]
-    assert len(again) <= 8
+    most, first, failed = _together(threads, 8, 8)
+    assert most == 8 and not failed
+    until = time.monotonic() + 10
+    while threads._idle < 8 and time.monotonic() < until:  # each back to waiting for a job
+        time.sleep(0.01)
+    _, again, failed = _together(threads, 8, 8)
+    assert again <= first and not failed, "threads started while idle ones waited"
 
 
-def test_a_call_whose_thread_could_not_start_is_never_made_later(monkeypatch):
-    """The call is queued with no thread; the next submit starts one, which must not make it:
-    its caller already gave its session back (`sign` failed). Cancelled, it is passed over."""
-    made, fails = [], [True]
-    start = threading.Thread.start
+def test_a_signature_whose_thread_could_not_start_is_never_made_later(hsm, monkeypatch):
+    """SoftHSM2 in process: `sign` hands its call to a thread of the key's. That thread cannot
+    start (the process at its limit): the signature fails, and its session is given back.
+    The next signature starts a thread, which must not make the first one's call too: on a
+    session it no longer holds (another signature's, with a network HSM's several)."""
+    key = TokenKey(TokenConfig(SOFTHSM, hsm.label, hsm.key_label, pin=hsm.pin_file.read_text()))
+    made, raw = [], key._raw
+    monkeypatch.setattr(key, "_raw", lambda k, data: made.append(data) or raw(k, data))  # counted, as it is
+    start, fails = threading.Thread.start, [True]
 
-    def start_once_failing(self):
+    def start_once_failing(thread):
         if fails and fails.pop():
             raise RuntimeError("can't start new thread")
-        return start(self)
+        return start(thread)
 
-    threads = _Threads("test")
-    monkeypatch.setattr(threading.Thread, "start", start_once_failing)
-    first = token.Future()
-    with pytest.raises(RuntimeError):
-        try:
-            threads.submit(lambda: token._settle(first, lambda: made.append("first") or b""))
-        except RuntimeError:
-            first.cancel()  # as TokenKey._sign_once does
-            raise
-    second = token.Future()
-    threads.submit(lambda: token._settle(second, lambda: made.append("second") or b""))
-    second.result(timeout=10)
-    time.sleep(0.05)
-    assert made == ["second"] and first.cancelled()
+    try:
+        monkeypatch.setattr(threading.Thread, "start", start_once_failing)
+        with pytest.raises(RuntimeError):
+            key.sign(b"first")
+        key.sign(b"second")
+        time.sleep(0.2)  # a call made later would be made by now
+        assert made == [b"second"], made
+    finally:
+        key.close()

@@ -144,6 +144,7 @@ class TokenKey:
         self._free: queue.Queue = queue.Queue()
         self._calls = _Threads("pkcs11-call")  # the threads that call into the library for `sign`
         self._workers = _Threads("pkcs11-sign", 1)  # a signer's signatures at once (`signing`), `sessions` of them
+        self._telling = _Threads("pkcs11-tell", 1)  # `told`, in order, waited for by no signature (it may call Redis)
         self._inside: dict[object, tuple] = {}  # the calls in the library: (entered, data, a `signing` future or None)
         self._watching = False  # a thread watches for calls given no answer (_watch) while any is inside
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
@@ -243,7 +244,11 @@ class TokenKey:
         if stranded:
             log.warning("%d signature(s) inside the HSM's library are made again on fresh workers", len(stranded))
         for future, data in stranded:
-            self._workers.submit(lambda future=future, data=data: self._complete(future, data, False))
+            try:
+                self._workers.submit(lambda future=future, data=data: self._complete(future, data, False))
+            except RuntimeError as e:  # no thread to be had: failed, not waited for for good
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(SignError(f"a signature stranded in the HSM's library: not made again ({e})"))
 
     def _watch(self) -> None:
         """While calls are in the library: one given no answer for `stranded_s` has the HSM taken
@@ -328,15 +333,16 @@ class TokenKey:
             try:
                 self._calls.submit(lambda: _settle(call, inside))
             except BaseException:
-                call.cancel()  # queued with no thread: never made later, on a session given back
-                raise
+                if call.cancel():  # queued with no thread: never made later, on a session given back
+                    raise  # (else an idle thread took it meanwhile: waited for as any other)
             while True:
                 try:
                     raw = call.result(0.25)
                     break
                 except TimeoutError:
-                    if call.done():  # the call's own error, not the wait's
-                        raise
+                    if call.done():  # ended just now, or its own TimeoutError: its value or its error
+                        raw = call.result()
+                        break
                     if made != self._generation:  # the library started afresh while this call was in it: stranded
                         raise _Down("a signature stranded in the HSM's last library") from None
         except _Down:
@@ -562,9 +568,9 @@ class TokenKey:
             if self._down_since:
                 return
             self._down_since, self._down_at, self._next_try = time.monotonic(), time.time(), time.monotonic()
+            self._tell(self._down_at)
         log.warning("the HSM is taken as lost: %s from %s; its signatures wait for it until %s", said,
                     self.config.module, clock(self.config.gives_up_at(self._down_at)))
-        self._tell(self._down_at)
 
     def _reconnect_if_due(self) -> None:
         """While the HSM is lost, one thread at a time tries to reconnect, with backoff (0.5, 1, 2,
@@ -671,13 +677,21 @@ class TokenKey:
             self._outages = [span for span in self._outages if span[1] >= now - OUTAGES_KEPT_S]
             self._outages.append((self._down_at, now))
             self._down_since, self._down_at = 0.0, 0.0
-        self._tell(0.0)
+            self._tell(0.0)
 
     def _tell(self, since: float) -> None:
+        """`told(since)` on a thread of its own, after those asked before (asked under `_lock`, as
+        the outage's state changes): a Redis gone silent with the HSM holds no signature nor
+        reconnection."""
+        def tell(told: Callable[[float], None] = self.told) -> None:  # the page of the run it happened in
+            try:
+                told(since)
+            except Exception as e:  # the page's note is a courtesy: the signatures do not wait on it
+                log.warning("the HSM's outage could not be noted: %s", e)
         try:
-            self.told(since)
-        except Exception as e:  # the page's note is a courtesy: the signatures do not wait on it
-            log.warning("the HSM's outage could not be noted: %s", e)
+            self._telling.submit(tell)
+        except RuntimeError as e:  # no thread to be had: queued, told when one is
+            log.warning("the HSM's outage is not noted yet: %s", e)
 
     def _close_sessions(self, close: bool = True) -> None:
         while not self._free.empty():
@@ -737,7 +751,8 @@ class _Threads:
                 job = old.get_nowait()
             except queue.Empty:
                 return
-            self.submit(job)
+            with contextlib.suppress(RuntimeError):  # no thread to be had: queued, for the next one started
+                self.submit(job)
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:
