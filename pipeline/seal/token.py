@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import threading
 import time
+import weakref
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,7 +147,6 @@ class TokenKey:
         self._workers = _Threads("pkcs11-sign", 1)  # a signer's signatures at once (`signing`), `sessions` of them
         self._telling = _Threads("pkcs11-tell", 1)  # `told`, in order, waited for by no signature (it may call Redis)
         self._inside: dict[object, tuple] = {}  # the calls in the library: (entered, data, a `signing` future or None)
-        self._watching = False  # a thread watches for calls given no answer (_watch) while any is inside
         self._inline = True  # the first signatures on the caller's thread: _measure reads that thread's switches
         self._stranded = ""  # calls the library did not return for `stranded_s`: said, until a fresh one is started
         self.refused = ""  # the PIN refused on a reconnection: each signature after fails so, the PIN never offered
@@ -158,6 +158,8 @@ class TokenKey:
         self._down_since, self._down_at, self._next_try = 0.0, 0.0, 0.0  # monotonic, epoch, monotonic
         self._outages: list[tuple[float, float]] = []
         self.sessions = 1  # until measured: what a reconnection during the measure opens
+        threading.Thread(target=_watch, args=(weakref.ref(self), min(1.0, config.stranded_s / 4)),
+                         name="pkcs11-watch", daemon=True).start()
         try:
             self._connect()
         except PinRefused as e:
@@ -250,29 +252,20 @@ class TokenKey:
                 with contextlib.suppress(InvalidStateError):
                     future.set_exception(SignError(f"a signature stranded in the HSM's library: not made again ({e})"))
 
-    def _watch(self) -> None:
-        """While calls are in the library: one given no answer for `stranded_s` has the HSM taken
-        as lost and the calls inside given up on (_redrive). A silent HSM says no error, so
-        nothing else would: each session held by a silent call, every signature waited for
-        good. The reconnection then starts a fresh instance of the module, as after a stranding."""
-        every = min(1.0, self.config.stranded_s / 4)
-        try:
-            while True:
-                time.sleep(every)
-                with self._lock:
-                    if not self._inside:
-                        self._watching = False
-                        return
-                    oldest = min(call[0] for call in self._inside.values())
-                if time.monotonic() - oldest > self.config.stranded_s and self._reconnecting.acquire(timeout=every):
-                    try:  # no reconnection meanwhile: one under way gives up on these calls itself (Stranded)
-                        self._give_up_silent()
-                    finally:
-                        self._reconnecting.release()
-        except BaseException:
-            with self._lock:
-                self._watching = False  # the next call watches again
-            raise
+    def _check_silent(self, every: float) -> None:
+        """A call given no answer for `stranded_s` has the HSM taken as lost and the calls inside
+        given up on (_redrive). A silent HSM says no error, so nothing else would: each session
+        held by a silent call, every signature waited for good. The reconnection then starts a
+        fresh instance of the module, as after a stranding."""
+        with self._lock:
+            oldest = min((call[0] for call in self._inside.values()), default=None)
+        if oldest is None or time.monotonic() - oldest <= self.config.stranded_s:
+            return
+        if self._reconnecting.acquire(timeout=every):  # one under way gives up on these calls itself (Stranded)
+            try:
+                self._give_up_silent()
+            finally:
+                self._reconnecting.release()
 
     def _give_up_silent(self) -> None:
         with self._lock:
@@ -282,14 +275,6 @@ class TokenKey:
             self._stranded = f"{len(silent)} calls in the library with no answer for over {self.config.stranded_s:g} s"
         self._lost(f"no answer for over {self.config.stranded_s:g} s")
         self._redrive()
-
-    def _start_watch(self) -> None:
-        try:
-            threading.Thread(target=self._watch, name="pkcs11-watch", daemon=True).start()
-        except BaseException:
-            with self._lock:
-                self._watching = False
-            raise
 
     def tell(self, told: Callable[[float], None]) -> None:
         """`told(since)` when an outage begins (epoch seconds), `told(0.0)` when it ends."""
@@ -316,10 +301,7 @@ class TokenKey:
                     if made != self._generation:  # taken before the library was started again: gone with it
                         raise _Down("a session of the HSM's last connection")
                     self._inside[call] = time.monotonic(), data, direct
-                    watch, self._watching = not self._watching, True
                 try:
-                    if watch:
-                        self._start_watch()
                     return self._raw(key, data)
                 finally:
                     with self._lock:
@@ -702,6 +684,18 @@ class TokenKey:
             except Exception:  # the HSM is gone: its sessions are too
                 pass
         self._sessions = []
+
+
+def _watch(key: "weakref.ref[TokenKey]", every: float) -> None:
+    """A key's watch over its calls in the library (TokenKey._check_silent), every `every`
+    seconds for as long as the key lives."""
+    while (alive := key()) is not None:
+        try:
+            alive._check_silent(every)
+        except Exception as e:  # the watch goes on: the next look may give up on them
+            log.warning("the HSM's calls could not be given up on: %s", e)
+        del alive
+        time.sleep(every)
 
 
 def _settle(future: Future, fn: Callable[[], bytes]) -> None:
